@@ -1,0 +1,57 @@
+"""Pure-torch depth-attention ops (SPEC section 2): the slow twin of every fast kernel.
+
+Differentiable through ordinary autograd. All math runs in float32 (or float64 when given float64),
+outputs come back in the input dtype and the log-sum-exp in float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last axis with no gain (the depth-attention key norm)."""
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+def phase1_torch(
+    values_NTD: torch.Tensor,
+    queries_SK: torch.Tensor,
+    keys_NTK: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read N completed sources with S queries at once.
+
+    values [N, T, d]; queries [S, k]; keys [N, T, k] or None (keys = values, k = d).
+    Returns out [S, T, d] = sum_i softmax_i(q . RMSNorm(key_i)) v_i and lse [S, T].
+    """
+    math = _math_dtype(values_NTD.dtype)
+    v = values_NTD.to(math)
+    k = v if keys_NTK is None else keys_NTK.to(math)
+    scores_STN = torch.einsum("sk,ntk->stn", queries_SK.to(math), rms_normalize(k, eps))
+    lse_ST = torch.logsumexp(scores_STN, dim=-1)
+    probs_STN = torch.exp(scores_STN - lse_ST.unsqueeze(-1))
+    out_STD = torch.einsum("stn,ntd->std", probs_STN, v)
+    return out_STD.to(values_NTD.dtype), lse_ST
+
+
+def phase2_torch(
+    out1_TD: torch.Tensor,
+    lse1_T: torch.Tensor,
+    partial_TD: torch.Tensor,
+    query_K: torch.Tensor,
+    partial_key_TK: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Merge the phase-1 read with the open partial: h = o1 + sigmoid(s_p - lse1) * (p - o1)."""
+    math = _math_dtype(partial_TD.dtype)
+    p = partial_TD.to(math)
+    k = p if partial_key_TK is None else partial_key_TK.to(math)
+    score_T = rms_normalize(k, eps) @ query_K.to(math)
+    gate_T1 = torch.sigmoid(score_T - lse1_T.to(math)).unsqueeze(-1)
+    o1 = out1_TD.to(math)
+    return (o1 + gate_T1 * (p - o1)).to(partial_TD.dtype)

@@ -1,0 +1,134 @@
+"""ModelConfig: the frozen, validated description of one model of the family (SPEC section 1).
+
+Also owns the block bookkeeping every other part shares: which sources sublayer `l` reads, when a
+block completes, how many sources the final read sees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+RESIDUALS = ("standard", "attnres", "lr_attnres", "msar")
+KEY_MODES = ("projected", "sliced")
+
+
+def _fail(field_name: str, value, fix: str) -> None:
+    raise ValueError(f"ModelConfig.{field_name}={value!r} is invalid: {fix}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """One model of the family. `block_size` counts sublayers (two per transformer layer)."""
+
+    vocab_size: int = 256
+    n_layers: int = 4
+    d_model: int = 64
+    n_heads: int = 4
+    d_ff: int = 0  # 0 means 4 * d_model
+    seq_len: int = 64
+    residual: str = "attnres"
+    block_size: int = 2
+    key_mode: str = "projected"
+    key_rank: int = 8
+    logit_scale: float = 1.0
+    stream_kernels: tuple[int, ...] = field(default=(4, 8, 12))
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "n_layers", "d_model", "n_heads", "seq_len")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                _fail(name, value, "must be an integer >= 1")
+        if self.d_model % self.n_heads:
+            _fail("n_heads", self.n_heads, f"must divide d_model={self.d_model} (e.g. a power of two)")
+        if self.d_ff < 0:
+            _fail("d_ff", self.d_ff, "must be >= 1, or 0 for 4 * d_model")
+        if self.residual not in RESIDUALS:
+            _fail("residual", self.residual, f"choose one of {', '.join(RESIDUALS)}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            _fail("block_size", self.block_size, "must be an integer >= 1 (1 = Full AttnRes)")
+        if self.block_size > self.n_sublayers:
+            _fail("block_size", self.block_size,
+                  f"must be <= 2 * n_layers = {self.n_sublayers} (block_size counts sublayers)")
+        if self.key_mode not in KEY_MODES:
+            _fail("key_mode", self.key_mode, f"choose one of {', '.join(KEY_MODES)}")
+        if self.residual == "lr_attnres" and not 1 <= self.key_rank <= self.d_model:
+            _fail("key_rank", self.key_rank, f"must be in 1..d_model={self.d_model}")
+        if self.logit_scale <= 0:
+            _fail("logit_scale", self.logit_scale, "must be > 0")
+        if not self.stream_kernels or any(not isinstance(k, int) or k < 1 for k in self.stream_kernels):
+            _fail("stream_kernels", self.stream_kernels, "must be a non-empty tuple of integers >= 1")
+        if self.norm_eps <= 0:
+            _fail("norm_eps", self.norm_eps, "must be > 0")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown model config keys {unknown}; known keys: {sorted(known)}")
+        values = dict(values)
+        if "stream_kernels" in values:
+            values["stream_kernels"] = tuple(values["stream_kernels"])
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["stream_kernels"] = list(self.stream_kernels)
+        return out
+
+    # ---- derived sizes ----
+    @property
+    def ff_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def n_sublayers(self) -> int:
+        return 2 * self.n_layers
+
+    @property
+    def uses_depth_attention(self) -> bool:
+        return self.residual != "standard"
+
+    @property
+    def projected_key_rank(self) -> int:
+        """Extra width each source carries: r under projected low-rank keys, else 0."""
+        if self.residual == "lr_attnres" and self.key_mode == "projected":
+            return self.key_rank
+        return 0
+
+    @property
+    def source_width(self) -> int:
+        """Numbers per token of one source tensor as stored and sent (d, or d + r)."""
+        return self.d_model + self.projected_key_rank
+
+    @property
+    def query_dim(self) -> int:
+        return self.key_rank if self.residual == "lr_attnres" else self.d_model
+
+    @property
+    def n_streams(self) -> int:
+        return 1 + len(self.stream_kernels) if self.residual == "msar" else 1
+
+    @property
+    def n_blocks(self) -> int:
+        """Completed blocks after the last sublayer (a short trailing block counts)."""
+        return -(-self.n_sublayers // self.block_size)
+
+
+def block_of(sublayer: int, block_size: int) -> int:
+    """1-based source index of the block that sublayer `sublayer` contributes to."""
+    return sublayer // block_size + 1
+
+
+def completes_block(sublayer: int, block_size: int, n_sublayers: int) -> bool:
+    """True if `sublayer` is the last of its block (or the last sublayer of the model)."""
+    return (sublayer + 1) % block_size == 0 or sublayer == n_sublayers - 1
+
+
+def has_partial_before(sublayer: int, block_size: int) -> bool:
+    """True if sublayer `sublayer` reads an open partial (it is not its block's first)."""
+    return sublayer % block_size != 0

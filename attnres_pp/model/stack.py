@@ -1,0 +1,60 @@
+"""Running a contiguous range of sublayers over a `DepthState`: the one code path shared by the
+single-process Transformer and every pipeline chunk, so their math is identical by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from attnres_pp.model.config import ModelConfig, block_of, completes_block
+from attnres_pp.model.depth import BlockReader, StreamConvs
+from attnres_pp.model.layers import TransformerLayer
+
+
+@dataclass
+class DepthState:
+    """What flows between sublayers, per microbatch.
+
+    blocks[j] is source b_j as `[B, T, W]` (b_0 = embedding); partial is the open block's running
+    sum or None; residual is the standard stream h (the `standard` variant only).
+    """
+
+    blocks: list[torch.Tensor] = field(default_factory=list)
+    partial: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
+
+
+def forward_sublayers(cfg: ModelConfig, layers: Mapping[int, TransformerLayer], stream_convs: StreamConvs | None,
+                      state: DepthState, sublayers: range, backend: str = "auto") -> DepthState:
+    """Run sublayers `sublayers` (global indices) on `state`; returns the state after them.
+
+    `layers[i]` must hold transformer layer i for every sublayer in range. A sublayer that completes a
+    block (or is the model's last) moves the partial into `blocks`.
+    """
+    if cfg.residual == "standard":
+        residual = state.residual
+        for l in sublayers:
+            residual = residual + layers[l // 2].sublayer(l % 2)(residual)
+        return DepthState(residual=residual)
+
+    blocks, partial = list(state.blocks), state.partial
+    reader: BlockReader | None = None
+    segment_start = sublayers.start
+    for l in sublayers:
+        block_index = block_of(l, cfg.block_size)
+        if reader is None:
+            # Phase 1 for this block's sublayers that lie in `sublayers` (one batched read).
+            segment_stop = min(sublayers.stop, block_index * cfg.block_size)
+            reads = [layers[j // 2].sublayer(j % 2).read for j in range(l, segment_stop)]
+            reader = BlockReader(cfg, reads, blocks, stream_convs, backend)
+            segment_start = l
+        sublayer = layers[l // 2].sublayer(l % 2)
+        out_BTW = sublayer(reader.read(l - segment_start, partial, block_index))
+        partial = out_BTW if partial is None else partial + out_BTW
+        if completes_block(l, cfg.block_size, cfg.n_sublayers):
+            blocks.append(partial)
+            partial, reader = None, None
+    return DepthState(blocks=blocks, partial=partial)

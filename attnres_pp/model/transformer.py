@@ -1,0 +1,86 @@
+"""The whole single-process Transformer: the ground truth every pipelined run must reproduce."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attnres_pp.model.config import ModelConfig
+from attnres_pp.model.depth import BlockReader, DepthRead, StreamConvs
+from attnres_pp.model.layers import Embedding, RMSNorm, TransformerLayer, init_weights
+from attnres_pp.model.stack import DepthState, forward_sublayers
+
+
+class Head(nn.Module):
+    """Final read over every block summary, output RMSNorm and the LM head."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.read = DepthRead(cfg)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    def forward(self, state: DepthState, stream_convs: StreamConvs | None, backend: str) -> torch.Tensor:
+        if self.cfg.residual == "standard":
+            h_BTD = state.residual
+        else:
+            # The last sublayer always completes a block, so no partial is open here.
+            reader = BlockReader(self.cfg, [self.read], state.blocks, stream_convs, backend)
+            h_BTD = reader.read(0, None, 0)
+        return self.lm_head(self.norm(h_BTD))
+
+
+def embed_state(cfg: ModelConfig, embedding: Embedding, idx_BT: torch.Tensor) -> DepthState:
+    o_emb = embedding(idx_BT)
+    if cfg.residual == "standard":
+        return DepthState(residual=o_emb)
+    return DepthState(blocks=[o_emb])
+
+
+def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
+
+
+class Transformer(nn.Module):
+    """Decoder-only LM of SPEC section 1. `model(idx)` -> logits; `model(idx, targets)` -> mean loss."""
+
+    def __init__(self, cfg: ModelConfig, *, backend: str = "auto") -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.backend = backend
+        self.embed = Embedding(cfg)
+        self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(cfg.n_layers))
+        self.head = Head(cfg)
+        self.stream_convs = StreamConvs(cfg) if cfg.residual == "msar" else None
+        init_weights(self, cfg)
+
+    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
+        if idx_BT.shape[1] > self.cfg.seq_len:
+            raise ValueError(f"sequence of {idx_BT.shape[1]} tokens exceeds seq_len={self.cfg.seq_len}")
+        state = embed_state(self.cfg, self.embed, idx_BT)
+        layers = dict(enumerate(self.layers))
+        state = forward_sublayers(self.cfg, layers, self.stream_convs, state, range(self.cfg.n_sublayers),
+                                  self.backend)
+        logits = self.head(state, self.stream_convs, self.backend)
+        return logits if targets_BT is None else lm_loss(logits, targets_BT)
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Closed-form parameter count (documented in the README; tests check it against the modules).
+
+    embedding V d + seq d (+ d r projected); per layer 2 d (norms) + 3 d^2 + d (d + r_p) + d f + f (d + r_p);
+    per reading site (L + 1 of them): attnres d, lr_attnres r, msar m d + m^2 d + 1 + m;
+    head d + d V; msar convs (n_blocks + 1) d sum(kappa).
+    """
+    d, f, r_p = cfg.d_model, cfg.ff_dim, cfg.projected_key_rank
+    count = cfg.vocab_size * d + cfg.seq_len * d + d * r_p
+    count += cfg.n_layers * (2 * d + 3 * d * d + d * (d + r_p) + d * f + f * (d + r_p))
+    m = cfg.n_streams
+    per_site = {"standard": 0, "attnres": d, "lr_attnres": cfg.key_rank, "msar": m * d + m * m * d + 1 + m}
+    count += (cfg.n_sublayers + 1) * per_site[cfg.residual]
+    count += d + d * cfg.vocab_size
+    if cfg.residual == "msar":
+        count += (cfg.n_blocks + 1) * d * sum(cfg.stream_kernels)
+    return count

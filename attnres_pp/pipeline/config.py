@@ -1,0 +1,68 @@
+"""PipelineConfig: how a run is split over ranks and launched. Frozen and validated."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
+LAUNCHERS = ("local", "ray")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """stages = P physical ranks, virtual = V chunks per rank, cache = the cross-stage block cache."""
+
+    stages: int = 1
+    virtual: int = 1
+    schedule: str = "interleaved_1f1b"
+    cache: bool = True
+    launcher: str = "ray"
+    layer_counts: tuple[int, ...] | None = None
+    timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stages, int) or self.stages < 1:
+            raise ValueError(f"PipelineConfig.stages={self.stages!r} is invalid: must be an integer >= 1")
+        if not isinstance(self.virtual, int) or self.virtual < 1:
+            raise ValueError(f"PipelineConfig.virtual={self.virtual!r} is invalid: must be an integer >= 1")
+        if self.schedule not in SCHEDULE_NAMES:
+            raise ValueError(
+                f"PipelineConfig.schedule={self.schedule!r} is invalid: choose one of {', '.join(SCHEDULE_NAMES)}"
+            )
+        if self.launcher not in LAUNCHERS:
+            raise ValueError(
+                f"PipelineConfig.launcher={self.launcher!r} is invalid: choose one of {', '.join(LAUNCHERS)}"
+            )
+        if self.timeout_s <= 0:
+            raise ValueError(f"PipelineConfig.timeout_s={self.timeout_s!r} is invalid: must be > 0 seconds")
+        if self.layer_counts is not None and len(self.layer_counts) != self.stages * self.virtual:
+            raise ValueError(
+                f"PipelineConfig.layer_counts={list(self.layer_counts)} is invalid: give one layer count per "
+                f"chunk, stages x virtual = {self.stages * self.virtual} of them"
+            )
+
+    @property
+    def n_chunks(self) -> int:
+        return self.stages * self.virtual
+
+    @property
+    def is_single_process(self) -> bool:
+        return self.n_chunks == 1
+
+    @classmethod
+    def from_dict(cls, values: dict) -> PipelineConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown pipeline config keys {unknown}; known keys: {sorted(known)}")
+        values = dict(values)
+        if values.get("layer_counts") is not None:
+            values["layer_counts"] = tuple(values["layer_counts"])
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        if self.layer_counts is not None:
+            out["layer_counts"] = list(self.layer_counts)
+        return out
