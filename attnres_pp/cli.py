@@ -25,8 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as error:
-            if error.name != module_name:
-                raise
+            if not module_name.startswith(error.name or "\0"):
+                raise  # a missing dependency inside the module, not the module itself
             continue
         module.register(subparsers)
     return parser

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
-LAUNCHERS = ("local", "ray")
+LAUNCHERS = ("local", "ray", "inprocess")  # inprocess: loopback transport, for debugging
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,26 @@
+"""make_engine: the pipelined Engine a RunConfig asks for (launcher local, inprocess or ray)."""
+
+from __future__ import annotations
+
+from attnres_pp.train.config import RunConfig
+
+
+def make_engine(run_cfg: RunConfig, out_dir=None, **launcher_options):
+    launcher = run_cfg.pipeline.launcher
+    if launcher == "local":
+        from attnres_pp.pipeline.local_launcher import ProcessEngine
+
+        return ProcessEngine(run_cfg, out_dir, **launcher_options)
+    if launcher == "inprocess":
+        from attnres_pp.pipeline.inprocess import InProcessEngine
+
+        return InProcessEngine(run_cfg, out_dir)
+    if launcher == "ray":
+        try:
+            from attnres_pp.pipeline.ray_launcher import RayEngine
+        except ModuleNotFoundError as error:
+            if error.name != "attnres_pp.pipeline.ray_launcher":
+                raise
+            raise ValueError("--launcher ray is not available in this build yet: use --launcher local") from None
+        return RayEngine(run_cfg, out_dir, **launcher_options)
+    raise ValueError(f"launcher={launcher!r} is unknown: choose local, inprocess or ray")

@@ -1,0 +1,213 @@
+"""The one stage runtime: executes a rank's lowered action list against its chunks, its block
+cache and a transport, and timestamps every action.
+
+Dispatch on action kind (DESIGN rule 3). What each hop carries comes from the payload plan alone.
+Gradient bookkeeping per chunk and microbatch, in the backward:
+- a tensor this chunk *produced* gets its outside gradient (from the next hop and/or from cache
+  deposits) as an autograd root;
+- a tensor that came *in* (over the wire or from the cache) is an autograd leaf; its gradient is
+  the leaf's own plus any outside gradient for it (it was forwarded or cached), and goes back over
+  the wire (received) or into the cache as a deposit (cache read).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from attnres_pp.comm.cache import BlockCache
+from attnres_pp.comm.plan import RESIDUAL, PayloadPlan, Source
+from attnres_pp.pipeline.chunk import PipelineChunk
+from attnres_pp.pipeline.ir import Action, ActionKind, Schedule
+
+
+@dataclass
+class _ChunkContext:
+    inputs: dict[Source, torch.Tensor]
+    produced: dict[Source, torch.Tensor]
+    loss: torch.Tensor | None
+
+
+@dataclass
+class ActionEvent:
+    """One executed action: name as the IR prints it, start/end in seconds (perf_counter clock)."""
+
+    pp_rank: int
+    name: str
+    start_s: float
+    end_s: float
+    category: str  # "compute" or "comm"
+
+
+@dataclass
+class StepRecord:
+    losses: dict[int, float] = field(default_factory=dict)  # microbatch -> loss (last chunk's rank)
+    events: list[ActionEvent] = field(default_factory=list)
+    cache_peak_bytes: int = 0
+
+
+def message_tag(message_id: tuple[str, int, int], n_chunks: int) -> int:
+    """Distinct tag per (direction, sending chunk, microbatch): no FIFO assumption between ranks."""
+    direction, chunk_index, microbatch_index = message_id
+    return (microbatch_index * n_chunks + chunk_index) * 2 + (direction == "B")
+
+
+class StageRuntime:
+    def __init__(self, *, pp_rank: int, chunks: dict[int, PipelineChunk], plan: PayloadPlan, schedule: Schedule,
+                 transport, microbatch_shape: tuple[int, int], source_width: int, residual_width: int,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.pp_rank = pp_rank
+        self.chunks = chunks
+        self.plan = plan
+        self.schedule = schedule
+        self.actions = schedule.rank_actions[pp_rank]
+        self.transport = transport
+        self.dtype = dtype
+        batch, seq = microbatch_shape
+        self._shape = {False: torch.Size((batch, seq, source_width)), True: torch.Size((batch, seq, residual_width))}
+        self.first_chunk = min(chunks)
+        self.cache = BlockCache()
+
+    def _shapes(self, sources: tuple[Source, ...]) -> list[torch.Size]:
+        return [self._shape[s == RESIDUAL] for s in sources]
+
+    # ---- one step ----
+    def start_step(self, inputs_by_mb: list[torch.Tensor] | None, targets_by_mb: list[torch.Tensor] | None,
+                   loss_scale: float) -> None:
+        self._inputs_by_mb, self._targets_by_mb, self._loss_scale = inputs_by_mb, targets_by_mb, loss_scale
+        self._received: dict[tuple[int, int], dict[Source, torch.Tensor]] = {}
+        self._out_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._outbox: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._in_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._contexts: dict[tuple[int, int], _ChunkContext] = {}
+        self.cache = BlockCache()
+        self.record = StepRecord()
+        self.cursor = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.cursor >= len(self.actions)
+
+    def next_ready(self) -> bool:
+        """True if the next action can run now (a receive whose message has arrived, or any other)."""
+        action = self.actions[self.cursor]
+        if action.is_recv:
+            return self.transport.ready(self.schedule.peer(action), self._tag(action))
+        return True
+
+    def run_next(self) -> None:
+        action = self.actions[self.cursor]
+        start = time.perf_counter()
+        self._HANDLERS[action.kind](self, action)
+        self.record.events.append(ActionEvent(self.pp_rank, str(action), start, time.perf_counter(),
+                                              "compute" if action.is_compute else "comm"))
+        self.cursor += 1
+
+    def run_to_end(self) -> StepRecord:
+        while not self.finished:
+            self.run_next()
+        return self.finish_step()
+
+    def finish_step(self) -> StepRecord:
+        start = time.perf_counter()
+        self.transport.flush()
+        self.record.events.append(ActionEvent(self.pp_rank, "flush", start, time.perf_counter(), "comm"))
+        leftover = sorted(self._contexts)
+        if leftover:
+            raise RuntimeError(f"rank {self.pp_rank}: forward contexts {leftover} never ran their backward")
+        self.record.cache_peak_bytes = self.cache.peak_bytes
+        return self.record
+
+    # ---- handlers ----
+    def _tag(self, action: Action) -> int:
+        return message_tag(action.message_id, self.plan.partition.n_chunks)
+
+    def _forward(self, action: Action) -> None:
+        c, mb = action.chunk_index, action.microbatch_index
+        io, chunk = self.plan.chunks[c], self.chunks[c]
+        inputs = self._received.pop((c, mb), {})
+        for source in io.cache_reads:
+            inputs[source] = self.cache.read(mb, source)
+        idx = self._inputs_by_mb[mb] if chunk.is_first else None
+        targets = self._targets_by_mb[mb] if chunk.is_last else None
+        produced, loss = chunk(inputs, idx, targets)
+        for source in io.cache_puts:
+            self.cache.put(mb, source, produced.get(source, inputs.get(source)))
+        for source in io.frees:
+            self.cache.free(mb, source)
+        if loss is not None:
+            self.record.losses[mb] = float(loss.detach())
+        self._contexts[(c, mb)] = _ChunkContext(inputs, produced, loss)
+        if io.sent:
+            self._outbox[(c, mb)] = [produced.get(s, inputs.get(s)) for s in io.sent]
+
+    def _backward(self, action: Action) -> None:
+        c, mb = action.chunk_index, action.microbatch_index
+        io, ctx = self.plan.chunks[c], self._contexts.pop((c, mb))
+        outside: dict[Source, torch.Tensor] = {}
+        for source, grad in zip(io.sent, self._out_grads.pop((c, mb), []), strict=False):
+            outside[source] = grad
+        for source in io.cache_puts:
+            deposit = self.cache.collect(mb, source)
+            if deposit is not None:
+                outside[source] = deposit if source not in outside else outside[source] + deposit
+        roots, root_grads = [], []
+        if ctx.loss is not None:
+            roots.append(ctx.loss * self._loss_scale)
+            root_grads.append(torch.ones_like(ctx.loss))
+        for source, grad in outside.items():
+            if source in ctx.produced:
+                roots.append(ctx.produced[source])
+                root_grads.append(grad)
+        if roots:
+            torch.autograd.backward(roots, root_grads)
+
+        def input_grad(source: Source) -> torch.Tensor | None:
+            grad = ctx.inputs[source].grad
+            extra = outside.get(source) if source not in ctx.produced else None
+            if extra is not None:
+                grad = extra if grad is None else grad + extra
+            return grad
+
+        if io.received:
+            self._in_grads[(c, mb)] = [
+                g if (g := input_grad(s)) is not None else torch.zeros_like(ctx.inputs[s]) for s in io.received
+            ]
+        for source in io.cache_reads:
+            grad = input_grad(source)
+            if grad is not None:
+                self.cache.deposit(mb, source, grad)
+        if c == self.first_chunk:
+            self.cache.check_drained(mb)
+
+    def _send_forward(self, action: Action) -> None:
+        c, mb = action.chunk_index, action.microbatch_index
+        self.transport.send(self._outbox.pop((c, mb)), self.schedule.peer(action), self._tag(action), ("fwd", c, mb))
+
+    def _recv_forward(self, action: Action) -> None:
+        c, mb = action.chunk_index, action.microbatch_index
+        sources = self.plan.chunks[c].received
+        tensors = self.transport.recv(self._shapes(sources), self.dtype, self.schedule.peer(action), self._tag(action))
+        self._received[(c, mb)] = {s: t.requires_grad_(True) for s, t in zip(sources, tensors, strict=True)}
+
+    def _send_backward(self, action: Action) -> None:
+        c, mb = action.chunk_index, action.microbatch_index
+        grads = self._in_grads.pop((c, mb))
+        self.transport.send(grads, self.schedule.peer(action), self._tag(action), ("bwd", c - 1, mb))
+
+    def _recv_backward(self, action: Action) -> None:
+        c, mb = action.chunk_index, action.microbatch_index
+        sources = self.plan.chunks[c].sent
+        self._out_grads[(c, mb)] = self.transport.recv(self._shapes(sources), self.dtype,
+                                                       self.schedule.peer(action), self._tag(action))
+
+    _HANDLERS = {
+        ActionKind.F: _forward,
+        ActionKind.B: _backward,
+        ActionKind.SEND_F: _send_forward,
+        ActionKind.RECV_F: _recv_forward,
+        ActionKind.SEND_B: _send_backward,
+        ActionKind.RECV_B: _recv_backward,
+    }

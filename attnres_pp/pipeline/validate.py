@@ -1,0 +1,175 @@
+"""Schedule validation: every F/B exactly once on its rank, sends matched with receives, and a
+unit-time execution that proves the schedule cannot deadlock. Pure standard library.
+
+Works on compute-only schedules (a chunk's input is then the previous chunk's compute) and on
+lowered ones (`passes.insert_comm`; the input is then the receive). The execution model is the
+runtime's: sends are buffered and never block; a receive blocks until its send has run; messages
+are matched by tag (`Action.message_id`), so two ranks may exchange messages in any order and no
+FIFO order per (sender, receiver) pair is assumed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+from attnres_pp.pipeline.ir import Action, ActionKind, Schedule
+
+# Rows of the step x rank table kept for a deadlock report (the last ones matter).
+_TABLE_ROWS = 40
+
+
+class ScheduleError(ValueError):
+    """A schedule that would compute the wrong thing, or hang."""
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ScheduleError with a readable reason if `schedule` is not safe to run."""
+    _check_placement(schedule)
+    _check_compute_once(schedule)
+    if schedule.has_comm:
+        _check_messages(schedule)
+    _check_no_deadlock(schedule)
+
+
+def _check_placement(schedule: Schedule) -> None:
+    n_chunks, n_microbatches = schedule.n_chunks, schedule.n_microbatches
+    for pp_rank, actions in enumerate(schedule.rank_actions):
+        for action in actions:
+            if not 0 <= action.chunk_index < n_chunks:
+                raise ScheduleError(f"{action} on rank {pp_rank}: chunk {action.chunk_index} is outside "
+                                    f"0..{n_chunks - 1} (P={schedule.n_stages} x V={schedule.n_virtual})")
+            if not 0 <= action.microbatch_index < n_microbatches:
+                raise ScheduleError(f"{action} on rank {pp_rank}: microbatch {action.microbatch_index} "
+                                    f"is outside 0..{n_microbatches - 1}")
+            owner = schedule.rank_of(action.chunk_index)
+            if owner != pp_rank:
+                raise ScheduleError(f"{action} is on rank {pp_rank}, but chunk {action.chunk_index} "
+                                    f"runs on rank {owner} (loop placement: chunk % P)")
+
+
+def _check_compute_once(schedule: Schedule) -> None:
+    for pp_rank, actions in enumerate(schedule.rank_actions):
+        position: dict[Action, int] = {}
+        for index, action in enumerate(actions):
+            if action in position:
+                raise ScheduleError(f"{action} appears twice on rank {pp_rank} "
+                                    f"(positions {position[action]} and {index})")
+            position[action] = index
+        for chunk in range(pp_rank, schedule.n_chunks, schedule.n_stages):
+            for microbatch in range(schedule.n_microbatches):
+                forward = Action(ActionKind.F, chunk, microbatch)
+                backward = Action(ActionKind.B, chunk, microbatch)
+                for needed in (forward, backward):
+                    if needed not in position:
+                        raise ScheduleError(f"{needed} is missing from rank {pp_rank}")
+                if position[backward] < position[forward]:
+                    raise ScheduleError(f"{backward} runs before {forward} on rank {pp_rank}")
+
+
+def _check_messages(schedule: Schedule) -> None:
+    last_chunk = schedule.n_chunks - 1
+    sends: Counter = Counter()
+    receives: Counter = Counter()
+    ordered = [action for actions in schedule.rank_actions for action in actions]
+    present = set(ordered)
+    for action in ordered:
+        if not action.is_compute:
+            if not 0 <= action.matching().chunk_index <= last_chunk:
+                raise ScheduleError(f"{action} has no peer: chunk {action.matching().chunk_index} "
+                                    f"does not exist (chunks 0..{last_chunk})")
+            (sends if action.is_send else receives)[action.message_id] += 1
+    # Walk in schedule order (not set order) so the first error reported is the same every run.
+    for action in ordered:
+        if action.is_compute:
+            continue
+        mine, theirs = (sends, receives) if action.is_send else (receives, sends)
+        if mine[action.message_id] > 1:
+            raise ScheduleError(f"{action} appears {mine[action.message_id]} times")
+        if theirs[action.message_id] == 0:
+            raise ScheduleError(
+                f"{action} on rank {schedule.rank_of(action.chunk_index)} has no matching "
+                f"{action.matching()} on rank {schedule.peer(action)}"
+            )
+    # Every compute that takes an input from another chunk needs the receive that brings it.
+    for action in ordered:
+        if action.kind is ActionKind.F and action.chunk_index > 0:
+            needed = Action(ActionKind.RECV_F, action.chunk_index, action.microbatch_index)
+        elif action.kind is ActionKind.B and action.chunk_index < last_chunk:
+            needed = Action(ActionKind.RECV_B, action.chunk_index, action.microbatch_index)
+        else:
+            continue
+        if needed not in present:
+            raise ScheduleError(f"{action} needs {needed} on rank {schedule.rank_of(action.chunk_index)}, "
+                                f"which the schedule lacks")
+
+
+def _prerequisites(action: Action, last_chunk: int, has_comm: bool) -> tuple[Action, ...]:
+    """What must have run (on any rank) before `action` can run."""
+    kind, chunk, microbatch = action.kind, action.chunk_index, action.microbatch_index
+    if kind is ActionKind.F:
+        if chunk == 0:
+            return ()
+        return (Action(ActionKind.RECV_F, chunk, microbatch) if has_comm
+                else Action(ActionKind.F, chunk - 1, microbatch),)
+    if kind is ActionKind.B:
+        if chunk == last_chunk:
+            return (Action(ActionKind.F, chunk, microbatch),)
+        return (Action(ActionKind.RECV_B, chunk, microbatch) if has_comm
+                else Action(ActionKind.B, chunk + 1, microbatch),)
+    if kind is ActionKind.SEND_F:
+        return (Action(ActionKind.F, chunk, microbatch),)
+    if kind is ActionKind.SEND_B:
+        return (Action(ActionKind.B, chunk, microbatch),)
+    return (action.matching(),)  # a receive waits for its send
+
+
+def _check_no_deadlock(schedule: Schedule) -> None:
+    """Run every rank's list with unit time per action; raise with a step x rank table on a hang."""
+    last_chunk, has_comm = schedule.n_chunks - 1, schedule.has_comm
+    lists = schedule.rank_actions
+    cursor = [0] * schedule.n_stages
+    done: set[Action] = set()
+    rows: deque[tuple[int, list[str]]] = deque(maxlen=_TABLE_ROWS)
+    step = 0
+    remaining = sum(len(actions) for actions in lists)
+    while remaining:
+        # Decide every rank's move from the state at the start of the step, then commit.
+        ran = [lists[r][cursor[r]] if cursor[r] < len(lists[r]) and all(
+            p in done for p in _prerequisites(lists[r][cursor[r]], last_chunk, has_comm)) else None
+            for r in range(schedule.n_stages)]
+        if not any(ran):
+            raise ScheduleError(_deadlock_report(schedule, cursor, done, rows, step))
+        rows.append((step, [str(a) if a else "." for a in ran]))
+        for pp_rank, action in enumerate(ran):
+            if action is not None:
+                done.add(action)
+                cursor[pp_rank] += 1
+                remaining -= 1
+        step += 1
+
+
+def _deadlock_report(schedule: Schedule, cursor: list[int], done: set[Action],
+                     rows: deque, step: int) -> str:
+    last_chunk, has_comm = schedule.n_chunks - 1, schedule.has_comm
+    blocked_row, reasons = [], []
+    for pp_rank, actions in enumerate(schedule.rank_actions):
+        if cursor[pp_rank] == len(actions):
+            blocked_row.append("done")
+            continue
+        action = actions[cursor[pp_rank]]
+        blocked_row.append(f"[{action}]")
+        missing = [p for p in _prerequisites(action, last_chunk, has_comm) if p not in done]
+        waits = ", ".join(f"{p} (rank {schedule.rank_of(p.chunk_index)})" for p in missing)
+        reasons.append(f"  rank {pp_rank} is blocked at {action}, waiting for {waits}")
+    header = ["step"] + [f"rank {r}" for r in range(schedule.n_stages)]
+    table = [header] + [[str(s)] + cells for s, cells in rows] + [["blocked"] + blocked_row]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = [" | ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+             for row in table]
+    skipped = step - len(rows)
+    if skipped:
+        lines.insert(1, f"... ({skipped} earlier steps)")
+    return (f"schedule {schedule.name!r} (P={schedule.n_stages}, V={schedule.n_virtual}, "
+            f"m={schedule.n_microbatches}) deadlocks at step {step}: no rank can progress.\n"
+            + "\n".join(reasons)
+            + "\nunit-time execution ('.' = idle, [X] = blocked at X):\n" + "\n".join(lines))

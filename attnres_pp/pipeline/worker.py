@@ -1,0 +1,154 @@
+"""StageWorker: one pipeline rank with its chunks, optimizer and runtime, talking over
+torch.distributed. The local launcher's processes and the Ray actors are thin shells around it.
+
+Every rank builds the whole model from the run's seed and keeps its own chunks, so initial weights
+equal the single-process model's. MSAR stream convolutions are replicated on every rank; their
+gradients are summed across ranks before clipping (tied parameters), and counted once in the norm.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+
+from attnres_pp.comm.plan import plan_for_model
+from attnres_pp.comm.transport import DistTransport
+from attnres_pp.model import Transformer
+from attnres_pp.pipeline.chunk import build_rank_chunks, rank_parameters
+from attnres_pp.pipeline.partition import make_partition
+from attnres_pp.pipeline.passes import insert_comm
+from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
+from attnres_pp.pipeline.schedules import build_schedule
+from attnres_pp.pipeline.validate import validate
+from attnres_pp.train.config import RunConfig
+from attnres_pp.train.optim import build_optimizer, clip_grad_norm_, set_lr
+
+
+def lowered_schedule(run_cfg: RunConfig):
+    """The validated, communication-lowered schedule of a run (identical on every rank)."""
+    pipe = run_cfg.pipeline
+    schedule = insert_comm(build_schedule(pipe.schedule, pipe.stages, pipe.virtual, run_cfg.train.microbatches))
+    validate(schedule)
+    return schedule
+
+
+def init_process_group(init_method: str, pp_rank: int, world_size: int,
+                       timeout_s: float) -> tuple[str, torch.device]:
+    """gloo on CPU, nccl when a GPU is visible; every collective and p2p op times out after timeout_s."""
+    import torch.distributed as dist
+
+    use_cuda = torch.cuda.is_available() and os.environ.get("ATTNRES_PP_FORCE_CPU") != "1"
+    backend = "nccl" if use_cuda else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=pp_rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    if not use_cuda:
+        return backend, torch.device("cpu")
+    # Ray hands each actor one GPU (device 0 in its view); local processes share the node's GPUs.
+    torch.cuda.set_device(pp_rank % torch.cuda.device_count())
+    return backend, torch.device("cuda", torch.cuda.current_device())
+
+
+class StageWorker:
+    def __init__(self, run_cfg_dict: dict, pp_rank: int) -> None:
+        self.run_cfg = RunConfig.from_dict(run_cfg_dict)
+        self.pp_rank = pp_rank
+        cfg, train, pipe = self.run_cfg.model, self.run_cfg.train, self.run_cfg.pipeline
+        torch.set_num_threads(train.threads)
+        torch.manual_seed(train.seed)
+        self.model = Transformer(cfg)
+        self.partition = make_partition(cfg.n_layers, pipe.stages, pipe.virtual, pipe.layer_counts)
+        self.chunks = build_rank_chunks(self.model, self.partition, pp_rank)
+        self.params = rank_parameters(self.chunks, self.model)
+        self.tied = list(self.model.stream_convs.parameters()) if self.model.stream_convs is not None else []
+        self.optimizer = build_optimizer(self.params.items(), train)
+        self.plan = plan_for_model(cfg, self.partition, pipe.cache)
+        self.schedule = lowered_schedule(self.run_cfg)
+        self.runtime: StageRuntime | None = None
+        self.fail_at_step: int | None = None  # rehearsal of a lost rank: exit mid-step at this step
+
+    def join_process_group(self, init_method: str, world_size: int) -> str:
+        """Join the run's process group (gloo on CPU, nccl when this worker has a GPU)."""
+        backend, device = init_process_group(init_method, self.pp_rank, world_size, self.run_cfg.pipeline.timeout_s)
+        self.attach(device)
+        return backend
+
+    def attach(self, device: torch.device) -> None:
+        """Move to `device` and build the runtime over the (already initialised) process group."""
+        self.device = device
+        self.model.to(device)
+        cfg, train = self.run_cfg.model, self.run_cfg.train
+        self.runtime = StageRuntime(
+            pp_rank=self.pp_rank, chunks=self.chunks, plan=self.plan, schedule=self.schedule,
+            transport=DistTransport(self.pp_rank, self.run_cfg.pipeline.timeout_s, device),
+            microbatch_shape=(train.microbatch_size, cfg.seq_len),
+            source_width=cfg.source_width, residual_width=cfg.d_model,
+        )
+
+    def forward_backward(self, step: int, inputs_BT: torch.Tensor | None,
+                         targets_BT: torch.Tensor | None) -> StepRecord:
+        """Run this rank's action list for one step; gradients accumulate in the parameters.
+
+        Only rank 0 needs inputs and only the last chunk's rank targets.
+        """
+        m = self.run_cfg.train.microbatches
+        to_device = (lambda t: None if t is None else [x.to(self.device) for x in t.chunk(m)])
+        runtime = self.runtime
+        runtime.transport.ledger.clear()
+        runtime.start_step(to_device(inputs_BT), to_device(targets_BT), 1.0 / m)
+        if step == self.fail_at_step:
+            for _ in range(len(runtime.actions) // 2):
+                runtime.run_next()
+            os._exit(17)
+        return runtime.run_to_end()
+
+    def reduce_tied_grads(self) -> torch.Tensor:
+        """Sum the replicated stream-conv gradients over ranks; returns their squared norm (float64)."""
+        import torch.distributed as dist
+
+        if not self.tied:
+            return torch.zeros((), dtype=torch.float64)
+        for p in self.tied:  # a source this rank never reads has no gradient here
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in self.tied])
+        dist.all_reduce(flat)
+        for p, piece in zip(self.tied, flat.split([p.numel() for p in self.tied]), strict=True):
+            p.grad.copy_(piece.view_as(p))
+        return flat.double().square().sum().cpu()
+
+    def train_step(self, step: int, inputs_BT: torch.Tensor | None, targets_BT: torch.Tensor | None,
+                   lr: float) -> dict:
+        """One optimiser step: forward/backward, tied-gradient sum, global-norm clipping, AdamW."""
+        import torch.distributed as dist
+
+        record = self.forward_backward(step, inputs_BT, targets_BT)
+        tied_sq = self.reduce_tied_grads()
+
+        def reduce_sq(local_sq: torch.Tensor) -> torch.Tensor:
+            # The tied gradients are identical on every rank: count them once.
+            untied = (local_sq - tied_sq).to(self.device)
+            dist.all_reduce(untied)
+            return untied.cpu() + tied_sq
+
+        grad_norm = clip_grad_norm_(self.params.values(), self.run_cfg.train.grad_clip, reduce_sq)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {
+            "losses": record.losses,
+            "events": [(e.pp_rank, e.name, e.start_s, e.end_s, e.category) for e in record.events],
+            "ledger": list(self.runtime.transport.ledger.records),
+            "cache_peak_bytes": record.cache_peak_bytes,
+            "grad_norm": grad_norm,
+        }
+
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().cpu().clone() for name, p in self.params.items()}
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

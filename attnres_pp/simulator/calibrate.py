@@ -1,0 +1,133 @@
+"""Costs calibrated from a measured run: RUN_DIR/trace.json (Chrome trace, action names as the IR
+prints them) and RUN_DIR/summary.json (its `config` holds `pipeline` and `model`).
+
+Per chunk the median F and B durations; per hop and direction the median transfer time. A
+receive's duration mixes waiting for the sender's compute with the transfer, and a receive posted
+after the data arrived shows neither. So a message is a clean sample of the transfer only when
+the receiver was already waiting as the send was posted; its transfer time is then receive end -
+send start. A hop with no clean sample falls back to the median receive duration (its transfers
+were hidden behind compute). This needs one wall clock across ranks (one host, or synced clocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from attnres_pp.model.config import ModelConfig
+from attnres_pp.pipeline.ir import Action, ActionKind
+from attnres_pp.simulator.costs import CostModel
+from attnres_pp.simulator.trace import TimelineEvent, read_chrome_trace
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calibration:
+    schedule_name: str
+    n_stages: int
+    n_virtual: int
+    n_microbatches: int
+    cache: bool
+    model: ModelConfig | None
+    microbatch_tokens: int | None
+    costs: CostModel
+    measured_makespan_s: float
+    measured_bubble_fraction: float
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _read_summary(run_dir: Path) -> dict:
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: --calibrate-from needs a run directory written by `attnres-pp train`")
+    config = json.loads(path.read_text()).get("config", {})
+    if "pipeline" not in config:
+        raise ValueError(f"{path} has no config.pipeline section: is it a pipelined run?")
+    return config
+
+
+def _model_from(config: dict) -> ModelConfig | None:
+    values = config.get("model")
+    if not values:
+        return None
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig.from_dict({k: v for k, v in values.items() if k in known})
+
+
+def calibrate_from(run_dir: str | Path) -> Calibration:
+    """Read a measured run and derive a CostModel for the same schedule."""
+    run_dir = Path(run_dir)
+    config = _read_summary(run_dir)
+    pipeline, train = config["pipeline"], config.get("train", {})
+    n_stages, n_virtual = int(pipeline["stages"]), int(pipeline["virtual"])
+    n_microbatches = int(pipeline.get("microbatches", train.get("microbatches", 0)))
+    if n_microbatches < 1:
+        raise ValueError(f"{run_dir / 'summary.json'}: no microbatch count in config.pipeline or config.train")
+    trace_path = run_dir / "trace.json"
+    if not trace_path.is_file():
+        raise ValueError(f"{trace_path} is missing: run training with tracing enabled")
+    events = read_chrome_trace(trace_path)
+    if not events:
+        raise ValueError(f"{trace_path} holds no complete ('X') events")
+    n_chunks = n_stages * n_virtual
+    costs = _costs_from_events(events, n_chunks, trace_path)
+    model = _model_from(config)
+    tokens = None
+    if model is not None and "batch_size" in train:
+        tokens = int(train["batch_size"]) // n_microbatches * model.seq_len
+    makespan = max(e.end_s for e in events) - min(e.start_s for e in events)
+    busy = [0.0] * n_stages
+    for event in events:
+        if event.category == "compute" and 0 <= event.rank < n_stages:
+            busy[event.rank] += event.end_s - event.start_s
+    bubble = sum(makespan - b for b in busy) / (n_stages * makespan) if makespan > 0 else 0.0
+    return Calibration(schedule_name=str(pipeline.get("schedule", "interleaved_1f1b")), n_stages=n_stages,
+                       n_virtual=n_virtual, n_microbatches=n_microbatches, cache=bool(pipeline.get("cache", True)),
+                       model=model, microbatch_tokens=tokens, costs=costs, measured_makespan_s=makespan,
+                       measured_bubble_fraction=bubble)
+
+
+def _costs_from_events(events: list[TimelineEvent], n_chunks: int, source: Path) -> CostModel:
+    forward: list[list[float]] = [[] for _ in range(n_chunks)]
+    backward: list[list[float]] = [[] for _ in range(n_chunks)]
+    sends: dict[tuple[str, int, int], TimelineEvent] = {}
+    receives: dict[tuple[str, int, int], TimelineEvent] = {}
+    for event in events:
+        try:
+            action = Action.parse(event.name)
+        except ValueError:
+            continue  # other spans (optimizer step, all-reduce) do not enter the costs
+        if not 0 <= action.chunk_index < n_chunks:
+            raise ValueError(f"{source}: {event.name} names chunk {action.chunk_index}, "
+                             f"but the run has {n_chunks} chunks")
+        if action.kind is ActionKind.F:
+            forward[action.chunk_index].append(event.end_s - event.start_s)
+        elif action.kind is ActionKind.B:
+            backward[action.chunk_index].append(event.end_s - event.start_s)
+        else:
+            (sends if action.is_send else receives)[action.message_id] = event
+    missing = [c for c in range(n_chunks) if not forward[c] or not backward[c]]
+    if missing:
+        raise ValueError(f"{source}: no F or B events for chunks {missing}; is the trace complete?")
+    # Per hop: (clean transfer samples, all receive durations), forward and backward direction.
+    hop_fwd = [([], []) for _ in range(n_chunks - 1)]
+    hop_bwd = [([], []) for _ in range(n_chunks - 1)]
+    for message_id, receive in receives.items():
+        direction, sending_chunk, _ = message_id
+        clean, durations = hop_fwd[sending_chunk] if direction == "F" else hop_bwd[sending_chunk - 1]
+        durations.append(receive.end_s - receive.start_s)
+        send = sends.get(message_id)
+        if send is not None and receive.start_s <= send.start_s:
+            clean.append(max(0.0, receive.end_s - send.start_s))
+
+    def hop_time(clean: list[float], durations: list[float]) -> float:
+        return _median(clean) if clean else _median(durations)
+
+    return CostModel(forward_s=tuple(_median(v) for v in forward), backward_s=tuple(_median(v) for v in backward),
+                     hop_fwd_s=tuple(hop_time(*h) for h in hop_fwd), hop_bwd_s=tuple(hop_time(*h) for h in hop_bwd),
+                     label=f"calibrated from {source.parent}")

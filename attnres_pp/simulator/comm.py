@@ -1,0 +1,133 @@
+"""Communication per hop and per microbatch for the four modes (SPEC section 4).
+
+The counts come from `attnres_pp.comm.plan.plan_payloads`, the planner the runtime uses;
+`closed_form_*` restate SPEC 4.2 so tests can hold the planner to it.
+
+Modes:
+    standard    one residual stream per hop (the baseline transformer)
+    full_naive  Full AttnRes (block_size 1) without a cache: every earlier sublayer output travels
+    naive       Block AttnRes without a cache: every completed block plus the open partial
+    cached      Block AttnRes with the cross-stage cache: only what the receiving rank lacks
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attnres_pp.comm.plan import PayloadPlan, plan_payloads
+from attnres_pp.pipeline.partition import Partition, make_partition
+
+COMM_MODES = ("standard", "full_naive", "naive", "cached")
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def plan_for_mode(mode: str, *, n_sublayers: int, block_size: int, partition: Partition) -> PayloadPlan:
+    """The planner's answer for one of COMM_MODES (full_naive = naive with block_size 1)."""
+    if mode not in COMM_MODES:
+        raise ValueError(f"mode {mode!r} is unknown; choose one of {', '.join(COMM_MODES)}")
+    if mode == "full_naive":
+        return plan_payloads(n_sublayers=n_sublayers, block_size=1, partition=partition, mode="naive")
+    return plan_payloads(n_sublayers=n_sublayers, block_size=block_size, partition=partition, mode=mode)
+
+
+def closed_form_naive(n_chunks: int) -> list[int]:
+    """SPEC 4.2: with one block completing per chunk, naive hop c carries c + 2 tensors."""
+    return [c + 2 for c in range(n_chunks - 1)]
+
+
+def closed_form_cached(n_stages: int, n_virtual: int) -> list[int]:
+    """SPEC 4.2: cached hops carry c + 2 while c + 1 < P, then P - 1 each."""
+    return [c + 2 if c + 1 < n_stages else n_stages - 1 for c in range(n_stages * n_virtual - 1)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommReport:
+    """Per-hop forward tensor counts and bytes per microbatch for every mode.
+
+    `source_width` is d, or d + r under projected low-rank keys; the standard residual always
+    sends width d_model. The backward carries the same bytes again (one gradient per tensor).
+    """
+
+    n_layers: int
+    block_size: int
+    n_stages: int
+    n_virtual: int
+    tokens: int
+    d_model: int
+    source_width: int
+    dtype: str
+    fwd_hop_tensors: dict[str, list[int]]
+
+    def width_of(self, mode: str) -> int:
+        return self.d_model if mode == "standard" else self.source_width
+
+    def tensor_bytes(self, mode: str) -> int:
+        return self.tokens * self.width_of(mode) * DTYPE_BYTES[self.dtype]
+
+    @property
+    def bytes_per_microbatch(self) -> dict[str, int]:
+        """Forward bytes summed over hops (one direction)."""
+        return {mode: sum(hops) * self.tensor_bytes(mode) for mode, hops in self.fwd_hop_tensors.items()}
+
+    @property
+    def bytes_per_microbatch_both_directions(self) -> dict[str, int]:
+        return {mode: 2 * value for mode, value in self.bytes_per_microbatch.items()}
+
+    def to_dict(self) -> dict:
+        return {
+            "layers": self.n_layers, "sublayers": 2 * self.n_layers, "block_size": self.block_size,
+            "stages": self.n_stages, "virtual": self.n_virtual, "chunks": self.n_stages * self.n_virtual,
+            "tokens": self.tokens, "d_model": self.d_model, "source_width": self.source_width,
+            "dtype": self.dtype,
+            "fwd_hop_tensors": self.fwd_hop_tensors,
+            "fwd_tensors_per_microbatch": {m: sum(h) for m, h in self.fwd_hop_tensors.items()},
+            "bytes_per_microbatch": self.bytes_per_microbatch,
+            "bytes_per_microbatch_both_directions": self.bytes_per_microbatch_both_directions,
+            "note": "bytes_per_microbatch counts the forward hops; the backward sends the same again",
+        }
+
+
+def comm_report(*, n_layers: int, block_size: int, n_stages: int, n_virtual: int, tokens: int,
+                d_model: int, source_width: int, dtype: str = "bf16",
+                layer_counts: tuple[int, ...] | None = None) -> CommReport:
+    """Plan all four modes for one model shape and partition."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r} is unknown; choose one of {', '.join(DTYPE_BYTES)}")
+    if tokens < 1:
+        raise ValueError(f"tokens={tokens} is invalid: tokens per microbatch must be >= 1")
+    partition = make_partition(n_layers, n_stages, n_virtual, layer_counts)
+    counts = {mode: plan_for_mode(mode, n_sublayers=2 * n_layers, block_size=block_size,
+                                  partition=partition).fwd_hop_tensors for mode in COMM_MODES}
+    return CommReport(n_layers=n_layers, block_size=block_size, n_stages=n_stages, n_virtual=n_virtual,
+                      tokens=tokens, d_model=d_model, source_width=source_width, dtype=dtype,
+                      fwd_hop_tensors=counts)
+
+
+def format_bytes(n_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n_bytes) < 1024 or unit == "GiB":
+            return f"{n_bytes:.0f} {unit}" if unit == "B" else f"{n_bytes:.2f} {unit}"
+        n_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_comm_table(report: CommReport) -> str:
+    """A readable per-hop table: one row per mode, one column per hop, then totals."""
+    n_hops = report.n_stages * report.n_virtual - 1
+    hop_names = [f"{c}->{c + 1}" for c in range(n_hops)]
+    header = ["mode"] + hop_names + ["sum", "bytes/mb (fwd)"]
+    rows = [header]
+    for mode, hops in report.fwd_hop_tensors.items():
+        rows.append([mode] + [str(n) for n in hops] + [str(sum(hops)),
+                                                        format_bytes(report.bytes_per_microbatch[mode])])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in
+                       enumerate(zip(row, widths, strict=True))) for row in rows]
+    return "\n".join([
+        f"L={2 * report.n_layers} sublayers, S={report.block_size}, P={report.n_stages}, "
+        f"V={report.n_virtual}, {report.tokens} tokens/mb, width {report.source_width} "
+        f"(standard {report.d_model}), {report.dtype}",
+        "tensors per forward hop c -> c+1:",
+        *lines,
+        "the backward carries the same bytes again (one gradient per forwarded tensor)",
+    ])

@@ -1,0 +1,123 @@
+"""Cost models for the event engine: seconds per chunk forward/backward and per hop message.
+
+Three sources of costs:
+- `unit_costs`: a rank's whole forward of one microbatch takes 1 and its backward 2, split evenly
+  over its V chunks; communication is free. Reproduces the closed-form bubbles exactly.
+- `model_costs`: chunk compute from a FLOP count and an achieved FLOP/s (`DeviceProfile`); a hop
+  message takes latency + bytes / bandwidth with per-hop bytes from the payload planner.
+- `calibrate.calibrated_costs`: medians measured in a real run's trace.
+Links are modelled without contention: each message has its own latency and bandwidth.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from attnres_pp.comm.plan import PayloadPlan
+from attnres_pp.model.config import ModelConfig
+from attnres_pp.pipeline.partition import Partition
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """forward_s[c] / backward_s[c]: one microbatch through chunk c; hop_fwd_s[c] / hop_bwd_s[c]:
+    one message on hop c <-> c + 1 (forward activations / backward gradients). overlap_comm=False
+    keeps a sender busy for the whole link time (no compute/communication overlap)."""
+
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    hop_fwd_s: tuple[float, ...]
+    hop_bwd_s: tuple[float, ...]
+    overlap_comm: bool = True
+    label: str = "custom"
+
+    def __post_init__(self) -> None:
+        n_chunks = len(self.forward_s)
+        if len(self.backward_s) != n_chunks:
+            raise ValueError(f"CostModel: {n_chunks} forward costs but {len(self.backward_s)} backward costs")
+        for name in ("hop_fwd_s", "hop_bwd_s"):
+            if len(getattr(self, name)) != n_chunks - 1:
+                raise ValueError(f"CostModel.{name} needs one entry per hop ({n_chunks - 1}), "
+                                 f"got {len(getattr(self, name))}")
+        every = self.forward_s + self.backward_s + self.hop_fwd_s + self.hop_bwd_s
+        if any(value < 0 for value in every):
+            raise ValueError("CostModel: every time must be >= 0 seconds")
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.forward_s)
+
+
+def unit_costs(n_stages: int, n_virtual: int) -> CostModel:
+    n_chunks = n_stages * n_virtual
+    return CostModel(forward_s=(1.0 / n_virtual,) * n_chunks, backward_s=(2.0 / n_virtual,) * n_chunks,
+                     hop_fwd_s=(0.0,) * (n_chunks - 1), hop_bwd_s=(0.0,) * (n_chunks - 1), label="unit")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceProfile:
+    """Achieved (not peak) compute rate and a point-to-point link between neighbouring ranks."""
+
+    name: str
+    flops_per_s: float
+    link_latency_s: float
+    link_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if self.flops_per_s <= 0 or self.link_bytes_per_s <= 0 or self.link_latency_s < 0:
+            raise ValueError(f"DeviceProfile {self.name!r}: FLOP/s and bandwidth must be > 0, latency >= 0")
+
+
+# Rough achieved numbers (about 40-50% of peak compute, typical measured p2p bandwidth).
+PROFILES = {
+    "h100-nvlink": DeviceProfile(name="h100-nvlink", flops_per_s=400e12, link_latency_s=5e-6,
+                                 link_bytes_per_s=350e9),
+    "h100-ib": DeviceProfile(name="h100-ib", flops_per_s=400e12, link_latency_s=10e-6,
+                             link_bytes_per_s=40e9),
+    "a100-ib": DeviceProfile(name="a100-ib", flops_per_s=150e12, link_latency_s=10e-6,
+                             link_bytes_per_s=20e9),
+    "cpu": DeviceProfile(name="cpu", flops_per_s=50e9, link_latency_s=50e-6, link_bytes_per_s=2e9),
+}
+
+
+def sublayer_forward_flops(cfg: ModelConfig, sublayer: int, tokens: int) -> float:
+    """Forward FLOPs of one sublayer for `tokens` tokens (matmuls, causal attention, depth read).
+
+    A depth read costs about 5 FLOPs per source element (key norm, score, weighted sum); its
+    keys are r wide under low-rank keys, but the weighted sum over d-wide values dominates.
+    """
+    d, width_out = cfg.d_model, cfg.d_model + cfg.projected_key_rank
+    if sublayer % 2 == 0:  # attention: q, k, v projections, output projection, causal scores
+        flops = 2 * tokens * (3 * d * d + d * width_out) + 2 * tokens * cfg.seq_len * d
+    else:  # MLP: up and down projection
+        flops = 2 * tokens * (d * cfg.ff_dim + cfg.ff_dim * width_out)
+    if cfg.uses_depth_attention:
+        sources = sublayer // cfg.block_size + 1 + (1 if sublayer % cfg.block_size else 0)
+        flops += 5 * sources * tokens * d * cfg.n_streams
+    return float(flops)
+
+
+def chunk_forward_flops(cfg: ModelConfig, partition: Partition, chunk_index: int, tokens: int) -> float:
+    flops = sum(sublayer_forward_flops(cfg, s, tokens) for s in partition.sublayer_range(chunk_index))
+    if chunk_index == partition.n_chunks - 1:  # final read, LM head
+        flops += 5 * (cfg.n_blocks + 1) * tokens * cfg.d_model + 2 * tokens * cfg.d_model * cfg.vocab_size
+    return flops
+
+
+def model_costs(cfg: ModelConfig, partition: Partition, plan: PayloadPlan, *, tokens: int,
+                profile: DeviceProfile, dtype_bytes: int = 2, overlap_comm: bool = True) -> CostModel:
+    """Costs of `cfg` split by `partition` on `profile`; backward = 2 x forward FLOPs.
+
+    Hops between two chunks of the same rank (P == 1) are local and cost nothing.
+    """
+    forward = tuple(chunk_forward_flops(cfg, partition, c, tokens) / profile.flops_per_s
+                    for c in range(partition.n_chunks))
+    width = cfg.d_model if plan.mode == "standard" else cfg.source_width
+    hops = []
+    for c, tensors in enumerate(plan.fwd_hop_tensors):
+        if partition.rank_of(c) == partition.rank_of(c + 1):
+            hops.append(0.0)
+            continue
+        hops.append(profile.link_latency_s + tensors * tokens * width * dtype_bytes / profile.link_bytes_per_s)
+    return CostModel(forward_s=forward, backward_s=tuple(2 * f for f in forward), hop_fwd_s=tuple(hops),
+                     hop_bwd_s=tuple(hops), overlap_comm=overlap_comm, label=f"model on {profile.name}")
