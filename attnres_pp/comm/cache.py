@@ -1,0 +1,67 @@
+"""The per-rank cross-stage block cache (SPEC section 4).
+
+Forward: holds the block summaries a rank produced or received, per microbatch, and serves later
+chunks on the same rank with fresh autograd leaves (so no chunk's graph reaches into another's).
+Backward: gradients of those reads are *deposited* here and *collected* by the chunk that put the
+entry, when its backward runs. Interleaved 1F1B runs a rank's later chunks' backward first, so
+every deposit is complete before it is collected; a deposit left over is a bug and raises.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attnres_pp.comm.plan import Source
+
+
+class CacheError(RuntimeError):
+    pass
+
+
+class BlockCache:
+    def __init__(self) -> None:
+        self._values: dict[tuple[int, Source], torch.Tensor] = {}
+        self._deposits: dict[tuple[int, Source], torch.Tensor] = {}
+        self.peak_bytes = 0
+
+    def put(self, microbatch_index: int, source: Source, value: torch.Tensor) -> None:
+        key = (microbatch_index, source)
+        if key in self._values:
+            raise CacheError(f"cache entry {source} of microbatch {microbatch_index} is stored twice")
+        self._values[key] = value.detach()
+        self.peak_bytes = max(self.peak_bytes, self.nbytes)
+
+    def read(self, microbatch_index: int, source: Source) -> torch.Tensor:
+        """A new leaf that requires grad, sharing storage with the cached value."""
+        try:
+            value = self._values[(microbatch_index, source)]
+        except KeyError:
+            raise CacheError(
+                f"cache miss: {source} of microbatch {microbatch_index} was never stored on this rank "
+                "(the payload plan and the cache disagree)"
+            ) from None
+        return value.detach().requires_grad_(True)
+
+    def free(self, microbatch_index: int, source: Source) -> None:
+        self._values.pop((microbatch_index, source), None)
+
+    def deposit(self, microbatch_index: int, source: Source, grad: torch.Tensor) -> None:
+        key = (microbatch_index, source)
+        held = self._deposits.get(key)
+        self._deposits[key] = grad if held is None else held + grad
+
+    def collect(self, microbatch_index: int, source: Source) -> torch.Tensor | None:
+        return self._deposits.pop((microbatch_index, source), None)
+
+    def check_drained(self, microbatch_index: int) -> None:
+        """Raise if a deposit of this microbatch was never collected."""
+        left = sorted(str(s) for (mb, s) in self._deposits if mb == microbatch_index)
+        if left:
+            raise CacheError(f"gradient deposits {left} of microbatch {microbatch_index} were never collected")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._values.values())
+
+    def __len__(self) -> int:
+        return len(self._values)

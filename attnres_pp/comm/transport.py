@@ -1,0 +1,129 @@
+"""Transports that move one hop's tensors between ranks, and the byte ledger that counts them.
+
+- `DistTransport`: torch.distributed point-to-point (gloo on CPU, nccl on CUDA). One message per hop:
+  the hop's tensors are packed into one flat buffer whose size the receiver knows from the plan, so
+  there is no shape handshake. Sends are non-blocking (waited at `flush`); every receive waits with a
+  timeout so that a lost peer becomes an error, not a hang.
+- `LoopbackTransport`: an in-process mailbox, so a whole pipeline can run in one process.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass, field
+
+import torch
+
+
+class TransportTimeout(RuntimeError):
+    pass
+
+
+@dataclass
+class ByteLedger:
+    """Every message sent: (direction "fwd"/"bwd", hop index c of c -> c+1, microbatch, tensors, bytes)."""
+
+    records: list[tuple[str, int, int, int, int]] = field(default_factory=list)
+
+    def record(self, direction: str, hop_index: int, microbatch_index: int, tensors: list[torch.Tensor]) -> None:
+        n_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        self.records.append((direction, hop_index, microbatch_index, len(tensors), n_bytes))
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r[4] for r in self.records)
+
+    def tensors_per_hop(self, direction: str, microbatch_index: int) -> dict[int, int]:
+        return {hop: n for d, hop, mb, n, _ in self.records if d == direction and mb == microbatch_index}
+
+
+def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+
+
+def _unpack(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    sizes = [int(torch.Size(s).numel()) for s in shapes]
+    return [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes, strict=True)]
+
+
+class LoopbackTransport:
+    """All ranks in one process; messages wait in a shared mailbox keyed by (src, dst, tag)."""
+
+    def __init__(self, pp_rank: int, mailbox: dict, ledger: ByteLedger | None = None) -> None:
+        self.pp_rank = pp_rank
+        self.mailbox = mailbox
+        self.ledger = ledger or ByteLedger()
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int, label: tuple[str, int, int]) -> None:
+        self.ledger.record(*label, tensors)
+        self.mailbox[(self.pp_rank, dst, tag)] = _pack(tensors).clone()
+
+    def ready(self, src: int, tag: int) -> bool:
+        return (src, self.pp_rank, tag) in self.mailbox
+
+    def recv(self, shapes: list[torch.Size], dtype: torch.dtype, src: int, tag: int) -> list[torch.Tensor]:
+        try:
+            flat = self.mailbox.pop((src, self.pp_rank, tag))
+        except KeyError:
+            raise TransportTimeout(f"rank {self.pp_rank}: no message from rank {src} with tag {tag}") from None
+        return _unpack(flat.to(dtype), shapes)
+
+    def flush(self) -> None:
+        pass
+
+
+class DistTransport:
+    """torch.distributed p2p within the default process group; self-hops (P = 1) stay in memory."""
+
+    def __init__(self, pp_rank: int, timeout_s: float, device: torch.device, ledger: ByteLedger | None = None):
+        self.pp_rank = pp_rank
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.device = device
+        self.ledger = ledger or ByteLedger()
+        self._pending: list = []
+        self._local: dict[int, torch.Tensor] = {}
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int, label: tuple[str, int, int]) -> None:
+        import torch.distributed as dist
+
+        self.ledger.record(*label, tensors)
+        flat = _pack(tensors).to(self.device)
+        if dst == self.pp_rank:
+            self._local[tag] = flat
+            return
+        # Keep the buffer alive until the send completes.
+        self._pending.append((dist.isend(flat, dst, tag=tag), flat, dst))
+
+    def ready(self, src: int, tag: int) -> bool:
+        return True
+
+    def recv(self, shapes: list[torch.Size], dtype: torch.dtype, src: int, tag: int) -> list[torch.Tensor]:
+        import torch.distributed as dist
+
+        if src == self.pp_rank:
+            return _unpack(self._local.pop(tag), shapes)
+        numel = sum(int(torch.Size(s).numel()) for s in shapes)
+        flat = torch.empty(numel, dtype=dtype, device=self.device)
+        work = dist.irecv(flat, src, tag=tag)
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as error:
+            raise TransportTimeout(
+                f"rank {self.pp_rank}: receive from rank {src} (tag {tag}) failed or timed out after "
+                f"{self.timeout.total_seconds():.0f} s; is rank {src} still alive? ({error})"
+            ) from error
+        return _unpack(flat, shapes)
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for work, _buffer, dst in pending:
+            try:
+                work.wait(self.timeout)
+            except RuntimeError as error:
+                raise TransportTimeout(
+                    f"rank {self.pp_rank}: send to rank {dst} failed or timed out after "
+                    f"{self.timeout.total_seconds():.0f} s; is rank {dst} still alive? ({error})"
+                ) from error

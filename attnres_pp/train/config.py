@@ -1,0 +1,161 @@
+"""TrainConfig (optimiser, schedule, data, evaluation) and RunConfig, the whole run:
+model + train + pipeline, with TOML loading. Frozen and validated; TOML and CLI only fill them in."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from attnres_pp.model.config import ModelConfig
+from attnres_pp.pipeline.config import PipelineConfig
+
+
+def _fail(field_name: str, value, fix: str) -> None:
+    raise ValueError(f"TrainConfig.{field_name}={value!r} is invalid: {fix}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """How to train. `batch_size` is the global number of sequences per step; it is split into
+    `microbatches` equal microbatches (gradient accumulation, or the pipeline's microbatches)."""
+
+    # The defaults train the default tiny model in about 45 s on 2 CPU cores (configs/tiny.toml).
+    steps: int = 500
+    batch_size: int = 32
+    microbatches: int = 2
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    eval_every: int = 100
+    eval_batches: int = 4
+    seed: int = 0
+    data: str = "builtin"
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "microbatches", "eval_batches", "threads"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                _fail(name, value, "must be an integer >= 1")
+        for name, hint in (("warmup_steps", ""), ("eval_every", " (0 = evaluate only at the end)"), ("seed", "")):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                _fail(name, value, "must be an integer >= 0" + hint)
+        if self.batch_size % self.microbatches:
+            _fail("batch_size", self.batch_size,
+                  f"must be divisible by microbatches={self.microbatches}; "
+                  f"use a multiple such as {self.microbatches * max(1, self.batch_size // self.microbatches)}")
+        if not _is_real(self.lr) or self.lr <= 0:
+            _fail("lr", self.lr, "must be a finite number > 0, e.g. 3e-3")
+        if not _is_real(self.min_lr_ratio) or not 0 <= self.min_lr_ratio <= 1:
+            _fail("min_lr_ratio", self.min_lr_ratio, "must be in [0, 1] (the cosine floor as a fraction of lr)")
+        if not _is_real(self.weight_decay) or self.weight_decay < 0:
+            _fail("weight_decay", self.weight_decay, "must be >= 0")
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            if not _is_real(value) or not 0 <= value < 1:
+                _fail(name, value, "must be in [0, 1), e.g. 0.9 or 0.95")
+        if not _is_real(self.grad_clip) or self.grad_clip < 0:
+            _fail("grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
+        if not isinstance(self.data, str) or not self.data:
+            _fail("data", self.data, "use 'builtin' or a path to a .txt or .bin file")
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch_size // self.microbatches
+
+    @classmethod
+    def from_dict(cls, values: dict) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown train config keys {unknown}; known keys: {sorted(known)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = ("model", "train", "pipeline")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """One run: what to train (`model`), how (`train`) and where (`pipeline`)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+
+    def __post_init__(self) -> None:
+        for name, kind in (("model", ModelConfig), ("train", TrainConfig), ("pipeline", PipelineConfig)):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"RunConfig.{name} must be a {kind.__name__}, got {type(getattr(self, name))}")
+        if self.pipeline.layer_counts is not None and sum(self.pipeline.layer_counts) != self.model.n_layers:
+            raise ValueError(
+                f"PipelineConfig.layer_counts={list(self.pipeline.layer_counts)} is invalid: the counts must "
+                f"sum to ModelConfig.n_layers={self.model.n_layers}"
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict) -> RunConfig:
+        """Build from `{"model": {...}, "train": {...}, "pipeline": {...}}`; missing tables or keys
+        take the defaults, unknown ones raise ValueError listing the known ones."""
+        unknown = sorted(set(values) - set(SECTIONS))
+        if unknown:
+            raise ValueError(f"unknown config tables {unknown}; known tables: {list(SECTIONS)}")
+        for name in SECTIONS:
+            if not isinstance(values.get(name, {}), dict):
+                raise ValueError(f"config [{name}] must be a table of keys, got {values[name]!r}")
+        return cls(
+            model=ModelConfig.from_dict(values.get("model", {})),
+            train=TrainConfig.from_dict(values.get("train", {})),
+            pipeline=PipelineConfig.from_dict(values.get("pipeline", {})),
+        )
+
+    def to_dict(self) -> dict:
+        return {"model": self.model.to_dict(), "train": self.train.to_dict(), "pipeline": self.pipeline.to_dict()}
+
+    @classmethod
+    def from_toml(cls, path: str | Path, overrides: dict | None = None) -> RunConfig:
+        """Load a TOML file with tables [model], [train], [pipeline]; `overrides` (same shape)
+        wins over the file, the file wins over the defaults."""
+        return cls.from_dict(merge_tables(read_toml(path), overrides or {}))
+
+
+def read_toml(path: str | Path) -> dict:
+    """The TOML file as a dict; ValueError (not a traceback) for a missing or malformed file."""
+    path = Path(path)
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError:
+        raise ValueError(f"config file {str(path)!r} not found; check the --config path") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(f"config file {str(path)!r} is not valid TOML: {error}") from None
+
+
+def merge_tables(base: dict, overrides: dict) -> dict:
+    """`base` with each table's keys replaced by those in `overrides` (one level deep)."""
+    merged = {name: dict(table) if isinstance(table, dict) else table for name, table in base.items()}
+    for name, table in overrides.items():
+        if isinstance(table, dict) and isinstance(merged.get(name, {}), dict):
+            merged[name] = {**merged.get(name, {}), **table}
+        else:
+            merged[name] = table
+    return merged

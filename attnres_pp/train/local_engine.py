@@ -1,0 +1,56 @@
+"""LocalEngine: the whole model in this process. A global batch is split into microbatches along
+the batch axis and their gradients are accumulated, so `microbatches = m` computes the same step
+as a pipeline with m microbatches (and, up to float rounding, the same as m = 1)."""
+
+from __future__ import annotations
+
+import torch
+
+from attnres_pp.model import ModelConfig, Transformer
+from attnres_pp.train.config import TrainConfig
+from attnres_pp.train.loop import StepResult
+from attnres_pp.train.optim import build_optimizer, clip_grad_norm_, set_lr
+
+
+class LocalEngine:
+    """Implements the `Engine` protocol of `attnres_pp.train.loop` in one process.
+
+    Sets this process's torch thread count to `train_cfg.threads` and seeds torch with
+    `train_cfg.seed` before building the model, so the initial weights are a function of the seed."""
+
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
+        torch.set_num_threads(train_cfg.threads)
+        torch.manual_seed(train_cfg.seed)
+        self.model_cfg = model_cfg
+        self.train_cfg = train_cfg
+        self.model = Transformer(model_cfg)
+        self.optimizer = build_optimizer(self.model, train_cfg)
+
+    def train_step(self, step: int, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, lr: float) -> StepResult:
+        """One optimiser step on the global batch; returns its mean loss (the mean of the equal-size
+        microbatch losses) and the pre-clip gradient norm as a per-step metric."""
+        m = self.train_cfg.microbatches
+        if inputs_BT.shape[0] % m:
+            raise ValueError(f"global batch of {inputs_BT.shape[0]} sequences does not split into {m} microbatches")
+        self.model.train()
+        total_loss = 0.0
+        for inputs_bT, targets_bT in zip(inputs_BT.chunk(m), targets_BT.chunk(m), strict=True):
+            loss = self.model(inputs_bT, targets_bT)
+            (loss / m).backward()
+            total_loss += float(loss.detach())
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.train_cfg.grad_clip)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss=total_loss / m, metrics={"grad_norm": grad_norm})
+
+    @torch.no_grad()
+    def eval_loss(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> float:
+        self.model.eval()
+        return float(self.model(inputs_BT, targets_BT))
+
+    def param_count(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def close(self) -> None:
+        """Nothing to release in one process."""

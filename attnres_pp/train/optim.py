@@ -1,0 +1,90 @@
+"""The optimiser side of a step: AdamW with weight decay on matrices only, the learning-rate
+schedule (linear warmup, cosine to a floor) and deterministic gradient-norm clipping that can be
+summed across pipeline ranks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+
+from attnres_pp.train.config import TrainConfig
+
+# Parameter names containing one of these never decay, whatever their shape: norms' gains and
+# pseudo-queries are per-channel vectors even if a module stores several of them as one matrix.
+_NO_DECAY_NAME_PARTS = ("norm", "query", "queries", "bias")
+
+
+def decays(name: str, shape: tuple[int, ...] | torch.Size) -> bool:
+    """True if the parameter called `name` with `shape` gets weight decay. A pure function of the
+    name and shape, so a model split into pipeline chunks groups its parameters the same way."""
+    lowered = name.lower()
+    return len(shape) >= 2 and not any(part in lowered for part in _NO_DECAY_NAME_PARTS)
+
+
+def build_optimizer(
+    params: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]] | Iterable[torch.nn.Parameter],
+    train_cfg: TrainConfig,
+) -> torch.optim.AdamW:
+    """AdamW over `params` (a module, `named_parameters()` pairs, or bare parameters, which are
+    grouped by shape alone), two groups: decayed matrices and undecayed vectors."""
+    if isinstance(params, torch.nn.Module):
+        params = params.named_parameters()
+    named = [item if isinstance(item, tuple) else ("", item) for item in params]
+    decay = [p for name, p in named if p.requires_grad and decays(name, p.shape)]
+    no_decay = [p for name, p in named if p.requires_grad and not decays(name, p.shape)]
+    groups = [
+        {"params": decay, "weight_decay": train_cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    groups = [group for group in groups if group["params"]]
+    if not groups:
+        raise ValueError("build_optimizer got no trainable parameters")
+    return torch.optim.AdamW(
+        groups, lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2), eps=1e-8, foreach=False
+    )
+
+
+def lr_at(step: int, train_cfg: TrainConfig) -> float:
+    """Learning rate of 0-based `step`: linear warmup from lr / warmup_steps up to lr over the
+    first `warmup_steps` steps, then a cosine from lr (at step warmup_steps) down to
+    min_lr_ratio * lr (at the last step, steps - 1)."""
+    peak = train_cfg.lr
+    floor = peak * train_cfg.min_lr_ratio
+    warmup = train_cfg.warmup_steps
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    decay_steps = train_cfg.steps - 1 - warmup
+    progress = 1.0 if decay_steps <= 0 else min(1.0, (step - warmup) / decay_steps)
+    return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_grad_norm_(
+    params: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    reduce_sq: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> float:
+    """Scale the gradients of `params` in place so that their global L2 norm is at most
+    `max_norm` (0 disables the scaling) and return the norm before scaling.
+
+    The local squared norm is summed in float64 in parameter order (deterministic). `reduce_sq`,
+    if given, maps that 0-dim float64 tensor to the sum over all pipeline ranks (an all-reduce);
+    every rank then applies the same scale. Tied parameters replicated on several ranks must be
+    counted once by the caller's choice of `params`."""
+    grads = [p.grad for p in params if p.grad is not None]
+    local_sq = torch.zeros((), dtype=torch.float64)
+    for grad in grads:
+        local_sq += grad.detach().to(torch.float64).square().sum()
+    total_sq = reduce_sq(local_sq) if reduce_sq is not None else local_sq
+    total_norm = float(total_sq.sqrt())
+    if max_norm > 0 and total_norm > max_norm:
+        scale = max_norm / (total_norm + 1e-6)
+        for grad in grads:
+            grad.mul_(scale)
+    return total_norm

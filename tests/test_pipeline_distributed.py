@@ -1,0 +1,151 @@
+"""Multi-process pipelines over gloo (file-based rendezvous in a temp dir) against the
+single-process model: loss and every gradient; measured hop counts; a lost rank's bounded failure."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+import traceback
+
+import pytest
+import torch
+
+from attnres_pp.pipeline.local_launcher import ProcessEngine, WorkerLost
+from attnres_pp.train.config import RunConfig
+from attnres_pp.train.local_engine import LocalEngine
+from tests.pipeline_helpers import MICRO, SEQ, assert_grads_match, batch, model_config, reference_step
+from tests.reference_model import VARIANTS
+
+pytestmark = pytest.mark.distributed
+
+
+def run_dict(cfg, schedule, P, V, m, cache=True, **train):
+    return RunConfig.from_dict({
+        "model": cfg.to_dict(),
+        "train": {"steps": 2, "batch_size": MICRO * m, "microbatches": m, "seed": 0, "warmup_steps": 1, **train},
+        "pipeline": {"stages": P, "virtual": V, "schedule": schedule, "cache": cache, "launcher": "local",
+                     "timeout_s": 60.0},
+    }).to_dict()
+
+
+def _rank_main(pp_rank, world_size, init_method, run_dicts, results):
+    """One rank: join the group once, then run one forward/backward per configuration."""
+    from attnres_pp.pipeline.worker import StageWorker, init_process_group
+    from tests.reference_model import randomize_depth_params
+
+    try:
+        torch.set_num_threads(1)
+        _backend, device = init_process_group(init_method, pp_rank, world_size, 60.0)
+        for index, run_cfg in enumerate(run_dicts):
+            worker = StageWorker(run_cfg, pp_rank)
+            randomize_depth_params(worker.model, torch.Generator().manual_seed(1))
+            worker.attach(device)
+            m = run_cfg["train"]["microbatches"]
+            inputs, targets = batch(m)
+            record = worker.forward_backward(0, inputs, targets)
+            worker.reduce_tied_grads()
+            # numpy, not tensors: a tensor in a Queue lives in this process's shared memory, gone at exit
+            grads = {n: p.grad.numpy().copy() for n, p in worker.params.items() if p.grad is not None}
+            results.put((index, pp_rank, record.losses, grads, list(worker.runtime.transport.ledger.records)))
+    except Exception:
+        results.put(("error", pp_rank, traceback.format_exc(), None, None))
+
+
+def run_group(P, run_dicts, tmp_path, timeout_s=240):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_method = f"file://{tmp_path}/rendezvous"
+    procs = [ctx.Process(target=_rank_main, args=(r, P, init_method, run_dicts, results), daemon=True)
+             for r in range(P)]
+    for proc in procs:
+        proc.start()
+    out = {}
+    try:
+        for _ in range(P * len(run_dicts)):
+            index, rank, losses, grads, ledger = results.get(timeout=timeout_s)
+            assert index != "error", f"rank {rank} failed:\n{losses}"
+            entry = out.setdefault(index, {"losses": {}, "grads": {}, "ledger": []})
+            entry["losses"].update(losses)
+            entry["ledger"].extend(ledger)
+            for name, grad in grads.items():  # tied (replicated) gradients are equal on every rank
+                entry["grads"].setdefault(name, torch.from_numpy(grad))
+    finally:
+        for proc in procs:
+            proc.join(timeout=20)
+            if proc.is_alive():
+                proc.terminate()
+    return out
+
+
+CASES_P2 = [(v, s, 2, V, m, cache) for v in sorted(VARIANTS)
+            for s, V, m in (("interleaved_1f1b", 2, 4), ("1f1b", 1, 3), ("gpipe", 2, 2))
+            for cache in (True, False)]
+CASES_P3 = [(v, s, 3, V, m, True) for v in sorted(VARIANTS)
+            for s, V, m in (("interleaved_1f1b", 2, 3), ("1f1b", 1, 4))]
+
+
+@pytest.mark.parametrize("cases", [CASES_P2, CASES_P3], ids=["P2", "P3"])
+def test_gloo_pipeline_equals_single_process(cases, tmp_path):
+    run_dicts = []
+    for variant, schedule, P, V, m, cache in cases:
+        n_layers = 6 if P == 3 else 4
+        # block size 3 puts block edges inside chunks (each chunk holds an even number of sublayers)
+        overrides = {} if variant in ("standard", "full") else {"block_size": 3}
+        run_dicts.append(run_dict(model_config(variant, n_layers, **overrides), schedule, P, V, m, cache))
+    out = run_group(cases[0][2], run_dicts, tmp_path)
+    for index, (variant, schedule, P, V, m, cache) in enumerate(cases):
+        cfg = RunConfig.from_dict(run_dicts[index]).model
+        want_loss, want_grads = reference_step(cfg, *batch(m), m)
+        got = out[index]
+        assert sorted(got["losses"]) == list(range(m)), (variant, schedule)
+        loss = sum(got["losses"].values()) / m
+        assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (variant, schedule, P, V, m, cache)
+        assert_grads_match(got["grads"], want_grads, rtol=1e-5)
+
+
+def test_gloo_measured_hop_counts_equal_spec_table(tmp_path):
+    # SPEC 4.1 row 1 (L=16, S=4, P=4, V=2): naive 2,2,3,3,4,4,5 and cached 2,2,3,2,2,2,2
+    cfg = model_config("block", 8, block_size=4, d_model=8)
+    run_dicts = [run_dict(cfg, "interleaved_1f1b", 4, 2, 4, cache) for cache in (False, True)]
+    out = run_group(4, run_dicts, tmp_path)
+    for index, want in ((0, [2, 2, 3, 3, 4, 4, 5]), (1, [2, 2, 3, 2, 2, 2, 2])):
+        per_hop = {hop: n for d, hop, mb, n, _ in out[index]["ledger"] if d == "fwd" and mb == 0}
+        assert [per_hop[h] for h in range(7)] == want
+
+
+def test_lost_rank_gives_a_bounded_error_not_a_hang(tmp_path):
+    cfg = model_config("block", 4, block_size=3)
+    run_cfg = RunConfig.from_dict({**run_dict(cfg, "interleaved_1f1b", 2, 2, 4),
+                                   "pipeline": {"stages": 2, "virtual": 2, "launcher": "local", "timeout_s": 10.0}})
+    engine = ProcessEngine(run_cfg, fail_at=(1, 1))
+    inputs, targets = batch(4)
+    try:
+        engine.train_step(0, inputs, targets, 1e-3)
+        start = time.monotonic()
+        with pytest.raises(WorkerLost, match="rank 1 exited") as info:
+            engine.train_step(1, inputs, targets, 1e-3)
+        assert time.monotonic() - start < 40
+        assert info.value.pp_rank == 1
+    finally:
+        engine.close()
+    assert not any(p.is_alive() for p in engine._procs)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_local_launcher_training_matches_single_process_losses(variant, tmp_path):
+    """Three optimiser steps (AdamW, clipping, LR schedule) through 2 ranks x 2 chunks."""
+    overrides = {} if variant in ("standard", "full") else {"block_size": 3}
+    run_cfg = RunConfig.from_dict(run_dict(model_config(variant, 4, **overrides), "interleaved_1f1b", 2, 2, 2,
+                                           steps=3, grad_clip=0.05, lr=1e-2))
+    engine = ProcessEngine(run_cfg, tmp_path)
+    local = LocalEngine(run_cfg.model, run_cfg.train)
+    try:
+        for step in range(3):
+            inputs, targets = batch(2, seed=10 + step)
+            got, want = engine.train_step(step, inputs, targets, 1e-2), local.train_step(step, inputs, targets, 1e-2)
+            assert abs(got.loss - want.loss) <= 1e-5 * abs(want.loss), (step, got.loss, want.loss)
+        inputs, targets = batch(2, seed=99)
+        assert abs(engine.eval_loss(inputs, targets) - local.eval_loss(inputs, targets)) < 1e-4
+    finally:
+        engine.close()
+    assert (tmp_path / "trace.json").exists()
