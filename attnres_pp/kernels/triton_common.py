@@ -1,0 +1,120 @@
+"""Shared pieces of the Triton depth-attention kernels: the per-tile key-score helper, tile sizing,
+buffer allocation (NaN-filled in test mode) and the device check.
+
+Every kernel here runs one program per tile of tokens (and, for wide rows, per chunk of channels).
+Offsets that can exceed 2**31 elements (N * T * d at T = 64k, d = 7168) are formed in int64.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Largest live 3-D tile ([S, T, d-chunk] accumulator or product) per program, in elements. The warp
+# count grows with the tile so that each such tile costs about 32 fp32 registers per thread (a few
+# are live at once): wide enough for full-bandwidth row loads, small enough not to spill. Tests
+# shrink it to force the chunked code paths on tiny shapes.
+DEFAULT_TILE_ELEMS = 16384
+MAX_BLOCK_T = 64
+
+# When True, every buffer a launcher allocates starts as NaN, so an element that no program writes
+# shows up in a test. Tests flip it; production keeps torch.empty.
+FILL_BUFFERS_WITH_NAN = False
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """Compile-time block sizes for one launch (all powers of two) and the launch geometry."""
+
+    block_s: int
+    block_t: int
+    block_d: int
+    block_k: int
+    n_t_tiles: int
+    n_d_chunks: int
+    num_warps: int
+
+
+def pick_tiles(n_queries: int, n_tokens: int, width_d: int, width_k: int, tile_elems: int | None) -> Tiles:
+    """Size the [S, T, d-chunk] tile to `tile_elems`: the whole query set always sits in one program
+    (so each source is read once for all queries); d is chunked across programs only when one row
+    of every query does not fit."""
+    budget = tile_elems or DEFAULT_TILE_ELEMS
+    block_s = triton.next_power_of_2(n_queries)
+    block_d = max(1, min(triton.next_power_of_2(width_d), budget // block_s))
+    block_t = max(1, min(budget // (block_s * block_d), MAX_BLOCK_T, triton.next_power_of_2(n_tokens)))
+    block_k = max(1, min(triton.next_power_of_2(width_k), budget // (block_s * block_t)))
+    num_warps = max(4, min(16, block_s * block_t * block_d // 1024))
+    return Tiles(
+        block_s=block_s,
+        block_t=block_t,
+        block_d=block_d,
+        block_k=block_k,
+        n_t_tiles=triton.cdiv(n_tokens, block_t),
+        n_d_chunks=triton.cdiv(width_d, block_d),
+        num_warps=num_warps,
+    )
+
+
+def new_buffer(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Uninitialised buffer (NaN-filled when FILL_BUFFERS_WITH_NAN, to catch unwritten elements)."""
+    if FILL_BUFFERS_WITH_NAN:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def check_device(tensor: torch.Tensor) -> None:
+    """Triton kernels need CUDA tensors, or CPU tensors under the interpreter (TRITON_INTERPRET=1)."""
+    if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET", "0") not in ("1", "true", "True"):
+        raise RuntimeError(
+            "the Triton backend needs CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 before "
+            "importing attnres_pp.kernels.triton_ops, or use backend='torch'"
+        )
+
+
+@triton.jit
+def key_scores(
+    key_ptr,  # base of one source's keys [T, K] (already offset to the source)
+    stride_kt,
+    stride_kk,
+    offs_t64,  # [BLOCK_T] int64 token indices
+    mask_t,
+    q_ptr,  # queries [S, K]
+    stride_qs,
+    stride_qk,
+    S,
+    K,
+    eps,
+    BLOCK_S: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """scores [BLOCK_S, BLOCK_T] = q . RMSNorm(key) and rstd [BLOCK_T] = 1/sqrt(mean(key^2) + eps).
+
+    The key row is read in BLOCK_K chunks, so any key width works; padded queries and tokens load
+    zeros and give finite scores that the callers never store."""
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < S
+    sumsq_T = tl.zeros([BLOCK_T], tl.float32)
+    dots_ST = tl.zeros([BLOCK_S, BLOCK_T], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        key_TK = tl.load(
+            key_ptr + offs_t64[:, None] * stride_kt + offs_k[None, :] * stride_kk,
+            mask=mask_t[:, None] & mask_k[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        q_SK = tl.load(
+            q_ptr + offs_s[:, None] * stride_qs + offs_k[None, :] * stride_qk,
+            mask=mask_s[:, None] & mask_k[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        sumsq_T += tl.sum(key_TK * key_TK, axis=1)
+        dots_ST += tl.sum(q_SK[:, None, :] * key_TK[None, :, :], axis=2)
+    rstd_T = 1.0 / tl.sqrt(sumsq_T / K + eps)
+    return dots_ST * rstd_T[None, :], rstd_T
