@@ -1,0 +1,153 @@
+"""Quality benchmark: train every residual variant with the same token budget on the built-in
+corpus (single process, the shared training loop) and tabulate validation loss and parameters.
+
+    python benchmarks/quality.py                 # the default budget (TrainConfig defaults), ~5 min
+    python benchmarks/quality.py --quick         # a smoke run of a few steps
+    python benchmarks/quality.py --seeds 2       # mean over seeds 0..1
+
+Writes benchmarks/results/quality_<date>.json and .md (with the exact command line); run
+directories go to runs/quality_<date>/. Runs `--jobs` trainings at once, one torch thread each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from attnres_pp.model import ModelConfig
+from attnres_pp.pipeline.config import PipelineConfig
+from attnres_pp.train import RunConfig, TrainConfig, run_training
+from attnres_pp.train.local_engine import LocalEngine
+
+REPO = Path(__file__).resolve().parents[1]
+# 16 x 32 x 64 = 32,768 validation tokens, evaluated once at the end: 4x the training default,
+# because the differences between variants are a few hundredths of a nat.
+EVAL_BATCHES = 16
+
+# (name, ModelConfig overrides) in the order of the table; the model size is ModelConfig's default.
+VARIANTS = (
+    ("standard", dict(residual="standard")),
+    ("Full AttnRes (S=1)", dict(residual="attnres", block_size=1)),
+    ("Block AttnRes (S=2)", dict(residual="attnres", block_size=2)),
+    ("P-LR-AttnRes (S=2, r=8)", dict(residual="lr_attnres", block_size=2, key_mode="projected", key_rank=8)),
+    ("S-LR-AttnRes (S=2, r=8)", dict(residual="lr_attnres", block_size=2, key_mode="sliced", key_rank=8)),
+    ("MSAR (S=2, m=4)", dict(residual="msar", block_size=2)),
+)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=TrainConfig().steps, help="steps per run (same for all)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 40 steps, results tagged _quick")
+    parser.add_argument("--seeds", type=int, default=1, help="seeds per variant (0..N-1); the table shows the mean")
+    parser.add_argument("--jobs", type=int, default=2, help="trainings at once (one thread each)")
+    parser.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps = 40
+    if args.steps < 1 or args.seeds < 1 or args.jobs < 1:
+        parser.error("--steps, --seeds and --jobs must be >= 1")
+    return args
+
+
+def train_one(job: tuple[str, dict, int, int, str]) -> dict:
+    """One training run in a worker process; returns the row's numbers."""
+    name, model_overrides, steps, seed, run_dir = job
+    run_cfg = RunConfig(
+        model=ModelConfig(**model_overrides),
+        train=TrainConfig(steps=steps, seed=seed, warmup_steps=min(TrainConfig().warmup_steps, steps // 10),
+                          eval_every=0, eval_batches=EVAL_BATCHES),
+        pipeline=PipelineConfig(launcher="local"),
+    )
+    engine = LocalEngine(run_cfg.model, run_cfg.train)
+    try:
+        summary = run_training(run_cfg, engine, run_dir, progress=False)
+    finally:
+        engine.close()
+    print(f"  {name} seed {seed}: val {summary['val_loss']:.4f} in {summary['train_time_s']:.0f} s", flush=True)
+    return {"variant": name, "seed": seed, "val_loss": summary["val_loss"], "params": summary["params"],
+            "train_time_s": summary["train_time_s"], "final_train_loss": summary["losses"][-1],
+            "tokens_seen": summary["tokens_seen"], "model": run_cfg.model.to_dict(), "run_dir": run_dir}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    date = time.strftime("%Y-%m-%d")
+    tag = f"quality_{date}" + ("_quick" if args.quick else "")
+    runs_root = REPO / "runs" / tag
+    jobs = [(name, overrides, args.steps, seed, str(runs_root / f"{index}_seed{seed}"))
+            for index, (name, overrides) in enumerate(VARIANTS) for seed in range(args.seeds)]
+    jobs.sort(key=lambda job: job[1]["residual"] != "msar")  # the slowest first packs the workers best
+    command = shlex.join(["python", "benchmarks/quality.py", *(sys.argv[1:] if argv is None else argv)])
+    print(f"{len(jobs)} runs of {args.steps} steps, {args.jobs} at a time", flush=True)
+    start = time.perf_counter()
+    with multiprocessing.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool:
+        runs = pool.map(train_one, jobs, chunksize=1)
+    rows = [_row(name, [run for run in runs if run["variant"] == name]) for name, _ in VARIANTS]
+    baseline = rows[0]["val_loss"]
+    for row in rows:
+        row["delta_vs_standard"] = row["val_loss"] - baseline
+    train_cfg = TrainConfig(steps=args.steps)
+    result = {
+        "command": command,
+        "date": date,
+        "wall_time_s": time.perf_counter() - start,
+        "budget": {"steps": args.steps, "batch_size": train_cfg.batch_size, "seq_len": ModelConfig().seq_len,
+                   "tokens_per_run": runs[0]["tokens_seen"], "seeds": args.seeds, "data": train_cfg.data,
+                   "val_tokens": EVAL_BATCHES * train_cfg.batch_size * ModelConfig().seq_len},
+        "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                        "machine": platform.machine(), "jobs": args.jobs, "threads_per_run": train_cfg.threads},
+        "rows": rows,
+        "runs": runs,
+    }
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{tag}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out_dir / f"{tag}.md").write_text(markdown(result))
+    print(markdown(result))
+    print(f"wrote {out_dir / (tag + '.json')} and .md")
+    return 0
+
+
+def _row(name: str, runs: list[dict]) -> dict:
+    losses = [run["val_loss"] for run in runs]
+    return {"variant": name, "val_loss": statistics.mean(losses),
+            "val_loss_spread": max(losses) - min(losses), "params": runs[0]["params"],
+            "train_time_s": statistics.mean(run["train_time_s"] for run in runs)}
+
+
+def markdown(result: dict) -> str:
+    budget = result["budget"]
+    lines = [
+        f"# Quality: validation loss at an equal token budget ({result['date']})",
+        "",
+        f"`{result['command']}`",
+        "",
+        f"{budget['tokens_per_run']:,} training tokens per run ({budget['steps']} steps x {budget['batch_size']} "
+        f"x {budget['seq_len']}), built-in corpus, mean over {budget['seeds']} seed(s) (± half the range); "
+        f"validation loss in nats per byte on {budget['val_tokens']:,} held-out bytes (drawn by seed). "
+        f"Python {result['environment']['python']}, torch {result['environment']['torch']}, "
+        f"{result['environment']['jobs']} runs at a time, 1 thread each; times include any load from "
+        "other processes on the machine.",
+        "",
+        "| variant | val loss | vs standard | params | train time (s) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for row in result["rows"]:
+        spread = f" ± {row['val_loss_spread'] / 2:.4f}" if budget["seeds"] > 1 else ""
+        lines.append(f"| {row['variant']} | {row['val_loss']:.4f}{spread} | {row['delta_vs_standard']:+.4f} | "
+                     f"{row['params']:,} | {row['train_time_s']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
