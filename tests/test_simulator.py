@@ -160,8 +160,10 @@ def test_in_flight_and_cache_memory():
 def test_trace_round_trip(tmp_path):
     result = simulate(build_schedule("interleaved_1f1b", 2, 2, 2), unit_costs(2, 2))
     path = write_chrome_trace(result.events(), tmp_path / "trace.json")
-    raw = json.loads(path.read_text())["traceEvents"][0]
-    assert set(raw) == {"name", "ph", "ts", "dur", "pid", "tid", "cat"} and raw["ph"] == "X"
+    trace_events = json.loads(path.read_text())["traceEvents"]
+    raw = next(e for e in trace_events if e["ph"] == "X")
+    assert set(raw) == {"name", "ph", "ts", "dur", "pid", "tid", "cat"}
+    assert {e["pid"]: e["args"]["name"] for e in trace_events if e["ph"] == "M"} == {0: "rank 0", 1: "rank 1"}
     events = read_chrome_trace(path)
     assert [(e.rank, e.name, e.category) for e in events] == [(e.rank, e.name, e.category)
                                                               for e in result.events()]

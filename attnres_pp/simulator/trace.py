@@ -24,7 +24,13 @@ class TimelineEvent(NamedTuple):
 
 def to_chrome_trace(events: Iterable[tuple[int, str, float, float, str]]) -> dict:
     trace_events = []
+    named_ranks: set[int] = set()
     for rank, name, start_s, end_s, category in events:
+        if rank not in named_ranks:
+            # Perfetto / chrome://tracing label each process row with this name: one row per rank.
+            named_ranks.add(rank)
+            trace_events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
+                                 "args": {"name": f"rank {rank}"}})
         trace_events.append({"name": name, "ph": "X", "ts": start_s * 1e6, "dur": (end_s - start_s) * 1e6,
                              "pid": rank, "tid": 0, "cat": category})
     return {"traceEvents": trace_events, "displayTimeUnit": "ms"}
