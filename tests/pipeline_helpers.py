@@ -50,4 +50,5 @@ def assert_grads_match(got: dict, want: dict, rtol: float) -> None:
         g = got[name]
         assert g is not None, f"{name}: no gradient"
         err = (g - w).abs().max().item()
-        assert err <= rtol * w.abs().max().item() + floor, f"{name}: max abs err {err:.3e}, max |grad| {w.abs().max():.3e}"
+        scale = w.abs().max().item()
+        assert err <= rtol * scale + floor, f"{name}: max abs err {err:.3e}, max |grad| {scale:.3e}"

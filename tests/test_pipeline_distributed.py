@@ -13,7 +13,7 @@ import torch
 from attnres_pp.pipeline.local_launcher import ProcessEngine, WorkerLost
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.local_engine import LocalEngine
-from tests.pipeline_helpers import MICRO, SEQ, assert_grads_match, batch, model_config, reference_step
+from tests.pipeline_helpers import MICRO, assert_grads_match, batch, model_config, reference_step
 from tests.reference_model import VARIANTS
 
 pytestmark = pytest.mark.distributed

@@ -7,11 +7,15 @@ from dataclasses import dataclass
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
 LAUNCHERS = ("local", "ray", "inprocess")  # inprocess: loopback transport, for debugging
+# Ray placement-group strategies: STRICT_PACK keeps every rank on one node (fastest links); PACK
+# and SPREAD let a pipeline span nodes (PACK fills a node before the next, SPREAD balances).
+PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD")
 
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
-    """stages = P physical ranks, virtual = V chunks per rank, cache = the cross-stage block cache."""
+    """stages = P physical ranks, virtual = V chunks per rank, cache = the cross-stage block cache,
+    placement = how the ray launcher places the ranks' bundles on nodes."""
 
     stages: int = 1
     virtual: int = 1
@@ -20,6 +24,7 @@ class PipelineConfig:
     launcher: str = "ray"
     layer_counts: tuple[int, ...] | None = None
     timeout_s: float = 120.0
+    placement: str = "STRICT_PACK"
 
     def __post_init__(self) -> None:
         if not isinstance(self.stages, int) or self.stages < 1:
@@ -33,6 +38,11 @@ class PipelineConfig:
         if self.launcher not in LAUNCHERS:
             raise ValueError(
                 f"PipelineConfig.launcher={self.launcher!r} is invalid: choose one of {', '.join(LAUNCHERS)}"
+            )
+        if self.placement not in PLACEMENTS:
+            raise ValueError(
+                f"PipelineConfig.placement={self.placement!r} is invalid: choose one of {', '.join(PLACEMENTS)} "
+                "(PACK or SPREAD to span several nodes)"
             )
         if self.timeout_s <= 0:
             raise ValueError(f"PipelineConfig.timeout_s={self.timeout_s!r} is invalid: must be > 0 seconds")

@@ -18,6 +18,7 @@ from attnres_pp.pipeline.ir import Schedule
 from attnres_pp.pipeline.partition import make_partition
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
 from attnres_pp.pipeline.worker import lowered_schedule
+from attnres_pp.train.checkpoint import capture_state, read_checkpoint, restore_state, write_rank_file
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.optim import build_optimizer, clip_grad_norm_, set_lr
@@ -95,6 +96,14 @@ class InProcessEngine(PipelineEngineBase):
         loss = float(self.model(inputs_BT, targets_BT))
         self.model.train()
         return loss
+
+    def save_checkpoint(self, step_dir) -> None:
+        """One process and one optimizer for every rank, so one rank file: rank_0.pt."""
+        write_rank_file(step_dir, 0, capture_state(dict(self.model.named_parameters()), self.optimizer))
+
+    def load_checkpoint(self, step_dir) -> None:
+        merged, rng_by_rank = read_checkpoint(step_dir)
+        restore_state(merged, dict(self.model.named_parameters()), self.optimizer, rng_by_rank.get(0))
 
     def close(self) -> None:
         """Nothing to release in one process."""

@@ -2,13 +2,16 @@
 rendezvous in a temporary folder (no port hunting), one thread per rank.
 
 The driver talks to each process over a pipe. Every wait is bounded: the driver polls with a
-deadline and checks that the process is alive, so a dead rank becomes an error naming it.
+deadline and checks that the process is alive, so a dead rank becomes WorkerLost naming it, and
+`restart_workers()` replaces every rank process (the training loop's recovery). Rank processes
+ignore Ctrl-C: the driver, which receives it too, stops them in `close()`.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -16,16 +19,13 @@ import traceback
 import torch
 
 from attnres_pp.pipeline.engines import PipelineEngineBase, model_from_parameters
+from attnres_pp.pipeline.worker import check_split
+from attnres_pp.train.checkpoint import read_checkpoint, write_rank_file
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.loop import StepResult
+from attnres_pp.train.recovery import WorkerLost
 
-
-class WorkerLost(RuntimeError):
-    """A rank's process died or stopped answering."""
-
-    def __init__(self, pp_rank: int, message: str) -> None:
-        super().__init__(message)
-        self.pp_rank = pp_rank
+__all__ = ["ProcessEngine", "WorkerLost"]  # WorkerLost lives in train.recovery; re-exported for callers
 
 
 def _serve(pp_rank: int, run_cfg_dict: dict, init_method: str, world_size: int, conn,
@@ -33,6 +33,7 @@ def _serve(pp_rank: int, run_cfg_dict: dict, init_method: str, world_size: int, 
     """The rank process: build the worker, join the group, then answer (method, args) requests."""
     from attnres_pp.pipeline.worker import StageWorker
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         worker = StageWorker(run_cfg_dict, pp_rank)
         worker.fail_at_step = fail_at_step
@@ -55,22 +56,39 @@ def _serve(pp_rank: int, run_cfg_dict: dict, init_method: str, world_size: int, 
 class ProcessEngine(PipelineEngineBase):
     def __init__(self, run_cfg: RunConfig, out_dir=None, *, fail_at: tuple[int, int] | None = None) -> None:
         super().__init__(run_cfg, out_dir)
-        pipe = run_cfg.pipeline
-        self.timeout_s = pipe.timeout_s
+        check_split(run_cfg)  # a bad split fails here, in one line, before any process starts
+        self.timeout_s = run_cfg.pipeline.timeout_s
+        self._conns, self._procs, self._rendezvous_dir = [], [], None
+        try:
+            self._start_workers(fail_at)
+        except BaseException:
+            self._stop_workers(graceful=False)
+            raise
+
+    def _start_workers(self, fail_at: tuple[int, int] | None) -> None:
+        pipe = self.run_cfg.pipeline
         self._rendezvous_dir = tempfile.mkdtemp(prefix="attnres-pp-rdzv-")
         init_method = f"file://{self._rendezvous_dir}/rendezvous"
         ctx = mp.get_context("spawn")
-        self._conns, self._procs = [], []
         for rank in range(pipe.stages):
             parent, child = ctx.Pipe()
             fail_at_step = fail_at[1] if fail_at is not None and fail_at[0] == rank else None
             proc = ctx.Process(target=_serve, name=f"attnres-pp-rank{rank}", daemon=True,
-                               args=(rank, run_cfg.to_dict(), init_method, pipe.stages, child, fail_at_step))
+                               args=(rank, self.run_cfg.to_dict(), init_method, pipe.stages, child, fail_at_step))
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
         self.backend = self._gather("setup")[0]
         self._eval_model = None
+
+    def restart_workers(self) -> None:
+        """Stop every rank process (survivors may be blocked on the lost one) and start fresh ones."""
+        self._stop_workers(graceful=False)
+        try:
+            self._start_workers(None)
+        except BaseException:
+            self._stop_workers(graceful=False)
+            raise
 
     def _gather(self, what: str) -> list:
         """Each rank's next reply, waiting at most timeout_s (+ start-up slack) for each."""
@@ -121,16 +139,39 @@ class ProcessEngine(PipelineEngineBase):
             self._eval_model = model_from_parameters(self.run_cfg, named)
         return float(self._eval_model(inputs_BT, targets_BT))
 
+    def save_checkpoint(self, step_dir) -> None:
+        for rank, state in enumerate(self._call("checkpoint_state", [()] * len(self._procs))):
+            write_rank_file(step_dir, rank, state)
+
+    def load_checkpoint(self, step_dir) -> None:
+        merged, rng_by_rank = read_checkpoint(step_dir)
+        self._call("load_checkpoint_state", [(merged, rng_by_rank.get(rank)) for rank in range(len(self._procs))])
+        self._eval_model = None
+
     def close(self) -> None:
-        for conn, proc in zip(self._conns, self._procs, strict=True):
-            if proc.is_alive():
-                try:
-                    conn.send(("close", ()))
-                except (BrokenPipeError, OSError):
-                    pass
+        self._stop_workers(graceful=True)
+
+    def _stop_workers(self, graceful: bool) -> None:
+        """graceful: ask each live rank to leave the process group first; otherwise terminate at once."""
+        if graceful:
+            for conn, proc in zip(self._conns, self._procs, strict=True):
+                if proc.is_alive():
+                    try:
+                        conn.send(("close", ()))
+                    except (BrokenPipeError, OSError):
+                        pass
         for proc in self._procs:
-            proc.join(timeout=10)
+            if graceful:
+                proc.join(timeout=10)
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=5)
-        shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs = [], []
+        if self._rendezvous_dir is not None:
+            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+            self._rendezvous_dir = None

@@ -3,24 +3,34 @@
 The actor is a thin shell around `StageWorker` (the same runtime as the local launcher). The
 process-group rendezvous follows Ray Train: rank 0 picks its node address and a free port, then
 every actor initialises concurrently against it (nccl when every bundle has a GPU, gloo otherwise).
-A local Ray instance is started when none is reachable (and stopped on close); `address` or
-RAY_ADDRESS joins an existing cluster. Every wait on an actor is bounded by the pipeline timeout.
+
+Where the actors run: `address` (or RAY_ADDRESS, which `ray job submit` sets for its driver) joins
+that cluster; `address="auto"` joins the `ray start` cluster of this machine; otherwise a private
+local instance is started (and stopped on close), never an unrelated cluster found by accident.
+
+Every wait on an actor is bounded: results are collected as they arrive, so a dead actor is named
+as soon as Ray reports it (the surviving ranks, blocked on it, are killed by `restart_workers` or
+`close`), and the whole wait is capped by the pipeline timeout.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 
 import torch
 
+from attnres_pp.pipeline.config import PLACEMENTS
 from attnres_pp.pipeline.engines import PipelineEngineBase, model_from_parameters
-from attnres_pp.pipeline.local_launcher import WorkerLost
-from attnres_pp.pipeline.worker import StageWorker
+from attnres_pp.pipeline.worker import StageWorker, check_split
+from attnres_pp.train.checkpoint import read_checkpoint, write_rank_file
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.loop import StepResult
+from attnres_pp.train.recovery import WorkerLost
 
-PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD")
+# After one rank's task fails, how long to wait for Ray to report a dead peer that caused it.
+_DEATH_GRACE_S = 5.0
 
 
 class StageActor(StageWorker):
@@ -42,38 +52,57 @@ class StageActor(StageWorker):
             probe.bind(("", 0))
             return address, probe.getsockname()[1]
 
+    def join_process_group(self, init_method: str, world_size: int) -> str:
+        backend = super().join_process_group(init_method, world_size)
+        print(f"chunks {sorted(self.chunks)} on {self.device} of {socket.gethostname()}, {backend} group of "
+              f"{world_size} via {init_method}", flush=True)
+        return backend
+
 
 class RayEngine(PipelineEngineBase):
     def __init__(self, run_cfg: RunConfig, out_dir=None, *, address: str | None = None,
-                 placement: str = "STRICT_PACK", fail_at: tuple[int, int] | None = None) -> None:
+                 placement: str | None = None, fail_at: tuple[int, int] | None = None) -> None:
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.placement_group import remove_placement_group
 
         super().__init__(run_cfg, out_dir)
-        if placement not in PLACEMENTS:
-            raise ValueError(f"placement={placement!r} is invalid: choose one of {', '.join(PLACEMENTS)}")
+        check_split(run_cfg)  # a bad split fails here, in one line, before Ray starts
+        self.placement = placement or run_cfg.pipeline.placement
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement={self.placement!r} is invalid: choose one of {', '.join(PLACEMENTS)}")
         self._ray, self._remove_pg = ray, remove_placement_group
         pipe = run_cfg.pipeline
         self.timeout_s = pipe.timeout_s
+        self.actors, self._pg, self._eval_model = [], None, None
         self.started_ray = False
         if not ray.is_initialized():
             address = address or os.environ.get("RAY_ADDRESS")
             if address:
                 ray.init(address=address, log_to_driver=True)
             else:
-                ray.init(num_cpus=max(pipe.stages, os.cpu_count() or 1), include_dashboard=False,
+                ray.init(address="local", num_cpus=max(pipe.stages, os.cpu_count() or 1), include_dashboard=False,
                          log_to_driver=True)
                 self.started_ray = True
-        gpus = int(ray.cluster_resources().get("GPU", 0))
-        self.use_gpu = gpus >= pipe.stages and os.environ.get("ATTNRES_PP_FORCE_CPU") != "1"
+        try:
+            gpus = int(ray.cluster_resources().get("GPU", 0))
+            self.use_gpu = gpus >= pipe.stages and os.environ.get("ATTNRES_PP_FORCE_CPU") != "1"
+            self._start_workers(fail_at)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_workers(self, fail_at: tuple[int, int] | None) -> None:
+        """Placement group, one actor per rank in its bundle, rendezvous and process group."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ray, pipe = self._ray, self.run_cfg.pipeline
         bundle = {"CPU": 1, **({"GPU": 1} if self.use_gpu else {})}
-        self._pg = placement_group([bundle] * pipe.stages, strategy=placement)
+        self._pg = placement_group([bundle] * pipe.stages, strategy=self.placement)
         ready, _ = ray.wait([self._pg.ready()], timeout=self.timeout_s)
         if not ready:
-            self.close()
             raise RuntimeError(
-                f"Ray could not place {pipe.stages} bundles of {bundle} with {placement} within "
+                f"Ray could not place {pipe.stages} bundles of {bundle} with {self.placement} within "
                 f"{self.timeout_s:.0f} s: the cluster has {ray.cluster_resources()}; add resources or use "
                 "--placement PACK/SPREAD for several nodes"
             )
@@ -81,7 +110,7 @@ class RayEngine(PipelineEngineBase):
         self.actors = [
             actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self._pg, placement_group_bundle_index=rank)).remote(
-                    run_cfg.to_dict(), rank, fail_at[1] if fail_at is not None and fail_at[0] == rank else None)
+                    self.run_cfg.to_dict(), rank, fail_at[1] if fail_at is not None and fail_at[0] == rank else None)
             for rank in range(pipe.stages)
         ]
         host, port = self._get([self.actors[0].master_address.remote()], "rendezvous")[0]
@@ -90,22 +119,54 @@ class RayEngine(PipelineEngineBase):
                                  "process-group setup")[0]
         self._eval_model = None
 
+    def _stop_workers(self) -> None:
+        """Kill every actor (a survivor may be blocked on a lost peer) and free the placement group."""
+        for actor in self.actors:
+            self._ray.kill(actor, no_restart=True)
+        self.actors = []
+        if self._pg is not None:
+            self._remove_pg(self._pg)
+            self._pg = None
+
+    def restart_workers(self) -> None:
+        """Fresh actors and process group on the same Ray instance, without any injected failure."""
+        self._stop_workers()
+        self._start_workers(None)
+
     def _get(self, refs: list, what: str) -> list:
-        """ray.get with the pipeline timeout; a dead actor becomes WorkerLost naming its rank."""
+        """The results of `refs` (one per rank, in rank order), waiting at most the pipeline timeout.
+        A dead actor becomes WorkerLost naming its rank as soon as Ray reports it."""
+        ray = self._ray
+        deadline = time.monotonic() + self.timeout_s + 30.0
+        pending = list(refs)
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WorkerLost(-1, f"stage actors did not finish {what} within {self.timeout_s:.0f} s")
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(remaining, 1.0))
+            for ref in ready:
+                self._raise_if_failed(refs, refs.index(ref), what)
+        return ray.get(refs)
+
+    def _raise_if_failed(self, refs: list, rank: int, what: str) -> None:
         ray = self._ray
         try:
-            return ray.get(refs, timeout=self.timeout_s + 30.0)
+            ray.get(refs[rank], timeout=self.timeout_s)
         except ray.exceptions.RayActorError as error:
-            rank = next((r for r, ref in enumerate(refs) if _actor_died(ray, ref)), -1)
             raise WorkerLost(rank, f"rank {rank} actor died during {what}: {error}") from error
-        except ray.exceptions.GetTimeoutError as error:
-            raise WorkerLost(-1, f"stage actors did not finish {what} within {self.timeout_s:.0f} s") from error
         except ray.exceptions.RayTaskError as error:
-            # A peer's death often shows first as another rank's failed receive: name the dead one.
-            dead = [r for r, ref in enumerate(refs) if _actor_died(ray, ref)]
-            if dead:
-                raise WorkerLost(dead[0], f"rank {dead[0]} actor died during {what}") from error
-            raise RuntimeError(f"a stage actor failed during {what}:\n{error}") from error
+            # A peer's death often shows first as this rank's failed receive: name the dead one.
+            others = [ref for r, ref in enumerate(refs) if r != rank]
+            ready, _ = ray.wait(others, num_returns=len(others), timeout=_DEATH_GRACE_S) if others else ([], [])
+            for ref in ready:
+                try:
+                    ray.get(ref, timeout=1.0)
+                except ray.exceptions.RayActorError:
+                    dead = refs.index(ref)
+                    raise WorkerLost(dead, f"rank {dead} actor died during {what}") from error
+                except Exception:  # another rank's own failure: the first one is reported below
+                    pass
+            raise RuntimeError(f"rank {rank} failed during {what}:\n{error}") from error
 
     def train_step(self, step: int, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, lr: float) -> StepResult:
         pipe = self.run_cfg.pipeline
@@ -114,7 +175,7 @@ class RayEngine(PipelineEngineBase):
                                         targets_BT if rank == last_rank else None, lr)
                 for rank, actor in enumerate(self.actors)]
         self._eval_model = None
-        return self._step_result(step, self._get(refs, f"step {step}"))
+        return self._step_result(step, self._get(refs, f"step {step + 1}"))
 
     @torch.no_grad()
     def eval_loss(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> float:
@@ -125,23 +186,27 @@ class RayEngine(PipelineEngineBase):
             self._eval_model = model_from_parameters(self.run_cfg, named)
         return float(self._eval_model(inputs_BT, targets_BT))
 
+    def save_checkpoint(self, step_dir) -> None:
+        """The actors send their state here and the driver writes it: no shared file system needed."""
+        states = self._get([a.checkpoint_state.remote() for a in self.actors], "checkpoint save")
+        for rank, state in enumerate(states):
+            write_rank_file(step_dir, rank, state)
+
+    def load_checkpoint(self, step_dir) -> None:
+        merged, rng_by_rank = read_checkpoint(step_dir)
+        merged_ref = self._ray.put(merged)  # one copy in the object store, read by every actor
+        self._get([a.load_checkpoint_state.remote(merged_ref, rng_by_rank.get(rank))
+                   for rank, a in enumerate(self.actors)], "checkpoint load")
+        self._eval_model = None
+
     def close(self) -> None:
+        """Kill the actors, free the placement group and stop a Ray instance this engine started.
+        Safe to call twice and after a failed start."""
         ray = self._ray
-        for actor in getattr(self, "actors", []):
-            ray.kill(actor, no_restart=True)
-        if getattr(self, "_pg", None) is not None:
-            self._remove_pg(self._pg)
-            self._pg = None
-        if self.started_ray and ray.is_initialized():
-            ray.shutdown()
-
-
-def _actor_died(ray, ref) -> bool:
-    """True if the task behind `ref` failed because its actor process died."""
-    try:
-        ray.get(ref, timeout=0.5)
-    except ray.exceptions.RayActorError:
-        return True
-    except Exception:  # a task error or an unfinished task: the actor itself is alive
-        return False
-    return False
+        try:
+            if ray.is_initialized():
+                self._stop_workers()
+        finally:
+            if self.started_ray and ray.is_initialized():
+                ray.shutdown()
+            self.started_ray = False

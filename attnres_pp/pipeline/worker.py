@@ -22,6 +22,7 @@ from attnres_pp.pipeline.passes import insert_comm
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
 from attnres_pp.pipeline.schedules import build_schedule
 from attnres_pp.pipeline.validate import validate
+from attnres_pp.train.checkpoint import capture_state, restore_state
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.optim import build_optimizer, clip_grad_norm_, set_lr
 
@@ -32,6 +33,14 @@ def lowered_schedule(run_cfg: RunConfig):
     schedule = insert_comm(build_schedule(pipe.schedule, pipe.stages, pipe.virtual, run_cfg.train.microbatches))
     validate(schedule)
     return schedule
+
+
+def check_split(run_cfg: RunConfig) -> None:
+    """Raise ValueError (before any worker starts) if the layers do not split into the run's chunks
+    or the schedule does not validate."""
+    cfg, pipe = run_cfg.model, run_cfg.pipeline
+    make_partition(cfg.n_layers, pipe.stages, pipe.virtual, pipe.layer_counts)
+    lowered_schedule(run_cfg)
 
 
 def init_process_group(init_method: str, pp_rank: int, world_size: int,
@@ -143,6 +152,14 @@ class StageWorker:
             "cache_peak_bytes": record.cache_peak_bytes,
             "grad_norm": grad_norm,
         }
+
+    def checkpoint_state(self) -> dict:
+        """This rank's parameters, optimizer and RNG states (CPU tensors; see train.checkpoint)."""
+        return capture_state(self.params, self.optimizer)
+
+    def load_checkpoint_state(self, merged: dict, rng: dict | None) -> None:
+        """Take this rank's parameters and optimizer state from a merged checkpoint."""
+        restore_state(merged, self.params, self.optimizer, rng)
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().cpu().clone() for name, p in self.params.items()}

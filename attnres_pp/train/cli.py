@@ -1,18 +1,23 @@
 """`attnres-pp train`: build a RunConfig from defaults < `--config FILE` (TOML) < flags, pick the
-engine (this process, or the pipeline's `make_engine`) and run the shared training loop."""
+engine (this process, or the pipeline's `make_engine`) and run the shared training loop, with
+checkpoints, resume and recovery from lost workers (`attnres_pp.train.checkpoint`, `.recovery`).
+With `--resume DIR` the defaults are the checkpoint's own config."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
 from attnres_pp.data import load_corpus
 from attnres_pp.model.config import KEY_MODES, RESIDUALS
-from attnres_pp.pipeline.config import LAUNCHERS, SCHEDULE_NAMES
+from attnres_pp.pipeline.config import LAUNCHERS, PLACEMENTS, SCHEDULE_NAMES
+from attnres_pp.train.checkpoint import CheckpointConfig, check_run_dir, latest_checkpoint, read_meta
 from attnres_pp.train.config import RunConfig, merge_tables, read_toml
 from attnres_pp.train.loop import run_training
+from attnres_pp.train.recovery import RunFailed
 
 # (flag, table, key, type, help); a flag left unset keeps the TOML or default value.
 _FLAGS = (
@@ -39,6 +44,8 @@ _FLAGS = (
     ("--schedule", "pipeline", "schedule", str, f"pipeline schedule: {' | '.join(SCHEDULE_NAMES)}"),
     ("--launcher", "pipeline", "launcher", str, f"how ranks start: {' | '.join(LAUNCHERS)}"),
     ("--timeout", "pipeline", "timeout_s", float, "pipeline timeout in seconds"),
+    ("--placement", "pipeline", "placement", str,
+     f"ray placement of the ranks: {' | '.join(PLACEMENTS)} (PACK or SPREAD for several nodes)"),
 )
 
 
@@ -59,13 +66,61 @@ def register(subparsers) -> None:
     parser.add_argument("--layer-counts", metavar="N,N,..", help="transformer layers per chunk, comma separated")
     parser.add_argument("--out", metavar="DIR", help="run directory (default runs/<timestamp>)")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    parser.add_argument("--address", metavar="ADDR",
+                        help="--launcher ray: the cluster to join (default RAY_ADDRESS, else a private local "
+                             "instance; 'auto' joins the `ray start` cluster of this machine)")
+    parser.add_argument("--checkpoint-every", metavar="K",
+                        help="save DIR/checkpoints/step_N every K steps (default 0 = never)")
+    parser.add_argument("--resume", metavar="DIR",
+                        help="continue the run in DIR from its newest complete checkpoint (flags override its config)")
+    parser.add_argument("--max-restarts", metavar="N",
+                        help="restarts after a lost rank before the run stops (default 3; ray and local launchers)")
+    parser.add_argument("--inject-failure", metavar="RANK:STEP",
+                        help="rehearse a failure: that rank's worker exits during that step (1-based)")
     parser.set_defaults(func=main)
 
 
 def build_run_config(args: argparse.Namespace) -> RunConfig:
-    """defaults < TOML (`args.config`) < flags. Raises ValueError naming the field to fix."""
-    base = read_toml(args.config) if args.config else {}
-    return RunConfig.from_dict(merge_tables(base, flag_overrides(args)))
+    """defaults (or the resumed checkpoint's config) < TOML (`args.config`) < flags. Raises
+    ValueError naming the field to fix."""
+    saved = _resumed_config(args.resume) if getattr(args, "resume", None) else {}
+    base = merge_tables(saved, read_toml(args.config)) if args.config else saved
+    run_cfg = RunConfig.from_dict(merge_tables(base, flag_overrides(args)))
+    if saved and run_cfg.model.to_dict() != saved["model"]:
+        changed = sorted(k for k, v in run_cfg.model.to_dict().items() if saved["model"].get(k) != v)
+        raise ConfigError(f"--resume {args.resume}: the checkpoint holds another model (model {changed} differ); "
+                          "drop the flags or TOML keys that change the model")
+    return run_cfg
+
+
+def _resumed_config(run_dir: str) -> dict:
+    step_dir = latest_checkpoint(run_dir)
+    if step_dir is None:
+        check_run_dir(run_dir, resume=True)  # raises the message that says what is missing
+    return read_meta(step_dir)["config"]
+
+
+def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
+    every = _convert("--checkpoint-every", args.checkpoint_every, int) if args.checkpoint_every else 0
+    restarts = _convert("--max-restarts", args.max_restarts, int) if args.max_restarts is not None else 3
+    return CheckpointConfig(every=every, resume=args.resume is not None, max_restarts=restarts)
+
+
+def parse_failure(text: str | None, run_cfg: RunConfig) -> tuple[int, int] | None:
+    """`--inject-failure RANK:STEP` (STEP 1-based, as progress lines count) as (rank, 0-based step)."""
+    if text is None:
+        return None
+    rank_text, _, step_text = text.partition(":")
+    try:
+        rank, step = int(rank_text), int(step_text)
+    except ValueError:
+        raise ConfigError(f"--inject-failure {text!r} is invalid: expected RANK:STEP, e.g. 1:3") from None
+    stages, steps = run_cfg.pipeline.stages, run_cfg.train.steps
+    if not 0 <= rank < stages:
+        raise ConfigError(f"--inject-failure {text!r} is invalid: RANK must be in 0..{stages - 1} (--stages {stages})")
+    if not 1 <= step <= steps:
+        raise ConfigError(f"--inject-failure {text!r} is invalid: STEP must be in 1..{steps} (--steps {steps})")
+    return rank, step - 1
 
 
 def flag_overrides(args: argparse.Namespace) -> dict:
@@ -91,10 +146,19 @@ def _convert(flag: str, raw: str, kind: type):
         raise ConfigError(f"{flag} {raw!r} is invalid: expected {expected}") from None
 
 
-def make_run_engine(run_cfg: RunConfig, out_dir: Path):
+def make_run_engine(run_cfg: RunConfig, out_dir: Path, *, address: str | None = None,
+                    fail_at: tuple[int, int] | None = None):
     """LocalEngine for one chunk with the local launcher; otherwise the pipeline's engine (which
-    may write traces under `out_dir`)."""
-    if run_cfg.pipeline.is_single_process and run_cfg.pipeline.launcher == "local":
+    may write traces under `out_dir`). `address` is for the ray launcher; `fail_at` = (rank,
+    0-based step) makes that rank's worker exit (ray and local launchers only)."""
+    launcher = run_cfg.pipeline.launcher
+    if address is not None and launcher != "ray":
+        raise ConfigError(f"--address is for --launcher ray, not {launcher}")
+    single = run_cfg.pipeline.is_single_process and launcher == "local"
+    if fail_at is not None and (single or launcher == "inprocess"):
+        raise ConfigError("--inject-failure needs rank workers to lose: use --launcher ray, or --launcher local "
+                          "with --stages/--virtual > 1")
+    if single:
         from attnres_pp.train.local_engine import LocalEngine
 
         return LocalEngine(run_cfg.model, run_cfg.train)
@@ -103,29 +167,46 @@ def make_run_engine(run_cfg: RunConfig, out_dir: Path):
     except ModuleNotFoundError as error:
         if error.name and error.name.startswith("attnres_pp"):
             raise ConfigError(
-                f"--launcher {run_cfg.pipeline.launcher} with --stages/--virtual > 1 needs the pipeline engine, "
+                f"--launcher {launcher} with --stages/--virtual > 1 needs the pipeline engine, "
                 "which is not installed yet (use --stages 1 --virtual 1 --launcher local)"
             ) from None
         raise ConfigError(
-            f"--launcher {run_cfg.pipeline.launcher} needs the Python package {error.name!r}, which is missing: "
+            f"--launcher {launcher} needs the Python package {error.name!r}, which is missing: "
             f"pip install {error.name} (or use --stages 1 --virtual 1 --launcher local)"
         ) from None
-    return make_engine(run_cfg, out_dir=out_dir)
+    options = {"address": address} if address is not None else {}
+    if fail_at is not None:
+        options["fail_at"] = fail_at
+    return make_engine(run_cfg, out_dir=out_dir, **options)
 
 
 def main(args: argparse.Namespace) -> int:
+    # Ray folds log lines that differ only in numbers into one "[repeated Nx]" line, which would hide
+    # all but one rank's lines; read at Ray's import, so set before the engine imports it.
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     try:
         run_cfg = build_run_config(args)
+        checkpoints = checkpoint_config(args)
+        fail_at = parse_failure(args.inject_failure, run_cfg)
         # Load and check the data before starting any engine, so a bad --data fails in a second.
         corpus = load_corpus(run_cfg.train.data)
         corpus.check_fits(vocab_size=run_cfg.model.vocab_size, seq_len=run_cfg.model.seq_len)
-        out_dir = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-        engine = make_run_engine(run_cfg, out_dir)
+        if args.resume and args.out and Path(args.out) != Path(args.resume):
+            raise ConfigError(f"--resume {args.resume} continues that run in its own directory: drop --out")
+        out_dir = Path(args.resume or args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        check_run_dir(out_dir, checkpoints.resume)
+        engine = make_run_engine(run_cfg, out_dir, address=args.address, fail_at=fail_at)
     except ValueError as error:  # config mistakes: one line, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
     try:
-        run_training(run_cfg, engine, out_dir, progress=not args.quiet, corpus=corpus)
+        run_training(run_cfg, engine, out_dir, progress=not args.quiet, corpus=corpus, checkpoints=checkpoints)
+    except RunFailed as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: stopping the workers", file=sys.stderr)
+        return 130
     finally:
         engine.close()
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from attnres_pp.model import ModelConfig, Transformer
+from attnres_pp.train.checkpoint import capture_state, read_checkpoint, restore_state, write_rank_file
 from attnres_pp.train.config import TrainConfig
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.optim import build_optimizer, clip_grad_norm_, set_lr
@@ -48,6 +49,14 @@ class LocalEngine:
     def eval_loss(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> float:
         self.model.eval()
         return float(self.model(inputs_BT, targets_BT))
+
+    def save_checkpoint(self, step_dir) -> None:
+        """One process, so one rank file: rank_0.pt (see attnres_pp.train.checkpoint)."""
+        write_rank_file(step_dir, 0, capture_state(dict(self.model.named_parameters()), self.optimizer))
+
+    def load_checkpoint(self, step_dir) -> None:
+        merged, rng_by_rank = read_checkpoint(step_dir)
+        restore_state(merged, dict(self.model.named_parameters()), self.optimizer, rng_by_rank.get(0))
 
     def param_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())

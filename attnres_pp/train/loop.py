@@ -4,6 +4,7 @@ the optimiser and how a global batch is computed."""
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,8 +13,16 @@ from typing import Protocol
 import torch
 
 from attnres_pp.data import Corpus, batch_at, load_corpus, val_batches
+from attnres_pp.train.checkpoint import (
+    CheckpointConfig,
+    check_run_dir,
+    latest_checkpoint,
+    read_meta,
+    save_checkpoint,
+)
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.optim import lr_at
+from attnres_pp.train.recovery import RunFailed, RunHistory, WorkerLost, describe_rank
 from attnres_pp.train.summary import MetricsLog, median, progress_line, write_json_atomic
 
 
@@ -39,18 +48,32 @@ class Engine(Protocol):
 
     def param_count(self) -> int: ...
 
+    def save_checkpoint(self, step_dir: Path) -> None:
+        """Write one `rank_{r}.pt` per worker into `step_dir` (see attnres_pp.train.checkpoint)."""
+
+    def load_checkpoint(self, step_dir: Path) -> None:
+        """Load parameters, optimizer and RNG states from the rank files in `step_dir`."""
+
     def close(self) -> None: ...
 
 
 def run_training(
-    run_cfg: RunConfig, engine: Engine, out_dir: str | Path, *, progress: bool = True, corpus: Corpus | None = None
+    run_cfg: RunConfig, engine: Engine, out_dir: str | Path, *, progress: bool = True, corpus: Corpus | None = None,
+    checkpoints: CheckpointConfig | None = None,
 ) -> dict:
     """Train `engine` for `run_cfg.train.steps` steps and return the summary dict, also written to
     `out_dir/summary.json`; per-step records go to `out_dir/metrics.jsonl`. The caller owns the
-    engine (and closes it). `corpus`, if given, must be `load_corpus(run_cfg.train.data)`."""
+    engine (and closes it). `corpus`, if given, must be `load_corpus(run_cfg.train.data)`.
+
+    `checkpoints` (default: none saved, no resume, 3 restarts): save `out_dir/checkpoints/step_N`
+    every `every` steps; with `resume`, continue from the newest one. When the engine raises
+    WorkerLost and has `restart_workers()`, the loop restarts it from the last checkpoint (or from
+    scratch) up to `max_restarts` times, then raises RunFailed."""
+    ckpt = checkpoints or CheckpointConfig()
     train_cfg, seq_len = run_cfg.train, run_cfg.model.seq_len
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    check_run_dir(out_dir, ckpt.resume)
     corpus = corpus if corpus is not None else load_corpus(train_cfg.data)
     corpus.check_fits(vocab_size=run_cfg.model.vocab_size, seq_len=seq_len)
     val_set = val_batches(corpus.val_tokens_N, train_cfg.eval_batches, train_cfg.batch_size, seq_len, train_cfg.seed)
@@ -60,57 +83,123 @@ def run_training(
     say(f"training {params:,} parameters on {corpus.name} ({corpus.n_tokens:,} tokens) for "
         f"{train_cfg.steps} steps of {tokens_per_step:,} tokens", flush=True)
 
-    losses: list[float] = []
-    step_times: list[float] = []
-    val_losses: list[list] = []
-    extras: dict = {}
+    history, last_checkpoint = RunHistory(), None
+    if ckpt.resume:
+        last_checkpoint = latest_checkpoint(out_dir)
+        history = _restore(engine, last_checkpoint, _read_records(out_dir / "metrics.jsonl"))
+        say(f"resuming from {last_checkpoint} (continuing at step {history.steps_done + 1})", flush=True)
     log = MetricsLog(out_dir / "metrics.jsonl")
+    for record in history.records:
+        log.write(record)
     start = time.perf_counter()
     try:
-        for step in range(train_cfg.steps):
-            inputs_BT, targets_BT = batch_at(
-                corpus.train_tokens_N, step, train_cfg.batch_size, seq_len, train_cfg.seed
-            )
-            lr = lr_at(step, train_cfg)
-            t0 = time.perf_counter()
-            result = engine.train_step(step, inputs_BT, targets_BT, lr)
-            step_time = time.perf_counter() - t0
-            losses.append(float(result.loss))
-            step_times.append(step_time)
-            extras.update(result.extras)
-            record = {"step": step, "loss": float(result.loss), "lr": lr, "step_time_s": step_time,
-                      "tokens_per_s": tokens_per_step / step_time, **result.metrics}
-            last = step == train_cfg.steps - 1
-            if last or (train_cfg.eval_every and (step + 1) % train_cfg.eval_every == 0):
-                val_loss = _evaluate(engine, val_set)
-                val_losses.append([step, val_loss])
-                record["val_loss"] = val_loss
-            log.write(record)
-            say(progress_line(step, train_cfg.steps, result.loss, lr, tokens_per_step / step_time)
-                + (f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""), flush=True)
+        step = history.steps_done
+        while step < train_cfg.steps:
+            try:
+                record = _train_one_step(engine, corpus, val_set, run_cfg, step, history)
+                log.write(record)
+                say(progress_line(step, train_cfg.steps, record["loss"], record["lr"], record["tokens_per_s"])
+                    + (f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""), flush=True)
+                if ckpt.every and (step + 1) % ckpt.every == 0 and step + 1 < train_cfg.steps:
+                    meta = {"config": run_cfg.to_dict(), **history.to_meta()}
+                    last_checkpoint = save_checkpoint(out_dir, step + 1, engine, meta)
+            except WorkerLost as lost:
+                _restart_or_fail(engine, lost, step, history, last_checkpoint, ckpt, train_cfg.steps, say)
+                log.close()
+                log = MetricsLog(out_dir / "metrics.jsonl")
+                for kept in history.records:
+                    log.write(kept)
+            step = history.steps_done
     finally:
         log.close()
 
+    losses, step_times = history.losses, history.step_times
     train_time = sum(step_times)
     summary = {
         "losses": losses,
-        "val_loss": val_losses[-1][1],
-        "val_losses": val_losses,
+        "val_loss": history.val_losses[-1][1],
+        "val_losses": history.val_losses,
         "step_time_s": median(step_times),
         "tokens_per_s": tokens_per_step * len(step_times) / train_time if train_time > 0 else None,
         "train_time_s": train_time,
         "wall_time_s": time.perf_counter() - start,
         "tokens_seen": tokens_per_step * len(step_times),
         "params": params,
+        "restarts": history.restarts,
         "data": {"name": corpus.name, "train_tokens": len(corpus.train_tokens_N),
                  "val_tokens": len(corpus.val_tokens_N)},
         "config": run_cfg.to_dict(),
-        **extras,
+        **history.extras,
     }
     write_json_atomic(out_dir / "summary.json", summary)
     say(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}, val {summary['val_loss']:.4f}, "
         f"median step {summary['step_time_s'] * 1e3:.1f} ms; wrote {out_dir / 'summary.json'}", flush=True)
     return summary
+
+
+def _train_one_step(engine: Engine, corpus: Corpus, val_set: list, run_cfg: RunConfig, step: int,
+                    history: RunHistory) -> dict:
+    """Step `step` (0-based): train, evaluate when due, append to `history`; returns its record.
+    History changes only after every engine call succeeded, so a WorkerLost leaves it as it was."""
+    train_cfg = run_cfg.train
+    tokens_per_step = train_cfg.batch_size * run_cfg.model.seq_len
+    inputs_BT, targets_BT = batch_at(corpus.train_tokens_N, step, train_cfg.batch_size, run_cfg.model.seq_len,
+                                     train_cfg.seed)
+    lr = lr_at(step, train_cfg)
+    t0 = time.perf_counter()
+    result = engine.train_step(step, inputs_BT, targets_BT, lr)
+    step_time = time.perf_counter() - t0
+    record = {"step": step, "loss": float(result.loss), "lr": lr, "step_time_s": step_time,
+              "tokens_per_s": tokens_per_step / step_time, **result.metrics}
+    if step == train_cfg.steps - 1 or (train_cfg.eval_every and (step + 1) % train_cfg.eval_every == 0):
+        record["val_loss"] = _evaluate(engine, val_set)
+        history.val_losses.append([step, record["val_loss"]])
+    history.losses.append(float(result.loss))
+    history.step_times.append(step_time)
+    history.records.append(record)
+    history.extras.update(result.extras)
+    return record
+
+
+def _restart_or_fail(engine: Engine, lost: WorkerLost, step: int, history: RunHistory,
+                     last_checkpoint: Path | None, ckpt: CheckpointConfig, steps: int, say) -> None:
+    """Restart the engine's workers and rewind `history` to the last checkpoint (or to the start),
+    or raise RunFailed naming the lost rank and step when no restart is left."""
+    where = f"{describe_rank(lost.pp_rank)} lost at step {step + 1}/{steps}"
+    restart = getattr(engine, "restart_workers", None)
+    if restart is None:
+        raise RunFailed(f"{where}: {lost} (this launcher cannot restart workers)") from lost
+    if history.restarts >= ckpt.max_restarts:
+        raise RunFailed(f"{where} after {history.restarts} restart(s), the limit set by --max-restarts: "
+                        f"{lost}") from lost
+    restarts = history.restarts + 1
+    origin = (f"checkpoint step {read_meta(last_checkpoint)['steps_done']}" if last_checkpoint
+              else "step 0 (no checkpoint yet)")
+    cause = (str(lost).splitlines() or [""])[0]
+    say(f"{where}; restarting from {origin} (restart {restarts}/{ckpt.max_restarts})\n  cause: {cause}", flush=True)
+    try:
+        restart()
+        restored = _restore(engine, last_checkpoint, history.records) if last_checkpoint else None
+    except RuntimeError as again:  # WorkerLost again, or no room for the new workers (a node is gone)
+        raise RunFailed(f"{where}; the restart failed too: {again}") from again
+    if restored is None:
+        history.rewind(0)
+    else:
+        history.losses, history.step_times = restored.losses, restored.step_times
+        history.val_losses, history.records = restored.val_losses, restored.records
+    history.restarts = restarts
+
+
+def _restore(engine: Engine, step_dir: Path, records: list[dict]) -> RunHistory:
+    """Load `step_dir` into the engine; returns the run history as of that checkpoint."""
+    engine.load_checkpoint(step_dir)
+    return RunHistory.from_meta(read_meta(step_dir), records)
+
+
+def _read_records(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _evaluate(engine: Engine, val_set: list[tuple[torch.Tensor, torch.Tensor]]) -> float:

@@ -1,0 +1,69 @@
+"""What the training loop needs to survive a lost worker: the error an engine raises when a rank's
+process or actor is gone, the error that ends a run past `--max-restarts`, and the run's records
+(`RunHistory`), which a checkpoint saves and a restart rewinds.
+
+An engine that can recover has `restart_workers()`: it tears down every rank and the process
+group and starts fresh ones from the seed (without any injected failure); the loop then loads the
+last checkpoint into them. Batches and the learning rate are functions of the step, so rewinding
+the records to the checkpoint's step is all the data-side state there is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class WorkerLost(RuntimeError):
+    """A rank's process died or stopped answering. `pp_rank` is -1 when the engine cannot tell which."""
+
+    def __init__(self, pp_rank: int, message: str) -> None:
+        super().__init__(message)
+        self.pp_rank = pp_rank
+
+
+class RunFailed(RuntimeError):
+    """Training stopped for good: a worker was lost and no restart is left (or possible)."""
+
+
+def describe_rank(pp_rank: int) -> str:
+    return f"rank {pp_rank}" if pp_rank >= 0 else "a stage worker"
+
+
+@dataclass
+class RunHistory:
+    """Everything summary.json and metrics.jsonl report about completed steps. `records[i]` and
+    `losses[i]` belong to 0-based step i; `restarts` counts recoveries over the whole run."""
+
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    val_losses: list[list] = field(default_factory=list)
+    records: list[dict] = field(default_factory=list)
+    extras: dict = field(default_factory=dict)
+    restarts: int = 0
+
+    @property
+    def steps_done(self) -> int:
+        return len(self.losses)
+
+    def rewind(self, steps_done: int) -> None:
+        """Forget every step after the first `steps_done` (a restart re-runs them)."""
+        del self.losses[steps_done:], self.step_times[steps_done:], self.records[steps_done:]
+        self.val_losses = [entry for entry in self.val_losses if entry[0] < steps_done]
+
+    def to_meta(self) -> dict:
+        """The JSON-able part a checkpoint's meta.json carries (records stay in metrics.jsonl)."""
+        return {"losses": self.losses, "step_times": self.step_times, "val_losses": self.val_losses,
+                "extras": self.extras, "restarts": self.restarts}
+
+    @classmethod
+    def from_meta(cls, meta: dict, records: list[dict]) -> RunHistory:
+        """The history of a checkpoint: its meta.json plus the metrics.jsonl records of its steps."""
+        steps_done = int(meta["steps_done"])
+        history = cls(losses=list(meta["losses"]), step_times=list(meta["step_times"]),
+                      val_losses=[list(entry) for entry in meta["val_losses"]],
+                      records=[r for r in records if r.get("step", steps_done) < steps_done],
+                      extras=dict(meta.get("extras", {})), restarts=int(meta.get("restarts", 0)))
+        if len(history.losses) != steps_done or len(history.step_times) != steps_done:
+            raise ValueError(f"checkpoint meta.json is inconsistent: steps_done={steps_done} but "
+                             f"{len(history.losses)} losses and {len(history.step_times)} step times")
+        return history

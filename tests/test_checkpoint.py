@@ -1,0 +1,119 @@
+"""Checkpoints and resume without Ray: atomic step folders, weights-only loading, resuming ends
+with the same losses as an uninterrupted run (also in another launcher and split), the flags'
+error lines, and the local launcher's recovery from a lost rank with no checkpoint yet."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from attnres_pp.cli import main
+from attnres_pp.train.checkpoint import latest_checkpoint, read_checkpoint
+
+TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
+        "--microbatches", "2", "--eval-every", "3", "--quiet"]
+
+
+def losses(run_dir) -> list[float]:
+    return json.loads((run_dir / "summary.json").read_text())["losses"]
+
+
+def assert_same_losses(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert abs(g - w) <= 1e-5 * abs(w), (step, g, w)
+
+
+def test_resume_continues_with_the_same_losses_in_any_launcher(tmp_path):
+    """A 2x2 in-process pipeline saves step_2 and step_4; resuming from step_4 (the newest) in the
+    same launcher, and in the single-process engine, ends exactly like the uninterrupted run."""
+    run = tmp_path / "run"
+    pipe = ["--launcher", "inprocess", "--stages", "2", "--virtual", "2"]
+    assert main(["train", *TINY, *pipe, "--steps", "6", "--checkpoint-every", "2", "--out", str(run)]) == 0
+    full = losses(run)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4"]
+    assert latest_checkpoint(run).name == "step_4"
+    meta = json.loads((run / "checkpoints" / "step_4" / "meta.json").read_text())
+    assert meta["steps_done"] == 4 and meta["losses"] == full[:4]
+
+    for name, launcher in (("same", pipe), ("single", ["--launcher", "local", "--stages", "1", "--virtual", "1"])):
+        again = tmp_path / name  # the run as an interruption after step 5 would have left it
+        shutil.copytree(run / "checkpoints", again / "checkpoints")
+        (again / "metrics.jsonl").write_text("".join((run / "metrics.jsonl").read_text().splitlines(True)[:5]))
+        assert main(["train", "--resume", str(again), *launcher, "--quiet"]) == 0
+        summary = json.loads((again / "summary.json").read_text())
+        assert_same_losses(summary["losses"], full)
+        assert summary["restarts"] == 0 and summary["config"]["train"]["steps"] == 6
+        records = [json.loads(line) for line in (again / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == list(range(6))
+
+
+def test_incomplete_checkpoints_are_ignored_and_loading_is_weights_only(tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--launcher", "local", "--steps", "2", "--checkpoint-every", "1",
+                 "--out", str(run)]) == 0
+    root = run / "checkpoints"
+    assert latest_checkpoint(run).name == "step_1"
+    (root / "step_9.tmp").mkdir()  # a save that crashed before its rename
+    (root / "step_8").mkdir()  # a folder without meta.json is not a checkpoint
+    assert latest_checkpoint(run).name == "step_1"
+
+    merged, rng = read_checkpoint(root / "step_1")
+    assert "embed.pos.weight" in merged["params"] and merged["optimizer"] and 0 in rng
+    state = torch.load(root / "step_1" / "rank_0.pt", weights_only=True)
+    torch.save({**state, "payload": _Unpicklable()}, root / "step_1" / "rank_0.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        read_checkpoint(root / "step_1")
+
+
+class _Unpicklable:
+    """An arbitrary class: weights-only loading must refuse to rebuild it."""
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--inject-failure", "1"], "expected RANK:STEP"),
+        (["--inject-failure", "2:1", "--stages", "2"], "RANK must be in 0..1"),
+        (["--inject-failure", "0:9", "--steps", "3"], "STEP must be in 1..3"),
+        (["--inject-failure", "0:1", "--launcher", "inprocess"], "--inject-failure needs rank workers"),
+        (["--address", "auto", "--launcher", "local"], "--address is for --launcher ray"),
+        (["--checkpoint-every", "x"], "--checkpoint-every 'x'"),
+        (["--placement", "NEAR"], "PipelineConfig.placement='NEAR'"),
+    ],
+)
+def test_flag_errors_exit_2_with_one_line(tmp_path, capsys, argv, needle):
+    assert main(["train", "--launcher", "local", *TINY, *argv, "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_run_dirs_with_and_without_checkpoints(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    assert main(["train", "--resume", str(empty), *TINY]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--launcher", "local", "--steps", "2", "--checkpoint-every", "1",
+                 "--out", str(run)]) == 0
+    assert main(["train", *TINY, "--launcher", "local", "--steps", "2", "--out", str(run)]) == 2
+    assert f"--resume {run}" in capsys.readouterr().err  # a fresh run must not adopt old checkpoints
+    assert main(["train", "--resume", str(run), "--layers", "2"]) == 2
+    assert "another model" in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+def test_local_launcher_restarts_from_scratch_without_a_checkpoint(tmp_path, capsys):
+    """Rank 1's process exits during step 2; fresh processes re-run from step 1 and end like the
+    undisturbed pipeline (the in-process launcher computes the same steps, and fast)."""
+    split = ["--stages", "2", "--virtual", "2", "--steps", "3"]
+    assert main(["train", *TINY, *split, "--launcher", "inprocess", "--out", str(tmp_path / "plain")]) == 0
+    argv = ["train", *TINY, *split, "--launcher", "local", "--inject-failure", "1:2", "--out", str(tmp_path / "hit")]
+    assert main([a for a in argv if a != "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 1 lost at step 2/3; restarting from step 0 (no checkpoint yet) (restart 1/3)" in out
+    assert_same_losses(losses(tmp_path / "hit"), losses(tmp_path / "plain"))
+    assert json.loads((tmp_path / "hit" / "summary.json").read_text())["restarts"] == 1
