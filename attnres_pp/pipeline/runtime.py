@@ -48,6 +48,11 @@ class StepRecord:
     cache_peak_bytes: int = 0
 
 
+# Receives a rank keeps posted ahead under gloo: enough to cover the next forward and backward of
+# each of a few chunks, few enough that the buffers stay small next to the activations.
+RECV_LOOKAHEAD = 4
+
+
 def message_tag(message_id: tuple[str, int, int], n_chunks: int) -> int:
     """Distinct tag per (direction, sending chunk, microbatch): no FIFO assumption between ranks."""
     direction, chunk_index, microbatch_index = message_id
@@ -69,6 +74,10 @@ class StageRuntime:
         self._shape = {False: torch.Size((batch, seq, source_width)), True: torch.Size((batch, seq, residual_width))}
         self.first_chunk = min(chunks)
         self.cache = BlockCache()
+        # Positions of this rank's receives; with a transport that can post receives ahead (gloo),
+        # the next RECV_LOOKAHEAD of them are always posted (see comm.transport for why).
+        self._recv_positions = [i for i, action in enumerate(self.actions) if action.is_recv]
+        self._prepost = getattr(transport, "can_prepost", False)
 
     def _shapes(self, sources: tuple[Source, ...]) -> list[torch.Size]:
         return [self._shape[s == RESIDUAL] for s in sources]
@@ -85,6 +94,8 @@ class StageRuntime:
         self.cache = BlockCache()
         self.record = StepRecord()
         self.cursor = 0
+        self._recvs_done = self._recvs_posted = 0
+        self._prepost_receives()
 
     @property
     def finished(self) -> bool:
@@ -120,9 +131,25 @@ class StageRuntime:
         self.record.cache_peak_bytes = self.cache.peak_bytes
         return self.record
 
+    def _prepost_receives(self) -> None:
+        """Keep posted the receive being run and the RECV_LOOKAHEAD receive actions after it."""
+        if not self._prepost:
+            return
+        limit = min(len(self._recv_positions), self._recvs_done + RECV_LOOKAHEAD)
+        while self._recvs_posted < limit:
+            action = self.actions[self._recv_positions[self._recvs_posted]]
+            self.transport.prepost_recv(self._recv_shapes(action), self.dtype, self.schedule.peer(action),
+                                        self._tag(action))
+            self._recvs_posted += 1
+
     # ---- handlers ----
     def _tag(self, action: Action) -> int:
         return message_tag(action.message_id, self.plan.partition.n_chunks)
+
+    def _recv_shapes(self, action: Action) -> list[torch.Size]:
+        """Shapes of a receive's tensors: the hop into the chunk (forward) or out of it (gradients)."""
+        io = self.plan.chunks[action.chunk_index]
+        return self._shapes(io.received if action.kind is ActionKind.RECV_F else io.sent)
 
     def _forward(self, action: Action) -> None:
         c, mb = action.chunk_index, action.microbatch_index
@@ -189,7 +216,7 @@ class StageRuntime:
     def _recv_forward(self, action: Action) -> None:
         c, mb = action.chunk_index, action.microbatch_index
         sources = self.plan.chunks[c].received
-        tensors = self.transport.recv(self._shapes(sources), self.dtype, self.schedule.peer(action), self._tag(action))
+        tensors = self._receive(action)
         self._received[(c, mb)] = {s: t.requires_grad_(True) for s, t in zip(sources, tensors, strict=True)}
 
     def _send_backward(self, action: Action) -> None:
@@ -198,10 +225,13 @@ class StageRuntime:
         self.transport.send(grads, self.schedule.peer(action), self._tag(action), ("bwd", c - 1, mb))
 
     def _recv_backward(self, action: Action) -> None:
-        c, mb = action.chunk_index, action.microbatch_index
-        sources = self.plan.chunks[c].sent
-        self._out_grads[(c, mb)] = self.transport.recv(self._shapes(sources), self.dtype,
-                                                       self.schedule.peer(action), self._tag(action))
+        self._out_grads[(action.chunk_index, action.microbatch_index)] = self._receive(action)
+
+    def _receive(self, action: Action) -> list[torch.Tensor]:
+        self._recvs_done += 1
+        self._prepost_receives()  # before waiting: the next receives are posted while this one waits
+        return self.transport.recv(self._recv_shapes(action), self.dtype, self.schedule.peer(action),
+                                   self._tag(action))
 
     _HANDLERS = {
         ActionKind.F: _forward,

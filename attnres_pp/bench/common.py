@@ -1,0 +1,249 @@
+"""What the benchmarks share: the benchmark model, run configs, a pipelined engine stepped one timed
+global batch at a time, the per-action time accounting of a step, the machine description and the
+result files (`<name>[_quick]_<YYYY-MM-DD>.json` and `.md` under `benchmarks/results/`).
+
+Time accounting of one pipelined step (`account`), from the ranks' per-action timestamps on one
+shared clock. The step window runs from the first action's start to the last action's end (the
+final flush included); each rank's share of it (ranks x window in all) splits into:
+    compute   F and B actions
+    send      send actions: packing the hop's tensors and posting the non-blocking send (work, not idle)
+    recv      the work inside receive actions: every receive is charged the median duration of the
+              receives whose message had been sent completely before they began (posting, unpacking)
+    idle      the rest of the receive actions and the final flush (waiting for a peer), and the time
+              before a rank's first action or after its last
+    dispatch  gaps between consecutive actions of a rank: the runtime's own per-action overhead
+so bubble = 1 - compute / (ranks x window) = idle + recv + send + dispatch (fractions of ranks x window).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from attnres_pp.train.config import RunConfig
+
+Event = tuple[int, str, float, float, str]  # (pp_rank, action name, start_s, end_s, "compute" | "comm")
+
+# Big enough that F/B compute dominates Python dispatch on one CPU core, small enough that every
+# `--quick` benchmark finishes in minutes on 2 cores.
+BENCH_MODEL = {"vocab_size": 256, "n_layers": 8, "d_model": 128, "n_heads": 4, "seq_len": 64}
+MICROBATCH_SIZE = 4  # sequences per microbatch
+
+
+def default_out_dir() -> Path:
+    """`benchmarks/results/` of the source checkout this package runs from, else of the cwd."""
+    checkout = Path(__file__).resolve().parents[2] / "benchmarks"
+    return (checkout if checkout.is_dir() else Path.cwd() / "benchmarks") / "results"
+
+
+def run_config(model: dict, *, stages: int, virtual: int, schedule: str, microbatches: int,
+               microbatch_size: int = MICROBATCH_SIZE, cache: bool = True, launcher: str = "local",
+               threads: int = 1, seed: int = 0) -> RunConfig:
+    """A validated RunConfig for a benchmark run (no warm-up of the learning rate: lr is constant)."""
+    return RunConfig.from_dict({
+        "model": dict(model),
+        "train": {"steps": 10_000, "batch_size": microbatch_size * microbatches, "microbatches": microbatches,
+                  "warmup_steps": 0, "seed": seed, "threads": threads},
+        "pipeline": {"stages": stages, "virtual": virtual, "schedule": schedule, "cache": cache,
+                     "launcher": launcher, "timeout_s": 120.0},
+    })
+
+
+def random_batch(step: int, batch_size: int, seq_len: int, vocab_size: int,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids `[batch_size, seq_len]` (inputs, targets), a pure function of (seed, step)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=generator)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+@dataclass
+class StepSample:
+    """One timed optimiser step: driver wall time (pipeline + optimiser + pipes) and the pipeline's events."""
+
+    wall_s: float
+    events: list[Event]
+    bytes_sent: int
+    loss: float
+
+
+@dataclass
+class TimedEngine:
+    """A pipelined engine (`make_engine`) stepped one random global batch at a time."""
+
+    run_cfg: RunConfig
+    samples: list[StepSample] = field(default_factory=list)
+    startup_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        from attnres_pp.pipeline.launch import make_engine
+
+        started = time.perf_counter()
+        self.engine = make_engine(self.run_cfg, None)
+        self.startup_s = time.perf_counter() - started
+
+    def step(self) -> StepSample:
+        cfg, train = self.run_cfg.model, self.run_cfg.train
+        step = len(self.samples)
+        inputs_BT, targets_BT = random_batch(step, train.batch_size, cfg.seq_len, cfg.vocab_size, train.seed)
+        started = time.perf_counter()
+        result = self.engine.train_step(step, inputs_BT, targets_BT, 1e-3)
+        wall_s = time.perf_counter() - started
+        sample = StepSample(wall_s, list(self.engine.stats.last_events), int(result.extras["bytes_sent_per_step"]),
+                            float(result.loss))
+        self.samples.append(sample)
+        return sample
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def message_pairs(events: list[Event]) -> list[tuple[Event, Event]]:
+    """(send, receive) event pairs of one step: SF c.mb -> RF c+1.mb and SB c.mb -> RB c-1.mb."""
+    by_name = {e[1]: e for e in events if e[1][:2] in ("SF", "SB", "RF", "RB")}
+    pairs = []
+    for name, send in by_name.items():
+        if name[0] != "S":
+            continue
+        chunk, microbatch = (int(x) for x in name[2:].split("."))
+        receive = by_name.get(f"RF{chunk + 1}.{microbatch}" if name[1] == "F" else f"RB{chunk - 1}.{microbatch}")
+        if receive is not None:
+            pairs.append((send, receive))
+    return pairs
+
+
+def account(events: list[Event], n_ranks: int) -> dict[str, float]:
+    """Time accounting of one step (see the module docstring). Fractions are of ranks x window."""
+    start = min(e[2] for e in events)
+    end = max(e[3] for e in events)
+    window = end - start
+    compute = send = wait = dispatch = 0.0
+    n_gaps = n_compute = n_recv = 0
+    for pp_rank in range(n_ranks):
+        mine = sorted((e for e in events if e[0] == pp_rank), key=lambda e: e[2])
+        if not mine:
+            wait += window
+            continue
+        wait += (mine[0][2] - start) + (end - mine[-1][3])
+        for before, after in zip(mine, mine[1:], strict=False):
+            dispatch += max(0.0, after[2] - before[3])
+            n_gaps += 1
+        for _rank, name, begin, finish, category in mine:
+            if category == "compute":
+                compute += finish - begin
+                n_compute += 1
+            elif name.startswith("S"):
+                send += finish - begin
+            else:
+                wait += finish - begin
+                n_recv += name.startswith("R")
+    ready = [r[3] - r[2] for s, r in message_pairs(events) if s[3] <= r[2]]
+    recv = min(wait, n_recv * statistics.median(ready)) if ready else 0.0
+    capacity = n_ranks * window
+    fraction = (lambda seconds: seconds / capacity) if capacity > 0 else (lambda seconds: 0.0)
+    return {
+        "step_s": window,
+        "bubble": 1.0 - fraction(compute),
+        "idle": fraction(wait - recv),
+        "recv": fraction(recv),
+        "send": fraction(send),
+        "dispatch": fraction(dispatch),
+        "dispatch_us_per_action": 1e6 * dispatch / n_gaps if n_gaps else 0.0,
+        # Per compute action, the runtime's work around it (gaps, sends, receive work): what the
+        # simulator, which knows only F, B and links, must add to every F and B.
+        "overhead_s_per_compute": (dispatch + send + recv) / n_compute if n_compute else 0.0,
+        "compute_s_per_rank": compute / n_ranks,
+    }
+
+
+def median_accounting(samples: list[StepSample], n_ranks: int) -> dict[str, float]:
+    """The median of every `account` figure over steps (each figure's own median)."""
+    rows = [account(s.events, n_ranks) for s in samples]
+    return {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+
+
+def median_sample(samples: list[StepSample], n_ranks: int) -> StepSample:
+    """The step whose pipeline window is the median one (its timeline represents the run)."""
+    ordered = sorted(samples, key=lambda s: account(s.events, n_ranks)["step_s"])
+    return ordered[len(ordered) // 2]
+
+
+def analytic_bubble(schedule: str, n_stages: int, n_virtual: int, n_microbatches: int) -> dict[str, float]:
+    """SPEC 5 with equal chunk times: idle over the ideal (P-1)/(V m) and as a fraction of the
+    step (P-1)/(V m + P-1). GPipe with V > 1 runs breadth first, so V divides its bubble too."""
+    del schedule  # the same closed forms for gpipe, 1f1b (V = 1) and interleaved 1F1B
+    p, vm = n_stages, n_virtual * n_microbatches
+    return {"fraction": (p - 1) / (vm + p - 1), "ratio": (p - 1) / vm}
+
+
+def machine() -> dict:
+    """Where a benchmark ran (written next to every result)."""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load_average_at_start": [round(x, 2) for x in load],
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_line(info: dict) -> str:
+    return (f"{info['cpu_count']} x {info['cpu_model']}, {info['platform']}, Python {info['python']}, "
+            f"torch {info['torch']}; load average at start {info['load_average_at_start']}")
+
+
+def results_stem(name: str, quick: bool) -> str:
+    return f"{name}{'_quick' if quick else ''}_{datetime.date.today().isoformat()}"
+
+
+def write_results(out_dir: str | Path, stem: str, payload: dict, markdown: str) -> list[Path]:
+    """Write STEM.json and STEM.md under `out_dir`; returns their paths."""
+    from attnres_pp.train.summary import write_json_atomic
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    write_json_atomic(json_path, payload)  # strict JSON: non-finite floats become null
+    md_path.write_text(markdown.rstrip() + "\n")
+    return [json_path, md_path]
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    def cell(value) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}" if abs(value) < 1000 else f"{value:,.0f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def relative_link(path: str | Path) -> str:
+    """A picture's link from STEM.md: pictures live in the folder STEM/ beside it."""
+    path = Path(path)
+    return f"{path.parent.name}/{path.name}"
+
+
+def command_line(name: str, quick: bool, out: str | None) -> str:
+    return " ".join(["attnres-pp", "bench", name] + (["--quick"] if quick else []) + (["--out", out] if out else []))

@@ -1,0 +1,194 @@
+"""The torch.distributed.pipelining side of `bench peer`: the same standard-residual model cut into
+the same chunks (our partition, our `PipelineChunk` modules, the same seed), driven by
+`Schedule1F1B` (V = 1) or `ScheduleInterleaved1F1B` (V > 1) over gloo, one spawned process and one
+thread per rank, with the same optimiser step as our workers (global-norm clipping summed over
+ranks, AdamW), so a step does the same work on both sides.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import shutil
+import tempfile
+import time
+import traceback
+
+import torch
+from torch import nn
+
+from attnres_pp.train.config import RunConfig
+
+
+class TorchStageModule(nn.Module):
+    """One of our chunks as a pipelining stage: token ids (first) or the residual stream h in,
+    h or logits (last) out. The math is our chunk's (`forward_sublayers`, the model's head)."""
+
+    def __init__(self, chunk) -> None:
+        super().__init__()
+        if chunk.cfg.residual != "standard":
+            raise ValueError("the peer comparison runs the standard residual (one tensor per hop)")
+        self.chunk = chunk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from attnres_pp.model.stack import forward_sublayers
+        from attnres_pp.model.transformer import embed_state
+
+        chunk = self.chunk
+        state = embed_state(chunk.cfg, chunk.embed, x) if chunk.is_first else None
+        if state is None:
+            from attnres_pp.model.stack import DepthState
+
+            state = DepthState(residual=x)
+        layers = {int(k): v for k, v in chunk.layers.items()}
+        state = forward_sublayers(chunk.cfg, layers, None, state, chunk.sublayers, chunk.backend)
+        return chunk.head(state, None, chunk.backend) if chunk.is_last else state.residual
+
+
+def lm_loss_fn(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    from attnres_pp.model.transformer import lm_loss
+
+    return lm_loss(logits_BTV, targets_BT)
+
+
+class TorchPipeWorker:
+    """One rank: its chunks as PipelineStages, the schedule, the optimiser."""
+
+    def __init__(self, run_cfg_dict: dict, pp_rank: int, world_size: int, init_method: str) -> None:
+        import datetime
+
+        import torch.distributed as dist
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+        from attnres_pp.model import Transformer
+        from attnres_pp.pipeline.chunk import build_rank_chunks, rank_parameters
+        from attnres_pp.pipeline.partition import make_partition
+        from attnres_pp.train.optim import build_optimizer
+
+        self.run_cfg = RunConfig.from_dict(run_cfg_dict)
+        cfg, train, pipe = self.run_cfg.model, self.run_cfg.train, self.run_cfg.pipeline
+        torch.set_num_threads(train.threads)
+        dist.init_process_group("gloo", init_method=init_method, rank=pp_rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pipe.timeout_s))
+        torch.manual_seed(train.seed)
+        model = Transformer(cfg)
+        partition = make_partition(cfg.n_layers, pipe.stages, pipe.virtual, pipe.layer_counts)
+        chunks = build_rank_chunks(model, partition, pp_rank)
+        self.params = rank_parameters(chunks, model)
+        self.optimizer = build_optimizer(self.params.items(), train)
+        device = torch.device("cpu")
+        self.stages = [PipelineStage(TorchStageModule(chunk), c, partition.n_chunks, device)
+                       for c, chunk in sorted(chunks.items())]
+        self.is_first = any(chunk.is_first for chunk in chunks.values())
+        self.is_last = any(chunk.is_last for chunk in chunks.values())
+        if pipe.virtual == 1:
+            self.schedule = Schedule1F1B(self.stages[0], train.microbatches, loss_fn=lm_loss_fn)
+        else:
+            self.schedule = ScheduleInterleaved1F1B(self.stages, train.microbatches, loss_fn=lm_loss_fn)
+
+    def train_step(self, inputs_BT: torch.Tensor | None, targets_BT: torch.Tensor | None, lr: float) -> dict:
+        import torch.distributed as dist
+
+        from attnres_pp.train.optim import clip_grad_norm_, set_lr
+
+        started = time.perf_counter()
+        losses: list[torch.Tensor] = []
+        args = (inputs_BT,) if self.is_first else ()
+        if self.is_last:
+            self.schedule.step(*args, target=targets_BT, losses=losses)
+        else:
+            self.schedule.step(*args)
+        pipeline_s = time.perf_counter() - started
+
+        def reduce_sq(local_sq: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(local_sq)
+            return local_sq
+
+        clip_grad_norm_(self.params.values(), self.run_cfg.train.grad_clip, reduce_sq)
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"losses": [float(loss.detach()) for loss in losses], "pipeline_s": pipeline_s,
+                "step_s": time.perf_counter() - started}
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _serve(pp_rank: int, run_cfg_dict: dict, world_size: int, init_method: str, conn) -> None:
+    try:
+        worker = TorchPipeWorker(run_cfg_dict, pp_rank, world_size, init_method)
+        conn.send(("ok", None))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        method, args = conn.recv()
+        if method == "close":
+            worker.close()
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", getattr(worker, method)(*args)))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+class TorchPipeEngine:
+    """P spawned processes running torch.distributed.pipelining; `train_step` returns per-rank dicts."""
+
+    def __init__(self, run_cfg: RunConfig) -> None:
+        pipe = run_cfg.pipeline
+        self.run_cfg = run_cfg
+        self.timeout_s = pipe.timeout_s + 60.0
+        self._rendezvous_dir = tempfile.mkdtemp(prefix="attnres-pp-torchpipe-")
+        ctx = mp.get_context("spawn")
+        self._conns, self._procs = [], []
+        for rank in range(pipe.stages):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, name=f"torchpipe-rank{rank}", daemon=True,
+                               args=(rank, run_cfg.to_dict(), pipe.stages,
+                                     f"file://{self._rendezvous_dir}/rendezvous", child))
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._gather("setup")
+
+    def _gather(self, what: str) -> list:
+        results = []
+        deadline = time.monotonic() + self.timeout_s
+        for rank, conn in enumerate(self._conns):
+            while not conn.poll(0.2):
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"torch.distributed.pipelining rank {rank} did not answer {what} "
+                                       f"(dead ranks: {dead})")
+            status, value = conn.recv()
+            if status == "error":
+                raise RuntimeError(f"torch.distributed.pipelining rank {rank} failed during {what}:\n{value}")
+            results.append(value)
+        return results
+
+    def train_step(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, lr: float) -> list[dict]:
+        pipe = self.run_cfg.pipeline
+        last_rank = (pipe.n_chunks - 1) % pipe.stages
+        for rank, conn in enumerate(self._conns):
+            conn.send(("train_step", (inputs_BT if rank == 0 else None,
+                                      targets_BT if rank == last_rank else None, lr)))
+        return self._gather("train_step")
+
+    def close(self) -> None:
+        for conn, proc in zip(self._conns, self._procs, strict=True):
+            if proc.is_alive():
+                try:
+                    conn.send(("close", ()))
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+        shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
