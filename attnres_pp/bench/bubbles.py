@@ -45,6 +45,7 @@ from attnres_pp.bench.common import (
 )
 from attnres_pp.pipeline.ir import Action, ActionKind
 from attnres_pp.pipeline.schedules import build_schedule
+from attnres_pp.simulator.accounting import with_overhead
 from attnres_pp.simulator.calibrate import calibrate_from
 from attnres_pp.simulator.costs import CostModel, unit_costs
 from attnres_pp.simulator.engine import simulate
@@ -83,14 +84,7 @@ def calibrated_costs(run_cfg, samples) -> CostModel:
         events = sorted((e for s in samples for e in s.events), key=lambda e: e[2])
         write_chrome_trace(events, Path(run_dir) / "trace.json")
         (Path(run_dir) / "summary.json").write_text(json.dumps({"config": run_cfg.to_dict()}))
-        return calibrate_from(run_dir).costs
-
-
-def with_overhead(costs: CostModel, overhead_s: float) -> CostModel:
-    """`costs` with `overhead_s` added to every F and B (the runtime's per-action dispatch)."""
-    return dataclasses.replace(costs, forward_s=tuple(f + overhead_s for f in costs.forward_s),
-                               backward_s=tuple(b + overhead_s for b in costs.backward_s),
-                               label=costs.label + " + measured dispatch")
+        return calibrate_from(run_dir, runtime_overhead=False).costs
 
 
 def step_costs(costs: CostModel, sample: StepSample, n_ranks: int) -> CostModel:

@@ -1,0 +1,88 @@
+"""Time accounting of a measured pipelined step (`account`), from the ranks' per-action timestamps
+on one shared clock (pure Python; the benchmarks and the simulator's calibration share it).
+
+The step window runs from the first action's start to the last action's end (the
+final flush included); each rank's share of it (ranks x window in all) splits into:
+    compute   F and B actions
+    send      send actions: packing the hop's tensors and posting the non-blocking send (work, not idle)
+    recv      the work inside receive actions: every receive is charged the median duration of the
+              receives whose message had been sent completely before they began (posting, unpacking)
+    idle      the rest of the receive actions and the final flush (waiting for a peer), and the time
+              before a rank's first action or after its last
+    dispatch  gaps between consecutive actions of a rank: the runtime's own per-action overhead
+so bubble = 1 - compute / (ranks x window) = idle + recv + send + dispatch (fractions of ranks x window).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+from attnres_pp.simulator.costs import CostModel
+
+Event = tuple[int, str, float, float, str]  # (pp_rank, action name, start_s, end_s, "compute" | "comm")
+
+
+def message_pairs(events: list[Event]) -> list[tuple[Event, Event]]:
+    """(send, receive) event pairs of one step: SF c.mb -> RF c+1.mb and SB c.mb -> RB c-1.mb."""
+    by_name = {e[1]: e for e in events if e[1][:2] in ("SF", "SB", "RF", "RB")}
+    pairs = []
+    for name, send in by_name.items():
+        if name[0] != "S":
+            continue
+        chunk, microbatch = (int(x) for x in name[2:].split("."))
+        receive = by_name.get(f"RF{chunk + 1}.{microbatch}" if name[1] == "F" else f"RB{chunk - 1}.{microbatch}")
+        if receive is not None:
+            pairs.append((send, receive))
+    return pairs
+
+
+def account(events: list[Event], n_ranks: int) -> dict[str, float]:
+    """Time accounting of one step (see the module docstring). Fractions are of ranks x window."""
+    start = min(e[2] for e in events)
+    end = max(e[3] for e in events)
+    window = end - start
+    compute = send = wait = dispatch = 0.0
+    n_gaps = n_compute = n_recv = 0
+    for pp_rank in range(n_ranks):
+        mine = sorted((e for e in events if e[0] == pp_rank), key=lambda e: e[2])
+        if not mine:
+            wait += window
+            continue
+        wait += (mine[0][2] - start) + (end - mine[-1][3])
+        for before, after in zip(mine, mine[1:], strict=False):
+            dispatch += max(0.0, after[2] - before[3])
+            n_gaps += 1
+        for _rank, name, begin, finish, category in mine:
+            if category == "compute":
+                compute += finish - begin
+                n_compute += 1
+            elif name.startswith("S"):
+                send += finish - begin
+            else:
+                wait += finish - begin
+                n_recv += name.startswith("R")
+    ready = [r[3] - r[2] for s, r in message_pairs(events) if s[3] <= r[2]]
+    recv = min(wait, n_recv * statistics.median(ready)) if ready else 0.0
+    capacity = n_ranks * window
+    fraction = (lambda seconds: seconds / capacity) if capacity > 0 else (lambda seconds: 0.0)
+    return {
+        "step_s": window,
+        "bubble": 1.0 - fraction(compute),
+        "idle": fraction(wait - recv),
+        "recv": fraction(recv),
+        "send": fraction(send),
+        "dispatch": fraction(dispatch),
+        "dispatch_us_per_action": 1e6 * dispatch / n_gaps if n_gaps else 0.0,
+        # Per compute action, the runtime's work around it (gaps, sends, receive work): what the
+        # simulator, which knows only F, B and links, must add to every F and B.
+        "overhead_s_per_compute": (dispatch + send + recv) / n_compute if n_compute else 0.0,
+        "compute_s_per_rank": compute / n_ranks,
+    }
+
+
+def with_overhead(costs: CostModel, overhead_s: float) -> CostModel:
+    """`costs` with `overhead_s` added to every F and B (the runtime's per-action work)."""
+    return dataclasses.replace(costs, forward_s=tuple(f + overhead_s for f in costs.forward_s),
+                               backward_s=tuple(b + overhead_s for b in costs.backward_s),
+                               label=costs.label + " + measured runtime overhead")
