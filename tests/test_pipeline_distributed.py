@@ -118,6 +118,7 @@ def test_lost_rank_gives_a_bounded_error_not_a_hang(tmp_path):
     run_cfg = RunConfig.from_dict({**run_dict(cfg, "interleaved_1f1b", 2, 2, 4),
                                    "pipeline": {"stages": 2, "virtual": 2, "launcher": "local", "timeout_s": 10.0}})
     engine = ProcessEngine(run_cfg, fail_at=(1, 1))
+    procs = list(engine._procs)
     inputs, targets = batch(4)
     try:
         engine.train_step(0, inputs, targets, 1e-3)
@@ -128,7 +129,7 @@ def test_lost_rank_gives_a_bounded_error_not_a_hang(tmp_path):
         assert info.value.pp_rank == 1
     finally:
         engine.close()
-    assert not any(p.is_alive() for p in engine._procs)
+    assert len(procs) == 2 and not any(p.is_alive() for p in procs)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -7,15 +7,12 @@ ranks, AdamW), so a step does the same work on both sides.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import shutil
-import tempfile
 import time
-import traceback
 
 import torch
 from torch import nn
 
+from attnres_pp.pipeline.rank_processes import RankProcesses, serve
 from attnres_pp.train.config import RunConfig
 
 
@@ -117,23 +114,8 @@ class TorchPipeWorker:
             dist.destroy_process_group()
 
 
-def _serve(pp_rank: int, run_cfg_dict: dict, world_size: int, init_method: str, conn) -> None:
-    try:
-        worker = TorchPipeWorker(run_cfg_dict, pp_rank, world_size, init_method)
-        conn.send(("ok", None))
-    except Exception:
-        conn.send(("error", traceback.format_exc()))
-        return
-    while True:
-        method, args = conn.recv()
-        if method == "close":
-            worker.close()
-            conn.send(("ok", None))
-            return
-        try:
-            conn.send(("ok", getattr(worker, method)(*args)))
-        except Exception:
-            conn.send(("error", traceback.format_exc()))
+def _serve(pp_rank: int, init_method: str, world_size: int, conn, run_cfg_dict: dict) -> None:
+    serve(lambda: (TorchPipeWorker(run_cfg_dict, pp_rank, world_size, init_method), None), conn)
 
 
 class TorchPipeEngine:
@@ -142,53 +124,15 @@ class TorchPipeEngine:
     def __init__(self, run_cfg: RunConfig) -> None:
         pipe = run_cfg.pipeline
         self.run_cfg = run_cfg
-        self.timeout_s = pipe.timeout_s + 60.0
-        self._rendezvous_dir = tempfile.mkdtemp(prefix="attnres-pp-torchpipe-")
-        ctx = mp.get_context("spawn")
-        self._conns, self._procs = [], []
-        for rank in range(pipe.stages):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, name=f"torchpipe-rank{rank}", daemon=True,
-                               args=(rank, run_cfg.to_dict(), pipe.stages,
-                                     f"file://{self._rendezvous_dir}/rendezvous", child))
-            proc.start()
-            self._conns.append(parent)
-            self._procs.append(proc)
-        self._gather("setup")
-
-    def _gather(self, what: str) -> list:
-        results = []
-        deadline = time.monotonic() + self.timeout_s
-        for rank, conn in enumerate(self._conns):
-            while not conn.poll(0.2):
-                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"torch.distributed.pipelining rank {rank} did not answer {what} "
-                                       f"(dead ranks: {dead})")
-            status, value = conn.recv()
-            if status == "error":
-                raise RuntimeError(f"torch.distributed.pipelining rank {rank} failed during {what}:\n{value}")
-            results.append(value)
-        return results
+        self._ranks = RankProcesses(_serve, pipe.stages, pipe.timeout_s + 60.0, name="torchpipe",
+                                    extra_args=[(run_cfg.to_dict(),)] * pipe.stages)
 
     def train_step(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, lr: float) -> list[dict]:
         pipe = self.run_cfg.pipeline
         last_rank = (pipe.n_chunks - 1) % pipe.stages
-        for rank, conn in enumerate(self._conns):
-            conn.send(("train_step", (inputs_BT if rank == 0 else None,
-                                      targets_BT if rank == last_rank else None, lr)))
-        return self._gather("train_step")
+        return self._ranks.call("train_step", [(inputs_BT if rank == 0 else None,
+                                                targets_BT if rank == last_rank else None, lr)
+                                               for rank in range(pipe.stages)])
 
     def close(self) -> None:
-        for conn, proc in zip(self._conns, self._procs, strict=True):
-            if proc.is_alive():
-                try:
-                    conn.send(("close", ()))
-                except (BrokenPipeError, OSError):
-                    pass
-        for proc in self._procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(timeout=5)
-        shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+        self._ranks.stop(graceful=True)
