@@ -6,8 +6,9 @@ block completes, how many sources the final read sees.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
+
+from attnres_pp.config_tables import from_table, to_table
 
 RESIDUALS = ("standard", "attnres", "lr_attnres", "msar")
 KEY_MODES = ("projected", "sliced")
@@ -66,19 +67,10 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> ModelConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown model config keys {unknown}; known keys: {sorted(known)}")
-        values = dict(values)
-        if "stream_kernels" in values:
-            values["stream_kernels"] = tuple(values["stream_kernels"])
-        return cls(**values)
+        return from_table(cls, values, table="model", tuple_fields=("stream_kernels",))
 
     def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        out["stream_kernels"] = list(self.stream_kernels)
-        return out
+        return to_table(self, list_fields=("stream_kernels",))
 
     # ---- derived sizes ----
     @property

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
+
+from attnres_pp.config_tables import from_table, to_table
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
 LAUNCHERS = ("local", "ray", "inprocess")  # inprocess: loopback transport, for debugging
@@ -62,17 +63,7 @@ class PipelineConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> PipelineConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown pipeline config keys {unknown}; known keys: {sorted(known)}")
-        values = dict(values)
-        if values.get("layer_counts") is not None:
-            values["layer_counts"] = tuple(values["layer_counts"])
-        return cls(**values)
+        return from_table(cls, values, table="pipeline", tuple_fields=("layer_counts",))
 
     def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        if self.layer_counts is not None:
-            out["layer_counts"] = list(self.layer_counts)
-        return out
+        return to_table(self, list_fields=("layer_counts",))

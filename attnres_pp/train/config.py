@@ -3,12 +3,12 @@ model + train + pipeline, with TOML loading. Frozen and validated; TOML and CLI 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attnres_pp.config_tables import from_table, to_table
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
 
@@ -81,14 +81,10 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown train config keys {unknown}; known keys: {sorted(known)}")
-        return cls(**values)
+        return from_table(cls, values, table="train")
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return to_table(self)
 
 
 SECTIONS = ("model", "train", "pipeline")
