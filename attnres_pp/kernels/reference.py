@@ -7,6 +7,7 @@ outputs come back in the input dtype and the log-sum-exp in float32 (float64 for
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def _math_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -14,8 +15,11 @@ def _math_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last axis with no gain (the depth-attention key norm)."""
-    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
+    """RMSNorm over the last axis with no gain (the depth-attention key norm): x / sqrt(mean(x^2) + eps).
+
+    One fused op rather than five: on CPU at small widths these reads are dispatch-bound.
+    """
+    return F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
 def phase1_torch(
@@ -32,11 +36,13 @@ def phase1_torch(
     math = _math_dtype(values_NTD.dtype)
     v = values_NTD.to(math)
     k = v if keys_NTK is None else keys_NTK.to(math)
-    scores_STN = torch.einsum("sk,ntk->stn", queries_SK.to(math), rms_normalize(k, eps))
-    lse_ST = torch.logsumexp(scores_STN, dim=-1)
-    probs_STN = torch.exp(scores_STN - lse_ST.unsqueeze(-1))
-    out_STD = torch.einsum("stn,ntd->std", probs_STN, v)
-    return out_STD.to(values_NTD.dtype), lse_ST
+    # Plain matmul / bmm rather than einsum: at small shapes einsum's layout planning costs more
+    # than the arithmetic (2x on CPU for N=5, T=256, d=128).
+    scores_TSN = (rms_normalize(k, eps) @ queries_SK.to(math).t()).permute(1, 2, 0)
+    lse_TS = torch.logsumexp(scores_TSN, dim=-1)
+    probs_TSN = torch.softmax(scores_TSN, dim=-1)
+    out_TSD = torch.bmm(probs_TSN, v.transpose(0, 1))
+    return out_TSD.transpose(0, 1).to(values_NTD.dtype), lse_TS.t()
 
 
 def phase2_torch(
@@ -53,5 +59,4 @@ def phase2_torch(
     k = p if partial_key_TK is None else partial_key_TK.to(math)
     score_T = rms_normalize(k, eps) @ query_K.to(math)
     gate_T1 = torch.sigmoid(score_T - lse1_T.to(math)).unsqueeze(-1)
-    o1 = out1_TD.to(math)
-    return (o1 + gate_T1 * (p - o1)).to(partial_TD.dtype)
+    return torch.lerp(out1_TD.to(math), p, gate_T1).to(partial_TD.dtype)  # o1 + gate (p - o1)
