@@ -204,7 +204,10 @@ class RayEngine(PipelineEngineBase):
         Safe to call twice and after a failed start."""
         ray = self._ray
         try:
-            if ray.is_initialized():
+            # A Ray instance this engine started goes down whole with ray.shutdown(), actors included.
+            # Killing actors one by one first would need its GCS, which a Ctrl-C sent to the whole
+            # process group may already have stopped: those calls then retry for a minute.
+            if ray.is_initialized() and not self.started_ray:
                 self._stop_workers()
         finally:
             if self.started_ray and ray.is_initialized():
