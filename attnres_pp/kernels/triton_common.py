@@ -77,6 +77,21 @@ def check_device(tensor: torch.Tensor) -> None:
 
 
 @triton.jit
+def tile_offsets(T, n_chunks, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """This program's token tile and channel chunk: (pid_t, pid_c, offs_t64, mask_t, offs_c).
+
+    Programs are numbered chunk-fastest, so those sharing a token tile run side by side; token
+    offsets are int64 because T x stride can pass 2^31 at large T and d.
+    """
+    pid = tl.program_id(0)
+    pid_t = pid // n_chunks
+    pid_c = pid % n_chunks
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    return pid_t, pid_c, offs_t.to(tl.int64), offs_t < T, offs_c
+
+
+@triton.jit
 def key_scores(
     key_ptr,  # base of one source's keys [T, K] (already offset to the source)
     stride_kt,

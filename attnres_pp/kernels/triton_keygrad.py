@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnres_pp.kernels.triton_common import new_buffer, pick_tiles
+from attnres_pp.kernels.triton_common import new_buffer, pick_tiles, tile_offsets
 
 
 @triton.jit
@@ -33,13 +33,7 @@ def _key_grad_kernel(
     BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     # Chunk index fastest, so the programs sharing a token tile run side by side.
-    pid = tl.program_id(0)
-    pid_t = pid // n_k_chunks
-    pid_c = pid % n_k_chunks
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < T
-    offs_t64 = offs_t.to(tl.int64)
-    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    pid_t, pid_c, offs_t64, mask_t, offs_c = tile_offsets(T, n_k_chunks, BLOCK_T, BLOCK_C)
     mask_c = offs_c < K
     offs_s = tl.arange(0, BLOCK_S)
     mask_s = offs_s < S

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnres_pp.kernels.triton_common import Tiles, check_device, key_scores, new_buffer, pick_tiles
+from attnres_pp.kernels.triton_common import Tiles, check_device, key_scores, new_buffer, pick_tiles, tile_offsets
 from attnres_pp.kernels.triton_keygrad import key_grads
 
 
@@ -56,13 +56,7 @@ def _phase1_fwd_kernel(
     HAS_SCORES: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    pid_t = pid // n_d_chunks
-    pid_d = pid % n_d_chunks
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < T
-    offs_t64 = offs_t.to(tl.int64)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    pid_t, pid_d, offs_t64, mask_t, offs_d = tile_offsets(T, n_d_chunks, BLOCK_T, BLOCK_D)
     mask_d = offs_d < D
     offs_s = tl.arange(0, BLOCK_S)
     mask_s = offs_s < S
@@ -119,13 +113,7 @@ def _phase1_bwd_kernel(
     HAS_SCORES: tl.constexpr, STORE_DV: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    pid_t = pid // n_d_chunks
-    pid_d = pid % n_d_chunks
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < T
-    offs_t64 = offs_t.to(tl.int64)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    pid_t, pid_d, offs_t64, mask_t, offs_d = tile_offsets(T, n_d_chunks, BLOCK_T, BLOCK_D)
     mask_d = offs_d < D
     mask_TD = mask_t[:, None] & mask_d[None, :]
     offs_s = tl.arange(0, BLOCK_S)

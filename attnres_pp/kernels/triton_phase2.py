@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attnres_pp.kernels.triton_common import check_device, key_scores, new_buffer, pick_tiles
+from attnres_pp.kernels.triton_common import check_device, key_scores, new_buffer, pick_tiles, tile_offsets
 from attnres_pp.kernels.triton_keygrad import key_grads
 
 
@@ -52,13 +52,7 @@ def _phase2_fwd_kernel(
     T, D, K, eps, n_d_chunks,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    pid_t = pid // n_d_chunks
-    pid_d = pid % n_d_chunks
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < T
-    offs_t64 = offs_t.to(tl.int64)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    pid_t, pid_d, offs_t64, mask_t, offs_d = tile_offsets(T, n_d_chunks, BLOCK_T, BLOCK_D)
     mask_TD = mask_t[:, None] & (offs_d < D)[None, :]
 
     gate_T, _, _ = _gate(
@@ -85,13 +79,7 @@ def _phase2_bwd_kernel(
     STORE_DP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    pid_t = pid // n_d_chunks
-    pid_d = pid % n_d_chunks
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < T
-    offs_t64 = offs_t.to(tl.int64)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    pid_t, pid_d, offs_t64, mask_t, offs_d = tile_offsets(T, n_d_chunks, BLOCK_T, BLOCK_D)
     mask_TD = mask_t[:, None] & (offs_d < D)[None, :]
     first_chunk_T = (tl.zeros([BLOCK_T], tl.int32) + pid_d) == 0  # a tensor mask, not a scalar
 
