@@ -6,13 +6,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-
-def bubble_fraction(events: list[tuple[int, str, float, float, str]], n_ranks: int) -> float:
-    """Idle / (ranks x step wall time); idle is everything on a rank that is not F or B compute."""
-    start = min(e[2] for e in events)
-    wall = max(e[3] for e in events) - start
-    busy = sum(e[3] - e[2] for e in events if e[4] == "compute")
-    return 1.0 - busy / (n_ranks * wall) if wall > 0 else 0.0
+from attnres_pp.simulator.accounting import bubble_fraction
 
 
 def fwd_hop_tensors(ledger: list[tuple[str, int, int, int, int]], n_chunks: int) -> list[int]:

@@ -23,6 +23,14 @@ from attnres_pp.simulator.costs import CostModel
 Event = tuple[int, str, float, float, str]  # (pp_rank, action name, start_s, end_s, "compute" | "comm")
 
 
+def bubble_fraction(events: list[Event], n_ranks: int) -> float:
+    """1 - compute / (ranks x step window): everything on a rank that is not F or B compute."""
+    start = min(e[2] for e in events)
+    window = max(e[3] for e in events) - start
+    busy = sum(e[3] - e[2] for e in events if e[4] == "compute")
+    return 1.0 - busy / (n_ranks * window) if window > 0 else 0.0
+
+
 def message_pairs(events: list[Event]) -> list[tuple[Event, Event]]:
     """(send, receive) event pairs of one step: SF c.mb -> RF c+1.mb and SB c.mb -> RB c-1.mb."""
     by_name = {e[1]: e for e in events if e[1][:2] in ("SF", "SB", "RF", "RB")}
@@ -68,7 +76,7 @@ def account(events: list[Event], n_ranks: int) -> dict[str, float]:
     fraction = (lambda seconds: seconds / capacity) if capacity > 0 else (lambda seconds: 0.0)
     return {
         "step_s": window,
-        "bubble": 1.0 - fraction(compute),
+        "bubble": bubble_fraction(events, n_ranks),
         "idle": fraction(wait - recv),
         "recv": fraction(recv),
         "send": fraction(send),

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.pipeline.ir import Action, ActionKind
-from attnres_pp.simulator.accounting import account, with_overhead
+from attnres_pp.simulator.accounting import account, bubble_fraction, with_overhead
 from attnres_pp.simulator.costs import CostModel
 from attnres_pp.simulator.trace import TimelineEvent, read_chrome_trace
 
@@ -89,11 +89,7 @@ def calibrate_from(run_dir: str | Path, *, runtime_overhead: bool = True) -> Cal
     if model is not None and "batch_size" in train:
         tokens = int(train["batch_size"]) // n_microbatches * model.seq_len
     makespan = max(e.end_s for e in events) - min(e.start_s for e in events)
-    busy = [0.0] * n_stages
-    for event in events:
-        if event.category == "compute" and 0 <= event.rank < n_stages:
-            busy[event.rank] += event.end_s - event.start_s
-    bubble = sum(makespan - b for b in busy) / (n_stages * makespan) if makespan > 0 else 0.0
+    bubble = bubble_fraction(events, n_stages)
     return Calibration(schedule_name=str(pipeline.get("schedule", "interleaved_1f1b")), n_stages=n_stages,
                        n_virtual=n_virtual, n_microbatches=n_microbatches, cache=bool(pipeline.get("cache", True)),
                        model=model, microbatch_tokens=tokens, costs=costs, measured_makespan_s=makespan,
