@@ -1,5 +1,9 @@
 """`attnres-pp` command line: `train`, `simulate`, `bench`. Each subcommand lives beside its owner
-and registers itself here, so this file only wires them together."""
+and registers itself here, so this file only wires them together.
+
+Only the module of the subcommand being run is imported: `simulate` must start fast and run where
+torch is missing, so it never pays for (or needs) the training side's imports.
+"""
 
 from __future__ import annotations
 
@@ -7,33 +11,34 @@ import argparse
 import importlib
 import sys
 
-# (subcommand, module that defines `register(subparsers)`)
+# (subcommand, module that defines `register(subparsers)`, one-line help for the top-level listing)
 SUBCOMMANDS = (
-    ("train", "attnres_pp.train.cli"),
-    ("simulate", "attnres_pp.simulator.cli"),
-    ("bench", "attnres_pp.bench.cli"),
+    ("train", "attnres_pp.train.cli", "train a model (single process or pipelined)"),
+    ("simulate", "attnres_pp.simulator.cli", "simulate communication volumes and pipeline schedules (no torch needed)"),
+    ("bench", "attnres_pp.bench.cli", "benchmarks: bubbles, comm, overhead, peer"),
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or with `argv` given, one in which only the subcommand that `argv` names is
+    imported and registered in full (the others are listed for `--help` by name alone)."""
     parser = argparse.ArgumentParser(
         prog="attnres-pp",
         description="Pipeline-parallel training of Attention-Residual transformers.",
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for _name, module_name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as error:
-            if not module_name.startswith(error.name or "\0"):
-                raise  # a missing dependency inside the module, not the module itself
+    chosen = None if argv is None else next((a for a in argv if not a.startswith("-")), None)
+    for name, module_name, help_text in SUBCOMMANDS:
+        if argv is not None and name != chosen:
+            subparsers.add_parser(name, help=help_text, add_help=False)
             continue
-        module.register(subparsers)
+        importlib.import_module(module_name).register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
     return int(args.func(args) or 0)
 
 

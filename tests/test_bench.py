@@ -124,9 +124,9 @@ def test_torch_stage_modules_chain_to_the_whole_model():
     """The peer benchmark's stages (our chunks as torch.distributed.pipelining modules) compute the
     single-process model's logits and loss."""
     from attnres_pp.bench.torch_pipe import TorchStageModule, lm_loss_fn
+    from attnres_pp.comm.partition import make_partition
     from attnres_pp.model import ModelConfig, Transformer
     from attnres_pp.pipeline.chunk import build_rank_chunks
-    from attnres_pp.pipeline.partition import make_partition
 
     cfg = ModelConfig.from_dict({**BENCH_MODEL, "d_model": 32, "n_layers": 4, "seq_len": 16,
                                  "residual": "standard"})

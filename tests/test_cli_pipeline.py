@@ -8,8 +8,8 @@ import json
 import pytest
 
 from attnres_pp.cli import main
+from attnres_pp.comm.partition import make_partition
 from attnres_pp.comm.plan import plan_payloads
-from attnres_pp.pipeline.partition import make_partition
 
 pytestmark = pytest.mark.distributed
 

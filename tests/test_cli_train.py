@@ -89,11 +89,11 @@ def test_only_one_local_chunk_trains_in_this_process(tmp_path, monkeypatch, caps
     """Everything but stages = virtual = 1 with the local launcher goes to the pipeline's make_engine."""
     import importlib.util
 
-    if importlib.util.find_spec("attnres_pp.pipeline.launch") is None:
+    if importlib.util.find_spec("attnres_pp.train.engines") is None:
         assert main(["train", *argv, "--out", str(tmp_path / "run")]) == 2
         assert "needs the pipeline engine" in capsys.readouterr().err
         return
-    import attnres_pp.pipeline.launch as launch
+    import attnres_pp.train.engines as launch
 
     calls = []
 

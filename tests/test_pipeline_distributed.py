@@ -10,9 +10,9 @@ import traceback
 import pytest
 import torch
 
-from attnres_pp.pipeline.local_launcher import ProcessEngine, WorkerLost
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.local_engine import LocalEngine
+from attnres_pp.train.process_engine import ProcessEngine, WorkerLost
 from tests.pipeline_helpers import MICRO, assert_grads_match, batch, model_config, reference_step
 from tests.reference_model import VARIANTS
 
@@ -30,7 +30,8 @@ def run_dict(cfg, schedule, P, V, m, cache=True, **train):
 
 def _rank_main(pp_rank, world_size, init_method, run_dicts, results):
     """One rank: join the group once, then run one forward/backward per configuration."""
-    from attnres_pp.pipeline.worker import StageWorker, init_process_group
+    from attnres_pp.pipeline.stage_setup import init_process_group
+    from attnres_pp.train.stage_worker import StageWorker
     from tests.reference_model import randomize_depth_params
 
     try:

@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from attnres_pp.comm.cache import BlockCache, CacheError
+from attnres_pp.comm.partition import make_partition
 from attnres_pp.comm.plan import Source, plan_for_model, plan_payloads
 from attnres_pp.comm.transport import ByteLedger
 from attnres_pp.pipeline.chunk import build_rank_chunks
-from attnres_pp.pipeline.inprocess import make_loopback_runtimes, run_loopback_step
-from attnres_pp.pipeline.partition import make_partition
 from attnres_pp.pipeline.passes import insert_comm
 from attnres_pp.pipeline.schedules import build_schedule
-from attnres_pp.pipeline.step_stats import fwd_hop_tensors
 from attnres_pp.pipeline.validate import validate
+from attnres_pp.pipeline.loopback import make_loopback_runtimes, run_loopback_step
+from attnres_pp.train.step_stats import fwd_hop_tensors
 from tests.pipeline_helpers import MICRO, SEQ, assert_grads_match, batch, build_model, model_config, reference_step
 from tests.reference_model import VARIANTS
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from attnres_pp.simulator.accounting import account
+from attnres_pp.pipeline.timeline import account
+from attnres_pp.pipeline.trace import write_chrome_trace
 from attnres_pp.simulator.calibrate import calibrate_from
-from attnres_pp.simulator.trace import write_chrome_trace
 
 # gpipe, P = 2, V = 1, m = 1: rank 1 starts its forward 0.1 s after the data arrived (dispatch gap)
 # and each send takes 0.1 s of packing and posting.

@@ -45,13 +45,12 @@ from attnres_pp.bench.common import (
 )
 from attnres_pp.pipeline.ir import Action, ActionKind
 from attnres_pp.pipeline.schedules import build_schedule
-from attnres_pp.simulator.accounting import with_overhead
-from attnres_pp.simulator.calibrate import calibrate_from
+from attnres_pp.pipeline.trace import write_chrome_trace
+from attnres_pp.simulator.calibrate import calibrate_from, with_overhead
 from attnres_pp.simulator.costs import CostModel, unit_costs
 from attnres_pp.simulator.engine import simulate
 from attnres_pp.simulator.metrics import summarize
 from attnres_pp.simulator.plot import plot_timeline
-from attnres_pp.simulator.trace import write_chrome_trace
 
 # The project's model: Block AttnRes (blocks of 2 layers) with the cross-stage cache.
 MODEL = {**BENCH_MODEL, "residual": "attnres", "block_size": 4}

@@ -60,7 +60,7 @@ def predicted_bytes_per_step(mode: str, *, n_layers: int, block_size: int, n_sta
 
 def count_bytes(mode: str, n_layers: int, block_size: int, n_stages: int, n_virtual: int) -> dict:
     """One step of the in-process pipeline; its ledger's bytes against the prediction."""
-    from attnres_pp.pipeline.inprocess import InProcessEngine
+    from attnres_pp.train.inprocess_engine import InProcessEngine
 
     n_microbatches = n_stages
     model, cache = model_for_mode(mode, {**TINY_MODEL, "n_layers": n_layers}, block_size)

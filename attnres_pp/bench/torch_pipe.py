@@ -56,9 +56,9 @@ class TorchPipeWorker:
         import torch.distributed as dist
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
+        from attnres_pp.comm.partition import make_partition
         from attnres_pp.model import Transformer
         from attnres_pp.pipeline.chunk import build_rank_chunks, rank_parameters
-        from attnres_pp.pipeline.partition import make_partition
         from attnres_pp.train.optim import build_optimizer
 
         self.run_cfg = RunConfig.from_dict(run_cfg_dict)
@@ -85,7 +85,7 @@ class TorchPipeWorker:
     def train_step(self, inputs_BT: torch.Tensor | None, targets_BT: torch.Tensor | None, lr: float) -> dict:
         import torch.distributed as dist
 
-        from attnres_pp.train.optim import clip_grad_norm_, set_lr
+        from attnres_pp.train.optim import optimizer_step
 
         started = time.perf_counter()
         losses: list[torch.Tensor] = []
@@ -100,10 +100,7 @@ class TorchPipeWorker:
             dist.all_reduce(local_sq)
             return local_sq
 
-        clip_grad_norm_(self.params.values(), self.run_cfg.train.grad_clip, reduce_sq)
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip, reduce_sq)
         return {"losses": [float(loss.detach()) for loss in losses], "pipeline_s": pipeline_s,
                 "step_s": time.perf_counter() - started}
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from attnres_pp.pipeline.partition import Partition
+from attnres_pp.comm.partition import Partition
 
 MODES = ("standard", "naive", "cached")
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from attnres_pp.comm.partition import Partition
 from attnres_pp.comm.plan import RESIDUAL, Source
 from attnres_pp.model.stack import DepthState, forward_sublayers
 from attnres_pp.model.transformer import Transformer, embed_state, lm_loss
-from attnres_pp.pipeline.partition import Partition
 
 
 class PipelineChunk(nn.Module):

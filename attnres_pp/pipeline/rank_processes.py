@@ -16,7 +16,7 @@ import time
 import traceback
 from collections.abc import Callable
 
-from attnres_pp.train.recovery import WorkerLost
+from attnres_pp.pipeline.errors import WorkerLost
 
 
 def serve(make_worker: Callable, conn) -> None:

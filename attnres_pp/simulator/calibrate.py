@@ -19,9 +19,9 @@ from pathlib import Path
 
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.pipeline.ir import Action, ActionKind
-from attnres_pp.simulator.accounting import account, bubble_fraction, with_overhead
+from attnres_pp.pipeline.timeline import account, bubble_fraction
+from attnres_pp.pipeline.trace import TimelineEvent, read_chrome_trace
 from attnres_pp.simulator.costs import CostModel
-from attnres_pp.simulator.trace import TimelineEvent, read_chrome_trace
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,3 +135,10 @@ def _costs_from_events(events: list[TimelineEvent], n_chunks: int, source: Path)
     return CostModel(forward_s=tuple(_median(v) for v in forward), backward_s=tuple(_median(v) for v in backward),
                      hop_fwd_s=tuple(hop_time(*h) for h in hop_fwd), hop_bwd_s=tuple(hop_time(*h) for h in hop_bwd),
                      label=f"calibrated from {source.parent}")
+
+
+def with_overhead(costs: CostModel, overhead_s: float) -> CostModel:
+    """`costs` with `overhead_s` added to every F and B (the runtime's per-action work)."""
+    return dataclasses.replace(costs, forward_s=tuple(f + overhead_s for f in costs.forward_s),
+                               backward_s=tuple(b + overhead_s for b in costs.backward_s),
+                               label=costs.label + " + measured runtime overhead")

@@ -10,10 +10,11 @@ import argparse
 import json
 import sys
 
+from attnres_pp.comm.partition import make_partition
 from attnres_pp.comm.plan import plan_for_model
 from attnres_pp.model.config import KEY_MODES, RESIDUALS, ModelConfig
-from attnres_pp.pipeline.partition import make_partition
 from attnres_pp.pipeline.schedules import SCHEDULES, build_schedule
+from attnres_pp.pipeline.trace import write_chrome_trace
 from attnres_pp.simulator.calibrate import calibrate_from
 from attnres_pp.simulator.comm import DTYPE_BYTES, comm_report, format_comm_table
 from attnres_pp.simulator.costs import PROFILES, DeviceProfile, model_costs, unit_costs
@@ -21,7 +22,6 @@ from attnres_pp.simulator.engine import simulate
 from attnres_pp.simulator.metrics import format_summary, summarize
 from attnres_pp.simulator.plot import plot_timeline
 from attnres_pp.simulator.sweep import SWEEPS, SweepBase, run_sweeps
-from attnres_pp.simulator.trace import write_chrome_trace
 
 
 def register(subparsers) -> None:

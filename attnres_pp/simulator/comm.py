@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from attnres_pp.comm.partition import Partition, make_partition
 from attnres_pp.comm.plan import PayloadPlan, plan_payloads
-from attnres_pp.pipeline.partition import Partition, make_partition
 
 COMM_MODES = ("standard", "full_naive", "naive", "cached")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}

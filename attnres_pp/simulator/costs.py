@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from attnres_pp.comm.partition import Partition
 from attnres_pp.comm.plan import PayloadPlan
 from attnres_pp.model.config import ModelConfig
-from attnres_pp.pipeline.partition import Partition
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from attnres_pp.pipeline.ir import ActionKind, Schedule
 from attnres_pp.pipeline.passes import insert_comm
+from attnres_pp.pipeline.trace import TimelineEvent
 from attnres_pp.pipeline.validate import ScheduleError, validate
 from attnres_pp.simulator.costs import CostModel
-from attnres_pp.simulator.trace import TimelineEvent
 
 _COMPUTE, _SEND, _RECV = 0, 1, 2
 

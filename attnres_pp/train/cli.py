@@ -163,7 +163,7 @@ def make_run_engine(run_cfg: RunConfig, out_dir: Path, *, address: str | None = 
 
         return LocalEngine(run_cfg.model, run_cfg.train)
     try:
-        from attnres_pp.pipeline.launch import make_engine
+        from attnres_pp.train.engines import make_engine
     except ModuleNotFoundError as error:
         if error.name and error.name.startswith("attnres_pp"):
             raise ConfigError(

@@ -10,7 +10,7 @@ from attnres_pp.model import ModelConfig, Transformer
 from attnres_pp.train.checkpoint import capture_state, read_checkpoint, restore_state, write_rank_file
 from attnres_pp.train.config import TrainConfig
 from attnres_pp.train.loop import StepResult
-from attnres_pp.train.optim import build_optimizer, clip_grad_norm_, set_lr
+from attnres_pp.train.optim import build_optimizer, optimizer_step
 
 
 class LocalEngine:
@@ -39,10 +39,7 @@ class LocalEngine:
             loss = self.model(inputs_bT, targets_bT)
             (loss / m).backward()
             total_loss += float(loss.detach())
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.train_cfg.grad_clip)
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = optimizer_step(self.optimizer, self.model.parameters(), lr, self.train_cfg.grad_clip)
         return StepResult(loss=total_loss / m, metrics={"grad_norm": grad_norm})
 
     @torch.no_grad()

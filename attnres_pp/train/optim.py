@@ -88,3 +88,15 @@ def clip_grad_norm_(
         for grad in grads:
             grad.mul_(scale)
     return total_norm
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter], lr: float,
+                   max_norm: float, reduce_sq: Callable[[torch.Tensor], torch.Tensor] | None = None) -> float:
+    """The one optimiser step every engine runs: clip the gradients of `params` to the global norm
+    `max_norm` (summed over ranks by `reduce_sq`, see `clip_grad_norm_`), set the learning rate,
+    step, and drop the gradients. Returns the norm before clipping."""
+    grad_norm = clip_grad_norm_(params, max_norm, reduce_sq)
+    set_lr(optimizer, lr)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm

@@ -12,13 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from attnres_pp.pipeline.errors import WorkerLost
 
-class WorkerLost(RuntimeError):
-    """A rank's process died or stopped answering. `pp_rank` is -1 when the engine cannot tell which."""
-
-    def __init__(self, pp_rank: int, message: str) -> None:
-        super().__init__(message)
-        self.pp_rank = pp_rank
+__all__ = ["RunFailed", "RunHistory", "WorkerLost", "describe_rank"]  # WorkerLost: pipeline.errors
 
 
 class RunFailed(RuntimeError):

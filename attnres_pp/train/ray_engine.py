@@ -22,12 +22,13 @@ import time
 import torch
 
 from attnres_pp.pipeline.config import PLACEMENTS
-from attnres_pp.pipeline.engines import PipelineEngineBase, model_from_parameters
-from attnres_pp.pipeline.worker import StageWorker, check_split
+from attnres_pp.pipeline.errors import WorkerLost
+from attnres_pp.pipeline.stage_setup import check_split
 from attnres_pp.train.checkpoint import read_checkpoint, write_rank_file
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.loop import StepResult
-from attnres_pp.train.recovery import WorkerLost
+from attnres_pp.train.pipeline_engine import PipelineEngineBase, model_from_parameters
+from attnres_pp.train.stage_worker import StageWorker
 
 # After one rank's task fails, how long to wait for Ray to report a dead peer that caused it.
 _DEATH_GRACE_S = 5.0
@@ -66,7 +67,8 @@ class RayEngine(PipelineEngineBase):
         from ray.util.placement_group import remove_placement_group
 
         super().__init__(run_cfg, out_dir)
-        check_split(run_cfg)  # a bad split fails here, in one line, before Ray starts
+        # A bad split fails here, in one line, before Ray starts.
+        check_split(run_cfg.model.n_layers, run_cfg.pipeline, run_cfg.train.microbatches)
         self.placement = placement or run_cfg.pipeline.placement
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement={self.placement!r} is invalid: choose one of {', '.join(PLACEMENTS)}")

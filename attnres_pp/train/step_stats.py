@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from attnres_pp.simulator.accounting import bubble_fraction
+from attnres_pp.pipeline.timeline import bubble_fraction
 
 
 def fwd_hop_tensors(ledger: list[tuple[str, int, int, int, int]], n_chunks: int) -> list[int]:

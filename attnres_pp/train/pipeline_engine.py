@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 
 from attnres_pp.model import Transformer, parameter_count
-from attnres_pp.pipeline.step_stats import StepStatsLog
-from attnres_pp.simulator.trace import write_chrome_trace
+from attnres_pp.pipeline.trace import write_chrome_trace
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.loop import StepResult
+from attnres_pp.train.step_stats import StepStatsLog
 
 
 class PipelineEngineBase:

@@ -1,5 +1,7 @@
 """StageWorker: one pipeline rank with its chunks, optimizer and runtime, talking over
 torch.distributed. The local launcher's processes and the Ray actors are thin shells around it.
+It lives in the training layer because it owns the optimiser step and the checkpoint state; the
+pipeline below it provides the chunks, the schedule, the runtime and the transports.
 
 Every rank builds the whole model from the run's seed and keeps its own chunks, so initial weights
 equal the single-process model's. MSAR stream convolutions are replicated on every rank; their
@@ -8,55 +10,20 @@ gradients are summed across ranks before clipping (tied parameters), and counted
 
 from __future__ import annotations
 
-import datetime
 import os
 
 import torch
 
+from attnres_pp.comm.partition import make_partition
 from attnres_pp.comm.plan import plan_for_model
 from attnres_pp.comm.transport import DistTransport
 from attnres_pp.model import Transformer
 from attnres_pp.pipeline.chunk import build_rank_chunks, rank_parameters
-from attnres_pp.pipeline.partition import make_partition
-from attnres_pp.pipeline.passes import insert_comm
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
-from attnres_pp.pipeline.schedules import build_schedule
-from attnres_pp.pipeline.validate import validate
+from attnres_pp.pipeline.stage_setup import init_process_group, lowered_schedule
 from attnres_pp.train.checkpoint import capture_state, restore_state
 from attnres_pp.train.config import RunConfig
-from attnres_pp.train.optim import build_optimizer, clip_grad_norm_, set_lr
-
-
-def lowered_schedule(run_cfg: RunConfig):
-    """The validated, communication-lowered schedule of a run (identical on every rank)."""
-    pipe = run_cfg.pipeline
-    schedule = insert_comm(build_schedule(pipe.schedule, pipe.stages, pipe.virtual, run_cfg.train.microbatches))
-    validate(schedule)
-    return schedule
-
-
-def check_split(run_cfg: RunConfig) -> None:
-    """Raise ValueError (before any worker starts) if the layers do not split into the run's chunks
-    or the schedule does not validate."""
-    cfg, pipe = run_cfg.model, run_cfg.pipeline
-    make_partition(cfg.n_layers, pipe.stages, pipe.virtual, pipe.layer_counts)
-    lowered_schedule(run_cfg)
-
-
-def init_process_group(init_method: str, pp_rank: int, world_size: int,
-                       timeout_s: float) -> tuple[str, torch.device]:
-    """gloo on CPU, nccl when a GPU is visible; every collective and p2p op times out after timeout_s."""
-    import torch.distributed as dist
-
-    use_cuda = torch.cuda.is_available() and os.environ.get("ATTNRES_PP_FORCE_CPU") != "1"
-    backend = "nccl" if use_cuda else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=pp_rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    if not use_cuda:
-        return backend, torch.device("cpu")
-    # Ray hands each actor one GPU (device 0 in its view); local processes share the node's GPUs.
-    torch.cuda.set_device(pp_rank % torch.cuda.device_count())
-    return backend, torch.device("cuda", torch.cuda.current_device())
+from attnres_pp.train.optim import build_optimizer, optimizer_step
 
 
 class StageWorker:
@@ -73,7 +40,7 @@ class StageWorker:
         self.tied = list(self.model.stream_convs.parameters()) if self.model.stream_convs is not None else []
         self.optimizer = build_optimizer(self.params.items(), train)
         self.plan = plan_for_model(cfg, self.partition, pipe.cache)
-        self.schedule = lowered_schedule(self.run_cfg)
+        self.schedule = lowered_schedule(pipe, train.microbatches)
         self.runtime: StageRuntime | None = None
         self.fail_at_step: int | None = None  # rehearsal of a lost rank: exit mid-step at this step
 
@@ -141,10 +108,7 @@ class StageWorker:
             dist.all_reduce(untied)
             return untied.cpu() + tied_sq
 
-        grad_norm = clip_grad_norm_(self.params.values(), self.run_cfg.train.grad_clip, reduce_sq)
-        set_lr(self.optimizer, lr)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip, reduce_sq)
         return {
             "losses": record.losses,
             "events": [(e.pp_rank, e.name, e.start_s, e.end_s, e.category) for e in record.events],

@@ -8,18 +8,18 @@ from attnres_pp.train.config import RunConfig
 def make_engine(run_cfg: RunConfig, out_dir=None, **launcher_options):
     launcher = run_cfg.pipeline.launcher
     if launcher == "local":
-        from attnres_pp.pipeline.local_launcher import ProcessEngine
+        from attnres_pp.train.process_engine import ProcessEngine
 
         return ProcessEngine(run_cfg, out_dir, **launcher_options)
     if launcher == "inprocess":
-        from attnres_pp.pipeline.inprocess import InProcessEngine
+        from attnres_pp.train.inprocess_engine import InProcessEngine
 
         return InProcessEngine(run_cfg, out_dir)
     if launcher == "ray":
         try:
-            from attnres_pp.pipeline.ray_launcher import RayEngine
+            from attnres_pp.train.ray_engine import RayEngine
         except ModuleNotFoundError as error:
-            if error.name != "attnres_pp.pipeline.ray_launcher":
+            if error.name != "attnres_pp.train.ray_engine":
                 raise
             raise ValueError("--launcher ray is not available in this build yet: use --launcher local") from None
         return RayEngine(run_cfg, out_dir, **launcher_options)

@@ -1,5 +1,6 @@
 """Time accounting of a measured pipelined step (`account`), from the ranks' per-action timestamps
-on one shared clock (pure Python; the benchmarks and the simulator's calibration share it).
+on one shared clock (pure Python). A real run's step statistics, the benchmarks and the simulator's
+calibration all use it, so it lives below both the training engines and the simulator.
 
 The step window runs from the first action's start to the last action's end (the
 final flush included); each rank's share of it (ranks x window in all) splits into:
@@ -15,10 +16,7 @@ so bubble = 1 - compute / (ranks x window) = idle + recv + send + dispatch (frac
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
-
-from attnres_pp.simulator.costs import CostModel
 
 Event = tuple[int, str, float, float, str]  # (pp_rank, action name, start_s, end_s, "compute" | "comm")
 
@@ -87,10 +85,3 @@ def account(events: list[Event], n_ranks: int) -> dict[str, float]:
         "overhead_s_per_compute": (dispatch + send + recv) / n_compute if n_compute else 0.0,
         "compute_s_per_rank": compute / n_ranks,
     }
-
-
-def with_overhead(costs: CostModel, overhead_s: float) -> CostModel:
-    """`costs` with `overhead_s` added to every F and B (the runtime's per-action work)."""
-    return dataclasses.replace(costs, forward_s=tuple(f + overhead_s for f in costs.forward_s),
-                               backward_s=tuple(b + overhead_s for b in costs.backward_s),
-                               label=costs.label + " + measured runtime overhead")

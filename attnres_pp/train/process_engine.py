@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from attnres_pp.pipeline.engines import PipelineEngineBase, model_from_parameters
+from attnres_pp.pipeline.errors import WorkerLost
 from attnres_pp.pipeline.rank_processes import RankProcesses, serve
-from attnres_pp.pipeline.worker import check_split
+from attnres_pp.pipeline.stage_setup import check_split
 from attnres_pp.train.checkpoint import read_checkpoint, write_rank_file
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.loop import StepResult
-from attnres_pp.train.recovery import WorkerLost
+from attnres_pp.train.pipeline_engine import PipelineEngineBase, model_from_parameters
 
 __all__ = ["ProcessEngine", "WorkerLost"]  # WorkerLost lives in train.recovery; re-exported for callers
 
@@ -24,7 +24,7 @@ __all__ = ["ProcessEngine", "WorkerLost"]  # WorkerLost lives in train.recovery;
 def _serve(pp_rank: int, init_method: str, world_size: int, conn, run_cfg_dict: dict,
            fail_at_step: int | None) -> None:
     """The rank process: build the worker, join the group, then answer requests."""
-    from attnres_pp.pipeline.worker import StageWorker
+    from attnres_pp.train.stage_worker import StageWorker
 
     def make_worker():
         worker = StageWorker(run_cfg_dict, pp_rank)
@@ -37,7 +37,8 @@ def _serve(pp_rank: int, init_method: str, world_size: int, conn, run_cfg_dict: 
 class ProcessEngine(PipelineEngineBase):
     def __init__(self, run_cfg: RunConfig, out_dir=None, *, fail_at: tuple[int, int] | None = None) -> None:
         super().__init__(run_cfg, out_dir)
-        check_split(run_cfg)  # a bad split fails here, in one line, before any process starts
+        # A bad split fails here, in one line, before any process starts.
+        check_split(run_cfg.model.n_layers, run_cfg.pipeline, run_cfg.train.microbatches)
         self.timeout_s = run_cfg.pipeline.timeout_s
         self._ranks: RankProcesses | None = None
         self._start_workers(fail_at)

@@ -1,0 +1,46 @@
+"""What every rank of a pipelined run sets up the same way: the lowered, validated schedule, the
+check that a split works (run by the driver before any worker starts) and the process group."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+
+from attnres_pp.comm.partition import make_partition
+from attnres_pp.pipeline.config import PipelineConfig
+from attnres_pp.pipeline.ir import Schedule
+from attnres_pp.pipeline.passes import insert_comm
+from attnres_pp.pipeline.schedules import build_schedule
+from attnres_pp.pipeline.validate import validate
+
+
+def lowered_schedule(pipe: PipelineConfig, n_microbatches: int) -> Schedule:
+    """The validated, communication-lowered schedule of a run (identical on every rank)."""
+    schedule = insert_comm(build_schedule(pipe.schedule, pipe.stages, pipe.virtual, n_microbatches))
+    validate(schedule)
+    return schedule
+
+
+def check_split(n_layers: int, pipe: PipelineConfig, n_microbatches: int) -> None:
+    """Raise ValueError (before any worker starts) if the layers do not split into the run's chunks
+    or the schedule does not validate."""
+    make_partition(n_layers, pipe.stages, pipe.virtual, pipe.layer_counts)
+    lowered_schedule(pipe, n_microbatches)
+
+
+def init_process_group(init_method: str, pp_rank: int, world_size: int,
+                       timeout_s: float) -> tuple[str, torch.device]:
+    """gloo on CPU, nccl when a GPU is visible; every collective and p2p op times out after timeout_s."""
+    import torch.distributed as dist
+
+    use_cuda = torch.cuda.is_available() and os.environ.get("ATTNRES_PP_FORCE_CPU") != "1"
+    backend = "nccl" if use_cuda else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=pp_rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    if not use_cuda:
+        return backend, torch.device("cpu")
+    # Ray hands each actor one GPU (device 0 in its view); local processes share the node's GPUs.
+    torch.cuda.set_device(pp_rank % torch.cuda.device_count())
+    return backend, torch.device("cuda", torch.cuda.current_device())
