@@ -35,3 +35,19 @@ def test_pipelined_train_writes_measured_hops_bytes_bubble_and_trace(tmp_path, c
     assert {e["args"]["name"] for e in trace if e["ph"] == "M"} == {"rank 0", "rank 1"}
     names = {e["name"] for e in trace if e["ph"] == "X"}
     assert {"F0.0", "B3.1", "SF0.0", "RF1.0"} <= names
+
+
+@pytest.mark.parametrize("launcher", ["local", "inprocess"])
+def test_one_stage_with_virtual_stages_trains_like_the_single_process(tmp_path, launcher):
+    """`--stages 1 --virtual 2`: every hop is a self-hop (in memory, zero bytes), and with blocks
+    closing exactly at chunk edges a cached hop carries nothing at all. Same losses as one process."""
+    model = ["--residual", "attnres", "--block-size", "4", "--microbatches", "2", *SMALL]
+    assert main(["train", "--launcher", "local", "--stages", "1", "--virtual", "1", *model,
+                 "--out", str(tmp_path / "single")]) == 0
+    assert main(["train", "--launcher", launcher, "--stages", "1", "--virtual", "2", *model,
+                 "--out", str(tmp_path / "piped")]) == 0
+    single = json.loads((tmp_path / "single" / "summary.json").read_text())
+    piped = json.loads((tmp_path / "piped" / "summary.json").read_text())
+    for got, want in zip(piped["losses"], single["losses"], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want)
+    assert piped["fwd_hop_tensors"] == [0] and piped["bytes_sent_per_step"] == 0

@@ -78,23 +78,27 @@ def run_group(P, run_dicts, tmp_path, timeout_s=240):
     return out
 
 
-CASES_P2 = [(v, s, 2, V, m, cache) for v in sorted(VARIANTS)
+# (variant, schedule, P, V, m, cache, block size): block size 3 puts block edges inside chunks (each
+# chunk holds an even number of sublayers); P = 1 uses 2, so blocks close exactly at chunk edges and
+# its self-hops (handed over in memory) carry nothing at all under the cache.
+CASES_P1 = [(v, "interleaved_1f1b", 1, V, 2, cache, 2) for v in sorted(VARIANTS) for V in (2, 3, 4)
+            for cache in (True, False)]
+CASES_P2 = [(v, s, 2, V, m, cache, 3) for v in sorted(VARIANTS)
             for s, V, m in (("interleaved_1f1b", 2, 4), ("1f1b", 1, 3), ("gpipe", 2, 2))
             for cache in (True, False)]
-CASES_P3 = [(v, s, 3, V, m, True) for v in sorted(VARIANTS)
+CASES_P3 = [(v, s, 3, V, m, True, 3) for v in sorted(VARIANTS)
             for s, V, m in (("interleaved_1f1b", 2, 3), ("1f1b", 1, 4))]
 
 
-@pytest.mark.parametrize("cases", [CASES_P2, CASES_P3], ids=["P2", "P3"])
+@pytest.mark.parametrize("cases", [CASES_P1, CASES_P2, CASES_P3], ids=["P1", "P2", "P3"])
 def test_gloo_pipeline_equals_single_process(cases, tmp_path):
     run_dicts = []
-    for variant, schedule, P, V, m, cache in cases:
+    for variant, schedule, P, V, m, cache, block_size in cases:
         n_layers = 6 if P == 3 else 4
-        # block size 3 puts block edges inside chunks (each chunk holds an even number of sublayers)
-        overrides = {} if variant in ("standard", "full") else {"block_size": 3}
+        overrides = {} if variant in ("standard", "full") else {"block_size": block_size}
         run_dicts.append(run_dict(model_config(variant, n_layers, **overrides), schedule, P, V, m, cache))
     out = run_group(cases[0][2], run_dicts, tmp_path)
-    for index, (variant, schedule, P, V, m, cache) in enumerate(cases):
+    for index, (variant, schedule, P, V, m, cache, _) in enumerate(cases):
         cfg = RunConfig.from_dict(run_dicts[index]).model
         want_loss, want_grads = reference_step(cfg, *batch(m), m)
         got = out[index]
@@ -102,6 +106,8 @@ def test_gloo_pipeline_equals_single_process(cases, tmp_path):
         loss = sum(got["losses"].values()) / m
         assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (variant, schedule, P, V, m, cache)
         assert_grads_match(got["grads"], want_grads, rtol=1e-5)
+        if P == 1:
+            assert got["ledger"] == [], "a self-hop went through the transport"
 
 
 def test_gloo_measured_hop_counts_equal_spec_table(tmp_path):

@@ -11,10 +11,10 @@ from attnres_pp.comm.partition import make_partition
 from attnres_pp.comm.plan import Source, plan_for_model, plan_payloads
 from attnres_pp.comm.transport import ByteLedger
 from attnres_pp.pipeline.chunk import build_rank_chunks
+from attnres_pp.pipeline.loopback import make_loopback_runtimes, run_loopback_step
 from attnres_pp.pipeline.passes import insert_comm
 from attnres_pp.pipeline.schedules import build_schedule
 from attnres_pp.pipeline.validate import validate
-from attnres_pp.pipeline.loopback import make_loopback_runtimes, run_loopback_step
 from attnres_pp.train.step_stats import fwd_hop_tensors
 from tests.pipeline_helpers import MICRO, SEQ, assert_grads_match, batch, build_model, model_config, reference_step
 from tests.reference_model import VARIANTS
@@ -64,6 +64,109 @@ def test_pipelined_step_equals_single_process_float64(variant):
     want_loss, want_grads = reference_step(cfg, *batch(3), 3, dtype=torch.float64)
     assert abs(loss - want_loss) <= 1e-12
     assert_grads_match(grads, want_grads, rtol=1e-10)
+
+
+# One rank with V chunks: every hop joins two chunks of the same rank, so it must be handed over in
+# memory. Blocks of 2 and 4 sublayers close exactly at chunk edges (chunks hold 2 or 4 sublayers),
+# which makes cached hops carry nothing at all: the case that once crashed the runtime.
+ONE_RANK = [(V, n_layers, block_size, schedule)
+            for V, n_layers in ((2, 4), (3, 3), (4, 4))
+            for block_size, schedule in ((2, "interleaved_1f1b"), (4, "gpipe"), (3, "interleaved_1f1b"))]
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("layout", ONE_RANK, ids=lambda x: f"V{x[0]}L{x[1]}S{x[2]}-{x[3]}")
+@pytest.mark.parametrize("cache", [True, False], ids=["cached", "naive"])
+def test_one_rank_with_virtual_stages_equals_single_process(variant, layout, cache):
+    V, n_layers, block_size, schedule_name = layout
+    overrides = {} if variant in ("standard", "full") else {"block_size": block_size}
+    cfg = model_config(variant, n_layers, **overrides)
+    ledger = ByteLedger()
+    loss, grads = pipelined_step(cfg, schedule_name, 1, V, 2, cache, ledger=ledger)
+    want_loss, want_grads = reference_step(cfg, *batch(2), 2)
+    assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
+    assert_grads_match(grads, want_grads, rtol=1e-5)
+    # Self-hops never touch the transport: nothing is sent, and the plan counts zero tensors.
+    assert ledger.records == []
+    plan = plan_for_model(cfg, make_partition(n_layers, 1, V), cache)
+    assert plan.fwd_hop_tensors == fwd_hop_tensors(ledger.records, V) == [0] * (V - 1)
+
+
+def _spec_rule_hops(n_layers: int, block_size: int, partition) -> list[list[str]]:
+    """SPEC section 4's cached rule restated on its own: hop c -> c+1 sends the open partial plus the
+    completed blocks its receiving rank does not hold (what it made or received earlier); a hop
+    between two chunks of one rank sends nothing over the wire."""
+    held: dict[int, set[int]] = {}
+    hops = []
+    for c in range(partition.n_chunks - 1):
+        rank, receiver = partition.rank_of(c), partition.rank_of(c + 1)
+        done = 2 * sum(partition.layers_per_chunk[: c + 1])
+        completed = set(range(done // block_size + 1))  # b_0 .. b_n
+        held.setdefault(rank, set()).update(completed)
+        if rank == receiver:
+            hops.append([])
+            continue
+        partial = [f"p{done // block_size + 1}"] if done % block_size else []
+        hops.append([f"b{j}" for j in sorted(completed - held.get(receiver, set()))] + partial)
+        held.setdefault(receiver, set()).update(completed)
+    return hops
+
+
+@pytest.mark.parametrize("P,V,placement", [(1, 3, "loop"), (3, 2, "vshape"), (4, 2, "vshape"), (2, 3, "loop")])
+@pytest.mark.parametrize("block_size", [1, 2, 3])
+def test_wire_hops_follow_the_spec_rule_for_any_placement(P, V, placement, block_size):
+    """The planner's wire hops equal the rule restated above, self-hops (P = 1; ZB-V's middle hop)
+    count zero, and naive and standard self-hops still hand their tensors over in memory."""
+    n_layers = P * V
+    partition = make_partition(n_layers, P, V, placement=placement)
+    cached = plan_payloads(n_sublayers=2 * n_layers, block_size=block_size, partition=partition, mode="cached")
+    assert [[str(s) for s in hop] for hop in cached.wire_hops] == _spec_rule_hops(n_layers, block_size, partition)
+    assert cached.fwd_hop_tensors == [len(hop) for hop in cached.wire_hops]
+    self_hops = [c for c in range(P * V - 1) if partition.is_self_hop(c)]
+    assert self_hops == ([P - 1] if placement == "vshape" else list(range(P * V - 1)) if P == 1 else [])
+    for mode in ("naive", "standard"):
+        plan = plan_payloads(n_sublayers=2 * n_layers, block_size=block_size, partition=partition, mode=mode)
+        assert all(plan.fwd_hop_tensors[c] == 0 and len(plan.hops[c]) > 0 for c in self_hops)
+
+
+def _vshape_gpipe(P: int, m: int):
+    """A GPipe order under V-shape placement (chunk c on rank c, then 2P - 1 - c): each rank runs
+    all forwards of its chunks in visit order, then all backwards in reverse."""
+    from attnres_pp.pipeline.ir import B, F, Schedule
+
+    rank_actions = []
+    for rank in range(P):
+        chunks = [rank, 2 * P - 1 - rank]
+        actions = [F(c, mb) for c in chunks for mb in range(m)]
+        actions += [B(c, mb) for c in reversed(chunks) for mb in range(m)]
+        rank_actions.append(tuple(actions))
+    return Schedule(name="gpipe_vshape", n_stages=P, n_virtual=2, n_microbatches=m,
+                    rank_actions=tuple(rank_actions), placement="vshape")
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("cache", [True, False], ids=["cached", "naive"])
+def test_vshape_placement_runs_with_single_process_parity(variant, cache):
+    """The runtime with a placement other than loop: the middle hop is a self-hop (in memory), the
+    cache serves what each rank holds, and loss and gradients equal the single process."""
+    P, m, n_layers = 2, 2, 4
+    cfg = model_config(variant, n_layers)
+    model = build_model(cfg)
+    partition = make_partition(n_layers, P, 2, placement="vshape")
+    schedule = insert_comm(_vshape_gpipe(P, m))
+    validate(schedule)
+    ledger = ByteLedger()
+    plan = plan_for_model(cfg, partition, cache)
+    runtimes = make_loopback_runtimes(cfg, [build_rank_chunks(model, partition, r) for r in range(P)], plan,
+                                      schedule, (MICRO, SEQ), ledger)
+    inputs, targets = batch(m)
+    records = run_loopback_step(runtimes, list(inputs.chunk(m)), list(targets.chunk(m)), 1.0 / m)
+    loss = sum(loss for r in records for loss in r.losses.values()) / m
+    want_loss, want_grads = reference_step(cfg, inputs, targets, m)
+    assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
+    assert_grads_match({n: p.grad for n, p in model.named_parameters()}, want_grads, rtol=1e-5)
+    measured = fwd_hop_tensors(ledger.records, 2 * P)
+    assert measured == plan.fwd_hop_tensors and measured[P - 1] == 0
 
 
 GOLDEN = [  # SPEC section 4.1: (L, S, P, V, naive per hop, cached per hop)

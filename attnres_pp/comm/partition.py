@@ -1,24 +1,48 @@
-"""Partition of the model's transformer layers into C = P * V chunks (SPEC section 3).
+"""Partition of the model's transformer layers into C = P * V chunks, and the placement of chunks on
+ranks (SPEC section 3).
 
 Pure standard library: the simulator and the payload planner use it without torch.
-Chunk c runs on rank c % P ("loop" placement); chunk 0 also holds the embedding and chunk C - 1
-the final read, output norm, LM head and loss.
+Placements: "loop" (chunk c on rank c % P; GPipe, 1F1B, interleaved schedules) and "vshape" (V = 2;
+chunk c on rank c for c < P, on rank 2P - 1 - c otherwise; ZB-V). Chunk 0 also holds the embedding
+and chunk C - 1 the final read, output norm, LM head and loss. Two consecutive chunks on one rank
+exchange their tensors in memory (a self-hop): nothing goes over the wire.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+PLACEMENTS = ("loop", "vshape")
+
+
+def check_placement(placement: str, n_stages: int, n_virtual: int) -> None:
+    """Raise ValueError saying how to fix an unknown placement or one that does not fit P x V."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement={placement!r} is unknown: choose one of {', '.join(PLACEMENTS)}")
+    if placement == "vshape" and n_virtual != 2:
+        raise ValueError(f"placement 'vshape' puts exactly 2 chunks on each rank, but virtual={n_virtual}: "
+                         "use virtual=2 (or the 'loop' placement)")
+
+
+def chunk_rank(chunk_index: int, n_stages: int, placement: str = "loop") -> int:
+    """The rank that runs chunk `chunk_index` under `placement` (SPEC section 3)."""
+    if placement == "loop":
+        return chunk_index % n_stages
+    return chunk_index if chunk_index < n_stages else 2 * n_stages - 1 - chunk_index
+
 
 @dataclass(frozen=True, kw_only=True)
 class Partition:
-    """layers_per_chunk[c] transformer layers go to chunk c, in order."""
+    """layers_per_chunk[c] transformer layers go to chunk c, in order; chunk c runs on
+    `rank_of(c)` under `placement`."""
 
     n_stages: int
     n_virtual: int
     layers_per_chunk: tuple[int, ...]
+    placement: str = "loop"
 
     def __post_init__(self) -> None:
+        check_placement(self.placement, self.n_stages, self.n_virtual)
         if self.n_stages < 1:
             raise ValueError(f"stages={self.n_stages} is invalid: need at least 1 pipeline rank")
         if self.n_virtual < 1:
@@ -42,10 +66,15 @@ class Partition:
         return sum(self.layers_per_chunk)
 
     def rank_of(self, chunk_index: int) -> int:
-        return chunk_index % self.n_stages
+        return chunk_rank(chunk_index, self.n_stages, self.placement)
 
     def chunks_of(self, pp_rank: int) -> list[int]:
-        return list(range(pp_rank, self.n_chunks, self.n_stages))
+        """The chunks of `pp_rank` in the order a microbatch visits them."""
+        return [c for c in range(self.n_chunks) if self.rank_of(c) == pp_rank]
+
+    def is_self_hop(self, chunk_index: int) -> bool:
+        """True if hop `chunk_index` -> `chunk_index + 1` joins two chunks of one rank (in memory)."""
+        return self.rank_of(chunk_index) == self.rank_of(chunk_index + 1)
 
     def layer_range(self, chunk_index: int) -> range:
         start = sum(self.layers_per_chunk[:chunk_index])
@@ -57,7 +86,8 @@ class Partition:
 
 
 def make_partition(
-    n_layers: int, n_stages: int, n_virtual: int, layer_counts: list[int] | tuple[int, ...] | None = None
+    n_layers: int, n_stages: int, n_virtual: int, layer_counts: list[int] | tuple[int, ...] | None = None,
+    placement: str = "loop",
 ) -> Partition:
     """Uniform split (earlier chunks take the remainder) or an explicit list of layer counts."""
     n_chunks = n_stages * n_virtual
@@ -69,7 +99,8 @@ def make_partition(
             )
         base, extra = divmod(n_layers, n_chunks)
         layer_counts = [base + (1 if c < extra else 0) for c in range(n_chunks)]
-    partition = Partition(n_stages=n_stages, n_virtual=n_virtual, layers_per_chunk=tuple(layer_counts))
+    partition = Partition(n_stages=n_stages, n_virtual=n_virtual, layers_per_chunk=tuple(layer_counts),
+                          placement=placement)
     if partition.n_layers != n_layers:
         raise ValueError(
             f"layer counts {list(layer_counts)} sum to {partition.n_layers}, but the model has "

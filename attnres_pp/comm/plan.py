@@ -61,11 +61,18 @@ class PayloadPlan:
 
     @property
     def hops(self) -> tuple[tuple[Source, ...], ...]:
+        """What each hop hands to the next chunk, over the wire or (self-hops) in memory."""
         return tuple(io.sent for io in self.chunks[:-1])
 
     @property
+    def wire_hops(self) -> tuple[tuple[Source, ...], ...]:
+        """What each hop sends over the wire: a self-hop (two chunks of one rank) sends nothing."""
+        return tuple(() if self.partition.is_self_hop(c) else hop for c, hop in enumerate(self.hops))
+
+    @property
     def fwd_hop_tensors(self) -> list[int]:
-        return [len(hop) for hop in self.hops]
+        """Tensors over the wire per forward hop (SPEC section 4.1; a self-hop counts zero)."""
+        return [len(hop) for hop in self.wire_hops]
 
 
 def _completed_blocks(sublayers_done: int, block_size: int) -> int:

@@ -46,6 +46,12 @@ class ByteLedger:
         return {hop: n for d, hop, mb, n, _ in self.records if d == direction and mb == microbatch_index}
 
 
+def _refuse_self_hop(pp_rank: int, peer: int) -> None:
+    if peer == pp_rank:
+        raise ValueError(f"rank {pp_rank} asked the transport to message itself: a hop between two chunks "
+                         "of one rank is handed over in memory by the runtime, never sent")
+
+
 def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.empty(0)
 
@@ -64,6 +70,7 @@ class LoopbackTransport:
         self.ledger = ledger or ByteLedger()
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int, label: tuple[str, int, int]) -> None:
+        _refuse_self_hop(self.pp_rank, dst)
         self.ledger.record(*label, tensors)
         self.mailbox[(self.pp_rank, dst, tag)] = _pack(tensors)  # cat already copies: no aliasing
 
@@ -82,7 +89,8 @@ class LoopbackTransport:
 
 
 class DistTransport:
-    """torch.distributed p2p within the default process group; self-hops (P = 1) stay in memory."""
+    """torch.distributed p2p within the default process group. Self-hops never reach a transport:
+    the runtime hands them over in memory."""
 
     def __init__(self, pp_rank: int, timeout_s: float, device: torch.device, ledger: ByteLedger | None = None):
         self.pp_rank = pp_rank
@@ -90,18 +98,15 @@ class DistTransport:
         self.device = device
         self.ledger = ledger or ByteLedger()
         self._pending: list = []
-        self._local: dict[int, torch.Tensor] = {}
         self._posted: dict[tuple[int, int], tuple] = {}  # (src, tag) -> (work, flat buffer)
         self.can_prepost = device.type == "cpu"  # gloo; see the module docstring
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int, label: tuple[str, int, int]) -> None:
         import torch.distributed as dist
 
+        _refuse_self_hop(self.pp_rank, dst)
         self.ledger.record(*label, tensors)
         flat = _pack(tensors).to(self.device)
-        if dst == self.pp_rank:
-            self._local[tag] = flat
-            return
         # Keep the buffer alive until the send completes.
         self._pending.append((dist.isend(flat, dst, tag=tag), flat, dst))
 
@@ -110,7 +115,8 @@ class DistTransport:
 
     def prepost_recv(self, shapes: list[torch.Size], dtype: torch.dtype, src: int, tag: int) -> None:
         """Post the receive of (src, tag) now; `recv` of the same message then only waits for it."""
-        if src != self.pp_rank and (src, tag) not in self._posted:
+        _refuse_self_hop(self.pp_rank, src)
+        if (src, tag) not in self._posted:
             self._posted[(src, tag)] = self._irecv(shapes, dtype, src, tag)
 
     def _irecv(self, shapes: list[torch.Size], dtype: torch.dtype, src: int, tag: int) -> tuple:
@@ -121,8 +127,7 @@ class DistTransport:
         return dist.irecv(flat, src, tag=tag), flat
 
     def recv(self, shapes: list[torch.Size], dtype: torch.dtype, src: int, tag: int) -> list[torch.Tensor]:
-        if src == self.pp_rank:
-            return _unpack(self._local.pop(tag), shapes)
+        _refuse_self_hop(self.pp_rank, src)
         posted = self._posted.pop((src, tag), None)
         work, flat = posted if posted is not None else self._irecv(shapes, dtype, src, tag)
         try:

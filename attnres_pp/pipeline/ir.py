@@ -11,7 +11,8 @@ Action strings (`str(action)`, `Action.parse`):
     RF4.1  receive chunk 4's forward input (hop 3 -> 4), on chunk 4's rank
     SB4.1  send chunk 4's input gradients (backward hop 4 -> 3), on chunk 4's rank
     RB3.1  receive chunk 3's output gradients (backward hop 4 -> 3), on chunk 3's rank
-Every action runs on the rank of its own chunk index (loop placement: rank = chunk % P).
+Every action runs on the rank of its own chunk index, as the schedule's placement says
+(`comm.partition.chunk_rank`: loop, rank = chunk % P; or vshape).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
+
+from attnres_pp.comm.partition import check_placement, chunk_rank
 
 
 class ActionKind(enum.StrEnum):
@@ -111,24 +114,27 @@ def B(chunk_index: int, microbatch_index: int) -> Action:
     return Action(ActionKind.B, chunk_index, microbatch_index)
 
 
-_HEADER_RE = re.compile(r"^schedule\s+(\S+)\s+P=(\d+)\s+V=(\d+)\s+m=(\d+)$")
+_HEADER_RE = re.compile(r"^schedule\s+(\S+)\s+P=(\d+)\s+V=(\d+)\s+m=(\d+)(?:\s+placement=(\w+))?$")
 _RANK_RE = re.compile(r"^rank\s+(\d+):(.*)$")
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """rank_actions[pp_rank] is the ordered action list of rank pp_rank (loop placement)."""
+    """rank_actions[pp_rank] is the ordered action list of rank pp_rank; `placement` maps chunks to
+    ranks (a schedule declares it: loop for GPipe, 1F1B and interleaved; vshape for ZB-V)."""
 
     name: str
     n_stages: int
     n_virtual: int
     n_microbatches: int
     rank_actions: tuple[tuple[Action, ...], ...]
+    placement: str = "loop"
 
     def __post_init__(self) -> None:
         for field_name in ("n_stages", "n_virtual", "n_microbatches"):
             if getattr(self, field_name) < 1:
                 raise ValueError(f"Schedule.{field_name}={getattr(self, field_name)} must be >= 1")
+        check_placement(self.placement, self.n_stages, self.n_virtual)
         if len(self.rank_actions) != self.n_stages:
             raise ValueError(
                 f"schedule has {len(self.rank_actions)} action lists for {self.n_stages} ranks: "
@@ -140,7 +146,10 @@ class Schedule:
         return self.n_stages * self.n_virtual
 
     def rank_of(self, chunk_index: int) -> int:
-        return chunk_index % self.n_stages
+        return chunk_rank(chunk_index, self.n_stages, self.placement)
+
+    def chunks_of(self, pp_rank: int) -> list[int]:
+        return [c for c in range(self.n_chunks) if self.rank_of(c) == pp_rank]
 
     def peer(self, action: Action) -> int:
         """The rank at the other end of a communication action (it may be this rank when P == 1)."""
@@ -151,7 +160,8 @@ class Schedule:
         return any(not a.is_compute for actions in self.rank_actions for a in actions)
 
     def __str__(self) -> str:
-        lines = [f"schedule {self.name} P={self.n_stages} V={self.n_virtual} m={self.n_microbatches}"]
+        placement = "" if self.placement == "loop" else f" placement={self.placement}"
+        lines = [f"schedule {self.name} P={self.n_stages} V={self.n_virtual} m={self.n_microbatches}{placement}"]
         for pp_rank, actions in enumerate(self.rank_actions):
             lines.append(f"rank {pp_rank}: " + " ".join(str(a) for a in actions))
         return "\n".join(lines)
@@ -165,7 +175,7 @@ class Schedule:
                 "a schedule's text starts with a header like 'schedule 1f1b P=4 V=1 m=8', "
                 f"got {lines[0] if lines else 'nothing'!r}"
             )
-        name, n_stages, n_virtual, n_microbatches = header.groups()
+        name, n_stages, n_virtual, n_microbatches, placement = header.groups()
         rank_actions: list[tuple[Action, ...]] = []
         for expected_rank, line in enumerate(lines[1:]):
             match = _RANK_RE.match(line)
@@ -173,4 +183,5 @@ class Schedule:
                 raise ValueError(f"expected a line 'rank {expected_rank}: ACTIONS...', got {line!r}")
             rank_actions.append(tuple(Action.parse(word) for word in match.group(2).split()))
         return cls(name=name, n_stages=int(n_stages), n_virtual=int(n_virtual),
-                   n_microbatches=int(n_microbatches), rank_actions=tuple(rank_actions))
+                   n_microbatches=int(n_microbatches), rank_actions=tuple(rank_actions),
+                   placement=placement or "loop")

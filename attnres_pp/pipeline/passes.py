@@ -15,10 +15,11 @@ def insert_comm(schedule: Schedule) -> Schedule:
         RF c.mb  before F c.mb   (c > 0)        SF c.mb  after F c.mb   (c < C - 1)
         RB c.mb  before B c.mb   (c < C - 1)    SB c.mb  after B c.mb   (c > 0)
     Receives sit right before their compute, so a rank blocks only on what it needs next; sends
-    sit right after, and the runtime posts them without waiting (isend). With P == 1 and V > 1
-    every hop joins two chunks of the same rank: the sends and receives are kept, and the runtime
-    serves such self-hops from a local queue, so the runtime, simulator and validator see one
-    shape of schedule for every P.
+    sit right after, and the runtime posts them without waiting (isend). A hop between two chunks
+    of the same rank (every hop when P == 1; ZB-V's middle hop) keeps its send and receive too: the
+    runtime hands such a self-hop's tensors over in memory without touching the transport, and
+    the simulator charges it no link time, so the runtime, simulator and validator see one shape
+    of schedule for every placement.
     """
     if schedule.has_comm:
         raise ValueError(f"schedule {schedule.name!r} already has communication: insert_comm runs once")
@@ -46,4 +47,4 @@ def insert_comm(schedule: Schedule) -> Schedule:
                     append(Action(send_b, chunk, microbatch))
         lowered.append(tuple(out))
     return Schedule(name=schedule.name, n_stages=schedule.n_stages, n_virtual=schedule.n_virtual,
-                    n_microbatches=schedule.n_microbatches, rank_actions=tuple(lowered))
+                    n_microbatches=schedule.n_microbatches, rank_actions=tuple(lowered), placement=schedule.placement)

@@ -8,6 +8,9 @@ Gradient bookkeeping per chunk and microbatch, in the backward:
 - a tensor that came *in* (over the wire or from the cache) is an autograd leaf; its gradient is
   the leaf's own plus any outside gradient for it (it was forwarded or cached), and goes back over
   the wire (received) or into the cache as a deposit (cache read).
+A self-hop (two consecutive chunks on this rank, for any placement) never touches the transport:
+its send parks the tensors in memory and its receive takes them (no copy, no bytes, no ledger
+entry), so the wire carries, and the ledger counts, only what crosses between ranks.
 """
 
 from __future__ import annotations
@@ -76,7 +79,9 @@ class StageRuntime:
         self.cache = BlockCache()
         # Positions of this rank's receives; with a transport that can post receives ahead (gloo),
         # the next RECV_LOOKAHEAD of them are always posted (see comm.transport for why).
-        self._recv_positions = [i for i, action in enumerate(self.actions) if action.is_recv]
+        self._is_self_hop = {a: (a.is_send or a.is_recv) and schedule.peer(a) == pp_rank for a in self.actions}
+        self._recv_positions = [i for i, action in enumerate(self.actions)
+                                if action.is_recv and not self._is_self_hop[action]]
         self._prepost = getattr(transport, "can_prepost", False)
 
     def _shapes(self, sources: tuple[Source, ...]) -> list[torch.Size]:
@@ -91,6 +96,7 @@ class StageRuntime:
         self._outbox: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._in_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._contexts: dict[tuple[int, int], _ChunkContext] = {}
+        self._in_memory: dict[tuple[str, int, int], list[torch.Tensor]] = {}  # self-hops, by message id
         self.cache = BlockCache()
         self.record = StepRecord()
         self.cursor = 0
@@ -104,9 +110,11 @@ class StageRuntime:
     def next_ready(self) -> bool:
         """True if the next action can run now (a receive whose message has arrived, or any other)."""
         action = self.actions[self.cursor]
-        if action.is_recv:
-            return self.transport.ready(self.schedule.peer(action), self._tag(action))
-        return True
+        if not action.is_recv:
+            return True
+        if self._is_self_hop[action]:
+            return action.message_id in self._in_memory
+        return self.transport.ready(self.schedule.peer(action), self._tag(action))
 
     def run_next(self) -> None:
         action = self.actions[self.cursor]
@@ -167,7 +175,7 @@ class StageRuntime:
         if loss is not None:
             self.record.losses[mb] = float(loss.detach())
         self._contexts[(c, mb)] = _ChunkContext(inputs, produced, loss)
-        if io.sent:
+        if not chunk.is_last:  # the hop's tensors (none on a self-hop that carries nothing)
             self._outbox[(c, mb)] = [produced.get(s, inputs.get(s)) for s in io.sent]
 
     def _backward(self, action: Action) -> None:
@@ -198,7 +206,7 @@ class StageRuntime:
                 grad = extra if grad is None else grad + extra
             return grad
 
-        if io.received:
+        if c > 0:  # the backward hop's gradients (none on a self-hop that carried nothing)
             self._in_grads[(c, mb)] = [
                 g if (g := input_grad(s)) is not None else torch.zeros_like(ctx.inputs[s]) for s in io.received
             ]
@@ -211,23 +219,35 @@ class StageRuntime:
 
     def _send_forward(self, action: Action) -> None:
         c, mb = action.chunk_index, action.microbatch_index
-        self.transport.send(self._outbox.pop((c, mb)), self.schedule.peer(action), self._tag(action), ("fwd", c, mb))
+        self._send(action, self._outbox.pop((c, mb)), ("fwd", c, mb))
 
     def _recv_forward(self, action: Action) -> None:
         c, mb = action.chunk_index, action.microbatch_index
         sources = self.plan.chunks[c].received
         tensors = self._receive(action)
-        self._received[(c, mb)] = {s: t.requires_grad_(True) for s, t in zip(sources, tensors, strict=True)}
+        # Fresh leaves: over the wire they are new buffers; in memory, new views of the sender's.
+        self._received[(c, mb)] = {s: t.detach().requires_grad_(True) for s, t in zip(sources, tensors, strict=True)}
 
     def _send_backward(self, action: Action) -> None:
         c, mb = action.chunk_index, action.microbatch_index
-        grads = self._in_grads.pop((c, mb))
-        self.transport.send(grads, self.schedule.peer(action), self._tag(action), ("bwd", c - 1, mb))
+        self._send(action, self._in_grads.pop((c, mb)), ("bwd", c - 1, mb))
 
     def _recv_backward(self, action: Action) -> None:
         self._out_grads[(action.chunk_index, action.microbatch_index)] = self._receive(action)
 
+    def _send(self, action: Action, tensors: list[torch.Tensor], label: tuple[str, int, int]) -> None:
+        if self._is_self_hop[action]:
+            self._in_memory[action.message_id] = [t.detach() for t in tensors]
+        else:
+            self.transport.send(tensors, self.schedule.peer(action), self._tag(action), label)
+
     def _receive(self, action: Action) -> list[torch.Tensor]:
+        if self._is_self_hop[action]:
+            try:
+                return self._in_memory.pop(action.message_id)
+            except KeyError:
+                raise RuntimeError(f"rank {self.pp_rank}: {action} runs before its self-hop send "
+                                   f"{action.matching()} (the schedule orders them wrongly)") from None
         self._recvs_done += 1
         self._prepost_receives()  # before waiting: the next receives are posted while this one waits
         return self.transport.recv(self._recv_shapes(action), self.dtype, self.schedule.peer(action),

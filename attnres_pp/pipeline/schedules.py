@@ -106,6 +106,17 @@ SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
 }
 
 
+# The chunk -> rank placement each schedule declares (SPEC section 3); the partition a run builds
+# for a schedule must use it, so that chunks live where the schedule runs them.
+PLACEMENT_OF = {name: "loop" for name in SCHEDULES}
+
+
+def schedule_placement(name: str) -> str:
+    if name not in SCHEDULES:
+        raise ValueError(f"schedule {name!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+    return PLACEMENT_OF[name]
+
+
 def build_schedule(name: str, n_stages: int, n_virtual: int, n_microbatches: int) -> Schedule:
     """The compute-only schedule `name` for P ranks, V chunks per rank and m microbatches."""
     if name not in SCHEDULES:

@@ -8,11 +8,11 @@ import os
 
 import torch
 
-from attnres_pp.comm.partition import make_partition
+from attnres_pp.comm.partition import Partition, make_partition
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.pipeline.ir import Schedule
 from attnres_pp.pipeline.passes import insert_comm
-from attnres_pp.pipeline.schedules import build_schedule
+from attnres_pp.pipeline.schedules import build_schedule, schedule_placement
 from attnres_pp.pipeline.validate import validate
 
 
@@ -23,11 +23,18 @@ def lowered_schedule(pipe: PipelineConfig, n_microbatches: int) -> Schedule:
     return schedule
 
 
-def check_split(n_layers: int, pipe: PipelineConfig, n_microbatches: int) -> None:
+def run_partition(n_layers: int, pipe: PipelineConfig) -> Partition:
+    """The run's chunks, placed on ranks as its schedule declares."""
+    return make_partition(n_layers, pipe.stages, pipe.virtual, pipe.layer_counts,
+                          placement=schedule_placement(pipe.schedule))
+
+
+def check_split(n_layers: int, pipe: PipelineConfig, n_microbatches: int) -> Partition:
     """Raise ValueError (before any worker starts) if the layers do not split into the run's chunks
-    or the schedule does not validate."""
-    make_partition(n_layers, pipe.stages, pipe.virtual, pipe.layer_counts)
+    or the schedule does not validate; returns the partition."""
+    partition = run_partition(n_layers, pipe)
     lowered_schedule(pipe, n_microbatches)
+    return partition
 
 
 def init_process_group(init_method: str, pp_rank: int, world_size: int,

@@ -44,7 +44,7 @@ def _check_placement(schedule: Schedule) -> None:
             owner = schedule.rank_of(action.chunk_index)
             if owner != pp_rank:
                 raise ScheduleError(f"{action} is on rank {pp_rank}, but chunk {action.chunk_index} "
-                                    f"runs on rank {owner} (loop placement: chunk % P)")
+                                    f"runs on rank {owner} ({schedule.placement} placement)")
 
 
 def _check_compute_once(schedule: Schedule) -> None:
@@ -55,7 +55,7 @@ def _check_compute_once(schedule: Schedule) -> None:
                 raise ScheduleError(f"{action} appears twice on rank {pp_rank} "
                                     f"(positions {position[action]} and {index})")
             position[action] = index
-        for chunk in range(pp_rank, schedule.n_chunks, schedule.n_stages):
+        for chunk in schedule.chunks_of(pp_rank):
             for microbatch in range(schedule.n_microbatches):
                 forward = Action(ActionKind.F, chunk, microbatch)
                 backward = Action(ActionKind.B, chunk, microbatch)

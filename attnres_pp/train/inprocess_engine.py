@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from attnres_pp.comm.partition import make_partition
 from attnres_pp.comm.plan import plan_for_model
 from attnres_pp.comm.transport import ByteLedger
 from attnres_pp.model import Transformer
 from attnres_pp.pipeline.chunk import build_rank_chunks
 from attnres_pp.pipeline.loopback import make_loopback_runtimes, run_loopback_step
-from attnres_pp.pipeline.stage_setup import lowered_schedule
+from attnres_pp.pipeline.stage_setup import lowered_schedule, run_partition
 from attnres_pp.train.checkpoint import capture_state, read_checkpoint, restore_state, write_rank_file
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.loop import StepResult
@@ -30,7 +29,7 @@ class InProcessEngine(PipelineEngineBase):
         torch.manual_seed(train.seed)
         self.model = Transformer(cfg)
         self.optimizer = build_optimizer(self.model, train)
-        partition = make_partition(cfg.n_layers, pipe.stages, pipe.virtual, pipe.layer_counts)
+        partition = run_partition(cfg.n_layers, pipe)
         rank_chunks = [build_rank_chunks(self.model, partition, r) for r in range(pipe.stages)]
         self.ledger = ByteLedger()
         schedule = lowered_schedule(pipe, train.microbatches)

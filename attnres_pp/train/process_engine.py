@@ -38,7 +38,7 @@ class ProcessEngine(PipelineEngineBase):
     def __init__(self, run_cfg: RunConfig, out_dir=None, *, fail_at: tuple[int, int] | None = None) -> None:
         super().__init__(run_cfg, out_dir)
         # A bad split fails here, in one line, before any process starts.
-        check_split(run_cfg.model.n_layers, run_cfg.pipeline, run_cfg.train.microbatches)
+        self.partition = check_split(run_cfg.model.n_layers, run_cfg.pipeline, run_cfg.train.microbatches)
         self.timeout_s = run_cfg.pipeline.timeout_s
         self._ranks: RankProcesses | None = None
         self._start_workers(fail_at)
@@ -62,7 +62,7 @@ class ProcessEngine(PipelineEngineBase):
 
     def train_step(self, step: int, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, lr: float) -> StepResult:
         pipe = self.run_cfg.pipeline
-        last_rank = (pipe.n_chunks - 1) % pipe.stages
+        last_rank = self.partition.rank_of(pipe.n_chunks - 1)
         args = [(step, inputs_BT if rank == 0 else None, targets_BT if rank == last_rank else None, lr)
                 for rank in range(pipe.stages)]
         self._eval_model = None

@@ -68,7 +68,7 @@ class RayEngine(PipelineEngineBase):
 
         super().__init__(run_cfg, out_dir)
         # A bad split fails here, in one line, before Ray starts.
-        check_split(run_cfg.model.n_layers, run_cfg.pipeline, run_cfg.train.microbatches)
+        self.partition = check_split(run_cfg.model.n_layers, run_cfg.pipeline, run_cfg.train.microbatches)
         self.placement = placement or run_cfg.pipeline.placement
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement={self.placement!r} is invalid: choose one of {', '.join(PLACEMENTS)}")
@@ -172,7 +172,7 @@ class RayEngine(PipelineEngineBase):
 
     def train_step(self, step: int, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, lr: float) -> StepResult:
         pipe = self.run_cfg.pipeline
-        last_rank = (pipe.n_chunks - 1) % pipe.stages
+        last_rank = self.partition.rank_of(pipe.n_chunks - 1)
         refs = [actor.train_step.remote(step, inputs_BT if rank == 0 else None,
                                         targets_BT if rank == last_rank else None, lr)
                 for rank, actor in enumerate(self.actors)]

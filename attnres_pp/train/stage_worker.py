@@ -14,13 +14,12 @@ import os
 
 import torch
 
-from attnres_pp.comm.partition import make_partition
 from attnres_pp.comm.plan import plan_for_model
 from attnres_pp.comm.transport import DistTransport
 from attnres_pp.model import Transformer
 from attnres_pp.pipeline.chunk import build_rank_chunks, rank_parameters
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
-from attnres_pp.pipeline.stage_setup import init_process_group, lowered_schedule
+from attnres_pp.pipeline.stage_setup import init_process_group, lowered_schedule, run_partition
 from attnres_pp.train.checkpoint import capture_state, restore_state
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.optim import build_optimizer, optimizer_step
@@ -34,7 +33,7 @@ class StageWorker:
         torch.set_num_threads(train.threads)
         torch.manual_seed(train.seed)
         self.model = Transformer(cfg)
-        self.partition = make_partition(cfg.n_layers, pipe.stages, pipe.virtual, pipe.layer_counts)
+        self.partition = run_partition(cfg.n_layers, pipe)
         self.chunks = build_rank_chunks(self.model, self.partition, pp_rank)
         self.params = rank_parameters(self.chunks, self.model)
         self.tied = list(self.model.stream_convs.parameters()) if self.model.stream_convs is not None else []
