@@ -20,6 +20,14 @@ def _conv(v_BTD, taps_KD):
     return out
 
 
+def _emit(cfg, out, normalize_keys):
+    """SPEC 1.3: a projected key is RMS-normalised (no gain) when emitted, before any block sum."""
+    if not (normalize_keys and cfg.residual == "lr_attnres" and cfg.key_mode == "projected"):
+        return out
+    d = cfg.d_model
+    return torch.cat([out[..., :d], _rms(out[..., d:], cfg.norm_eps)], -1)
+
+
 def _read(cfg, read, sources, source_ids, convs):
     """sources: list of packed [B, T, W]; source_ids: conv index of each source (msar)."""
     d = cfg.d_model
@@ -49,8 +57,12 @@ def _read(cfg, read, sources, source_ids, convs):
     return sum(a[..., i : i + 1] * values[i] for i in range(len(values)))
 
 
-def reference_logits(model, idx_BT):
-    """Float64 logits of `model` (a Transformer, converted to float64 by the caller)."""
+def reference_logits(model, idx_BT, *, normalize_emitted_keys=True):
+    """Float64 logits of `model` (a Transformer, converted to float64 by the caller).
+
+    `normalize_emitted_keys=False` sums raw projected keys and normalises only at the read: the
+    rule SPEC 1.3 says the emitted-key rule reduces to when block_size = 1.
+    """
     cfg = model.cfg
     o_emb = model.embed(idx_BT)
     if cfg.residual == "standard":
@@ -58,12 +70,12 @@ def reference_logits(model, idx_BT):
         for l in range(cfg.n_sublayers):
             h = h + model.layers[l // 2].sublayer(l % 2)(h)
         return model.head.lm_head(model.head.norm(h))
-    blocks, partial = [o_emb], None
+    blocks, partial = [_emit(cfg, o_emb, normalize_emitted_keys)], None
     for l in range(cfg.n_sublayers):
         sub = model.layers[l // 2].sublayer(l % 2)
         sources = blocks + ([partial] if partial is not None else [])
         ids = list(range(len(blocks))) + ([len(blocks)] if partial is not None else [])
-        out = sub(_read(cfg, sub.read, sources, ids, model.stream_convs))
+        out = _emit(cfg, sub(_read(cfg, sub.read, sources, ids, model.stream_convs)), normalize_emitted_keys)
         partial = out if partial is None else partial + out
         if (l + 1) % cfg.block_size == 0 or l == cfg.n_sublayers - 1:
             blocks.append(partial)

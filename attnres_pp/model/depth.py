@@ -2,9 +2,10 @@
 (SPEC sections 1.1-1.4 and 2) for every AttnRes variant.
 
 Sources are stored packed as `[B, T, W]` with `W = d` (or `d + r` under projected keys: value
-columns first, key columns last). `BlockReader` runs phase 1 once for a run of sublayers of one
-block (the queries of that block that sit together, e.g. in one pipeline chunk) and phase 2 per
-sublayer with the partial as it stands then.
+columns first, key columns last, the keys being sums of keys normalised when emitted, see
+`emit_source`). `BlockReader` runs phase 1 once for a run of sublayers of one block (the queries of
+that block that sit together, e.g. in one pipeline chunk) and phase 2 per sublayer with the partial
+as it stands then.
 """
 
 from __future__ import annotations
@@ -64,6 +65,19 @@ class StreamConvs(nn.Module):
             y_BDT = F.conv1d(F.pad(x_BDT, (kappa - 1, 0)), kernel_D1K, groups=width)
             out.append(y_BDT.transpose(1, 2))
         return out
+
+
+def emit_source(cfg: ModelConfig, out_BTW: torch.Tensor) -> torch.Tensor:
+    """A sublayer's or the embedding's packed output `[B, T, W]` as it enters the block sums.
+
+    Under projected keys the r key columns are RMS-normalised (no gain) here, before any summing,
+    as the LR-AttnRes reference does (SPEC 1.3): each sublayer then weighs equally in its block's key
+    whatever its raw scale. Values, and every other variant's output, pass through unchanged.
+    """
+    if not cfg.projected_key_rank:
+        return out_BTW
+    d = cfg.d_model
+    return torch.cat([out_BTW[..., :d], rms_normalize(out_BTW[..., d:], cfg.norm_eps)], dim=-1)
 
 
 class BlockReader:

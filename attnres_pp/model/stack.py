@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnres_pp.model.config import ModelConfig, block_of, completes_block
-from attnres_pp.model.depth import BlockReader, StreamConvs
+from attnres_pp.model.depth import BlockReader, StreamConvs, emit_source
 from attnres_pp.model.layers import TransformerLayer
 
 
@@ -19,7 +19,8 @@ class DepthState:
     """What flows between sublayers, per microbatch.
 
     blocks[j] is source b_j as `[B, T, W]` (b_0 = embedding); partial is the open block's running
-    sum or None; residual is the standard stream h (the `standard` variant only).
+    sum or None. Both are sums of emitted outputs (`emit_source`: projected keys normalised first).
+    residual is the standard stream h (the `standard` variant only).
     """
 
     blocks: list[torch.Tensor] = field(default_factory=list)
@@ -32,7 +33,8 @@ def forward_sublayers(cfg: ModelConfig, layers: Mapping[int, TransformerLayer], 
     """Run sublayers `sublayers` (global indices) on `state`; returns the state after them.
 
     `layers[i]` must hold transformer layer i for every sublayer in range. A sublayer that completes a
-    block (or is the model's last) moves the partial into `blocks`.
+    block (or is the model's last) moves the partial into `blocks`. Each output passes `emit_source`
+    before it is summed, here and nowhere else, so pipeline chunks inherit the same rule.
     """
     if cfg.residual == "standard":
         residual = state.residual
@@ -52,7 +54,7 @@ def forward_sublayers(cfg: ModelConfig, layers: Mapping[int, TransformerLayer], 
             reader = BlockReader(cfg, reads, blocks, stream_convs, backend)
             segment_start = l
         sublayer = layers[l // 2].sublayer(l % 2)
-        out_BTW = sublayer(reader.read(l - segment_start, partial, block_index))
+        out_BTW = emit_source(cfg, sublayer(reader.read(l - segment_start, partial, block_index)))
         partial = out_BTW if partial is None else partial + out_BTW
         if completes_block(l, cfg.block_size, cfg.n_sublayers):
             blocks.append(partial)

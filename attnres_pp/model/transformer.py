@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnres_pp.model.config import ModelConfig
-from attnres_pp.model.depth import BlockReader, DepthRead, StreamConvs
+from attnres_pp.model.depth import BlockReader, DepthRead, StreamConvs, emit_source
 from attnres_pp.model.layers import Embedding, RMSNorm, TransformerLayer, init_weights
 from attnres_pp.model.stack import DepthState, forward_sublayers
 
@@ -36,7 +36,7 @@ def embed_state(cfg: ModelConfig, embedding: Embedding, idx_BT: torch.Tensor) ->
     o_emb = embedding(idx_BT)
     if cfg.residual == "standard":
         return DepthState(residual=o_emb)
-    return DepthState(blocks=[o_emb])
+    return DepthState(blocks=[emit_source(cfg, o_emb)])
 
 
 def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
