@@ -3,7 +3,11 @@ worker plus `meta.json` (steps done, config, the run's records so far).
 
 Atomic by construction: everything is written into `step_N.tmp/` and the folder is renamed only
 once complete, so a `step_N/` folder with a `meta.json` is always a whole checkpoint, and a crash
-mid-save leaves only a `.tmp` folder that the next save replaces.
+mid-save leaves only a `.tmp` (or `.old`) folder, which resuming removes (`remove_interrupted_saves`).
+
+meta.json also records the run's checkpoint settings (`CheckpointConfig.settings`), so a
+resumed run keeps saving at the same cadence: without them a second crash would lose every step
+since the resume.
 
 Rank files hold tensors and plain containers only and are read with
 `torch.load(weights_only=True)`: loading never unpickles arbitrary objects. Parameters and
@@ -19,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +35,11 @@ FORMAT = 1
 # Two, not one: a newest checkpoint damaged on disk afterwards still leaves a good one to load.
 KEEP = 2
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_INTERRUPTED_DIR = re.compile(r"^step_(\d+)\.(tmp|old)$")
+# Rehearsal hook, like `--inject-failure`: with ATTNRES_PP_KILL_DURING_CHECKPOINT=N set, the process
+# saving checkpoint step_N SIGKILLs itself after the rank files are written and before meta.json and
+# the rename, the crash that atomic saves and resume must survive. For tests and drills only.
+KILL_DURING_CHECKPOINT = "ATTNRES_PP_KILL_DURING_CHECKPOINT"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +56,20 @@ class CheckpointConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"CheckpointConfig.{name}={value!r} is invalid: must be an integer >= 0")
+
+    def settings(self) -> dict:
+        """The run's settings, which a checkpoint's meta.json keeps as its "checkpointing" table for
+        `--resume`. Not `resume`: that says how this process started, not how the run goes on."""
+        return {"every": self.every, "max_restarts": self.max_restarts}
+
+    @classmethod
+    def from_settings(cls, table: dict, *, resume: bool) -> CheckpointConfig:
+        """Build from a `settings()` table; missing keys (older checkpoints have none) take the defaults."""
+        unknown = sorted(set(table) - {"every", "max_restarts"})
+        if unknown:
+            raise ValueError(f"checkpoint settings {unknown} are unknown to this version (known: every, "
+                             "max_restarts): resume with the version that wrote the checkpoint")
+        return cls(**table, resume=resume)
 
 
 # ---- one rank's state ----
@@ -169,6 +193,35 @@ def check_run_dir(out_dir: str | Path, resume: bool) -> None:
                          f"it with --resume {out_dir}, or choose another --out")
 
 
+def remove_interrupted_saves(out_dir: str | Path) -> list[str]:
+    """Delete the `step_N.tmp` and `step_N.old` folders a crash during `save_checkpoint` left under
+    `out_dir/checkpoints`; returns their names. Resuming never reads them (it loads the newest
+    complete `step_N`), and nothing else removes a `.tmp` of a step the run does not save again.
+    Call it only while no save is under way, i.e. before a resumed run starts."""
+    root = checkpoints_dir(out_dir)
+    if not root.is_dir():
+        return []
+    stale = sorted((path for path in root.iterdir() if _INTERRUPTED_DIR.match(path.name)), key=lambda p: p.name)
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return [path.name for path in stale]
+
+
+def kill_during_checkpoint_step() -> int | None:
+    """The step N of `ATTNRES_PP_KILL_DURING_CHECKPOINT` (see KILL_DURING_CHECKPOINT), or None if unset."""
+    raw = os.environ.get(KILL_DURING_CHECKPOINT, "")
+    if not raw:
+        return None
+    try:
+        step = int(raw)
+    except ValueError:
+        step = 0
+    if step < 1:
+        raise ValueError(f"{KILL_DURING_CHECKPOINT}={raw!r} is invalid: set it to the N of the checkpoint step_N "
+                         "whose save should be killed (an integer >= 1), or unset it")
+    return step
+
+
 def save_checkpoint(out_dir: str | Path, steps_done: int, engine, meta: dict) -> Path:
     """Write checkpoint `step_{steps_done}` atomically: the engine's rank files, then meta.json,
     then the rename. Keeps the newest KEEP checkpoints. Returns the final folder."""
@@ -177,6 +230,8 @@ def save_checkpoint(out_dir: str | Path, steps_done: int, engine, meta: dict) ->
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     engine.save_checkpoint(tmp)
+    if kill_during_checkpoint_step() == steps_done:
+        os.kill(os.getpid(), signal.SIGKILL)
     write_json_atomic(tmp / "meta.json", {"format": FORMAT, "steps_done": steps_done, **meta})
     if final.exists():  # an earlier attempt at this step (before a restart): the new one wins
         old = root / f"step_{steps_done}.old"

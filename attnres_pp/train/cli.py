@@ -1,7 +1,8 @@
 """`attnres-pp train`: build a RunConfig from defaults < `--config FILE` (TOML) < flags, pick the
 engine (this process, or the pipeline's `make_engine`) and run the shared training loop, with
 checkpoints, resume and recovery from lost workers (`attnres_pp.train.checkpoint`, `.recovery`).
-With `--resume DIR` the defaults are the checkpoint's own config."""
+With `--resume DIR` the defaults are the checkpoint's own settings: its config and its checkpoint
+cadence and restart limit. One-off flags (`--inject-failure`, `--address`, `--quiet`) are never saved."""
 
 from __future__ import annotations
 
@@ -14,7 +15,13 @@ from pathlib import Path
 from attnres_pp.data import load_corpus
 from attnres_pp.model.config import KEY_MODES, RESIDUALS
 from attnres_pp.pipeline.config import LAUNCHERS, PLACEMENTS, SCHEDULE_NAMES
-from attnres_pp.train.checkpoint import CheckpointConfig, check_run_dir, latest_checkpoint, read_meta
+from attnres_pp.train.checkpoint import (
+    CheckpointConfig,
+    check_run_dir,
+    kill_during_checkpoint_step,
+    latest_checkpoint,
+    read_meta,
+)
 from attnres_pp.train.config import RunConfig, merge_tables, read_toml
 from attnres_pp.train.loop import run_training
 from attnres_pp.train.recovery import RunFailed
@@ -70,11 +77,13 @@ def register(subparsers) -> None:
                         help="--launcher ray: the cluster to join (default RAY_ADDRESS, else a private local "
                              "instance; 'auto' joins the `ray start` cluster of this machine)")
     parser.add_argument("--checkpoint-every", metavar="K",
-                        help="save DIR/checkpoints/step_N every K steps (default 0 = never)")
+                        help="save DIR/checkpoints/step_N every K steps (default 0 = never; --resume: as saved)")
     parser.add_argument("--resume", metavar="DIR",
-                        help="continue the run in DIR from its newest complete checkpoint (flags override its config)")
+                        help="continue the run in DIR from its newest complete checkpoint, with its saved config, "
+                             "checkpoint cadence and restart limit (flags override them)")
     parser.add_argument("--max-restarts", metavar="N",
-                        help="restarts after a lost rank before the run stops (default 3; ray and local launchers)")
+                        help="restarts after a lost rank before the run stops (default 3; --resume: as saved; "
+                             "ray and local launchers)")
     parser.add_argument("--inject-failure", metavar="RANK:STEP",
                         help="rehearse a failure: that rank's worker exits during that step (1-based)")
     parser.set_defaults(func=main)
@@ -83,7 +92,7 @@ def register(subparsers) -> None:
 def build_run_config(args: argparse.Namespace) -> RunConfig:
     """defaults (or the resumed checkpoint's config) < TOML (`args.config`) < flags. Raises
     ValueError naming the field to fix."""
-    saved = _resumed_config(args.resume) if getattr(args, "resume", None) else {}
+    saved = _resumed_meta(args.resume)["config"] if getattr(args, "resume", None) else {}
     base = merge_tables(saved, read_toml(args.config)) if args.config else saved
     run_cfg = RunConfig.from_dict(merge_tables(base, flag_overrides(args)))
     if saved and run_cfg.model.to_dict() != saved["model"]:
@@ -93,17 +102,23 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
     return run_cfg
 
 
-def _resumed_config(run_dir: str) -> dict:
+def _resumed_meta(run_dir: str) -> dict:
+    """meta.json of the newest complete checkpoint in `run_dir`."""
     step_dir = latest_checkpoint(run_dir)
     if step_dir is None:
         check_run_dir(run_dir, resume=True)  # raises the message that says what is missing
-    return read_meta(step_dir)["config"]
+    return read_meta(step_dir)
 
 
 def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
-    every = _convert("--checkpoint-every", args.checkpoint_every, int) if args.checkpoint_every else 0
-    restarts = _convert("--max-restarts", args.max_restarts, int) if args.max_restarts is not None else 3
-    return CheckpointConfig(every=every, resume=args.resume is not None, max_restarts=restarts)
+    """defaults (or, with --resume, the checkpoint's saved "checkpointing" table) < flags. Without the
+    saved table a resumed run would save nothing more, and a second crash would lose all since."""
+    settings = dict(_resumed_meta(args.resume).get("checkpointing", {})) if args.resume else {}
+    if args.checkpoint_every is not None:
+        settings["every"] = _convert("--checkpoint-every", args.checkpoint_every, int)
+    if args.max_restarts is not None:
+        settings["max_restarts"] = _convert("--max-restarts", args.max_restarts, int)
+    return CheckpointConfig.from_settings(settings, resume=args.resume is not None)
 
 
 def parse_failure(text: str | None, run_cfg: RunConfig) -> tuple[int, int] | None:
@@ -187,6 +202,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         run_cfg = build_run_config(args)
         checkpoints = checkpoint_config(args)
+        kill_during_checkpoint_step()  # a bad rehearsal value fails here, not at the first save
         fail_at = parse_failure(args.inject_failure, run_cfg)
         # Load and check the data before starting any engine, so a bad --data fails in a second.
         corpus = load_corpus(run_cfg.train.data)

@@ -18,6 +18,7 @@ from attnres_pp.train.checkpoint import (
     check_run_dir,
     latest_checkpoint,
     read_meta,
+    remove_interrupted_saves,
     save_checkpoint,
 )
 from attnres_pp.train.config import RunConfig
@@ -85,9 +86,12 @@ def run_training(
 
     history, last_checkpoint = RunHistory(), None
     if ckpt.resume:
+        for name in remove_interrupted_saves(out_dir):
+            say(f"removed {name}: a checkpoint save that a crash interrupted", flush=True)
         last_checkpoint = latest_checkpoint(out_dir)
         history = _restore(engine, last_checkpoint, _read_records(out_dir / "metrics.jsonl"))
-        say(f"resuming from {last_checkpoint} (continuing at step {history.steps_done + 1})", flush=True)
+        say(f"resuming from {last_checkpoint} (continuing at step {history.steps_done + 1}; "
+            f"{_describe_settings(run_cfg, ckpt)})", flush=True)
     log = MetricsLog(out_dir / "metrics.jsonl")
     for record in history.records:
         log.write(record)
@@ -101,7 +105,7 @@ def run_training(
                 say(progress_line(step, train_cfg.steps, record["loss"], record["lr"], record["tokens_per_s"])
                     + (f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""), flush=True)
                 if ckpt.every and (step + 1) % ckpt.every == 0 and step + 1 < train_cfg.steps:
-                    meta = {"config": run_cfg.to_dict(), **history.to_meta()}
+                    meta = {"config": run_cfg.to_dict(), "checkpointing": ckpt.settings(), **history.to_meta()}
                     last_checkpoint = save_checkpoint(out_dir, step + 1, engine, meta)
             except WorkerLost as lost:
                 _restart_or_fail(engine, lost, step, history, last_checkpoint, ckpt, train_cfg.steps, say)
@@ -194,6 +198,14 @@ def _restore(engine: Engine, step_dir: Path, records: list[dict]) -> RunHistory:
     """Load `step_dir` into the engine; returns the run history as of that checkpoint."""
     engine.load_checkpoint(step_dir)
     return RunHistory.from_meta(read_meta(step_dir), records)
+
+
+def _describe_settings(run_cfg: RunConfig, ckpt: CheckpointConfig) -> str:
+    """The settings a resumed run goes on with (saved ones unless a flag overrode them), for the progress line."""
+    train_cfg = run_cfg.train
+    saving = f"checkpoint every {ckpt.every} steps" if ckpt.every else "no checkpoints"
+    evaluating = f"eval every {train_cfg.eval_every} steps" if train_cfg.eval_every else "eval at the end"
+    return f"{saving}, max restarts {ckpt.max_restarts}, {evaluating}, data {train_cfg.data}"
 
 
 def _read_records(path: Path) -> list[dict]:

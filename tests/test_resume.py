@@ -1,0 +1,120 @@
+"""Resume after a crash keeps the run's settings: the driver is SIGKILLed while it writes a
+checkpoint (the ATTNRES_PP_KILL_DURING_CHECKPOINT rehearsal hook), `--resume RUN` alone removes the
+interrupted save, ends with the undisturbed run's losses and goes on saving checkpoints; flags given
+with `--resume` override the saved settings."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnres_pp.cli import build_parser, main
+from attnres_pp.train.checkpoint import KILL_DURING_CHECKPOINT, latest_checkpoint
+from attnres_pp.train.cli import build_run_config, checkpoint_config
+from attnres_pp.train.config import RunConfig, TrainConfig
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
+        "--microbatches", "2", "--eval-every", "3", "--steps", "8"]
+# Non-default cadence and restart limit, so the resumed run can only have them from the checkpoint.
+SETTINGS = ["--checkpoint-every", "2", "--max-restarts", "1"]
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def run_cli(argv: list[str], **env: str) -> subprocess.CompletedProcess:
+    # This checkout first on the path, so the child runs this code whatever is installed.
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "attnres_pp.cli", "train", *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": path, **env})
+
+
+@pytest.mark.parametrize(
+    "split",
+    [
+        pytest.param(["--launcher", "local", "--stages", "1", "--virtual", "1"], id="single-process"),
+        pytest.param(["--launcher", "inprocess", "--stages", "2", "--virtual", "1"], id="pipelined"),
+    ],
+)
+def test_sigkill_during_a_checkpoint_then_resume_alone(tmp_path, split):
+    clean, run = tmp_path / "clean", tmp_path / "run"
+    assert main(["train", *split, *TINY, "--quiet", "--out", str(clean)]) == 0
+
+    crashed = run_cli([*split, *TINY, *SETTINGS, "--quiet", "--out", str(run)], **{KILL_DURING_CHECKPOINT: "4"})
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    root = run / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4.tmp"]
+    assert list((root / "step_4.tmp").glob("rank_*.pt")) and not (root / "step_4.tmp" / "meta.json").exists()
+
+    resumed = run_cli(["--resume", str(run)])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "removed step_4.tmp" in resumed.stdout
+    assert (f"resuming from {root / 'step_2'} (continuing at step 3; checkpoint every 2 steps, max restarts 1, "
+            "eval every 3 steps, data builtin)") in resumed.stdout
+    # Saving went on after the crash (KEEP = 2 leaves the newest two), and nothing stale is left.
+    assert sorted(p.name for p in root.iterdir()) == ["step_4", "step_6"]
+    meta = json.loads((root / "step_6" / "meta.json").read_text())
+    assert meta["checkpointing"] == {"every": 2, "max_restarts": 1}
+
+    got, want = summary(run), summary(clean)
+    assert got["config"] == want["config"]  # model, train (eval cadence, data) and pipeline restored
+    assert len(got["losses"]) == len(want["losses"]) == 8
+    for step, (g, w) in enumerate(zip(got["losses"], want["losses"], strict=True)):
+        assert abs(g - w) <= 1e-5 * abs(w), (step, g, w)
+    assert [entry[0] for entry in got["val_losses"]] == [entry[0] for entry in want["val_losses"]] == [2, 5, 7]
+
+
+def write_checkpoint_meta(run_dir: Path, checkpointing: dict | None) -> None:
+    """A step_2 folder with only meta.json: enough for the CLI's resume path to read the settings."""
+    step_dir = run_dir / "checkpoints" / "step_2"
+    step_dir.mkdir(parents=True)
+    config = RunConfig(train=TrainConfig(steps=6, eval_every=3, data="corpus.txt")).to_dict()
+    meta = {"format": 1, "steps_done": 2, "config": config, "losses": [5.0, 4.9], "step_times": [0.1, 0.1],
+            "val_losses": [], "extras": {}, "restarts": 0}
+    if checkpointing is not None:
+        meta["checkpointing"] = checkpointing
+    (step_dir / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize(
+    ("flags", "every", "max_restarts", "eval_every", "data"),
+    [
+        ([], 2, 1, 3, "corpus.txt"),
+        (["--checkpoint-every", "5", "--max-restarts", "0"], 5, 0, 3, "corpus.txt"),
+        (["--checkpoint-every", "0"], 0, 1, 3, "corpus.txt"),  # 0 turns saving off, it is not "unset"
+        (["--eval-every", "1", "--data", "other.txt"], 2, 1, 1, "other.txt"),
+    ],
+)
+def test_resume_flags_override_the_saved_settings(tmp_path, flags, every, max_restarts, eval_every, data):
+    write_checkpoint_meta(tmp_path, {"every": 2, "max_restarts": 1})
+    args = build_parser().parse_args(["train", "--resume", str(tmp_path), *flags])
+    ckpt, run_cfg = checkpoint_config(args), build_run_config(args)
+    assert (ckpt.resume, ckpt.every, ckpt.max_restarts) == (True, every, max_restarts)
+    assert (run_cfg.train.eval_every, run_cfg.train.data, run_cfg.train.steps) == (eval_every, data, 6)
+
+
+def test_checkpoints_without_saved_settings_resume_with_the_defaults(tmp_path):
+    write_checkpoint_meta(tmp_path, None)  # written before meta.json had a "checkpointing" table
+    assert latest_checkpoint(tmp_path).name == "step_2"
+    ckpt = checkpoint_config(build_parser().parse_args(["train", "--resume", str(tmp_path)]))
+    assert (ckpt.every, ckpt.max_restarts) == (0, 3)
+
+
+def test_unknown_saved_settings_and_a_bad_kill_hook_exit_2_with_one_line(tmp_path, capsys, monkeypatch):
+    write_checkpoint_meta(tmp_path / "run", {"every": 2, "keep": 5})
+    assert main(["train", "--resume", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint settings ['keep'] are unknown" in err and len(err.strip().splitlines()) == 1
+
+    monkeypatch.setenv(KILL_DURING_CHECKPOINT, "soon")
+    assert main(["train", "--launcher", "local", *TINY, "--out", str(tmp_path / "fresh")]) == 2
+    err = capsys.readouterr().err
+    assert f"{KILL_DURING_CHECKPOINT}='soon' is invalid" in err and len(err.strip().splitlines()) == 1
