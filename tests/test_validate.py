@@ -72,3 +72,43 @@ def test_send_past_the_last_chunk_and_missing_receive_for_compute():
     no_backward_hop = _edit(_edit(LOWERED, 0, "F0.0 SF0.0 B0.0"), 1, "RF1.0 F1.0 B1.0")
     with pytest.raises(ScheduleError, match="B0.0 needs RB0.0 on rank 0"):
         validate(no_backward_hop)
+
+
+SPLIT = build_schedule("zb_h1", 2, 1, 1)  # rank 0: F0.0 I0.0 W0.0; rank 1: F1.0 I1.0 W1.0
+
+
+def test_split_backward_needs_both_halves_in_order_and_never_with_b():
+    with pytest.raises(ScheduleError, match="W0.0 is missing from rank 0"):
+        validate(_edit(SPLIT, 0, "F0.0 I0.0"))
+    with pytest.raises(ScheduleError, match="W0.0 runs before I0.0 on rank 0"):
+        validate(_edit(SPLIT, 0, "F0.0 W0.0 I0.0"))
+    with pytest.raises(ScheduleError, match="B0.0 and I0.0 / W0.0 both on rank 0"):
+        validate(_edit(SPLIT, 0, "F0.0 B0.0 I0.0 W0.0"))
+    # Lowered: I waits for the backward hop's receive as B does, and SB follows I.
+    validate(insert_comm(SPLIT))
+    with pytest.raises(ScheduleError, match="I0.0 needs RB0.0 on rank 0"):
+        validate(_edit(_edit(insert_comm(SPLIT), 0, "F0.0 SF0.0 I0.0 W0.0"), 1, "RF1.0 F1.0 I1.0 W1.0"))
+
+
+def _lists(schedule: Schedule, lists: dict[int, str]) -> Schedule:
+    out = list(schedule.rank_actions)
+    for rank, words in lists.items():
+        out[rank] = tuple(Action.parse(w) for w in words.split())
+    return Schedule(name=schedule.name, n_stages=schedule.n_stages, n_virtual=schedule.n_virtual,
+                    n_microbatches=schedule.n_microbatches, rank_actions=tuple(out), placement=schedule.placement)
+
+
+@pytest.mark.parametrize("lowered", [False, True])
+def test_input_gradients_before_the_deposits_they_collect_are_refused(lowered):
+    """P = 2, V = 2: chunk 2 (rank 0) reads what chunk 0 put in rank 0's cache, so I0.0 must wait
+    for I2.0, whose reads deposit into those entries. The check names both, before any deadlock
+    table; schedules that run always pass it (each chunk's I waits for the next chunk's)."""
+    schedule = build_schedule("interleaved_zb", 2, 2, 2)
+    validate(schedule)
+    broken = _lists(schedule, {0: "F0.0 F0.1 F2.0 F2.1 I0.0 W0.0 I2.0 W2.0 I2.1 W2.1 I0.1 W0.1"})
+    with pytest.raises(ScheduleError, match="I0.0 runs before I2.0 on rank 0, but chunk 2 deposits"):
+        validate(insert_comm(broken) if lowered else broken)
+    # The same with fused backwards.
+    fused = _lists(build_schedule("interleaved_1f1b", 2, 2, 2), {0: "F0.0 F0.1 F2.0 F2.1 B0.0 B2.0 B2.1 B0.1"})
+    with pytest.raises(ScheduleError, match="B0.0 runs before B2.0 on rank 0"):
+        validate(fused)

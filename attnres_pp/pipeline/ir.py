@@ -6,7 +6,10 @@ same lists. Pure standard library.
 
 Action strings (`str(action)`, `Action.parse`):
     F3.1   forward of chunk 3, microbatch 1
-    B3.1   backward of chunk 3, microbatch 1
+    B3.1   backward of chunk 3, microbatch 1 (input and weight gradients: the fused pair I + W)
+    I3.1   input gradients of chunk 3, microbatch 1: what goes back over the hop and into the
+           rank's cache deposits (split-backward schedules)
+    W3.1   weight gradients of chunk 3, microbatch 1 (after I3.1; sends and receives nothing)
     SF3.1  send chunk 3's forward output (hop 3 -> 4), on chunk 3's rank
     RF4.1  receive chunk 4's forward input (hop 3 -> 4), on chunk 4's rank
     SB4.1  send chunk 4's input gradients (backward hop 4 -> 3), on chunk 4's rank
@@ -29,17 +32,21 @@ class ActionKind(enum.StrEnum):
 
     F = "F"
     B = "B"
+    I = "I"  # noqa: E741  (the name the zero-bubble literature gives the input-gradient half)
+    W = "W"
     SEND_F = "SF"
     RECV_F = "RF"
     SEND_B = "SB"
     RECV_B = "RB"
 
 
-COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B})
+COMPUTE_KINDS = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W})
+# The action that makes a chunk's input gradients (and so its backward hop and deposits): B or I.
+INPUT_GRAD_KINDS = frozenset({ActionKind.B, ActionKind.I})
 SEND_KINDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 RECV_KINDS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
 
-_ACTION_RE = re.compile(r"^(SF|RF|SB|RB|F|B)(\d+)\.(\d+)$")
+_ACTION_RE = re.compile(r"^(SF|RF|SB|RB|F|B|I|W)(\d+)\.(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -57,7 +64,7 @@ class Action:
         if match is None:
             raise ValueError(
                 f"cannot parse action {text!r}: expected KIND<chunk>.<microbatch> with KIND one of "
-                f"F, B, SF, RF, SB, RB (e.g. 'F3.1')"
+                f"F, B, I, W, SF, RF, SB, RB (e.g. 'F3.1')"
             )
         kind, chunk, microbatch = match.groups()
         return cls(ActionKind(kind), int(chunk), int(microbatch))
@@ -112,6 +119,14 @@ def F(chunk_index: int, microbatch_index: int) -> Action:
 
 def B(chunk_index: int, microbatch_index: int) -> Action:
     return Action(ActionKind.B, chunk_index, microbatch_index)
+
+
+def I(chunk_index: int, microbatch_index: int) -> Action:  # noqa: E743
+    return Action(ActionKind.I, chunk_index, microbatch_index)
+
+
+def W(chunk_index: int, microbatch_index: int) -> Action:
+    return Action(ActionKind.W, chunk_index, microbatch_index)
 
 
 _HEADER_RE = re.compile(r"^schedule\s+(\S+)\s+P=(\d+)\s+V=(\d+)\s+m=(\d+)(?:\s+placement=(\w+))?$")

@@ -9,11 +9,12 @@ from attnres_pp.pipeline.ir import Action, ActionKind, Schedule
 
 
 def insert_comm(schedule: Schedule) -> Schedule:
-    """Lower a compute-only schedule: wrap every F and B in the receives and sends it needs.
+    """Lower a compute-only schedule: wrap every F and B (or I) in the receives and sends it needs.
 
     On the rank of chunk c, for microbatch mb:
         RF c.mb  before F c.mb   (c > 0)        SF c.mb  after F c.mb   (c < C - 1)
         RB c.mb  before B c.mb   (c < C - 1)    SB c.mb  after B c.mb   (c > 0)
+    I takes B's place (it makes the input gradients); W stays as it is: it exchanges nothing.
     Receives sit right before their compute, so a rank blocks only on what it needs next; sends
     sit right after, and the runtime posts them without waiting (isend). A hop between two chunks
     of the same rank (every hop when P == 1; ZB-V's middle hop) keeps its send and receive too: the
@@ -26,7 +27,7 @@ def insert_comm(schedule: Schedule) -> Schedule:
     last_chunk = schedule.n_chunks - 1
     # Local names: enum attribute lookups dominate this loop on million-action schedules.
     forward, recv_f, send_f = ActionKind.F, ActionKind.RECV_F, ActionKind.SEND_F
-    recv_b, send_b = ActionKind.RECV_B, ActionKind.SEND_B
+    recv_b, send_b, weight = ActionKind.RECV_B, ActionKind.SEND_B, ActionKind.W
     lowered = []
     for actions in schedule.rank_actions:
         out: list[Action] = []
@@ -39,6 +40,8 @@ def insert_comm(schedule: Schedule) -> Schedule:
                 append(action)
                 if chunk < last_chunk:
                     append(Action(send_f, chunk, microbatch))
+            elif action.kind is weight:
+                append(action)
             else:
                 if chunk < last_chunk:
                     append(Action(recv_b, chunk, microbatch))

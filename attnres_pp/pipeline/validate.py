@@ -1,5 +1,6 @@
-"""Schedule validation: every F/B exactly once on its rank, sends matched with receives, and a
-unit-time execution that proves the schedule cannot deadlock. Pure standard library.
+"""Schedule validation: every F and B (or I and W) exactly once on its rank, sends matched with
+receives, cache deposits made before they are collected, and a unit-time execution that proves the
+schedule cannot deadlock. Pure standard library.
 
 Works on compute-only schedules (a chunk's input is then the previous chunk's compute) and on
 lowered ones (`passes.insert_comm`; the input is then the receive). The execution model is the
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
-from attnres_pp.pipeline.ir import Action, ActionKind, Schedule
+from attnres_pp.pipeline.ir import INPUT_GRAD_KINDS, Action, ActionKind, Schedule
 
 # Rows of the step x rank table kept for a deadlock report (the last ones matter).
 _TABLE_ROWS = 40
@@ -26,6 +27,7 @@ def validate(schedule: Schedule) -> None:
     """Raise ScheduleError with a readable reason if `schedule` is not safe to run."""
     _check_placement(schedule)
     _check_compute_once(schedule)
+    _check_deposits_before_collection(schedule)
     if schedule.has_comm:
         _check_messages(schedule)
     _check_no_deadlock(schedule)
@@ -48,6 +50,8 @@ def _check_placement(schedule: Schedule) -> None:
 
 
 def _check_compute_once(schedule: Schedule) -> None:
+    """Each (chunk, microbatch) has its F and either B or the pair I, W, in the order F, B or F, I, W."""
+    kind_b, kind_i, kind_w = ActionKind.B, ActionKind.I, ActionKind.W
     for pp_rank, actions in enumerate(schedule.rank_actions):
         position: dict[Action, int] = {}
         for index, action in enumerate(actions):
@@ -58,12 +62,43 @@ def _check_compute_once(schedule: Schedule) -> None:
         for chunk in schedule.chunks_of(pp_rank):
             for microbatch in range(schedule.n_microbatches):
                 forward = Action(ActionKind.F, chunk, microbatch)
-                backward = Action(ActionKind.B, chunk, microbatch)
-                for needed in (forward, backward):
+                fused = Action(kind_b, chunk, microbatch)
+                split = (Action(kind_i, chunk, microbatch), Action(kind_w, chunk, microbatch))
+                if fused in position and any(a in position for a in split):
+                    raise ScheduleError(f"{fused} and {' / '.join(str(a) for a in split if a in position)} "
+                                        f"both on rank {pp_rank}: a backward is either B or the pair I, W")
+                chain = (forward, fused) if fused in position or not any(a in position for a in split) \
+                    else (forward, *split)
+                for needed in chain:
                     if needed not in position:
                         raise ScheduleError(f"{needed} is missing from rank {pp_rank}")
-                if position[backward] < position[forward]:
-                    raise ScheduleError(f"{backward} runs before {forward} on rank {pp_rank}")
+                for before, after in zip(chain, chain[1:], strict=False):
+                    if position[after] < position[before]:
+                        raise ScheduleError(f"{after} runs before {before} on rank {pp_rank}")
+
+
+def _check_deposits_before_collection(schedule: Schedule) -> None:
+    """SPEC 5: a chunk's I (or B) runs only after every deposit into the cache entries it collects.
+
+    Entries a chunk puts in its rank's cache are read by the rank's later chunks, whose I (or B)
+    deposits the gradients of those reads; so on every rank, per microbatch, the input-gradient
+    actions must run from the rank's last chunk down. (The schedule alone does not say which
+    entries a payload plan caches, so this holds every later chunk of the rank to it; a schedule
+    that runs cannot break it, as each chunk's I waits for the next chunk's, but a hand-written
+    one can, and this says why instead of a deadlock table.)
+    """
+    for pp_rank, actions in enumerate(schedule.rank_actions):
+        latest: dict[int, Action] = {}  # microbatch -> the input-gradient action seen last on this rank
+        for action in actions:
+            if action.kind not in INPUT_GRAD_KINDS:
+                continue
+            before = latest.get(action.microbatch_index)
+            if before is not None and before.chunk_index < action.chunk_index:
+                raise ScheduleError(
+                    f"{before} runs before {action} on rank {pp_rank}, but chunk {action.chunk_index} "
+                    f"deposits the gradients of its cache reads into entries chunk {before.chunk_index} "
+                    f"collects: a chunk's input gradients must wait for every later chunk's on its rank")
+            latest[action.microbatch_index] = action
 
 
 def _check_messages(schedule: Schedule) -> None:
@@ -94,7 +129,7 @@ def _check_messages(schedule: Schedule) -> None:
     for action in ordered:
         if action.kind is ActionKind.F and action.chunk_index > 0:
             needed = Action(ActionKind.RECV_F, action.chunk_index, action.microbatch_index)
-        elif action.kind is ActionKind.B and action.chunk_index < last_chunk:
+        elif action.kind in INPUT_GRAD_KINDS and action.chunk_index < last_chunk:
             needed = Action(ActionKind.RECV_B, action.chunk_index, action.microbatch_index)
         else:
             continue
@@ -103,7 +138,14 @@ def _check_messages(schedule: Schedule) -> None:
                                 f"which the schedule lacks")
 
 
-def _prerequisites(action: Action, last_chunk: int, has_comm: bool) -> tuple[Action, ...]:
+def _input_grad_actions(schedule: Schedule) -> dict[tuple[int, int], Action]:
+    """(chunk, microbatch) -> the action that makes its input gradients: B, or I in a split."""
+    return {(a.chunk_index, a.microbatch_index): a for actions in schedule.rank_actions for a in actions
+            if a.kind in INPUT_GRAD_KINDS}
+
+
+def _prerequisites(action: Action, last_chunk: int, has_comm: bool,
+                   input_grad: dict[tuple[int, int], Action]) -> tuple[Action, ...]:
     """What must have run (on any rank) before `action` can run."""
     kind, chunk, microbatch = action.kind, action.chunk_index, action.microbatch_index
     if kind is ActionKind.F:
@@ -111,21 +153,25 @@ def _prerequisites(action: Action, last_chunk: int, has_comm: bool) -> tuple[Act
             return ()
         return (Action(ActionKind.RECV_F, chunk, microbatch) if has_comm
                 else Action(ActionKind.F, chunk - 1, microbatch),)
-    if kind is ActionKind.B:
+    if kind in INPUT_GRAD_KINDS:
         if chunk == last_chunk:
             return (Action(ActionKind.F, chunk, microbatch),)
-        return (Action(ActionKind.RECV_B, chunk, microbatch) if has_comm
-                else Action(ActionKind.B, chunk + 1, microbatch),)
+        if has_comm:
+            return (Action(ActionKind.RECV_B, chunk, microbatch),)
+        return (input_grad.get((chunk + 1, microbatch), Action(ActionKind.B, chunk + 1, microbatch)),)
+    if kind is ActionKind.W:
+        return (Action(ActionKind.I, chunk, microbatch),)
     if kind is ActionKind.SEND_F:
         return (Action(ActionKind.F, chunk, microbatch),)
     if kind is ActionKind.SEND_B:
-        return (Action(ActionKind.B, chunk, microbatch),)
+        return (input_grad.get((chunk, microbatch), Action(ActionKind.B, chunk, microbatch)),)
     return (action.matching(),)  # a receive waits for its send
 
 
 def _check_no_deadlock(schedule: Schedule) -> None:
     """Run every rank's list with unit time per action; raise with a step x rank table on a hang."""
     last_chunk, has_comm = schedule.n_chunks - 1, schedule.has_comm
+    input_grad = _input_grad_actions(schedule)
     lists = schedule.rank_actions
     cursor = [0] * schedule.n_stages
     done: set[Action] = set()
@@ -135,7 +181,7 @@ def _check_no_deadlock(schedule: Schedule) -> None:
     while remaining:
         # Decide every rank's move from the state at the start of the step, then commit.
         ran = [lists[r][cursor[r]] if cursor[r] < len(lists[r]) and all(
-            p in done for p in _prerequisites(lists[r][cursor[r]], last_chunk, has_comm)) else None
+            p in done for p in _prerequisites(lists[r][cursor[r]], last_chunk, has_comm, input_grad)) else None
             for r in range(schedule.n_stages)]
         if not any(ran):
             raise ScheduleError(_deadlock_report(schedule, cursor, done, rows, step))
@@ -151,6 +197,7 @@ def _check_no_deadlock(schedule: Schedule) -> None:
 def _deadlock_report(schedule: Schedule, cursor: list[int], done: set[Action],
                      rows: deque, step: int) -> str:
     last_chunk, has_comm = schedule.n_chunks - 1, schedule.has_comm
+    input_grad = _input_grad_actions(schedule)
     blocked_row, reasons = [], []
     for pp_rank, actions in enumerate(schedule.rank_actions):
         if cursor[pp_rank] == len(actions):
@@ -158,7 +205,7 @@ def _deadlock_report(schedule: Schedule, cursor: list[int], done: set[Action],
             continue
         action = actions[cursor[pp_rank]]
         blocked_row.append(f"[{action}]")
-        missing = [p for p in _prerequisites(action, last_chunk, has_comm) if p not in done]
+        missing = [p for p in _prerequisites(action, last_chunk, has_comm, input_grad) if p not in done]
         waits = ", ".join(f"{p} (rank {schedule.rank_of(p.chunk_index)})" for p in missing)
         reasons.append(f"  rank {pp_rank} is blocked at {action}, waiting for {waits}")
     header = ["step"] + [f"rank {r}" for r in range(schedule.n_stages)]
