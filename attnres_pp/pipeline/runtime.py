@@ -2,7 +2,8 @@
 cache and a transport, and timestamps every action.
 
 Dispatch on action kind (DESIGN rule 3). What each hop carries comes from the payload plan alone.
-Gradient bookkeeping per chunk and microbatch, in the backward:
+Gradient bookkeeping per chunk and microbatch, in the backward (B, or I, which does all of this,
+then W, which adds the parameters' gradients later; see `split_backward`):
 - a tensor this chunk *produced* gets its outside gradient (from the next hop and/or from cache
   deposits) as an autograd root;
 - a tensor that came *in* (over the wire or from the cache) is an autograd leaf; its gradient is
@@ -24,6 +25,7 @@ from attnres_pp.comm.cache import BlockCache
 from attnres_pp.comm.plan import RESIDUAL, PayloadPlan, Source
 from attnres_pp.pipeline.chunk import PipelineChunk
 from attnres_pp.pipeline.ir import Action, ActionKind, Schedule
+from attnres_pp.pipeline.split_backward import WeightWork, backward_input, backward_weight, fused_backward
 
 
 @dataclass
@@ -96,6 +98,7 @@ class StageRuntime:
         self._outbox: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._in_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._contexts: dict[tuple[int, int], _ChunkContext] = {}
+        self._weight_work: dict[tuple[int, int], WeightWork] = {}  # I done, W to come
         self._in_memory: dict[tuple[str, int, int], list[torch.Tensor]] = {}  # self-hops, by message id
         self.cache = BlockCache()
         self.record = StepRecord()
@@ -136,6 +139,9 @@ class StageRuntime:
         leftover = sorted(self._contexts)
         if leftover:
             raise RuntimeError(f"rank {self.pp_rank}: forward contexts {leftover} never ran their backward")
+        if self._weight_work:
+            raise RuntimeError(f"rank {self.pp_rank}: (chunk, microbatch) {sorted(self._weight_work)} ran I "
+                               "but never W")
         self.record.cache_peak_bytes = self.cache.peak_bytes
         return self.record
 
@@ -179,6 +185,24 @@ class StageRuntime:
             self._outbox[(c, mb)] = [produced.get(s, inputs.get(s)) for s in io.sent]
 
     def _backward(self, action: Action) -> None:
+        """B: input and weight gradients in one pass."""
+        ctx, outside, roots, root_grads = self._backward_roots(action)
+        fused_backward(roots, root_grads)
+        self._emit_input_grads(action, ctx, outside)
+
+    def _backward_input(self, action: Action) -> None:
+        """I: what B sends and deposits, and none of the parameters' gradients but the cheap ones."""
+        ctx, outside, roots, root_grads = self._backward_roots(action)
+        leaves = [t for t in ctx.inputs.values() if t.requires_grad]
+        self._weight_work[(action.chunk_index, action.microbatch_index)] = backward_input(roots, root_grads, leaves)
+        self._emit_input_grads(action, ctx, outside)
+
+    def _backward_weight(self, action: Action) -> None:
+        backward_weight(self._weight_work.pop((action.chunk_index, action.microbatch_index)))
+
+    def _backward_roots(self, action: Action):
+        """The chunk's context, its outside gradients (next hop and collected deposits) and the
+        autograd roots with their gradients: the loss, and produced tensors with outside gradients."""
         c, mb = action.chunk_index, action.microbatch_index
         io, ctx = self.plan.chunks[c], self._contexts.pop((c, mb))
         outside: dict[Source, torch.Tensor] = {}
@@ -196,8 +220,12 @@ class StageRuntime:
             if source in ctx.produced:
                 roots.append(ctx.produced[source])
                 root_grads.append(grad)
-        if roots:
-            torch.autograd.backward(roots, root_grads)
+        return ctx, outside, roots, root_grads
+
+    def _emit_input_grads(self, action: Action, ctx: _ChunkContext, outside: dict[Source, torch.Tensor]) -> None:
+        """The backward hop's gradients and the deposits of the cache reads' gradients."""
+        c, mb = action.chunk_index, action.microbatch_index
+        io = self.plan.chunks[c]
 
         def input_grad(source: Source) -> torch.Tensor | None:
             grad = ctx.inputs[source].grad
@@ -256,6 +284,8 @@ class StageRuntime:
     _HANDLERS = {
         ActionKind.F: _forward,
         ActionKind.B: _backward,
+        ActionKind.I: _backward_input,
+        ActionKind.W: _backward_weight,
         ActionKind.SEND_F: _send_forward,
         ActionKind.RECV_F: _recv_forward,
         ActionKind.SEND_B: _send_backward,

@@ -1,0 +1,111 @@
+"""The backward split in I and W (`pipeline.split_backward`) against the fused backward B, per chunk
+of every variant: the inputs' gradients after I alone, and every parameter's after W; W runs no node
+of the input-gradient chain; the matrix-product paths equal the engine twin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnres_pp.comm.partition import make_partition
+from attnres_pp.comm.plan import plan_for_model
+from attnres_pp.pipeline.chunk import build_rank_chunks
+from attnres_pp.pipeline.split_backward import backward_input, backward_weight, fused_backward
+from tests.pipeline_helpers import MICRO, SEQ, build_model, model_config
+from tests.reference_model import VARIANTS
+
+P, V, N_LAYERS = 2, 2, 4  # four chunks of one layer: first (embedding), two middle, last (loss)
+
+
+def _chunk_graph(variant: str, chunk_index: int, seed: int = 0):
+    """A fresh model, one forward of `chunk_index` on random inputs: (model, roots, root grads, input leaves)."""
+    overrides = {} if variant in ("standard", "full") else {"block_size": 3}
+    cfg = model_config(variant, N_LAYERS, **overrides)
+    model = build_model(cfg)
+    partition = make_partition(N_LAYERS, P, V)
+    plan = plan_for_model(cfg, partition, cache=True)
+    chunk = build_rank_chunks(model, partition, partition.rank_of(chunk_index))[chunk_index]
+    io = plan.chunks[chunk_index]
+    g = torch.Generator().manual_seed(seed)
+    width = cfg.d_model if cfg.residual == "standard" else cfg.source_width
+    inputs = {s: torch.randn(MICRO, SEQ, width, generator=g).requires_grad_(True)
+              for s in io.received + io.cache_reads}
+    idx = torch.randint(0, cfg.vocab_size, (MICRO, SEQ), generator=g)
+    produced, loss = chunk(inputs, idx, idx)
+    if loss is not None:
+        return model, [loss], [torch.ones_like(loss)], list(inputs.values())
+    roots = list(produced.values())
+    return model, roots, [torch.randn(r.shape, generator=g) for r in roots], list(inputs.values())
+
+
+def _grads(model, inputs) -> dict[str, torch.Tensor | None]:
+    out = {name: p.grad for name, p in model.named_parameters()}
+    out.update({f"input {i}": t.grad for i, t in enumerate(inputs)})
+    return out
+
+
+def _assert_close(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        g = got[name]
+        assert (g is None) == (w is None), name
+        if w is not None:
+            assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item() + 1e-8, name
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("chunk_index", range(P * V))
+@pytest.mark.parametrize("known_flows", [True, False], ids=["products", "engine"])
+def test_i_then_w_equals_b(variant, chunk_index, known_flows):
+    model, roots, root_grads, inputs = _chunk_graph(variant, chunk_index)
+    fused_backward(roots, root_grads)
+    want = {k: None if v is None else v.clone() for k, v in _grads(model, inputs).items()}
+
+    model, roots, root_grads, inputs = _chunk_graph(variant, chunk_index)
+    work = backward_input(roots, root_grads, inputs)
+    # After I alone the inputs' gradients are complete: they go back over the hop before W runs.
+    for i, t in enumerate(inputs):
+        assert (t.grad - want[f"input {i}"]).abs().max().item() <= 1e-5 * want[f"input {i}"].abs().max().item()
+    # ... and the linear layers' weights are still untouched: their gradients are W's work.
+    untouched = [n for n, p in model.named_parameters() if n.endswith(("qkv.weight", "down.weight", "lm_head.weight"))
+                 and want[n] is not None]
+    assert untouched and all(model.get_parameter(n).grad is None for n in untouched)
+    backward_weight(work, known_flows=known_flows)
+    _assert_close(_grads(model, inputs), want)
+
+
+def _input_path(roots: list[torch.Tensor], inputs: list[torch.Tensor]) -> set:
+    """Every autograd node under `roots` from which an input leaf can be reached (the I chain)."""
+    input_ids = {id(t) for t in inputs}
+    memo: dict = {}
+
+    def reaches(node) -> bool:
+        if node not in memo:
+            memo[node] = False  # a DAG: no cycles, this only guards repeats
+            variable = getattr(node, "variable", None)
+            below = [reaches(f) for f, _ in node.next_functions if f is not None]  # visit every child
+            memo[node] = (variable is not None and id(variable) in input_ids) or any(below)
+        return memo[node]
+
+    for root in roots:
+        reaches(root.grad_fn)
+    return {node for node, hit in memo.items() if hit}
+
+
+@pytest.mark.parametrize("variant", ["block", "msar", "lr_projected"])
+def test_w_runs_no_node_of_the_input_gradient_chain(variant):
+    """Matrix products' weight flows come from their saved operands, so none of the chain runs; a
+    node with no such formula (MSAR's causal convolution) runs once, for its weight output alone."""
+    model, roots, root_grads, inputs = _chunk_graph(variant, 2)
+    chain = _input_path(roots, inputs)
+    work = backward_input(roots, root_grads, inputs)
+    ran = []
+    handles = [node.register_prehook(lambda grads, node=node: ran.append(node)) for node in chain]
+    try:
+        backward_weight(work)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(chain) > 20
+    assert {node.name() for node in ran} == ({"ConvolutionBackward0"} if variant == "msar" else set())
+    assert len(ran) == len(set(ran))
