@@ -107,6 +107,53 @@ def test_unit_cost_bubble_is_the_closed_form(name, n_stages, n_virtual, n_microb
     assert abs(result.makespan - 3 * (n_microbatches + (n_stages - 1) / n_virtual)) < 1e-9
 
 
+def _split_cases():
+    for n_stages in (1, 2, 3, 4, 5):
+        for n_microbatches in range(n_stages, 3 * n_stages + 2):
+            yield "zb_h1", n_stages, 1, n_microbatches
+            for n_virtual in (1, 2, 3):
+                yield "interleaved_zb", n_stages, n_virtual, n_microbatches
+            if n_microbatches >= 2 * n_stages - 1:
+                yield "zbv", n_stages, 2, n_microbatches
+
+
+@pytest.mark.parametrize(("name", "n_stages", "n_virtual", "n_microbatches"), list(_split_cases()))
+def test_split_schedules_reach_their_closed_forms_with_unit_costs(name, n_stages, n_virtual, n_microbatches):
+    """F = I = W = 1 per rank and microbatch: ZB-H1 reaches the published (P-1)/(3m+P-1), a third
+    of 1F1B's idle time; interleaved with the split (P-1)/(3Vm+P-1), ZB-V (V = 2) the same."""
+    result = simulate(build_schedule(name, n_stages, n_virtual, n_microbatches), unit_costs(n_stages, n_virtual))
+    report = summarize(result)
+    p, m, v = n_stages, n_microbatches, n_virtual
+    assert abs(report["bubble_fraction"] - (p - 1) / (3 * v * m + p - 1)) < 1e-9
+    assert abs(report["bubble_fraction"] - closed_form_bubble_fraction(p, v, m, name)) < 1e-9
+    assert abs(report["bubble_ratio"] - closed_form_bubble_ratio(p, v, m, name)) < 1e-9
+    assert abs(result.makespan - (3 * m + (p - 1) / v)) < 1e-9  # 1F1B: 3 (m + (P-1)/V)
+    # The unit costs split B = 2 into I = W = 1 (per rank, over its V chunks).
+    assert unit_costs(p, v).split_s == ((1 / v,) * p * v, (1 / v,) * p * v)
+
+
+def test_zero_bubble_memory_is_1f1b_memory():
+    """ZB-H1 holds at most P microbatches' activations (F to W) on a rank, as 1F1B does on its
+    first; ZB-V holds 2P chunk-microbatches of half size: P microbatches' worth."""
+    for p, m in ((2, 6), (4, 8), (4, 16)):
+        ours = peak_in_flight(build_schedule("zb_h1", p, 1, m))
+        theirs = peak_in_flight(build_schedule("1f1b", p, 1, m))
+        assert max(x["microbatches"] for x in ours) == max(x["microbatches"] for x in theirs) == p
+        assert max(x["chunk_microbatches"] for x in peak_in_flight(build_schedule("zbv", p, 2, m))) == 2 * p
+
+
+def test_summary_prints_the_schedule_s_closed_form(simulate_cli, capsys):
+    argv = ["simulate", "schedule", "--schedule", "zb_h1", "--stages", "4", "--microbatches", "8"]
+    assert simulate_cli(argv) == 0
+    out = capsys.readouterr().out
+    assert "closed form (P-1)/(3Vm+P-1) = 0.1111" in out and "bubble_fraction     0.1111" in out
+    assert simulate_cli(["simulate", "schedule", "--schedule", "zbv", "--stages", "4", "--virtual", "2",
+                         "--microbatches", "4", "--layers", "8", "--block-size", "2", "--d-model", "64"]) == 0
+    assert "for m >= 7 only" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="weight_s needs one entry per chunk"):
+        CostModel(forward_s=(1.0,), backward_s=(2.0,), hop_fwd_s=(), hop_bwd_s=(), weight_s=(3.0,))
+
+
 def test_larger_schedule_still_exact():
     result = simulate(build_schedule("interleaved_1f1b", 16, 4, 64), unit_costs(16, 4))
     assert abs(summarize(result)["bubble_fraction"] - 15 / (4 * 64 + 15)) < 1e-9
@@ -193,6 +240,21 @@ def test_calibration_recovers_costs_and_makespan(tmp_path):
     assert replay.makespan == pytest.approx(measured.makespan)
 
 
+def test_calibration_of_a_split_backward_run(tmp_path):
+    costs = CostModel(forward_s=(1e-3, 2e-3, 1.5e-3, 3e-3), backward_s=(2e-3, 4e-3, 3e-3, 6e-3),
+                      weight_s=(0.5e-3, 1e-3, 2e-3, 1e-3), hop_fwd_s=(1e-4,) * 3, hop_bwd_s=(1e-4,) * 3)
+    measured = simulate(build_schedule("interleaved_zb", 2, 2, 4), costs)
+    write_chrome_trace(measured.events(), tmp_path / "trace.json")
+    summary = {"config": {"pipeline": {"stages": 2, "virtual": 2, "schedule": "interleaved_zb"},
+                          "train": {"microbatches": 4}}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    calibration = calibrate_from(tmp_path, runtime_overhead=False)
+    assert calibration.costs.backward_s == pytest.approx(costs.backward_s)
+    assert calibration.costs.weight_s == pytest.approx(costs.weight_s)
+    replay = simulate(build_schedule("interleaved_zb", 2, 2, 4), calibration.costs)
+    assert replay.makespan == pytest.approx(measured.makespan)
+
+
 def test_cli_comm_table_and_errors(simulate_cli, capsys):
     assert simulate_cli(["simulate", "comm", "--layers", "8", "--block-size", "4", "--stages", "4",
                          "--virtual", "2"]) == 0
@@ -227,9 +289,9 @@ def test_cli_schedule_model_costs_and_refusals(simulate_cli, capsys):
     assert simulate_cli(base + ["--costs", "model"]) == 2
     assert "needs the model" in capsys.readouterr().err
     bad_m = ["simulate", "schedule", "--schedule", "interleaved_1f1b", "--stages", "4", "--virtual", "2",
-             "--microbatches", "6"]
+             "--microbatches", "3"]
     assert simulate_cli(bad_m) == 2
-    assert "m must be a multiple of P=4" in capsys.readouterr().err
+    assert "needs m >= P=4 microbatches" in capsys.readouterr().err
 
 
 def test_cli_sweep_writes_tables_and_plots(simulate_cli, capsys, tmp_path):

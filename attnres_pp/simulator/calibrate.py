@@ -1,7 +1,8 @@
 """Costs calibrated from a measured run: RUN_DIR/trace.json (Chrome trace, action names as the IR
 prints them) and RUN_DIR/summary.json (its `config` holds `pipeline` and `model`).
 
-Per chunk the median F and B durations; per hop and direction the median transfer time. A
+Per chunk the median F and B durations (a split-backward run: B = median I + median W, and W's
+share kept); per hop and direction the median transfer time. A
 receive's duration mixes waiting for the sender's compute with the transfer, and a receive posted
 after the data arrived shows neither. So a message is a clean sample of the transfer only when
 the receiver was already waiting as the send was posted; its transfer time is then receive end -
@@ -99,6 +100,7 @@ def calibrate_from(run_dir: str | Path, *, runtime_overhead: bool = True) -> Cal
 def _costs_from_events(events: list[TimelineEvent], n_chunks: int, source: Path) -> CostModel:
     forward: list[list[float]] = [[] for _ in range(n_chunks)]
     backward: list[list[float]] = [[] for _ in range(n_chunks)]
+    split = {ActionKind.I: [[] for _ in range(n_chunks)], ActionKind.W: [[] for _ in range(n_chunks)]}
     sends: dict[tuple[str, int, int], TimelineEvent] = {}
     receives: dict[tuple[str, int, int], TimelineEvent] = {}
     for event in events:
@@ -113,11 +115,17 @@ def _costs_from_events(events: list[TimelineEvent], n_chunks: int, source: Path)
             forward[action.chunk_index].append(event.end_s - event.start_s)
         elif action.kind is ActionKind.B:
             backward[action.chunk_index].append(event.end_s - event.start_s)
+        elif action.kind in split:
+            split[action.kind][action.chunk_index].append(event.end_s - event.start_s)
         else:
             (sends if action.is_send else receives)[action.message_id] = event
+    weight = None
+    if any(split[ActionKind.I]):  # a split-backward run: B = I + W, and W's share is kept
+        weight = tuple(_median(w) for w in split[ActionKind.W])
+        backward = [[_median(i) + w] if i else [] for i, w in zip(split[ActionKind.I], weight, strict=True)]
     missing = [c for c in range(n_chunks) if not forward[c] or not backward[c]]
     if missing:
-        raise ValueError(f"{source}: no F or B events for chunks {missing}; is the trace complete?")
+        raise ValueError(f"{source}: no F and B (or I) events for chunks {missing}; is the trace complete?")
     # Per hop: (clean transfer samples, all receive durations), forward and backward direction.
     hop_fwd = [([], []) for _ in range(n_chunks - 1)]
     hop_bwd = [([], []) for _ in range(n_chunks - 1)]
@@ -134,11 +142,14 @@ def _costs_from_events(events: list[TimelineEvent], n_chunks: int, source: Path)
 
     return CostModel(forward_s=tuple(_median(v) for v in forward), backward_s=tuple(_median(v) for v in backward),
                      hop_fwd_s=tuple(hop_time(*h) for h in hop_fwd), hop_bwd_s=tuple(hop_time(*h) for h in hop_bwd),
-                     label=f"calibrated from {source.parent}")
+                     weight_s=weight, label=f"calibrated from {source.parent}")
 
 
 def with_overhead(costs: CostModel, overhead_s: float) -> CostModel:
-    """`costs` with `overhead_s` added to every F and B (the runtime's per-action work)."""
+    """`costs` with `overhead_s` added to every F and B (the runtime's per-action work); a split
+    backward is two actions, so I and W get it each."""
+    weight = None if costs.weight_s is None else tuple(w + overhead_s for w in costs.weight_s)
+    extra = overhead_s if costs.weight_s is None else 2 * overhead_s
     return dataclasses.replace(costs, forward_s=tuple(f + overhead_s for f in costs.forward_s),
-                               backward_s=tuple(b + overhead_s for b in costs.backward_s),
+                               backward_s=tuple(b + extra for b in costs.backward_s), weight_s=weight,
                                label=costs.label + " + measured runtime overhead")

@@ -176,7 +176,7 @@ def _simulate_schedule(args: argparse.Namespace):
 
     plan = tensor_bytes = None
     if cfg is not None:
-        partition = make_partition(cfg.n_layers, n_stages, n_virtual)
+        partition = make_partition(cfg.n_layers, n_stages, n_virtual, placement=schedule.placement)
         plan = plan_for_model(cfg, partition, cache)
         width = cfg.d_model if plan.mode == "standard" else cfg.source_width
         if tokens is not None:

@@ -1,8 +1,9 @@
 """Cost models for the event engine: seconds per chunk forward/backward and per hop message.
 
 Three sources of costs:
-- `unit_costs`: a rank's whole forward of one microbatch takes 1 and its backward 2, split evenly
-  over its V chunks; communication is free. Reproduces the closed-form bubbles exactly.
+- `unit_costs`: a rank's whole forward of one microbatch takes 1 and its backward 2 (input
+  gradients I = 1, weight gradients W = 1 when split), split evenly over its V chunks;
+  communication is free. Reproduces the closed-form bubbles exactly.
 - `model_costs`: chunk compute from a FLOP count and an achieved FLOP/s (`DeviceProfile`); a hop
   message takes latency + bytes / bandwidth with per-hop bytes from the payload planner.
 - `calibrate.calibrated_costs`: medians measured in a real run's trace.
@@ -22,7 +23,9 @@ from attnres_pp.model.config import ModelConfig
 class CostModel:
     """forward_s[c] / backward_s[c]: one microbatch through chunk c; hop_fwd_s[c] / hop_bwd_s[c]:
     one message on hop c <-> c + 1 (forward activations / backward gradients). overlap_comm=False
-    keeps a sender busy for the whole link time (no compute/communication overlap)."""
+    keeps a sender busy for the whole link time (no compute/communication overlap).
+    weight_s[c]: the W part of backward_s[c] when a schedule splits it (I takes the rest); None
+    splits it in halves."""
 
     forward_s: tuple[float, ...]
     backward_s: tuple[float, ...]
@@ -30,6 +33,7 @@ class CostModel:
     hop_bwd_s: tuple[float, ...]
     overlap_comm: bool = True
     label: str = "custom"
+    weight_s: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         n_chunks = len(self.forward_s)
@@ -42,16 +46,28 @@ class CostModel:
         every = self.forward_s + self.backward_s + self.hop_fwd_s + self.hop_bwd_s
         if any(value < 0 for value in every):
             raise ValueError("CostModel: every time must be >= 0 seconds")
+        if self.weight_s is not None and (
+                len(self.weight_s) != n_chunks
+                or any(not 0 <= w <= b for w, b in zip(self.weight_s, self.backward_s, strict=True))):
+            raise ValueError("CostModel.weight_s needs one entry per chunk, each between 0 and that chunk's "
+                             "backward_s (W is a part of B = I + W)")
 
     @property
     def n_chunks(self) -> int:
         return len(self.forward_s)
 
+    @property
+    def split_s(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(I, W) seconds per chunk for split-backward schedules; I + W = backward_s."""
+        weight = self.weight_s if self.weight_s is not None else tuple(b / 2 for b in self.backward_s)
+        return tuple(b - w for b, w in zip(self.backward_s, weight, strict=True)), weight
+
 
 def unit_costs(n_stages: int, n_virtual: int) -> CostModel:
     n_chunks = n_stages * n_virtual
     return CostModel(forward_s=(1.0 / n_virtual,) * n_chunks, backward_s=(2.0 / n_virtual,) * n_chunks,
-                     hop_fwd_s=(0.0,) * (n_chunks - 1), hop_bwd_s=(0.0,) * (n_chunks - 1), label="unit")
+                     weight_s=(1.0 / n_virtual,) * n_chunks, hop_fwd_s=(0.0,) * (n_chunks - 1),
+                     hop_bwd_s=(0.0,) * (n_chunks - 1), label="unit")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,6 +1,7 @@
 """Discrete-event execution of a lowered schedule under a cost model.
 
-Each rank runs its action list in order on its own clock. F and B take their chunk's cost. A send
+Each rank runs its action list in order on its own clock. F and B (or I and W) take their chunk's
+cost. A send
 never blocks: its message arrives link-time later (with overlap_comm=False the sender is also busy
 for the link time). A receive completes at max(now, arrival); if its send has not run yet, the rank
 parks until it has. With no shared resources between ranks, the order in which ranks are advanced
@@ -31,7 +32,7 @@ class SimResult:
     costs: CostModel
     starts: list[list[float]]
     ends: list[list[float]]
-    compute_s: list[float]  # per rank, seconds spent in F and B
+    compute_s: list[float]  # per rank, seconds spent in F and B (or I and W)
     wall_s: float
 
     @property
@@ -55,6 +56,8 @@ def _encode(schedule: Schedule, costs: CostModel) -> list[list[tuple[int, float,
     fwd, bwd, hop_fwd, hop_bwd = costs.forward_s, costs.backward_s, costs.hop_fwd_s, costs.hop_bwd_s
     kind_f, kind_b, send_f = ActionKind.F, ActionKind.B, ActionKind.SEND_F
     recv_f, send_b = ActionKind.RECV_F, ActionKind.SEND_B
+    kind_i, kind_w = ActionKind.I, ActionKind.W
+    input_s, weight_s = costs.split_s
     encoded = []
     for actions in schedule.rank_actions:
         ops = []
@@ -65,6 +68,10 @@ def _encode(schedule: Schedule, costs: CostModel) -> list[list[tuple[int, float,
                 append((_COMPUTE, fwd[c], 0))
             elif kind is kind_b:
                 append((_COMPUTE, bwd[c], 0))
+            elif kind is kind_i:
+                append((_COMPUTE, input_s[c], 0))
+            elif kind is kind_w:
+                append((_COMPUTE, weight_s[c], 0))
             elif kind is send_f:
                 append((_SEND, hop_fwd[c], 2 * (c * n_microbatches + mb)))
             elif kind is recv_f:

@@ -4,30 +4,55 @@ block-cache memory and bytes per step.
 Bubble conventions (SPEC section 5):
     bubble_fraction = idle / (ranks x makespan)          -> (P-1)/(V m + P - 1) for unit costs
     bubble_ratio    = idle / compute (idle over ideal)   -> (P-1)/(V m)
-Idle is every second of the makespan a rank is not running F or B (waiting, or sending when
-communication is not overlapped).
+Idle is every second of the makespan a rank is not running F or B (or I and W: waiting, or
+sending when communication is not overlapped). With unit costs a zero-bubble schedule leaves idle
+only P - 1 of 1F1B's 3 (P - 1) per rank: ZB-H1 (P-1)/(3m + P - 1) (the published figure),
+interleaved with the split (P-1)/(3 V m + P - 1) and ZB-V, V = 2, (P-1)/(6m + P - 1).
 """
 
 from __future__ import annotations
 
 from attnres_pp.comm.plan import PayloadPlan
-from attnres_pp.pipeline.ir import ActionKind, Schedule
+from attnres_pp.pipeline.ir import INPUT_GRAD_KINDS, ActionKind, Schedule
 from attnres_pp.simulator.comm import format_bytes
 from attnres_pp.simulator.engine import SimResult
 
+# Schedules that split B into I and W: with unit costs their idle per rank is a third of 1F1B's.
+SPLIT_SCHEDULES = frozenset({"zb_h1", "interleaved_zb", "zbv"})
 
-def closed_form_bubble_fraction(n_stages: int, n_virtual: int, n_microbatches: int) -> float:
-    return (n_stages - 1) / (n_virtual * n_microbatches + n_stages - 1)
+
+def closed_form_bubble_fraction(n_stages: int, n_virtual: int, n_microbatches: int,
+                                schedule: str = "1f1b") -> float:
+    """(P-1)/(k V m + P - 1) with k = 3 for the split schedules (they hold for m >= P; ZB-V for
+    m >= 2P - 1), k = 1 for GPipe, 1F1B and interleaved 1F1B."""
+    k = 3 if schedule in SPLIT_SCHEDULES else 1
+    return (n_stages - 1) / (k * n_virtual * n_microbatches + n_stages - 1)
 
 
-def closed_form_bubble_ratio(n_stages: int, n_virtual: int, n_microbatches: int) -> float:
-    return (n_stages - 1) / (n_virtual * n_microbatches)
+def closed_form_bubble_ratio(n_stages: int, n_virtual: int, n_microbatches: int, schedule: str = "1f1b") -> float:
+    """Idle over compute: (P-1)/(k V m), k as in `closed_form_bubble_fraction`."""
+    k = 3 if schedule in SPLIT_SCHEDULES else 1
+    return (n_stages - 1) / (k * n_virtual * n_microbatches)
+
+
+def closed_form_min_microbatches(schedule: str, n_stages: int) -> int:
+    """The fewest microbatches for which the closed forms are exact (ZB-V: 2P - 1; zb_h1: P)."""
+    if schedule == "zbv":
+        return 2 * n_stages - 1
+    return n_stages if schedule in SPLIT_SCHEDULES else 1
+
+
+def closed_form_label(schedule: str) -> tuple[str, str]:
+    """How the closed forms of `schedule` print: (fraction, ratio)."""
+    k = "3" if schedule in SPLIT_SCHEDULES else ""
+    return f"(P-1)/({k}Vm+P-1)", f"(P-1)/({k}Vm)"
 
 
 def peak_in_flight(schedule: Schedule) -> list[dict[str, int]]:
-    """Per rank, the most activation sets alive at once: (chunk, mb) pairs between their F and B,
-    and distinct microbatches with any such pair. Depends only on each rank's order."""
-    kind_f, kind_b = ActionKind.F, ActionKind.B
+    """Per rank, the most activation sets alive at once: (chunk, mb) pairs between their F and B
+    (or W, which frees the last of them), and distinct microbatches with any such pair. Depends
+    only on each rank's order."""
+    kind_f, kind_b, kind_w = ActionKind.F, ActionKind.B, ActionKind.W
     peaks = []
     for actions in schedule.rank_actions:
         live_pairs, peak_pairs, peak_microbatches = 0, 0, 0
@@ -42,7 +67,7 @@ def peak_in_flight(schedule: Schedule) -> list[dict[str, int]]:
                     live_microbatches += 1
                     peak_microbatches = max(peak_microbatches, live_microbatches)
                 pairs_per_microbatch[action.microbatch_index] += 1
-            elif kind is kind_b:
+            elif kind is kind_b or kind is kind_w:
                 live_pairs -= 1
                 pairs_per_microbatch[action.microbatch_index] -= 1
                 if pairs_per_microbatch[action.microbatch_index] == 0:
@@ -54,12 +79,12 @@ def peak_in_flight(schedule: Schedule) -> list[dict[str, int]]:
 def peak_cache_tensors(schedule: Schedule, plan: PayloadPlan) -> list[int]:
     """Per rank, the most block-cache entries alive at once (tensors of one microbatch each).
 
-    An entry is put by F(c, mb) (plan.chunks[c].cache_puts) and lives until B(c, mb): after the
-    last reader's forward frees the value, the gradient deposits of the later chunks' reads stay
+    An entry is put by F(c, mb) (plan.chunks[c].cache_puts) and lives until B(c, mb) (or I): after
+    the last reader's forward frees the value, the gradient deposits of the later chunks' reads stay
     until the backward reaches the chunk that put the entry and collects them.
     """
     puts = [len(io.cache_puts) for io in plan.chunks]
-    kind_f, kind_b = ActionKind.F, ActionKind.B
+    kind_f = ActionKind.F
     peaks = []
     for actions in schedule.rank_actions:
         live, peak = 0, 0
@@ -67,7 +92,7 @@ def peak_cache_tensors(schedule: Schedule, plan: PayloadPlan) -> list[int]:
             if action.kind is kind_f:
                 live += puts[action.chunk_index]
                 peak = max(peak, live)
-            elif action.kind is kind_b:
+            elif action.kind in INPUT_GRAD_KINDS:
                 live -= puts[action.chunk_index]
         peaks.append(peak)
     return peaks
@@ -89,8 +114,9 @@ def summarize(result: SimResult, *, plan: PayloadPlan | None = None, tensor_byte
         "makespan": makespan,
         "bubble_fraction": sum(idle) / (n_stages * makespan) if makespan else 0.0,
         "bubble_ratio": sum(idle) / total_busy if total_busy else 0.0,
-        "closed_form_bubble_fraction": closed_form_bubble_fraction(n_stages, n_virtual, n_microbatches),
-        "closed_form_bubble_ratio": closed_form_bubble_ratio(n_stages, n_virtual, n_microbatches),
+        "closed_form_bubble_fraction": closed_form_bubble_fraction(n_stages, n_virtual, n_microbatches,
+                                                                   schedule.name),
+        "closed_form_bubble_ratio": closed_form_bubble_ratio(n_stages, n_virtual, n_microbatches, schedule.name),
         "per_rank": {
             "compute_s": busy,
             "idle_s": idle,
@@ -114,14 +140,18 @@ def summarize(result: SimResult, *, plan: PayloadPlan | None = None, tensor_byte
 def format_summary(report: dict) -> str:
     """A few readable lines of the summary (the JSON form has everything)."""
     per_rank = report["per_rank"]
+    fraction_form, ratio_form = closed_form_label(report["schedule"])
+    fewest = closed_form_min_microbatches(report["schedule"], report["stages"])
+    if report["microbatches"] < fewest:
+        fraction_form = f"for m >= {fewest} only: {fraction_form}"
     lines = [
         f"{report['schedule']}: P={report['stages']} V={report['virtual']} m={report['microbatches']} "
         f"({report['costs']} costs{'' if report['overlap_comm'] else ', communication not overlapped'})",
         f"makespan            {report['makespan']:.6g}",
         f"bubble_fraction     {report['bubble_fraction']:.4f}  (idle / (ranks x makespan); "
-        f"closed form (P-1)/(Vm+P-1) = {report['closed_form_bubble_fraction']:.4f})",
+        f"closed form {fraction_form} = {report['closed_form_bubble_fraction']:.4f})",
         f"bubble_ratio        {report['bubble_ratio']:.4f}  (idle / compute; "
-        f"closed form (P-1)/(Vm) = {report['closed_form_bubble_ratio']:.4f})",
+        f"closed form {ratio_form} = {report['closed_form_bubble_ratio']:.4f})",
         f"peak in-flight mbs  per rank {_compact(per_rank['peak_in_flight_microbatches'])}",
         f"peak live (chunk,mb) per rank {_compact(per_rank['peak_in_flight_chunk_microbatches'])}",
     ]
