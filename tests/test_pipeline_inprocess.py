@@ -13,25 +13,32 @@ from attnres_pp.comm.transport import ByteLedger
 from attnres_pp.pipeline.chunk import build_rank_chunks
 from attnres_pp.pipeline.loopback import make_loopback_runtimes, run_loopback_step
 from attnres_pp.pipeline.passes import insert_comm
-from attnres_pp.pipeline.schedules import build_schedule
+from attnres_pp.pipeline.schedules import build_schedule, schedule_placement
 from attnres_pp.pipeline.validate import validate
 from attnres_pp.train.step_stats import fwd_hop_tensors
 from tests.pipeline_helpers import MICRO, SEQ, assert_grads_match, batch, build_model, model_config, reference_step
 from tests.reference_model import VARIANTS
 
 # (schedule, P, V, m, n_layers, block-size override): P = 3, uneven splits, and blocks whose edges
-# fall inside chunks (block_size 3 with 2 sublayers per layer) are all covered.
+# fall inside chunks (block_size 3 with 2 sublayers per layer) are all covered; so are the
+# split-backward schedules (I and W) and microbatch counts that are not multiples of P.
 LAYOUTS = [
     ("interleaved_1f1b", 2, 2, 4, 4, None),
     ("interleaved_1f1b", 3, 2, 3, 6, 5),
+    ("interleaved_1f1b", 2, 2, 3, 4, 3),
     ("1f1b", 3, 1, 4, 5, None),
     ("gpipe", 2, 2, 3, 5, 3),
+    ("zb_h1", 3, 1, 4, 5, None),
+    ("interleaved_zb", 2, 2, 3, 4, 3),
+    ("interleaved_zb", 3, 2, 4, 6, 5),
+    ("zbv", 2, 2, 3, 4, None),
+    ("zbv", 3, 2, 5, 6, 3),
 ]
 
 
 def pipelined_step(cfg, schedule_name, P, V, m, cache, dtype=torch.float32, ledger=None):
     model = build_model(cfg, dtype)
-    partition = make_partition(cfg.n_layers, P, V)
+    partition = make_partition(cfg.n_layers, P, V, placement=schedule_placement(schedule_name))
     rank_chunks = [build_rank_chunks(model, partition, r) for r in range(P)]
     schedule = insert_comm(build_schedule(schedule_name, P, V, m))
     validate(schedule)
@@ -58,9 +65,10 @@ def test_pipelined_step_equals_single_process_fp32(variant, layout, cache):
 
 
 @pytest.mark.parametrize("variant", ["block", "lr_projected", "msar"])
-def test_pipelined_step_equals_single_process_float64(variant):
+@pytest.mark.parametrize("schedule_name", ["interleaved_1f1b", "interleaved_zb", "zbv"])
+def test_pipelined_step_equals_single_process_float64(variant, schedule_name):
     cfg = model_config(variant, 6, block_size=5)
-    loss, grads = pipelined_step(cfg, "interleaved_1f1b", 3, 2, 3, True, dtype=torch.float64)
+    loss, grads = pipelined_step(cfg, schedule_name, 3, 2, 3, True, dtype=torch.float64)
     want_loss, want_grads = reference_step(cfg, *batch(3), 3, dtype=torch.float64)
     assert abs(loss - want_loss) <= 1e-12
     assert_grads_match(grads, want_grads, rtol=1e-10)
@@ -167,6 +175,21 @@ def test_vshape_placement_runs_with_single_process_parity(variant, cache):
     assert_grads_match({n: p.grad for n, p in model.named_parameters()}, want_grads, rtol=1e-5)
     measured = fwd_hop_tensors(ledger.records, 2 * P)
     assert measured == plan.fwd_hop_tensors and measured[P - 1] == 0
+
+
+@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("block_size", [1, 2, 3])
+def test_zbv_hop_counts_follow_the_spec_rule(P, block_size):
+    """ZB-V: the transport counts, per forward hop, what the SPEC 4 rule says for the V placement
+    (the middle hop, between the two chunks of rank P - 1, moves nothing over the wire)."""
+    n_layers = 2 * P
+    cfg = model_config("block", n_layers, block_size=block_size)
+    ledger = ByteLedger()
+    pipelined_step(cfg, "zbv", P, 2, 2 * P - 1, True, ledger=ledger)
+    partition = make_partition(n_layers, P, 2, placement="vshape")
+    want = [len(hop) for hop in _spec_rule_hops(n_layers, block_size, partition)]
+    assert fwd_hop_tensors(ledger.records, 2 * P) == plan_for_model(cfg, partition, True).fwd_hop_tensors == want
+    assert want[P - 1] == 0 and sum(want) > 0
 
 
 GOLDEN = [  # SPEC section 4.1: (L, S, P, V, naive per hop, cached per hop)
