@@ -88,9 +88,15 @@ CASES_P2 = [(v, s, 2, V, m, cache, 3) for v in sorted(VARIANTS)
             for cache in (True, False)]
 CASES_P3 = [(v, s, 3, V, m, True, 3) for v in sorted(VARIANTS)
             for s, V, m in (("interleaved_1f1b", 2, 3), ("1f1b", 1, 4))]
+# Split backward (I, W) over gloo: ZB-V (V placement, its middle hop in memory) cached and naive;
+# interleaved ZB with m not a multiple of P, and ZB-H1, cached.
+CASES_ZB = [(v, s, 2, V, m, cache, 3) for v in sorted(VARIANTS)
+            for s, V, m, caches in (("zbv", 2, 3, (True, False)), ("interleaved_zb", 2, 3, (True,)),
+                                    ("zb_h1", 1, 3, (True,)))
+            for cache in caches]
 
 
-@pytest.mark.parametrize("cases", [CASES_P1, CASES_P2, CASES_P3], ids=["P1", "P2", "P3"])
+@pytest.mark.parametrize("cases", [CASES_P1, CASES_P2, CASES_P3, CASES_ZB], ids=["P1", "P2", "P3", "ZB"])
 def test_gloo_pipeline_equals_single_process(cases, tmp_path):
     run_dicts = []
     for variant, schedule, P, V, m, cache, block_size in cases:

@@ -71,7 +71,9 @@ def test_i_then_w_equals_b(variant, chunk_index, known_flows):
                  and want[n] is not None]
     assert untouched and all(model.get_parameter(n).grad is None for n in untouched)
     backward_weight(work, known_flows=known_flows)
-    _assert_close(_grads(model, inputs), want)
+    got = _grads(model, inputs)
+    _assert_close(got, want)
+    assert not any(g is not None and (g.requires_grad or g.grad_fn is not None) for g in got.values())
 
 
 def _input_path(roots: list[torch.Tensor], inputs: list[torch.Tensor]) -> set:

@@ -70,6 +70,7 @@ def backward_input(roots: list[torch.Tensor], root_grads: list[torch.Tensor],
     return work
 
 
+@torch.no_grad()  # the saved operands are activations with a graph: build none on them
 def backward_weight(work: WeightWork, *, known_flows: bool = True) -> None:
     """W: the parameters' gradients left by `backward_input`, accumulated in their `.grad`.
 
