@@ -21,7 +21,7 @@ from attnres_pp.simulator.metrics import summarize
 def test_bench_cli_parses():
     args = build_parser().parse_args(["bench", "bubbles", "--quick", "--json", "--out", "somewhere"])
     assert (args.name, args.quick, args.json, args.out) == ("bubbles", True, True, "somewhere")
-    for name in ("comm", "overhead", "peer"):
+    for name in ("comm", "overhead", "peer", "split"):
         assert build_parser().parse_args(["bench", name]).name == name
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "nonsense"])
@@ -140,3 +140,13 @@ def test_torch_stage_modules_chain_to_the_whole_model():
         x = TorchStageModule(chunks[c])(x)
     torch.testing.assert_close(x, model(inputs_BT), rtol=0, atol=0)
     torch.testing.assert_close(lm_loss_fn(x, targets_BT), model(inputs_BT, targets_BT), rtol=0, atol=0)
+
+
+def test_split_benchmark_measures_b_and_i_plus_w_per_chunk():
+    from attnres_pp.bench.split import MODELS, measure
+
+    rows = measure(MODELS["block_cached"], rounds=2, warmup=0)
+    assert [r["chunk"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["B_ms"] > 0 and r["W_ms"] > 0 and r["ratio"] > 0 for r in rows)
+    # Chunk 0 has no inputs to send gradients for: its I is empty and W does the whole backward.
+    assert rows[0]["I_ms"] < rows[0]["W_ms"] and all(r["I_ms"] > 0.1 * r["B_ms"] for r in rows[1:])

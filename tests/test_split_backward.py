@@ -111,3 +111,23 @@ def test_w_runs_no_node_of_the_input_gradient_chain(variant):
     assert len(chain) > 20
     assert {node.name() for node in ran} == ({"ConvolutionBackward0"} if variant == "msar" else set())
     assert len(ran) == len(set(ran))
+
+
+def _split_matches_fused(variant: str, chunk_index: int, seed: int, cuts, key) -> None:
+    model, roots, root_grads, inputs = _chunk_graph(variant, chunk_index, seed)
+    backward_weight(backward_input(roots, root_grads, inputs, cuts, key))
+    reference, roots, root_grads, reference_inputs = _chunk_graph(variant, chunk_index, seed)
+    fused_backward(roots, root_grads)
+    _assert_close(_grads(model, inputs), _grads(reference, reference_inputs))
+
+
+def test_cut_cache_reuses_one_analysis_per_chunk_and_redoes_a_changed_graph():
+    from attnres_pp.pipeline.graph_cut import CutCache
+
+    cuts = CutCache()
+    for seed in range(3):  # three microbatches of chunk 1: one analysis
+        _split_matches_fused("block", 1, seed, cuts, key=1)
+    assert cuts.analyses == 1
+    # Another graph under the same key (chunk 3's, with the loss) is analysed again, not misread.
+    _split_matches_fused("block", 3, 0, cuts, key=1)
+    assert cuts.analyses == 2

@@ -18,13 +18,15 @@ BENCHMARKS = {
     "bubbles": "measured pipeline bubbles per schedule vs the calibrated simulator and the closed form",
     "comm": "bytes and time per step: standard / Full naive / Block naive / Block cached",
     "overhead": "step time of Block AttnRes with the cache vs the standard residual, same pipeline",
-    "peer": "our runtime vs torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B)",
+    "peer": "our runtime vs torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B, "
+            "ScheduleInterleavedZeroBubble)",
+    "split": "the backward split in I and W against the fused backward B, per chunk",
 }
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "bench", help="benchmarks: bubbles, comm, overhead, peer",
+        "bench", help="benchmarks: bubbles, comm, overhead, peer, split",
         description="Benchmarks of the real pipeline (local launcher, gloo, one thread per rank). "
                     + " ".join(f"{name}: {text}." for name, text in BENCHMARKS.items()))
     parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")

@@ -24,6 +24,7 @@ import torch
 from attnres_pp.comm.cache import BlockCache
 from attnres_pp.comm.plan import RESIDUAL, PayloadPlan, Source
 from attnres_pp.pipeline.chunk import PipelineChunk
+from attnres_pp.pipeline.graph_cut import CutCache
 from attnres_pp.pipeline.ir import Action, ActionKind, Schedule
 from attnres_pp.pipeline.split_backward import WeightWork, backward_input, backward_weight, fused_backward
 
@@ -79,6 +80,7 @@ class StageRuntime:
         self._shape = {False: torch.Size((batch, seq, source_width)), True: torch.Size((batch, seq, residual_width))}
         self.first_chunk = min(chunks)
         self.cache = BlockCache()
+        self._cuts = CutCache()  # each chunk's graph has the same I/W cut for every microbatch
         # Positions of this rank's receives; with a transport that can post receives ahead (gloo),
         # the next RECV_LOOKAHEAD of them are always posted (see comm.transport for why).
         self._is_self_hop = {a: (a.is_send or a.is_recv) and schedule.peer(a) == pp_rank for a in self.actions}
@@ -194,7 +196,8 @@ class StageRuntime:
         """I: what B sends and deposits, and none of the parameters' gradients but the cheap ones."""
         ctx, outside, roots, root_grads = self._backward_roots(action)
         leaves = [t for t in ctx.inputs.values() if t.requires_grad]
-        self._weight_work[(action.chunk_index, action.microbatch_index)] = backward_input(roots, root_grads, leaves)
+        self._weight_work[(action.chunk_index, action.microbatch_index)] = backward_input(
+            roots, root_grads, leaves, self._cuts, action.chunk_index)
         self._emit_input_grads(action, ctx, outside)
 
     def _backward_weight(self, action: Action) -> None:

@@ -84,7 +84,8 @@ def calibrate_from(run_dir: str | Path, *, runtime_overhead: bool = True) -> Cal
     n_chunks = n_stages * n_virtual
     costs = _costs_from_events(events, n_chunks, trace_path)
     if runtime_overhead:
-        costs = with_overhead(costs, account(events, n_stages)["overhead_s_per_compute"])
+        costs = with_overhead(costs, account(events, n_stages)["overhead_s_per_compute"],
+                              split=costs.weight_s is not None)
     model = _model_from(config)
     tokens = None
     if model is not None and "batch_size" in train:
@@ -145,11 +146,13 @@ def _costs_from_events(events: list[TimelineEvent], n_chunks: int, source: Path)
                      weight_s=weight, label=f"calibrated from {source.parent}")
 
 
-def with_overhead(costs: CostModel, overhead_s: float) -> CostModel:
-    """`costs` with `overhead_s` added to every F and B (the runtime's per-action work); a split
-    backward is two actions, so I and W get it each."""
-    weight = None if costs.weight_s is None else tuple(w + overhead_s for w in costs.weight_s)
-    extra = overhead_s if costs.weight_s is None else 2 * overhead_s
+def with_overhead(costs: CostModel, overhead_s: float, *, split: bool = False) -> CostModel:
+    """`costs` with `overhead_s` added to every F and B (the runtime's per-action work); with
+    `split` (a schedule of I and W) the backward is two actions, so I and W get it each."""
+    weight = costs.weight_s
+    if split:
+        weight = tuple(w + overhead_s for w in costs.split_s[1])
+    extra = 2 * overhead_s if split else overhead_s
     return dataclasses.replace(costs, forward_s=tuple(f + overhead_s for f in costs.forward_s),
                                backward_s=tuple(b + extra for b in costs.backward_s), weight_s=weight,
                                label=costs.label + " + measured runtime overhead")
