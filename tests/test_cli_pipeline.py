@@ -51,3 +51,29 @@ def test_one_stage_with_virtual_stages_trains_like_the_single_process(tmp_path, 
     for got, want in zip(piped["losses"], single["losses"], strict=True):
         assert abs(got - want) <= 1e-5 * abs(want)
     assert piped["fwd_hop_tensors"] == [0] and piped["bytes_sent_per_step"] == 0
+
+
+@pytest.mark.parametrize("launcher", ["local", "inprocess"])
+@pytest.mark.parametrize(("schedule", "virtual"), [("zb_h1", 1), ("interleaved_zb", 2), ("zbv", 2)])
+def test_zero_bubble_schedules_train_like_the_single_process(tmp_path, launcher, schedule, virtual):
+    """`--schedule zb_h1|interleaved_zb|zbv` from the command line: the split backward (I, W) trains
+    to the single process's losses; ZB-V's middle hop (two chunks of rank 1) sends nothing; the
+    trace holds I and W actions."""
+    model = ["--residual", "attnres", "--block-size", "3", "--microbatches", "3", *SMALL, "--batch-size", "6"]
+    assert main(["train", "--launcher", "local", "--stages", "1", "--virtual", "1", *model,
+                 "--out", str(tmp_path / "single")]) == 0
+    assert main(["train", "--launcher", launcher, "--stages", "2", "--virtual", str(virtual), "--schedule", schedule,
+                 *model, "--out", str(tmp_path / "piped")]) == 0
+    single = json.loads((tmp_path / "single" / "summary.json").read_text())
+    piped = json.loads((tmp_path / "piped" / "summary.json").read_text())
+    for got, want in zip(piped["losses"], single["losses"], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want)
+    placement = "vshape" if schedule == "zbv" else "loop"
+    plan = plan_payloads(n_sublayers=8, block_size=3, partition=make_partition(4, 2, virtual, placement=placement),
+                         mode="cached")
+    assert piped["fwd_hop_tensors"] == plan.fwd_hop_tensors
+    if schedule == "zbv":
+        assert plan.fwd_hop_tensors[1] == 0
+    names = {e["name"] for e in json.loads((tmp_path / "piped" / "trace.json").read_text())["traceEvents"]
+             if e["ph"] == "X"}
+    assert {"I0.0", "W0.0"} <= names and not any(n.startswith("B") for n in names)

@@ -80,6 +80,16 @@ def test_recovered_runs_end_with_the_undisturbed_losses(local_ray, tmp_path, cap
     assert not (tmp_path / "stop" / "summary.json").exists()
 
 
+def test_zero_bubble_schedule_through_ray_actors(local_ray, tmp_path):
+    """`--schedule zbv` through the Ray launcher: the actors build the V placement from the schedule
+    and run I and W; the losses equal the in-process launcher's."""
+    argv = ["train", *TINY, "--steps", "2", "--schedule", "zbv", "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "ray")]) == 0
+    assert main([*argv, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
+    assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "inproc"))
+    assert json.loads((tmp_path / "ray" / "summary.json").read_text())["fwd_hop_tensors"][1] == 0
+
+
 def test_ctrl_c_stops_the_actors_and_the_local_ray_instance(tmp_path):
     """SIGINT to the whole process group, as a terminal sends it, once training is under way: the
     command exits 130 and every process it started (Ray's and the actors) is gone."""
