@@ -28,13 +28,16 @@ def run_dict(cfg, schedule, P, V, m, cache=True, **train):
     }).to_dict()
 
 
-def _rank_main(pp_rank, world_size, init_method, run_dicts, results):
+def _rank_main(pp_rank, world_size, init_method, run_dicts, results, env=None):
     """One rank: join the group once, then run one forward/backward per configuration."""
+    import os
+
     from attnres_pp.pipeline.stage_setup import init_process_group
     from attnres_pp.train.stage_worker import StageWorker
     from tests.reference_model import randomize_depth_params
 
     try:
+        os.environ.update(env or {})
         torch.set_num_threads(1)
         _backend, device = init_process_group(init_method, pp_rank, world_size, 60.0)
         for index, run_cfg in enumerate(run_dicts):
@@ -47,27 +50,31 @@ def _rank_main(pp_rank, world_size, init_method, run_dicts, results):
             worker.reduce_tied_grads()
             # numpy, not tensors: a tensor in a Queue lives in this process's shared memory, gone at exit
             grads = {n: p.grad.numpy().copy() for n, p in worker.params.items() if p.grad is not None}
-            results.put((index, pp_rank, record.losses, grads, list(worker.runtime.transport.ledger.records)))
+            transport = worker.runtime.transport
+            results.put((index, pp_rank, record.losses, grads, list(transport.ledger.records),
+                         type(transport).__name__))
+            getattr(transport, "close", lambda: None)()  # its pipes; the group stays
     except Exception:
-        results.put(("error", pp_rank, traceback.format_exc(), None, None))
+        results.put(("error", pp_rank, traceback.format_exc(), None, None, None))
 
 
-def run_group(P, run_dicts, tmp_path, timeout_s=240):
+def run_group(P, run_dicts, tmp_path, timeout_s=240, env=None):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init_method = f"file://{tmp_path}/rendezvous"
-    procs = [ctx.Process(target=_rank_main, args=(r, P, init_method, run_dicts, results), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(r, P, init_method, run_dicts, results, env), daemon=True)
              for r in range(P)]
     for proc in procs:
         proc.start()
     out = {}
     try:
         for _ in range(P * len(run_dicts)):
-            index, rank, losses, grads, ledger = results.get(timeout=timeout_s)
+            index, rank, losses, grads, ledger, transport = results.get(timeout=timeout_s)
             assert index != "error", f"rank {rank} failed:\n{losses}"
-            entry = out.setdefault(index, {"losses": {}, "grads": {}, "ledger": []})
+            entry = out.setdefault(index, {"losses": {}, "grads": {}, "ledger": [], "transports": set()})
             entry["losses"].update(losses)
             entry["ledger"].extend(ledger)
+            entry["transports"].add(transport)
             for name, grad in grads.items():  # tied (replicated) gradients are equal on every rank
                 entry["grads"].setdefault(name, torch.from_numpy(grad))
     finally:
@@ -96,14 +103,21 @@ CASES_ZB = [(v, s, 2, V, m, cache, 3) for v in sorted(VARIANTS)
             for cache in caches]
 
 
-@pytest.mark.parametrize("cases", [CASES_P1, CASES_P2, CASES_P3, CASES_ZB], ids=["P1", "P2", "P3", "ZB"])
-def test_gloo_pipeline_equals_single_process(cases, tmp_path):
+# The same over gloo's own payloads (ATTNRES_PP_SHM=0), not the shared-memory slots of one host.
+CASES_GLOO_PAYLOADS = [(v, s, 2, V, m, True, 3) for v in ("block", "msar", "standard")
+                       for s, V, m in (("interleaved_1f1b", 2, 4), ("zbv", 2, 3))]
+
+
+@pytest.mark.parametrize(("cases", "env"), [(CASES_P1, None), (CASES_P2, None), (CASES_P3, None), (CASES_ZB, None),
+                                            (CASES_GLOO_PAYLOADS, {"ATTNRES_PP_SHM": "0"})],
+                         ids=["P1", "P2", "P3", "ZB", "gloo-payloads"])
+def test_gloo_pipeline_equals_single_process(cases, env, tmp_path):
     run_dicts = []
     for variant, schedule, P, V, m, cache, block_size in cases:
         n_layers = 6 if P == 3 else 4
         overrides = {} if variant in ("standard", "full") else {"block_size": block_size}
         run_dicts.append(run_dict(model_config(variant, n_layers, **overrides), schedule, P, V, m, cache))
-    out = run_group(cases[0][2], run_dicts, tmp_path)
+    out = run_group(cases[0][2], run_dicts, tmp_path, env=env)
     for index, (variant, schedule, P, V, m, cache, _) in enumerate(cases):
         cfg = RunConfig.from_dict(run_dicts[index]).model
         want_loss, want_grads = reference_step(cfg, *batch(m), m)
@@ -114,6 +128,8 @@ def test_gloo_pipeline_equals_single_process(cases, tmp_path):
         assert_grads_match(got["grads"], want_grads, rtol=1e-5)
         if P == 1:
             assert got["ledger"] == [], "a self-hop went through the transport"
+        else:  # ranks of one host hand payloads over in shared memory unless told not to
+            assert got["transports"] == {"DistTransport" if env else "SharedMemoryTransport"}
 
 
 def test_gloo_measured_hop_counts_equal_spec_table(tmp_path):

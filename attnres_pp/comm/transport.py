@@ -106,7 +106,8 @@ class DistTransport:
 
         _refuse_self_hop(self.pp_rank, dst)
         self.ledger.record(*label, tensors)
-        flat = _pack(tensors).to(self.device)
+        # One tensor goes as it is (no packing copy; the pending send keeps it alive).
+        flat = (tensors[0].detach().reshape(-1) if len(tensors) == 1 else _pack(tensors)).to(self.device)
         # Keep the buffer alive until the send completes.
         self._pending.append((dist.isend(flat, dst, tag=tag), flat, dst))
 

@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 import torch
 
 from attnres_pp.comm.cache import BlockCache
-from attnres_pp.comm.plan import RESIDUAL, PayloadPlan, Source
+from attnres_pp.comm.plan import PayloadPlan, Source
 from attnres_pp.pipeline.chunk import PipelineChunk
 from attnres_pp.pipeline.graph_cut import CutCache
 from attnres_pp.pipeline.ir import Action, ActionKind, Schedule
+from attnres_pp.pipeline.routes import Route, hop_shapes, message_tag, rank_routes
 from attnres_pp.pipeline.split_backward import WeightWork, backward_input, backward_weight, fused_backward
 
 
@@ -59,10 +60,7 @@ class StepRecord:
 RECV_LOOKAHEAD = 4
 
 
-def message_tag(message_id: tuple[str, int, int], n_chunks: int) -> int:
-    """Distinct tag per (direction, sending chunk, microbatch): no FIFO assumption between ranks."""
-    direction, chunk_index, microbatch_index = message_id
-    return (microbatch_index * n_chunks + chunk_index) * 2 + (direction == "B")
+__all__ = ["ActionEvent", "StageRuntime", "StepRecord", "message_tag"]
 
 
 class StageRuntime:
@@ -76,20 +74,20 @@ class StageRuntime:
         self.actions = schedule.rank_actions[pp_rank]
         self.transport = transport
         self.dtype = dtype
-        batch, seq = microbatch_shape
-        self._shape = {False: torch.Size((batch, seq, source_width)), True: torch.Size((batch, seq, residual_width))}
+        self.shape_of = hop_shapes(microbatch_shape, source_width, residual_width)
         self.first_chunk = min(chunks)
         self.cache = BlockCache()
         self._cuts = CutCache()  # each chunk's graph has the same I/W cut for every microbatch
+        # Per action position: its route (peer, tag, shapes; None for compute), name and category,
+        # fixed for the run, so that a message costs lookups, not re-derivations.
+        self._routes: list[Route | None] = rank_routes(schedule, plan, pp_rank, self.shape_of)
+        self._names = [str(a) for a in self.actions]
+        self._categories = ["compute" if a.is_compute else "comm" for a in self.actions]
         # Positions of this rank's receives; with a transport that can post receives ahead (gloo),
         # the next RECV_LOOKAHEAD of them are always posted (see comm.transport for why).
-        self._is_self_hop = {a: (a.is_send or a.is_recv) and schedule.peer(a) == pp_rank for a in self.actions}
-        self._recv_positions = [i for i, action in enumerate(self.actions)
-                                if action.is_recv and not self._is_self_hop[action]]
+        self._recv_positions = [i for i, (action, route) in enumerate(zip(self.actions, self._routes, strict=True))
+                                if action.is_recv and not route.self_hop]
         self._prepost = getattr(transport, "can_prepost", False)
-
-    def _shapes(self, sources: tuple[Source, ...]) -> list[torch.Size]:
-        return [self._shape[s == RESIDUAL] for s in sources]
 
     # ---- one step ----
     def start_step(self, inputs_by_mb: list[torch.Tensor] | None, targets_by_mb: list[torch.Tensor] | None,
@@ -114,20 +112,21 @@ class StageRuntime:
 
     def next_ready(self) -> bool:
         """True if the next action can run now (a receive whose message has arrived, or any other)."""
-        action = self.actions[self.cursor]
+        action, route = self.actions[self.cursor], self._routes[self.cursor]
         if not action.is_recv:
             return True
-        if self._is_self_hop[action]:
-            return action.message_id in self._in_memory
-        return self.transport.ready(self.schedule.peer(action), self._tag(action))
+        if route.self_hop:
+            return route.message_id in self._in_memory
+        return self.transport.ready(route.peer, route.tag)
 
     def run_next(self) -> None:
-        action = self.actions[self.cursor]
+        cursor = self.cursor
+        action = self.actions[cursor]
         start = time.perf_counter()
         self._HANDLERS[action.kind](self, action)
-        self.record.events.append(ActionEvent(self.pp_rank, str(action), start, time.perf_counter(),
-                                              "compute" if action.is_compute else "comm"))
-        self.cursor += 1
+        self.record.events.append(ActionEvent(self.pp_rank, self._names[cursor], start, time.perf_counter(),
+                                              self._categories[cursor]))
+        self.cursor = cursor + 1
 
     def run_to_end(self) -> StepRecord:
         while not self.finished:
@@ -153,19 +152,11 @@ class StageRuntime:
             return
         limit = min(len(self._recv_positions), self._recvs_done + RECV_LOOKAHEAD)
         while self._recvs_posted < limit:
-            action = self.actions[self._recv_positions[self._recvs_posted]]
-            self.transport.prepost_recv(self._recv_shapes(action), self.dtype, self.schedule.peer(action),
-                                        self._tag(action))
+            route = self._routes[self._recv_positions[self._recvs_posted]]
+            self.transport.prepost_recv(route.shapes, self.dtype, route.peer, route.tag)
             self._recvs_posted += 1
 
     # ---- handlers ----
-    def _tag(self, action: Action) -> int:
-        return message_tag(action.message_id, self.plan.partition.n_chunks)
-
-    def _recv_shapes(self, action: Action) -> list[torch.Size]:
-        """Shapes of a receive's tensors: the hop into the chunk (forward) or out of it (gradients)."""
-        io = self.plan.chunks[action.chunk_index]
-        return self._shapes(io.received if action.kind is ActionKind.RECV_F else io.sent)
 
     def _forward(self, action: Action) -> None:
         c, mb = action.chunk_index, action.microbatch_index
@@ -249,40 +240,40 @@ class StageRuntime:
             self.cache.check_drained(mb)
 
     def _send_forward(self, action: Action) -> None:
-        c, mb = action.chunk_index, action.microbatch_index
-        self._send(action, self._outbox.pop((c, mb)), ("fwd", c, mb))
+        self._send(self._outbox.pop((action.chunk_index, action.microbatch_index)))
 
     def _recv_forward(self, action: Action) -> None:
-        c, mb = action.chunk_index, action.microbatch_index
-        sources = self.plan.chunks[c].received
-        tensors = self._receive(action)
-        # Fresh leaves: over the wire they are new buffers; in memory, new views of the sender's.
-        self._received[(c, mb)] = {s: t.detach().requires_grad_(True) for s, t in zip(sources, tensors, strict=True)}
+        # Fresh leaves: over the wire they are new buffers (or message slots); in memory, new views.
+        self._received[(action.chunk_index, action.microbatch_index)] = {
+            s: t.detach().requires_grad_(True)
+            for s, t in zip(self.plan.chunks[action.chunk_index].received, self._receive(), strict=True)}
 
     def _send_backward(self, action: Action) -> None:
-        c, mb = action.chunk_index, action.microbatch_index
-        self._send(action, self._in_grads.pop((c, mb)), ("bwd", c - 1, mb))
+        self._send(self._in_grads.pop((action.chunk_index, action.microbatch_index)))
 
     def _recv_backward(self, action: Action) -> None:
-        self._out_grads[(action.chunk_index, action.microbatch_index)] = self._receive(action)
+        self._out_grads[(action.chunk_index, action.microbatch_index)] = self._receive()
 
-    def _send(self, action: Action, tensors: list[torch.Tensor], label: tuple[str, int, int]) -> None:
-        if self._is_self_hop[action]:
-            self._in_memory[action.message_id] = [t.detach() for t in tensors]
+    def _send(self, tensors: list[torch.Tensor]) -> None:
+        route = self._routes[self.cursor]
+        if route.self_hop:
+            self._in_memory[route.message_id] = [t.detach() for t in tensors]
         else:
-            self.transport.send(tensors, self.schedule.peer(action), self._tag(action), label)
+            self.transport.send(tensors, route.peer, route.tag, route.label)
 
-    def _receive(self, action: Action) -> list[torch.Tensor]:
-        if self._is_self_hop[action]:
+    def _receive(self) -> list[torch.Tensor]:
+        route = self._routes[self.cursor]
+        if route.self_hop:
             try:
-                return self._in_memory.pop(action.message_id)
+                return self._in_memory.pop(route.message_id)
             except KeyError:
+                action = self.actions[self.cursor]
                 raise RuntimeError(f"rank {self.pp_rank}: {action} runs before its self-hop send "
                                    f"{action.matching()} (the schedule orders them wrongly)") from None
         self._recvs_done += 1
-        self._prepost_receives()  # before waiting: the next receives are posted while this one waits
-        return self.transport.recv(self._recv_shapes(action), self.dtype, self.schedule.peer(action),
-                                   self._tag(action))
+        if self._prepost:  # before waiting: the next receives are posted while this one waits
+            self._prepost_receives()
+        return self.transport.recv(route.shapes, self.dtype, route.peer, route.tag)
 
     _HANDLERS = {
         ActionKind.F: _forward,

@@ -15,9 +15,10 @@ import os
 import torch
 
 from attnres_pp.comm.plan import plan_for_model
-from attnres_pp.comm.transport import DistTransport
+from attnres_pp.comm.shm_transport import connect_transport
 from attnres_pp.model import Transformer
 from attnres_pp.pipeline.chunk import build_rank_chunks, rank_parameters
+from attnres_pp.pipeline.routes import hop_shapes, wire_messages
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
 from attnres_pp.pipeline.stage_setup import init_process_group, lowered_schedule, run_partition
 from attnres_pp.train.checkpoint import capture_state, restore_state
@@ -50,15 +51,19 @@ class StageWorker:
         return backend
 
     def attach(self, device: torch.device) -> None:
-        """Move to `device` and build the runtime over the (already initialised) process group."""
+        """Move to `device` and build the runtime over the (already initialised) process group.
+        Collective: the ranks agree on the transport (shared memory on one host, else p2p)."""
         self.device = device
         self.model.to(device)
-        cfg, train = self.run_cfg.model, self.run_cfg.train
+        cfg, train, pipe = self.run_cfg.model, self.run_cfg.train, self.run_cfg.pipeline
+        microbatch_shape = (train.microbatch_size, cfg.seq_len)
+        messages = wire_messages(self.schedule, self.plan, hop_shapes(microbatch_shape, cfg.source_width, cfg.d_model))
+        dtype = next(self.model.parameters()).dtype
+        transport = connect_transport(self.pp_rank, pipe.stages, device, pipe.timeout_s, messages, dtype)
         self.runtime = StageRuntime(
             pp_rank=self.pp_rank, chunks=self.chunks, plan=self.plan, schedule=self.schedule,
-            transport=DistTransport(self.pp_rank, self.run_cfg.pipeline.timeout_s, device),
-            microbatch_shape=(train.microbatch_size, cfg.seq_len),
-            source_width=cfg.source_width, residual_width=cfg.d_model,
+            transport=transport, microbatch_shape=microbatch_shape,
+            source_width=cfg.source_width, residual_width=cfg.d_model, dtype=dtype,
         )
 
     def forward_backward(self, step: int, inputs_BT: torch.Tensor | None,
@@ -130,5 +135,8 @@ class StageWorker:
     def close(self) -> None:
         import torch.distributed as dist
 
+        close_transport = getattr(self.runtime.transport, "close", None) if self.runtime else None
+        if close_transport is not None:
+            close_transport()
         if dist.is_initialized():
             dist.destroy_process_group()
