@@ -55,11 +55,13 @@ def test_bench_comm_quick_json(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name,p,v,m", [("gpipe", 2, 1, 4), ("1f1b", 4, 1, 8), ("interleaved_1f1b", 4, 2, 8),
-                                        ("interleaved_1f1b", 2, 4, 8)])
+                                        ("interleaved_1f1b", 2, 4, 8), ("interleaved_1f1b", 4, 2, 7),
+                                        ("zb_h1", 4, 1, 8), ("interleaved_zb", 2, 2, 5), ("zbv", 3, 2, 5)])
 def test_analytic_bubble_matches_the_unit_cost_simulator(name, p, v, m):
     analytic = analytic_bubble(name, p, v, m)
-    assert analytic["fraction"] == pytest.approx((p - 1) / (v * m + p - 1))
-    assert analytic["ratio"] == pytest.approx((p - 1) / (v * m))
+    k = 3 if name in ("zb_h1", "interleaved_zb", "zbv") else 1  # the split's idle is a third of 1F1B's
+    assert analytic["fraction"] == pytest.approx((p - 1) / (k * v * m + p - 1))
+    assert analytic["ratio"] == pytest.approx((p - 1) / (k * v * m))
     simulated = summarize(simulate(build_schedule(name, p, v, m), unit_costs(p, v)))
     assert simulated["bubble_fraction"] == pytest.approx(analytic["fraction"])
 
@@ -110,6 +112,19 @@ def test_with_overhead_adds_to_every_forward_and_backward():
     costs = with_overhead(unit_costs(2, 2), 0.25)
     assert costs.forward_s == (0.75,) * 4 and costs.backward_s == (1.25,) * 4
     assert costs.hop_fwd_s == unit_costs(2, 2).hop_fwd_s
+
+
+def test_step_costs_of_a_split_step_keep_w_apart():
+    """A measured zb_h1 step (P = 2, one microbatch): B = I + W per chunk, W's share kept; no
+    runtime overhead here (actions back to back, no sends), so the costs are the durations."""
+    from attnres_pp.bench.bubbles import step_costs
+    from attnres_pp.bench.common import StepSample
+
+    events = [(0, "F0.0", 0.0, 1.0, "compute"), (0, "RB0.0", 1.0, 2.5, "comm"), (1, "F1.0", 1.0, 2.0, "compute"),
+              (1, "I1.0", 2.0, 2.5, "compute"), (1, "W1.0", 2.5, 3.5, "compute"),
+              (0, "I0.0", 2.5, 3.25, "compute"), (0, "W0.0", 3.25, 3.5, "compute")]
+    costs = step_costs(unit_costs(2, 1), StepSample(3.5, events, 0, 0.0), 2)
+    assert costs.forward_s == (1.0, 1.0) and costs.backward_s == (1.0, 1.5) and costs.weight_s == (0.25, 1.0)
 
 
 def test_random_batch_is_a_pure_function_of_seed_and_step():

@@ -1,7 +1,8 @@
 """`attnres-pp bench bubbles`: the real pipeline's bubble per schedule, next to the closed form and
 the calibrated simulator, and the simulator's step-time validation (issue 5, item 5).
 
-For each schedule (gpipe, 1f1b, interleaved 1F1B with V = 2 and 4) and m, the local launcher runs
+For each schedule (gpipe, 1f1b, interleaved 1F1B with V = 2 and 4, and the split-backward ones:
+zb_h1, interleaved_zb with V = 2, zbv) and m, the local launcher runs
 P ranks of one thread each. The schedules of one (P, m) are started together and stepped in
 rotation, so load from elsewhere on the machine falls on all of them alike; warm-up steps are
 dropped and every figure is a median over steps.
@@ -9,7 +10,8 @@ Per run:
     measured   bubble = 1 - compute / (ranks x pipeline window), split into idle (waiting for a
                peer) and the runtime's own overhead: receive work, send work and dispatch (gaps
                between actions), see `common.account`
-    analytic   (P-1)/(V m + P-1), the same convention (fraction of the step)
+    analytic   (P-1)/(k V m + P-1), the same convention (fraction of the step); k = 3 for the
+               split-backward schedules (ZB-H1: (P-1)/(3m + P-1)), 1 otherwise
     simulated  the event simulator on costs calibrated from this run's own trace
                (`simulator.calibrate`: median F/B per chunk, median clean transfer per hop)
     simulated_with_dispatch  the same links; F/B per chunk and the runtime's overhead per compute
@@ -54,7 +56,8 @@ from attnres_pp.simulator.plot import plot_timeline
 
 # The project's model: Block AttnRes (blocks of 2 layers) with the cross-stage cache.
 MODEL = {**BENCH_MODEL, "residual": "attnres", "block_size": 4}
-SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4))
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4),
+             ("interleaved_zb", 2), ("zbv", 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +73,7 @@ class BubblesPlan:
         stages = (2,) if quick or (os.cpu_count() or 1) < 4 else (2, 4)
         if quick:
             return cls(stages=stages, microbatches=(4, 8), warmup_steps=2, steps=8)
-        return cls(stages=stages, microbatches=(2, 4, 8, 16), warmup_steps=3, steps=20)
+        return cls(stages=stages, microbatches=(4, 8, 16), warmup_steps=3, steps=12)
 
 
 def _label(name: str, n_stages: int, n_virtual: int, n_microbatches: int) -> str:
@@ -88,19 +91,24 @@ def calibrated_costs(run_cfg, samples) -> CostModel:
 
 def step_costs(costs: CostModel, sample: StepSample, n_ranks: int) -> CostModel:
     """`costs` (links kept) with one measured step's own compute and runtime overhead: per chunk
-    the mean F and B of that step, plus that step's runtime overhead per compute action (dispatch
-    gaps, send and receive work) on every F and B."""
-    forward: dict[int, list[float]] = {}
-    backward: dict[int, list[float]] = {}
+    the mean F and B (or I and W) of that step, plus that step's runtime overhead per compute
+    action (dispatch gaps, send and receive work) on every F and B (I and W each)."""
+    means: dict[ActionKind, dict[int, list[float]]] = {kind: {} for kind in (ActionKind.F, ActionKind.B,
+                                                                             ActionKind.I, ActionKind.W)}
     for _rank, name, start, end, category in sample.events:
         if category == "compute":
             action = Action.parse(name)
-            (forward if action.kind is ActionKind.F else backward).setdefault(action.chunk_index, []).append(
-                end - start)
-    means = dataclasses.replace(costs, forward_s=tuple(statistics.mean(forward[c]) for c in range(costs.n_chunks)),
-                                backward_s=tuple(statistics.mean(backward[c]) for c in range(costs.n_chunks)),
-                                label=costs.label + ", the step's own F/B")
-    return with_overhead(means, account(sample.events, n_ranks)["overhead_s_per_compute"])
+            means[action.kind].setdefault(action.chunk_index, []).append(end - start)
+    chunks = range(costs.n_chunks)
+    mean = {kind: [statistics.mean(by_chunk[c]) if c in by_chunk else 0.0 for c in chunks]
+            for kind, by_chunk in means.items()}
+    split = bool(means[ActionKind.I])
+    backward = [i + w for i, w in zip(mean[ActionKind.I], mean[ActionKind.W], strict=True)] if split \
+        else mean[ActionKind.B]
+    step = dataclasses.replace(costs, forward_s=tuple(mean[ActionKind.F]), backward_s=tuple(backward),
+                               weight_s=tuple(mean[ActionKind.W]) if split else None,
+                               label=costs.label + ", the step's own F/B")
+    return with_overhead(step, account(sample.events, n_ranks)["overhead_s_per_compute"], split=split)
 
 
 def simulate_each_step(schedule, costs: CostModel, samples: list[StepSample], n_ranks: int) -> list:
@@ -195,8 +203,7 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> d
             run_cfgs = [run_config(MODEL, stages=n_stages, virtual=n_virtual, schedule=name,
                                    microbatches=n_microbatches)
                         for name, n_virtual in SCHEDULES
-                        if n_stages * n_virtual <= BENCH_MODEL["n_layers"]
-                        and not (name == "interleaved_1f1b" and n_microbatches % n_stages)]
+                        if n_stages * n_virtual <= BENCH_MODEL["n_layers"] and n_microbatches >= n_stages]
             progress(f"  P={n_stages} m={n_microbatches}: {len(run_cfgs)} schedules in rotation")
             engines = run_in_rotation(run_cfgs, plan.warmup_steps, plan.steps)
             # Only the largest m gets timelines and traces (the smaller ones look alike).
@@ -206,7 +213,8 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> d
         "schedules": rows,
         "model": {**MODEL, "microbatch_size": MICROBATCH_SIZE, "cache": True},
         "warmup_steps": plan.warmup_steps, "steps": plan.steps,
-        "bubble_convention": "fraction = idle / (ranks x step window); analytic (P-1)/(V m + P-1)",
+        "bubble_convention": "fraction = idle / (ranks x step window); analytic (P-1)/(k V m + P-1), k = 3 for "
+                             "zb_h1, interleaved_zb and zbv (zbv: m >= 2P - 1), else 1",
         "step_time_error_convention": "simulated makespan / measured pipeline window - 1",
     }
 
@@ -239,7 +247,8 @@ def to_markdown(payload: dict) -> str:
         "splits into idle (waiting for a peer, before the first and after the last action), recv (the work "
         "inside receives: posting, unpacking), send (packing and posting sends) and dispatch (gaps between "
         "actions). recv + send + dispatch is the runtime's overhead, idle the schedule's bubble. "
-        "Analytic: (P-1)/(V m + P-1).", "",
+        "Analytic: (P-1)/(k V m + P-1), k = 3 for the split-backward schedules zb_h1 (ZB-H1's "
+        "(P-1)/(3m+P-1)), interleaved_zb and zbv (for m >= 2P - 1), 1 otherwise.", "",
         bubbles, "",
         "## Simulator validation (step time)", "",
         "Measured: the pipeline window of a step (first action start to last action end on any rank). "

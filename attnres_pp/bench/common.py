@@ -106,11 +106,14 @@ def median_sample(samples: list[StepSample], n_ranks: int) -> StepSample:
 
 
 def analytic_bubble(schedule: str, n_stages: int, n_virtual: int, n_microbatches: int) -> dict[str, float]:
-    """SPEC 5 with equal chunk times: idle over the ideal (P-1)/(V m) and as a fraction of the
-    step (P-1)/(V m + P-1). GPipe with V > 1 runs breadth first, so V divides its bubble too."""
-    del schedule  # the same closed forms for gpipe, 1f1b (V = 1) and interleaved 1F1B
-    p, vm = n_stages, n_virtual * n_microbatches
-    return {"fraction": (p - 1) / (vm + p - 1), "ratio": (p - 1) / vm}
+    """SPEC 5 with equal chunk times: idle over the ideal (P-1)/(k V m) and as a fraction of the
+    step (P-1)/(k V m + P-1), k = 3 for the split-backward schedules (ZB-H1's published figure and
+    its interleaved and V-shaped kin), 1 otherwise. GPipe with V > 1 runs breadth first, so V
+    divides its bubble too."""
+    from attnres_pp.simulator.metrics import closed_form_bubble_fraction, closed_form_bubble_ratio
+
+    return {"fraction": closed_form_bubble_fraction(n_stages, n_virtual, n_microbatches, schedule),
+            "ratio": closed_form_bubble_ratio(n_stages, n_virtual, n_microbatches, schedule)}
 
 
 def machine() -> dict:

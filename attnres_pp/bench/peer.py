@@ -1,8 +1,10 @@
 """`attnres-pp bench peer`: our pipeline runtime against torch.distributed.pipelining on the same
 work: the standard-residual benchmark model, identical chunks (our partition and chunk modules,
 same seed, so step 0's loss agrees), the same P, V, m and batches, gloo, one thread per rank, and
-the same optimiser step after the pipeline. Ours: `interleaved_1f1b` / `1f1b` through the local
-launcher; torch: `ScheduleInterleaved1F1B` / `Schedule1F1B` (`bench.torch_pipe`).
+the same optimiser step after the pipeline. Ours: `interleaved_1f1b` / `1f1b` / `interleaved_zb`
+through the local launcher; torch: `ScheduleInterleaved1F1B` / `Schedule1F1B` /
+`ScheduleInterleavedZeroBubble` (`bench.torch_pipe`). Each side runs its own runtime and transport:
+ours hands hops over in shared memory between the two ranks of this host, torch's sends them over gloo.
 
 Both engines are started, then stepped alternately (ours, torch, torch, ours, ...) on the same
 global batch, so drift in the machine's load cancels; warm-up steps are dropped. Reported:
@@ -28,7 +30,8 @@ from attnres_pp.bench.common import (
     run_config,
 )
 
-TORCH_SCHEDULES = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "1f1b": "Schedule1F1B"}
+TORCH_SCHEDULES = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "1f1b": "Schedule1F1B",
+                   "interleaved_zb": "ScheduleInterleavedZeroBubble"}
 MODEL = {**BENCH_MODEL, "residual": "standard", "block_size": 1}
 
 
@@ -94,13 +97,14 @@ def compare(schedule: str, n_virtual: int, n_microbatches: int, warmup: int, ste
 def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> dict:
     del out_dir  # tables only
     warmup, steps = (2, 20) if quick else (3, 30)
-    cases = [("interleaved_1f1b", 2, 8), ("1f1b", 1, 8)]
+    cases = [("interleaved_1f1b", 2, 8), ("1f1b", 1, 8), ("interleaved_zb", 2, 8)]
     if not quick:
         cases += [("interleaved_1f1b", 4, 8), ("interleaved_1f1b", 2, 16)]
     rows = [compare(name, v, m, warmup, steps, progress) for name, v, m in cases]
     return {
         "ratio": rows[0]["ratio"],
         "ratio_1f1b": rows[1]["ratio"],
+        "ratio_zb": rows[2]["ratio"],
         "schedules": rows,
         "model": {**MODEL, "microbatch_size": MICROBATCH_SIZE},
         "warmup_steps": warmup, "steps": steps,
@@ -123,5 +127,6 @@ def to_markdown(payload: dict) -> str:
         markdown_table(["ours", "torch", "P", "V", "m", "ours step (ms)", "torch step (ms)", "ratio (paired)",
                         "ratio of medians", "ours pipeline (ms)", "torch pipeline (ms)", "ratio",
                         "step-0 loss equal"], rows), "",
-        f"**ratio ours / torch = {payload['ratio']:.3f}** (interleaved 1F1B), {payload['ratio_1f1b']:.3f} (1F1B).",
+        f"**ratio ours / torch = {payload['ratio']:.3f}** (interleaved 1F1B), {payload['ratio_1f1b']:.3f} (1F1B), "
+        f"{payload.get('ratio_zb', float('nan')):.3f} (interleaved zero bubble).",
     ])

@@ -1,6 +1,8 @@
 """The torch.distributed.pipelining side of `bench peer`: the same standard-residual model cut into
 the same chunks (our partition, our `PipelineChunk` modules, the same seed), driven by
-`Schedule1F1B` (V = 1) or `ScheduleInterleaved1F1B` (V > 1) over gloo, one spawned process and one
+`Schedule1F1B` (V = 1), `ScheduleInterleaved1F1B` (V > 1) or, for our `interleaved_zb`,
+`ScheduleInterleavedZeroBubble` (its I/W split: `stage_backward_input` / `_weight`) over gloo, one
+spawned process and one
 thread per rank, with the same optimiser step as our workers (global-norm clipping summed over
 ranks, AdamW), so a step does the same work on both sides.
 """
@@ -54,7 +56,12 @@ class TorchPipeWorker:
         import datetime
 
         import torch.distributed as dist
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleInterleaved1F1B,
+            ScheduleInterleavedZeroBubble,
+        )
 
         from attnres_pp.comm.partition import make_partition
         from attnres_pp.model import Transformer
@@ -77,7 +84,9 @@ class TorchPipeWorker:
                        for c, chunk in sorted(chunks.items())]
         self.is_first = any(chunk.is_first for chunk in chunks.values())
         self.is_last = any(chunk.is_last for chunk in chunks.values())
-        if pipe.virtual == 1:
+        if pipe.schedule == "interleaved_zb":
+            self.schedule = ScheduleInterleavedZeroBubble(self.stages, train.microbatches, loss_fn=lm_loss_fn)
+        elif pipe.virtual == 1:
             self.schedule = Schedule1F1B(self.stages[0], train.microbatches, loss_fn=lm_loss_fn)
         else:
             self.schedule = ScheduleInterleaved1F1B(self.stages, train.microbatches, loss_fn=lm_loss_fn)
