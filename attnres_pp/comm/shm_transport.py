@@ -7,9 +7,10 @@ byte, takes the pair's lock, which the gloo thread holds while it handles the pe
 host whose cores are all computing, that thread waits for a core and the send waits for it
 (measured here: a one-byte isend took ~180 us inside a running pipeline, 13 us alone).
 Here the sender copies the hop's tensors once into the message's slot in a file that both ranks
-map, bumps the message's counter and writes a byte to the receiver's pipe; the receiver's tensors
-are views of the slot: no copy, no allocation. A receive whose counter has moved returns at once;
-otherwise it sleeps in poll() on the pipe until a doorbell (or the peer's exit, or the timeout).
+map and bumps the message's counter; the receiver's tensors are views of the slot: no copy, no
+allocation. A receive whose counter has moved returns at once; otherwise it raises its 'waiting'
+flag and sleeps in poll() on a pipe, which the sender writes a byte to only when it sees the flag
+(or until the peer's exit, or the timeout).
 
 Slots: one per message of a step (its tag: direction, sending chunk, microbatch), laid out from
 the step's message list, which every rank derives from the same schedule and plan. A slot is
@@ -28,6 +29,7 @@ import secrets
 import select
 import shutil
 import socket
+import threading
 import time
 
 import torch
@@ -41,14 +43,26 @@ Message = tuple[int, int, int, tuple[torch.Size, ...]]  # (src, dst, tag, shapes
 
 
 class _Pair:
-    """One direction between two ranks: the slots' views by tag, the counters, the doorbell pipe."""
+    """One direction between two ranks: the slots' views by tag, the counters (one per message,
+    then the receiver's 'waiting' flag), the doorbell pipe."""
 
     def __init__(self, views: dict[int, tuple[torch.Tensor, ...]], index: dict[int, int],
                  counters: torch.Tensor, fd: int) -> None:
         self.views, self.index, self.fd = views, index, fd
         self.counters_tensor = counters  # keeps the mapping alive
         self.counters = counters.numpy()  # element reads and writes without torch's per-call cost
+        self.waiting = len(index)  # position of the flag
         self.done = dict.fromkeys(index, 0)  # times each message was sent (sender) or received (receiver)
+
+
+_FENCE = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier: taking a lock is an atomic read-modify-write, which x86 orders with
+    every load and store around it (plain stores may otherwise pass later loads)."""
+    with _FENCE:
+        pass
 
 
 class SharedMemoryTransport(DistTransport):
@@ -75,10 +89,15 @@ class SharedMemoryTransport(DistTransport):
         count = pair.done[tag] + 1
         pair.done[tag] = count
         pair.counters[pair.index[tag]] = count  # after the payload (x86 keeps stores in order)
-        try:
-            os.write(pair.fd, b"\0")
-        except BlockingIOError:  # the pipe is full of earlier doorbells: the receiver will look anyway
-            pass
+        # Ring only a receiver that waits: a doorbell wakes it, and on a busy host the woken
+        # receiver may take this core from the sender. The fences on both sides (store, fence, load)
+        # make sure one of them sees the other's store: the sender the flag, or the receiver the count.
+        _fence()
+        if pair.counters[pair.waiting]:
+            try:
+                os.write(pair.fd, b"\0")
+            except BlockingIOError:  # the pipe is full of earlier doorbells: the receiver looks anyway
+                pass
 
     def prepost_recv(self, shapes: list[torch.Size], dtype: torch.dtype, src: int, tag: int) -> None:
         pair = self._in.get(src)
@@ -100,19 +119,25 @@ class SharedMemoryTransport(DistTransport):
         deadline = time.monotonic() + self.timeout_s
         poller = select.poll()
         poller.register(pair.fd, select.POLLIN)
-        while pair.counters[position] < expected:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TransportTimeout(f"rank {self.pp_rank}: message {tag} from rank {src} did not come within "
-                                       f"{self.timeout_s:.0f} s; is rank {src} still alive?")
-            events = poller.poll(remaining * 1e3)
-            try:
-                drained = os.read(pair.fd, 1 << 16)
-            except BlockingIOError:
-                drained = b"x"
-            if events and not drained and pair.counters[position] < expected:  # writer gone: the peer exited
-                raise TransportTimeout(f"rank {self.pp_rank}: rank {src} closed its end before sending message "
-                                       f"{tag}; is rank {src} still alive?")
+        counters = pair.counters
+        counters[pair.waiting] = 1
+        try:
+            _fence()
+            while counters[position] < expected:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransportTimeout(f"rank {self.pp_rank}: message {tag} from rank {src} did not come "
+                                           f"within {self.timeout_s:.0f} s; is rank {src} still alive?")
+                events = poller.poll(min(remaining, 0.05) * 1e3)  # in slices: a look without a bell too
+                try:
+                    drained = os.read(pair.fd, 1 << 16)
+                except BlockingIOError:
+                    drained = b"x"
+                if events and not drained and counters[position] < expected:  # writer gone: the peer exited
+                    raise TransportTimeout(f"rank {self.pp_rank}: rank {src} closed its end before sending "
+                                           f"message {tag}; is rank {src} still alive?")
+        finally:
+            counters[pair.waiting] = 0
 
     def close(self) -> None:
         for pair in (*self._in.values(), *self._out.values()):
@@ -175,7 +200,7 @@ def connect_transport(pp_rank: int, world_size: int, device: torch.device, timeo
 
 def _map(paths: tuple[str, str, str], n_elements: int, offsets: dict[int, int], dtype: torch.dtype):
     data = torch.from_file(paths[0], shared=True, size=max(n_elements, 1), dtype=dtype)
-    counters = torch.from_file(paths[1], shared=True, size=max(len(offsets), 1), dtype=torch.int64)
+    counters = torch.from_file(paths[1], shared=True, size=len(offsets) + 1, dtype=torch.int64)
     return data, counters
 
 
