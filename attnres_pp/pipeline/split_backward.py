@@ -56,12 +56,18 @@ def backward_input(roots: list[torch.Tensor], root_grads: list[torch.Tensor], in
     wanted = list(inputs) + cut.input_params
     grads = torch.autograd.grad([r for r, _ in pairs], wanted + slots,
                                 grad_outputs=[g for _, g in pairs], retain_graph=True, allow_unused=True)
-    for tensor, grad in zip(wanted, grads, strict=False):
-        if grad is not None:
-            if tensor.grad is None:
-                tensor.grad = grad
-            else:
-                tensor.grad += grad
+    n_inputs = len(inputs)
+    for position, (tensor, grad) in enumerate(zip(wanted, grads, strict=False)):
+        if grad is None:
+            continue
+        if tensor.grad is not None:
+            tensor.grad += grad
+        elif position >= n_inputs and grad._base is not None:
+            # A parameter's .grad is added to in place later: never let it be a view of another
+            # tensor (a gradient passed through unchanged could be a received message's slot).
+            tensor.grad = grad.clone()
+        else:
+            tensor.grad = grad
     owners, first = [], len(wanted)
     for owner, edges, n_out in cut.owners:
         owners.append((owner, edges, grads[first:first + n_out]))
