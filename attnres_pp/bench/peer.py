@@ -120,7 +120,9 @@ def to_markdown(payload: dict) -> str:
              "yes" if r["same_model"] else "NO"] for r in payload["schedules"]]
     return "\n".join([
         "## Our runtime vs torch.distributed.pipelining", "",
-        f"Model {payload['model']}, gloo, one thread per rank; medians of {payload['steps']} steps after "
+        f"Model {payload['model']}, one thread per rank, each side with its own transport (ours: shared memory "
+        "between the ranks of one host, else gloo; torch: gloo); medians of "
+        f"{payload['steps']} steps after "
         f"{payload['warmup_steps']} warm-up steps, the two engines stepped alternately on the same batches. "
         "Step = the driver's wall time of a whole optimiser step; pipeline = ours: first to last action of "
         "any rank, torch: `schedule.step` on the slowest rank.", "",
