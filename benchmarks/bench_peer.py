@@ -1,4 +1,5 @@
-"""Benchmark: our pipeline runtime vs torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B).
+"""Benchmark: our pipeline runtime vs torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B,
+ScheduleInterleavedZeroBubble).
 
 A thin wrapper of `attnres-pp bench peer` (attnres_pp/bench/peer.py holds the benchmark):
 
