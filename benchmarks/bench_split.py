@@ -1,6 +1,6 @@
 """Benchmark: the backward split in I and W against the fused backward B, per chunk.
 
-A thin wrapper of `attnres-pp bench split` (attnres_pp/bench/peer.py holds the benchmark):
+A thin wrapper of `attnres-pp bench split` (attnres_pp/bench/split.py holds the benchmark):
 
     python benchmarks/bench_split.py --quick --json    # = attnres-pp bench split --quick --json
     python benchmarks/bench_split.py --out DIR         # the full version, results under DIR
