@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnres_pp.model.config import ModelConfig
+from attnres_pp.model.decode_state import KVSlot
 from attnres_pp.model.depth import DepthRead
 
 
@@ -41,11 +42,16 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.source_width, bias=False)
         self.read = DepthRead(cfg)
 
-    def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
+    def forward(self, h_BTD: torch.Tensor, kv: KVSlot | None = None) -> torch.Tensor:
+        """`kv` (incremental decoding): this layer's cache; the T tokens of h sit at its pass's positions."""
         batch, seq, width = h_BTD.shape
         qkv = self.qkv(self.norm(h_BTD)).view(batch, seq, 3, self.n_heads, width // self.n_heads)
         q_BHTE, k_BHTE, v_BHTE = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        y_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTE, is_causal=True)
+        if kv is None:
+            y_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTE, is_causal=True)
+        else:
+            k_BHSE, v_BHSE = kv.append(k_BHTE, v_BHTE)
+            y_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSE, **kv.sdpa_mask(h_BTD.device))
         return self.proj(y_BHTE.transpose(1, 2).reshape(batch, seq, width))
 
 
@@ -84,8 +90,9 @@ class Embedding(nn.Module):
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.key_proj = nn.Linear(cfg.d_model, cfg.projected_key_rank, bias=False) if cfg.projected_key_rank else None
 
-    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
-        positions_T = torch.arange(idx_BT.shape[1], device=idx_BT.device)
+    def forward(self, idx_BT: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """`start`: the position of the first token (incremental decoding)."""
+        positions_T = torch.arange(start, start + idx_BT.shape[1], device=idx_BT.device)
         o_emb_BTD = self.tok(idx_BT) + self.pos(positions_T)
         if self.key_proj is None:
             return o_emb_BTD
