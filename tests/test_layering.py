@@ -5,6 +5,7 @@ function) of every module under attnres_pp must point down or sideways, never up
     comm                             model at most (plan, partition, cache, transports)
     pipeline                         comm and below
     train                            pipeline and below (configs, optimiser step, engines, checkpoints)
+    generate                         train and below (reads checkpoints; generators, decode loop, its CLI)
     simulator                        the torch-free parts of pipeline and comm; never the runtime, train,
                                      torch, torch.distributed or ray
     bench                            on top: anything
@@ -29,7 +30,8 @@ ALLOWED = {
     "pipeline": {"comm", "model", "kernels", "config_tables"},
     "train": {"pipeline", "comm", "model", "kernels", "data", "config_tables"},
     "simulator": {"pipeline", "comm", "model", "config_tables"},
-    "bench": {"train", "simulator", "pipeline", "comm", "model", "kernels", "data", "config_tables"},
+    "generate": {"train", "pipeline", "comm", "model", "kernels", "data", "config_tables"},
+    "bench": {"generate", "train", "simulator", "pipeline", "comm", "model", "kernels", "data", "config_tables"},
     "cli": set(),  # imports the subcommands by name, at run time
     "root": set(),  # attnres_pp/__init__.py
 }

@@ -11,6 +11,7 @@ from torch import nn
 
 from attnres_pp.comm.partition import Partition
 from attnres_pp.comm.plan import RESIDUAL, Source
+from attnres_pp.model.decode_state import DecodeStep
 from attnres_pp.model.stack import DepthState, forward_sublayers
 from attnres_pp.model.transformer import Transformer, embed_state, lm_loss
 
@@ -38,13 +39,23 @@ class PipelineChunk(nn.Module):
     def forward(self, sources: dict[Source, torch.Tensor], idx_BT: torch.Tensor | None = None,
                 targets_BT: torch.Tensor | None = None) -> tuple[dict[Source, torch.Tensor], torch.Tensor | None]:
         """sources: the chunk's inputs by name. Returns (sources this chunk produced, loss or None)."""
+        produced, logits = self.run(sources, idx_BT)
+        return produced, None if logits is None else lm_loss(logits, targets_BT)
+
+    def run(self, sources: dict[Source, torch.Tensor], idx_BT: torch.Tensor | None = None,
+            decode: DecodeStep | None = None) -> tuple[dict[Source, torch.Tensor], torch.Tensor | None]:
+        """The forward without the loss: (sources produced, logits [B, T, V] on the last chunk or None).
+        `decode`: one pass of incremental decoding over this rank's DecodeState (generation)."""
         cfg, convs = self.cfg, self._stream_convs[0]
-        state = embed_state(cfg, self.embed, idx_BT) if self.is_first else _state_from_sources(sources)
+        if self.is_first:
+            state = embed_state(cfg, self.embed, idx_BT, 0 if decode is None else decode.start)
+        else:
+            state = _state_from_sources(sources)
         n_before = len(state.blocks)
         state = forward_sublayers(cfg, {int(k): v for k, v in self.layers.items()}, convs, state,
-                                  self.sublayers, self.backend)
+                                  self.sublayers, self.backend, decode)
         if self.is_last:
-            return {}, lm_loss(self.head(state, convs, self.backend), targets_BT)
+            return {}, self.head(state, convs, self.backend, decode)
         if cfg.residual == "standard":
             return {RESIDUAL: state.residual}, None
         first_new = 0 if self.is_first else n_before
