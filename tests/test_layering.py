@@ -43,7 +43,7 @@ SIMULATOR_MAY_READ = {
     "attnres_pp.pipeline.config", "attnres_pp.comm.plan", "attnres_pp.comm.partition",
     "attnres_pp.model.config", "attnres_pp.config_tables",
 }
-RAY_MODULES = {"attnres_pp.train.ray_engine"}  # only the Ray launcher imports ray
+RAY_MODULES = {"attnres_pp.train.ray_engine", "attnres_pp.generate.ray_generator"}  # only the Ray launchers
 
 
 def _module_name(path: Path) -> str:
