@@ -96,6 +96,8 @@ def comm_report(*, n_layers: int, block_size: int, n_stages: int, n_virtual: int
         raise ValueError(f"dtype {dtype!r} is unknown; choose one of {', '.join(DTYPE_BYTES)}")
     if tokens < 1:
         raise ValueError(f"tokens={tokens} is invalid: tokens per microbatch must be >= 1")
+    if n_stages < 1 or n_virtual < 1:  # before the partition divides by stages x virtual
+        raise ValueError(f"stages={n_stages}, virtual={n_virtual} are invalid: each must be an integer >= 1")
     partition = make_partition(n_layers, n_stages, n_virtual, layer_counts)
     counts = {mode: plan_for_mode(mode, n_sublayers=2 * n_layers, block_size=block_size,
                                   partition=partition).fwd_hop_tensors for mode in COMM_MODES}
