@@ -80,6 +80,17 @@ def test_recovered_runs_end_with_the_undisturbed_losses(local_ray, tmp_path, cap
     assert not (tmp_path / "stop" / "summary.json").exists()
 
 
+def test_a_placement_no_node_can_hold_is_refused_at_once(local_ray, tmp_path, capsys):
+    """local_ray has one node with 2 CPUs: STRICT_PACK of 3 one-CPU bundles is refused before the
+    placement group is created, not after the whole --timeout."""
+    argv = ["train", *TINY, "--stages", "3", "--virtual", "1", "--layers", "3", "--timeout", "60"]
+    started = time.monotonic()
+    assert main([*argv, "--out", str(tmp_path / "run"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --placement STRICT_PACK needs one node with 3 CPU for 3 bundles of {1 CPU}")
+    assert "node 0: 2 CPU" in err and time.monotonic() - started < 30
+
+
 def test_ctrl_c_stops_the_actors_and_the_local_ray_instance(tmp_path):
     """SIGINT to the whole process group, as a terminal sends it, once training is under way: the
     command exits 130 and every process it started (Ray's and the actors) is gone."""

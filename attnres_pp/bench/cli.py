@@ -47,12 +47,18 @@ def run_benchmark(args: argparse.Namespace) -> int:
         results_stem,
         write_results,
     )
+    from attnres_pp.out_paths import check_out_dir
 
     if args.no_timing and args.name != "comm":
         print(f"{args.parser.prog}: error: --no-timing applies to comm only", file=sys.stderr)
         return 2
-    module = importlib.import_module(f"attnres_pp.bench.{args.name}")
     out_dir = Path(args.out) if args.out else default_out_dir()
+    try:  # before the benchmark runs for minutes and then cannot write its results
+        check_out_dir(out_dir, "--out")
+    except ValueError as error:
+        print(f"{args.parser.prog}: error: {error}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"attnres_pp.bench.{args.name}")
     out_dir.mkdir(parents=True, exist_ok=True)
 
     def progress(line: str) -> None:

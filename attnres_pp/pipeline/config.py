@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from attnres_pp.config_tables import from_table, to_table
@@ -11,6 +12,10 @@ LAUNCHERS = ("local", "ray", "inprocess")  # inprocess: loopback transport, for 
 # Ray placement-group strategies: STRICT_PACK keeps every rank on one node (fastest links); PACK
 # and SPREAD let a pipeline span nodes (PACK fills a node before the next, SPREAD balances).
 PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,9 +33,9 @@ class PipelineConfig:
     placement: str = "STRICT_PACK"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.stages, int) or self.stages < 1:
+        if not _is_int(self.stages) or self.stages < 1:
             raise ValueError(f"PipelineConfig.stages={self.stages!r} is invalid: must be an integer >= 1")
-        if not isinstance(self.virtual, int) or self.virtual < 1:
+        if not _is_int(self.virtual) or self.virtual < 1:
             raise ValueError(f"PipelineConfig.virtual={self.virtual!r} is invalid: must be an integer >= 1")
         if self.schedule not in SCHEDULE_NAMES:
             raise ValueError(
@@ -45,8 +50,16 @@ class PipelineConfig:
                 f"PipelineConfig.placement={self.placement!r} is invalid: choose one of {', '.join(PLACEMENTS)} "
                 "(PACK or SPREAD to span several nodes)"
             )
-        if self.timeout_s <= 0:
-            raise ValueError(f"PipelineConfig.timeout_s={self.timeout_s!r} is invalid: must be > 0 seconds")
+        if not isinstance(self.cache, bool):
+            raise ValueError(f"PipelineConfig.cache={self.cache!r} is invalid: must be True or False")
+        # Every wait on a rank is bounded by this: nan or inf would let a lost rank hang the run.
+        timeout_ok = isinstance(self.timeout_s, int | float) and not isinstance(self.timeout_s, bool)
+        if not timeout_ok or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+            raise ValueError(f"PipelineConfig.timeout_s={self.timeout_s!r} is invalid: give a finite number of "
+                             "seconds > 0, e.g. 120 (--timeout 120)")
+        if self.layer_counts is not None and any(not _is_int(n) or n < 1 for n in self.layer_counts):
+            raise ValueError(f"PipelineConfig.layer_counts={list(self.layer_counts)} is invalid: every chunk "
+                             "needs an integer number of layers >= 1")
         if self.layer_counts is not None and len(self.layer_counts) != self.stages * self.virtual:
             raise ValueError(
                 f"PipelineConfig.layer_counts={list(self.layer_counts)} is invalid: give one layer count per "
@@ -63,7 +76,7 @@ class PipelineConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> PipelineConfig:
-        return from_table(cls, values, table="pipeline", tuple_fields=("layer_counts",))
+        return from_table(cls, values, table="pipeline")
 
     def to_dict(self) -> dict:
         return to_table(self, list_fields=("layer_counts",))

@@ -11,6 +11,7 @@ Links are modelled without contention: each message has its own latency and band
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from attnres_pp.comm.partition import Partition
@@ -40,8 +41,8 @@ class CostModel:
                 raise ValueError(f"CostModel.{name} needs one entry per hop ({n_chunks - 1}), "
                                  f"got {len(getattr(self, name))}")
         every = self.forward_s + self.backward_s + self.hop_fwd_s + self.hop_bwd_s
-        if any(value < 0 for value in every):
-            raise ValueError("CostModel: every time must be >= 0 seconds")
+        if not all(math.isfinite(value) and value >= 0 for value in every):
+            raise ValueError("CostModel: every time must be a finite number of seconds >= 0")
 
     @property
     def n_chunks(self) -> int:
@@ -64,8 +65,11 @@ class DeviceProfile:
     link_bytes_per_s: float
 
     def __post_init__(self) -> None:
-        if self.flops_per_s <= 0 or self.link_bytes_per_s <= 0 or self.link_latency_s < 0:
-            raise ValueError(f"DeviceProfile {self.name!r}: FLOP/s and bandwidth must be > 0, latency >= 0")
+        for name, minimum in (("flops_per_s", "> 0"), ("link_bytes_per_s", "> 0"), ("link_latency_s", ">= 0")):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0 or (value == 0 and minimum == "> 0"):
+                raise ValueError(f"DeviceProfile {self.name!r}: {name}={value!r} is invalid: "
+                                 f"must be a finite number {minimum}")
 
 
 # Rough achieved numbers (about 40-50% of peak compute, typical measured p2p bandwidth).

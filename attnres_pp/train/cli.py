@@ -14,6 +14,7 @@ from pathlib import Path
 
 from attnres_pp.data import load_corpus
 from attnres_pp.model.config import KEY_MODES, RESIDUALS
+from attnres_pp.out_paths import check_out_dir
 from attnres_pp.pipeline.config import LAUNCHERS, PLACEMENTS, SCHEDULE_NAMES
 from attnres_pp.train.checkpoint import (
     CheckpointConfig,
@@ -210,6 +211,8 @@ def main(args: argparse.Namespace) -> int:
         if args.resume and args.out and Path(args.out) != Path(args.resume):
             raise ConfigError(f"--resume {args.resume} continues that run in its own directory: drop --out")
         out_dir = Path(args.resume or args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        if not args.resume:  # a resumed run's directory is checked for its checkpoints below
+            check_out_dir(out_dir, "--out")
         check_run_dir(out_dir, checkpoints.resume)
         engine = make_run_engine(run_cfg, out_dir, address=args.address, fail_at=fail_at)
     except ValueError as error:  # config mistakes: one line, no traceback

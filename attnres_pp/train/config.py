@@ -142,6 +142,9 @@ def read_toml(path: str | Path) -> dict:
             return tomllib.load(handle)
     except FileNotFoundError:
         raise ValueError(f"config file {str(path)!r} not found; check the --config path") from None
+    except OSError as error:  # a directory, or a file this user may not read
+        raise ValueError(f"config file {str(path)!r} cannot be read ({error.strerror}): give the path of a "
+                         ".toml file to --config") from None
     except tomllib.TOMLDecodeError as error:
         raise ValueError(f"config file {str(path)!r} is not valid TOML: {error}") from None
 

@@ -63,6 +63,9 @@ class StageActor(StageWorker):
 class RayEngine(PipelineEngineBase):
     def __init__(self, run_cfg: RunConfig, out_dir=None, *, address: str | None = None,
                  placement: str | None = None, fail_at: tuple[int, int] | None = None) -> None:
+        from attnres_pp.pipeline.ray_checks import check_reachable, require_ray
+
+        require_ray()  # before `import ray`: a missing package is one line, not a traceback
         import ray
         from ray.util.placement_group import remove_placement_group
 
@@ -78,9 +81,14 @@ class RayEngine(PipelineEngineBase):
         self.actors, self._pg, self._eval_model = [], None, None
         self.started_ray = False
         if not ray.is_initialized():
+            source = "--address" if address else "RAY_ADDRESS"
             address = address or os.environ.get("RAY_ADDRESS")
             if address:
-                ray.init(address=address, log_to_driver=True)
+                check_reachable(address, source)
+                try:
+                    ray.init(address=address, log_to_driver=True)
+                except ConnectionError as error:  # "auto" with no `ray start` cluster on this machine
+                    raise ValueError(f"{source} {address}: {error}") from None
             else:
                 ray.init(address="local", num_cpus=max(pipe.stages, os.cpu_count() or 1), include_dashboard=False,
                          log_to_driver=True)
@@ -98,8 +106,12 @@ class RayEngine(PipelineEngineBase):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from attnres_pp.pipeline.ray_checks import check_placement
+
         ray, pipe = self._ray, self.run_cfg.pipeline
         bundle = {"CPU": 1, **({"GPU": 1} if self.use_gpu else {})}
+        # A group no node can hold would wait out the whole timeout: refuse it now, saying why.
+        check_placement([bundle] * pipe.stages, self.placement, [n["Resources"] for n in ray.nodes() if n["Alive"]])
         self._pg = placement_group([bundle] * pipe.stages, strategy=self.placement)
         ready, _ = ray.wait([self._pg.ready()], timeout=self.timeout_s)
         if not ready:
