@@ -5,6 +5,7 @@ as one `error:` line with exit code 2."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,9 @@ def test_generate_over_local_rank_processes(run_dir, capsys):
     [
         (["--resume", "{missing}", "--prompt", "x", "--max-new-tokens", "2"], "no such directory"),
         (["--resume", "{empty}", "--prompt", "x", "--max-new-tokens", "2"], "no complete checkpoint"),
+        (["--resume", "{file}", "--prompt", "x", "--max-new-tokens", "2"], "is a file"),
+        (["--resume", "{broken}", "--prompt", "x", "--max-new-tokens", "2"], "cannot be read"),
+        (["--resume", "{run}", "--prompt-file", "{empty}", "--max-new-tokens", "2"], "cannot read it"),
         (["--prompt", "x", "--max-new-tokens", "2"], "--resume RUN is required"),
         (["--resume", "{run}", "--prompt", "", "--max-new-tokens", "2"], "the prompt is empty"),
         (["--resume", "{run}", "--max-new-tokens", "2"], "exactly one of --prompt"),
@@ -94,7 +98,12 @@ def test_generate_over_local_rank_processes(run_dir, capsys):
 )
 def test_input_mistakes_exit_2_with_one_line(run_dir, tmp_path, capsys, argv, needle):
     (tmp_path / "empty").mkdir()
-    names = {"run": str(run_dir), "missing": str(tmp_path / "missing"), "empty": str(tmp_path / "empty")}
+    (tmp_path / "file").write_text("not a run")
+    broken = tmp_path / "broken"  # a checkpoint whose rank file is damaged
+    shutil.copytree(run_dir / "checkpoints" / "step_1", broken)
+    (broken / "rank_0.pt").write_bytes(b"\x80garbage")
+    names = {"run": str(run_dir), "missing": str(tmp_path / "missing"), "empty": str(tmp_path / "empty"),
+             "file": str(tmp_path / "file"), "broken": str(broken)}
     code = main(["generate", *[a.format(**names) if a.startswith("{") else a for a in argv]])
     err = capsys.readouterr().err
     assert code == 2, err

@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from attnres_pp.generate.config import GenerationConfig
@@ -101,8 +102,10 @@ def find_checkpoint(run: str | None) -> Path:
         raise ValueError("--resume RUN is required: the run directory of `attnres-pp train ... --out RUN "
                          "--checkpoint-every K`")
     path = Path(run)
-    if not path.is_dir():
+    if not path.exists():
         raise ValueError(f"--resume {run}: no such directory; give the --out directory of a training run")
+    if not path.is_dir():
+        raise ValueError(f"--resume {run} is a file: give the --out directory of a training run")
     if (path / "meta.json").is_file():
         return path
     latest = latest_checkpoint(path)
@@ -110,6 +113,23 @@ def find_checkpoint(run: str | None) -> Path:
         raise ValueError(f"--resume {run}: no complete checkpoint under {checkpoints_dir(path)} "
                          "(train with --checkpoint-every K to write them)")
     return latest
+
+
+def load_checkpoint(step_dir: Path):
+    """(ModelConfig, parameters by whole-model name) of a checkpoint folder; ValueError if unreadable."""
+    from attnres_pp.model import ModelConfig
+    from attnres_pp.train.checkpoint import read_checkpoint, read_meta
+
+    try:
+        model_cfg = ModelConfig.from_dict(read_meta(step_dir)["config"]["model"])
+        with warnings.catch_warnings():  # a damaged file makes torch.load warn before it fails: one line only
+            warnings.simplefilter("ignore")
+            return model_cfg, read_checkpoint(step_dir)[0]["params"]
+    except ValueError:
+        raise
+    except Exception as error:  # a damaged file fails in torch.load, pickle, zipfile or json in many ways
+        raise ValueError(f"checkpoint {step_dir} cannot be read ({type(error).__name__}: {error}); "
+                         "give another one with --resume") from None
 
 
 def read_prompt(args: argparse.Namespace) -> bytes:
@@ -141,8 +161,6 @@ def decode_text(tokens: list[int]) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from attnres_pp.generate.loop import check_fits, generate
-    from attnres_pp.model import ModelConfig
-    from attnres_pp.train.checkpoint import read_checkpoint, read_meta
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -150,16 +168,16 @@ def main(args: argparse.Namespace) -> int:
     try:
         gen_cfg, pipe, threads = configs_from_args(args)
         step_dir = find_checkpoint(args.resume)
-        model_cfg = ModelConfig.from_dict(read_meta(step_dir)["config"]["model"])
-        ids = prompt_tokens(read_prompt(args), model_cfg.vocab_size)
-        check_fits(model_cfg, len(ids), gen_cfg.max_new_tokens)
+        prompt = read_prompt(args)
         import torch
 
         from attnres_pp.generate.engines import make_generator
         from attnres_pp.generate.worker import pipeline_partition
 
+        model_cfg, named = load_checkpoint(step_dir)
+        ids = prompt_tokens(prompt, model_cfg.vocab_size)
+        check_fits(model_cfg, len(ids), gen_cfg.max_new_tokens)
         pipeline_partition(model_cfg, pipe)  # a split that does not fit the model fails here, in one line
-        named = read_checkpoint(step_dir)[0]["params"]
         torch.set_num_threads(threads)
 
         where = "one process" if pipe.n_chunks == 1 and pipe.launcher == "local" else \
