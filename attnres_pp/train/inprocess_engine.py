@@ -26,8 +26,7 @@ class InProcessEngine(PipelineEngineBase):
         super().__init__(run_cfg, out_dir)
         cfg, train, pipe = run_cfg.model, run_cfg.train, run_cfg.pipeline
         torch.set_num_threads(train.threads)
-        torch.manual_seed(train.seed)
-        self.model = Transformer(cfg)
+        self.model = Transformer(cfg, seed=train.seed)
         self.optimizer = build_optimizer(self.model, train)
         partition = run_partition(cfg.n_layers, pipe)
         rank_chunks = [build_rank_chunks(self.model, partition, r) for r in range(pipe.stages)]

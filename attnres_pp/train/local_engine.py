@@ -16,15 +16,14 @@ from attnres_pp.train.optim import build_optimizer, optimizer_step
 class LocalEngine:
     """Implements the `Engine` protocol of `attnres_pp.train.loop` in one process.
 
-    Sets this process's torch thread count to `train_cfg.threads` and seeds torch with
-    `train_cfg.seed` before building the model, so the initial weights are a function of the seed."""
+    Sets this process's torch thread count to `train_cfg.threads`; the initial weights are a function
+    of `train_cfg.seed` and each parameter's name (`model.layers.init_weights`)."""
 
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
         torch.set_num_threads(train_cfg.threads)
-        torch.manual_seed(train_cfg.seed)
         self.model_cfg = model_cfg
         self.train_cfg = train_cfg
-        self.model = Transformer(model_cfg)
+        self.model = Transformer(model_cfg, seed=train_cfg.seed)
         self.optimizer = build_optimizer(self.model, train_cfg)
 
     def train_step(self, step: int, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, lr: float) -> StepResult:

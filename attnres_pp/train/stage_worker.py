@@ -3,8 +3,9 @@ torch.distributed. The local launcher's processes and the Ray actors are thin sh
 It lives in the training layer because it owns the optimiser step and the checkpoint state; the
 pipeline below it provides the chunks, the schedule, the runtime and the transports.
 
-Every rank builds the whole model from the run's seed and keeps its own chunks, so initial weights
-equal the single-process model's. MSAR stream convolutions are replicated on every rank; their
+Every rank builds only its own chunks (the rest of the model stays on the meta device, with no
+storage) and initialises them by whole-model name and the run's seed, so initial weights equal the
+single-process model's. MSAR stream convolutions are replicated on every rank; their
 gradients are summed across ranks before clipping (tied parameters), and counted once in the norm.
 """
 
@@ -16,8 +17,7 @@ import torch
 
 from attnres_pp.comm.plan import plan_for_model
 from attnres_pp.comm.transport import DistTransport
-from attnres_pp.model import Transformer
-from attnres_pp.pipeline.chunk import build_rank_chunks, rank_parameters
+from attnres_pp.pipeline.chunk import build_rank_model, rank_module_names, rank_parameters
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
 from attnres_pp.pipeline.stage_setup import init_process_group, lowered_schedule, run_partition
 from attnres_pp.train.checkpoint import capture_state, restore_state
@@ -31,10 +31,9 @@ class StageWorker:
         self.pp_rank = pp_rank
         cfg, train, pipe = self.run_cfg.model, self.run_cfg.train, self.run_cfg.pipeline
         torch.set_num_threads(train.threads)
-        torch.manual_seed(train.seed)
-        self.model = Transformer(cfg)
         self.partition = run_partition(cfg.n_layers, pipe)
-        self.chunks = build_rank_chunks(self.model, self.partition, pp_rank)
+        self.model, self.chunks = build_rank_model(cfg, self.partition, pp_rank, seed=train.seed)
+        self.owned_modules = rank_module_names(cfg, self.partition, pp_rank)
         self.params = rank_parameters(self.chunks, self.model)
         self.tied = list(self.model.stream_convs.parameters()) if self.model.stream_convs is not None else []
         self.optimizer = build_optimizer(self.params.items(), train)
@@ -52,7 +51,8 @@ class StageWorker:
     def attach(self, device: torch.device) -> None:
         """Move to `device` and build the runtime over the (already initialised) process group."""
         self.device = device
-        self.model.to(device)
+        for name in self.owned_modules:  # the rest of the model is on the meta device and stays there
+            self.model.get_submodule(name).to(device)
         cfg, train = self.run_cfg.model, self.run_cfg.train
         self.runtime = StageRuntime(
             pp_rank=self.pp_rank, chunks=self.chunks, plan=self.plan, schedule=self.schedule,
