@@ -129,5 +129,6 @@ def test_initialisation_is_keyed_by_seed_and_parameter_name(variant):
     assert all(torch.equal(a[n], b[n]) for n in a)
     random = [n for n in a if n.endswith(("qkv.weight", "tok.weight", "lm_head.weight"))]
     assert random and all(not torch.equal(a[n], c[n]) for n in random)
-    deeper = dict(Transformer(ModelConfig(**{**TINY, **VARIANTS[variant], "vocab_size": 40}), seed=5).named_parameters())
-    assert torch.equal(deeper["layers.0.attn.qkv.weight"], a["layers.0.attn.qkv.weight"])
+    wider_vocab = ModelConfig(**{**TINY, **VARIANTS[variant], "vocab_size": 40})
+    other = dict(Transformer(wider_vocab, seed=5).named_parameters())
+    assert torch.equal(other["layers.0.attn.qkv.weight"], a["layers.0.attn.qkv.weight"])
