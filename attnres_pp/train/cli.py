@@ -95,8 +95,13 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
     """defaults (or the resumed checkpoint's config) < TOML (`args.config`) < flags. Raises
     ValueError naming the field to fix."""
     saved = _resumed_meta(args.resume)["config"] if getattr(args, "resume", None) else {}
+    overrides = flag_overrides(args)
+    if saved and ({"stages", "virtual"} & set(overrides.get("pipeline", {}))) and args.layer_counts is None:
+        # A resumed run may change the split (the shards load into any); the saved per-chunk layer
+        # counts belong to the old split, so without new ones the layers split evenly.
+        saved = {**saved, "pipeline": {k: v for k, v in saved.get("pipeline", {}).items() if k != "layer_counts"}}
     base = merge_tables(saved, read_toml(args.config)) if args.config else saved
-    run_cfg = RunConfig.from_dict(merge_tables(base, flag_overrides(args)))
+    run_cfg = RunConfig.from_dict(merge_tables(base, overrides))
     if saved and run_cfg.model.to_dict() != saved["model"]:
         changed = sorted(k for k, v in run_cfg.model.to_dict().items() if saved["model"].get(k) != v)
         raise ConfigError(f"--resume {args.resume}: the checkpoint holds another model (model {changed} differ); "

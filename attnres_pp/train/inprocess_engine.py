@@ -22,10 +22,10 @@ from attnres_pp.comm.transport import LoopbackTransport
 from attnres_pp.data import Corpus
 from attnres_pp.pipeline.mesh import thread_collectives
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
-from attnres_pp.train.checkpoint import capture_state, read_checkpoint, restore_state, write_rank_file
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.pipeline_engine import PipelineEngineBase, mean_eval_loss
+from attnres_pp.train.shards import save_shard, shard_state
 from attnres_pp.train.stage_worker import StageWorker
 
 
@@ -109,13 +109,15 @@ class InProcessEngine(PipelineEngineBase):
 
     # ---- checkpoints ----
     def save_checkpoint(self, step_dir) -> None:
+        """One process writes for every rank: their states merged (replicas' equal copies once)."""
+        state = {}
         for worker in self.workers:
-            write_rank_file(step_dir, worker.rank, capture_state(worker.params, worker.optimizer))
+            state.update(shard_state(worker.params, worker.optimizer, worker.rank))
+        save_shard(step_dir, state, distributed=False)
 
     def load_checkpoint(self, step_dir) -> None:
-        merged, rng_by_rank = read_checkpoint(step_dir)
         for worker in self.workers:
-            restore_state(merged, worker.params, worker.optimizer, rng_by_rank.get(0))
+            worker.load_shard(str(step_dir))
 
     def close(self) -> None:
         """Nothing to release in one process."""

@@ -8,10 +8,10 @@ import torch
 
 from attnres_pp.data import Corpus, batch_at, load_corpus, val_batches
 from attnres_pp.model import ModelConfig, Transformer
-from attnres_pp.train.checkpoint import capture_state, read_checkpoint, restore_state, write_rank_file
 from attnres_pp.train.config import TrainConfig
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.optim import build_optimizer, optimizer_step
+from attnres_pp.train.shards import load_shard, save_shard, shard_state
 
 
 class LocalEngine:
@@ -69,12 +69,11 @@ class LocalEngine:
         return sum(self.eval_loss(inputs_BT, targets_BT) for inputs_BT, targets_BT in batches) / len(batches)
 
     def save_checkpoint(self, step_dir) -> None:
-        """One process, so one rank file: rank_0.pt (see attnres_pp.train.checkpoint)."""
-        write_rank_file(step_dir, 0, capture_state(dict(self.model.named_parameters()), self.optimizer))
+        """The whole model as one shard, in the format every engine reads (see train.shards)."""
+        save_shard(step_dir, shard_state(dict(self.model.named_parameters()), self.optimizer, 0), distributed=False)
 
     def load_checkpoint(self, step_dir) -> None:
-        merged, rng_by_rank = read_checkpoint(step_dir)
-        restore_state(merged, dict(self.model.named_parameters()), self.optimizer, rng_by_rank.get(0))
+        load_shard(step_dir, dict(self.model.named_parameters()), self.optimizer, 0, distributed=False)
 
     def param_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())

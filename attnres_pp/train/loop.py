@@ -15,6 +15,7 @@ import torch
 from attnres_pp.data import Corpus, load_corpus
 from attnres_pp.train.checkpoint import (
     CheckpointConfig,
+    check_format,
     check_run_dir,
     latest_checkpoint,
     read_meta,
@@ -54,10 +55,10 @@ class Engine(Protocol):
     def param_count(self) -> int: ...
 
     def save_checkpoint(self, step_dir: Path) -> None:
-        """Write one `rank_{r}.pt` per worker into `step_dir` (see attnres_pp.train.checkpoint)."""
+        """Write every rank's shard into `step_dir` (see attnres_pp.train.checkpoint and .shards)."""
 
     def load_checkpoint(self, step_dir: Path) -> None:
-        """Load parameters, optimizer and RNG states from the rank files in `step_dir`."""
+        """Load parameters, optimizer and RNG states from the shards in `step_dir`, whatever split wrote them."""
 
     def close(self) -> None: ...
 
@@ -196,6 +197,7 @@ def _restart_or_fail(engine: Engine, lost: WorkerLost, step: int, history: RunHi
 
 def _restore(engine: Engine, step_dir: Path, records: list[dict]) -> RunHistory:
     """Load `step_dir` into the engine; returns the run history as of that checkpoint."""
+    check_format(step_dir)
     engine.load_checkpoint(step_dir)
     return RunHistory.from_meta(read_meta(step_dir), records)
 

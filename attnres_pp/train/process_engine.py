@@ -14,7 +14,6 @@ import torch
 
 from attnres_pp.pipeline.errors import WorkerLost
 from attnres_pp.pipeline.rank_processes import RankProcesses, serve
-from attnres_pp.train.checkpoint import read_checkpoint, write_rank_file
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.pipeline_engine import PipelineEngineBase, mean_eval_loss
@@ -87,12 +86,12 @@ class ProcessEngine(PipelineEngineBase):
         return mean_eval_loss(self._ranks.call_all("evaluate"))
 
     def save_checkpoint(self, step_dir) -> None:
-        for rank, state in enumerate(self._ranks.call_all("checkpoint_state")):
-            write_rank_file(step_dir, rank, state)
+        """Every rank writes its own shard into `step_dir` (DCP)."""
+        self._ranks.call("save_shard", [(str(step_dir),)] * self.world_size)
 
     def load_checkpoint(self, step_dir) -> None:
-        merged, rng_by_rank = read_checkpoint(step_dir)
-        self._ranks.call("load_checkpoint_state", [(merged, rng_by_rank.get(r)) for r in range(len(self._procs))])
+        """Every rank loads the parameters it holds, whatever split saved them."""
+        self._ranks.call("load_shard", [(str(step_dir),)] * self.world_size)
 
     def close(self) -> None:
         self._stop_workers(graceful=True)

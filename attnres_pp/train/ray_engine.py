@@ -28,7 +28,6 @@ import torch
 
 from attnres_pp.pipeline.config import PLACEMENTS
 from attnres_pp.pipeline.errors import WorkerLost
-from attnres_pp.train.checkpoint import read_checkpoint, write_rank_file
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.pipeline_engine import PipelineEngineBase, mean_eval_loss
@@ -201,16 +200,12 @@ class RayEngine(PipelineEngineBase):
         return mean_eval_loss(self._get([a.evaluate.remote() for a in self.actors], "evaluation"))
 
     def save_checkpoint(self, step_dir) -> None:
-        """The actors send their state here and the driver writes it: no shared file system needed."""
-        states = self._get([a.checkpoint_state.remote() for a in self.actors], "checkpoint save")
-        for rank, state in enumerate(states):
-            write_rank_file(step_dir, rank, state)
+        """Every actor writes its own shard into `step_dir`, on the filesystem all nodes share."""
+        self._get([a.save_shard.remote(str(step_dir)) for a in self.actors], "checkpoint save")
 
     def load_checkpoint(self, step_dir) -> None:
-        merged, rng_by_rank = read_checkpoint(step_dir)
-        merged_ref = self._ray.put(merged)  # one copy in the object store, read by every actor
-        self._get([a.load_checkpoint_state.remote(merged_ref, rng_by_rank.get(rank))
-                   for rank, a in enumerate(self.actors)], "checkpoint load")
+        """Every actor loads the parameters it holds, whatever split saved them."""
+        self._get([a.load_shard.remote(str(step_dir)) for a in self.actors], "checkpoint load")
 
     def close(self) -> None:
         """Kill the actors, free the placement group and stop a Ray instance this engine started.

@@ -29,11 +29,11 @@ from attnres_pp.pipeline.forward_only import forward_only_schedule
 from attnres_pp.pipeline.mesh import Collectives, MeshCollectives, RankCoords
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
 from attnres_pp.pipeline.stage_setup import init_process_group, lowered_schedule, run_partition
-from attnres_pp.train.checkpoint import capture_state, restore_state
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.grad_sync import norm_reducer, sync_gradients
 from attnres_pp.train.optim import build_optimizer, optimizer_step
 from attnres_pp.train.rank_data import MicrobatchLists, RankData
+from attnres_pp.train.shards import load_shard, save_shard, shard_state
 from attnres_pp.train.step_stats import StepReply
 
 # A driver-fed batch for one rank: its replica's rows of (inputs, targets), either half None when
@@ -67,6 +67,7 @@ class StageWorker:
         self.runtime: StageRuntime | None = None
         self.eval_runtime: StageRuntime | None = None
         self.collectives: Collectives | None = None
+        self.distributed = False  # in a torch.distributed process group (`connect`), or a thread rank
 
     # ---- set-up ----
     def join_process_group(self, init_method: str, world_size: int) -> dict:
@@ -83,6 +84,7 @@ class StageWorker:
         peers = [self.coords.global_rank(p) for p in range(pipe.stages)]
         transport = DistTransport(self.pp_rank, pipe.timeout_s, device, peer_ranks=peers)
         self.attach(device, transport, MeshCollectives(self.coords, device.type))
+        self.distributed = True
 
     def describe(self, backend: str) -> dict:
         return {"backend": backend, "rank": self.rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
@@ -170,13 +172,14 @@ class StageWorker:
         return total, count
 
     # ---- checkpoints and the run directory ----
-    def checkpoint_state(self) -> dict:
-        """This rank's parameters, optimizer and RNG states (CPU tensors; see train.checkpoint)."""
-        return capture_state(self.params, self.optimizer)
+    def save_shard(self, step_dir: str) -> None:
+        """Write this rank's part of checkpoint `step_dir` (DCP; every rank calls this together)."""
+        save_shard(step_dir, shard_state(self.params, self.optimizer, self.rank), distributed=self.distributed)
 
-    def load_checkpoint_state(self, merged: dict, rng: dict | None) -> None:
-        """Take this rank's parameters and optimizer state from a merged checkpoint."""
-        restore_state(merged, self.params, self.optimizer, rng)
+    def load_shard(self, step_dir: str) -> None:
+        """Load this rank's parameters, optimizer state and RNG state from checkpoint `step_dir`, whatever
+        split wrote it (every rank calls this together)."""
+        load_shard(step_dir, self.params, self.optimizer, self.rank, distributed=self.distributed)
 
     def sees_file(self, path: str, token: str) -> tuple[bool, str]:
         """Whether `path` exists here and holds `token` (the driver's probe of a shared --out)."""
