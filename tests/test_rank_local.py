@@ -47,3 +47,16 @@ def test_rank_module_names_place_embedding_and_head_with_their_chunks():
     assert rank_module_names(cfg, vshape, 1) == ["layers.1", "layers.2", "stream_convs"]
     loop = make_partition(4, 2, 2)
     assert rank_module_names(model_config("block", 4), loop, 1) == ["layers.1", "layers.3", "head"]
+
+
+def test_memory_benchmark_reports_every_rank():
+    from attnres_pp.bench.memory import MODEL, to_markdown
+    from attnres_pp.cli import build_parser
+
+    assert build_parser().parse_args(["bench", "memory", "--quick"]).name == "memory"
+    MiB = 2**20
+    row = {"stages": 2, "params_per_rank": [50_500_000, 50_400_000], "state_bytes_per_rank": [771 * MiB, 770 * MiB],
+           "rss_after_build_per_rank": [572 * MiB, 571 * MiB], "peak_rss_per_rank": [1303 * MiB, 1276 * MiB]}
+    table = to_markdown({"model": MODEL, "import_rss": 267 * MiB, "whole_model_build_rss": 663 * MiB, "rows": [row]})
+    assert "| 2 | 50.5 M, 50.4 M | 771, 770 | 572, 571 | 1,303, 1,276 | 1,303 | 1,036 |" in table
+    assert "32 layers, d = 512" in table and "663 MiB" in table

@@ -167,6 +167,7 @@ def test_multinode_example_config_loads():
 
     example = RunConfig.from_toml(Path(__file__).parent.parent / "configs" / "multinode_example.toml")
     assert example.pipeline.launcher == "ray" and example.pipeline.placement in ("PACK", "SPREAD")
+    assert example.pipeline.data_parallel == 2 and example.pipeline.world_size == 16  # D x P actors
 
 
 # ---- a real cluster: ray start --head, ray job submit ----

@@ -41,7 +41,9 @@ class PipelineEngineBase:
         return parameter_count(self.run_cfg.model)
 
     def _note_setup(self, descriptions: list[dict]) -> None:
-        """Record the ranks' set-up replies: parameters held per pp rank (replica 0's ranks)."""
+        """Record the ranks' set-up replies (`StageWorker.describe`, in rank order); summary.json gets
+        the parameters held per pp rank (replica 0's ranks)."""
+        self.rank_descriptions = descriptions
         by_pp = {d["pp_rank"]: d["params"] for d in descriptions if d["dp_rank"] == 0}
         self.static_extras["params_per_rank"] = [by_pp[p] for p in range(self.run_cfg.pipeline.stages)]
 

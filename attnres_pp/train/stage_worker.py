@@ -89,7 +89,7 @@ class StageWorker:
     def describe(self, backend: str) -> dict:
         return {"backend": backend, "rank": self.rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
                 "chunks": sorted(self.chunks), "params": sum(p.numel() for p in self.params.values()),
-                "host": socket.gethostname()}
+                "host": socket.gethostname(), "peak_rss_bytes": peak_rss_bytes()}
 
     def attach(self, device: torch.device, transport, collectives: Collectives) -> None:
         """Move to `device` and build the training and evaluation runtimes over `transport`."""
