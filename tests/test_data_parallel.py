@@ -5,6 +5,8 @@ gradient averaging, rank-local data, the forward-only schedule."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -150,3 +152,17 @@ def test_rank_coords_lay_out_the_mesh_row_major():
 def test_batch_must_split_over_replicas_and_microbatches():
     with pytest.raises(ValueError, match="multiple of 6"):
         run_config(model_config("block", 4), D=3, P=1, V=1, m=2, batch_size=8)
+
+
+def test_rank_local_evaluation_equals_the_single_process_val_loss(tmp_path):
+    """`evaluate()`: each end rank reads its replica's rows of the run's validation batches itself and
+    the forward-only pipeline runs on the training ranks; no batch passes through the driver."""
+    data = tmp_path / "corpus.txt"
+    sources = sorted((Path(__file__).parents[1] / "attnres_pp" / "train").glob("*.py"))
+    data.write_text("".join(p.read_text() for p in sources))
+    cfg = model_config("msar", 4, vocab_size=256)
+    run_cfg = run_config(cfg, D=2, P=2, V=2, m=2, data=str(data), eval_batches=3)
+    corpus = load_corpus(str(data))
+    want = LocalEngine(run_cfg.model, run_cfg.train, corpus=corpus).evaluate()
+    got = InProcessEngine(run_cfg, corpus=corpus).evaluate()
+    assert abs(got - want) <= 1e-5 * abs(want)
