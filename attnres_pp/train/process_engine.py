@@ -10,6 +10,8 @@ their own data and write their own checkpoint shards.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from attnres_pp.pipeline.errors import WorkerLost
@@ -87,11 +89,11 @@ class ProcessEngine(PipelineEngineBase):
 
     def save_checkpoint(self, step_dir) -> None:
         """Every rank writes its own shard into `step_dir` (DCP)."""
-        self._ranks.call("save_shard", [(str(step_dir),)] * self.world_size)
+        self._ranks.call("save_shard", [(_absolute(step_dir),)] * self.world_size)
 
     def load_checkpoint(self, step_dir) -> None:
         """Every rank loads the parameters it holds, whatever split saved them."""
-        self._ranks.call("load_shard", [(str(step_dir),)] * self.world_size)
+        self._ranks.call("load_shard", [(_absolute(step_dir),)] * self.world_size)
 
     def close(self) -> None:
         self._stop_workers(graceful=True)
@@ -100,3 +102,8 @@ class ProcessEngine(PipelineEngineBase):
         if self._ranks is not None:
             self._ranks.stop(graceful)
             self._ranks = None
+
+
+def _absolute(step_dir) -> str:
+    """A checkpoint folder as every rank can open it (a rank's working directory need not be the driver's)."""
+    return str(Path(step_dir).resolve())

@@ -23,6 +23,7 @@ import os
 import pickle
 import socket
 import time
+from pathlib import Path
 
 import torch
 
@@ -201,11 +202,11 @@ class RayEngine(PipelineEngineBase):
 
     def save_checkpoint(self, step_dir) -> None:
         """Every actor writes its own shard into `step_dir`, on the filesystem all nodes share."""
-        self._get([a.save_shard.remote(str(step_dir)) for a in self.actors], "checkpoint save")
+        self._get([a.save_shard.remote(_absolute(step_dir)) for a in self.actors], "checkpoint save")
 
     def load_checkpoint(self, step_dir) -> None:
         """Every actor loads the parameters it holds, whatever split saved them."""
-        self._get([a.load_shard.remote(str(step_dir)) for a in self.actors], "checkpoint load")
+        self._get([a.load_shard.remote(_absolute(step_dir)) for a in self.actors], "checkpoint load")
 
     def close(self) -> None:
         """Kill the actors, free the placement group and stop a Ray instance this engine started.
@@ -221,3 +222,8 @@ class RayEngine(PipelineEngineBase):
             if self.started_ray and ray.is_initialized():
                 ray.shutdown()
             self.started_ray = False
+
+
+def _absolute(step_dir) -> str:
+    """A checkpoint folder as every rank can open it (a rank's working directory need not be the driver's)."""
+    return str(Path(step_dir).resolve())
