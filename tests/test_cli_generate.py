@@ -99,9 +99,12 @@ def test_generate_over_local_rank_processes(run_dir, capsys):
 def test_input_mistakes_exit_2_with_one_line(run_dir, tmp_path, capsys, argv, needle):
     (tmp_path / "empty").mkdir()
     (tmp_path / "file").write_text("not a run")
-    broken = tmp_path / "broken"  # a checkpoint whose rank file is damaged
+    broken = tmp_path / "broken"  # a checkpoint whose shard files are damaged
     shutil.copytree(run_dir / "checkpoints" / "step_1", broken)
-    (broken / "rank_0.pt").write_bytes(b"\x80garbage")
+    shards = sorted(broken.glob("*.distcp"))
+    assert shards, "the checkpoint format changed: damage its data files instead"
+    for shard in shards:
+        shard.write_bytes(b"\x80garbage")
     names = {"run": str(run_dir), "missing": str(tmp_path / "missing"), "empty": str(tmp_path / "empty"),
              "file": str(tmp_path / "file"), "broken": str(broken)}
     code = main(["generate", *[a.format(**names) if a.startswith("{") else a for a in argv]])

@@ -1,4 +1,4 @@
-"""`attnres-pp bench bubbles | comm | overhead | peer | inference [--quick] [--json] [--out DIR]`.
+"""`attnres-pp bench bubbles | comm | overhead | peer | inference | memory [--quick] [--json] [--out DIR]`.
 
 Each benchmark prints its table (or, with --json, one JSON object on stdout; progress goes to
 stderr) and writes NAME[_quick]_<date>.json and .md under --out (default: the checkout's
@@ -20,12 +20,13 @@ BENCHMARKS = {
     "overhead": "step time of Block AttnRes with the cache vs the standard residual, same pipeline",
     "peer": "our runtime vs torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B)",
     "inference": "generation: prefill tokens/s and decode latency, Block AttnRes vs standard, 1 process and P=2 V=2",
+    "memory": "peak resident memory per pipeline rank (rank-local chunks), 32 layers d = 512 at P = 1, 2, 4",
 }
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "bench", help="benchmarks: bubbles, comm, overhead, peer, inference",
+        "bench", help="benchmarks: bubbles, comm, overhead, peer, inference, memory",
         description="Benchmarks of the real pipeline (local launcher, gloo, one thread per rank). "
                     + " ".join(f"{name}: {text}." for name, text in BENCHMARKS.items()))
     parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")

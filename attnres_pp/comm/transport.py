@@ -90,10 +90,13 @@ class LoopbackTransport:
 
 class DistTransport:
     """torch.distributed p2p within the default process group. Self-hops never reach a transport:
-    the runtime hands them over in memory."""
+    the runtime hands them over in memory. Peers are pipeline ranks; `peer_ranks[p]` is the global
+    rank of pipeline rank p in this replica (default: p itself, a run without data parallelism)."""
 
-    def __init__(self, pp_rank: int, timeout_s: float, device: torch.device, ledger: ByteLedger | None = None):
+    def __init__(self, pp_rank: int, timeout_s: float, device: torch.device, ledger: ByteLedger | None = None,
+                 peer_ranks: list[int] | None = None):
         self.pp_rank = pp_rank
+        self._global = (lambda p: p) if peer_ranks is None else peer_ranks.__getitem__
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device
         self.ledger = ledger or ByteLedger()
@@ -108,7 +111,7 @@ class DistTransport:
         self.ledger.record(*label, tensors)
         flat = _pack(tensors).to(self.device)
         # Keep the buffer alive until the send completes.
-        self._pending.append((dist.isend(flat, dst, tag=tag), flat, dst))
+        self._pending.append((dist.isend(flat, self._global(dst), tag=tag), flat, dst))
 
     def ready(self, src: int, tag: int) -> bool:
         return True
@@ -124,7 +127,7 @@ class DistTransport:
 
         numel = sum(int(torch.Size(s).numel()) for s in shapes)
         flat = torch.empty(numel, dtype=dtype, device=self.device)
-        return dist.irecv(flat, src, tag=tag), flat
+        return dist.irecv(flat, self._global(src), tag=tag), flat
 
     def recv(self, shapes: list[torch.Size], dtype: torch.dtype, src: int, tag: int) -> list[torch.Tensor]:
         _refuse_self_hop(self.pp_rank, src)

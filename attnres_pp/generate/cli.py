@@ -117,18 +117,24 @@ def find_checkpoint(run: str | None) -> Path:
 
 def load_checkpoint(step_dir: Path):
     """(ModelConfig, parameters by whole-model name) of a checkpoint folder; ValueError if unreadable."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from attnres_pp.model import ModelConfig
-    from attnres_pp.train.checkpoint import read_checkpoint, read_meta
+    from attnres_pp.train.checkpoint import read_meta
+    from attnres_pp.train.shards import read_parameters
 
     try:
         model_cfg = ModelConfig.from_dict(read_meta(step_dir)["config"]["model"])
         with warnings.catch_warnings():  # a damaged file makes torch.load warn before it fails: one line only
             warnings.simplefilter("ignore")
-            return model_cfg, read_checkpoint(step_dir)[0]["params"]
+            return model_cfg, read_parameters(step_dir)
     except ValueError:
         raise
-    except Exception as error:  # a damaged file fails in torch.load, pickle, zipfile or json in many ways
-        raise ValueError(f"checkpoint {step_dir} cannot be read ({type(error).__name__}: {error}); "
+    # A damaged file fails in torch.load, pickle, zipfile or json in many ways; DCP wraps its readers'
+    # failures in CheckpointException, a BaseException.
+    except (Exception, CheckpointException) as error:
+        detail = (str(error).strip().splitlines() or [""])[-1]  # DCP's text embeds a whole traceback
+        raise ValueError(f"checkpoint {step_dir} cannot be read ({type(error).__name__}: {detail}); "
                          "give another one with --resume") from None
 
 

@@ -47,17 +47,23 @@ def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM of SPEC section 1. `model(idx)` -> logits; `model(idx, targets)` -> mean loss."""
+    """Decoder-only LM of SPEC section 1. `model(idx)` -> logits; `model(idx, targets)` -> mean loss.
 
-    def __init__(self, cfg: ModelConfig, *, backend: str = "auto") -> None:
+    Parameters are initialised from `seed` and their whole-model names (`layers.init_weights`), not
+    from torch's global generator. Built under `torch.device("meta")` the model allocates nothing:
+    a pipeline rank then materialises and initialises only its own chunks (`pipeline.chunk`).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, backend: str = "auto", seed: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
         self.backend = backend
+        self.seed = seed
         self.embed = Embedding(cfg)
         self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(cfg.n_layers))
         self.head = Head(cfg)
         self.stream_convs = StreamConvs(cfg) if cfg.residual == "msar" else None
-        init_weights(self, cfg)
+        init_weights(self, cfg, seed)  # skips meta parameters: nothing to do on the meta device
 
     def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None, *,
                 decode: DecodeStep | None = None) -> torch.Tensor:

@@ -20,8 +20,9 @@ def _is_int(value) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
-    """stages = P physical ranks, virtual = V chunks per rank, cache = the cross-stage block cache,
-    placement = how the ray launcher places the ranks' bundles on nodes."""
+    """stages = P physical ranks, virtual = V chunks per rank, data_parallel = D replicas of the
+    pipeline (D x P ranks in all), cache = the cross-stage block cache, placement = how the ray
+    launcher places the ranks' bundles on nodes."""
 
     stages: int = 1
     virtual: int = 1
@@ -31,12 +32,16 @@ class PipelineConfig:
     layer_counts: tuple[int, ...] | None = None
     timeout_s: float = 120.0
     placement: str = "STRICT_PACK"
+    data_parallel: int = 1
 
     def __post_init__(self) -> None:
         if not _is_int(self.stages) or self.stages < 1:
             raise ValueError(f"PipelineConfig.stages={self.stages!r} is invalid: must be an integer >= 1")
         if not _is_int(self.virtual) or self.virtual < 1:
             raise ValueError(f"PipelineConfig.virtual={self.virtual!r} is invalid: must be an integer >= 1")
+        if not isinstance(self.data_parallel, int) or isinstance(self.data_parallel, bool) or self.data_parallel < 1:
+            raise ValueError(f"PipelineConfig.data_parallel={self.data_parallel!r} is invalid: must be an integer >= 1 "
+                             "(replicas of the pipeline; 1 = no data parallelism)")
         if self.schedule not in SCHEDULE_NAMES:
             raise ValueError(
                 f"PipelineConfig.schedule={self.schedule!r} is invalid: choose one of {', '.join(SCHEDULE_NAMES)}"
@@ -71,8 +76,13 @@ class PipelineConfig:
         return self.stages * self.virtual
 
     @property
+    def world_size(self) -> int:
+        """Ranks in all: D replicas x P stages."""
+        return self.data_parallel * self.stages
+
+    @property
     def is_single_process(self) -> bool:
-        return self.n_chunks == 1
+        return self.n_chunks == 1 and self.data_parallel == 1
 
     @classmethod
     def from_dict(cls, values: dict) -> PipelineConfig:
