@@ -18,7 +18,7 @@ from attnres_pp.pipeline.trace import write_chrome_trace
 from attnres_pp.simulator.calibrate import calibrate_from
 from attnres_pp.simulator.comm import DTYPE_BYTES, comm_report, format_comm_table
 from attnres_pp.simulator.costs import PROFILES, DeviceProfile, model_costs, unit_costs
-from attnres_pp.simulator.engine import simulate
+from attnres_pp.simulator.engine import paused_gc, simulate
 from attnres_pp.simulator.metrics import format_summary, summarize
 from attnres_pp.simulator.plot import plot_timeline
 from attnres_pp.simulator.sweep import SWEEPS, SweepBase, run_sweeps
@@ -126,7 +126,8 @@ def _run_comm(args: argparse.Namespace) -> int:
 
 def _run_schedule(args: argparse.Namespace) -> int:
     try:
-        report, result = _simulate_schedule(args)
+        with paused_gc():
+            report, result = _simulate_schedule(args)
     except ValueError as error:  # ScheduleError included: its table follows the first line
         return _fail(args, str(error))
     if args.trace:
