@@ -56,7 +56,8 @@ class StageWorker:
         cfg, train = self.run_cfg.model, self.run_cfg.train
         self.runtime = StageRuntime(
             pp_rank=self.pp_rank, chunks=self.chunks, plan=self.plan, schedule=self.schedule,
-            transport=DistTransport(self.pp_rank, self.run_cfg.pipeline.timeout_s, device),
+            transport=DistTransport(self.pp_rank, self.run_cfg.pipeline.timeout_s, device,
+                                    link=self.run_cfg.pipeline.link),
             microbatch_shape=(train.microbatch_size, cfg.seq_len),
             source_width=cfg.source_width, residual_width=cfg.d_model,
         )
