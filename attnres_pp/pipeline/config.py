@@ -65,7 +65,8 @@ class PipelineConfig:
 
         if self.link_gbps is not None and not (is_number(self.link_gbps) and self.link_gbps > 0):
             raise ValueError(f"PipelineConfig.link_gbps={self.link_gbps!r} is invalid: the emulated link's bandwidth "
-                             "must be a finite number of Gb/s > 0, e.g. --link-gbps 0.2 (or leave it out: no emulation)")
+                             "must be a finite number of Gb/s > 0, e.g. --link-gbps 0.2 (or leave it out: no "
+                             "emulation)")
         if not (is_number(self.link_latency_us) and self.link_latency_us >= 0):
             raise ValueError(f"PipelineConfig.link_latency_us={self.link_latency_us!r} is invalid: must be a finite "
                              "number of microseconds >= 0, e.g. --link-latency-us 20")

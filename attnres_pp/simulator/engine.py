@@ -1,7 +1,7 @@
 """Discrete-event execution of a schedule under a cost model.
 
-Each rank runs its action list in order on its own clock. Every action begins with the runtime's
-dispatch gap (`CostModel.dispatch_s`). F and B take their chunk's cost. A send keeps its rank busy
+Each rank runs its action list in order on its own clock. Every action but a rank's first begins
+with the runtime's dispatch gap (`CostModel.dispatch_s`). F and B take their chunk's cost. A send keeps its rank busy
 for the send work, then never blocks: its message arrives link-time later (with overlap_comm=False
 the sender is also busy for the link time; with wire times the messages from one rank to another
 leave one after the other, as on one link). A receive completes at max(now, arrival) plus the
@@ -34,7 +34,8 @@ from attnres_pp.simulator.encode import COMPUTE, SEND, Encoded, encode
 @dataclass(frozen=True)
 class SimResult:
     """ends[r][i]: seconds at which action i of rank r's lowered list ended (it began at the end of
-    the action before it plus the dispatch gap); compute_s[r]: rank r's seconds in F and B."""
+    the action before it plus the dispatch gap, the first at 0); compute_s[r]: rank r's seconds in
+    F and B."""
 
     schedule: Schedule  # as given: compute-only or lowered
     costs: CostModel
@@ -62,7 +63,7 @@ class SimResult:
     @cached_property
     def starts(self) -> list[list[float]]:
         dispatch = self.costs.dispatch_s
-        return [[(ends[i - 1] if i else 0.0) + dispatch for i in range(len(ends))] for ends in self.ends]
+        return [[ends[i - 1] + dispatch if i else 0.0 for i in range(len(ends))] for ends in self.ends]
 
     def events(self) -> Iterator[TimelineEvent]:
         """Every action as a timeline event (zero-length sends included)."""
@@ -166,7 +167,8 @@ def _run_general(encoded: Encoded, costs: CostModel) -> list[list[float]] | None
     waiting = [-1] * n_slots  # the rank parked on this message, if any
     link_free = [0.0] * max(1, encoded.n_links)  # when each directed link is next free
     ends = [[0.0] * len(ops) for ops in all_ops]
-    cursor, clock = [0] * n_stages, [0.0] * n_stages
+    # A rank's first action has no gap before it (the gap is between actions): it starts at 0.
+    cursor, clock = [0] * n_stages, [-dispatch] * n_stages
     runnable = list(range(n_stages))
     while runnable:
         pp_rank = runnable.pop()
