@@ -19,12 +19,13 @@ BENCHMARKS = {
     "comm": "bytes and time per step: standard / Full naive / Block naive / Block cached",
     "overhead": "step time of Block AttnRes with the cache vs the standard residual, same pipeline",
     "peer": "our runtime vs torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B)",
+    "fidelity": "the simulator, calibrated on one run, predicts held-out runs (schedule, V, m, mode, layers, link)",
 }
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "bench", help="benchmarks: bubbles, comm, overhead, peer",
+        "bench", help="benchmarks: bubbles, comm, overhead, peer, fidelity",
         description="Benchmarks of the real pipeline (local launcher, gloo, one thread per rank). "
                     + " ".join(f"{name}: {text}." for name, text in BENCHMARKS.items()))
     parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
