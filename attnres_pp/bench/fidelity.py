@@ -32,6 +32,9 @@ from attnres_pp.bench.common import BENCH_MODEL, MICROBATCH_SIZE, TimedEngine, a
 from attnres_pp.bench.unit_probe import probe_units
 from attnres_pp.comm.link import LinkModel
 from attnres_pp.model.config import ModelConfig
+from attnres_pp.pipeline.schedules import build_schedule
+from attnres_pp.simulator.engine import simulate
+from attnres_pp.simulator.metrics import summarize
 from attnres_pp.simulator.transfer import RunShape, TransferCalibration, fit_transfer
 
 N_STAGES = 2
@@ -111,8 +114,20 @@ class FidelityPlan:
         return cls(groups=CASES, warmup_steps=3, steps=10, probe_rounds=20)
 
 
-def _step_s(engine: TimedEngine, warmup: int) -> float:
-    return statistics.median(account(s.events, N_STAGES)["step_s"] for s in engine.samples[warmup:])
+def _row(case: Case, engine: TimedEngine, calibration: TransferCalibration, warmup: int, group: int) -> dict:
+    """The contract's case keys, then where the time went: compute per rank and bubble, measured
+    (medians over steps) and simulated, so an error can be traced to compute or to waiting."""
+    shape = case.shape()
+    result = simulate(build_schedule(shape.schedule, N_STAGES, shape.n_virtual, shape.n_microbatches),
+                      calibration.costs(shape))
+    measured = [account(s.events, N_STAGES) for s in engine.samples[warmup:]]
+    measured_step, predicted_step = statistics.median(a["step_s"] for a in measured), result.makespan
+    return {**case.to_dict(), "measured_step_s": measured_step, "predicted_step_s": predicted_step,
+            "error": predicted_step / measured_step - 1.0, "link_gbps": case.link_gbps, "group": group,
+            "measured_compute_s_per_rank": statistics.median(a["compute_s_per_rank"] for a in measured),
+            "predicted_compute_s_per_rank": sum(result.compute_s) / N_STAGES,
+            "measured_bubble": statistics.median(a["bubble"] for a in measured),
+            "predicted_bubble": summarize(result)["bubble_fraction"]}
 
 
 def _calibrate(probe: dict, samples) -> TransferCalibration:
@@ -144,11 +159,13 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> d
             calibration = _calibrate(probe, calibration_engine.samples[first:])
             group_calibrations.append({"group": group_index, **calibration.to_dict()})
             for case, engine in zip(group, engines, strict=True):
-                measured, predicted = _step_s(engine, plan.warmup_steps), calibration.predict_step_s(case.shape())
-                rows.append({**case.to_dict(), "measured_step_s": measured, "predicted_step_s": predicted,
-                             "error": predicted / measured - 1.0, "link_gbps": case.link_gbps, "group": group_index})
-                progress(f"  {case.label()}: measured {measured * 1e3:.1f} ms, predicted {predicted * 1e3:.1f} ms "
-                         f"({rows[-1]['error']:+.1%})")
+                rows.append(_row(case, engine, calibration, plan.warmup_steps, group_index))
+                row = rows[-1]
+                progress(f"  {case.label()}: measured {row['measured_step_s'] * 1e3:.1f} ms, predicted "
+                         f"{row['predicted_step_s'] * 1e3:.1f} ms ({row['error']:+.1%}); compute/rank "
+                         f"{row['measured_compute_s_per_rank'] * 1e3:.0f} / "
+                         f"{row['predicted_compute_s_per_rank'] * 1e3:.0f} ms, bubble "
+                         f"{row['measured_bubble']:.3f} / {row['predicted_bubble']:.3f}")
     finally:
         calibration_engine.close()
     warm = calibration_engine.samples[plan.warmup_steps:]
@@ -177,11 +194,13 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> d
 def to_markdown(payload: dict) -> str:
     rows = payload["cases"]
     table = markdown_table(
-        ["schedule", "V", "m", "mode", "layers", "link", "measured step (ms)", "predicted (ms)", "error"],
+        ["schedule", "V", "m", "mode", "layers", "link", "measured step (ms)", "predicted (ms)", "error",
+         "compute/rank meas. / pred. (ms)", "bubble meas. / pred."],
         [[r["schedule"], r["V"], r["m"], r["mode"], r["layers"],
           f"{r['link_gbps']:g} Gb/s" if r["link_gbps"] is not None else "loopback",
-          f"{1e3 * r['measured_step_s']:.1f}", f"{1e3 * r['predicted_step_s']:.1f}", f"{r['error']:+.1%}"]
-         for r in rows])
+          f"{1e3 * r['measured_step_s']:.1f}", f"{1e3 * r['predicted_step_s']:.1f}", f"{r['error']:+.1%}",
+          f"{1e3 * r['measured_compute_s_per_rank']:.0f} / {1e3 * r['predicted_compute_s_per_rank']:.0f}",
+          f"{r['measured_bubble']:.3f} / {r['predicted_bubble']:.3f}"] for r in rows])
     cal, in_sample = payload["calibrated_on"], payload["in_sample"]
     link_rows = {r["mode"]: r for r in rows if r["link_gbps"] is not None}
     lines = [
