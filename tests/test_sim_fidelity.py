@@ -159,3 +159,23 @@ def test_calibration_refuses_another_microbatch_shape():
                      n_stages=2, n_virtual=1, n_microbatches=4, microbatch_size=2, cache=True)
     with pytest.raises(ValueError, match="calibrate again"):
         calibration.costs(wider)
+
+
+def test_the_benchmark_cases_cover_what_the_issue_asks():
+    """`bench fidelity`: the calibration run is never predicted; >= 12 held-out runs (>= 8 quick) over
+    the schedules, V, m, modes and depths, and a cached and a naive run over the slow link."""
+    from attnres_pp.bench.fidelity import CALIBRATION, CASES, QUICK_CASES, SLOW_LINK_GBPS
+
+    assert CALIBRATION.to_dict() == {"schedule": "1f1b", "P": 2, "V": 1, "m": 4, "mode": "cached", "layers": 8}
+    for groups, least in ((CASES, 12), (QUICK_CASES, 8)):
+        cases = [case for group in groups for case in group]
+        assert len(cases) >= least and CALIBRATION not in cases and len(set(cases)) == len(cases)
+        assert {c.mode for c in cases} == {"standard", "naive", "cached"}
+        assert {c.layers for c in cases} == {8, 16}
+        assert {c.schedule for c in cases} >= {"gpipe", "1f1b", "interleaved_1f1b"}
+        slow = {c.mode for c in cases if c.link_gbps == SLOW_LINK_GBPS}
+        assert {"cached", "naive"} <= slow
+    full = [case for group in CASES for case in group]
+    assert {c.virtual for c in full} == {1, 2, 4} and {c.microbatches for c in full} == {4, 8, 16}
+    link_case = next(c for c in full if c.link_gbps is not None)
+    assert link_case.run_config().pipeline.link_gbps == SLOW_LINK_GBPS

@@ -143,6 +143,8 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> d
     rows, group_calibrations = [], []
     try:
         for group_index, group in enumerate(plan.groups):
+            progress(f"  group {group_index}: {len(group)} runs in rotation with the calibration run, "
+                     f"{plan.warmup_steps} + {plan.steps} rounds")
             engines = []
             try:
                 for case in group:
