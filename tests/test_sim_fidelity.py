@@ -26,9 +26,9 @@ def _model(layers: int, mode: str, block_size: int = 4) -> ModelConfig:
 
 
 def _shape(schedule: str, virtual: int, m: int, mode: str, layers: int, *, stages: int = 2,
-           link: LinkModel | None = None, block_size: int = 4) -> RunShape:
+           link: LinkModel | None = None, block_size: int = 4, layer_counts: tuple[int, ...] | None = None) -> RunShape:
     return RunShape(model=_model(layers, mode, block_size), schedule=schedule, n_stages=stages, n_virtual=virtual,
-                    n_microbatches=m, microbatch_size=2, cache=mode == "cached", link=link)
+                    n_microbatches=m, microbatch_size=2, cache=mode == "cached", link=link, layer_counts=layer_counts)
 
 
 def _probe(*, layer=(1.0, 2.0), add=(0.0, 0.0), embed=(0.0, 0.0), head=(0.0, 0.0), merge=(0.0, 0.0),
@@ -102,13 +102,17 @@ def _rich_probe() -> dict:
                   pack=1e-9)
 
 
-@pytest.mark.parametrize(("schedule", "virtual", "m", "mode", "layers"), [
-    ("gpipe", 1, 4, "cached", 8), ("interleaved_1f1b", 2, 4, "naive", 8), ("interleaved_1f1b", 4, 8, "cached", 16),
-    ("1f1b", 1, 8, "standard", 16), ("gpipe", 2, 4, "standard", 8)])
-def test_calibration_predicts_held_out_runs_of_known_costs(schedule, virtual, m, mode, layers):
+@pytest.mark.parametrize(("schedule", "virtual", "m", "mode", "layers", "block_size", "layer_counts"), [
+    ("gpipe", 1, 4, "cached", 8, 4, None), ("interleaved_1f1b", 2, 4, "naive", 8, 4, None),
+    ("interleaved_1f1b", 4, 8, "cached", 16, 4, None), ("1f1b", 1, 8, "standard", 16, 4, None),
+    ("gpipe", 2, 4, "standard", 8, 4, None), ("1f1b", 1, 4, "cached", 8, 4, (3, 5)),
+    ("interleaved_1f1b", 2, 4, "cached", 8, 2, (1, 3, 2, 2)), ("gpipe", 1, 2, "naive", 4, 1, None)])
+def test_calibration_predicts_held_out_runs_of_known_costs(schedule, virtual, m, mode, layers, block_size,
+                                                           layer_counts):
     """Synthetic truth with every unit and message cost nonzero: a run's trace is simulated from the
     truth, the calibration is fitted to it alone (probe right in shape, wrong by 3x in level), and
-    predicts other runs exactly as the truth does."""
+    predicts other runs (schedule, V, m, mode, depth, layer split, block size, Full AttnRes) exactly
+    as the truth does."""
     truth_probe = _rich_probe()
     messages = MessageCosts(send_fixed_s=0.03, send_s_per_byte=1e-9, recv_fixed_s=0.01, link_latency_s=0.02,
                             link_s_per_byte=1e-9, dispatch_s=0.004)
@@ -126,7 +130,7 @@ def test_calibration_predicts_held_out_runs_of_known_costs(schedule, virtual, m,
     assert calibration.messages.recv_fixed_s == pytest.approx(0.01)
     assert calibration.messages.link_latency_s == pytest.approx(0.02)
     assert calibration.messages.dispatch_s == pytest.approx(0.004)
-    target = _shape(schedule, virtual, m, mode, layers)
+    target = _shape(schedule, virtual, m, mode, layers, block_size=block_size, layer_counts=layer_counts)
     expected = simulate(build_schedule(schedule, 2, virtual, m), truth_costs(target)).makespan
     assert calibration.predict_step_s(target) == pytest.approx(expected, rel=1e-9)
 
