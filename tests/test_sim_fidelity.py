@@ -183,3 +183,30 @@ def test_the_benchmark_cases_cover_what_the_issue_asks():
     assert {c.virtual for c in full} == {1, 2, 4} and {c.microbatches for c in full} == {4, 8, 16}
     link_case = next(c for c in full if c.link_gbps is not None)
     assert link_case.run_config().pipeline.link_gbps == SLOW_LINK_GBPS
+
+
+def test_simulate_predict_reads_a_calibration_and_prices_another_run(tmp_path, capsys):
+    import json
+
+    from attnres_pp.cli import main
+
+    shape = _shape("1f1b", 1, 4, "cached", 8)
+    measured = _measured_steps(shape, _truth_costs(_rich_probe(), _FREE, shape))
+    calibration = fit_transfer(_rich_probe(), shape, measured)
+    path = tmp_path / "fidelity.json"
+    path.write_text(json.dumps({"calibration": calibration.to_dict()}))
+    argv = ["simulate", "predict", "--calibration", str(path), "--schedule", "interleaved_1f1b", "--virtual", "2",
+            "--microbatches", "8", "--mode", "naive", "--layers", "16", "--block-size", "2", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    target = _shape("interleaved_1f1b", 2, 8, "naive", 16, block_size=2)
+    assert out["predicted_step_s"] == pytest.approx(calibration.predict_step_s(target))
+    assert out["mode"] == "naive" and out["layer_counts"] == [4, 4, 4, 4]
+    for extra, needle in ((["--link-gbps", "0"], "link bandwidth 0.0"), (["--virtual", "x"], "--virtual 'x'"),
+                          (["--link-latency-us", "5"], "needs --link-gbps"), (["--microbatches", "3"], "multiple of P")):
+        assert main(argv[:-1] + extra) == 2
+        err = capsys.readouterr().err
+        assert "error: " in err and needle in err and len(err.strip().splitlines()) == 1, err
+    (tmp_path / "other.json").write_text("{}")
+    assert main(["simulate", "predict", "--calibration", str(tmp_path / "other.json")]) == 2
+    assert "holds no calibration" in capsys.readouterr().err

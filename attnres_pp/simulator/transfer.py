@@ -68,6 +68,21 @@ class RunShape:
     def plan(self) -> PayloadPlan:
         return plan_for_model(self.model, self.partition(), self.cache)
 
+    def to_dict(self) -> dict:
+        return {"model": self.model.to_dict(), "schedule": self.schedule, "n_stages": self.n_stages,
+                "n_virtual": self.n_virtual, "n_microbatches": self.n_microbatches,
+                "microbatch_size": self.microbatch_size, "cache": self.cache,
+                "layer_counts": list(self.layer_counts) if self.layer_counts else None,
+                "dtype_bytes": self.dtype_bytes}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> RunShape:
+        values = dict(values)
+        values["model"] = ModelConfig.from_dict(values["model"])
+        if values.get("layer_counts"):
+            values["layer_counts"] = tuple(values["layer_counts"])
+        return cls(**values)
+
     def hop_bytes(self) -> list[int]:
         """Bytes of one message on each hop (the backward carries the same as the forward)."""
         width = self.model.d_model if self.mode == "standard" else self.model.source_width
@@ -127,9 +142,17 @@ class TransferCalibration:
         return simulate(schedule, self.costs(shape)).makespan
 
     def to_dict(self) -> dict:
+        """Everything `from_dict` needs to predict again (`attnres-pp simulate predict`)."""
         return {"forward_units_s": self.forward.to_dict(), "backward_units_s": self.backward.to_dict(),
                 "forward_scale": self.forward_scale, "backward_scale": self.backward_scale,
-                "messages": self.messages.to_dict()}
+                "messages": self.messages.to_dict(), "calibrated_on": self.calibrated_on.to_dict()}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> TransferCalibration:
+        return cls(forward=UnitTimes.from_dict(values["forward_units_s"]),
+                   backward=UnitTimes.from_dict(values["backward_units_s"]),
+                   messages=MessageCosts(**values["messages"]), forward_scale=values["forward_scale"],
+                   backward_scale=values["backward_scale"], calibrated_on=RunShape.from_dict(values["calibrated_on"]))
 
 
 def _median(values: list[float], default: float = 0.0) -> float:

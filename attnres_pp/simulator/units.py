@@ -90,6 +90,11 @@ class UnitTimes:
         return {"layer": self.layer, "add": self.add, "embed": self.embed, "head": self.head,
                 "merge": self.merge, "phase1_a_b_c_e": list(self.phase1), "phase1_floor": self.phase1_floor}
 
+    @classmethod
+    def from_dict(cls, values: dict) -> UnitTimes:
+        return cls(layer=values["layer"], add=values["add"], embed=values["embed"], head=values["head"],
+                   merge=values["merge"], phase1=tuple(values["phase1_a_b_c_e"]), phase1_floor=values["phase1_floor"])
+
 
 def fit_plane(points: list[tuple[int, int, float]]) -> tuple[float, float, float, float]:
     """Least-squares (a, b, c, e) of t = a + b n + c k + e n k through (n, k, t) points."""
