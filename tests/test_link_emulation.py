@@ -80,3 +80,24 @@ def test_train_flags_exit_2_with_one_line(tmp_path, capsys, argv, needle):
     assert main(["train", "--launcher", "local", "--stages", "2", *argv, "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_an_emulated_link_delays_steps_and_changes_neither_losses_nor_bytes(tmp_path):
+    """Two gloo ranks, the same run with and without a 0.001 Gb/s link (125 kB/s): equal losses and
+    counted bytes (the arrival stamp is not payload), and each step at least as long as the link needs
+    for one direction's bytes (a lower bound only: the machine may be busy)."""
+    import json
+
+    tiny = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
+            "--microbatches", "2", "--steps", "2", "--eval-every", "0", "--quiet", "--launcher", "local",
+            "--stages", "2", "--schedule", "1f1b", "--block-size", "2"]
+    summaries = {}
+    for name, extra in (("plain", []), ("slow", ["--link-gbps", "0.001", "--link-latency-us", "100"])):
+        assert main(["train", *tiny, *extra, "--out", str(tmp_path / name)]) == 0
+        summaries[name] = json.loads((tmp_path / name / "summary.json").read_text())
+    plain, slow = summaries["plain"], summaries["slow"]
+    assert slow["losses"] == plain["losses"]
+    assert slow["bytes_sent_per_step"] == plain["bytes_sent_per_step"] > 0
+    assert slow["config"]["pipeline"]["link_gbps"] == 0.001
+    one_direction_s = slow["bytes_sent_per_step"] / 2 / LinkModel(gbps=0.001).bytes_per_s
+    assert slow["step_time_s"] >= one_direction_s
