@@ -15,7 +15,9 @@ Two ways in, one result:
 - `encode_lowered` (the slow twin): `passes.insert_comm` and `validate.validate` themselves, then
   the lowered actions one by one. It takes any schedule the IR can hold (already lowered, parsed
   from text). tests/test_sim_speed.py holds the two to equal op streams for every generator.
-Any failure of the fast path's checks is reported by `validate`, with its step x rank table.
+Any failure of the fast path's checks is reported by `validate`, with its step x rank table. Up
+to FULL_VALIDATION_ACTIONS lowered actions `validate` runs as well, so small and medium schedules
+get every check it makes, including any it gains later.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from attnres_pp.pipeline.validate import ScheduleError, validate
 from attnres_pp.simulator.costs import CostModel
 
 COMPUTE, SEND, RECV = 0, 1, 2
+# Up to this many lowered actions `validate` itself also runs (about 0.1 s); above it the fast
+# path's own checks stand in for it (validate takes ~7 us an action: 10.7 s at 1.57 M).
+FULL_VALIDATION_ACTIONS = 20_000
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,10 @@ def encode(schedule: Schedule, costs: CostModel) -> tuple[Encoded, Schedule | No
         raise ValueError(f"cost model covers {costs.n_chunks} chunks, schedule has {schedule.n_chunks}")
     fast = encode_compute_only(schedule, costs)
     if fast is not None:
+        if sum(len(ops) for ops in fast.ops) <= FULL_VALIDATION_ACTIONS:
+            lowered = insert_comm(schedule)
+            validate(lowered)  # every check validate has (any it gains, too), while it is cheap
+            return fast, lowered
         return fast, None
     lowered = schedule if schedule.has_comm else insert_comm(schedule)
     return encode_lowered(lowered, costs), lowered
