@@ -202,8 +202,9 @@ def test_simulate_predict_reads_a_calibration_and_prices_another_run(tmp_path, c
     target = _shape("interleaved_1f1b", 2, 8, "naive", 16, block_size=2)
     assert out["predicted_step_s"] == pytest.approx(calibration.predict_step_s(target))
     assert out["mode"] == "naive" and out["layer_counts"] == [4, 4, 4, 4]
-    for extra, needle in ((["--link-gbps", "0"], "link bandwidth 0.0"), (["--virtual", "x"], "--virtual 'x'"),
-                          (["--link-latency-us", "5"], "needs --link-gbps"), (["--microbatches", "3"], "multiple of P")):
+    bad = ((["--link-gbps", "0"], "link bandwidth 0.0"), (["--virtual", "x"], "--virtual 'x'"),
+           (["--link-latency-us", "5"], "needs --link-gbps"), (["--microbatches", "3"], "multiple of P"))
+    for extra, needle in bad:
         assert main(argv[:-1] + extra) == 2
         err = capsys.readouterr().err
         assert "error: " in err and needle in err and len(err.strip().splitlines()) == 1, err
