@@ -21,12 +21,13 @@ BENCHMARKS = {
     "peer": "our runtime vs torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B)",
     "inference": "generation: prefill tokens/s and decode latency, Block AttnRes vs standard, 1 process and P=2 V=2",
     "memory": "peak resident memory per pipeline rank (rank-local chunks), 32 layers d = 512 at P = 1, 2, 4",
+    "fidelity": "the simulator, calibrated on one run, predicts held-out runs (schedule, V, m, mode, layers, link)",
 }
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "bench", help="benchmarks: bubbles, comm, overhead, peer, inference, memory",
+        "bench", help="benchmarks: bubbles, comm, overhead, peer, inference, memory, fidelity",
         description="Benchmarks of the real pipeline (local launcher, gloo, one thread per rank). "
                     + " ".join(f"{name}: {text}." for name, text in BENCHMARKS.items()))
     parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from attnres_pp.comm.link import LinkModel
 from attnres_pp.config_tables import from_table, to_table
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -22,7 +23,8 @@ def _is_int(value) -> bool:
 class PipelineConfig:
     """stages = P physical ranks, virtual = V chunks per rank, data_parallel = D replicas of the
     pipeline (D x P ranks in all), cache = the cross-stage block cache, placement = how the ray
-    launcher places the ranks' bundles on nodes."""
+    launcher places the ranks' bundles on nodes. link_gbps (Gb/s) and link_latency_us emulate a
+    slow link on one host (`comm.link`; off when link_gbps is None)."""
 
     stages: int = 1
     virtual: int = 1
@@ -33,6 +35,8 @@ class PipelineConfig:
     timeout_s: float = 120.0
     placement: str = "STRICT_PACK"
     data_parallel: int = 1
+    link_gbps: float | None = None
+    link_latency_us: float = 0.0
 
     def __post_init__(self) -> None:
         if not _is_int(self.stages) or self.stages < 1:
@@ -65,11 +69,37 @@ class PipelineConfig:
         if self.layer_counts is not None and any(not _is_int(n) or n < 1 for n in self.layer_counts):
             raise ValueError(f"PipelineConfig.layer_counts={list(self.layer_counts)} is invalid: every chunk "
                              "needs an integer number of layers >= 1")
+        self._check_link()
         if self.layer_counts is not None and len(self.layer_counts) != self.stages * self.virtual:
             raise ValueError(
                 f"PipelineConfig.layer_counts={list(self.layer_counts)} is invalid: give one layer count per "
                 f"chunk, stages x virtual = {self.stages * self.virtual} of them"
             )
+
+    def _check_link(self) -> None:
+        def is_number(value) -> bool:
+            return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+        if self.link_gbps is not None and not (is_number(self.link_gbps) and self.link_gbps > 0):
+            raise ValueError(f"PipelineConfig.link_gbps={self.link_gbps!r} is invalid: the emulated link's bandwidth "
+                             "must be a finite number of Gb/s > 0, e.g. --link-gbps 0.2 (or leave it out: no "
+                             "emulation)")
+        if not (is_number(self.link_latency_us) and self.link_latency_us >= 0):
+            raise ValueError(f"PipelineConfig.link_latency_us={self.link_latency_us!r} is invalid: must be a finite "
+                             "number of microseconds >= 0, e.g. --link-latency-us 20")
+        if self.link_latency_us and self.link_gbps is None:
+            raise ValueError(f"PipelineConfig.link_latency_us={self.link_latency_us!r} needs an emulated link: "
+                             "give its bandwidth too, e.g. --link-gbps 0.2")
+        if self.link_gbps is not None and self.launcher == "inprocess":
+            raise ValueError("PipelineConfig.link_gbps: the link emulation delays messages between rank "
+                             "processes; use --launcher local or ray (inprocess runs every rank in one process)")
+
+    @property
+    def link(self) -> LinkModel | None:
+        """The emulated link, or None (no emulation)."""
+        if self.link_gbps is None:
+            return None
+        return LinkModel(gbps=float(self.link_gbps), latency_s=float(self.link_latency_us) * 1e-6)
 
     @property
     def n_chunks(self) -> int:

@@ -1,4 +1,4 @@
-"""`attnres-pp simulate comm | schedule | sweep`: the simulator's command line.
+"""`attnres-pp simulate comm | schedule | sweep | project | predict`: the simulator's command line.
 
 Flags only fill in the validated objects of the simulator (ModelConfig, CostModel, SweepBase);
 a bad value prints one line `attnres-pp simulate X: error: ...` and exits with code 2.
@@ -20,7 +20,7 @@ from attnres_pp.pipeline.trace import write_chrome_trace
 from attnres_pp.simulator.calibrate import calibrate_from
 from attnres_pp.simulator.comm import DTYPE_BYTES, comm_report, format_comm_table
 from attnres_pp.simulator.costs import PROFILES, DeviceProfile, model_costs, unit_costs
-from attnres_pp.simulator.engine import simulate
+from attnres_pp.simulator.engine import paused_gc, simulate
 from attnres_pp.simulator.metrics import format_summary, summarize
 from attnres_pp.simulator.plot import plot_timeline
 from attnres_pp.simulator.sweep import SWEEPS, SweepBase, run_sweeps
@@ -78,6 +78,11 @@ def register(subparsers) -> None:
     sweep.add_argument("--key-rank", type=_count(0), default=0, help="extra width of projected low-rank keys")
     sweep.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     sweep.set_defaults(func=_run_sweep, parser=sweep)
+
+    from attnres_pp.simulator import predict_cli, project_cli
+
+    project_cli.register(commands)
+    predict_cli.register(commands)
 
 
 def _model_flags(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -166,7 +171,8 @@ def _run_schedule(args: argparse.Namespace) -> int:
             check_out_file(args.trace, "--trace", "trace.json")
         if args.plot:
             check_out_file(args.plot, "--plot", "timeline.png")
-        report, result = _simulate_schedule(args)
+        with paused_gc():
+            report, result = _simulate_schedule(args)
     except ValueError as error:  # ScheduleError included: its table follows the first line
         return _fail(args, str(error))
     if args.trace:

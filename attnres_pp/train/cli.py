@@ -56,6 +56,9 @@ _FLAGS = (
     ("--timeout", "pipeline", "timeout_s", float, "pipeline timeout in seconds"),
     ("--placement", "pipeline", "placement", str,
      f"ray placement of the ranks: {' | '.join(PLACEMENTS)} (PACK or SPREAD for several nodes)"),
+    ("--link-gbps", "pipeline", "link_gbps", float,
+     "emulate a slow link between ranks on one host: its bandwidth in Gb/s (off by default)"),
+    ("--link-latency-us", "pipeline", "link_latency_us", float, "the emulated link's latency in microseconds"),
 )
 
 

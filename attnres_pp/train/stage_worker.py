@@ -82,7 +82,7 @@ class StageWorker:
         collectives over the ("dp", "pp") mesh."""
         pipe = self.run_cfg.pipeline
         peers = [self.coords.global_rank(p) for p in range(pipe.stages)]
-        transport = DistTransport(self.pp_rank, pipe.timeout_s, device, peer_ranks=peers)
+        transport = DistTransport(self.pp_rank, pipe.timeout_s, device, peer_ranks=peers, link=pipe.link)
         self.attach(device, transport, MeshCollectives(self.coords, device.type))
         self.distributed = True
 
