@@ -1,7 +1,8 @@
 """The shared-memory transport between two spawned ranks (gloo for the setup and for messages it
 has no slot for): payloads arrive intact, as views of the message's slot (no copy), in any order,
 step after step; an unknown message goes over gloo; a peer that exits ends a wait at once; with
-ATTNRES_PP_SHM=0 the ranks agree on plain DistTransport."""
+ATTNRES_PP_SHM=0, or an emulated slow link (whose delay DistTransport applies), the ranks agree on
+plain DistTransport."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ MESSAGES = [(0, 1, 5, SHAPES), (0, 1, 7, SHAPES[:1]), (1, 0, 6, SHAPES)]
 def _rank(pp_rank: int, init_method: str, scenario: str, results) -> None:
     import torch.distributed as dist
 
+    from attnres_pp.comm.link import LinkModel
     from attnres_pp.comm.shm_transport import SharedMemoryTransport, connect_transport
     from attnres_pp.comm.transport import TransportTimeout
 
@@ -28,8 +30,9 @@ def _rank(pp_rank: int, init_method: str, scenario: str, results) -> None:
         if scenario == "gloo":
             os.environ["ATTNRES_PP_SHM"] = "0"
         dist.init_process_group("gloo", init_method=init_method, rank=pp_rank, world_size=2)
-        transport = connect_transport(pp_rank, 2, torch.device("cpu"), 30.0, MESSAGES, torch.float32)
-        out = {"shm": isinstance(transport, SharedMemoryTransport)}
+        link = LinkModel(gbps=100.0) if scenario == "link" else None
+        transport = connect_transport(pp_rank, 2, torch.device("cpu"), 30.0, MESSAGES, torch.float32, link=link)
+        out = {"shm": isinstance(transport, SharedMemoryTransport), "link": transport.link_clock is not None}
         if scenario == "peer_exits":
             if pp_rank == 0:
                 os._exit(0)  # leaves without sending message 5
@@ -85,10 +88,11 @@ def _run(scenario: str, tmp_path, ranks: int = 2) -> dict:
     return out
 
 
-@pytest.mark.parametrize("scenario", ["shm", "gloo"])
+@pytest.mark.parametrize("scenario", ["shm", "gloo", "link"])
 def test_messages_arrive_intact_step_after_step(tmp_path, scenario):
     out = _run(scenario, tmp_path)
     assert out[0]["shm"] == out[1]["shm"] == (scenario == "shm")
+    assert out[0]["link"] == out[1]["link"] == (scenario == "link")
     for step in range(3):
         a, b = torch.full(SHAPES[0], float(step)), torch.arange(24.0).view(SHAPES[1]) + step
         got = [torch.from_numpy(x) for x in out[1][f"got {step}"]]

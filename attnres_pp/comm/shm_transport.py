@@ -18,7 +18,11 @@ written again only when its message is sent again, in the next step, after every
 finished this one (the optimiser step's all-reduce and the driver's step both wait for all ranks),
 so the receiver no longer holds views of it. The files are unlinked as soon as every rank has
 opened them: nothing is left behind, even after a crash. A message without a slot (not in the
-list) goes over gloo whole, as DistTransport sends it.
+list) goes over gloo whole, as DistTransport sends it. Pipelined evaluation runs its forward-only
+passes back to back with no all-reduce between them, so it does not use the slots: the worker
+gives its runtime a plain DistTransport (`train.stage_worker`).
+Under D x P each replica's ranks map their own files, named by global ranks. With an emulated
+slow link (`comm.link`) every rank takes DistTransport, which applies the link's delay.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import time
 
 import torch
 
+from attnres_pp.comm.link import LinkModel
 from attnres_pp.comm.transport import ByteLedger, DistTransport, TransportTimeout
 
 SHM_DIR = "/dev/shm"
@@ -66,11 +71,12 @@ def _fence() -> None:
 
 
 class SharedMemoryTransport(DistTransport):
-    """DistTransport whose known messages travel through shared memory (see the module docstring)."""
+    """DistTransport whose known messages travel through shared memory (see the module docstring).
+    Peers are pipeline ranks, as for DistTransport; `inbox` and `outbox` are keyed by them."""
 
     def __init__(self, pp_rank: int, timeout_s: float, inbox: dict[int, _Pair], outbox: dict[int, _Pair],
-                 ledger: ByteLedger | None = None) -> None:
-        super().__init__(pp_rank, timeout_s, torch.device("cpu"), ledger)
+                 ledger: ByteLedger | None = None, peer_ranks: list[int] | None = None) -> None:
+        super().__init__(pp_rank, timeout_s, torch.device("cpu"), ledger, peer_ranks=peer_ranks)
         self._in, self._out = inbox, outbox  # by peer rank
         self.timeout_s = timeout_s
 
@@ -145,18 +151,33 @@ class SharedMemoryTransport(DistTransport):
         self._in, self._out = {}, {}
 
 
-def connect_transport(pp_rank: int, world_size: int, device: torch.device, timeout_s: float,
-                      messages: list[Message], dtype: torch.dtype) -> DistTransport:
+def connect_transport(pp_rank: int, n_stages: int, device: torch.device, timeout_s: float,
+                      messages: list[Message], dtype: torch.dtype, *, peer_ranks: list[int] | None = None,
+                      link: LinkModel | None = None) -> DistTransport:
     """The transport of a rank in an initialised process group: SharedMemoryTransport when every rank
-    is on this host, on an x86 CPU, /dev/shm has room for the slots, and none sets ATTNRES_PP_SHM=0;
-    DistTransport otherwise. Collective: every rank of the group calls it with the same messages."""
+    is on this host, on an x86 CPU, /dev/shm has room for the slots, no link is emulated, and none
+    sets ATTNRES_PP_SHM=0; DistTransport otherwise.
+
+    `messages` are in pipeline ranks (`pipeline.routes.wire_messages`); `peer_ranks[p]` is the global
+    rank of pipeline rank p in this rank's replica (default p: one replica), as for DistTransport.
+    Under D x P every replica maps its own files (named by global ranks). With `link` (an emulated
+    slow link) every message goes through DistTransport, which applies the link's delay.
+    Collective over the whole default group: every rank calls it with the same messages and link.
+    """
     import torch.distributed as dist
 
+    def dist_transport() -> DistTransport:
+        return DistTransport(pp_rank, timeout_s, device, peer_ranks=peer_ranks, link=link)
+
+    if link is not None:  # every rank has the same link: none of them takes the collective below
+        return dist_transport()
+    global_rank = (lambda p: p) if peer_ranks is None else peer_ranks.__getitem__
+    world_size = dist.get_world_size()
+    n_replicas = max(1, world_size // n_stages)
     element = torch.empty((), dtype=dtype).element_size()
     layout = _layout(messages)
-    # The most shared memory any rank maps (its files in and out), in bytes.
-    need = max((sum(n for pair, (n, _offsets) in layout.items() if rank in pair) for rank in range(world_size)),
-               default=0) * element
+    # The shared memory the ranks of this host map, in bytes: every replica's files.
+    need = n_replicas * sum(n for n, _offsets in layout.values()) * element
     # x86 only: the receiver reads a message's counter, then its slot, with no fence between; x86
     # keeps both the sender's stores and the receiver's loads in order, weaker memory models do not.
     wants = (device.type == "cpu" and os.environ.get("ATTNRES_PP_SHM", "1") != "0"
@@ -166,12 +187,12 @@ def connect_transport(pp_rank: int, world_size: int, device: torch.device, timeo
     dist.all_gather_object(facts, (socket.gethostname(), wants, free, secrets.token_hex(8)))
     if (len({host for host, _w, _f, _t in facts}) != 1 or not all(w for _h, w, _f, _t in facts)
             or 2 * need > min(f for _h, _w, f, _t in facts)):
-        return DistTransport(pp_rank, timeout_s, device)
+        return dist_transport()
     base = os.path.join(SHM_DIR, f"attnres-pp-{facts[0][3]}")
     mine = [pair for pair in layout if pp_rank in pair]
     files, fds = {}, {}
     for src, dst in mine:
-        stem = f"{base}-{src}-to-{dst}"
+        stem = f"{base}-{global_rank(src)}-to-{global_rank(dst)}"
         files[(src, dst)] = (f"{stem}.data", f"{stem}.count", f"{stem}.bell")
         if dst == pp_rank:  # the receiver makes the files and opens the pipe's reading end first
             os.mkfifo(files[(src, dst)][2], 0o600)
@@ -195,7 +216,7 @@ def connect_transport(pp_rank: int, world_size: int, device: torch.device, timeo
         views = {tag: _views(data, offset, shapes_of[(src, dst, tag)]) for tag, offset in offsets.items()}
         pair = _Pair(views, {tag: i for i, tag in enumerate(offsets)}, counters, fds[(src, dst)])
         (inbox if dst == pp_rank else outbox)[src if dst == pp_rank else dst] = pair
-    return SharedMemoryTransport(pp_rank, timeout_s, inbox, outbox)
+    return SharedMemoryTransport(pp_rank, timeout_s, inbox, outbox, peer_ranks=peer_ranks)
 
 
 def _map(paths: tuple[str, str, str], n_elements: int, offsets: dict[int, int], dtype: torch.dtype):

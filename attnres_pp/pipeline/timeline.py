@@ -4,7 +4,7 @@ calibration all use it, so it lives below both the training engines and the simu
 
 The step window runs from the first action's start to the last action's end (the
 final flush included); each rank's share of it (ranks x window in all) splits into:
-    compute   F and B actions
+    compute   F and B (or I and W) actions
     send      send actions: packing the hop's tensors and posting the non-blocking send (work, not idle)
     recv      the work inside receive actions: every receive is charged the median duration of the
               receives whose message had been sent completely before they began (posting, unpacking)
@@ -22,7 +22,7 @@ Event = tuple[int, str, float, float, str]  # (pp_rank, action name, start_s, en
 
 
 def bubble_fraction(events: list[Event], n_ranks: int) -> float:
-    """1 - compute / (ranks x step window): everything on a rank that is not F or B compute."""
+    """1 - compute / (ranks x step window): everything on a rank that is not F or B (or I or W) compute."""
     start = min(e[2] for e in events)
     window = max(e[3] for e in events) - start
     busy = sum(e[3] - e[2] for e in events if e[4] == "compute")
