@@ -83,6 +83,13 @@ class StageRuntime:
         self._recv_positions = [i for i, action in enumerate(self.actions)
                                 if action.is_recv and not self._is_self_hop[action]]
         self._prepost = getattr(transport, "can_prepost", False)
+        # NCCL rules (no tags, rendezvous sends): issue the sends and receives in the groups that
+        # validate_nccl.lockstep_plan proves deadlock-free, one batch_isend_irecv per group.
+        self._nccl_plan = None
+        if getattr(transport, "p2p_semantics", "gloo") == "nccl":
+            from attnres_pp.pipeline.validate_nccl import lockstep_plan
+
+            self._nccl_plan = lockstep_plan(schedule)[pp_rank]
 
     def _shapes(self, sources: tuple[Source, ...]) -> list[torch.Size]:
         return [self._shape[s == RESIDUAL] for s in sources]
@@ -100,6 +107,7 @@ class StageRuntime:
         self.cache = BlockCache()
         self.record = StepRecord()
         self.cursor = 0
+        self._nccl_posted_at = -1
         self._recvs_done = self._recvs_posted = 0
         self._prepost_receives()
 
@@ -114,12 +122,14 @@ class StageRuntime:
             return True
         if self._is_self_hop[action]:
             return action.message_id in self._in_memory
+        self._issue_nccl_groups(None)
         return self.transport.ready(self.schedule.peer(action), self._tag(action))
 
     def run_next(self) -> None:
         action = self.actions[self.cursor]
         start = time.perf_counter()
-        self._HANDLERS[action.kind](self, action)
+        if not self._issue_nccl_groups(action):
+            self._HANDLERS[action.kind](self, action)
         self.record.events.append(ActionEvent(self.pp_rank, str(action), start, time.perf_counter(),
                                               "compute" if action.is_compute else "comm"))
         self.cursor += 1
@@ -149,6 +159,25 @@ class StageRuntime:
             self.transport.prepost_recv(self._recv_shapes(action), self.dtype, self.schedule.peer(action),
                                         self._tag(action))
             self._recvs_posted += 1
+
+    def _issue_nccl_groups(self, action: Action | None) -> bool:
+        """Under NCCL rules, issue (once) the groups planned at the cursor: their receives, and the
+        action's own send inside its group. True if `action` ran here."""
+        if self._nccl_plan is None or self._nccl_posted_at == self.cursor:
+            return False
+        self._nccl_posted_at = self.cursor
+        ran = False
+        for group in self._nccl_plan[self.cursor]:
+            self.transport.begin_group()
+            for planned in group:
+                if planned.is_recv:
+                    self.transport.prepost_recv(self._recv_shapes(planned), self.dtype, self.schedule.peer(planned),
+                                                self._tag(planned))
+            if action is not None and action.is_send and action in group:
+                self._HANDLERS[action.kind](self, action)
+                ran = True
+            self.transport.end_group()
+        return ran
 
     # ---- handlers ----
     def _tag(self, action: Action) -> int:

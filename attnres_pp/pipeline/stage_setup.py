@@ -17,9 +17,10 @@ from attnres_pp.pipeline.validate import validate
 
 
 def lowered_schedule(pipe: PipelineConfig, n_microbatches: int) -> Schedule:
-    """The validated, communication-lowered schedule of a run (identical on every rank)."""
+    """The validated, communication-lowered schedule of a run (identical on every rank); unless the
+    run is pinned to gloo's rules, also proven deadlock-free under NCCL's (validate_nccl)."""
     schedule = insert_comm(build_schedule(pipe.schedule, pipe.stages, pipe.virtual, n_microbatches))
-    validate(schedule)
+    validate(schedule, p2p_semantics="gloo" if pipe.p2p_semantics == "gloo" else "nccl")
     return schedule
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from attnres_pp.data import load_corpus
 from attnres_pp.model.config import KEY_MODES, RESIDUALS
-from attnres_pp.pipeline.config import LAUNCHERS, PLACEMENTS, SCHEDULE_NAMES
+from attnres_pp.pipeline.config import LAUNCHERS, P2P_SEMANTICS, PLACEMENTS, SCHEDULE_NAMES
 from attnres_pp.train.checkpoint import (
     CheckpointConfig,
     check_run_dir,
@@ -53,6 +53,9 @@ _FLAGS = (
     ("--timeout", "pipeline", "timeout_s", float, "pipeline timeout in seconds"),
     ("--placement", "pipeline", "placement", str,
      f"ray placement of the ranks: {' | '.join(PLACEMENTS)} (PACK or SPREAD for several nodes)"),
+    ("--p2p-semantics", "pipeline", "p2p_semantics", str,
+     f"point-to-point rules: {' | '.join(P2P_SEMANTICS)} (nccl under --launcher inprocess: the loopback "
+     "enforces NCCL's in-order, rendezvous matching; auto: the process group's backend)"),
 )
 
 

@@ -34,7 +34,8 @@ class InProcessEngine(PipelineEngineBase):
         self.ledger = ByteLedger()
         schedule = lowered_schedule(pipe, train.microbatches)
         self.runtimes = make_loopback_runtimes(cfg, rank_chunks, plan_for_model(cfg, partition, pipe.cache), schedule,
-                                               (train.microbatch_size, cfg.seq_len), self.ledger)
+                                               (train.microbatch_size, cfg.seq_len), self.ledger,
+                                               p2p_semantics=pipe.resolved_p2p("loopback"))
 
     def train_step(self, step: int, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, lr: float) -> StepResult:
         m = self.run_cfg.train.microbatches

@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from attnres_pp.comm.nccl_transport import BatchedDistTransport
 from attnres_pp.comm.plan import plan_for_model
 from attnres_pp.comm.transport import DistTransport
 from attnres_pp.model import Transformer
@@ -46,17 +47,20 @@ class StageWorker:
     def join_process_group(self, init_method: str, world_size: int) -> str:
         """Join the run's process group (gloo on CPU, nccl when this worker has a GPU)."""
         backend, device = init_process_group(init_method, self.pp_rank, world_size, self.run_cfg.pipeline.timeout_s)
-        self.attach(device)
+        self.attach(device, backend)
         return backend
 
-    def attach(self, device: torch.device) -> None:
-        """Move to `device` and build the runtime over the (already initialised) process group."""
+    def attach(self, device: torch.device, backend: str = "gloo") -> None:
+        """Move to `device` and build the runtime over the (already initialised) process group;
+        under NCCL's rules (the nccl backend, or p2p_semantics="nccl") messages go out in batches."""
         self.device = device
         self.model.to(device)
-        cfg, train = self.run_cfg.model, self.run_cfg.train
+        cfg, train, pipe = self.run_cfg.model, self.run_cfg.train, self.run_cfg.pipeline
+        nccl_rules = pipe.resolved_p2p(backend) == "nccl"
+        transport_cls = BatchedDistTransport if nccl_rules else DistTransport
         self.runtime = StageRuntime(
             pp_rank=self.pp_rank, chunks=self.chunks, plan=self.plan, schedule=self.schedule,
-            transport=DistTransport(self.pp_rank, self.run_cfg.pipeline.timeout_s, device),
+            transport=transport_cls(self.pp_rank, pipe.timeout_s, device),
             microbatch_shape=(train.microbatch_size, cfg.seq_len),
             source_width=cfg.source_width, residual_width=cfg.d_model,
         )
