@@ -12,6 +12,7 @@ import torch
 from attnres_pp.model.config import ModelConfig, block_of, completes_block
 from attnres_pp.model.depth import BlockReader, StreamConvs, emit_source
 from attnres_pp.model.layers import TransformerLayer
+from attnres_pp.model.precision import to_activation
 
 
 @dataclass
@@ -34,12 +35,13 @@ def forward_sublayers(cfg: ModelConfig, layers: Mapping[int, TransformerLayer], 
 
     `layers[i]` must hold transformer layer i for every sublayer in range. A sublayer that completes a
     block (or is the model's last) moves the partial into `blocks`. Each output passes `emit_source`
-    before it is summed, here and nowhere else, so pipeline chunks inherit the same rule.
+    before it is summed, here and nowhere else, so pipeline chunks inherit the same rule; under
+    bf16 autocast every stored tensor is bf16 (`precision.to_activation`).
     """
     if cfg.residual == "standard":
         residual = state.residual
         for l in sublayers:
-            residual = residual + layers[l // 2].sublayer(l % 2)(residual)
+            residual = to_activation(residual + layers[l // 2].sublayer(l % 2)(residual))
         return DepthState(residual=residual)
 
     blocks, partial = list(state.blocks), state.partial
@@ -54,7 +56,7 @@ def forward_sublayers(cfg: ModelConfig, layers: Mapping[int, TransformerLayer], 
             reader = BlockReader(cfg, reads, blocks, stream_convs, backend)
             segment_start = l
         sublayer = layers[l // 2].sublayer(l % 2)
-        out_BTW = emit_source(cfg, sublayer(reader.read(l - segment_start, partial, block_index)))
+        out_BTW = to_activation(emit_source(cfg, sublayer(reader.read(l - segment_start, partial, block_index))))
         partial = out_BTW if partial is None else partial + out_BTW
         if completes_block(l, cfg.block_size, cfg.n_sublayers):
             blocks.append(partial)

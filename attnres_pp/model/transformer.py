@@ -9,6 +9,7 @@ from torch import nn
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.model.depth import BlockReader, DepthRead, StreamConvs, emit_source
 from attnres_pp.model.layers import Embedding, RMSNorm, TransformerLayer, init_weights
+from attnres_pp.model.precision import PRECISIONS, compute_context, to_activation
 from attnres_pp.model.stack import DepthState, forward_sublayers
 
 
@@ -33,10 +34,10 @@ class Head(nn.Module):
 
 
 def embed_state(cfg: ModelConfig, embedding: Embedding, idx_BT: torch.Tensor) -> DepthState:
-    o_emb = embedding(idx_BT)
+    o_emb = to_activation(embedding(idx_BT))
     if cfg.residual == "standard":
         return DepthState(residual=o_emb)
-    return DepthState(blocks=[emit_source(cfg, o_emb)])
+    return DepthState(blocks=[to_activation(emit_source(cfg, o_emb))])
 
 
 def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
@@ -44,12 +45,16 @@ def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM of SPEC section 1. `model(idx)` -> logits; `model(idx, targets)` -> mean loss."""
+    """Decoder-only LM of SPEC section 1. `model(idx)` -> logits; `model(idx, targets)` -> mean loss.
+    `precision` "bf16" runs the forward under bf16 autocast (see `model.precision`)."""
 
-    def __init__(self, cfg: ModelConfig, *, backend: str = "auto") -> None:
+    def __init__(self, cfg: ModelConfig, *, backend: str = "auto", precision: str = "fp32") -> None:
         super().__init__()
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r} is invalid: choose one of {', '.join(PRECISIONS)}")
         self.cfg = cfg
         self.backend = backend
+        self.precision = precision
         self.embed = Embedding(cfg)
         self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(cfg.n_layers))
         self.head = Head(cfg)
@@ -59,12 +64,13 @@ class Transformer(nn.Module):
     def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
         if idx_BT.shape[1] > self.cfg.seq_len:
             raise ValueError(f"sequence of {idx_BT.shape[1]} tokens exceeds seq_len={self.cfg.seq_len}")
-        state = embed_state(self.cfg, self.embed, idx_BT)
-        layers = dict(enumerate(self.layers))
-        state = forward_sublayers(self.cfg, layers, self.stream_convs, state, range(self.cfg.n_sublayers),
-                                  self.backend)
-        logits = self.head(state, self.stream_convs, self.backend)
-        return logits if targets_BT is None else lm_loss(logits, targets_BT)
+        with compute_context(self.precision, idx_BT.device.type):
+            state = embed_state(self.cfg, self.embed, idx_BT)
+            layers = dict(enumerate(self.layers))
+            state = forward_sublayers(self.cfg, layers, self.stream_convs, state, range(self.cfg.n_sublayers),
+                                      self.backend)
+            logits = self.head(state, self.stream_convs, self.backend)
+            return logits if targets_BT is None else lm_loss(logits, targets_BT)
 
 
 def parameter_count(cfg: ModelConfig) -> int:

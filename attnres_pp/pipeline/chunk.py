@@ -11,6 +11,7 @@ from torch import nn
 
 from attnres_pp.comm.partition import Partition
 from attnres_pp.comm.plan import RESIDUAL, Source
+from attnres_pp.model.precision import compute_context
 from attnres_pp.model.stack import DepthState, forward_sublayers
 from attnres_pp.model.transformer import Transformer, embed_state, lm_loss
 
@@ -26,6 +27,7 @@ class PipelineChunk(nn.Module):
         super().__init__()
         self.cfg = model.cfg
         self.backend = model.backend
+        self.precision = model.precision
         self.chunk_index = chunk_index
         self.sublayers = partition.sublayer_range(chunk_index)
         self.is_first = chunk_index == 0
@@ -38,6 +40,11 @@ class PipelineChunk(nn.Module):
     def forward(self, sources: dict[Source, torch.Tensor], idx_BT: torch.Tensor | None = None,
                 targets_BT: torch.Tensor | None = None) -> tuple[dict[Source, torch.Tensor], torch.Tensor | None]:
         """sources: the chunk's inputs by name. Returns (sources this chunk produced, loss or None)."""
+        device = (idx_BT if idx_BT is not None else next(iter(sources.values()))).device
+        with compute_context(self.precision, device.type):
+            return self._forward(sources, idx_BT, targets_BT)
+
+    def _forward(self, sources, idx_BT, targets_BT):
         cfg, convs = self.cfg, self._stream_convs[0]
         state = embed_state(cfg, self.embed, idx_BT) if self.is_first else _state_from_sources(sources)
         n_before = len(state.blocks)
