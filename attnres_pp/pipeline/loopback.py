@@ -18,12 +18,14 @@ from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
 
 def make_loopback_runtimes(cfg: ModelConfig, rank_chunks: list[dict[int, PipelineChunk]], plan: PayloadPlan,
                            schedule: Schedule, microbatch_shape: tuple[int, int],
-                           ledger: ByteLedger | None = None, p2p_semantics: str = "gloo") -> list[StageRuntime]:
+                           ledger: ByteLedger | None = None, p2p_semantics: str = "gloo",
+                           activation_dtype: torch.dtype | None = None) -> list[StageRuntime]:
     """p2p_semantics "gloo": messages matched by tag, sends buffered; "nccl": NCCL's rules, enforced
-    (`loopback_nccl`), with the runtime issuing messages in its NCCL order."""
+    (`loopback_nccl`), with the runtime issuing messages in its NCCL order. Hops carry
+    `activation_dtype` (default: the parameters' dtype; bf16 under bf16 autocast)."""
     mailbox: dict = {}
     ledger = ledger or ByteLedger()
-    dtype = next(rank_chunks[0][min(rank_chunks[0])].parameters()).dtype
+    dtype = activation_dtype or next(rank_chunks[0][min(rank_chunks[0])].parameters()).dtype
     if p2p_semantics == "nccl":
         from attnres_pp.pipeline.loopback_nccl import NcclLoopbackTransport
         from attnres_pp.pipeline.validate_nccl import NcclP2P

@@ -15,7 +15,6 @@ entry), so the wire carries, and the ledger counts, only what crosses between ra
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +22,7 @@ import torch
 from attnres_pp.comm.cache import BlockCache
 from attnres_pp.comm.plan import RESIDUAL, PayloadPlan, Source
 from attnres_pp.pipeline.chunk import PipelineChunk
+from attnres_pp.pipeline.clock import make_clock
 from attnres_pp.pipeline.ir import Action, ActionKind, Schedule
 
 
@@ -35,7 +35,8 @@ class _ChunkContext:
 
 @dataclass
 class ActionEvent:
-    """One executed action: name as the IR prints it, start/end in seconds (perf_counter clock)."""
+    """One executed action: name as the IR prints it, start/end in seconds on this rank's own clock
+    (perf_counter; on a GPU, CUDA events converted to it, `pipeline.clock`)."""
 
     pp_rank: int
     name: str
@@ -65,14 +66,16 @@ def message_tag(message_id: tuple[str, int, int], n_chunks: int) -> int:
 class StageRuntime:
     def __init__(self, *, pp_rank: int, chunks: dict[int, PipelineChunk], plan: PayloadPlan, schedule: Schedule,
                  transport, microbatch_shape: tuple[int, int], source_width: int, residual_width: int,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, clock=None) -> None:
         self.pp_rank = pp_rank
         self.chunks = chunks
         self.plan = plan
         self.schedule = schedule
         self.actions = schedule.rank_actions[pp_rank]
         self.transport = transport
-        self.dtype = dtype
+        self.dtype = dtype  # of hops: the activation dtype (bf16 under bf16 autocast)
+        device = next(next(iter(chunks.values())).parameters()).device
+        self._clock = clock or make_clock(device)  # CUDA events on a GPU, perf_counter on CPU
         batch, seq = microbatch_shape
         self._shape = {False: torch.Size((batch, seq, source_width)), True: torch.Size((batch, seq, residual_width))}
         self.first_chunk = min(chunks)
@@ -106,6 +109,7 @@ class StageRuntime:
         self._in_memory: dict[tuple[str, int, int], list[torch.Tensor]] = {}  # self-hops, by message id
         self.cache = BlockCache()
         self.record = StepRecord()
+        self._clock.start_step()
         self.cursor = 0
         self._nccl_posted_at = -1
         self._recvs_done = self._recvs_posted = 0
@@ -127,10 +131,10 @@ class StageRuntime:
 
     def run_next(self) -> None:
         action = self.actions[self.cursor]
-        start = time.perf_counter()
+        start = self._clock.mark()
         if not self._issue_nccl_groups(action):
             self._HANDLERS[action.kind](self, action)
-        self.record.events.append(ActionEvent(self.pp_rank, str(action), start, time.perf_counter(),
+        self.record.events.append(ActionEvent(self.pp_rank, str(action), start, self._clock.mark(),
                                               "compute" if action.is_compute else "comm"))
         self.cursor += 1
 
@@ -140,9 +144,10 @@ class StageRuntime:
         return self.finish_step()
 
     def finish_step(self) -> StepRecord:
-        start = time.perf_counter()
+        start = self._clock.mark()
         self.transport.flush()
-        self.record.events.append(ActionEvent(self.pp_rank, "flush", start, time.perf_counter(), "comm"))
+        self.record.events.append(ActionEvent(self.pp_rank, "flush", start, self._clock.mark(), "comm"))
+        self._clock.resolve(self.record.events)
         leftover = sorted(self._contexts)
         if leftover:
             raise RuntimeError(f"rank {self.pp_rank}: forward contexts {leftover} never ran their backward")

@@ -7,6 +7,7 @@ cadence and restart limit. One-off flags (`--inject-failure`, `--address`, `--qu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -22,7 +23,7 @@ from attnres_pp.train.checkpoint import (
     latest_checkpoint,
     read_meta,
 )
-from attnres_pp.train.config import RunConfig, merge_tables, read_toml
+from attnres_pp.train.config import DEVICES, DTYPES, KERNELS, RunConfig, merge_tables, read_toml
 from attnres_pp.train.loop import run_training
 from attnres_pp.train.recovery import RunFailed
 
@@ -46,6 +47,12 @@ _FLAGS = (
     ("--data", "train", "data", str, "'builtin' (stdlib source bytes), FILE.txt or FILE.bin (uint16 tokens)"),
     ("--eval-every", "train", "eval_every", int, "evaluate every k steps (0 = only at the end)"),
     ("--threads", "train", "threads", int, "torch threads per process"),
+    ("--device", "train", "device", str, f"{' | '.join(DEVICES)}: cuda gives every rank its own GPU (nccl), "
+     "cpu uses gloo; auto picks cuda when there are enough GPUs"),
+    ("--dtype", "train", "dtype", str, f"{' | '.join(DTYPES)}: bf16 autocast with fp32 master weights and bf16 "
+     "hops; auto: bf16 on cuda, fp32 on cpu"),
+    ("--kernels", "train", "kernels", str, f"depth-attention backend: {' | '.join(KERNELS)} "
+     "(auto: triton on cuda, torch on cpu)"),
     ("--stages", "pipeline", "stages", int, "pipeline stages P (ranks)"),
     ("--virtual", "pipeline", "virtual", int, "virtual stages V per rank"),
     ("--schedule", "pipeline", "schedule", str, f"pipeline schedule: {' | '.join(SCHEDULE_NAMES)}"),
@@ -218,6 +225,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as error:  # config mistakes: one line, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
+    # The engine resolved device, dtype and kernels ("auto"); the summary records what ran.
+    run_cfg = dataclasses.replace(run_cfg, train=engine.train_cfg)
     try:
         run_training(run_cfg, engine, out_dir, progress=not args.quiet, corpus=corpus, checkpoints=checkpoints)
     except RunFailed as error:

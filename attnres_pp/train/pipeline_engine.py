@@ -25,6 +25,11 @@ class PipelineEngineBase:
         # The second step is the first one free of warm-up effects; a 1-step run traces step 0.
         self._trace_step = min(1, run_cfg.train.steps - 1)
 
+    @property
+    def train_cfg(self):
+        """The run's TrainConfig with device, dtype and kernels resolved (summary.json's config)."""
+        return self.run_cfg.train
+
     def param_count(self) -> int:
         return parameter_count(self.run_cfg.model)
 
@@ -37,8 +42,10 @@ class PipelineEngineBase:
 
 
 def model_from_parameters(run_cfg: RunConfig, named: dict[str, torch.Tensor]) -> Transformer:
-    """A whole single-process model carrying the pipeline's current parameters (for evaluation)."""
-    model = Transformer(run_cfg.model)
+    """A whole single-process model carrying the pipeline's current parameters (for evaluation, on
+    CPU, in the run's precision)."""
+    precision = run_cfg.train.dtype if run_cfg.train.dtype != "auto" else "fp32"
+    model = Transformer(run_cfg.model, precision=precision)
     missing = set(dict(model.named_parameters())) - set(named)
     if missing:
         raise RuntimeError(f"the pipeline ranks returned no values for parameters {sorted(missing)[:5]}")

@@ -8,6 +8,8 @@ recovery). Rank processes ignore Ctrl-C: the driver, which receives it too, stop
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from attnres_pp.pipeline.errors import WorkerLost
@@ -15,6 +17,7 @@ from attnres_pp.pipeline.rank_processes import RankProcesses, serve
 from attnres_pp.pipeline.stage_setup import check_split
 from attnres_pp.train.checkpoint import read_checkpoint, write_rank_file
 from attnres_pp.train.config import RunConfig
+from attnres_pp.train.devices import decide_device, resolve_train, visible_gpus
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.pipeline_engine import PipelineEngineBase, model_from_parameters
 
@@ -36,6 +39,10 @@ def _serve(pp_rank: int, init_method: str, world_size: int, conn, run_cfg_dict: 
 
 class ProcessEngine(PipelineEngineBase):
     def __init__(self, run_cfg: RunConfig, out_dir=None, *, fail_at: tuple[int, int] | None = None) -> None:
+        # The driver decides every rank's device: a GPU each (nccl) if the node has enough, else gloo.
+        decision = decide_device(run_cfg.train.device, n_ranks=run_cfg.pipeline.stages, one_process=False,
+                                 gpus=visible_gpus())
+        run_cfg = dataclasses.replace(run_cfg, train=resolve_train(run_cfg.train, decision.device))
         super().__init__(run_cfg, out_dir)
         # A bad split fails here, in one line, before any process starts.
         self.partition = check_split(run_cfg.model.n_layers, run_cfg.pipeline, run_cfg.train.microbatches)

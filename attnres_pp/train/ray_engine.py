@@ -15,6 +15,7 @@ as soon as Ray reports it (the surviving ranks, blocked on it, are killed by `re
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -26,6 +27,7 @@ from attnres_pp.pipeline.errors import WorkerLost
 from attnres_pp.pipeline.stage_setup import check_split
 from attnres_pp.train.checkpoint import read_checkpoint, write_rank_file
 from attnres_pp.train.config import RunConfig
+from attnres_pp.train.devices import decide_device, resolve_train
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.pipeline_engine import PipelineEngineBase, model_from_parameters
 from attnres_pp.train.stage_worker import StageWorker
@@ -86,8 +88,11 @@ class RayEngine(PipelineEngineBase):
                          log_to_driver=True)
                 self.started_ray = True
         try:
-            gpus = int(ray.cluster_resources().get("GPU", 0))
-            self.use_gpu = gpus >= pipe.stages and os.environ.get("ATTNRES_PP_FORCE_CPU") != "1"
+            gpus = 0 if os.environ.get("ATTNRES_PP_FORCE_CPU") == "1" else int(ray.cluster_resources().get("GPU", 0))
+            decision = decide_device(run_cfg.train.device, n_ranks=pipe.stages, one_process=False, gpus=gpus,
+                                     where="in the Ray cluster")
+            self.run_cfg = dataclasses.replace(run_cfg, train=resolve_train(run_cfg.train, decision.device))
+            self.use_gpu = decision.device == "cuda"
             self._start_workers(fail_at)
         except BaseException:
             self.close()

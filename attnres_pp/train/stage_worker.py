@@ -10,6 +10,7 @@ gradients are summed across ranks before clipping (tied parameters), and counted
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -18,22 +19,27 @@ from attnres_pp.comm.nccl_transport import BatchedDistTransport
 from attnres_pp.comm.plan import plan_for_model
 from attnres_pp.comm.transport import DistTransport
 from attnres_pp.model import Transformer
+from attnres_pp.model.precision import activation_dtype
 from attnres_pp.pipeline.chunk import build_rank_chunks, rank_parameters
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
 from attnres_pp.pipeline.stage_setup import init_process_group, lowered_schedule, run_partition
 from attnres_pp.train.checkpoint import capture_state, restore_state
 from attnres_pp.train.config import RunConfig
+from attnres_pp.train.devices import resolve_train
 from attnres_pp.train.optim import build_optimizer, optimizer_step
 
 
 class StageWorker:
     def __init__(self, run_cfg_dict: dict, pp_rank: int) -> None:
-        self.run_cfg = RunConfig.from_dict(run_cfg_dict)
+        run_cfg = RunConfig.from_dict(run_cfg_dict)
+        if run_cfg.train.device == "auto":  # not from a driver (tests): cpu, as gloo needs
+            run_cfg = dataclasses.replace(run_cfg, train=resolve_train(run_cfg.train, "cpu"))
+        self.run_cfg = run_cfg
         self.pp_rank = pp_rank
         cfg, train, pipe = self.run_cfg.model, self.run_cfg.train, self.run_cfg.pipeline
         torch.set_num_threads(train.threads)
         torch.manual_seed(train.seed)
-        self.model = Transformer(cfg)
+        self.model = Transformer(cfg, backend=train.kernels, precision=train.dtype)
         self.partition = run_partition(cfg.n_layers, pipe)
         self.chunks = build_rank_chunks(self.model, self.partition, pp_rank)
         self.params = rank_parameters(self.chunks, self.model)
@@ -46,7 +52,8 @@ class StageWorker:
 
     def join_process_group(self, init_method: str, world_size: int) -> str:
         """Join the run's process group (gloo on CPU, nccl when this worker has a GPU)."""
-        backend, device = init_process_group(init_method, self.pp_rank, world_size, self.run_cfg.pipeline.timeout_s)
+        backend, device = init_process_group(init_method, self.pp_rank, world_size, self.run_cfg.pipeline.timeout_s,
+                                             self.run_cfg.train.device)
         self.attach(device, backend)
         return backend
 
@@ -56,6 +63,8 @@ class StageWorker:
         self.device = device
         self.model.to(device)
         cfg, train, pipe = self.run_cfg.model, self.run_cfg.train, self.run_cfg.pipeline
+        if device.type == "cuda":  # fused AdamW needs the parameters on the GPU; no state exists yet
+            self.optimizer = build_optimizer(self.params.items(), train, fused=True)
         nccl_rules = pipe.resolved_p2p(backend) == "nccl"
         transport_cls = BatchedDistTransport if nccl_rules else DistTransport
         self.runtime = StageRuntime(
@@ -63,6 +72,7 @@ class StageWorker:
             transport=transport_cls(self.pp_rank, pipe.timeout_s, device),
             microbatch_shape=(train.microbatch_size, cfg.seq_len),
             source_width=cfg.source_width, residual_width=cfg.d_model,
+            dtype=activation_dtype(train.dtype, next(self.model.parameters()).dtype),
         )
 
     def forward_backward(self, step: int, inputs_BT: torch.Tensor | None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from attnres_pp.pipeline.timeline import bubble_fraction
+from attnres_pp.pipeline.timeline import align_per_rank, own_clock_bubble, rank_bubbles
 
 
 def fwd_hop_tensors(ledger: list[tuple[str, int, int, int, int]], n_chunks: int) -> list[int]:
@@ -29,9 +29,11 @@ class StepStatsLog:
         losses = {mb: loss for result in rank_results for mb, loss in result["losses"].items()}
         if len(losses) != n_microbatches:
             raise RuntimeError(f"got losses of microbatches {sorted(losses)}, expected {n_microbatches} of them")
-        events = [e for result in rank_results for e in result["events"]]
+        # Each rank timed itself on its own clock (hosts' clocks are never compared): the bubble
+        # uses each rank's own step window, and the trace aligns every rank's step at its start.
+        events = align_per_rank([e for result in rank_results for e in result["events"]])
         ledger = [r for result in rank_results for r in result["ledger"]]
-        bubble = bubble_fraction(events, self.n_ranks)
+        bubble = own_clock_bubble(events, self.n_ranks)
         self.bubbles.append(bubble)
         self.last_events = events
         after_first = self.bubbles[1:] or self.bubbles
@@ -41,5 +43,6 @@ class StepStatsLog:
             "bubble_fraction": statistics.median(after_first),
             "cache_peak_bytes_per_rank": [result["cache_peak_bytes"] for result in rank_results],
         }
-        metrics = {"bubble_fraction": bubble, "grad_norm": rank_results[0]["grad_norm"]}
+        metrics = {"bubble_fraction": bubble, "rank_bubbles": [round(b, 4) for b in rank_bubbles(events, self.n_ranks)],
+                   "grad_norm": rank_results[0]["grad_norm"]}
         return sum(losses.values()) / n_microbatches, extras, metrics
