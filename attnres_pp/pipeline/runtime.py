@@ -74,7 +74,7 @@ class StageRuntime:
         self.actions = schedule.rank_actions[pp_rank]
         self.transport = transport
         self.dtype = dtype  # of hops: the activation dtype (bf16 under bf16 autocast)
-        device = next(next(iter(chunks.values())).parameters()).device
+        device = next((p.device for chunk in chunks.values() for p in chunk.parameters()), torch.device("cpu"))
         self._clock = clock or make_clock(device)  # CUDA events on a GPU, perf_counter on CPU
         batch, seq = microbatch_shape
         self._shape = {False: torch.Size((batch, seq, source_width)), True: torch.Size((batch, seq, residual_width))}

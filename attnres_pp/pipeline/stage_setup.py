@@ -54,4 +54,8 @@ def init_process_group(init_method: str, pp_rank: int, world_size: int, timeout_
         rank_device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(backend, init_method=init_method, rank=pp_rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    if device == "cuda":
+        # Initialise the NCCL communicator with every rank now: the first batched p2p call may
+        # involve only some ranks, which torch documents as undefined behaviour for a first call.
+        dist.all_reduce(torch.zeros(1, device=rank_device))
     return backend, rank_device
