@@ -1,4 +1,4 @@
-"""`attnres-pp` command line: `train`, `simulate`, `bench`. Each subcommand lives beside its owner
+"""`attnres-pp` command line: `train`, `simulate`, `generate`, `bench`. Each subcommand lives beside its owner
 and registers itself here, so this file only wires them together.
 
 Only the module of the subcommand being run is imported: `simulate` must start fast and run where
@@ -15,7 +15,8 @@ import sys
 SUBCOMMANDS = (
     ("train", "attnres_pp.train.cli", "train a model (single process or pipelined)"),
     ("simulate", "attnres_pp.simulator.cli", "simulate communication volumes and pipeline schedules (no torch needed)"),
-    ("bench", "attnres_pp.bench.cli", "benchmarks: bubbles, comm, overhead, peer"),
+    ("generate", "attnres_pp.generate.cli", "generate text from a trained checkpoint (single process or pipelined)"),
+    ("bench", "attnres_pp.bench.cli", "benchmarks: bubbles, comm, overhead, peer, inference"),
 )
 
 

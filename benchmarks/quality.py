@@ -49,6 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=TrainConfig().steps, help="steps per run (same for all)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 40 steps, results tagged _quick")
     parser.add_argument("--seeds", type=int, default=1, help="seeds per variant (0..N-1); the table shows the mean")
+    parser.add_argument("--only", default=None, metavar="NAMES",
+                        help="comma-separated variant name prefixes to run (e.g. 'P-LR'); standard always runs, "
+                             "as the baseline of the 'vs standard' column")
     parser.add_argument("--jobs", type=int, default=2, help="trainings at once (one thread each)")
     parser.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args(argv)
@@ -82,17 +85,24 @@ def train_one(job: tuple[str, dict, int, int, str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     date = time.strftime("%Y-%m-%d")
-    tag = f"quality_{date}" + ("_quick" if args.quick else "")
+    tag = f"quality_{date}" + ("_quick" if args.quick else "") + ("_partial" if args.only else "")
     runs_root = REPO / "runs" / tag
+    prefixes = [part.strip() for part in args.only.split(",")] if args.only else None
+    variants = [(name, overrides) for name, overrides in VARIANTS
+                if prefixes is None or name == "standard" or any(name.startswith(p) for p in prefixes)]
+    if prefixes and len(variants) == 1:
+        known = ", ".join(name for name, _ in VARIANTS)
+        print(f"error: --only {args.only!r} matches no variant; names start with: {known}", file=sys.stderr)
+        return 2
     jobs = [(name, overrides, args.steps, seed, str(runs_root / f"{index}_seed{seed}"))
-            for index, (name, overrides) in enumerate(VARIANTS) for seed in range(args.seeds)]
+            for index, (name, overrides) in enumerate(variants) for seed in range(args.seeds)]
     jobs.sort(key=lambda job: job[1]["residual"] != "msar")  # the slowest first packs the workers best
     command = shlex.join(["python", "benchmarks/quality.py", *(sys.argv[1:] if argv is None else argv)])
     print(f"{len(jobs)} runs of {args.steps} steps, {args.jobs} at a time", flush=True)
     start = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool:
         runs = pool.map(train_one, jobs, chunksize=1)
-    rows = [_row(name, [run for run in runs if run["variant"] == name]) for name, _ in VARIANTS]
+    rows = [_row(name, [run for run in runs if run["variant"] == name]) for name, _ in variants]
     baseline = rows[0]["val_loss"]
     for row in rows:
         row["delta_vs_standard"] = row["val_loss"] - baseline

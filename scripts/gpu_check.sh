@@ -5,6 +5,8 @@
 #   3. single-process training on CUDA, --kernels triton vs --kernels torch, 20 bf16 steps
 #      (losses must agree within 1e-3 relative),
 #   4. a P = 1, V = 2 in-process pipelined run on CUDA (both chunks on one GPU, bf16, NCCL rules),
+#   5. a D = 2 x P = 2 in-process run on CUDA (four rank workers on one GPU, bf16, NCCL rules,
+#      gradient averaging over the replicas, pipelined evaluation at the end),
 # and writes OUT_DIR/summary.md (one row per check) next to each check's log.
 #
 #     scripts/gpu_check.sh OUT_DIR
@@ -53,6 +55,8 @@ sys.exit(0 if len(triton) == 20 and worst <= 1e-3 else 1)
 PY
 check pipelined_p1_v2 60 "$PYTHON" "${TRAIN[@]}" --launcher inprocess --stages 1 --virtual 2 --p2p-semantics nccl \
   --steps 5 --out "$OUT/pipelined_p1_v2"
+check data_parallel_d2_p2 90 "$PYTHON" "${TRAIN[@]}" --launcher inprocess --data-parallel 2 --stages 2 \
+  --p2p-semantics nccl --batch-size 8 --microbatches 2 --steps 5 --out "$OUT/data_parallel_d2_p2"
 
 {
   echo "# GPU check, $(date -u +%Y-%m-%dT%H:%MZ)"

@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+from pathlib import Path
 
 import pytest
-import torch
 
 from attnres_pp.cli import main
-from attnres_pp.train.checkpoint import latest_checkpoint, read_checkpoint
+from attnres_pp.train.checkpoint import latest_checkpoint
+from attnres_pp.train.shards import checkpoint_tensors
 
+REPO = Path(__file__).resolve().parents[1]
 TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
         "--microbatches", "2", "--eval-every", "3", "--quiet"]
 
@@ -52,26 +54,55 @@ def test_resume_continues_with_the_same_losses_in_any_launcher(tmp_path):
         assert [r["step"] for r in records] == list(range(6))
 
 
-def test_incomplete_checkpoints_are_ignored_and_loading_is_weights_only(tmp_path):
+def test_incomplete_checkpoints_are_ignored_and_loading_unpickles_only_checkpoint_data(tmp_path):
     run = tmp_path / "run"
     assert main(["train", *TINY, "--launcher", "local", "--steps", "2", "--checkpoint-every", "1",
                  "--out", str(run)]) == 0
     root = run / "checkpoints"
     assert latest_checkpoint(run).name == "step_1"
     (root / "step_9.tmp").mkdir()  # a save that crashed before its rename
-    (root / "step_8").mkdir()  # a folder without meta.json is not a checkpoint
+    (root / "step_8").mkdir()  # a folder without meta.json, the commit marker, is not a checkpoint
     assert latest_checkpoint(run).name == "step_1"
 
-    merged, rng = read_checkpoint(root / "step_1")
-    assert "embed.pos.weight" in merged["params"] and merged["optimizer"] and 0 in rng
-    state = torch.load(root / "step_1" / "rank_0.pt", weights_only=True)
-    torch.save({**state, "payload": _Unpicklable()}, root / "step_1" / "rank_0.pt")
-    with pytest.raises(pickle.UnpicklingError):
-        read_checkpoint(root / "step_1")
+    saved = checkpoint_tensors(root / "step_1")  # keyed by whole-model names
+    assert {"embed.pos.weight", "optim.embed.pos.weight.exp_avg", "optim.embed.pos.weight.step", "rng.0"} <= set(saved)
+    # DCP reads .metadata with plain pickle; ours admits checkpoint metadata only.
+    (root / "step_1" / ".metadata").write_bytes(pickle.dumps(_Unpicklable()))
+    with pytest.raises(pickle.UnpicklingError, match="refusing to load"):
+        checkpoint_tensors(root / "step_1")
 
 
 class _Unpicklable:
-    """An arbitrary class: weights-only loading must refuse to rebuild it."""
+    """An arbitrary class: checkpoint loading must refuse to rebuild it."""
+
+
+@pytest.mark.distributed
+def test_resume_reshards_into_another_split(tmp_path):
+    """Two local rank processes (P = 2, V = 2) each write their own shard; the run resumes at P = 1 in
+    one process and at D = 2, P = 2, V = 1 in four processes, and both end like the uninterrupted run."""
+    data = tmp_path / "corpus.txt"
+    data.write_text("".join(p.read_text() for p in sorted((REPO / "attnres_pp" / "train").glob("*.py"))))
+    common = [*TINY, "--batch-size", "8", "--steps", "5", "--data", str(data)]
+    assert main(["train", *common, "--launcher", "inprocess", "--stages", "2", "--virtual", "2",
+                 "--out", str(tmp_path / "plain")]) == 0
+    want = json.loads((tmp_path / "plain" / "summary.json").read_text())
+    run = tmp_path / "run"
+    assert main(["train", *common, "--launcher", "local", "--stages", "2", "--virtual", "2", "--checkpoint-every", "2",
+                 "--out", str(run)]) == 0
+    shard_files = sorted(p.name for p in (run / "checkpoints" / "step_4").glob("*.distcp"))
+    assert shard_files == ["__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own part
+
+    for name, split in (("p1", ["--launcher", "inprocess", "--stages", "1", "--virtual", "1"]),
+                        ("d2p2", ["--launcher", "local", "--stages", "2", "--virtual", "1", "--data-parallel", "2"])):
+        again = tmp_path / name  # as an interruption after step 3 would have left it: resumes from step_2
+        shutil.copytree(run / "checkpoints" / "step_2", again / "checkpoints" / "step_2")
+        (again / "metrics.jsonl").write_text("".join((run / "metrics.jsonl").read_text().splitlines(True)[:3]))
+        assert main(["train", "--resume", str(again), *split, "--quiet"]) == 0
+        got = json.loads((again / "summary.json").read_text())
+        assert_same_losses(got["losses"], want["losses"])
+        assert_same_losses([v for _, v in got["val_losses"]], [v for _, v in want["val_losses"]])
+        pipe = got["config"]["pipeline"]
+        assert (pipe["stages"], pipe["virtual"], pipe["data_parallel"]) == ((1, 1, 1) if name == "p1" else (2, 1, 2))
 
 
 @pytest.mark.parametrize(
@@ -117,3 +148,22 @@ def test_local_launcher_restarts_from_scratch_without_a_checkpoint(tmp_path, cap
     assert "rank 1 lost at step 2/3; restarting from step 0 (no checkpoint yet) (restart 1/3)" in out
     assert_same_losses(losses(tmp_path / "hit"), losses(tmp_path / "plain"))
     assert json.loads((tmp_path / "hit" / "summary.json").read_text())["restarts"] == 1
+
+
+def test_a_rank_that_cannot_see_the_run_directory_stops_the_start(tmp_path):
+    """Ranks write their shards into --out directly: the engines probe that every rank sees the
+    driver's directory (a file the driver writes there) and name the ranks that do not."""
+    from attnres_pp.train.config import RunConfig
+    from attnres_pp.train.pipeline_engine import PipelineEngineBase
+
+    run_cfg = RunConfig.from_dict({"pipeline": {"stages": 2, "launcher": "local"}})
+    engine = PipelineEngineBase(run_cfg, tmp_path / "out")
+    seen = []
+
+    def ask_ranks(path, token):  # rank 0 shares the driver's filesystem, rank 1 (another node) does not
+        seen.append(Path(path).read_text() == token)
+        return [(True, "node-a"), (False, "node-b")]
+
+    with pytest.raises(RuntimeError, match=r"not visible to rank 1 on node-b: .* filesystem every node mounts"):
+        engine._check_shared_out_dir(ask_ranks)
+    assert seen == [True] and list((tmp_path / "out").iterdir()) == []  # the probe is removed

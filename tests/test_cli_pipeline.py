@@ -31,6 +31,12 @@ def test_pipelined_train_writes_measured_hops_bytes_bubble_and_trace(tmp_path, c
     assert summary["bytes_sent_per_step"] == 2 * 2 * sum(plan.fwd_hop_tensors) * 2 * 16 * 16 * 4
     assert 0.0 < summary["bubble_fraction"] < 1.0
     assert len(summary["losses"]) == 2
+    # Rank-local parameters and data: each rank holds its chunks only, and per step the driver
+    # exchanges scalars with the ranks (the traced step also carries the timelines).
+    assert summary["data_parallel"] == 1
+    assert len(summary["params_per_rank"]) == 2 and sum(summary["params_per_rank"]) == summary["params"]
+    assert 0 < summary["driver_bytes_per_step"] < 4096
+    assert summary["driver_bytes_trace_step"] > summary["driver_bytes_per_step"]
     trace = json.loads((out / "trace.json").read_text())["traceEvents"]
     assert {e["args"]["name"] for e in trace if e["ph"] == "M"} == {"rank 0", "rank 1"}
     names = {e["name"] for e in trace if e["ph"] == "X"}

@@ -114,3 +114,30 @@ def test_bubble_and_trace_use_each_ranks_own_clock():
     aligned = align_per_rank(skewed)
     assert {min(s for r, _, s, _, _ in aligned if r == rank) for rank in (0, 1)} == {0.0}
     assert isinstance(make_clock(torch.device("cpu")), HostClock)
+
+
+def test_the_replica_norm_counts_tied_parameters_once_without_host_round_trips(monkeypatch):
+    """D x P clipping: the untied squared norm summed over the replica's ranks ("pp"), the tied convs
+    (equal on every rank after their reduction) added once, all of it on the gradients' device: no
+    `.cpu()` copy per parameter, so `clip_grad_norm_`'s reading of the norm is the one host sync."""
+    from attnres_pp.train.grad_sync import norm_reducer
+
+    torch.manual_seed(0)
+    untied = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(3)]
+    tied = [torch.nn.Parameter(torch.randn(5))]
+    for p in untied + tied:
+        p.grad = torch.randn_like(p)
+
+    class OtherRankHoldsTheSame:  # a replica of P = 2 ranks whose second rank has equal untied grads
+        axes: list = []
+
+        def all_reduce(self, tensor, axis):
+            self.axes.append(axis)
+            tensor.mul_(2)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: pytest.fail("a host copy per parameter"))
+    reduce_sq = norm_reducer(tied, OtherRankHoldsTheSame(), torch.device("cpu"))
+    norm = clip_grad_norm_(untied + tied, max_norm=0.0, reduce_sq=reduce_sq)
+    want = float((2 * sum(p.grad.double().square().sum() for p in untied)
+                  + sum(p.grad.double().square().sum() for p in tied)).sqrt())
+    assert OtherRankHoldsTheSame.axes == ["pp"] and norm == pytest.approx(want, rel=1e-6)

@@ -1,10 +1,12 @@
 """The import layering of DESIGN.md, checked on the source: every `import` (module level or inside a
 function) of every module under attnres_pp must point down or sideways, never up.
 
-    kernels, data, config_tables     import nothing of the project (model: kernels and config_tables)
+    kernels, data, config_tables,    import nothing of the project (model: kernels and config_tables)
+    out_paths
     comm                             model at most (plan, partition, cache, transports)
     pipeline                         comm and below
     train                            pipeline and below (configs, optimiser step, engines, checkpoints)
+    generate                         train and below (reads checkpoints; generators, decode loop, its CLI)
     simulator                        the torch-free parts of pipeline and comm; never the runtime, train,
                                      torch, torch.distributed or ray
     bench                            on top: anything
@@ -22,14 +24,17 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "attnres_pp"
 # layer -> layers it may import (itself always allowed)
 ALLOWED = {
     "config_tables": set(),
+    "out_paths": set(),
     "kernels": set(),
     "data": set(),
     "model": {"kernels", "config_tables"},
     "comm": {"model", "kernels", "config_tables"},
-    "pipeline": {"comm", "model", "kernels", "config_tables"},
-    "train": {"pipeline", "comm", "model", "kernels", "data", "config_tables"},
-    "simulator": {"pipeline", "comm", "model", "config_tables"},
-    "bench": {"train", "simulator", "pipeline", "comm", "model", "kernels", "data", "config_tables"},
+    "pipeline": {"comm", "model", "kernels", "config_tables", "out_paths"},
+    "train": {"pipeline", "comm", "model", "kernels", "data", "config_tables", "out_paths"},
+    "simulator": {"pipeline", "comm", "model", "config_tables", "out_paths"},
+    "generate": {"train", "pipeline", "comm", "model", "kernels", "data", "config_tables", "out_paths"},
+    "bench": {"generate", "train", "simulator", "pipeline", "comm", "model", "kernels", "data", "config_tables",
+              "out_paths"},
     "cli": set(),  # imports the subcommands by name, at run time
     "root": set(),  # attnres_pp/__init__.py
 }
@@ -39,10 +44,10 @@ SIMULATOR_MAY_READ = {
     "attnres_pp.pipeline.ir", "attnres_pp.pipeline.schedules", "attnres_pp.pipeline.passes",
     "attnres_pp.pipeline.validate", "attnres_pp.pipeline.validate_nccl", "attnres_pp.pipeline.timeline",
     "attnres_pp.pipeline.trace",
-    "attnres_pp.pipeline.config", "attnres_pp.comm.plan", "attnres_pp.comm.partition",
-    "attnres_pp.model.config", "attnres_pp.config_tables",
+    "attnres_pp.pipeline.config", "attnres_pp.comm.plan", "attnres_pp.comm.partition", "attnres_pp.comm.link",
+    "attnres_pp.model.config", "attnres_pp.config_tables", "attnres_pp.out_paths",
 }
-RAY_MODULES = {"attnres_pp.train.ray_engine"}  # only the Ray launcher imports ray
+RAY_MODULES = {"attnres_pp.train.ray_engine", "attnres_pp.generate.ray_generator"}  # only the Ray launchers
 
 
 def _module_name(path: Path) -> str:

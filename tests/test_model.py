@@ -114,3 +114,21 @@ def test_sequence_longer_than_seq_len_is_refused():
 def test_bad_config_names_the_field_and_the_fix(overrides, field):
     with pytest.raises(ValueError, match=rf"ModelConfig\.{field}=.*: (must|choose)"):
         ModelConfig(**{**TINY, **overrides})
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_initialisation_is_keyed_by_seed_and_parameter_name(variant):
+    """Same seed, same values whatever the global RNG state; another seed, other random values;
+    and a parameter's value does not depend on the rest of the model (its own stream by name)."""
+    cfg = ModelConfig(**{**TINY, **VARIANTS[variant]})
+    torch.manual_seed(123)
+    a = dict(Transformer(cfg, seed=5).named_parameters())
+    torch.manual_seed(456)
+    b = dict(Transformer(cfg, seed=5).named_parameters())
+    c = dict(Transformer(cfg, seed=6).named_parameters())
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    random = [n for n in a if n.endswith(("qkv.weight", "tok.weight", "lm_head.weight"))]
+    assert random and all(not torch.equal(a[n], c[n]) for n in random)
+    wider_vocab = ModelConfig(**{**TINY, **VARIANTS[variant], "vocab_size": 40})
+    other = dict(Transformer(wider_vocab, seed=5).named_parameters())
+    assert torch.equal(other["layers.0.attn.qkv.weight"], a["layers.0.attn.qkv.weight"])

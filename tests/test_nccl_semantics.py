@@ -28,6 +28,7 @@ from attnres_pp.pipeline.validate_nccl import (
     lockstep_plan,
     naive_plan,
 )
+from attnres_pp.train.config import RunConfig
 from tests.pipeline_helpers import MICRO, SEQ, assert_grads_match, batch, build_model, model_config, reference_step
 
 
@@ -205,5 +206,51 @@ def test_batched_transport_runs_the_nccl_order_over_gloo(tmp_path):
     for index, (_run, m) in enumerate(runs):
         want_loss, want_grads = reference_step(cfg, *batch(m), m)
         losses = out[index]["losses"]
-        assert abs(sum(losses.values()) / m - want_loss) <= 1e-5 * abs(want_loss)
+        assert len(losses) == m
+        assert abs(sum(losses) / m - want_loss) <= 1e-5 * abs(want_loss)
         assert_grads_match(out[index]["grads"], want_grads, rtol=1e-5)
+
+
+@pytest.mark.distributed
+def test_batched_transport_runs_the_nccl_order_in_a_data_parallel_mesh(tmp_path):
+    """D = 2 replicas of a P = 2 pipeline in four processes over gloo, under NCCL's issue order: the
+    batched groups address each replica's peers by global rank, and the replicas' averaged
+    gradients equal the single process's on the whole batch."""
+    from tests.test_pipeline_distributed import run_dict, run_group
+
+    cfg = model_config("block", 4)
+    D, m = 2, 2
+    run = run_dict(cfg, "interleaved_1f1b", 2, 2, m, D=D)
+    run["pipeline"]["p2p_semantics"] = "nccl"
+    out = run_group(D * 2, [run], tmp_path)
+    want_loss, want_grads = reference_step(cfg, *batch(D * m), D * m)
+    losses = out[0]["losses"]
+    assert len(losses) == D * m
+    assert abs(sum(losses) / (D * m) - want_loss) <= 1e-5 * abs(want_loss)
+    assert_grads_match(out[0]["grads"], want_grads, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["block", "msar"])
+def test_data_parallel_training_and_evaluation_under_nccl_semantics_equal_single_process(variant):
+    """`--launcher inprocess --p2p-semantics nccl` at D = 2, P = 2, V = 2: every replica's loopback
+    enforces NCCL's rules on the training steps and on the forward-only evaluation, and both equal
+    the single process (loss, clipped norm, val loss)."""
+    from attnres_pp.train.inprocess_engine import InProcessEngine
+    from attnres_pp.train.local_engine import LocalEngine
+    from tests.test_data_parallel import run_config
+
+    run_cfg = run_config(model_config(variant, 4), D=2, P=2, V=2, m=2, grad_clip=0.05, lr=1e-2)
+    run_cfg = RunConfig.from_dict({**run_cfg.to_dict(),
+                                   "pipeline": {**run_cfg.pipeline.to_dict(), "p2p_semantics": "nccl"}})
+    engine, local = InProcessEngine(run_cfg), LocalEngine(run_cfg.model, run_cfg.train)
+    assert all(isinstance(w.runtime.transport, NcclLoopbackTransport) for w in engine.workers)
+    assert len({id(w.runtime.transport.fabric) for w in engine.workers}) == 2  # one per replica
+    for step in range(2):
+        inputs, targets = batch(4, seed=10 + step)
+        got, want = engine.train_step(step, inputs, targets, 1e-2), local.train_step(step, inputs, targets, 1e-2)
+        assert abs(got.loss - want.loss) <= 1e-5 * abs(want.loss), (step, got.loss, want.loss)
+        assert abs(got.metrics["grad_norm"] - want.metrics["grad_norm"]) <= 1e-5 * want.metrics["grad_norm"]
+    inputs, targets = batch(4, seed=99)
+    want = local.eval_loss(inputs, targets)
+    assert abs(engine.eval_loss(inputs, targets) - want) <= 1e-5 * abs(want)
+    assert not any(g for w in engine.workers for g in w.runtime.transport.fabric.groups)  # all flushed

@@ -19,57 +19,63 @@ from tests.reference_model import VARIANTS
 pytestmark = pytest.mark.distributed
 
 
-def run_dict(cfg, schedule, P, V, m, cache=True, **train):
+def run_dict(cfg, schedule, P, V, m, cache=True, D=1, **train):
     return RunConfig.from_dict({
         "model": cfg.to_dict(),
-        "train": {"steps": 2, "batch_size": MICRO * m, "microbatches": m, "seed": 0, "warmup_steps": 1, **train},
+        "train": {"steps": 2, "batch_size": MICRO * m * D, "microbatches": m, "seed": 0, "warmup_steps": 1, **train},
         "pipeline": {"stages": P, "virtual": V, "schedule": schedule, "cache": cache, "launcher": "local",
-                     "timeout_s": 60.0},
+                     "timeout_s": 60.0, "data_parallel": D},
     }).to_dict()
 
 
-def _rank_main(pp_rank, world_size, init_method, run_dicts, results):
-    """One rank: join the group once, then run one forward/backward per configuration."""
+def _rank_main(rank, world_size, init_method, run_dicts, results):
+    """One rank: join the group once, then run one forward/backward and gradient sync per configuration."""
     from attnres_pp.pipeline.stage_setup import init_process_group
     from attnres_pp.train.stage_worker import StageWorker
     from tests.reference_model import randomize_depth_params
 
     try:
         torch.set_num_threads(1)
-        _backend, device = init_process_group(init_method, pp_rank, world_size, 60.0)
+        _backend, device = init_process_group(init_method, rank, world_size, 60.0)
         for index, run_cfg in enumerate(run_dicts):
-            worker = StageWorker(run_cfg, pp_rank)
+            worker = StageWorker(run_cfg, rank)
+            # The same draws as the reference model's: parameters on the meta device consume them too.
             randomize_depth_params(worker.model, torch.Generator().manual_seed(1))
-            worker.attach(device)
-            m = run_cfg["train"]["microbatches"]
-            inputs, targets = batch(m)
-            record = worker.forward_backward(0, inputs, targets)
-            worker.reduce_tied_grads()
+            worker.connect(device)
+            D, m = run_cfg["pipeline"]["data_parallel"], run_cfg["train"]["microbatches"]
+            inputs, targets = batch(D * m)
+            rows = slice(worker.dp_rank * MICRO * m, (worker.dp_rank + 1) * MICRO * m)
+            worker.begin_step(0, (inputs[rows], targets[rows]))
+            record = worker.run_step(0)
+            worker.sync_gradients()
             # numpy, not tensors: a tensor in a Queue lives in this process's shared memory, gone at exit
             grads = {n: p.grad.numpy().copy() for n, p in worker.params.items() if p.grad is not None}
-            results.put((index, pp_rank, record.losses, grads, list(worker.runtime.transport.ledger.records)))
+            results.put((index, rank, record.losses, grads, list(worker.runtime.transport.ledger.records)))
     except Exception:
-        results.put(("error", pp_rank, traceback.format_exc(), None, None))
+        results.put(("error", rank, traceback.format_exc(), None, None))
 
 
-def run_group(P, run_dicts, tmp_path, timeout_s=240):
+def run_group(world_size, run_dicts, tmp_path, timeout_s=240):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init_method = f"file://{tmp_path}/rendezvous"
-    procs = [ctx.Process(target=_rank_main, args=(r, P, init_method, run_dicts, results), daemon=True)
-             for r in range(P)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, init_method, run_dicts, results), daemon=True)
+             for r in range(world_size)]
     for proc in procs:
         proc.start()
     out = {}
     try:
-        for _ in range(P * len(run_dicts)):
+        for _ in range(world_size * len(run_dicts)):
             index, rank, losses, grads, ledger = results.get(timeout=timeout_s)
             assert index != "error", f"rank {rank} failed:\n{losses}"
-            entry = out.setdefault(index, {"losses": {}, "grads": {}, "ledger": []})
-            entry["losses"].update(losses)
-            entry["ledger"].extend(ledger)
-            for name, grad in grads.items():  # tied (replicated) gradients are equal on every rank
-                entry["grads"].setdefault(name, torch.from_numpy(grad))
+            entry = out.setdefault(index, {"losses": [], "grads": {}, "ledger": []})
+            entry["losses"] += list(losses.values())
+            if rank < world_size // run_dicts[index]["pipeline"]["data_parallel"]:
+                entry["ledger"].extend(ledger)  # replica 0's hops
+            for name, grad in grads.items():
+                # Replicas, and the tied convs on every rank, must hold the very same synced gradient.
+                kept = entry["grads"].setdefault(name, torch.from_numpy(grad))
+                assert torch.equal(kept, torch.from_numpy(grad)), f"{name} differs between ranks"
     finally:
         for proc in procs:
             proc.join(timeout=20)
@@ -102,12 +108,31 @@ def test_gloo_pipeline_equals_single_process(cases, tmp_path):
         cfg = RunConfig.from_dict(run_dicts[index]).model
         want_loss, want_grads = reference_step(cfg, *batch(m), m)
         got = out[index]
-        assert sorted(got["losses"]) == list(range(m)), (variant, schedule)
-        loss = sum(got["losses"].values()) / m
+        assert len(got["losses"]) == m, (variant, schedule)
+        loss = sum(got["losses"]) / m
         assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (variant, schedule, P, V, m, cache)
         assert_grads_match(got["grads"], want_grads, rtol=1e-5)
         if P == 1:
             assert got["ledger"] == [], "a self-hop went through the transport"
+
+
+# D = 2 replicas of a P = 2, V = 2 pipeline: 4 processes, a ("dp", "pp") mesh over gloo.
+CASES_DP = [(v, "interleaved_1f1b", 2, 2, 2, True, 3) for v in ("block", "msar")]
+
+
+def test_gloo_data_parallel_pipeline_equals_single_process(tmp_path):
+    D = 2
+    run_dicts = [run_dict(model_config(variant, 4, block_size=block_size), schedule, P, V, m, cache, D=D)
+                 for variant, schedule, P, V, m, cache, block_size in CASES_DP]
+    out = run_group(D * 2, run_dicts, tmp_path)
+    for index, (variant, _schedule, _P, _V, m, _cache, _) in enumerate(CASES_DP):
+        cfg = RunConfig.from_dict(run_dicts[index]).model
+        want_loss, want_grads = reference_step(cfg, *batch(D * m), D * m)
+        got = out[index]
+        assert len(got["losses"]) == D * m, variant
+        loss = sum(got["losses"]) / (D * m)
+        assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), variant
+        assert_grads_match(got["grads"], want_grads, rtol=1e-5)
 
 
 def test_gloo_measured_hop_counts_equal_spec_table(tmp_path):

@@ -59,9 +59,10 @@ def test_bf16_pipelined_steps_equal_the_bf16_single_process(variant):
     fp32 = _train(LocalEngine(run_cfg.model, TrainConfig(**{**run_cfg.train.to_dict(), "dtype": "fp32"})),
                   run_cfg, batches)
     assert single != fp32  # bf16 really computed in bf16
-    # Master weights and optimiser state stay fp32.
-    assert all(p.dtype == torch.float32 for p in piped_engine.model.parameters())
-    states = [t for s in piped_engine.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    # Master weights and optimiser state stay fp32, on every rank.
+    workers = piped_engine.workers
+    assert all(p.dtype == torch.float32 for w in workers for p in w.params.values())
+    states = [t for w in workers for s in w.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     assert states and all(t.dtype == torch.float32 for t in states if t.dim() > 0)
 
 
@@ -78,7 +79,8 @@ def test_hops_cache_entries_and_deposits_are_bf16(monkeypatch):
         (inputs, _), = _batches(1, run_cfg)
         result = engine.train_step(0, inputs, inputs, 1e-3)
         bytes_by_dtype[dtype] = result.extras["bytes_sent_per_step"]
-        assert {r.dtype for r in engine.runtimes} == {torch.bfloat16 if dtype == "bf16" else torch.float32}
+        runtimes = [rt for w in engine.workers for rt in (w.runtime, w.eval_runtime)]
+        assert {r.dtype for r in runtimes} == {torch.bfloat16 if dtype == "bf16" else torch.float32}
     assert seen["put"] >= {torch.bfloat16} and seen["deposit"] >= {torch.bfloat16}
     assert bytes_by_dtype["bf16"] * 2 == bytes_by_dtype["fp32"] > 0
 
@@ -131,3 +133,20 @@ def test_dtype_and_kernels_come_from_toml_and_are_validated(tmp_path):
         TrainConfig(dtype="fp16")
     with pytest.raises(ValueError, match="TrainConfig.kernels='cuda' is invalid"):
         TrainConfig(kernels="cuda")
+
+
+@pytest.mark.parametrize("variant", ["block", "msar"])
+def test_bf16_data_parallel_steps_equal_the_bf16_single_process(variant):
+    """D = 2 replicas of a P = 2, V = 2 pipeline under bf16: rank-local chunks compute in bf16 with
+    fp32 master weights, hops in bf16, gradients averaged over the replicas in fp32."""
+    run_cfg = _run_cfg(variant, "bf16", m=2)
+    run_cfg = RunConfig.from_dict({**run_cfg.to_dict(), "train": {**run_cfg.train.to_dict(), "batch_size": 8},
+                                   "pipeline": {**run_cfg.pipeline.to_dict(), "data_parallel": 2}})
+    batches = _batches(3, run_cfg)
+    single = _train(LocalEngine(run_cfg.model, run_cfg.train), run_cfg, batches)
+    engine = InProcessEngine(run_cfg)
+    piped = _train(engine, run_cfg, batches)
+    for got, want in zip(piped, single, strict=True):
+        assert abs(got - want) <= 1e-3 * abs(want), (piped, single)
+    assert {w.runtime.dtype for w in engine.workers} == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for w in engine.workers for p in w.params.values())

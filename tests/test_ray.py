@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -31,6 +32,9 @@ from attnres_pp.cli import main
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 
+REPO = Path(__file__).resolve().parents[1]
+# This checkout's CLI, whatever `attnres-pp` on the PATH would run (an editable install elsewhere).
+CLI = [sys.executable, "-m", "attnres_pp.cli"]
 TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
         "--microbatches", "2", "--stages", "2", "--virtual", "2", "--eval-every", "3"]
 
@@ -80,12 +84,24 @@ def test_recovered_runs_end_with_the_undisturbed_losses(local_ray, tmp_path, cap
     assert not (tmp_path / "stop" / "summary.json").exists()
 
 
+def test_a_placement_no_node_can_hold_is_refused_at_once(local_ray, tmp_path, capsys):
+    """local_ray has one node with 2 CPUs: STRICT_PACK of 3 one-CPU bundles is refused before the
+    placement group is created, not after the whole --timeout."""
+    argv = ["train", *TINY, "--stages", "3", "--virtual", "1", "--layers", "3", "--timeout", "60"]
+    started = time.monotonic()
+    assert main([*argv, "--out", str(tmp_path / "run"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --placement STRICT_PACK needs one node with 3 CPU for 3 bundles of {1 CPU}")
+    assert "node 0: 2 CPU" in err and time.monotonic() - started < 30
+
+
 def test_ctrl_c_stops_the_actors_and_the_local_ray_instance(tmp_path):
     """SIGINT to the whole process group, as a terminal sends it, once training is under way: the
     command exits 130 and every process it started (Ray's and the actors) is gone."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.Popen(["attnres-pp", "train", *TINY, "--steps", "5000", "--out", str(tmp_path / "run")],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen([*CLI, "train", *TINY, "--steps", "5000", "--out", str(tmp_path / "run")],
+                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
@@ -134,11 +150,35 @@ def _running(pid: int) -> bool:
         return False
 
 
+def test_data_parallel_pipeline_on_the_private_local_ray_instance(tmp_path):
+    """D = 2 replicas x P = 2 ranks: four actors placed by one placement group on a 2-core machine (the
+    private instance offers a CPU per rank), ending with the in-process launcher's losses, with
+    scalars only between the driver and the actors."""
+    data = tmp_path / "corpus.txt"  # a small file: each end rank reads its own share of it
+    data.write_text("".join(p.read_text() for p in sorted((REPO / "attnres_pp" / "train").glob("*.py"))))
+    layout = [*TINY, "--virtual", "1", "--batch-size", "8", "--data-parallel", "2", "--steps", "3",
+              "--data", str(data), "--quiet"]
+    assert main(["train", *layout, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])), RAY_DEDUP_LOGS="0")
+    run = subprocess.run([*CLI, "train", *layout, "--launcher", "ray", "--out", str(tmp_path / "ray")], env=env,
+                         cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
+    assert_same_losses(summary["losses"], losses(tmp_path / "inproc"))
+    assert summary["data_parallel"] == 2 and len(summary["params_per_rank"]) == 2
+    assert sum(summary["params_per_rank"]) == summary["params"]
+    assert 0 < summary["driver_bytes_per_step"] < 4096
+    assert len(summary["cache_peak_bytes_per_rank"]) == 4
+    assert "StageActor rank=3 (dp 1, pp 1)" in run.stdout + run.stderr
+
+
 def test_multinode_example_config_loads():
     from attnres_pp.train.config import RunConfig
 
     example = RunConfig.from_toml(Path(__file__).parent.parent / "configs" / "multinode_example.toml")
     assert example.pipeline.launcher == "ray" and example.pipeline.placement in ("PACK", "SPREAD")
+    assert example.pipeline.data_parallel == 2 and example.pipeline.world_size == 16  # D x P actors
 
 
 # ---- a real cluster: ray start --head, ray job submit ----
@@ -218,7 +258,7 @@ def test_job_submission_to_a_ray_start_cluster_with_token_auth(tmp_path):
         out = tmp_path / "run"
         job_id = f"attnres-{secrets.token_hex(4)}"
         submit = ["job", "submit", "--address", url, "--submission-id", job_id, "--no-wait", "--",
-                  "attnres-pp", "train", *TINY, "--steps", "3", "--out", str(out)]
+                  "env", f"PYTHONPATH={REPO}", *CLI, "train", *TINY, "--steps", "3", "--out", str(out)]
         deadline = time.monotonic() + 30
         while True:  # the dashboard answers a little before the head's job agent does (HTTP 500)
             submitted = _ray_cli(submit, env, timeout=60)

@@ -52,7 +52,7 @@ def test_sigkill_during_a_checkpoint_then_resume_alone(tmp_path, split):
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     root = run / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4.tmp"]
-    assert list((root / "step_4.tmp").glob("rank_*.pt")) and not (root / "step_4.tmp" / "meta.json").exists()
+    assert list((root / "step_4.tmp").glob("*.distcp")) and not (root / "step_4.tmp" / "meta.json").exists()
 
     resumed = run_cli(["--resume", str(run)])
     assert resumed.returncode == 0, resumed.stderr

@@ -1,4 +1,4 @@
-"""`attnres-pp bench bubbles | comm | overhead | peer [--quick] [--json] [--out DIR]`.
+"""`attnres-pp bench bubbles | comm | overhead | peer | inference | memory [--quick] [--json] [--out DIR]`.
 
 Each benchmark prints its table (or, with --json, one JSON object on stdout; progress goes to
 stderr) and writes NAME[_quick]_<date>.json and .md under --out (default: the checkout's
@@ -19,12 +19,15 @@ BENCHMARKS = {
     "comm": "bytes and time per step: standard / Full naive / Block naive / Block cached",
     "overhead": "step time of Block AttnRes with the cache vs the standard residual, same pipeline",
     "peer": "our runtime vs torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B)",
+    "inference": "generation: prefill tokens/s and decode latency, Block AttnRes vs standard, 1 process and P=2 V=2",
+    "memory": "peak resident memory per pipeline rank (rank-local chunks), 32 layers d = 512 at P = 1, 2, 4",
+    "fidelity": "the simulator, calibrated on one run, predicts held-out runs (schedule, V, m, mode, layers, link)",
 }
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "bench", help="benchmarks: bubbles, comm, overhead, peer",
+        "bench", help="benchmarks: bubbles, comm, overhead, peer, inference, memory, fidelity",
         description="Benchmarks of the real pipeline (local launcher, gloo, one thread per rank). "
                     + " ".join(f"{name}: {text}." for name, text in BENCHMARKS.items()))
     parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
@@ -46,12 +49,18 @@ def run_benchmark(args: argparse.Namespace) -> int:
         results_stem,
         write_results,
     )
+    from attnres_pp.out_paths import check_out_dir
 
     if args.no_timing and args.name != "comm":
         print(f"{args.parser.prog}: error: --no-timing applies to comm only", file=sys.stderr)
         return 2
-    module = importlib.import_module(f"attnres_pp.bench.{args.name}")
     out_dir = Path(args.out) if args.out else default_out_dir()
+    try:  # before the benchmark runs for minutes and then cannot write its results
+        check_out_dir(out_dir, "--out")
+    except ValueError as error:
+        print(f"{args.parser.prog}: error: {error}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"attnres_pp.bench.{args.name}")
     out_dir.mkdir(parents=True, exist_ok=True)
 
     def progress(line: str) -> None:

@@ -74,7 +74,7 @@ class TimedEngine:
         from attnres_pp.train.engines import make_engine
 
         started = time.perf_counter()
-        self.engine = make_engine(self.run_cfg, None)
+        self.engine = make_engine(self.run_cfg, None, record_timelines=True)  # every step's timeline
         self.startup_s = time.perf_counter() - started
 
     def step(self) -> StepSample:

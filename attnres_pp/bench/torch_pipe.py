@@ -67,7 +67,7 @@ class TorchPipeWorker:
         dist.init_process_group("gloo", init_method=init_method, rank=pp_rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pipe.timeout_s))
         torch.manual_seed(train.seed)
-        model = Transformer(cfg)
+        model = Transformer(cfg, seed=train.seed)
         partition = make_partition(cfg.n_layers, pipe.stages, pipe.virtual, pipe.layer_counts)
         chunks = build_rank_chunks(model, partition, pp_rank)
         self.params = rank_parameters(chunks, model)

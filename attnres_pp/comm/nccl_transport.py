@@ -7,20 +7,35 @@ message in the groups of `pipeline.validate_nccl.lockstep_plan`: each group, the
 ahead plus at most the action's own send, goes out as one `batch_isend_irecv` (one NCCL group,
 whose operations progress together, as torch.distributed.pipelining batches its p2p ops), without
 waiting. A receive waits for its group's work when its data is needed; sends are waited at `flush`.
+Peers are pipeline ranks, mapped to global ranks by `peer_ranks` as in `DistTransport` (D x P runs),
+and an emulated slow link (`link`, `comm.link`) stamps and delays messages as it does there.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from attnres_pp.comm.transport import DistTransport, TransportTimeout, _pack, _refuse_self_hop, _unpack
+from attnres_pp.comm.link import LinkModel
+from attnres_pp.comm.transport import (
+    DistTransport,
+    TransportTimeout,
+    _pack,
+    _refuse_self_hop,
+    _stamp_numel,
+    _unpack,
+    _wait_for_arrival,
+    _with_arrival,
+)
 
 
 class BatchedDistTransport(DistTransport):
     p2p_semantics = "nccl"
 
-    def __init__(self, pp_rank: int, timeout_s: float, device: torch.device, ledger=None):
-        super().__init__(pp_rank, timeout_s, device, ledger)
+    def __init__(self, pp_rank: int, timeout_s: float, device: torch.device, ledger=None,
+                 peer_ranks: list[int] | None = None, link: LinkModel | None = None):
+        super().__init__(pp_rank, timeout_s, device, ledger, peer_ranks, link)
         self.can_prepost = False  # receives are posted where the NCCL plan says
         self._group: list | None = None  # (P2POp, buffer, (src, tag) for a receive | None)
 
@@ -53,7 +68,10 @@ class BatchedDistTransport(DistTransport):
         _refuse_self_hop(self.pp_rank, dst)
         self.ledger.record(*label, tensors)
         flat = _pack(tensors).to(self.device)
-        self._group.append((dist.P2POp(dist.isend, flat, dst, tag=tag), flat, None))
+        if self.link_clock is not None:  # posted now: the emulated link decides when it arrives
+            n_bytes = flat.numel() * flat.element_size()
+            flat = _with_arrival(flat, self.link_clock.arrival(dst, n_bytes, time.perf_counter()))
+        self._group.append((dist.P2POp(dist.isend, flat, self._global(dst), tag=tag), flat, None))
 
     def prepost_recv(self, shapes: list[torch.Size], dtype: torch.dtype, src: int, tag: int) -> None:
         import torch.distributed as dist
@@ -61,8 +79,11 @@ class BatchedDistTransport(DistTransport):
         if self._group is None:
             raise RuntimeError(f"rank {self.pp_rank}: a receive outside the NCCL plan's groups (tag {tag})")
         _refuse_self_hop(self.pp_rank, src)
-        flat = torch.empty(sum(int(torch.Size(s).numel()) for s in shapes), dtype=dtype, device=self.device)
-        self._group.append((dist.P2POp(dist.irecv, flat, src, tag=tag), flat, (src, tag)))
+        numel = sum(int(torch.Size(s).numel()) for s in shapes)
+        if self.link_clock is not None:
+            numel += _stamp_numel(dtype)
+        flat = torch.empty(numel, dtype=dtype, device=self.device)
+        self._group.append((dist.P2POp(dist.irecv, flat, self._global(src), tag=tag), flat, (src, tag)))
 
     def recv(self, shapes: list[torch.Size], dtype: torch.dtype, src: int, tag: int) -> list[torch.Tensor]:
         posted = self._posted.pop((src, tag), None)
@@ -70,6 +91,8 @@ class BatchedDistTransport(DistTransport):
             raise RuntimeError(f"rank {self.pp_rank}: receive from rank {src} (tag {tag}) was never posted")
         works, flat = posted
         self._wait(works, f"receive from rank {src} (tag {tag})", src)
+        if self.link_clock is not None:
+            flat = _wait_for_arrival(flat)
         return _unpack(flat, shapes)
 
     def flush(self) -> None:

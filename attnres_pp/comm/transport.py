@@ -10,15 +10,21 @@
   whenever the sender is computing on a busy core (measured: +3 to +8 ms per message on 2 cores). A
   receive posted ahead lets the sender's own `isend` write the payload at once. Not under nccl,
   whose p2p calls between a pair of ranks queue on one stream in call order.
+  With a `LinkModel` (`--link-gbps`), every message also carries its emulated arrival time (one
+  float64 after the payload, computed by the sender as it posts the send) and the receiver waits
+  until then: a slow link emulated on one host without blocking the sender (`comm.link`).
 - `LoopbackTransport`: an in-process mailbox, so a whole pipeline can run in one process.
 """
 
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass, field
 
 import torch
+
+from attnres_pp.comm.link import LinkClock, LinkModel
 
 
 class TransportTimeout(RuntimeError):
@@ -56,6 +62,26 @@ def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.empty(0)
 
 
+def _stamp_numel(dtype: torch.dtype) -> int:
+    """Elements of `dtype` that hold one float64 (the emulated arrival carried after a payload)."""
+    return 8 // torch.empty((), dtype=dtype).element_size()
+
+
+def _with_arrival(flat: torch.Tensor, arrival_s: float) -> torch.Tensor:
+    stamp = torch.tensor([arrival_s], dtype=torch.float64).view(flat.dtype).to(flat.device)
+    return torch.cat([flat, stamp])
+
+
+def _wait_for_arrival(flat: torch.Tensor) -> torch.Tensor:
+    """The payload of a stamped message, returned once its emulated arrival time has passed."""
+    n_stamp = _stamp_numel(flat.dtype)
+    arrival_s = float(flat[-n_stamp:].clone().view(torch.float64).item())
+    remaining = arrival_s - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)
+    return flat[:-n_stamp]
+
+
 def _unpack(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
     sizes = [int(torch.Size(s).numel()) for s in shapes]
     return [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes, strict=True)]
@@ -90,10 +116,14 @@ class LoopbackTransport:
 
 class DistTransport:
     """torch.distributed p2p within the default process group. Self-hops never reach a transport:
-    the runtime hands them over in memory."""
+    the runtime hands them over in memory. Peers are pipeline ranks; `peer_ranks[p]` is the global
+    rank of pipeline rank p in this replica (default: p itself, a run without data parallelism)."""
 
-    def __init__(self, pp_rank: int, timeout_s: float, device: torch.device, ledger: ByteLedger | None = None):
+    def __init__(self, pp_rank: int, timeout_s: float, device: torch.device, ledger: ByteLedger | None = None,
+                 peer_ranks: list[int] | None = None, link: LinkModel | None = None):
         self.pp_rank = pp_rank
+        self._global = (lambda p: p) if peer_ranks is None else peer_ranks.__getitem__
+        self.link_clock = LinkClock(link) if link is not None else None  # emulated slow link, or None
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self.device = device
         self.ledger = ledger or ByteLedger()
@@ -107,8 +137,11 @@ class DistTransport:
         _refuse_self_hop(self.pp_rank, dst)
         self.ledger.record(*label, tensors)
         flat = _pack(tensors).to(self.device)
+        if self.link_clock is not None:  # posted now: the emulated link decides when it arrives
+            n_bytes = flat.numel() * flat.element_size()
+            flat = _with_arrival(flat, self.link_clock.arrival(dst, n_bytes, time.perf_counter()))
         # Keep the buffer alive until the send completes.
-        self._pending.append((dist.isend(flat, dst, tag=tag), flat, dst))
+        self._pending.append((dist.isend(flat, self._global(dst), tag=tag), flat, dst))
 
     def ready(self, src: int, tag: int) -> bool:
         return True
@@ -123,8 +156,10 @@ class DistTransport:
         import torch.distributed as dist
 
         numel = sum(int(torch.Size(s).numel()) for s in shapes)
+        if self.link_clock is not None:
+            numel += _stamp_numel(dtype)
         flat = torch.empty(numel, dtype=dtype, device=self.device)
-        return dist.irecv(flat, src, tag=tag), flat
+        return dist.irecv(flat, self._global(src), tag=tag), flat
 
     def recv(self, shapes: list[torch.Size], dtype: torch.dtype, src: int, tag: int) -> list[torch.Tensor]:
         _refuse_self_hop(self.pp_rank, src)
@@ -137,6 +172,8 @@ class DistTransport:
                 f"rank {self.pp_rank}: receive from rank {src} (tag {tag}) failed (a peer reset, or no data within "
                 f"{self.timeout.total_seconds():.0f} s); is rank {src} still alive? ({error})"
             ) from error
+        if self.link_clock is not None:
+            flat = _wait_for_arrival(flat)
         return _unpack(flat, shapes)
 
     def flush(self) -> None:

@@ -60,6 +60,9 @@ def load_corpus(spec: str) -> Corpus:
     if spec == "builtin":
         return _split("builtin", np.frombuffer(builtin_corpus_bytes(), dtype=np.uint8))
     path = Path(spec).expanduser()
+    if path.is_dir():
+        raise ValueError(f"TrainConfig.data={spec!r} is invalid: it is a directory; give the path of a .txt or "
+                         ".bin file")
     suffix = path.suffix.lower()
     if suffix not in (".txt", ".bin"):
         raise ValueError(
@@ -67,6 +70,16 @@ def load_corpus(spec: str) -> Corpus:
         )
     if not path.is_file():
         raise ValueError(f"TrainConfig.data={spec!r} is invalid: no such file; check the path")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"TrainConfig.data={spec!r} is invalid: the file is not readable; check its permissions")
+    try:
+        return _read(spec, path, suffix)
+    except OSError as error:  # access() always passes for root, yet a read can still fail
+        raise ValueError(f"TrainConfig.data={spec!r} cannot be read ({error.strerror or error}): check the file "
+                         "or choose another --data") from None
+
+
+def _read(spec: str, path: Path, suffix: str) -> Corpus:
     if suffix == ".txt":
         return _split(str(path), np.frombuffer(path.read_bytes(), dtype=np.uint8))
     if path.stat().st_size % 2:

@@ -7,7 +7,7 @@ torch-backed parts load on first use.
 from attnres_pp.model.config import ModelConfig
 
 _LAZY = {"DepthState": "stack", "forward_sublayers": "stack", "Transformer": "transformer",
-         "parameter_count": "transformer"}
+         "parameter_count": "transformer", "DecodeState": "decode_state"}
 
 
 def __getattr__(name: str):
@@ -18,4 +18,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'attnres_pp.model' has no attribute {name!r}")
 
 
-__all__ = ["ModelConfig", "DepthState", "Transformer", "forward_sublayers", "parameter_count"]
+__all__ = ["ModelConfig", "DecodeState", "DepthState", "Transformer", "forward_sublayers", "parameter_count"]

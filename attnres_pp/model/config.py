@@ -6,6 +6,7 @@ block completes, how many sources the final read sees.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from attnres_pp.config_tables import from_table, to_table
@@ -16,6 +17,14 @@ KEY_MODES = ("projected", "sliced")
 
 def _fail(field_name: str, value, fix: str) -> None:
     raise ValueError(f"ModelConfig.{field_name}={value!r} is invalid: {fix}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,33 +50,35 @@ class ModelConfig:
         positive = ("vocab_size", "n_layers", "d_model", "n_heads", "seq_len")
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 _fail(name, value, "must be an integer >= 1")
         if self.d_model % self.n_heads:
             _fail("n_heads", self.n_heads, f"must divide d_model={self.d_model} (e.g. a power of two)")
-        if self.d_ff < 0:
+        if not _is_int(self.d_ff) or self.d_ff < 0:
             _fail("d_ff", self.d_ff, "must be >= 1, or 0 for 4 * d_model")
         if self.residual not in RESIDUALS:
             _fail("residual", self.residual, f"choose one of {', '.join(RESIDUALS)}")
-        if not isinstance(self.block_size, int) or self.block_size < 1:
+        if not _is_int(self.block_size) or self.block_size < 1:
             _fail("block_size", self.block_size, "must be an integer >= 1 (1 = Full AttnRes)")
         if self.block_size > self.n_sublayers:
             _fail("block_size", self.block_size,
                   f"must be <= 2 * n_layers = {self.n_sublayers} (block_size counts sublayers)")
         if self.key_mode not in KEY_MODES:
             _fail("key_mode", self.key_mode, f"choose one of {', '.join(KEY_MODES)}")
-        if self.residual == "lr_attnres" and not 1 <= self.key_rank <= self.d_model:
+        if not _is_int(self.key_rank) or self.key_rank < 1:
+            _fail("key_rank", self.key_rank, "must be an integer >= 1 (the r of lr_attnres's low-rank keys)")
+        if self.residual == "lr_attnres" and self.key_rank > self.d_model:
             _fail("key_rank", self.key_rank, f"must be in 1..d_model={self.d_model}")
-        if self.logit_scale <= 0:
-            _fail("logit_scale", self.logit_scale, "must be > 0")
-        if not self.stream_kernels or any(not isinstance(k, int) or k < 1 for k in self.stream_kernels):
+        for name, example in (("logit_scale", "1.0"), ("norm_eps", "1e-6"), ("init_std", "0.02")):
+            value = getattr(self, name)
+            if not _is_real(value) or value <= 0:
+                _fail(name, value, f"must be a finite number > 0, e.g. {example}")
+        if not self.stream_kernels or any(not _is_int(k) or k < 1 for k in self.stream_kernels):
             _fail("stream_kernels", self.stream_kernels, "must be a non-empty tuple of integers >= 1")
-        if self.norm_eps <= 0:
-            _fail("norm_eps", self.norm_eps, "must be > 0")
 
     @classmethod
     def from_dict(cls, values: dict) -> ModelConfig:
-        return from_table(cls, values, table="model", tuple_fields=("stream_kernels",))
+        return from_table(cls, values, table="model")
 
     def to_dict(self) -> dict:
         return to_table(self, list_fields=("stream_kernels",))

@@ -16,6 +16,7 @@ from torch import nn
 
 from attnres_pp.kernels import phase1, phase2, rms_normalize
 from attnres_pp.model.config import ModelConfig
+from attnres_pp.model.decode_state import DecodeStep
 
 
 class DepthRead(nn.Module):
@@ -85,20 +86,24 @@ class BlockReader:
 
     `blocks` are the completed sources b_0..b_n as `[B, T, W]`; `reads` the DepthRead of each
     sublayer in order. Phase 1 runs here, once per stream; `read(i, partial, partial_index)` runs
-    phase 2 for the i-th of them.
+    phase 2 for the i-th of them. When decoding, `decode` is the pass's DecodeStep and `first_site`
+    the global sublayer index of the first read (an open partial's history is kept per reading site).
     """
 
     def __init__(self, cfg: ModelConfig, reads: list[DepthRead], blocks: list[torch.Tensor],
-                 stream_convs: StreamConvs | None, backend: str) -> None:
+                 stream_convs: StreamConvs | None, backend: str, decode: DecodeStep | None = None,
+                 first_site: int = 0) -> None:
         self.cfg = cfg
         self.reads = reads
         self.stream_convs = stream_convs
         self.backend = backend
+        # Incremental decoding: MSAR streams need earlier positions of each source (decode_state).
+        self.decode, self.first_site = decode, first_site
         self.shape_BT = blocks[0].shape[:2]
         # Per stream: phase-1 output [S, BT, d] and lse [S, BT].
         self.phase1_by_stream: list[tuple[torch.Tensor, torch.Tensor]] = []
         if cfg.residual == "msar":
-            per_source = [stream_convs.streams(j, b) for j, b in enumerate(blocks)]
+            per_source = [self._streams(("block", j), j, b) for j, b in enumerate(blocks)]
             for s in range(cfg.n_streams):
                 values_NTD = torch.stack([self._flat(streams[s]) for streams in per_source])
                 queries_SD = torch.stack([r.query[s] for r in reads])
@@ -109,6 +114,14 @@ class BlockReader:
             queries_SK = torch.stack([r.query for r in reads]) * cfg.logit_scale
             self.phase1_by_stream.append(
                 phase1(values_NTD, queries_SK, keys=keys_NTK, eps=cfg.norm_eps, backend=backend))
+
+    def _streams(self, key: tuple[str, int], source_index: int, v_BTD: torch.Tensor) -> list[torch.Tensor]:
+        """MSAR streams of source `v` at its T positions; when decoding, convolved over the source's
+        stored earlier positions too, so they equal the streams of a whole-sequence forward."""
+        if self.decode is None:
+            return self.stream_convs.streams(source_index, v_BTD)
+        v_BSD, n_prefix = self.decode.with_history(key, v_BTD)
+        return [s_BSD[:, n_prefix:] for s_BSD in self.stream_convs.streams(source_index, v_BSD)]
 
     def _flat(self, x_BTW: torch.Tensor) -> torch.Tensor:
         return x_BTW.reshape(-1, x_BTW.shape[-1])
@@ -135,7 +148,7 @@ class BlockReader:
                 out1_TD = phase2(out1_TD, lse1_T, values_TD, read.query * cfg.logit_scale,
                                  partial_key=keys_TK, eps=cfg.norm_eps, backend=self.backend)
             return out1_TD.view(*self.shape_BT, cfg.d_model)
-        partial_streams = (self.stream_convs.streams(partial_index, partial_BTW)
+        partial_streams = (self._streams(("partial", self.first_site + i), partial_index, partial_BTW)
                            if partial_BTW is not None else None)
         z_by_stream = []
         for s, (out1_STD, lse1_ST) in enumerate(self.phase1_by_stream):

@@ -8,6 +8,7 @@ modules stay plain projections.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnres_pp.model.config import ModelConfig
+from attnres_pp.model.decode_state import KVSlot
 from attnres_pp.model.depth import DepthRead
 
 
@@ -43,11 +45,16 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.d_model, cfg.source_width, bias=False)
         self.read = DepthRead(cfg)
 
-    def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
+    def forward(self, h_BTD: torch.Tensor, kv: KVSlot | None = None) -> torch.Tensor:
+        """`kv` (incremental decoding): this layer's cache; the T tokens of h sit at its pass's positions."""
         batch, seq, width = h_BTD.shape
         qkv = self.qkv(self.norm(h_BTD)).view(batch, seq, 3, self.n_heads, width // self.n_heads)
         q_BHTE, k_BHTE, v_BHTE = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        y_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTE, is_causal=True)
+        if kv is None:
+            y_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTE, is_causal=True)
+        else:
+            k_BHSE, v_BHSE = kv.append(k_BHTE, v_BHTE)
+            y_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSE, **kv.sdpa_mask(h_BTD.device))
         return self.proj(y_BHTE.transpose(1, 2).reshape(batch, seq, width))
 
 
@@ -86,24 +93,58 @@ class Embedding(nn.Module):
         self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.key_proj = nn.Linear(cfg.d_model, cfg.projected_key_rank, bias=False) if cfg.projected_key_rank else None
 
-    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
-        positions_T = torch.arange(idx_BT.shape[1], device=idx_BT.device)
+    def forward(self, idx_BT: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """`start`: the position of the first token (incremental decoding)."""
+        positions_T = torch.arange(start, start + idx_BT.shape[1], device=idx_BT.device)
         o_emb_BTD = self.tok(idx_BT) + self.pos(positions_T)
         if self.key_proj is None:
             return o_emb_BTD
         return torch.cat([o_emb_BTD, self.key_proj(o_emb_BTD)], dim=-1)
 
 
-def init_weights(module: nn.Module, cfg: ModelConfig) -> None:
-    """GPT-2 style init; output projections scaled by 1/sqrt(2 n_layers) so sums stay O(1).
+def parameter_seed(seed: int, name: str) -> int:
+    """The random stream of parameter `name` (its whole-model name) in a run seeded with `seed`.
 
-    Pseudo-queries and gates keep their own (zero / moving-average) init from their constructors.
+    A stable hash, not Python's salted `hash`, so every process and every rank agrees on it."""
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def _init_value(module_name: str, module: nn.Module, param_name: str, shape: torch.Size, cfg: ModelConfig,
+                generator: torch.Generator) -> torch.Tensor:
+    """The initial float32 value of `module.<param_name>`; `module_name` is the module's whole-model name."""
+    if isinstance(module, nn.Linear | nn.Embedding):
+        std = cfg.init_std
+        # GPT-2: output projections scaled by 1/sqrt(2 n_layers) so the sums of sublayer outputs stay O(1).
+        if module_name.endswith(("proj", "down")) and not module_name.endswith("key_proj"):
+            std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        return torch.empty(shape).normal_(0.0, std, generator=generator)
+    if isinstance(module, RMSNorm):
+        return torch.ones(shape)
+    if isinstance(module, DepthRead):
+        # Zero queries make every read a plain mean at step 0; gates start at sigmoid(0) = 0.5.
+        return torch.ones(shape) if param_name == "gate_alpha" else torch.zeros(shape)
+    if module_name.startswith("stream_convs."):
+        return torch.full(shape, 1.0 / shape[0])  # causal moving average over kappa = shape[0] taps
+    raise ValueError(f"no initialisation rule for parameter {module_name}.{param_name} "
+                     f"({type(module).__name__}): add one to attnres_pp.model.layers.init_weights")
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
+    """Initialise every materialised parameter of `model` (a whole Transformer, possibly on the meta
+    device in part) from its whole-model name and `seed` alone.
+
+    Each parameter draws from its own generator, seeded by (seed, name): its value does not depend
+    on which other parameters a process holds or in which order they are built, so a pipeline rank
+    that materialises only its own chunks gets exactly the single-process model's values. Values are
+    drawn in float32 on the CPU and then copied, so they do not depend on the device or dtype either.
+    Parameters still on the meta device (other ranks' chunks) are skipped.
     """
-    for name, sub in module.named_modules():
-        if isinstance(sub, nn.Linear):
-            std = cfg.init_std
-            if name.endswith(("proj", "down")) and not name.endswith("key_proj"):
-                std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-            nn.init.normal_(sub.weight, mean=0.0, std=std)
-        elif isinstance(sub, nn.Embedding):
-            nn.init.normal_(sub.weight, mean=0.0, std=cfg.init_std)
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if param.is_meta:
+                continue
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            generator = torch.Generator().manual_seed(parameter_seed(seed, name))
+            param.copy_(_init_value(module_name, module, param_name, param.shape, cfg, generator))

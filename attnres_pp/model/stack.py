@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from attnres_pp.model.config import ModelConfig, block_of, completes_block
+from attnres_pp.model.decode_state import DecodeStep
 from attnres_pp.model.depth import BlockReader, StreamConvs, emit_source
 from attnres_pp.model.layers import TransformerLayer
 from attnres_pp.model.precision import to_activation
@@ -30,18 +31,20 @@ class DepthState:
 
 
 def forward_sublayers(cfg: ModelConfig, layers: Mapping[int, TransformerLayer], stream_convs: StreamConvs | None,
-                      state: DepthState, sublayers: range, backend: str = "auto") -> DepthState:
+                      state: DepthState, sublayers: range, backend: str = "auto",
+                      decode: DecodeStep | None = None) -> DepthState:
     """Run sublayers `sublayers` (global indices) on `state`; returns the state after them.
 
     `layers[i]` must hold transformer layer i for every sublayer in range. A sublayer that completes a
     block (or is the model's last) moves the partial into `blocks`. Each output passes `emit_source`
     before it is summed, here and nowhere else, so pipeline chunks inherit the same rule; under
     bf16 autocast every stored tensor is bf16 (`precision.to_activation`).
+    `decode`: incremental decoding, the state's tokens are one pass of a DecodeState (SPEC 7).
     """
     if cfg.residual == "standard":
         residual = state.residual
         for l in sublayers:
-            residual = to_activation(residual + layers[l // 2].sublayer(l % 2)(residual))
+            residual = to_activation(residual + _sublayer_output(layers, l, residual, decode))
         return DepthState(residual=residual)
 
     blocks, partial = list(state.blocks), state.partial
@@ -53,12 +56,20 @@ def forward_sublayers(cfg: ModelConfig, layers: Mapping[int, TransformerLayer], 
             # Phase 1 for this block's sublayers that lie in `sublayers` (one batched read).
             segment_stop = min(sublayers.stop, block_index * cfg.block_size)
             reads = [layers[j // 2].sublayer(j % 2).read for j in range(l, segment_stop)]
-            reader = BlockReader(cfg, reads, blocks, stream_convs, backend)
+            reader = BlockReader(cfg, reads, blocks, stream_convs, backend, decode, l)
             segment_start = l
-        sublayer = layers[l // 2].sublayer(l % 2)
-        out_BTW = to_activation(emit_source(cfg, sublayer(reader.read(l - segment_start, partial, block_index))))
+        h_BTD = reader.read(l - segment_start, partial, block_index)
+        out_BTW = to_activation(emit_source(cfg, _sublayer_output(layers, l, h_BTD, decode)))
         partial = out_BTW if partial is None else partial + out_BTW
         if completes_block(l, cfg.block_size, cfg.n_sublayers):
             blocks.append(partial)
             partial, reader = None, None
     return DepthState(blocks=blocks, partial=partial)
+
+
+def _sublayer_output(layers: Mapping[int, TransformerLayer], l: int, h_BTD: torch.Tensor,
+                     decode: DecodeStep | None) -> torch.Tensor:
+    sublayer = layers[l // 2].sublayer(l % 2)
+    if decode is None or l % 2:  # the MLP is per token: nothing to carry between passes
+        return sublayer(h_BTD)
+    return sublayer(h_BTD, decode.kv(l // 2))

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnres_pp.model.config import ModelConfig
+from attnres_pp.model.decode_state import DecodeStep
 from attnres_pp.model.depth import BlockReader, DepthRead, StreamConvs, emit_source
 from attnres_pp.model.layers import Embedding, RMSNorm, TransformerLayer, init_weights
 from attnres_pp.model.precision import PRECISIONS, compute_context, to_activation
@@ -23,18 +24,20 @@ class Head(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
-    def forward(self, state: DepthState, stream_convs: StreamConvs | None, backend: str) -> torch.Tensor:
+    def forward(self, state: DepthState, stream_convs: StreamConvs | None, backend: str,
+                decode: DecodeStep | None = None) -> torch.Tensor:
         if self.cfg.residual == "standard":
             h_BTD = state.residual
         else:
             # The last sublayer always completes a block, so no partial is open here.
-            reader = BlockReader(self.cfg, [self.read], state.blocks, stream_convs, backend)
+            reader = BlockReader(self.cfg, [self.read], state.blocks, stream_convs, backend, decode,
+                                 self.cfg.n_sublayers)
             h_BTD = reader.read(0, None, 0)
         return self.lm_head(self.norm(h_BTD))
 
 
-def embed_state(cfg: ModelConfig, embedding: Embedding, idx_BT: torch.Tensor) -> DepthState:
-    o_emb = to_activation(embedding(idx_BT))
+def embed_state(cfg: ModelConfig, embedding: Embedding, idx_BT: torch.Tensor, start: int = 0) -> DepthState:
+    o_emb = to_activation(embedding(idx_BT, start))
     if cfg.residual == "standard":
         return DepthState(residual=o_emb)
     return DepthState(blocks=[to_activation(emit_source(cfg, o_emb))])
@@ -46,30 +49,39 @@ def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
 
 class Transformer(nn.Module):
     """Decoder-only LM of SPEC section 1. `model(idx)` -> logits; `model(idx, targets)` -> mean loss.
-    `precision` "bf16" runs the forward under bf16 autocast (see `model.precision`)."""
+    `precision` "bf16" runs the forward under bf16 autocast (see `model.precision`).
 
-    def __init__(self, cfg: ModelConfig, *, backend: str = "auto", precision: str = "fp32") -> None:
+    Parameters are initialised from `seed` and their whole-model names (`layers.init_weights`), not
+    from torch's global generator. Built under `torch.device("meta")` the model allocates nothing:
+    a pipeline rank then materialises and initialises only its own chunks (`pipeline.chunk`).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, backend: str = "auto", seed: int = 0, precision: str = "fp32") -> None:
         super().__init__()
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is invalid: choose one of {', '.join(PRECISIONS)}")
         self.cfg = cfg
         self.backend = backend
+        self.seed = seed
         self.precision = precision
         self.embed = Embedding(cfg)
         self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(cfg.n_layers))
         self.head = Head(cfg)
         self.stream_convs = StreamConvs(cfg) if cfg.residual == "msar" else None
-        init_weights(self, cfg)
+        init_weights(self, cfg, seed)  # skips meta parameters: nothing to do on the meta device
 
-    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None, *,
+                decode: DecodeStep | None = None) -> torch.Tensor:
+        """`decode`: run idx as one pass of incremental decoding (its tokens at the pass's positions,
+        attending to the cached earlier ones; see model.decode_state)."""
         if idx_BT.shape[1] > self.cfg.seq_len:
             raise ValueError(f"sequence of {idx_BT.shape[1]} tokens exceeds seq_len={self.cfg.seq_len}")
         with compute_context(self.precision, idx_BT.device.type):
-            state = embed_state(self.cfg, self.embed, idx_BT)
+            state = embed_state(self.cfg, self.embed, idx_BT, 0 if decode is None else decode.start)
             layers = dict(enumerate(self.layers))
             state = forward_sublayers(self.cfg, layers, self.stream_convs, state, range(self.cfg.n_sublayers),
-                                      self.backend)
-            logits = self.head(state, self.stream_convs, self.backend)
+                                      self.backend, decode)
+            logits = self.head(state, self.stream_convs, self.backend, decode)
             return logits if targets_BT is None else lm_loss(logits, targets_BT)
 
 

@@ -1,7 +1,11 @@
-"""One pipeline chunk: a contiguous range of transformer layers cut out of the whole model.
+"""One pipeline chunk: a contiguous range of transformer layers cut out of the whole model, and the
+rank-local model a pipeline rank builds.
 
-Chunks are built from a whole `Transformer` made with the run's seed, so every chunk's parameters
-are exactly the same parameters of the single-process model, under the same names.
+A rank builds the whole `Transformer` on the meta device (no memory), then materialises only the
+submodules its chunks use (`rank_module_names`) and initialises them by whole-model name
+(`model.layers.init_weights`), so its parameters equal the single-process model's under the same
+names while the other ranks' chunks cost it nothing. Chunks can also be cut from a whole,
+materialised model (the in-process tests do).
 """
 
 from __future__ import annotations
@@ -11,6 +15,9 @@ from torch import nn
 
 from attnres_pp.comm.partition import Partition
 from attnres_pp.comm.plan import RESIDUAL, Source
+from attnres_pp.model.config import ModelConfig
+from attnres_pp.model.decode_state import DecodeStep
+from attnres_pp.model.layers import init_weights
 from attnres_pp.model.precision import compute_context
 from attnres_pp.model.stack import DepthState, forward_sublayers
 from attnres_pp.model.transformer import Transformer, embed_state, lm_loss
@@ -40,18 +47,30 @@ class PipelineChunk(nn.Module):
     def forward(self, sources: dict[Source, torch.Tensor], idx_BT: torch.Tensor | None = None,
                 targets_BT: torch.Tensor | None = None) -> tuple[dict[Source, torch.Tensor], torch.Tensor | None]:
         """sources: the chunk's inputs by name. Returns (sources this chunk produced, loss or None)."""
-        device = (idx_BT if idx_BT is not None else next(iter(sources.values()))).device
-        with compute_context(self.precision, device.type):
-            return self._forward(sources, idx_BT, targets_BT)
+        with compute_context(self.precision, _device_of(sources, idx_BT).type):
+            produced, logits = self.run(sources, idx_BT)
+            return produced, None if logits is None else lm_loss(logits, targets_BT)
 
-    def _forward(self, sources, idx_BT, targets_BT):
+    def run(self, sources: dict[Source, torch.Tensor], idx_BT: torch.Tensor | None = None,
+            decode: DecodeStep | None = None) -> tuple[dict[Source, torch.Tensor], torch.Tensor | None]:
+        """The forward without the loss: (sources produced, logits [B, T, V] on the last chunk or None).
+        `decode`: one pass of incremental decoding over this rank's DecodeState (generation). Runs in
+        the model's precision (bf16 autocast under bf16, as `Transformer.forward` does)."""
+        with compute_context(self.precision, _device_of(sources, idx_BT).type):
+            return self._run(sources, idx_BT, decode)
+
+    def _run(self, sources: dict[Source, torch.Tensor], idx_BT: torch.Tensor | None,
+             decode: DecodeStep | None) -> tuple[dict[Source, torch.Tensor], torch.Tensor | None]:
         cfg, convs = self.cfg, self._stream_convs[0]
-        state = embed_state(cfg, self.embed, idx_BT) if self.is_first else _state_from_sources(sources)
+        if self.is_first:
+            state = embed_state(cfg, self.embed, idx_BT, 0 if decode is None else decode.start)
+        else:
+            state = _state_from_sources(sources)
         n_before = len(state.blocks)
         state = forward_sublayers(cfg, {int(k): v for k, v in self.layers.items()}, convs, state,
-                                  self.sublayers, self.backend)
+                                  self.sublayers, self.backend, decode)
         if self.is_last:
-            return {}, lm_loss(self.head(state, convs, self.backend), targets_BT)
+            return {}, self.head(state, convs, self.backend, decode)
         if cfg.residual == "standard":
             return {RESIDUAL: state.residual}, None
         first_new = 0 if self.is_first else n_before
@@ -61,6 +80,10 @@ class PipelineChunk(nn.Module):
         return produced, None
 
 
+def _device_of(sources: dict[Source, torch.Tensor], idx_BT: torch.Tensor | None) -> torch.device:
+    return (idx_BT if idx_BT is not None else next(iter(sources.values()))).device
+
+
 def _state_from_sources(sources: dict[Source, torch.Tensor]) -> DepthState:
     if RESIDUAL in sources:
         return DepthState(residual=sources[RESIDUAL])
@@ -68,6 +91,37 @@ def _state_from_sources(sources: dict[Source, torch.Tensor]) -> DepthState:
     blocks = [sources[Source("block", j)] for j in range(n_blocks)]
     partial = next((t for s, t in sources.items() if s.kind == "partial"), None)
     return DepthState(blocks=blocks, partial=partial)
+
+
+def rank_module_names(cfg: ModelConfig, partition: Partition, pp_rank: int) -> list[str]:
+    """Whole-model names of the submodules rank `pp_rank` holds: its chunks' transformer layers, the
+    embedding (chunk 0), the head (the last chunk) and, under MSAR, every source's stream convs.
+
+    The convs are tied parameters replicated on every rank rather than only on the ranks that read
+    each source: they are tiny ((blocks + 1) x d x sum(kappa) numbers), and one replica everywhere
+    makes their gradient sum a single all-reduce over all ranks instead of one group per source."""
+    names = [f"layers.{i}" for c in partition.chunks_of(pp_rank) for i in partition.layer_range(c)]
+    if partition.rank_of(0) == pp_rank:
+        names.insert(0, "embed")
+    if partition.rank_of(partition.n_chunks - 1) == pp_rank:
+        names.append("head")
+    if cfg.residual == "msar":
+        names.append("stream_convs")
+    return names
+
+
+def build_rank_model(cfg: ModelConfig, partition: Partition, pp_rank: int, *, seed: int, backend: str = "auto",
+                     device: torch.device | str = "cpu", precision: str = "fp32"
+                     ) -> tuple[Transformer, dict[int, PipelineChunk]]:
+    """The model skeleton of rank `pp_rank` (other ranks' parameters stay on the meta device, with no
+    storage) and its chunks, whose parameters equal `Transformer(cfg, seed=seed)`'s; the chunks
+    compute in `precision` (`model.precision`)."""
+    with torch.device("meta"):
+        model = Transformer(cfg, backend=backend, seed=seed, precision=precision)
+    for name in rank_module_names(cfg, partition, pp_rank):
+        model.get_submodule(name).to_empty(device=device)
+    init_weights(model, cfg, seed)
+    return model, build_rank_chunks(model, partition, pp_rank)
 
 
 def build_rank_chunks(model: Transformer, partition: Partition, pp_rank: int) -> dict[int, PipelineChunk]:
@@ -80,4 +134,8 @@ def rank_parameters(chunks: dict[int, PipelineChunk], model: Transformer) -> dic
     owned = {id(p) for chunk in chunks.values() for p in chunk.parameters()}
     if model.stream_convs is not None:
         owned |= {id(p) for p in model.stream_convs.parameters()}
-    return {name: p for name, p in model.named_parameters() if id(p) in owned}
+    params = {name: p for name, p in model.named_parameters() if id(p) in owned}
+    unallocated = [name for name, p in params.items() if p.is_meta]
+    if unallocated:
+        raise RuntimeError(f"chunks use parameters that were never materialised: {unallocated[:5]}")
+    return params

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from attnres_pp.comm.link import LinkModel
 from attnres_pp.config_tables import from_table, to_table
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -17,10 +19,16 @@ PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD")
 P2P_SEMANTICS = ("auto", "gloo", "nccl")
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
-    """stages = P physical ranks, virtual = V chunks per rank, cache = the cross-stage block cache,
-    placement = how the ray launcher places the ranks' bundles on nodes."""
+    """stages = P physical ranks, virtual = V chunks per rank, data_parallel = D replicas of the
+    pipeline (D x P ranks in all), cache = the cross-stage block cache, placement = how the ray
+    launcher places the ranks' bundles on nodes. link_gbps (Gb/s) and link_latency_us emulate a
+    slow link on one host (`comm.link`; off when link_gbps is None)."""
 
     stages: int = 1
     virtual: int = 1
@@ -30,13 +38,19 @@ class PipelineConfig:
     layer_counts: tuple[int, ...] | None = None
     timeout_s: float = 120.0
     placement: str = "STRICT_PACK"
+    data_parallel: int = 1
     p2p_semantics: str = "auto"
+    link_gbps: float | None = None
+    link_latency_us: float = 0.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.stages, int) or self.stages < 1:
+        if not _is_int(self.stages) or self.stages < 1:
             raise ValueError(f"PipelineConfig.stages={self.stages!r} is invalid: must be an integer >= 1")
-        if not isinstance(self.virtual, int) or self.virtual < 1:
+        if not _is_int(self.virtual) or self.virtual < 1:
             raise ValueError(f"PipelineConfig.virtual={self.virtual!r} is invalid: must be an integer >= 1")
+        if not isinstance(self.data_parallel, int) or isinstance(self.data_parallel, bool) or self.data_parallel < 1:
+            raise ValueError(f"PipelineConfig.data_parallel={self.data_parallel!r} is invalid: must be an integer >= 1 "
+                             "(replicas of the pipeline; 1 = no data parallelism)")
         if self.schedule not in SCHEDULE_NAMES:
             raise ValueError(
                 f"PipelineConfig.schedule={self.schedule!r} is invalid: choose one of {', '.join(SCHEDULE_NAMES)}"
@@ -55,21 +69,60 @@ class PipelineConfig:
                 f"PipelineConfig.p2p_semantics={self.p2p_semantics!r} is invalid: choose one of "
                 f"{', '.join(P2P_SEMANTICS)} (nccl: NCCL's in-order, rendezvous point-to-point rules)"
             )
-        if self.timeout_s <= 0:
-            raise ValueError(f"PipelineConfig.timeout_s={self.timeout_s!r} is invalid: must be > 0 seconds")
+        if not isinstance(self.cache, bool):
+            raise ValueError(f"PipelineConfig.cache={self.cache!r} is invalid: must be True or False")
+        # Every wait on a rank is bounded by this: nan or inf would let a lost rank hang the run.
+        timeout_ok = isinstance(self.timeout_s, int | float) and not isinstance(self.timeout_s, bool)
+        if not timeout_ok or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
+            raise ValueError(f"PipelineConfig.timeout_s={self.timeout_s!r} is invalid: give a finite number of "
+                             "seconds > 0, e.g. 120 (--timeout 120)")
+        if self.layer_counts is not None and any(not _is_int(n) or n < 1 for n in self.layer_counts):
+            raise ValueError(f"PipelineConfig.layer_counts={list(self.layer_counts)} is invalid: every chunk "
+                             "needs an integer number of layers >= 1")
+        self._check_link()
         if self.layer_counts is not None and len(self.layer_counts) != self.stages * self.virtual:
             raise ValueError(
                 f"PipelineConfig.layer_counts={list(self.layer_counts)} is invalid: give one layer count per "
                 f"chunk, stages x virtual = {self.stages * self.virtual} of them"
             )
 
+    def _check_link(self) -> None:
+        def is_number(value) -> bool:
+            return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+        if self.link_gbps is not None and not (is_number(self.link_gbps) and self.link_gbps > 0):
+            raise ValueError(f"PipelineConfig.link_gbps={self.link_gbps!r} is invalid: the emulated link's bandwidth "
+                             "must be a finite number of Gb/s > 0, e.g. --link-gbps 0.2 (or leave it out: no "
+                             "emulation)")
+        if not (is_number(self.link_latency_us) and self.link_latency_us >= 0):
+            raise ValueError(f"PipelineConfig.link_latency_us={self.link_latency_us!r} is invalid: must be a finite "
+                             "number of microseconds >= 0, e.g. --link-latency-us 20")
+        if self.link_latency_us and self.link_gbps is None:
+            raise ValueError(f"PipelineConfig.link_latency_us={self.link_latency_us!r} needs an emulated link: "
+                             "give its bandwidth too, e.g. --link-gbps 0.2")
+        if self.link_gbps is not None and self.launcher == "inprocess":
+            raise ValueError("PipelineConfig.link_gbps: the link emulation delays messages between rank "
+                             "processes; use --launcher local or ray (inprocess runs every rank in one process)")
+
+    @property
+    def link(self) -> LinkModel | None:
+        """The emulated link, or None (no emulation)."""
+        if self.link_gbps is None:
+            return None
+        return LinkModel(gbps=float(self.link_gbps), latency_s=float(self.link_latency_us) * 1e-6)
+
     @property
     def n_chunks(self) -> int:
         return self.stages * self.virtual
 
     @property
+    def world_size(self) -> int:
+        """Ranks in all: D replicas x P stages."""
+        return self.data_parallel * self.stages
+
+    @property
     def is_single_process(self) -> bool:
-        return self.n_chunks == 1
+        return self.n_chunks == 1 and self.data_parallel == 1
 
     def resolved_p2p(self, backend: str) -> str:
         """The rules the runtime obeys over `backend` ("gloo", "nccl", or "loopback")."""
@@ -82,7 +135,7 @@ class PipelineConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> PipelineConfig:
-        return from_table(cls, values, table="pipeline", tuple_fields=("layer_counts",))
+        return from_table(cls, values, table="pipeline")
 
     def to_dict(self) -> dict:
         return to_table(self, list_fields=("layer_counts",))

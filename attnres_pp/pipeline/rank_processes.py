@@ -15,6 +15,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 
 from attnres_pp.pipeline.errors import WorkerLost
 
@@ -48,6 +49,7 @@ class RankProcesses:
     def __init__(self, target: Callable, n_ranks: int, timeout_s: float, *, name: str,
                  extra_args: list[tuple] | None = None) -> None:
         self.timeout_s = timeout_s
+        self.bytes_exchanged = 0  # pickled requests and replies through the pipes, both directions
         self.conns, self.procs = [], []
         self._rendezvous_dir = tempfile.mkdtemp(prefix=f"{name}-rdzv-")
         init_method = f"file://{self._rendezvous_dir}/rendezvous"
@@ -76,7 +78,9 @@ class RankProcesses:
                 if time.monotonic() > deadline:
                     raise WorkerLost(rank, f"rank {rank} did not answer {what} within {self.timeout_s:.0f} s")
             try:
-                status, value = conn.recv()
+                message = conn.recv_bytes()
+                self.bytes_exchanged += len(message)
+                status, value = ForkingPickler.loads(message)
             except EOFError:
                 raise WorkerLost(rank, f"rank {rank} closed its pipe during {what}") from None
             if status == "error":
@@ -94,7 +98,10 @@ class RankProcesses:
 
     def call(self, method: str, args_by_rank: list[tuple]) -> list:
         for conn, args in zip(self.conns, args_by_rank, strict=True):
-            conn.send((method, args))
+            # What conn.send does, with the bytes counted (`bytes_exchanged`).
+            message = ForkingPickler.dumps((method, args))
+            self.bytes_exchanged += len(message)
+            conn.send_bytes(message)
         return self.gather(method)
 
     def call_all(self, method: str) -> list:

@@ -15,6 +15,7 @@ entry), so the wire carries, and the ledger counts, only what crosses between ra
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -99,8 +100,11 @@ class StageRuntime:
 
     # ---- one step ----
     def start_step(self, inputs_by_mb: list[torch.Tensor] | None, targets_by_mb: list[torch.Tensor] | None,
-                   loss_scale: float) -> None:
+                   loss_scale: float, *, forward_only: bool = False) -> None:
+        """`forward_only`: for a schedule of F actions and their hops alone (evaluation): forwards run
+        without autograd and keep no context for a backward."""
         self._inputs_by_mb, self._targets_by_mb, self._loss_scale = inputs_by_mb, targets_by_mb, loss_scale
+        self._forward_only = forward_only
         self._received: dict[tuple[int, int], dict[Source, torch.Tensor]] = {}
         self._out_grads: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._outbox: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -201,14 +205,16 @@ class StageRuntime:
             inputs[source] = self.cache.read(mb, source)
         idx = self._inputs_by_mb[mb] if chunk.is_first else None
         targets = self._targets_by_mb[mb] if chunk.is_last else None
-        produced, loss = chunk(inputs, idx, targets)
+        with torch.no_grad() if self._forward_only else contextlib.nullcontext():
+            produced, loss = chunk(inputs, idx, targets)
         for source in io.cache_puts:
             self.cache.put(mb, source, produced.get(source, inputs.get(source)))
         for source in io.frees:
             self.cache.free(mb, source)
         if loss is not None:
             self.record.losses[mb] = float(loss.detach())
-        self._contexts[(c, mb)] = _ChunkContext(inputs, produced, loss)
+        if not self._forward_only:
+            self._contexts[(c, mb)] = _ChunkContext(inputs, produced, loss)
         if not chunk.is_last:  # the hop's tensors (none on a self-hop that carries nothing)
             self._outbox[(c, mb)] = [produced.get(s, inputs.get(s)) for s in io.sent]
 

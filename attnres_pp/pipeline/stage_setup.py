@@ -37,12 +37,12 @@ def check_split(n_layers: int, pipe: PipelineConfig, n_microbatches: int) -> Par
     return partition
 
 
-def init_process_group(init_method: str, pp_rank: int, world_size: int, timeout_s: float,
+def init_process_group(init_method: str, rank: int, world_size: int, timeout_s: float,
                        device: str = "cpu") -> tuple[str, torch.device]:
     """Join the run's process group on the device the driver decided (`train.devices`): "cuda" is
     nccl with this rank's own GPU (Ray gives each actor one GPU, device 0 in its view; local
-    processes take GPU pp_rank of the node), "cpu" is gloo. Every collective and p2p op times out
-    after timeout_s."""
+    processes take GPU `rank` (their global rank) of the node), "cpu" is gloo. Every collective and
+    p2p op times out after timeout_s."""
     import torch.distributed as dist
 
     if device not in ("cpu", "cuda"):
@@ -50,9 +50,9 @@ def init_process_group(init_method: str, pp_rank: int, world_size: int, timeout_
     backend = "nccl" if device == "cuda" else "gloo"
     rank_device = torch.device("cpu")
     if device == "cuda":
-        torch.cuda.set_device(pp_rank % torch.cuda.device_count())
+        torch.cuda.set_device(rank % torch.cuda.device_count())
         rank_device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group(backend, init_method=init_method, rank=pp_rank, world_size=world_size,
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
     if device == "cuda":
         # Initialise the NCCL communicator with every rank now: the first batched p2p call may

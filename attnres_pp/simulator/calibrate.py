@@ -46,9 +46,14 @@ def _read_summary(run_dir: Path) -> dict:
     path = run_dir / "summary.json"
     if not path.is_file():
         raise ValueError(f"{path} is missing: --calibrate-from needs a run directory written by `attnres-pp train`")
-    config = json.loads(path.read_text()).get("config", {})
-    if "pipeline" not in config:
-        raise ValueError(f"{path} has no config.pipeline section: is it a pipelined run?")
+    try:
+        summary = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}): point --calibrate-from at a finished run") from None
+    config = summary.get("config", {}) if isinstance(summary, dict) else {}
+    pipeline = config.get("pipeline") if isinstance(config, dict) else None
+    if not isinstance(pipeline, dict) or not {"stages", "virtual"} <= set(pipeline):
+        raise ValueError(f"{path} has no config.pipeline section with stages and virtual: is it a pipelined run?")
     return config
 
 
@@ -77,7 +82,10 @@ def calibrate_from(run_dir: str | Path, *, runtime_overhead: bool = True) -> Cal
     trace_path = run_dir / "trace.json"
     if not trace_path.is_file():
         raise ValueError(f"{trace_path} is missing: run training with tracing enabled")
-    events = read_chrome_trace(trace_path)
+    try:
+        events = read_chrome_trace(trace_path)
+    except (ValueError, KeyError, TypeError) as error:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{trace_path} is not a Chrome trace written by `attnres-pp train` ({error!r})") from None
     if not events:
         raise ValueError(f"{trace_path} holds no complete ('X') events")
     n_chunks = n_stages * n_virtual

@@ -1,4 +1,4 @@
-"""`attnres-pp simulate comm | schedule | sweep`: the simulator's command line.
+"""`attnres-pp simulate comm | schedule | sweep | project | predict`: the simulator's command line.
 
 Flags only fill in the validated objects of the simulator (ModelConfig, CostModel, SweepBase);
 a bad value prints one line `attnres-pp simulate X: error: ...` and exits with code 2.
@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from attnres_pp.comm.partition import make_partition
 from attnres_pp.comm.plan import plan_for_model
 from attnres_pp.model.config import KEY_MODES, RESIDUALS, ModelConfig
+from attnres_pp.out_paths import check_out_dir, check_out_file
 from attnres_pp.pipeline.schedules import SCHEDULES, build_schedule
 from attnres_pp.pipeline.trace import write_chrome_trace
 from attnres_pp.simulator.calibrate import calibrate_from
 from attnres_pp.simulator.comm import DTYPE_BYTES, comm_report, format_comm_table
 from attnres_pp.simulator.costs import PROFILES, DeviceProfile, model_costs, unit_costs
-from attnres_pp.simulator.engine import simulate
+from attnres_pp.simulator.engine import paused_gc, simulate
 from attnres_pp.simulator.metrics import format_summary, summarize
 from attnres_pp.simulator.plot import plot_timeline
 from attnres_pp.simulator.sweep import SWEEPS, SweepBase, run_sweeps
@@ -32,26 +34,29 @@ def register(subparsers) -> None:
 
     comm = commands.add_parser("comm", help="tensors and bytes per hop for the four modes")
     _model_flags(comm, required=True)
-    comm.add_argument("--stages", type=int, required=True, help="P, pipeline ranks")
-    comm.add_argument("--virtual", type=int, default=1, help="V, chunks per rank (default 1)")
+    comm.add_argument("--stages", type=_count(1), required=True, help="P, pipeline ranks")
+    comm.add_argument("--virtual", type=_count(1), default=1, help="V, chunks per rank (default 1)")
     comm.add_argument("--layer-counts", default=None, help="layers per chunk, comma separated")
     comm.add_argument("--json", action="store_true", help="print one JSON object")
     comm.set_defaults(func=_run_comm, parser=comm)
 
     schedule = commands.add_parser("schedule", help="discrete-event simulation of a pipeline schedule")
     schedule.add_argument("--schedule", choices=sorted(SCHEDULES), default=None)
-    schedule.add_argument("--stages", type=int, default=None, help="P, pipeline ranks")
-    schedule.add_argument("--virtual", type=int, default=1, help="V, chunks per rank (default 1)")
-    schedule.add_argument("--microbatches", type=int, default=None, help="m, microbatches per step")
+    schedule.add_argument("--stages", type=_count(1), default=None, help="P, pipeline ranks")
+    schedule.add_argument("--virtual", type=_count(1), default=1, help="V, chunks per rank (default 1)")
+    schedule.add_argument("--microbatches", type=_count(1), default=None, help="m, microbatches per step")
     schedule.add_argument("--costs", choices=("unit", "model"), default="unit",
                           help="unit: F=1, B=2 per rank and microbatch, free links (default); "
                                "model: FLOPs and links from --layers ... and --profile")
     _model_flags(schedule, required=False)
     schedule.add_argument("--no-cache", action="store_true", help="AttnRes without the cross-stage cache")
     schedule.add_argument("--profile", choices=sorted(PROFILES), default="h100-ib")
-    schedule.add_argument("--tflops", type=float, default=None, help="achieved TFLOP/s (overrides profile)")
-    schedule.add_argument("--bandwidth-gbs", type=float, default=None, help="link GB/s (overrides profile)")
-    schedule.add_argument("--latency-us", type=float, default=None, help="link latency (overrides profile)")
+    schedule.add_argument("--tflops", type=_real(positive=True, example="400"), default=None,
+                          help="achieved TFLOP/s (overrides profile)")
+    schedule.add_argument("--bandwidth-gbs", type=_real(positive=True, example="40"), default=None,
+                          help="link GB/s (overrides profile)")
+    schedule.add_argument("--latency-us", type=_real(positive=False, example="10"), default=None,
+                          help="link latency (overrides profile)")
     schedule.add_argument("--no-overlap", action="store_true", help="a sender is busy for the link time")
     schedule.add_argument("--calibrate-from", metavar="RUN_DIR", default=None,
                           help="costs and schedule from a measured run's trace.json and summary.json")
@@ -63,31 +68,66 @@ def register(subparsers) -> None:
     sweep = commands.add_parser("sweep", help="tables and plots: comm vs depth/blocks/P/V, bubble vs m/V")
     sweep.add_argument("--only", choices=sorted(SWEEPS), default=None, help="run one family of sweeps")
     sweep.add_argument("--out", metavar="DIR", default=None, help="write NAME.png per sweep and sweeps.md")
-    sweep.add_argument("--layers", type=int, default=64)
-    sweep.add_argument("--blocks", type=int, default=8, help="blocks = sublayers / block size")
-    sweep.add_argument("--stages", type=int, default=4)
-    sweep.add_argument("--virtual", type=int, default=2)
-    sweep.add_argument("--microbatches", type=int, default=16)
-    sweep.add_argument("--tokens", type=int, default=4096, help="tokens per microbatch")
-    sweep.add_argument("--d-model", type=int, default=4096)
-    sweep.add_argument("--key-rank", type=int, default=0, help="extra width of projected low-rank keys")
+    sweep.add_argument("--layers", type=_count(1), default=64)
+    sweep.add_argument("--blocks", type=_count(1), default=8, help="blocks = sublayers / block size")
+    sweep.add_argument("--stages", type=_count(1), default=4)
+    sweep.add_argument("--virtual", type=_count(1), default=2)
+    sweep.add_argument("--microbatches", type=_count(1), default=16)
+    sweep.add_argument("--tokens", type=_count(1), default=4096, help="tokens per microbatch")
+    sweep.add_argument("--d-model", type=_count(1), default=4096)
+    sweep.add_argument("--key-rank", type=_count(0), default=0, help="extra width of projected low-rank keys")
     sweep.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     sweep.set_defaults(func=_run_sweep, parser=sweep)
 
+    from attnres_pp.simulator import predict_cli, project_cli
+
+    project_cli.register(commands)
+    predict_cli.register(commands)
+
 
 def _model_flags(parser: argparse.ArgumentParser, *, required: bool) -> None:
-    parser.add_argument("--layers", type=int, required=required, default=None, help="transformer layers")
-    parser.add_argument("--block-size", type=int, required=required, default=None,
+    parser.add_argument("--layers", type=_count(1), required=required, default=None, help="transformer layers")
+    parser.add_argument("--block-size", type=_count(1), required=required, default=None,
                         help="sublayers per block (1 = Full AttnRes)")
     parser.add_argument("--residual", choices=RESIDUALS, default="attnres")
     parser.add_argument("--key-mode", choices=KEY_MODES, default="projected")
-    parser.add_argument("--key-rank", type=int, default=8, help="r of low-rank keys (lr_attnres)")
-    parser.add_argument("--d-model", type=int, default=4096)
-    parser.add_argument("--d-ff", type=int, default=0, help="MLP width (0 = 4 x d-model)")
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--vocab-size", type=int, default=32000)
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens per microbatch")
+    parser.add_argument("--key-rank", type=_count(1), default=8, help="r of low-rank keys (lr_attnres)")
+    parser.add_argument("--d-model", type=_count(1), default=4096)
+    parser.add_argument("--d-ff", type=_count(0), default=0, help="MLP width (0 = 4 x d-model)")
+    parser.add_argument("--seq-len", type=_count(1), default=4096)
+    parser.add_argument("--vocab-size", type=_count(1), default=32000)
+    parser.add_argument("--tokens", type=_count(1), default=4096, help="tokens per microbatch")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
+
+
+def _count(minimum: int):
+    """argparse type: an integer >= `minimum`; argparse prints the refusal as one line naming the flag."""
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer: give a whole number >= {minimum}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is invalid: give an integer >= {minimum}")
+        return value
+
+    return count
+
+
+def _real(*, positive: bool, example: str):
+    """argparse type: a finite number > 0 (`positive`) or >= 0; nan and inf would make every figure nan."""
+    bound = "> 0" if positive else ">= 0"
+
+    def real(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number: give e.g. {example}") from None
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise argparse.ArgumentTypeError(f"{text} is invalid: give a finite number {bound}, e.g. {example}")
+        return value
+
+    return real
 
 
 def _fail(args: argparse.Namespace, message: str) -> int:
@@ -126,7 +166,13 @@ def _run_comm(args: argparse.Namespace) -> int:
 
 def _run_schedule(args: argparse.Namespace) -> int:
     try:
-        report, result = _simulate_schedule(args)
+        # Checked first: a bad path would otherwise fail after the simulation, with a traceback.
+        if args.trace:
+            check_out_file(args.trace, "--trace", "trace.json")
+        if args.plot:
+            check_out_file(args.plot, "--plot", "timeline.png")
+        with paused_gc():
+            report, result = _simulate_schedule(args)
     except ValueError as error:  # ScheduleError included: its table follows the first line
         return _fail(args, str(error))
     if args.trace:
@@ -211,6 +257,8 @@ def _run_sweep(args: argparse.Namespace) -> int:
                          n_virtual=args.virtual, n_microbatches=args.microbatches, tokens=args.tokens,
                          d_model=args.d_model, key_rank=args.key_rank, dtype=args.dtype)
         kinds = (args.only,) if args.only else tuple(SWEEPS)
+        if args.out:
+            check_out_dir(args.out, "--out")
         sweeps = run_sweeps(base, kinds, args.out, progress=lambda line: print(line, file=sys.stderr))
     except ValueError as error:
         return _fail(args, str(error))

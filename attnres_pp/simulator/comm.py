@@ -30,13 +30,14 @@ def plan_for_mode(mode: str, *, n_sublayers: int, block_size: int, partition: Pa
     return plan_payloads(n_sublayers=n_sublayers, block_size=block_size, partition=partition, mode=mode)
 
 
-def closed_form_naive(n_chunks: int) -> list[int]:
-    """SPEC 4.2: with one block completing per chunk, naive hop c carries c + 2 tensors."""
-    return [c + 2 for c in range(n_chunks - 1)]
+def closed_form_naive(n_stages: int, n_virtual: int) -> list[int]:
+    """SPEC 4.2 (loop placement): with one block completing per chunk, naive hop c carries c + 2
+    tensors over the wire; with P = 1 every hop is a self-hop and carries none (SPEC 3)."""
+    return [c + 2 if n_stages > 1 else 0 for c in range(n_stages * n_virtual - 1)]
 
 
 def closed_form_cached(n_stages: int, n_virtual: int) -> list[int]:
-    """SPEC 4.2: cached hops carry c + 2 while c + 1 < P, then P - 1 each."""
+    """SPEC 4.2: cached hops carry c + 2 while c + 1 < P, then P - 1 each (0 for P = 1: self-hops)."""
     return [c + 2 if c + 1 < n_stages else n_stages - 1 for c in range(n_stages * n_virtual - 1)]
 
 
@@ -95,6 +96,8 @@ def comm_report(*, n_layers: int, block_size: int, n_stages: int, n_virtual: int
         raise ValueError(f"dtype {dtype!r} is unknown; choose one of {', '.join(DTYPE_BYTES)}")
     if tokens < 1:
         raise ValueError(f"tokens={tokens} is invalid: tokens per microbatch must be >= 1")
+    if n_stages < 1 or n_virtual < 1:  # before the partition divides by stages x virtual
+        raise ValueError(f"stages={n_stages}, virtual={n_virtual} are invalid: each must be an integer >= 1")
     partition = make_partition(n_layers, n_stages, n_virtual, layer_counts)
     counts = {mode: plan_for_mode(mode, n_sublayers=2 * n_layers, block_size=block_size,
                                   partition=partition).fwd_hop_tensors for mode in COMM_MODES}

@@ -11,6 +11,7 @@ Links are modelled without contention: each message has its own latency and band
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from attnres_pp.comm.partition import Partition
@@ -20,14 +21,32 @@ from attnres_pp.model.config import ModelConfig
 
 @dataclass(frozen=True, kw_only=True)
 class CostModel:
-    """forward_s[c] / backward_s[c]: one microbatch through chunk c; hop_fwd_s[c] / hop_bwd_s[c]:
-    one message on hop c <-> c + 1 (forward activations / backward gradients). overlap_comm=False
-    keeps a sender busy for the whole link time (no compute/communication overlap)."""
+    """Seconds per action of a pipelined step.
+
+    forward_s[c] / backward_s[c]: one microbatch through chunk c. hop_fwd_s[c] / hop_bwd_s[c]: one
+    message on hop c <-> c + 1 (forward activations / backward gradients), from the end of the send
+    to its arrival (latency + bytes / bandwidth).
+    The runtime's own work, all optional (empty or 0 = none; the closed forms assume none):
+        send_fwd_s[c] / send_bwd_s[c]  the sender's busy time per message (packing, posting)
+        recv_fwd_s[c] / recv_bwd_s[c]  the receiver's busy time once the message is there
+        dispatch_s                     the gap before every action (the runtime's dispatch)
+    wire_fwd_s / wire_bwd_s: seconds a message occupies its link (bytes / bandwidth); when given,
+    the messages from one rank to another share one link and leave one after the other, in the
+    order the sender posts them (the link emulation does the same), else every message has a link
+    of its own. overlap_comm=False keeps a sender busy for the whole link time.
+    """
 
     forward_s: tuple[float, ...]
     backward_s: tuple[float, ...]
     hop_fwd_s: tuple[float, ...]
     hop_bwd_s: tuple[float, ...]
+    send_fwd_s: tuple[float, ...] = ()
+    send_bwd_s: tuple[float, ...] = ()
+    recv_fwd_s: tuple[float, ...] = ()
+    recv_bwd_s: tuple[float, ...] = ()
+    wire_fwd_s: tuple[float, ...] = ()
+    wire_bwd_s: tuple[float, ...] = ()
+    dispatch_s: float = 0.0
     overlap_comm: bool = True
     label: str = "custom"
 
@@ -35,17 +54,31 @@ class CostModel:
         n_chunks = len(self.forward_s)
         if len(self.backward_s) != n_chunks:
             raise ValueError(f"CostModel: {n_chunks} forward costs but {len(self.backward_s)} backward costs")
-        for name in ("hop_fwd_s", "hop_bwd_s"):
-            if len(getattr(self, name)) != n_chunks - 1:
-                raise ValueError(f"CostModel.{name} needs one entry per hop ({n_chunks - 1}), "
-                                 f"got {len(getattr(self, name))}")
-        every = self.forward_s + self.backward_s + self.hop_fwd_s + self.hop_bwd_s
-        if any(value < 0 for value in every):
-            raise ValueError("CostModel: every time must be >= 0 seconds")
+        per_hop = ("hop_fwd_s", "hop_bwd_s", "send_fwd_s", "send_bwd_s", "recv_fwd_s", "recv_bwd_s",
+                   "wire_fwd_s", "wire_bwd_s")
+        for index, name in enumerate(per_hop):
+            got = len(getattr(self, name))
+            if got != n_chunks - 1 and not (index >= 2 and got == 0):
+                raise ValueError(f"CostModel.{name} needs one entry per hop ({n_chunks - 1}), got {got}"
+                                 + ("" if index < 2 else " (or none)"))
+        every = [self.dispatch_s, *self.forward_s, *self.backward_s]
+        for name in per_hop:
+            every += getattr(self, name)
+        if any(not value >= 0 or value == float("inf") for value in every):
+            raise ValueError("CostModel: every time must be a finite number >= 0 seconds")
+        for wire, hop in ((self.wire_fwd_s, self.hop_fwd_s), (self.wire_bwd_s, self.hop_bwd_s)):
+            if any(w > h for w, h in zip(wire, hop, strict=False)):
+                raise ValueError("CostModel: a message's wire time (bytes / bandwidth) is part of its hop "
+                                 "time, so wire_*_s must not exceed hop_*_s")
 
     @property
     def n_chunks(self) -> int:
         return len(self.forward_s)
+
+    @property
+    def shared_links(self) -> bool:
+        """True if messages between one pair of ranks queue on one link (wire times given)."""
+        return bool(self.wire_fwd_s or self.wire_bwd_s)
 
 
 def unit_costs(n_stages: int, n_virtual: int) -> CostModel:
@@ -64,8 +97,11 @@ class DeviceProfile:
     link_bytes_per_s: float
 
     def __post_init__(self) -> None:
-        if self.flops_per_s <= 0 or self.link_bytes_per_s <= 0 or self.link_latency_s < 0:
-            raise ValueError(f"DeviceProfile {self.name!r}: FLOP/s and bandwidth must be > 0, latency >= 0")
+        for name, minimum in (("flops_per_s", "> 0"), ("link_bytes_per_s", "> 0"), ("link_latency_s", ">= 0")):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0 or (value == 0 and minimum == "> 0"):
+                raise ValueError(f"DeviceProfile {self.name!r}: {name}={value!r} is invalid: "
+                                 f"must be a finite number {minimum}")
 
 
 # Rough achieved numbers (about 40-50% of peak compute, typical measured p2p bandwidth).

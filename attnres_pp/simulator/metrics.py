@@ -97,7 +97,7 @@ def summarize(result: SimResult, *, plan: PayloadPlan | None = None, tensor_byte
             "peak_in_flight_microbatches": [p["microbatches"] for p in in_flight],
             "peak_in_flight_chunk_microbatches": [p["chunk_microbatches"] for p in in_flight],
         },
-        "simulated_actions": sum(len(a) for a in schedule.rank_actions),
+        "simulated_actions": result.n_actions,
         "simulator_wall_s": result.wall_s,
     }
     if plan is not None and tensor_bytes is not None:

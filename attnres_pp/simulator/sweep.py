@@ -58,6 +58,13 @@ class SweepBase:
     dtype: str = "bf16"
 
     def __post_init__(self) -> None:
+        for name, flag, minimum in (("n_layers", "--layers", 1), ("n_blocks", "--blocks", 1),
+                                    ("n_stages", "--stages", 1), ("n_virtual", "--virtual", 1),
+                                    ("n_microbatches", "--microbatches", 1), ("tokens", "--tokens", 1),
+                                    ("d_model", "--d-model", 1), ("key_rank", "--key-rank", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"SweepBase.{name}={value!r} is invalid: give {flag} an integer >= {minimum}")
         if (2 * self.n_layers) % self.n_blocks:
             raise ValueError(f"blocks={self.n_blocks} must divide 2 x layers = {2 * self.n_layers} sublayers")
         if self.dtype not in DTYPE_BYTES:

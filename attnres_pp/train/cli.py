@@ -15,6 +15,7 @@ from pathlib import Path
 
 from attnres_pp.data import load_corpus
 from attnres_pp.model.config import KEY_MODES, RESIDUALS
+from attnres_pp.out_paths import check_out_dir
 from attnres_pp.pipeline.config import LAUNCHERS, P2P_SEMANTICS, PLACEMENTS, SCHEDULE_NAMES
 from attnres_pp.train.checkpoint import (
     CheckpointConfig,
@@ -55,6 +56,8 @@ _FLAGS = (
      "(auto: triton on cuda, torch on cpu)"),
     ("--stages", "pipeline", "stages", int, "pipeline stages P (ranks)"),
     ("--virtual", "pipeline", "virtual", int, "virtual stages V per rank"),
+    ("--data-parallel", "pipeline", "data_parallel", int,
+     "replicas D of the pipeline (D x P ranks; --batch-size stays the global batch)"),
     ("--schedule", "pipeline", "schedule", str, f"pipeline schedule: {' | '.join(SCHEDULE_NAMES)}"),
     ("--launcher", "pipeline", "launcher", str, f"how ranks start: {' | '.join(LAUNCHERS)}"),
     ("--timeout", "pipeline", "timeout_s", float, "pipeline timeout in seconds"),
@@ -63,6 +66,9 @@ _FLAGS = (
     ("--p2p-semantics", "pipeline", "p2p_semantics", str,
      f"point-to-point rules: {' | '.join(P2P_SEMANTICS)} (nccl under --launcher inprocess: the loopback "
      "enforces NCCL's in-order, rendezvous matching; auto: the process group's backend)"),
+    ("--link-gbps", "pipeline", "link_gbps", float,
+     "emulate a slow link between ranks on one host: its bandwidth in Gb/s (off by default)"),
+    ("--link-latency-us", "pipeline", "link_latency_us", float, "the emulated link's latency in microseconds"),
 )
 
 
@@ -103,8 +109,13 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
     """defaults (or the resumed checkpoint's config) < TOML (`args.config`) < flags. Raises
     ValueError naming the field to fix."""
     saved = _resumed_meta(args.resume)["config"] if getattr(args, "resume", None) else {}
+    overrides = flag_overrides(args)
+    if saved and ({"stages", "virtual"} & set(overrides.get("pipeline", {}))) and args.layer_counts is None:
+        # A resumed run may change the split (the shards load into any); the saved per-chunk layer
+        # counts belong to the old split, so without new ones the layers split evenly.
+        saved = {**saved, "pipeline": {k: v for k, v in saved.get("pipeline", {}).items() if k != "layer_counts"}}
     base = merge_tables(saved, read_toml(args.config)) if args.config else saved
-    run_cfg = RunConfig.from_dict(merge_tables(base, flag_overrides(args)))
+    run_cfg = RunConfig.from_dict(merge_tables(base, overrides))
     if saved and run_cfg.model.to_dict() != saved["model"]:
         changed = sorted(k for k, v in run_cfg.model.to_dict().items() if saved["model"].get(k) != v)
         raise ConfigError(f"--resume {args.resume}: the checkpoint holds another model (model {changed} differ); "
@@ -140,9 +151,12 @@ def parse_failure(text: str | None, run_cfg: RunConfig) -> tuple[int, int] | Non
         rank, step = int(rank_text), int(step_text)
     except ValueError:
         raise ConfigError(f"--inject-failure {text!r} is invalid: expected RANK:STEP, e.g. 1:3") from None
-    stages, steps = run_cfg.pipeline.stages, run_cfg.train.steps
-    if not 0 <= rank < stages:
-        raise ConfigError(f"--inject-failure {text!r} is invalid: RANK must be in 0..{stages - 1} (--stages {stages})")
+    pipe, steps = run_cfg.pipeline, run_cfg.train.steps
+    if not 0 <= rank < pipe.world_size:
+        layout = f"--stages {pipe.stages}"
+        if pipe.data_parallel > 1:
+            layout += f" x --data-parallel {pipe.data_parallel}"
+        raise ConfigError(f"--inject-failure {text!r} is invalid: RANK must be in 0..{pipe.world_size - 1} ({layout})")
     if not 1 <= step <= steps:
         raise ConfigError(f"--inject-failure {text!r} is invalid: STEP must be in 1..{steps} (--steps {steps})")
     return rank, step - 1
@@ -172,10 +186,11 @@ def _convert(flag: str, raw: str, kind: type):
 
 
 def make_run_engine(run_cfg: RunConfig, out_dir: Path, *, address: str | None = None,
-                    fail_at: tuple[int, int] | None = None):
-    """LocalEngine for one chunk with the local launcher; otherwise the pipeline's engine (which
-    may write traces under `out_dir`). `address` is for the ray launcher; `fail_at` = (rank,
-    0-based step) makes that rank's worker exit (ray and local launchers only)."""
+                    fail_at: tuple[int, int] | None = None, corpus=None):
+    """LocalEngine for one chunk and one replica with the local launcher; otherwise the pipeline's
+    engine (which may write traces under `out_dir`). `address` is for the ray launcher; `fail_at` =
+    (global rank, 0-based step) makes that rank's worker exit (ray and local launchers only);
+    `corpus`, the loaded data, serves the engines that read it in this process."""
     launcher = run_cfg.pipeline.launcher
     if address is not None and launcher != "ray":
         raise ConfigError(f"--address is for --launcher ray, not {launcher}")
@@ -186,7 +201,7 @@ def make_run_engine(run_cfg: RunConfig, out_dir: Path, *, address: str | None = 
     if single:
         from attnres_pp.train.local_engine import LocalEngine
 
-        return LocalEngine(run_cfg.model, run_cfg.train)
+        return LocalEngine(run_cfg.model, run_cfg.train, corpus=corpus)
     try:
         from attnres_pp.train.engines import make_engine
     except ModuleNotFoundError as error:
@@ -202,7 +217,7 @@ def make_run_engine(run_cfg: RunConfig, out_dir: Path, *, address: str | None = 
     options = {"address": address} if address is not None else {}
     if fail_at is not None:
         options["fail_at"] = fail_at
-    return make_engine(run_cfg, out_dir=out_dir, **options)
+    return make_engine(run_cfg, out_dir=out_dir, corpus=corpus, **options)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -220,8 +235,10 @@ def main(args: argparse.Namespace) -> int:
         if args.resume and args.out and Path(args.out) != Path(args.resume):
             raise ConfigError(f"--resume {args.resume} continues that run in its own directory: drop --out")
         out_dir = Path(args.resume or args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        if not args.resume:  # a resumed run's directory is checked for its checkpoints below
+            check_out_dir(out_dir, "--out")
         check_run_dir(out_dir, checkpoints.resume)
-        engine = make_run_engine(run_cfg, out_dir, address=args.address, fail_at=fail_at)
+        engine = make_run_engine(run_cfg, out_dir, address=args.address, fail_at=fail_at, corpus=corpus)
     except ValueError as error:  # config mistakes: one line, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -119,11 +119,23 @@ class RunConfig:
         for name, kind in (("model", ModelConfig), ("train", TrainConfig), ("pipeline", PipelineConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"RunConfig.{name} must be a {kind.__name__}, got {type(getattr(self, name))}")
+        replicas, m = self.pipeline.data_parallel, self.train.microbatches
+        if self.train.batch_size % (replicas * m):
+            raise ValueError(
+                f"TrainConfig.batch_size={self.train.batch_size} is invalid: the global batch is split over "
+                f"data_parallel={replicas} replicas of microbatches={m} microbatches each, so it must be a "
+                f"multiple of {replicas * m}, e.g. {replicas * m * max(1, self.train.batch_size // (replicas * m))}"
+            )
         if self.pipeline.layer_counts is not None and sum(self.pipeline.layer_counts) != self.model.n_layers:
             raise ValueError(
                 f"PipelineConfig.layer_counts={list(self.pipeline.layer_counts)} is invalid: the counts must "
                 f"sum to ModelConfig.n_layers={self.model.n_layers}"
             )
+
+    @property
+    def microbatch_size(self) -> int:
+        """Sequences per microbatch: the global batch over D replicas x m microbatches."""
+        return self.train.batch_size // (self.pipeline.data_parallel * self.train.microbatches)
 
     @classmethod
     def from_dict(cls, values: dict) -> RunConfig:
@@ -159,6 +171,9 @@ def read_toml(path: str | Path) -> dict:
             return tomllib.load(handle)
     except FileNotFoundError:
         raise ValueError(f"config file {str(path)!r} not found; check the --config path") from None
+    except OSError as error:  # a directory, or a file this user may not read
+        raise ValueError(f"config file {str(path)!r} cannot be read ({error.strerror}): give the path of a "
+                         ".toml file to --config") from None
     except tomllib.TOMLDecodeError as error:
         raise ValueError(f"config file {str(path)!r} is not valid TOML: {error}") from None
 

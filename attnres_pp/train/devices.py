@@ -3,9 +3,9 @@
 never decide for themselves.
 
     one process (single, inprocess)   cuda if a GPU is visible, else cpu (no process group)
-    local launcher, P ranks           nccl and GPU r % count for rank r when the node has >= P GPUs
-                                      (each rank its own GPU), else gloo on cpu
-    ray launcher, P ranks             nccl and one GPU per actor when the cluster has >= P GPUs
+    local launcher, D x P ranks       nccl and GPU r % count for global rank r when the node has
+                                      >= D x P GPUs (each rank its own GPU), else gloo on cpu
+    ray launcher, D x P ranks         nccl and one GPU per actor when the cluster has >= D x P GPUs
 
 `--device cuda` where the ranks cannot each have a GPU is refused with the reason (nccl cannot
 share one GPU between ranks of a pipeline here); `--device cpu` always works (gloo).
@@ -34,10 +34,11 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def decide_device(requested: str, *, n_ranks: int, one_process: bool, gpus: int, where: str = "on this node"
-                  ) -> DeviceDecision:
-    """`requested` "auto" | "cpu" | "cuda" for `n_ranks` ranks (one process hosts them all when
-    `one_process`) given `gpus` GPUs (on the node for local processes, in the cluster for ray)."""
+def decide_device(requested: str, *, n_ranks: int, one_process: bool, gpus: int, where: str = "on this node",
+                  data_parallel: int = 1) -> DeviceDecision:
+    """`requested` "auto" | "cpu" | "cuda" for `n_ranks` ranks (D x P of them in a run of
+    `data_parallel` = D replicas; one process hosts them all when `one_process`) given `gpus` GPUs
+    (on the node for local processes, in the cluster for ray)."""
     if requested not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device={requested!r} is invalid: choose auto, cpu or cuda")
     if requested == "cpu":
@@ -49,10 +50,13 @@ def decide_device(requested: str, *, n_ranks: int, one_process: bool, gpus: int,
         if one_process or gpus == 0:
             raise ValueError(f"--device cuda needs a CUDA GPU{'' if one_process else ' for each pipeline rank'}, "
                              f"and none is visible {where}; use --device cpu (or auto)")
+        fewer = (f"--stages {max(1, gpus)} or fewer" if data_parallel == 1 else
+                 f"--data-parallel x --stages of {max(1, gpus)} or fewer (now {data_parallel} x "
+                 f"{n_ranks // data_parallel})")
         raise ValueError(
             f"--device cuda runs {n_ranks} pipeline ranks with nccl, one GPU each, but {gpus} GPU(s) are visible "
-            f"{where}: nccl cannot give two ranks one GPU here. Use --device cpu (gloo), --stages {max(1, gpus)} "
-            "or fewer, or --launcher ray on a cluster with more GPUs"
+            f"{where}: nccl cannot give two ranks one GPU here. Use --device cpu (gloo), {fewer}, "
+            "or --launcher ray on a cluster with more GPUs"
         )
     return DeviceDecision("cpu", "none" if one_process else "gloo")
 

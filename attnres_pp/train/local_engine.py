@@ -6,36 +6,49 @@ from __future__ import annotations
 
 import torch
 
+from attnres_pp.data import Corpus, batch_at, load_corpus, val_batches
 from attnres_pp.model import ModelConfig, Transformer
-from attnres_pp.train.checkpoint import capture_state, read_checkpoint, restore_state, write_rank_file
 from attnres_pp.train.config import TrainConfig
 from attnres_pp.train.devices import decide_device, resolve_train, visible_gpus
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.optim import build_optimizer, optimizer_step
+from attnres_pp.train.shards import load_shard, save_shard, shard_state
 
 
 class LocalEngine:
     """Implements the `Engine` protocol of `attnres_pp.train.loop` in one process.
 
-    Sets this process's torch thread count to `train_cfg.threads` and seeds torch with
-    `train_cfg.seed` before building the model, so the initial weights are a function of the seed
-    (built on CPU, then moved: the same weights on any device). `train_cfg.device` "auto" takes
-    the GPU if one is visible; `self.train_cfg` holds the resolved device, dtype and kernels."""
+    Sets this process's torch thread count to `train_cfg.threads`; the initial weights are a function
+    of `train_cfg.seed` and each parameter's name (`model.layers.init_weights`; drawn on the CPU,
+    then moved: the same weights on any device). `train_cfg.device` "auto" takes the GPU if one is
+    visible; `self.train_cfg` holds the resolved device, dtype and kernels."""
 
-    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig) -> None:
+    def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, *, corpus: Corpus | None = None) -> None:
         torch.set_num_threads(train_cfg.threads)
-        torch.manual_seed(train_cfg.seed)
         decision = decide_device(train_cfg.device, n_ranks=1, one_process=True, gpus=visible_gpus())
         train_cfg = resolve_train(train_cfg, decision.device)
         self.model_cfg = model_cfg
         self.train_cfg = train_cfg  # device, dtype and kernels resolved
         self.device = torch.device(decision.device)
-        self.model = Transformer(model_cfg, backend=train_cfg.kernels, precision=train_cfg.dtype).to(self.device)
+        self.model = Transformer(model_cfg, seed=train_cfg.seed, backend=train_cfg.kernels,
+                                 precision=train_cfg.dtype).to(self.device)
         self.optimizer = build_optimizer(self.model, train_cfg, fused=self.device.type == "cuda")
+        self._corpus = corpus
 
-    def train_step(self, step: int, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, lr: float) -> StepResult:
-        """One optimiser step on the global batch; returns its mean loss (the mean of the equal-size
-        microbatch losses) and the pre-clip gradient norm as a per-step metric."""
+    @property
+    def corpus(self) -> Corpus:
+        if self._corpus is None:
+            self._corpus = load_corpus(self.train_cfg.data)
+        return self._corpus
+
+    def train_step(self, step: int, inputs_BT: torch.Tensor | None, targets_BT: torch.Tensor | None,
+                   lr: float) -> StepResult:
+        """One optimiser step on the global batch (None: the run's batch of `step`, read from the
+        data); returns its mean loss (the mean of the equal-size microbatch losses) and the pre-clip
+        gradient norm as a per-step metric."""
+        if inputs_BT is None:
+            inputs_BT, targets_BT = batch_at(self.corpus.train_tokens_N, step, self.train_cfg.batch_size,
+                                             self.model_cfg.seq_len, self.train_cfg.seed)
         m = self.train_cfg.microbatches
         if inputs_BT.shape[0] % m:
             raise ValueError(f"global batch of {inputs_BT.shape[0]} sequences does not split into {m} microbatches")
@@ -52,15 +65,23 @@ class LocalEngine:
     @torch.no_grad()
     def eval_loss(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> float:
         self.model.eval()
-        return float(self.model(inputs_BT.to(self.device), targets_BT.to(self.device)))
+        loss = float(self.model(inputs_BT.to(self.device), targets_BT.to(self.device)))
+        self.model.train()
+        return loss
+
+    def evaluate(self) -> float:
+        """Mean loss over the run's fixed validation batches (equal sizes: the mean of means is exact)."""
+        train = self.train_cfg
+        batches = val_batches(self.corpus.val_tokens_N, train.eval_batches, train.batch_size,
+                              self.model_cfg.seq_len, train.seed)
+        return sum(self.eval_loss(inputs_BT, targets_BT) for inputs_BT, targets_BT in batches) / len(batches)
 
     def save_checkpoint(self, step_dir) -> None:
-        """One process, so one rank file: rank_0.pt (see attnres_pp.train.checkpoint)."""
-        write_rank_file(step_dir, 0, capture_state(dict(self.model.named_parameters()), self.optimizer))
+        """The whole model as one shard, in the format every engine reads (see train.shards)."""
+        save_shard(step_dir, shard_state(dict(self.model.named_parameters()), self.optimizer, 0), distributed=False)
 
     def load_checkpoint(self, step_dir) -> None:
-        merged, rng_by_rank = read_checkpoint(step_dir)
-        restore_state(merged, dict(self.model.named_parameters()), self.optimizer, rng_by_rank.get(0))
+        load_shard(step_dir, dict(self.model.named_parameters()), self.optimizer, 0, distributed=False)
 
     def param_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())

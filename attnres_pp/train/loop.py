@@ -12,9 +12,10 @@ from typing import Protocol
 
 import torch
 
-from attnres_pp.data import Corpus, batch_at, load_corpus, val_batches
+from attnres_pp.data import Corpus, load_corpus
 from attnres_pp.train.checkpoint import (
     CheckpointConfig,
+    check_format,
     check_run_dir,
     latest_checkpoint,
     read_meta,
@@ -39,21 +40,25 @@ class StepResult:
 
 
 class Engine(Protocol):
-    """Runs the model. `inputs_BT` / `targets_BT` are the global batch, int64 `[batch_size, seq_len]`."""
+    """Runs the model and reads its data: batches are pure functions of (seed, step), so the engine
+    (in a pipeline, each rank) reads the run's global batch of `step` itself. `inputs_BT` /
+    `targets_BT`, int64 `[batch_size, seq_len]`, are given only by tests and benchmarks that feed
+    their own batches; the loop passes None."""
 
     def train_step(
-        self, step: int, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, lr: float
+        self, step: int, inputs_BT: torch.Tensor | None, targets_BT: torch.Tensor | None, lr: float
     ) -> StepResult: ...
 
-    def eval_loss(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> float: ...
+    def evaluate(self) -> float:
+        """Mean loss over the run's fixed validation batches (`data.val_batches`)."""
 
     def param_count(self) -> int: ...
 
     def save_checkpoint(self, step_dir: Path) -> None:
-        """Write one `rank_{r}.pt` per worker into `step_dir` (see attnres_pp.train.checkpoint)."""
+        """Write every rank's shard into `step_dir` (see attnres_pp.train.checkpoint and .shards)."""
 
     def load_checkpoint(self, step_dir: Path) -> None:
-        """Load parameters, optimizer and RNG states from the rank files in `step_dir`."""
+        """Load parameters, optimizer and RNG states from the shards in `step_dir`, whatever split wrote them."""
 
     def close(self) -> None: ...
 
@@ -77,7 +82,6 @@ def run_training(
     check_run_dir(out_dir, ckpt.resume)
     corpus = corpus if corpus is not None else load_corpus(train_cfg.data)
     corpus.check_fits(vocab_size=run_cfg.model.vocab_size, seq_len=seq_len)
-    val_set = val_batches(corpus.val_tokens_N, train_cfg.eval_batches, train_cfg.batch_size, seq_len, train_cfg.seed)
     tokens_per_step = train_cfg.batch_size * seq_len
     params = engine.param_count()
     say = print if progress else (lambda *args, **kwargs: None)
@@ -100,7 +104,7 @@ def run_training(
         step = history.steps_done
         while step < train_cfg.steps:
             try:
-                record = _train_one_step(engine, corpus, val_set, run_cfg, step, history)
+                record = _train_one_step(engine, run_cfg, step, history)
                 log.write(record)
                 say(progress_line(step, train_cfg.steps, record["loss"], record["lr"], record["tokens_per_s"])
                     + (f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""), flush=True)
@@ -141,22 +145,19 @@ def run_training(
     return summary
 
 
-def _train_one_step(engine: Engine, corpus: Corpus, val_set: list, run_cfg: RunConfig, step: int,
-                    history: RunHistory) -> dict:
+def _train_one_step(engine: Engine, run_cfg: RunConfig, step: int, history: RunHistory) -> dict:
     """Step `step` (0-based): train, evaluate when due, append to `history`; returns its record.
     History changes only after every engine call succeeded, so a WorkerLost leaves it as it was."""
     train_cfg = run_cfg.train
     tokens_per_step = train_cfg.batch_size * run_cfg.model.seq_len
-    inputs_BT, targets_BT = batch_at(corpus.train_tokens_N, step, train_cfg.batch_size, run_cfg.model.seq_len,
-                                     train_cfg.seed)
     lr = lr_at(step, train_cfg)
     t0 = time.perf_counter()
-    result = engine.train_step(step, inputs_BT, targets_BT, lr)
+    result = engine.train_step(step, None, None, lr)  # the engine reads batch `step` itself
     step_time = time.perf_counter() - t0
     record = {"step": step, "loss": float(result.loss), "lr": lr, "step_time_s": step_time,
               "tokens_per_s": tokens_per_step / step_time, **result.metrics}
     if step == train_cfg.steps - 1 or (train_cfg.eval_every and (step + 1) % train_cfg.eval_every == 0):
-        record["val_loss"] = _evaluate(engine, val_set)
+        record["val_loss"] = float(engine.evaluate())
         history.val_losses.append([step, record["val_loss"]])
     history.losses.append(float(result.loss))
     history.step_times.append(step_time)
@@ -196,6 +197,7 @@ def _restart_or_fail(engine: Engine, lost: WorkerLost, step: int, history: RunHi
 
 def _restore(engine: Engine, step_dir: Path, records: list[dict]) -> RunHistory:
     """Load `step_dir` into the engine; returns the run history as of that checkpoint."""
+    check_format(step_dir)
     engine.load_checkpoint(step_dir)
     return RunHistory.from_meta(read_meta(step_dir), records)
 
@@ -212,8 +214,3 @@ def _read_records(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _evaluate(engine: Engine, val_set: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Mean loss over the fixed validation batches (equal sizes, so the mean of means is exact)."""
-    return sum(engine.eval_loss(inputs_BT, targets_BT) for inputs_BT, targets_BT in val_set) / len(val_set)

@@ -82,7 +82,7 @@ def clip_grad_norm_(
     every rank then applies the same scale. Tied parameters replicated on several ranks must be
     counted once by the caller's choice of `params`."""
     grads = [p.grad.detach() for p in params if p.grad is not None]
-    local_sq = _sum_of_squares(grads)
+    local_sq = sum_of_squares(grads)
     total_sq = reduce_sq(local_sq) if reduce_sq is not None else local_sq
     total_norm = float(total_sq.sqrt())  # the one host synchronisation of the step's clipping
     if max_norm > 0 and total_norm > max_norm and grads:
@@ -90,7 +90,7 @@ def clip_grad_norm_(
     return total_norm
 
 
-def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
     """sum of squared gradient norms as a 0-dim float64 tensor on the gradients' device: one
     `_foreach_norm` per device and one stacked sum in parameter order (deterministic, and no
     host synchronisation per parameter)."""

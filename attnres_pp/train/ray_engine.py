@@ -1,8 +1,13 @@
-"""`--launcher ray`: one Ray actor per pipeline rank, placed by a placement group.
+"""`--launcher ray`: one Ray actor per rank (D replicas x P pipeline ranks), placed by a placement
+group of D x P bundles.
 
 The actor is a thin shell around `StageWorker` (the same runtime as the local launcher). The
 process-group rendezvous follows Ray Train: rank 0 picks its node address and a free port, then
-every actor initialises concurrently against it (nccl when every bundle has a GPU, gloo otherwise).
+every actor initialises concurrently against it and joins the ("dp", "pp") mesh. The driver decides
+the device (`train.devices`): one GPU per actor and nccl when the cluster has one for every rank,
+else gloo on the CPU (`--device cuda` without enough GPUs is refused, naming the shortfall). Per
+step the driver sends each actor (step, lr) and gets scalars back; actors read their own data and
+write their own checkpoint shards into --out, which several nodes must share (checked at start).
 
 Where the actors run: `address` (or RAY_ADDRESS, which `ray job submit` sets for its driver) joins
 that cluster; `address="auto"` joins the `ray start` cluster of this machine; otherwise a private
@@ -17,19 +22,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import socket
 import time
+from pathlib import Path
 
 import torch
 
 from attnres_pp.pipeline.config import PLACEMENTS
 from attnres_pp.pipeline.errors import WorkerLost
-from attnres_pp.pipeline.stage_setup import check_split
-from attnres_pp.train.checkpoint import read_checkpoint, write_rank_file
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.devices import decide_device, resolve_train
 from attnres_pp.train.loop import StepResult
-from attnres_pp.train.pipeline_engine import PipelineEngineBase, model_from_parameters
+from attnres_pp.train.pipeline_engine import PipelineEngineBase, mean_eval_loss
+from attnres_pp.train.rank_data import resolve_data_path
 from attnres_pp.train.stage_worker import StageWorker
 
 # After one rank's task fails, how long to wait for Ray to report a dead peer that caused it.
@@ -39,12 +45,11 @@ _DEATH_GRACE_S = 5.0
 class StageActor(StageWorker):
     """Ray prefixes each actor's log lines with its repr, so they read `(StageActor rank=0 ...)`."""
 
-    def __init__(self, run_cfg_dict: dict, pp_rank: int, fail_at_step: int | None = None) -> None:
-        super().__init__(run_cfg_dict, pp_rank)
-        self.fail_at_step = fail_at_step
+    def __init__(self, run_cfg_dict: dict, rank: int, data_path: str, fail_at_step: int | None = None) -> None:
+        super().__init__(run_cfg_dict, rank, data_path=data_path, fail_at_step=fail_at_step)
 
     def __repr__(self) -> str:
-        return f"StageActor rank={self.pp_rank}"
+        return f"StageActor rank={self.rank} (dp {self.dp_rank}, pp {self.pp_rank})"
 
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free TCP port, for the tcp:// rendezvous (Ray Train's way)."""
@@ -55,45 +60,55 @@ class StageActor(StageWorker):
             probe.bind(("", 0))
             return address, probe.getsockname()[1]
 
-    def join_process_group(self, init_method: str, world_size: int) -> str:
-        backend = super().join_process_group(init_method, world_size)
-        print(f"chunks {sorted(self.chunks)} on {self.device} of {socket.gethostname()}, {backend} group of "
-              f"{world_size} via {init_method}", flush=True)
-        return backend
+    def join_process_group(self, init_method: str, world_size: int) -> dict:
+        described = super().join_process_group(init_method, world_size)
+        print(f"chunks {sorted(self.chunks)} ({described['params']:,} parameters) on {self.device} of "
+              f"{described['host']}, {described['backend']} group of {world_size} via {init_method}", flush=True)
+        return described
 
 
 class RayEngine(PipelineEngineBase):
     def __init__(self, run_cfg: RunConfig, out_dir=None, *, address: str | None = None,
-                 placement: str | None = None, fail_at: tuple[int, int] | None = None) -> None:
+                 placement: str | None = None, fail_at: tuple[int, int] | None = None,
+                 record_timelines: bool = False) -> None:
+        from attnres_pp.pipeline.ray_checks import check_reachable, require_ray
+
+        require_ray()  # before `import ray`: a missing package is one line, not a traceback
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        super().__init__(run_cfg, out_dir)
-        # A bad split fails here, in one line, before Ray starts.
-        self.partition = check_split(run_cfg.model.n_layers, run_cfg.pipeline, run_cfg.train.microbatches)
+        super().__init__(run_cfg, out_dir, record_timelines=record_timelines)  # checks the split before Ray starts
         self.placement = placement or run_cfg.pipeline.placement
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement={self.placement!r} is invalid: choose one of {', '.join(PLACEMENTS)}")
         self._ray, self._remove_pg = ray, remove_placement_group
         pipe = run_cfg.pipeline
         self.timeout_s = pipe.timeout_s
-        self.actors, self._pg, self._eval_model = [], None, None
+        self.actors, self._pg = [], None
         self.started_ray = False
         if not ray.is_initialized():
+            source = "--address" if address else "RAY_ADDRESS"
             address = address or os.environ.get("RAY_ADDRESS")
             if address:
-                ray.init(address=address, log_to_driver=True)
+                check_reachable(address, source)
+                try:
+                    ray.init(address=address, log_to_driver=True)
+                except ConnectionError as error:  # "auto" with no `ray start` cluster on this machine
+                    raise ValueError(f"{source} {address}: {error}") from None
             else:
-                ray.init(address="local", num_cpus=max(pipe.stages, os.cpu_count() or 1), include_dashboard=False,
+                # One CPU per rank even on a smaller machine: the ranks mostly wait on each other.
+                ray.init(address="local", num_cpus=max(self.world_size, os.cpu_count() or 1), include_dashboard=False,
                          log_to_driver=True)
                 self.started_ray = True
         try:
             gpus = 0 if os.environ.get("ATTNRES_PP_FORCE_CPU") == "1" else int(ray.cluster_resources().get("GPU", 0))
-            decision = decide_device(run_cfg.train.device, n_ranks=pipe.stages, one_process=False, gpus=gpus,
-                                     where="in the Ray cluster")
+            decision = decide_device(run_cfg.train.device, n_ranks=self.world_size, one_process=False, gpus=gpus,
+                                     where="in the Ray cluster", data_parallel=run_cfg.pipeline.data_parallel)
             self.run_cfg = dataclasses.replace(run_cfg, train=resolve_train(run_cfg.train, decision.device))
             self.use_gpu = decision.device == "cuda"
             self._start_workers(fail_at)
+            self._check_shared_out_dir(lambda path, token: self._get(
+                [a.sees_file.remote(path, token) for a in self.actors], "the --out visibility check"))
         except BaseException:
             self.close()
             raise
@@ -103,28 +118,35 @@ class RayEngine(PipelineEngineBase):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        ray, pipe = self._ray, self.run_cfg.pipeline
+        from attnres_pp.pipeline.ray_checks import check_placement
+
+        ray, world = self._ray, self.world_size
         bundle = {"CPU": 1, **({"GPU": 1} if self.use_gpu else {})}
-        self._pg = placement_group([bundle] * pipe.stages, strategy=self.placement)
+        # A group no node can hold would wait out the whole timeout: refuse it now, saying why.
+        check_placement([bundle] * world, self.placement, [n["Resources"] for n in ray.nodes() if n["Alive"]])
+        self._pg = placement_group([bundle] * world, strategy=self.placement)
         ready, _ = ray.wait([self._pg.ready()], timeout=self.timeout_s)
         if not ready:
             raise RuntimeError(
-                f"Ray could not place {pipe.stages} bundles of {bundle} with {self.placement} within "
+                f"Ray could not place {world} bundles of {bundle} with {self.placement} within "
                 f"{self.timeout_s:.0f} s: the cluster has {ray.cluster_resources()}; add resources or use "
                 "--placement PACK/SPREAD for several nodes"
             )
         actor_cls = ray.remote(num_cpus=1, num_gpus=1 if self.use_gpu else 0, max_restarts=0)(StageActor)
+        data_path = resolve_data_path(self.run_cfg.train.data)
         self.actors = [
             actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self._pg, placement_group_bundle_index=rank)).remote(
-                    self.run_cfg.to_dict(), rank, fail_at[1] if fail_at is not None and fail_at[0] == rank else None)
-            for rank in range(pipe.stages)
+                    self.run_cfg.to_dict(), rank, data_path,
+                    fail_at[1] if fail_at is not None and fail_at[0] == rank else None)
+            for rank in range(world)
         ]
         host, port = self._get([self.actors[0].master_address.remote()], "rendezvous")[0]
         init_method = f"tcp://{host}:{port}"
-        self.backend = self._get([a.join_process_group.remote(init_method, pipe.stages) for a in self.actors],
-                                 "process-group setup")[0]
-        self._eval_model = None
+        described = self._get([a.join_process_group.remote(init_method, world) for a in self.actors],
+                              "process-group setup")
+        self.backend = described[0]["backend"]
+        self._note_setup(described)
 
     def _stop_workers(self) -> None:
         """Kill every actor (a survivor may be blocked on a lost peer) and free the placement group."""
@@ -175,36 +197,34 @@ class RayEngine(PipelineEngineBase):
                     pass
             raise RuntimeError(f"rank {rank} failed during {what}:\n{error}") from error
 
-    def train_step(self, step: int, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, lr: float) -> StepResult:
-        pipe = self.run_cfg.pipeline
-        last_rank = self.partition.rank_of(pipe.n_chunks - 1)
-        refs = [actor.train_step.remote(step, inputs_BT if rank == 0 else None,
-                                        targets_BT if rank == last_rank else None, lr)
-                for rank, actor in enumerate(self.actors)]
-        self._eval_model = None
-        return self._step_result(step, self._get(refs, f"step {step + 1}"))
+    def train_step(self, step: int, inputs_BT: torch.Tensor | None, targets_BT: torch.Tensor | None,
+                   lr: float) -> StepResult:
+        """`inputs_BT`/`targets_BT` None: every actor reads its own share of step `step`."""
+        want_events = self._wants_events(step)
+        args = [(step, lr, self._rank_batch(rank, inputs_BT, targets_BT), want_events)
+                for rank in range(self.world_size)]
+        replies = self._get([a.train_step.remote(*a_args) for a, a_args in zip(self.actors, args, strict=True)],
+                            f"step {step + 1}")
+        # What Ray serialises for these calls: their arguments and results, pickled.
+        driver_bytes = sum(len(pickle.dumps(x)) for x in args) + sum(len(pickle.dumps(r)) for r in replies)
+        return self._step_result(step, replies, driver_bytes)
 
-    @torch.no_grad()
     def eval_loss(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> float:
-        if self._eval_model is None:
-            named = {}
-            for part in self._get([a.named_parameters.remote() for a in self.actors], "evaluation"):
-                named.update(part)
-            self._eval_model = model_from_parameters(self.run_cfg, named)
-        return float(self._eval_model(inputs_BT, targets_BT))
+        """Forward-only pipeline over one driver-given batch."""
+        return mean_eval_loss(self._get([a.evaluate.remote([self._rank_batch(rank, inputs_BT, targets_BT)])
+                                         for rank, a in enumerate(self.actors)], "evaluation"))
+
+    def evaluate(self) -> float:
+        """Mean loss over the run's validation batches, each actor reading its own share."""
+        return mean_eval_loss(self._get([a.evaluate.remote() for a in self.actors], "evaluation"))
 
     def save_checkpoint(self, step_dir) -> None:
-        """The actors send their state here and the driver writes it: no shared file system needed."""
-        states = self._get([a.checkpoint_state.remote() for a in self.actors], "checkpoint save")
-        for rank, state in enumerate(states):
-            write_rank_file(step_dir, rank, state)
+        """Every actor writes its own shard into `step_dir`, on the filesystem all nodes share."""
+        self._get([a.save_shard.remote(_absolute(step_dir)) for a in self.actors], "checkpoint save")
 
     def load_checkpoint(self, step_dir) -> None:
-        merged, rng_by_rank = read_checkpoint(step_dir)
-        merged_ref = self._ray.put(merged)  # one copy in the object store, read by every actor
-        self._get([a.load_checkpoint_state.remote(merged_ref, rng_by_rank.get(rank))
-                   for rank, a in enumerate(self.actors)], "checkpoint load")
-        self._eval_model = None
+        """Every actor loads the parameters it holds, whatever split saved them."""
+        self._get([a.load_shard.remote(_absolute(step_dir)) for a in self.actors], "checkpoint load")
 
     def close(self) -> None:
         """Kill the actors, free the placement group and stop a Ray instance this engine started.
@@ -220,3 +240,8 @@ class RayEngine(PipelineEngineBase):
             if self.started_ray and ray.is_initialized():
                 ray.shutdown()
             self.started_ray = False
+
+
+def _absolute(step_dir) -> str:
+    """A checkpoint folder as every rank can open it (a rank's working directory need not be the driver's)."""
+    return str(Path(step_dir).resolve())

@@ -1,148 +1,225 @@
-"""StageWorker: one pipeline rank with its chunks, optimizer and runtime, talking over
-torch.distributed. The local launcher's processes and the Ray actors are thin shells around it.
-It lives in the training layer because it owns the optimiser step and the checkpoint state; the
-pipeline below it provides the chunks, the schedule, the runtime and the transports.
+"""StageWorker: one rank of a data-parallel x pipeline-parallel run (SPEC section 6), with its chunks,
+optimizer, data and runtimes. The local launcher's processes and the Ray actors are thin shells
+around it, and the in-process launcher runs D x P of them as threads of one process. It lives in
+the training layer because it owns the optimiser step and the checkpoint state; the pipeline below
+it provides the chunks, the schedules, the runtime, the transports and the mesh.
 
-Every rank builds the whole model from the run's seed and keeps its own chunks, so initial weights
-equal the single-process model's. MSAR stream convolutions are replicated on every rank; their
-gradients are summed across ranks before clipping (tied parameters), and counted once in the norm.
+Global rank `rank = dp_rank * P + pp_rank`. A rank builds only its own chunks (the rest of the model
+stays on the meta device, with no storage), initialised by whole-model name and the run's seed, so
+its weights equal the single-process model's. It reads its own microbatches by (step, dp_rank)
+(`rank_data`), averages its gradients over its replicas (`grad_sync`), and answers the driver with
+scalars (`step_stats.StepReply`). MSAR stream convolutions are replicated on every rank; their
+gradients are reduced over all ranks (tied parameters) and counted once in the norm.
+
+Device, dtype and kernels come resolved from the driver (`train.devices`): a rank never decides
+them. On "cuda" it joins the nccl group on its own GPU, computes in the run's precision (bf16
+autocast with fp32 master weights; hops, cache entries and deposits in bf16), times its actions
+with CUDA events and steps a fused AdamW. Under NCCL's point-to-point rules (the nccl backend, or
+`p2p_semantics="nccl"`) its messages go out in `validate_nccl.lockstep_plan`'s batched groups.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import resource
+import socket
+from pathlib import Path
 
 import torch
 
 from attnres_pp.comm.nccl_transport import BatchedDistTransport
 from attnres_pp.comm.plan import plan_for_model
 from attnres_pp.comm.transport import DistTransport
-from attnres_pp.model import Transformer
+from attnres_pp.data import Corpus
 from attnres_pp.model.precision import activation_dtype
-from attnres_pp.pipeline.chunk import build_rank_chunks, rank_parameters
+from attnres_pp.pipeline.chunk import build_rank_model, rank_module_names, rank_parameters
+from attnres_pp.pipeline.forward_only import forward_only_schedule
+from attnres_pp.pipeline.mesh import Collectives, MeshCollectives, RankCoords
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
 from attnres_pp.pipeline.stage_setup import init_process_group, lowered_schedule, run_partition
-from attnres_pp.train.checkpoint import capture_state, restore_state
+from attnres_pp.pipeline.validate_nccl import check_nccl
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.devices import resolve_train
+from attnres_pp.train.grad_sync import norm_reducer, sync_gradients
 from attnres_pp.train.optim import build_optimizer, optimizer_step
+from attnres_pp.train.rank_data import MicrobatchLists, RankData
+from attnres_pp.train.shards import load_shard, save_shard, shard_state
+from attnres_pp.train.step_stats import StepReply
+
+# A driver-fed batch for one rank: its replica's rows of (inputs, targets), either half None when
+# the rank does not need it. Only tests and benchmarks feed batches; training runs read their own.
+RankBatch = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 class StageWorker:
-    def __init__(self, run_cfg_dict: dict, pp_rank: int) -> None:
+    def __init__(self, run_cfg_dict: dict, rank: int, *, corpus: Corpus | None = None, data_path: str | None = None,
+                 fail_at_step: int | None = None) -> None:
         run_cfg = RunConfig.from_dict(run_cfg_dict)
         if run_cfg.train.device == "auto":  # not from a driver (tests): cpu, as gloo needs
             run_cfg = dataclasses.replace(run_cfg, train=resolve_train(run_cfg.train, "cpu"))
         self.run_cfg = run_cfg
-        self.pp_rank = pp_rank
         cfg, train, pipe = self.run_cfg.model, self.run_cfg.train, self.run_cfg.pipeline
+        self.coords = RankCoords(rank, pipe.data_parallel, pipe.stages)
+        self.rank, self.pp_rank, self.dp_rank = rank, self.coords.pp_rank, self.coords.dp_rank
         torch.set_num_threads(train.threads)
-        torch.manual_seed(train.seed)
-        self.model = Transformer(cfg, backend=train.kernels, precision=train.dtype)
         self.partition = run_partition(cfg.n_layers, pipe)
-        self.chunks = build_rank_chunks(self.model, self.partition, pp_rank)
+        self.model, self.chunks = build_rank_model(cfg, self.partition, self.pp_rank, seed=train.seed,
+                                                   backend=train.kernels, precision=train.dtype)
+        self.owned_modules = rank_module_names(cfg, self.partition, self.pp_rank)
         self.params = rank_parameters(self.chunks, self.model)
-        self.tied = list(self.model.stream_convs.parameters()) if self.model.stream_convs is not None else []
+        self.tied = [p for name, p in self.params.items() if name.startswith("stream_convs.")]
+        self.untied = [p for name, p in self.params.items() if not name.startswith("stream_convs.")]
         self.optimizer = build_optimizer(self.params.items(), train)
         self.plan = plan_for_model(cfg, self.partition, pipe.cache)
         self.schedule = lowered_schedule(pipe, train.microbatches)
+        self.eval_schedule = forward_only_schedule(pipe.stages, pipe.virtual, train.microbatches,
+                                                   self.partition.placement)
+        if pipe.p2p_semantics != "gloo":  # the runtime may issue it under NCCL's rules: prove it finishes
+            check_nccl(self.eval_schedule)
+        self.data = RankData(self.run_cfg, self.dp_rank, corpus=corpus, data_path=data_path,
+                             needs_inputs=self.partition.rank_of(0) == self.pp_rank,
+                             needs_targets=self.partition.rank_of(pipe.n_chunks - 1) == self.pp_rank)
+        self.fail_at_step = fail_at_step  # rehearsal of a lost rank: exit mid-step at this step
         self.runtime: StageRuntime | None = None
-        self.fail_at_step: int | None = None  # rehearsal of a lost rank: exit mid-step at this step
+        self.eval_runtime: StageRuntime | None = None
+        self.collectives: Collectives | None = None
+        self.distributed = False  # in a torch.distributed process group (`connect`), or a thread rank
 
-    def join_process_group(self, init_method: str, world_size: int) -> str:
-        """Join the run's process group (gloo on CPU, nccl when this worker has a GPU)."""
-        backend, device = init_process_group(init_method, self.pp_rank, world_size, self.run_cfg.pipeline.timeout_s,
+    # ---- set-up ----
+    def join_process_group(self, init_method: str, world_size: int) -> dict:
+        """Join the run's process group (gloo on CPU, nccl when this worker has a GPU) and its
+        ("dp", "pp") mesh; returns `describe(backend)`."""
+        backend, device = init_process_group(init_method, self.rank, world_size, self.run_cfg.pipeline.timeout_s,
                                              self.run_cfg.train.device)
-        self.attach(device, backend)
-        return backend
+        self.connect(device, backend)
+        return self.describe(backend)
 
-    def attach(self, device: torch.device, backend: str = "gloo") -> None:
-        """Move to `device` and build the runtime over the (already initialised) process group;
-        under NCCL's rules (the nccl backend, or p2p_semantics="nccl") messages go out in batches."""
-        self.device = device
-        self.model.to(device)
-        cfg, train, pipe = self.run_cfg.model, self.run_cfg.train, self.run_cfg.pipeline
+    def connect(self, device: torch.device, backend: str = "gloo") -> None:
+        """Attach to the initialised default process group: p2p to this replica's pipeline peers,
+        collectives over the ("dp", "pp") mesh. Under NCCL's rules (the nccl backend, or
+        p2p_semantics="nccl") the p2p messages go out in batched groups (`BatchedDistTransport`)."""
+        pipe = self.run_cfg.pipeline
+        peers = [self.coords.global_rank(p) for p in range(pipe.stages)]
+        transport_cls = BatchedDistTransport if pipe.resolved_p2p(backend) == "nccl" else DistTransport
+        transport = transport_cls(self.pp_rank, pipe.timeout_s, device, peer_ranks=peers, link=pipe.link)
+        self.attach(device, transport, MeshCollectives(self.coords, device.type))
+        self.distributed = True
+
+    def describe(self, backend: str) -> dict:
+        return {"backend": backend, "rank": self.rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
+                "chunks": sorted(self.chunks), "params": sum(p.numel() for p in self.params.values()),
+                "host": socket.gethostname(), "peak_rss_bytes": peak_rss_bytes()}
+
+    def attach(self, device: torch.device, transport, collectives: Collectives) -> None:
+        """Move to `device` and build the training and evaluation runtimes over `transport` (a
+        transport with `p2p_semantics = "nccl"` makes them issue messages in NCCL's order). Hops
+        carry the run's activation dtype (bf16 under bf16)."""
+        self.device, self.collectives = device, collectives
+        for name in self.owned_modules:  # the rest of the model is on the meta device and stays there
+            self.model.get_submodule(name).to(device)
+        cfg, train = self.run_cfg.model, self.run_cfg.train
         if device.type == "cuda":  # fused AdamW needs the parameters on the GPU; no state exists yet
             self.optimizer = build_optimizer(self.params.items(), train, fused=True)
-        nccl_rules = pipe.resolved_p2p(backend) == "nccl"
-        transport_cls = BatchedDistTransport if nccl_rules else DistTransport
-        self.runtime = StageRuntime(
-            pp_rank=self.pp_rank, chunks=self.chunks, plan=self.plan, schedule=self.schedule,
-            transport=transport_cls(self.pp_rank, pipe.timeout_s, device),
-            microbatch_shape=(train.microbatch_size, cfg.seq_len),
-            source_width=cfg.source_width, residual_width=cfg.d_model,
-            dtype=activation_dtype(train.dtype, next(self.model.parameters()).dtype),
+        hop_dtype = activation_dtype(train.dtype, next(iter(self.params.values())).dtype)
+
+        def runtime(schedule) -> StageRuntime:
+            return StageRuntime(pp_rank=self.pp_rank, chunks=self.chunks, plan=self.plan, schedule=schedule,
+                                transport=transport, microbatch_shape=(self.run_cfg.microbatch_size, cfg.seq_len),
+                                source_width=cfg.source_width, residual_width=cfg.d_model, dtype=hop_dtype)
+
+        self.runtime, self.eval_runtime = runtime(self.schedule), runtime(self.eval_schedule)
+
+    # ---- one training step ----
+    def begin_step(self, step: int, batch: RankBatch | None = None) -> None:
+        """Start step `step` on this rank's microbatches (read from the data, or `batch` if given)."""
+        inputs, targets = self._microbatches(self.data.train_microbatches(step) if batch is None
+                                             else self.data.split(*batch))
+        self.runtime.transport.ledger.clear()
+        self.runtime.start_step(inputs, targets, 1.0 / self.run_cfg.train.microbatches)
+
+    def run_step(self, step: int) -> StepRecord:
+        """This rank's action list to the end; gradients accumulate in the parameters."""
+        if step == self.fail_at_step:
+            for _ in range(len(self.runtime.actions) // 2):
+                self.runtime.run_next()
+            os._exit(17)
+        return self.runtime.run_to_end()
+
+    def sync_gradients(self) -> None:
+        sync_gradients(self.untied, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel)
+
+    def optimizer_step(self, lr: float) -> float:
+        """Global-norm clipping and AdamW on synced gradients; returns the whole model's norm."""
+        reduce_sq = norm_reducer(self.tied, self.collectives, self.device)
+        return optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip, reduce_sq)
+
+    def finish_step(self, record: StepRecord, lr: float, want_events: bool = False) -> StepReply:
+        self.sync_gradients()
+        grad_norm = self.optimizer_step(lr)
+        return self.reply(record, grad_norm, want_events)
+
+    def train_step(self, step: int, lr: float, batch: RankBatch | None = None, want_events: bool = False) -> StepReply:
+        """One optimiser step: forward/backward, gradient sync, global-norm clipping, AdamW."""
+        self.begin_step(step, batch)
+        return self.finish_step(self.run_step(step), lr, want_events)
+
+    def _microbatches(self, lists: MicrobatchLists) -> MicrobatchLists:
+        return tuple(None if mbs is None else [t.to(self.device) for t in mbs] for mbs in lists)
+
+    def reply(self, record: StepRecord, grad_norm: float, want_events: bool) -> StepReply:
+        events = record.events
+        ledger = self.runtime.transport.ledger.records
+        return StepReply(
+            rank=self.rank, loss_sum=sum(record.losses.values()), n_losses=len(record.losses), grad_norm=grad_norm,
+            busy_s=sum(e.end_s - e.start_s for e in events if e.category == "compute"),
+            first_s=min(e.start_s for e in events), last_s=max(e.end_s for e in events),
+            bytes_sent=sum(r[4] for r in ledger),
+            hop_tensors=tuple(sorted({(hop, n) for d, hop, mb, n, _ in ledger if d == "fwd" and mb == 0})),
+            cache_peak_bytes=record.cache_peak_bytes, peak_rss_bytes=peak_rss_bytes(),
+            events=tuple((self.rank, e.name, e.start_s, e.end_s, e.category) for e in events) if want_events else None,
         )
 
-    def forward_backward(self, step: int, inputs_BT: torch.Tensor | None,
-                         targets_BT: torch.Tensor | None) -> StepRecord:
-        """Run this rank's action list for one step; gradients accumulate in the parameters.
+    # ---- evaluation: the forward-only schedule on the training ranks ----
+    def begin_eval(self, index: int, batch: RankBatch | None = None) -> None:
+        inputs, targets = self._microbatches(self.data.val_microbatches(index) if batch is None
+                                             else self.data.split(*batch))
+        self.eval_runtime.start_step(inputs, targets, 1.0, forward_only=True)
 
-        Only rank 0 needs inputs and only the last chunk's rank targets.
-        """
-        m = self.run_cfg.train.microbatches
-        to_device = (lambda t: None if t is None else [x.to(self.device) for x in t.chunk(m)])
-        runtime = self.runtime
-        runtime.transport.ledger.clear()
-        runtime.start_step(to_device(inputs_BT), to_device(targets_BT), 1.0 / m)
-        if step == self.fail_at_step:
-            for _ in range(len(runtime.actions) // 2):
-                runtime.run_next()
-            os._exit(17)
-        return runtime.run_to_end()
+    def evaluate(self, batches: list[RankBatch] | None = None) -> tuple[float, int]:
+        """Forward-only passes over the run's validation batches (or `batches`): (sum of microbatch
+        losses, their number); (0.0, 0) on a rank without the last chunk."""
+        total, count = 0.0, 0
+        for index in range(self.run_cfg.train.eval_batches if batches is None else len(batches)):
+            self.begin_eval(index, None if batches is None else batches[index])
+            record = self.eval_runtime.run_to_end()
+            total, count = total + sum(record.losses.values()), count + len(record.losses)
+        return total, count
 
-    def reduce_tied_grads(self) -> torch.Tensor:
-        """Sum the replicated stream-conv gradients over ranks; returns their squared norm (float64)."""
-        import torch.distributed as dist
+    # ---- checkpoints and the run directory ----
+    def save_shard(self, step_dir: str) -> None:
+        """Write this rank's part of checkpoint `step_dir` (DCP; every rank calls this together)."""
+        save_shard(step_dir, shard_state(self.params, self.optimizer, self.rank), distributed=self.distributed)
 
-        if not self.tied:
-            return torch.zeros((), dtype=torch.float64)
-        for p in self.tied:  # a source this rank never reads has no gradient here
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in self.tied])
-        dist.all_reduce(flat)
-        for p, piece in zip(self.tied, flat.split([p.numel() for p in self.tied]), strict=True):
-            p.grad.copy_(piece.view_as(p))
-        return flat.double().square().sum().cpu()
+    def load_shard(self, step_dir: str) -> None:
+        """Load this rank's parameters, optimizer state and RNG state from checkpoint `step_dir`, whatever
+        split wrote it (every rank calls this together)."""
+        load_shard(step_dir, self.params, self.optimizer, self.rank, distributed=self.distributed)
 
-    def train_step(self, step: int, inputs_BT: torch.Tensor | None, targets_BT: torch.Tensor | None,
-                   lr: float) -> dict:
-        """One optimiser step: forward/backward, tied-gradient sum, global-norm clipping, AdamW."""
-        import torch.distributed as dist
-
-        record = self.forward_backward(step, inputs_BT, targets_BT)
-        tied_sq = self.reduce_tied_grads()
-
-        def reduce_sq(local_sq: torch.Tensor) -> torch.Tensor:
-            # The tied gradients are identical on every rank: count them once.
-            untied = (local_sq - tied_sq).to(self.device)
-            dist.all_reduce(untied)
-            return untied.cpu() + tied_sq
-
-        grad_norm = optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip, reduce_sq)
-        return {
-            "losses": record.losses,
-            "events": [(e.pp_rank, e.name, e.start_s, e.end_s, e.category) for e in record.events],
-            "ledger": list(self.runtime.transport.ledger.records),
-            "cache_peak_bytes": record.cache_peak_bytes,
-            "grad_norm": grad_norm,
-        }
-
-    def checkpoint_state(self) -> dict:
-        """This rank's parameters, optimizer and RNG states (CPU tensors; see train.checkpoint)."""
-        return capture_state(self.params, self.optimizer)
-
-    def load_checkpoint_state(self, merged: dict, rng: dict | None) -> None:
-        """Take this rank's parameters and optimizer state from a merged checkpoint."""
-        restore_state(merged, self.params, self.optimizer, rng)
-
-    def named_parameters(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().cpu().clone() for name, p in self.params.items()}
+    def sees_file(self, path: str, token: str) -> tuple[bool, str]:
+        """Whether `path` exists here and holds `token` (the driver's probe of a shared --out)."""
+        try:
+            return Path(path).read_text() == token, socket.gethostname()
+        except OSError:
+            return False, socket.gethostname()
 
     def close(self) -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

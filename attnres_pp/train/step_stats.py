@@ -1,12 +1,36 @@
-"""Per-step measurements of a pipelined run, from the ranks' action timestamps and byte ledgers:
-the loss, tensors per forward hop, bytes sent, and the bubble (idle time over ranks x wall time)."""
+"""Per-step measurements of a pipelined run from the scalars each rank reports (`StepReply`): the loss,
+tensors per forward hop, bytes sent, the bubble (idle time over the ranks' own step windows) and the
+bytes the driver exchanged with the ranks. A rank sends its action timeline only when asked (the
+traced step, or every step for the benchmarks), so a step's requests and replies stay scalars."""
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from attnres_pp.pipeline.timeline import align_per_rank, own_clock_bubble, rank_bubbles
+
+class StepReply(NamedTuple):
+    """One rank's report of one training step. A tuple on the wire (no field names): small.
+
+    loss_sum / n_losses: the sum and number of microbatch losses it computed (the rank of the last
+    chunk; 0 elsewhere). busy_s: time in F and B actions; first_s / last_s: its first action's start
+    and last action's end on this rank's own clock (`pipeline.clock`: perf_counter, or CUDA events
+    converted to it on a GPU; clocks of different ranks are never compared). hop_tensors: (hop c,
+    tensors) of the forward hops it sent for microbatch 0."""
+
+    rank: int
+    loss_sum: float
+    n_losses: int
+    grad_norm: float
+    busy_s: float
+    first_s: float
+    last_s: float
+    bytes_sent: int
+    hop_tensors: tuple[tuple[int, int], ...]
+    cache_peak_bytes: int
+    peak_rss_bytes: int
+    events: tuple | None  # (rank, action name, start_s, end_s, category) per action, when asked
 
 
 def fwd_hop_tensors(ledger: list[tuple[str, int, int, int, int]], n_chunks: int) -> list[int]:
@@ -15,34 +39,61 @@ def fwd_hop_tensors(ledger: list[tuple[str, int, int, int, int]], n_chunks: int)
     return [counts.get(hop, 0) for hop in range(n_chunks - 1)]
 
 
+def replies_bubble(replies: list[StepReply]) -> float:
+    """1 - compute / (sum over ranks of each rank's own step window, its first action's start to its
+    last action's end): no rank's clock is compared with another's, so it holds for ranks on
+    different hosts (`timeline.own_clock_bubble` over the replies' scalars)."""
+    windows = sum(r.last_s - r.first_s for r in replies)
+    busy = sum(r.busy_s for r in replies)
+    return 1.0 - busy / windows if windows > 0 else 0.0
+
+
+def rank_bubbles(replies: list[StepReply]) -> list[float]:
+    """Each rank's bubble on its own clock: 1 - its compute / its own step window, in rank order."""
+    return [1.0 - r.busy_s / (r.last_s - r.first_s) if r.last_s > r.first_s else 0.0
+            for r in sorted(replies, key=lambda r: r.rank)]
+
+
 @dataclass
 class StepStatsLog:
-    """Collects each step's rank results and keeps the summary figures up to date."""
+    """Collects each step's rank replies and keeps the summary figures up to date. `replica0_ranks`:
+    the global ranks of the first replica (the hop counts are read from them)."""
 
-    n_ranks: int
     n_chunks: int
+    replica0_ranks: list[int]
     bubbles: list[float] = field(default_factory=list)
+    driver_bytes: list[int] = field(default_factory=list)
+    trace_step_bytes: int | None = None
     last_events: list = field(default_factory=list)
 
-    def add(self, rank_results: list[dict], n_microbatches: int) -> tuple[float, dict, dict]:
-        """Returns (mean loss over the global batch, extras for summary.json, per-step metrics)."""
-        losses = {mb: loss for result in rank_results for mb, loss in result["losses"].items()}
-        if len(losses) != n_microbatches:
-            raise RuntimeError(f"got losses of microbatches {sorted(losses)}, expected {n_microbatches} of them")
-        # Each rank timed itself on its own clock (hosts' clocks are never compared): the bubble
-        # uses each rank's own step window, and the trace aligns every rank's step at its start.
-        events = align_per_rank([e for result in rank_results for e in result["events"]])
-        ledger = [r for result in rank_results for r in result["ledger"]]
-        bubble = own_clock_bubble(events, self.n_ranks)
+    def add(self, replies: list[StepReply], n_losses: int, driver_bytes: int,
+            traced: bool) -> tuple[float, dict, dict]:
+        """`n_losses`: microbatch losses the step must have (D x m). Returns (mean loss over the
+        global batch, extras for summary.json, per-step metrics)."""
+        got = sum(r.n_losses for r in replies)
+        if got != n_losses:
+            raise RuntimeError(f"the ranks reported {got} microbatch losses, expected {n_losses}")
+        bubble = replies_bubble(replies)
         self.bubbles.append(bubble)
-        self.last_events = events
+        # Each rank's own clock (one clock per host; `PipelineEngineBase` aligns the trace of ranks on
+        # several hosts, and the benchmarks, on one host, compare the ranks' events as they are).
+        self.last_events = [e for r in replies for e in (r.events or ())]
+        if traced:
+            self.trace_step_bytes = driver_bytes
+        else:
+            self.driver_bytes.append(driver_bytes)
+        hops = {hop: n for r in replies if r.rank in self.replica0_ranks for hop, n in r.hop_tensors}
         after_first = self.bubbles[1:] or self.bubbles
         extras = {
-            "fwd_hop_tensors": fwd_hop_tensors(ledger, self.n_chunks),
-            "bytes_sent_per_step": sum(r[4] for r in ledger),
+            "fwd_hop_tensors": [hops.get(hop, 0) for hop in range(self.n_chunks - 1)],
+            "bytes_sent_per_step": sum(r.bytes_sent for r in replies),
             "bubble_fraction": statistics.median(after_first),
-            "cache_peak_bytes_per_rank": [result["cache_peak_bytes"] for result in rank_results],
+            "cache_peak_bytes_per_rank": [r.cache_peak_bytes for r in replies],
+            "peak_rss_bytes_per_rank": [r.peak_rss_bytes for r in replies],
+            # The traced step also carries every rank's timeline: reported apart.
+            "driver_bytes_per_step": statistics.median(self.driver_bytes) if self.driver_bytes else driver_bytes,
+            "driver_bytes_trace_step": self.trace_step_bytes,
         }
-        metrics = {"bubble_fraction": bubble, "rank_bubbles": [round(b, 4) for b in rank_bubbles(events, self.n_ranks)],
-                   "grad_norm": rank_results[0]["grad_norm"]}
-        return sum(losses.values()) / n_microbatches, extras, metrics
+        metrics = {"bubble_fraction": bubble, "rank_bubbles": [round(b, 4) for b in rank_bubbles(replies)],
+                   "grad_norm": replies[0].grad_norm, "driver_bytes": driver_bytes}
+        return sum(r.loss_sum for r in replies) / n_losses, extras, metrics

@@ -1,0 +1,222 @@
+"""`attnres-pp generate`: text from a checkpoint written by `attnres-pp train`, in one process or
+pipelined over the same stages (SPEC section 7).
+
+    attnres-pp generate --resume RUN (--prompt TEXT | --prompt-file F) --max-new-tokens N
+        [--temperature T --top-k K --seed S --prefill-chunk N]
+        [--stages P --virtual V --launcher local|inprocess|ray --layer-counts .. --timeout S] [--json]
+
+Tokens are bytes (the training corpora's vocabulary). `--json` prints one object on stdout:
+`{"text", "tokens", "prefill_s", "decode_s_per_token", ...}`; progress goes to stderr. A mistake in
+the input (no checkpoint, empty prompt, a byte outside the vocabulary, too long a request) is one
+`error:` line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from attnres_pp.generate.config import GenerationConfig
+from attnres_pp.pipeline.config import LAUNCHERS
+
+# (flag, GenerationConfig or PipelineConfig field, type, help); parsed as strings, converted here so a
+# bad value is one clear `error:` line.
+_GEN_FLAGS = (
+    ("--max-new-tokens", "max_new_tokens", int, "tokens to generate (required)"),
+    ("--temperature", "temperature", float, "sampling temperature; 0 = greedy (default 1.0)"),
+    ("--top-k", "top_k", int, "sample among the k most likely tokens; 0 = all (default)"),
+    ("--seed", "seed", int, "seed of the sampler (default 0)"),
+    ("--prefill-chunk", "prefill_chunk", int,
+     "prompt tokens per prefill piece; 0 = the whole prompt in one piece (default). Pieces let the "
+     "pipeline's ranks work on the prompt at once"),
+)
+_PIPE_FLAGS = (
+    ("--stages", "stages", int, "pipeline stages P (default 1)"),
+    ("--virtual", "virtual", int, "virtual stages V per rank (default 1)"),
+    ("--launcher", "launcher", str, f"how ranks start: {' | '.join(LAUNCHERS)} (default local: one process "
+                                    "per rank, or this process alone for P = V = 1)"),
+    ("--timeout", "timeout_s", float, "pipeline timeout in seconds (default 120)"),
+)
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "generate", help="generate text from a trained checkpoint (single process or pipelined)",
+        description="Generate text from the newest checkpoint of a training run: prefill the prompt, then "
+                    "decode one token per pass with each layer's key/value cache on its rank.")
+    parser.add_argument("--resume", metavar="RUN", help="the run directory (its newest complete checkpoint), or "
+                                                       "one checkpoint folder RUN/checkpoints/step_N")
+    parser.add_argument("--prompt", metavar="TEXT", help="the prompt, as UTF-8 bytes")
+    parser.add_argument("--prompt-file", metavar="FILE", help="read the prompt's bytes from FILE")
+    for flag, key, _kind, help_text in _GEN_FLAGS + _PIPE_FLAGS:
+        parser.add_argument(flag, metavar=key.upper(), help=help_text)
+    parser.add_argument("--layer-counts", metavar="N,N,..", help="transformer layers per chunk, comma separated")
+    parser.add_argument("--threads", metavar="N", help="torch threads per process (default 1)")
+    parser.add_argument("--address", metavar="ADDR", help="--launcher ray: the cluster to join (default: "
+                                                         "RAY_ADDRESS, else a private local instance)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    parser.set_defaults(func=main)
+
+
+def _convert(flag: str, raw: str, kind: type):
+    try:
+        return kind(raw)
+    except ValueError:
+        expected = {int: "an integer", float: "a number"}.get(kind, kind.__name__)
+        raise ValueError(f"{flag} {raw!r} is invalid: expected {expected}") from None
+
+
+def _values(args: argparse.Namespace, flags: tuple) -> dict:
+    return {key: _convert(flag, raw, kind) for flag, key, kind, _help in flags
+            if (raw := getattr(args, flag[2:].replace("-", "_"))) is not None}
+
+
+def configs_from_args(args: argparse.Namespace):
+    """(GenerationConfig, PipelineConfig, threads); ValueError naming the flag to fix."""
+    from attnres_pp.pipeline.config import PipelineConfig
+
+    if args.max_new_tokens is None:
+        raise ValueError("--max-new-tokens N is required: how many tokens to generate")
+    gen_cfg = GenerationConfig(**_values(args, _GEN_FLAGS))
+    pipe_values = {"launcher": "local", **_values(args, _PIPE_FLAGS)}
+    if args.layer_counts is not None:
+        pipe_values["layer_counts"] = tuple(_convert("--layer-counts", part, int)
+                                            for part in args.layer_counts.split(","))
+    if args.address is not None and pipe_values["launcher"] != "ray":
+        raise ValueError(f"--address is for --launcher ray, not {pipe_values['launcher']}")
+    threads = _convert("--threads", args.threads, int) if args.threads is not None else 1
+    if threads < 1:
+        raise ValueError(f"--threads {threads} is invalid: must be >= 1")
+    return gen_cfg, PipelineConfig(**pipe_values), threads
+
+
+def find_checkpoint(run: str | None) -> Path:
+    """The checkpoint folder of `--resume RUN`: RUN itself if it is one, else RUN's newest complete one."""
+    from attnres_pp.train.checkpoint import checkpoints_dir, latest_checkpoint
+
+    if run is None:
+        raise ValueError("--resume RUN is required: the run directory of `attnres-pp train ... --out RUN "
+                         "--checkpoint-every K`")
+    path = Path(run)
+    if not path.exists():
+        raise ValueError(f"--resume {run}: no such directory; give the --out directory of a training run")
+    if not path.is_dir():
+        raise ValueError(f"--resume {run} is a file: give the --out directory of a training run")
+    if (path / "meta.json").is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise ValueError(f"--resume {run}: no complete checkpoint under {checkpoints_dir(path)} "
+                         "(train with --checkpoint-every K to write them)")
+    return latest
+
+
+def load_checkpoint(step_dir: Path):
+    """(ModelConfig, parameters by whole-model name) of a checkpoint folder; ValueError if unreadable."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from attnres_pp.model import ModelConfig
+    from attnres_pp.train.checkpoint import read_meta
+    from attnres_pp.train.shards import read_parameters
+
+    try:
+        model_cfg = ModelConfig.from_dict(read_meta(step_dir)["config"]["model"])
+        with warnings.catch_warnings():  # a damaged file makes torch.load warn before it fails: one line only
+            warnings.simplefilter("ignore")
+            return model_cfg, read_parameters(step_dir)
+    except ValueError:
+        raise
+    # A damaged file fails in torch.load, pickle, zipfile or json in many ways; DCP wraps its readers'
+    # failures in CheckpointException, a BaseException.
+    except (Exception, CheckpointException) as error:
+        detail = (str(error).strip().splitlines() or [""])[-1]  # DCP's text embeds a whole traceback
+        raise ValueError(f"checkpoint {step_dir} cannot be read ({type(error).__name__}: {detail}); "
+                         "give another one with --resume") from None
+
+
+def read_prompt(args: argparse.Namespace) -> bytes:
+    if (args.prompt is None) == (args.prompt_file is None):
+        raise ValueError("give the prompt with exactly one of --prompt TEXT or --prompt-file FILE")
+    if args.prompt is not None:
+        return args.prompt.encode("utf-8")
+    try:
+        return Path(args.prompt_file).read_bytes()
+    except OSError as error:
+        raise ValueError(f"--prompt-file {args.prompt_file}: cannot read it ({error.strerror})") from None
+
+
+def prompt_tokens(prompt: bytes, vocab_size: int) -> list[int]:
+    """The prompt's bytes as token ids; ValueError if one is outside the model's vocabulary."""
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one byte with --prompt TEXT or --prompt-file FILE")
+    for offset, byte in enumerate(prompt):
+        if byte >= vocab_size:
+            raise ValueError(f"prompt byte {byte:#04x} at offset {offset} is outside the model's vocabulary of "
+                             f"{vocab_size} tokens: use bytes below {vocab_size} (e.g. ASCII text)")
+    return list(prompt)
+
+
+def decode_text(tokens: list[int]) -> str:
+    """Bytes to text (invalid UTF-8, or ids past 255 from a non-byte vocabulary, become U+FFFD)."""
+    return b"".join(bytes([t]) if t < 256 else b"\xef\xbf\xbd" for t in tokens).decode("utf-8", errors="replace")
+
+
+def main(args: argparse.Namespace) -> int:
+    from attnres_pp.generate.loop import check_fits, generate
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        gen_cfg, pipe, threads = configs_from_args(args)
+        step_dir = find_checkpoint(args.resume)
+        prompt = read_prompt(args)
+        import torch
+
+        from attnres_pp.generate.engines import make_generator
+        from attnres_pp.generate.worker import pipeline_partition
+
+        model_cfg, named = load_checkpoint(step_dir)
+        ids = prompt_tokens(prompt, model_cfg.vocab_size)
+        check_fits(model_cfg, len(ids), gen_cfg.max_new_tokens)
+        pipeline_partition(model_cfg, pipe)  # a split that does not fit the model fails here, in one line
+        torch.set_num_threads(threads)
+
+        where = "one process" if pipe.n_chunks == 1 and pipe.launcher == "local" else \
+            f"P={pipe.stages} V={pipe.virtual} ({pipe.launcher})"
+        progress(f"generate: {step_dir} ({model_cfg.residual}, {model_cfg.n_layers} layers, d={model_cfg.d_model}) "
+                 f"on {where}")
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    generator = None
+    try:
+        started = time.perf_counter()
+        generator = make_generator(model_cfg, pipe, named, threads=threads, address=args.address)
+        progress(f"  ready in {time.perf_counter() - started:.1f} s; prompt {len(ids)} tokens, "
+                 f"{gen_cfg.max_new_tokens} new")
+        result = generate(generator, ids, gen_cfg, progress)
+    except KeyboardInterrupt:
+        print("interrupted: stopping the workers", file=sys.stderr)
+        return 130
+    except RuntimeError as error:  # a lost or failed rank
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        if generator is not None:
+            generator.close()
+    progress(f"  prefill {len(ids)} tokens in {1e3 * result.prefill_s:.1f} ms; "
+             f"{len(result.decode_s)} more tokens at {1e3 * result.decode_s_per_token:.2f} ms/token")
+    text = decode_text(result.tokens)
+    if args.json:
+        print(json.dumps({"text": text, "tokens": result.tokens, "prefill_s": result.prefill_s,
+                          "decode_s_per_token": result.decode_s_per_token, "prompt_tokens": len(ids),
+                          "checkpoint": str(step_dir), "stages": pipe.stages, "virtual": pipe.virtual,
+                          "launcher": pipe.launcher}))
+    else:
+        print(text)
+    return 0

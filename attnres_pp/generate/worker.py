@@ -1,0 +1,94 @@
+"""GenerationWorker: one rank of a generation pipeline in its own process (local launcher) or Ray
+actor, talking to its neighbours over torch.distributed with the pipeline's DistTransport.
+
+Like the training ranks, every rank builds the whole model from the seed, keeps its own chunks and
+takes its parameters by whole-model name, so a checkpoint of any split loads into any other. The
+driver exchanges only token ids and the last position's logits with the ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attnres_pp.comm.partition import make_partition
+from attnres_pp.comm.plan import plan_for_model
+from attnres_pp.comm.transport import DistTransport
+from attnres_pp.model import ModelConfig, Transformer
+from attnres_pp.pipeline.chunk import build_rank_chunks, rank_parameters
+from attnres_pp.pipeline.config import PipelineConfig
+from attnres_pp.pipeline.generation_runtime import GenerationRuntime
+from attnres_pp.pipeline.stage_setup import init_process_group
+
+
+def build_model(cfg: ModelConfig, named: dict[str, torch.Tensor] | None, seed: int = 0) -> Transformer:
+    """The whole model from `seed`, then the values of `named` (by whole-model name) when given."""
+    torch.manual_seed(seed)
+    model = Transformer(cfg)
+    if named is not None:
+        load_parameters(dict(model.named_parameters()), named)
+    return model.eval()
+
+
+def load_parameters(params: dict[str, nn.Parameter], named: dict[str, torch.Tensor]) -> None:
+    """Copy `named[name]` into every parameter of `params`; ValueError if one is missing or misshapen."""
+    missing = sorted(set(params) - set(named))
+    if missing:
+        raise ValueError(f"the checkpoint has no values for parameters {missing[:5]}: it was written for another model")
+    with torch.no_grad():
+        for name, param in params.items():
+            if named[name].shape != param.shape:
+                raise ValueError(f"checkpoint parameter {name} has shape {tuple(named[name].shape)}, the model "
+                                 f"{tuple(param.shape)}: it was written for another model")
+            param.copy_(named[name])
+
+
+def pipeline_partition(cfg: ModelConfig, pipe: PipelineConfig):
+    """Generation's chunks: loop placement (its forward-only schedule is GPipe's forward order)."""
+    return make_partition(cfg.n_layers, pipe.stages, pipe.virtual, pipe.layer_counts, placement="loop")
+
+
+class GenerationWorker:
+    def __init__(self, model_cfg_dict: dict, pipe_cfg_dict: dict, pp_rank: int, seed: int = 0,
+                 threads: int = 1) -> None:
+        torch.set_num_threads(threads)
+        self.cfg = ModelConfig.from_dict(model_cfg_dict)
+        self.pipe = PipelineConfig.from_dict(pipe_cfg_dict)
+        self.pp_rank = pp_rank
+        self.model = build_model(self.cfg, None, seed)
+        self.partition = pipeline_partition(self.cfg, self.pipe)
+        self.chunks = build_rank_chunks(self.model, self.partition, pp_rank)
+        self.params = rank_parameters(self.chunks, self.model)
+        self.plan = plan_for_model(self.cfg, self.partition, cache=True)
+        self.runtime: GenerationRuntime | None = None
+
+    def join_process_group(self, init_method: str, world_size: int) -> str:
+        # Generation runs on the CPU over gloo: its forward-only runtime posts every receive of a pass
+        # up front, an order proven only under gloo's rules, not NCCL's (see README, Generation).
+        backend, self.device = init_process_group(init_method, self.pp_rank, world_size, self.pipe.timeout_s,
+                                                  device="cpu")
+        self.model.to(self.device)
+        transport = DistTransport(self.pp_rank, self.pipe.timeout_s, self.device)
+        self.runtime = GenerationRuntime(pp_rank=self.pp_rank, chunks=self.chunks, plan=self.plan, transport=transport)
+        return backend
+
+    def load_parameters(self, named: dict[str, torch.Tensor]) -> None:
+        load_parameters(self.params, named)
+
+    def reset(self) -> None:
+        self.runtime.reset()
+
+    def run_pass(self, batch_size: int, pieces: list[tuple[int, int]], tokens_BT: torch.Tensor | None,
+                 all_logits: bool = False) -> torch.Tensor | None:
+        """One pass; `tokens_BT` (chunk 0's rank only) holds every piece's tokens side by side."""
+        tokens_by_piece = None
+        if tokens_BT is not None:
+            tokens_by_piece = list(tokens_BT.to(self.device).split([n for _start, n in pieces], dim=1))
+        logits = self.runtime.run_pass(batch_size, pieces, tokens_by_piece, all_logits)
+        return None if logits is None else logits.cpu()
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,56 @@
+"""Forward-only schedules for generation (SPEC section 7): a training schedule's F actions, no B.
+
+One generation pass sends m pieces of tokens (the prompt's prefill pieces, or m = 1 new token)
+through every chunk. A rank runs each of its chunks over every piece before its next chunk (GPipe's
+forward order, breadth first): the pipeline fills as in training, and each layer sees its pieces in
+position order, which its key/value cache needs (a piece attends to the pieces before it).
+
+The result is lowered by the same `passes.insert_comm` and checked by the validator's own placement,
+message and deadlock checks; only "every F has its B" does not apply to a forward-only schedule, so
+its place is taken here by "every F exactly once, pieces of a chunk in order".
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from attnres_pp.pipeline import validate as _validate
+from attnres_pp.pipeline.ir import ActionKind, Schedule
+from attnres_pp.pipeline.passes import insert_comm
+from attnres_pp.pipeline.schedules import gpipe
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """`schedule` without its backward actions (compute-only schedules)."""
+    if schedule.has_comm:
+        raise ValueError("forward_only takes a compute-only schedule: apply it before insert_comm")
+    return Schedule(name=f"{schedule.name}_forward", n_stages=schedule.n_stages, n_virtual=schedule.n_virtual,
+                    n_microbatches=schedule.n_microbatches, placement=schedule.placement,
+                    rank_actions=tuple(tuple(a for a in actions if a.kind is ActionKind.F)
+                                       for actions in schedule.rank_actions))
+
+
+def validate_forward_only(schedule: Schedule) -> None:
+    """Raise ScheduleError unless every chunk runs each piece once, in piece order, on its own rank,
+    every message has its other end, and unit-time execution cannot deadlock."""
+    _validate._check_placement(schedule)
+    for pp_rank, actions in enumerate(schedule.rank_actions):
+        if any(a.kind in (ActionKind.B, ActionKind.SEND_B, ActionKind.RECV_B) for a in actions):
+            raise _validate.ScheduleError(f"rank {pp_rank}: a forward-only schedule has backward actions")
+        for chunk in schedule.chunks_of(pp_rank):
+            pieces = [a.microbatch_index for a in actions if a.kind is ActionKind.F and a.chunk_index == chunk]
+            if pieces != list(range(schedule.n_microbatches)):
+                raise _validate.ScheduleError(
+                    f"rank {pp_rank}: chunk {chunk} runs pieces {pieces}, expected each of "
+                    f"0..{schedule.n_microbatches - 1} once and in order (the key/value cache needs it)")
+    if schedule.has_comm:
+        _validate._check_messages(schedule)
+    _validate._check_no_deadlock(schedule)
+
+
+@lru_cache(maxsize=64)
+def generation_schedule(n_stages: int, n_virtual: int, n_pieces: int) -> Schedule:
+    """The lowered, validated forward-only schedule of one pass of `n_pieces` pieces (loop placement)."""
+    schedule = insert_comm(forward_only(gpipe(n_stages, n_virtual, n_pieces)))
+    validate_forward_only(schedule)
+    return schedule

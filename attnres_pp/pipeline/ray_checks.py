@@ -1,0 +1,118 @@
+"""What the ray launcher checks before it starts or joins Ray, so that a missing package, an address
+nobody answers at or a placement no node can hold is one `error:` line (ValueError) instead of a
+traceback or a wait that only a timeout ends. Pure functions: they import no ray and take the
+cluster's node resources as plain dicts, so they are tested without a cluster."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+# Ray's own special addresses: "local" starts a private instance, "auto" finds the `ray start` cluster.
+_SPECIAL_ADDRESSES = ("auto", "local")
+# A cluster answers a TCP connect in milliseconds; an unreachable host would otherwise keep ray.init
+# retrying for a minute or more.
+CONNECT_TIMEOUT_S = 3.0
+
+
+def require_ray() -> None:
+    """ValueError with the install command when the `ray` package cannot be imported."""
+    try:
+        found = importlib.util.find_spec("ray") is not None
+    except ValueError:  # sys.modules["ray"] is None: imports of ray are blocked
+        found = False
+    if not found:
+        raise ValueError("--launcher ray needs the Python package 'ray', which is missing: "
+                         "pip install 'ray[default]', or use --launcher local")
+
+
+def address_host_port(address: str, source: str = "--address") -> tuple[str, int] | None:
+    """(host, port) to probe for a cluster address; None for Ray's special values and for a ray:// address
+    without a port (Ray's client picks its default). ValueError for an address Ray cannot use."""
+    if address in _SPECIAL_ADDRESSES:
+        return None
+    if address.startswith(("http://", "https://")):
+        raise ValueError(f"{source} {address} is a dashboard (HTTP) address, which `ray job submit` uses: give the "
+                         "cluster's GCS address HOST:PORT (port 6379 by default) or ray://HOST:10001")
+    scheme, _, _ = address.partition("://")
+    parts = urlsplit(address if "://" in address else f"//{address}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if not parts.hostname or port == -1 or (port is None and scheme != "ray"):
+        raise ValueError(f"{source} {address!r} is invalid: give HOST:PORT of the head node (port 6379 by "
+                         "default), ray://HOST:PORT, 'auto' for this machine's `ray start` cluster, or leave it "
+                         "unset for a private local instance")
+    return (parts.hostname, port) if port is not None else None
+
+
+def check_reachable(address: str, source: str = "--address", timeout_s: float = CONNECT_TIMEOUT_S,
+                    connect: Callable = socket.create_connection) -> None:
+    """ValueError saying what to change unless a TCP connection to `address`'s host and port opens
+    within `timeout_s` (only a port that listens; whether a Ray head answers there is Ray's to say)."""
+    host_port = address_host_port(address, source)
+    if host_port is None:
+        return
+    try:
+        connect(host_port, timeout=timeout_s).close()
+    except OSError as error:
+        reason = f"no answer within {timeout_s:g} s" if isinstance(error, TimeoutError) else error.strerror or error
+        raise ValueError(
+            f"{source} {address} cannot be reached ({reason}): start the cluster there with "
+            "`ray start --head`, correct the address, or unset it (--address and RAY_ADDRESS) to run on a private "
+            "local Ray instance"
+        ) from None
+
+
+def check_placement(bundles: list[dict[str, float]], strategy: str, nodes: list[dict[str, float]]) -> None:
+    """ValueError naming what was asked and what the cluster has unless `nodes` (each node's total
+    resources, as `ray.nodes()[i]["Resources"]`) can hold `bundles` under `strategy`: STRICT_PACK needs
+    one node with room for all of them; PACK and SPREAD may use several nodes."""
+    asked = _describe_bundles(bundles)
+    have = "; ".join(f"node {i}: {_describe(node, bundles)}" for i, node in enumerate(nodes)) or "no alive nodes"
+    if strategy == "STRICT_PACK":
+        total = _sum(bundles)
+        if not any(_fits(total, node) for node in nodes):
+            raise ValueError(f"--placement STRICT_PACK needs one node with {_describe(total)} for {asked}, but the "
+                             f"cluster has {have}: use fewer --stages, or --placement PACK or SPREAD to span nodes")
+        return
+    free = [dict(node) for node in nodes]
+    placed = 0
+    for bundle in sorted(bundles, key=lambda b: -sum(b.values())):
+        node = next((n for n in free if _fits(bundle, n)), None)
+        if node is None:
+            break
+        for key, amount in bundle.items():
+            node[key] = node.get(key, 0.0) - amount
+        placed += 1
+    if placed < len(bundles):
+        fix = f"use --stages {placed} or fewer, or add nodes" if placed else "add nodes with these resources"
+        raise ValueError(f"--placement {strategy} cannot place {asked}: the cluster's nodes hold only {placed} of "
+                         f"them ({have}); {fix}")
+
+
+def _fits(need: dict[str, float], node: dict[str, float]) -> bool:
+    return all(node.get(key, 0.0) >= amount for key, amount in need.items() if amount > 0)
+
+
+def _sum(bundles: list[dict[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for bundle in bundles:
+        for key, amount in bundle.items():
+            total[key] = total.get(key, 0.0) + amount
+    return total
+
+
+def _describe(resources: dict[str, float], bundles: list[dict[str, float]] | None = None) -> str:
+    """'4 CPU, 1 GPU': only the kinds a bundle asks for (a node lists memory, node ids and more)."""
+    keys = sorted({k for b in bundles for k in b}) if bundles is not None else sorted(resources)
+    return ", ".join(f"{resources.get(key, 0.0):g} {key}" for key in keys)
+
+
+def _describe_bundles(bundles: list[dict[str, float]]) -> str:
+    if bundles and all(b == bundles[0] for b in bundles):
+        return f"{len(bundles)} bundles of {{{_describe(bundles[0])}}}"
+    return ", ".join(f"{{{_describe(b)}}}" for b in bundles)

@@ -1,0 +1,240 @@
+"""A calibration that transfers: costs per unit of work fitted to ONE measured pipelined run, then
+priced for any other schedule, V, m, payload mode (standard / naive / cached), layer split, block
+size and link (`units` says what a unit is).
+
+Fitted from the run (its per-action timestamps, one clock for every rank):
+    compute   the probed unit times (`bench.unit_probe`) give only the split of a chunk's work
+              between units (layers, depth reads by sources and queries, embedding, head). One
+              factor per direction brings them to the run's median F (B) seconds summed over its
+              chunks; then one common factor sets the level so that the run itself, simulated, takes
+              its median measured step. On a quiet machine that factor is close to 1; on a loaded
+              one it spreads the time the ranks lose to other work (a preempted rank stalls its
+              peer) over the compute, which is how it stretches the other runs too.
+    messages  send work: the run's median send less the probed copy time of its bytes (packing),
+              plus that copy per byte; receive work: the median receive whose message was already
+              there; the link: clean deliveries (the receiver already waiting: send start to
+              receive end) less the send and receive work, with the copy cost per byte again;
+              dispatch: the median gap between a rank's actions.
+A link emulated with `--link-gbps` replaces the link: latency + bytes / bandwidth per message, the
+messages from one rank to another one after the other on one shared link (`comm.link`).
+Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from attnres_pp.comm.link import LinkModel
+from attnres_pp.comm.partition import Partition, make_partition
+from attnres_pp.comm.plan import PayloadPlan, plan_for_model
+from attnres_pp.model.config import ModelConfig
+from attnres_pp.pipeline.ir import Action, ActionKind
+from attnres_pp.pipeline.schedules import build_schedule, schedule_placement
+from attnres_pp.pipeline.timeline import Event, account, message_pairs
+from attnres_pp.simulator.costs import CostModel
+from attnres_pp.simulator.engine import simulate
+from attnres_pp.simulator.units import MessageCosts, UnitTimes, chunk_work, fit_plane
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunShape:
+    """What a pipelined run computes and sends: enough to price it (`TransferCalibration.costs`)."""
+
+    model: ModelConfig
+    schedule: str
+    n_stages: int
+    n_virtual: int
+    n_microbatches: int
+    microbatch_size: int
+    cache: bool
+    layer_counts: tuple[int, ...] | None = None
+    link: LinkModel | None = None
+    dtype_bytes: int = 4
+
+    @property
+    def tokens(self) -> int:
+        return self.microbatch_size * self.model.seq_len
+
+    @property
+    def mode(self) -> str:
+        return "standard" if self.model.residual == "standard" else ("cached" if self.cache else "naive")
+
+    def partition(self) -> Partition:
+        return make_partition(self.model.n_layers, self.n_stages, self.n_virtual, self.layer_counts,
+                              placement=schedule_placement(self.schedule))
+
+    def plan(self) -> PayloadPlan:
+        return plan_for_model(self.model, self.partition(), self.cache)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model.to_dict(), "schedule": self.schedule, "n_stages": self.n_stages,
+                "n_virtual": self.n_virtual, "n_microbatches": self.n_microbatches,
+                "microbatch_size": self.microbatch_size, "cache": self.cache,
+                "layer_counts": list(self.layer_counts) if self.layer_counts else None,
+                "dtype_bytes": self.dtype_bytes}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> RunShape:
+        values = dict(values)
+        values["model"] = ModelConfig.from_dict(values["model"])
+        if values.get("layer_counts"):
+            values["layer_counts"] = tuple(values["layer_counts"])
+        return cls(**values)
+
+    def hop_bytes(self) -> list[int]:
+        """Bytes of one message on each hop (the backward carries the same as the forward)."""
+        width = self.model.d_model if self.mode == "standard" else self.model.source_width
+        return [n * self.tokens * width * self.dtype_bytes for n in self.plan().fwd_hop_tensors]
+
+
+def unit_times_from_probe(probe: dict, direction: str) -> UnitTimes:
+    """The probe's median unit times for `direction` ("fwd" or "bwd"), phase 1 as a fitted plane."""
+    key = f"{direction}_s"
+    points = [(p["sources"], p["queries"], p[key]) for p in probe["phase1"]]
+    return UnitTimes(layer=probe["layer"][key], add=probe["add"][key], embed=probe["embed"][key],
+                     head=probe["head"][key], merge=probe["merge"][key], phase1=fit_plane(points),
+                     phase1_floor=min(t for _, _, t in points))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransferCalibration:
+    """Unit times (already scaled to the run) and message costs; `costs` prices any RunShape."""
+
+    forward: UnitTimes
+    backward: UnitTimes
+    messages: MessageCosts
+    forward_scale: float
+    backward_scale: float
+    calibrated_on: RunShape
+
+    def costs(self, shape: RunShape) -> CostModel:
+        if shape.tokens != self.calibrated_on.tokens or shape.model.d_model != self.calibrated_on.model.d_model:
+            raise ValueError(f"unit costs were calibrated at {self.calibrated_on.tokens} tokens x d="
+                             f"{self.calibrated_on.model.d_model} per microbatch; calibrate again for "
+                             f"{shape.tokens} x {shape.model.d_model}")
+        partition = shape.partition()
+        works = [chunk_work(shape.model, partition, c) for c in range(partition.n_chunks)]
+        msg = self.messages
+        hop_bytes = shape.hop_bytes()
+        self_hop = [partition.is_self_hop(c) for c in range(partition.n_chunks - 1)]
+        send = tuple(0.0 if local else msg.send_fixed_s + b * msg.send_s_per_byte
+                     for b, local in zip(hop_bytes, self_hop, strict=True))
+        recv = tuple(0.0 if local else msg.recv_fixed_s for local in self_hop)
+        if shape.link is None:
+            link = tuple(0.0 if local else msg.link_latency_s + b * msg.link_s_per_byte
+                         for b, local in zip(hop_bytes, self_hop, strict=True))
+            wire: tuple[float, ...] = ()
+        else:  # the emulated link: arrival = departure + latency + bytes / bandwidth, one link per pair
+            link = tuple(0.0 if local else shape.link.message_s(b)
+                         for b, local in zip(hop_bytes, self_hop, strict=True))
+            wire = tuple(0.0 if local else shape.link.wire_s(b) for b, local in zip(hop_bytes, self_hop, strict=True))
+        return CostModel(forward_s=tuple(self.forward.chunk_s(w) for w in works),
+                         backward_s=tuple(self.backward.chunk_s(w) for w in works),
+                         hop_fwd_s=link, hop_bwd_s=link, send_fwd_s=send, send_bwd_s=send, recv_fwd_s=recv,
+                         recv_bwd_s=recv, wire_fwd_s=wire, wire_bwd_s=wire, dispatch_s=msg.dispatch_s,
+                         label="transferred calibration")
+
+    def predict_step_s(self, shape: RunShape) -> float:
+        """The simulated pipeline window of one step of `shape`."""
+        schedule = build_schedule(shape.schedule, shape.n_stages, shape.n_virtual, shape.n_microbatches)
+        return simulate(schedule, self.costs(shape)).makespan
+
+    def to_dict(self) -> dict:
+        """Everything `from_dict` needs to predict again (`attnres-pp simulate predict`)."""
+        return {"forward_units_s": self.forward.to_dict(), "backward_units_s": self.backward.to_dict(),
+                "forward_scale": self.forward_scale, "backward_scale": self.backward_scale,
+                "messages": self.messages.to_dict(), "calibrated_on": self.calibrated_on.to_dict()}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> TransferCalibration:
+        return cls(forward=UnitTimes.from_dict(values["forward_units_s"]),
+                   backward=UnitTimes.from_dict(values["backward_units_s"]),
+                   messages=MessageCosts(**values["messages"]), forward_scale=values["forward_scale"],
+                   backward_scale=values["backward_scale"], calibrated_on=RunShape.from_dict(values["calibrated_on"]))
+
+
+def _median(values: list[float], default: float = 0.0) -> float:
+    return statistics.median(values) if values else default
+
+
+def fit_transfer(probe: dict, shape: RunShape, steps: list[list[Event]]) -> TransferCalibration:
+    """Fit unit and message costs to a measured run of `shape` (`steps`: each step's events)."""
+    partition = shape.partition()
+    n_chunks = partition.n_chunks
+    measured = {ActionKind.F: [[] for _ in range(n_chunks)], ActionKind.B: [[] for _ in range(n_chunks)]}
+    for events in steps:
+        for _rank, name, start, end, category in events:
+            if category == "compute":
+                action = Action.parse(name)
+                measured[action.kind][action.chunk_index].append(end - start)
+    if any(not times for by_chunk in measured.values() for times in by_chunk):
+        raise ValueError("the calibration run has a chunk without F or B events: is its trace complete?")
+    works = [chunk_work(shape.model, partition, c) for c in range(n_chunks)]
+    probed = {direction: unit_times_from_probe(probe, direction) for direction in ("fwd", "bwd")}
+    factors = {direction: sum(_median(t) for t in measured[kind]) / sum(probed[direction].chunk_s(w) for w in works)
+               for kind, direction in ((ActionKind.F, "fwd"), (ActionKind.B, "bwd"))}
+    messages = fit_messages(probe, shape, steps)
+
+    def calibration(level: float) -> TransferCalibration:
+        return TransferCalibration(forward=probed["fwd"].scaled(level * factors["fwd"]),
+                                   backward=probed["bwd"].scaled(level * factors["bwd"]), messages=messages,
+                                   forward_scale=level * factors["fwd"], backward_scale=level * factors["bwd"],
+                                   calibrated_on=shape)
+
+    measured_step = _median([account(events, shape.n_stages)["step_s"] for events in steps])
+    return calibration(_solve_level(lambda level: calibration(level).predict_step_s(shape), measured_step))
+
+
+def _solve_level(step_at: Callable[[float], float], target_s: float) -> float:
+    """The compute level at which the simulated step equals `target_s` (the step grows with the
+    level, about linearly: a few secant steps from 1)."""
+    low, high = 1.0, 1.0
+    step_low = step_high = step_at(1.0)
+    if abs(step_low - target_s) <= 1e-9 * target_s:
+        return 1.0
+    while step_high < target_s:  # bracket the target
+        low, step_low, high = high, step_high, high * 2
+        step_high = step_at(high)
+    while step_low > target_s and low > 1e-6:
+        high, step_high, low = low, step_low, low / 2
+        step_low = step_at(low)
+    for _ in range(60):
+        level = low + (high - low) * (target_s - step_low) / (step_high - step_low) if step_high > step_low else high
+        step = step_at(level)
+        if abs(step - target_s) <= 1e-9 * target_s:
+            return level
+        if step < target_s:
+            low, step_low = level, step
+        else:
+            high, step_high = level, step
+    return level
+
+
+def fit_messages(probe: dict, shape: RunShape, steps: list[list[Event]]) -> MessageCosts:
+    """Send and receive work, link latency and dispatch from the run's communication events."""
+    hop_bytes = shape.hop_bytes()
+    per_byte = float(probe["pack_s_per_byte"])
+
+    def message_bytes(name: str) -> int:
+        action = Action.parse(name)
+        direction, sending_chunk, _ = action.message_id
+        return hop_bytes[sending_chunk if direction == "F" else sending_chunk - 1]
+
+    send_fixed, ready, clean, dispatch = [], [], [], []
+    for events in steps:
+        dispatch.append(account(events, shape.n_stages)["dispatch_us_per_action"] * 1e-6)
+        for event in events:
+            if event[1][:2] in ("SF", "SB"):
+                send_fixed.append(event[3] - event[2] - per_byte * message_bytes(event[1]))
+        for send, receive in message_pairs(events):
+            if send[3] <= receive[2]:  # already there: the receive's duration is its own work
+                ready.append(receive[3] - receive[2])
+            elif receive[2] <= send[2]:  # the receiver was waiting: a clean delivery
+                clean.append((receive[3] - send[2], message_bytes(send[1])))
+    send_s = max(0.0, _median(send_fixed))
+    recv_s = _median(ready)
+    latency = _median([total - send_s - 2 * per_byte * n_bytes - recv_s for total, n_bytes in clean])
+    return MessageCosts(send_fixed_s=send_s, send_s_per_byte=per_byte, recv_fixed_s=recv_s,
+                        link_latency_s=max(0.0, latency), link_s_per_byte=per_byte, dispatch_s=_median(dispatch))

@@ -1,0 +1,95 @@
+"""A rank's gradients after its backward, made into the whole run's (SPEC section 6, section 1.4):
+
+- every parameter's gradient is averaged over the rank's D data-parallel replicas, in flat buckets
+  (one all-reduce per bucket of up to BUCKET_BYTES, not one per parameter);
+- MSAR's tied stream convolutions, which every rank holds, are summed over the P ranks of a replica
+  (each rank adds what its own reads contributed) and averaged over the D replicas: one all-reduce
+  over every rank, divided by D;
+- the clipping norm is the whole model's: each rank's squared norm of its own untied gradients is
+  summed over its replica (the D replicas hold equal averaged gradients, so one replica counts
+  each once), and the tied gradients, equal on every rank after their reduction, are added once.
+
+Each replica's loss is the mean over its m microbatches, so averaging over D gives the mean over
+every token of the global batch: the single process's loss and gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from attnres_pp.pipeline.mesh import Collectives
+from attnres_pp.train.optim import sum_of_squares
+
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+
+
+def ensure_grads(params: list[nn.Parameter]) -> None:
+    """Zero gradients where autograd left none (a tied conv whose source this rank never reads), so
+    every rank's buckets have the same layout."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def flat_buckets(params: list[nn.Parameter], bucket_bytes: int = BUCKET_BYTES) -> list[list[nn.Parameter]]:
+    """Consecutive parameters grouped into buckets of at most `bucket_bytes` (a larger parameter gets
+    a bucket of its own); one dtype and device per bucket."""
+    buckets: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        n_bytes = p.numel() * p.element_size()
+        same_kind = buckets and (buckets[-1][0].dtype, buckets[-1][0].device) == (p.dtype, p.device)
+        if not same_kind or size + n_bytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += n_bytes
+    return buckets
+
+
+def _reduce_flat(params: list[nn.Parameter], collectives: Collectives, axis: str, divisor: int) -> None:
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    collectives.all_reduce(flat, axis)
+    if divisor != 1:
+        flat.div_(divisor)
+    for p, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
+        p.grad.copy_(piece.view_as(p))
+
+
+def sync_gradients(untied: list[nn.Parameter], tied: list[nn.Parameter], collectives: Collectives,
+                   data_parallel: int, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Average `untied` over the dp axis (in buckets); sum `tied` over each replica and average them
+    over replicas (one all-reduce over every rank)."""
+    ensure_grads(untied + tied)
+    if data_parallel > 1:
+        for bucket in flat_buckets(untied, bucket_bytes):
+            _reduce_flat(bucket, collectives, "dp", data_parallel)
+    if tied:
+        _reduce_flat(tied, collectives, "world", data_parallel)
+
+
+def squared_norm(params: list[nn.Parameter], device: torch.device | None = None) -> torch.Tensor:
+    """Sum of squared gradients as a 0-dim float64 tensor on `device` (default: the CPU), in parameter
+    order (deterministic), computed the way `optim.clip_grad_norm_` computes a rank's own: one
+    `_foreach_norm` per device, no host synchronisation."""
+    grads = [p.grad.detach() for p in params if p.grad is not None]
+    return sum_of_squares(grads).to(device or torch.device("cpu"))
+
+
+def norm_reducer(tied: list[nn.Parameter], collectives: Collectives,
+                 device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The `reduce_sq` of `optim.clip_grad_norm_`: this rank's squared norm (tied included) -> the
+    whole model's, each parameter counted once (call after `sync_gradients`): the untied part summed
+    over the replica's P ranks, the tied part (equal on every rank) added once. Everything stays on
+    `device`, so the step's one host synchronisation is `clip_grad_norm_`'s reading of the norm."""
+    tied_sq = squared_norm(tied, device)
+
+    def reduce_sq(local_sq: torch.Tensor) -> torch.Tensor:
+        untied_sq = local_sq.to(device) - tied_sq
+        collectives.all_reduce(untied_sq, "pp")
+        return untied_sq + tied_sq
+
+    return reduce_sq

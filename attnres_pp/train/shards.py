@@ -1,0 +1,150 @@
+"""One rank's part of a checkpoint, written and read with torch.distributed.checkpoint (DCP).
+
+A checkpoint's state dict is flat and keyed by the whole model's names, whatever the split:
+    "<parameter name>"                  the parameter, e.g. "layers.3.mlp.up.weight"
+    "optim.<parameter name>.<key>"      its AdamW state: step, exp_avg, exp_avg_sq
+    "rng.<global rank>" (".cuda")       the RNG state of the rank that wrote it
+Every rank saves what it holds; DCP deduplicates the copies that replicas (and MSAR's tied convs on
+every rank) hold, so each key is written once, by one rank, into that rank's own file. A rank loads
+exactly the keys of the parameters it holds, so a checkpoint loads into any launcher and any split
+(stages, virtual stages, data parallelism, layer counts): DCP reads each tensor from whichever
+file has it. Only a changed model cannot load (names or shapes differ; the error says so).
+
+Loading never unpickles arbitrary objects: tensors are read with torch.load(weights_only=True) by
+DCP itself, and the `.metadata` file, which DCP reads with plain pickle, is read here through an
+unpickler that admits only DCP's metadata classes and torch's dtypes and sizes.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+
+def rng_keys(rank: int) -> tuple[str, str]:
+    return f"rng.{rank}", f"rng.{rank}.cuda"
+
+
+def shard_state(params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, rank: int) -> dict:
+    """What rank `rank` saves: its parameters, their optimizer state and its RNG states."""
+    state: dict[str, torch.Tensor] = {name: p.detach() for name, p in params.items()}
+    for name, p in params.items():
+        for key, value in optimizer.state.get(p, {}).items():
+            state[f"optim.{name}.{key}"] = value.detach() if torch.is_tensor(value) else torch.tensor(value)
+    cpu_key, cuda_key = rng_keys(rank)
+    state[cpu_key] = torch.get_rng_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state[cuda_key] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_shard(step_dir: str | Path, state: dict, *, distributed: bool) -> None:
+    """Write `state` into the checkpoint folder `step_dir`. `distributed`: every rank of the default
+    process group calls this together (DCP's collective save); otherwise this process writes alone."""
+    with warnings.catch_warnings():
+        # Without a process group DCP warns that it assumes one process: that is the intent here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=str(step_dir), no_dist=not distributed)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata classes, torch's dtypes and sizes, the layout decoder torch pickles
+    layouts with, and the path DCP records; nothing else."""
+
+    _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+                ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str):
+        if module.startswith("torch.distributed.checkpoint.") or (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a checkpoint never "
+                                     "holds: refusing to load it (the file was not written by this program)")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, with the metadata read by `_MetadataUnpickler` instead of plain pickle."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        path = Path(self.path) / ".metadata"
+        if not path.is_file():
+            raise ValueError(f"checkpoint {self.path} has no .metadata: it is not a checkpoint of this format")
+        with path.open("rb") as handle:
+            metadata = _MetadataUnpickler(handle).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"{path} does not hold checkpoint metadata")
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def checkpoint_tensors(step_dir: str | Path) -> dict[str, TensorStorageMetadata]:
+    """Every tensor a checkpoint holds: key -> its metadata (size, dtype)."""
+    return {key: md for key, md in SafeReader(str(step_dir)).read_metadata().state_dict_metadata.items()
+            if isinstance(md, TensorStorageMetadata)}
+
+
+def read_parameters(step_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every parameter of a checkpoint by whole-model name, read in this process (for a consumer
+    that needs the whole model, such as `attnres-pp generate`); no optimizer or RNG state."""
+    saved = checkpoint_tensors(step_dir)
+    state = {key: torch.empty(md.size, dtype=md.properties.dtype) for key, md in saved.items()
+             if not key.startswith(("optim.", "rng."))}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=SafeReader(str(step_dir)), no_dist=True)
+    return state
+
+
+def load_shard(step_dir: str | Path, params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+               rank: int, *, distributed: bool) -> None:
+    """Load this rank's parameters (in place), their optimizer state and, if the checkpoint has one
+    for `rank`, its RNG state. `distributed` as for `save_shard`."""
+    saved = checkpoint_tensors(step_dir)
+    missing = sorted(set(params) - set(saved))
+    if missing:
+        raise ValueError(f"checkpoint {step_dir} has no values for parameters {missing[:5]}: it was written for "
+                         "another model; resume with the model config it was saved with")
+    for name, p in params.items():
+        if tuple(saved[name].size) != tuple(p.shape):
+            raise ValueError(f"checkpoint parameter {name} has shape {tuple(saved[name].size)}, the model "
+                             f"{tuple(p.shape)}: resume with the model config it was saved with")
+    state: dict[str, torch.Tensor] = {name: p.detach() for name, p in params.items()}
+    optim_keys = {}
+    for name in params:
+        prefix = f"optim.{name}."
+        for key in (k for k in saved if k.startswith(prefix) and "." not in k[len(prefix):]):
+            optim_keys[key] = (name, key[len(prefix):])
+            state[key] = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
+    rng = [key for key in rng_keys(rank) if key in saved]
+    for key in rng:
+        state[key] = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=SafeReader(str(step_dir)), no_dist=not distributed)
+    _set_optimizer_state(optimizer, params, optim_keys, state)
+    if rng_keys(rank)[0] in rng:
+        torch.set_rng_state(state[rng_keys(rank)[0]])
+    if rng_keys(rank)[1] in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state[rng_keys(rank)[1]])
+
+
+def _set_optimizer_state(optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter],
+                         optim_keys: dict[str, tuple[str, str]], state: dict[str, torch.Tensor]) -> None:
+    by_name: dict[str, dict] = {}
+    for key, (name, field) in optim_keys.items():
+        by_name.setdefault(name, {})[field] = state[key]
+    # state_dict() numbers parameters in param_group order; rebuild that numbering from names.
+    name_of = {id(p): name for name, p in params.items()}
+    ordered = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    current = optimizer.state_dict()
+    numbered = {index: by_name[name] for index, name in enumerate(ordered) if name in by_name}
+    # load_state_dict casts the moments to each parameter's device and dtype.
+    optimizer.load_state_dict({"state": numbered, "param_groups": current["param_groups"]})

@@ -1,0 +1,190 @@
+"""Bad inputs to `train`, `simulate` and `bench`, as a new user types them: each exits with code 2 and
+one `error:` line that names what to change, with no traceback, and no train case starts an engine
+or Ray. Run in this process (argparse's refusals arrive as SystemExit) so the table takes seconds.
+
+Placeholders in the argv: {tmp} a fresh folder, {file} an existing plain file, {toml} the case's TOML
+text written to a file. Root ignores permission bits, so "unwritable" and "unreadable" are a path
+under an existing file, /proc (which refuses new entries) and /proc/self/mem (a regular file whose
+read fails).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnres_pp.cli import main
+
+TRAIN = ["train", "--launcher", "local", "--steps", "1", "--layers", "2", "--d-model", "32", "--heads", "2",
+         "--seq-len", "16", "--batch-size", "4", "--data", "{tmp}/tiny.txt", "--quiet"]
+RAY = [*TRAIN, "--launcher", "ray", "--stages", "2"]
+OUT = ["--out", "{tmp}/run"]
+SCHEDULE = ["simulate", "schedule", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8"]
+MODEL_COSTS = [*SCHEDULE, "--costs", "model", "--layers", "8", "--block-size", "4"]
+COMM = ["simulate", "comm", "--layers", "8", "--block-size", "4"]
+UNREACHABLE = "127.0.0.1:1"  # loopback port 1: refused at once, and never another machine
+
+# (id, argv, TOML text for {toml} or None, a piece of the error line). TOML cases use keys that TRAIN's
+# flags do not set, since flags win over the file.
+CASES = [
+    # train: flags
+    ("train-timeout-nan", [*TRAIN, *OUT, "--timeout", "nan"], None, "timeout_s=nan"),
+    ("train-timeout-inf", [*TRAIN, *OUT, "--timeout", "inf"], None, "timeout_s=inf"),
+    ("train-timeout-zero", [*TRAIN, *OUT, "--timeout", "0"], None, "finite number of seconds > 0"),
+    ("train-timeout-word", [*TRAIN, *OUT, "--timeout", "soon"], None, "--timeout 'soon'"),
+    ("train-lr-nan", [*TRAIN, *OUT, "--lr", "nan"], None, "TrainConfig.lr=nan"),
+    ("train-steps-float", [*TRAIN, *OUT, "--steps", "1.5"], None, "--steps '1.5'"),
+    ("train-key-rank-negative", [*TRAIN, *OUT, "--key-rank", "-3"], None, "key_rank=-3"),
+    ("train-block-size-zero", [*TRAIN, *OUT, "--block-size", "0"], None, "block_size=0"),
+    ("train-heads-not-dividing", [*TRAIN, *OUT, "--heads", "3"], None, "must divide d_model"),
+    ("train-stages-zero", [*TRAIN, *OUT, "--stages", "0"], None, "stages=0"),
+    ("train-layer-counts-zero", [*TRAIN, *OUT, "--stages", "2", "--layer-counts", "2,0"], None, "layers >= 1"),
+    ("train-max-restarts-negative", [*TRAIN, *OUT, "--max-restarts", "-1"], None, "max_restarts=-1"),
+    ("train-cache-choice", [*TRAIN, *OUT, "--cache", "maybe"], None, "invalid choice"),
+    # train: paths
+    ("train-out-is-file", [*TRAIN, "--out", "{file}"], None, "is an existing file"),
+    ("train-out-under-file", [*TRAIN, "--out", "{file}/run"], None, "is a file, not a directory"),
+    ("train-out-unwritable", [*TRAIN, "--out", "/proc/attnres-run"], None, "refuses new entries"),
+    ("train-data-directory", [*TRAIN, *OUT, "--data", "{tmp}"], None, "it is a directory"),
+    ("train-data-txt-directory", [*TRAIN, *OUT, "--data", "{tmp}/folder.txt"], None, "it is a directory"),
+    ("train-data-unreadable", [*TRAIN, *OUT, "--data", "{tmp}/mem.txt"], None, "cannot be read"),
+    ("train-data-missing", [*TRAIN, *OUT, "--data", "{tmp}/missing.txt"], None, "no such file"),
+    ("train-config-directory", [*TRAIN, *OUT, "--config", "{tmp}"], None, "cannot be read"),
+    ("train-config-missing", [*TRAIN, *OUT, "--config", "{tmp}/missing.toml"], None, "not found"),
+    # train: TOML values of the wrong type
+    ("toml-string-for-int", [*TRAIN, *OUT, "--config", "{toml}"], '[train]\nwarmup_steps = "5"\n',
+     '[train] warmup_steps = "5" is invalid: expected an integer, found a string'),
+    ("toml-float-for-int", [*TRAIN, *OUT, "--config", "{toml}"], "[model]\nvocab_size = 256.0\n",
+     "expected an integer, found a float; write vocab_size = 256"),
+    ("toml-bool-for-int", [*TRAIN, *OUT, "--config", "{toml}"], "[train]\nseed = true\n",
+     "expected an integer, found a boolean"),
+    ("toml-string-for-float", [*TRAIN, *OUT, "--config", "{toml}"], '[train]\nweight_decay = "0.1"\n',
+     "expected a number, found a string"),
+    ("toml-int-for-list", [*TRAIN, *OUT, "--config", "{toml}"], "[pipeline]\nlayer_counts = 3\n",
+     "write layer_counts = [3]"),
+    ("toml-strings-in-list", [*TRAIN, *OUT, "--config", "{toml}"], '[model]\nstream_kernels = ["4"]\n',
+     "found a list holding a string"),
+    ("toml-string-for-bool", [*TRAIN, *OUT, "--config", "{toml}"], '[pipeline]\ncache = "no"\n',
+     "expected true or false"),
+    ("toml-int-for-string", [*TRAIN, *OUT, "--config", "{toml}"], "[model]\nresidual = 5\n",
+     "expected a string in quotes, found an integer"),
+    ("toml-table-for-int", [*TRAIN, *OUT, "--config", "{toml}"], "[train]\neval_every = {a = 1}\n",
+     "found a table"),
+    ("toml-timeout-nan", [*TRAIN, *OUT, "--config", "{toml}"], "[pipeline]\ntimeout_s = nan\n", "timeout_s=nan"),
+    ("toml-norm-eps-inf", [*TRAIN, *OUT, "--config", "{toml}"], "[model]\nnorm_eps = inf\n", "norm_eps=inf"),
+    ("toml-unknown-key", [*TRAIN, *OUT, "--config", "{toml}"], "[train]\nbatchsize = 8\n", "batch_size"),
+    # train: Ray
+    ("ray-address-unreachable", [*RAY, *OUT, "--address", UNREACHABLE], None, "cannot be reached"),
+    ("ray-client-address-unreachable", [*RAY, *OUT, "--address", f"ray://{UNREACHABLE}"], None,
+     "cannot be reached"),
+    ("ray-address-without-port", [*RAY, *OUT, "--address", "127.0.0.1"], None, "give HOST:PORT"),
+    ("ray-address-bad-port", [*RAY, *OUT, "--address", "127.0.0.1:99999"], None, "give HOST:PORT"),
+    ("ray-address-dashboard", [*RAY, *OUT, "--address", "http://127.0.0.1:8265"], None, "dashboard"),
+    ("ray-env-address-unreachable", [*RAY, *OUT], None, "RAY_ADDRESS 127.0.0.1:1 cannot be reached"),
+    ("ray-not-installed", [*RAY, *OUT], None, "pip install"),
+    ("address-without-ray", [*TRAIN, *OUT, "--address", UNREACHABLE], None, "--address is for --launcher ray"),
+    # simulate
+    ("sweep-blocks-zero", ["simulate", "sweep", "--blocks", "0"], None, "argument --blocks"),
+    ("sweep-blocks-negative", ["simulate", "sweep", "--blocks", "-4"], None, "argument --blocks"),
+    ("sweep-blocks-not-dividing", ["simulate", "sweep", "--blocks", "3"], None, "must divide"),
+    ("sweep-stages-zero", ["simulate", "sweep", "--stages", "0"], None, "argument --stages"),
+    ("sweep-key-rank-negative", ["simulate", "sweep", "--key-rank", "-3"], None, "argument --key-rank"),
+    ("sweep-tokens-float", ["simulate", "sweep", "--tokens", "1.5"], None, "is not an integer"),
+    ("sweep-out-is-file", ["simulate", "sweep", "--only", "bubble", "--out", "{file}"], None,
+     "is an existing file"),
+    ("schedule-key-rank-negative", [*MODEL_COSTS, "--key-rank", "-3"], None, "argument --key-rank"),
+    ("schedule-tflops-nan", [*MODEL_COSTS, "--tflops", "nan"], None, "argument --tflops"),
+    ("schedule-tflops-zero", [*MODEL_COSTS, "--tflops", "0"], None, "finite number > 0"),
+    ("schedule-tflops-inf", [*MODEL_COSTS, "--tflops", "inf"], None, "argument --tflops"),
+    ("schedule-tflops-word", [*MODEL_COSTS, "--tflops", "fast"], None, "is not a number"),
+    ("schedule-bandwidth-zero", [*MODEL_COSTS, "--bandwidth-gbs", "0"], None, "argument --bandwidth-gbs"),
+    ("schedule-latency-negative", [*MODEL_COSTS, "--latency-us", "-1"], None, "finite number >= 0"),
+    ("schedule-latency-nan", [*MODEL_COSTS, "--latency-us", "nan"], None, "argument --latency-us"),
+    ("schedule-tokens-negative", [*SCHEDULE, "--layers", "8", "--block-size", "4", "--tokens", "-5"], None,
+     "argument --tokens"),
+    ("schedule-d-ff-negative", [*MODEL_COSTS, "--d-ff", "-1"], None, "argument --d-ff"),
+    ("schedule-stages-zero", [*SCHEDULE, "--stages", "0"], None, "argument --stages"),
+    ("schedule-trace-directory", [*SCHEDULE, "--trace", "{tmp}"], None, "is a directory"),
+    ("schedule-plot-directory", [*SCHEDULE, "--plot", "{tmp}"], None, "is a directory"),
+    ("schedule-trace-under-file", [*SCHEDULE, "--trace", "{file}/trace.json"], None, "is a file"),
+    ("schedule-calibrate-from-bad-json", [*SCHEDULE, "--calibrate-from", "{tmp}/badrun"], None, "not valid JSON"),
+    ("comm-stages-zero", [*COMM, "--stages", "0"], None, "argument --stages"),
+    ("comm-virtual-zero", [*COMM, "--stages", "2", "--virtual", "0"], None, "argument --virtual"),
+    ("comm-layer-counts-negative", [*COMM, "--stages", "2", "--layer-counts", "10,-2"], None, "at least one layer"),
+    # bench
+    ("bench-out-is-file", ["bench", "comm", "--no-timing", "--out", "{file}"], None, "is an existing file"),
+    ("bench-out-under-file", ["bench", "bubbles", "--out", "{file}/results"], None, "is a file"),
+    ("bench-unknown-name", ["bench", "latency"], None, "invalid choice"),
+    ("bench-no-timing-not-comm", ["bench", "overhead", "--no-timing"], None, "comm only"),
+]
+
+_ERROR_LINE = re.compile(r"^(error: |attnres-pp[\w -]*: error: )")
+
+
+@pytest.fixture
+def no_start(monkeypatch):
+    """Fail the test if training or Ray would start."""
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a bad input got as far as starting training or Ray")
+
+    monkeypatch.setattr("attnres_pp.train.cli.run_training", refuse)
+    try:
+        import ray
+    except ImportError:
+        return
+    monkeypatch.setattr(ray, "init", refuse)
+
+
+def _prepare(case_id: str, tmp: Path, monkeypatch) -> None:
+    (tmp / "tiny.txt").write_text("a small corpus for the bad-input cases " * 40)
+    (tmp / "file").write_text("not a directory")
+    (tmp / "folder.txt").mkdir()
+    (tmp / "badrun").mkdir()
+    (tmp / "badrun" / "summary.json").write_text("{")
+    if case_id == "train-data-unreadable":
+        if not os.path.exists("/proc/self/mem"):
+            pytest.skip("needs /proc/self/mem")
+        (tmp / "mem.txt").symlink_to("/proc/self/mem")
+    if case_id == "train-out-unwritable" and not os.path.isdir("/proc/self"):
+        pytest.skip("needs /proc")
+    if case_id.startswith("ray-"):
+        if case_id == "ray-not-installed":
+            monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails as if it were missing
+        else:
+            ray = pytest.importorskip("ray")
+            if ray.is_initialized():
+                pytest.skip("a Ray instance is already running in this process: the address is not used")
+    if case_id == "ray-env-address-unreachable":
+        monkeypatch.setenv("RAY_ADDRESS", UNREACHABLE)
+    else:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+@pytest.mark.parametrize(("case_id", "argv", "toml", "needle"), CASES, ids=[case[0] for case in CASES])
+def test_bad_input_is_one_error_line_and_exit_2(case_id, argv, toml, needle, tmp_path, monkeypatch, capsys,
+                                                no_start):
+    _prepare(case_id, tmp_path, monkeypatch)
+    if toml is not None:
+        (tmp_path / "case.toml").write_text(toml)
+    argv = [a.format(tmp=tmp_path, file=tmp_path / "file", toml=tmp_path / "case.toml") for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as exit_:  # argparse's own refusals
+        code = exit_.code
+    captured = capsys.readouterr()
+    said = captured.out + captured.err
+    errors = [line for line in said.splitlines() if _ERROR_LINE.match(line)]
+    assert code == 2, said
+    assert "Traceback" not in said, said
+    assert len(errors) == 1, said
+    assert needle in errors[0], errors[0]
+
+
+def test_the_table_covers_at_least_45_inputs_across_the_three_commands():
+    commands = {argv[0] for _id, argv, _toml, _needle in CASES}
+    assert len(CASES) >= 45 and commands == {"train", "simulate", "bench"}
+    assert len({case[0] for case in CASES}) == len(CASES)
