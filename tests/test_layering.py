@@ -42,7 +42,8 @@ ALLOWED = {
 # the timeline accounting and traces, the plan and the partition. All of them are torch-free.
 SIMULATOR_MAY_READ = {
     "attnres_pp.pipeline.ir", "attnres_pp.pipeline.schedules", "attnres_pp.pipeline.passes",
-    "attnres_pp.pipeline.validate", "attnres_pp.pipeline.timeline", "attnres_pp.pipeline.trace",
+    "attnres_pp.pipeline.validate", "attnres_pp.pipeline.validate_nccl", "attnres_pp.pipeline.timeline",
+    "attnres_pp.pipeline.trace",
     "attnres_pp.pipeline.config", "attnres_pp.comm.plan", "attnres_pp.comm.partition", "attnres_pp.comm.link",
     "attnres_pp.model.config", "attnres_pp.config_tables", "attnres_pp.out_paths",
 }

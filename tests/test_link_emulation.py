@@ -101,3 +101,24 @@ def test_an_emulated_link_delays_steps_and_changes_neither_losses_nor_bytes(tmp_
     assert slow["config"]["pipeline"]["link_gbps"] == 0.001
     one_direction_s = slow["bytes_sent_per_step"] / 2 / LinkModel(gbps=0.001).bytes_per_s
     assert slow["step_time_s"] >= one_direction_s
+
+
+def test_an_emulated_link_under_the_nccl_issue_order(tmp_path):
+    """`--p2p-semantics nccl` over gloo (the batched transport, NCCL's issue order) stamps and delays
+    its messages as the plain transport does: the losses and counted bytes of the plain run, each step
+    at least as long as the link needs for one direction's bytes."""
+    import json
+
+    tiny = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
+            "--microbatches", "2", "--steps", "2", "--eval-every", "0", "--quiet", "--launcher", "local",
+            "--stages", "2", "--schedule", "1f1b", "--block-size", "2"]
+    summaries = {}
+    for name, extra in (("plain", []), ("slow_nccl_order", ["--p2p-semantics", "nccl", "--link-gbps", "0.001"])):
+        assert main(["train", *tiny, *extra, "--out", str(tmp_path / name)]) == 0
+        summaries[name] = json.loads((tmp_path / name / "summary.json").read_text())
+    plain, slow = summaries["plain"], summaries["slow_nccl_order"]
+    assert slow["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+    assert slow["bytes_sent_per_step"] == plain["bytes_sent_per_step"] > 0
+    assert slow["config"]["pipeline"]["p2p_semantics"] == "nccl"
+    one_direction_s = slow["bytes_sent_per_step"] / 2 / LinkModel(gbps=0.001).bytes_per_s
+    assert slow["step_time_s"] >= one_direction_s

@@ -2,8 +2,9 @@
 `GenerationWorker` as the local launcher's rank processes.
 
 Placement and rendezvous follow the training launcher (`train.ray_engine`): a placement group with
-one bundle per rank (one GPU per bundle when the cluster has enough), rank 0 picks its node address
-and a free port, every actor joins the torch.distributed group against it. `address` (or
+one bundle per rank (one CPU each: generation ranks run on the CPU over gloo, see
+`generate.worker`), rank 0 picks its node address and a free port, every actor joins the
+torch.distributed group against it. `address` (or
 RAY_ADDRESS) joins that cluster, "auto" the `ray start` cluster of this machine; otherwise a private
 local instance is started and stopped on close. Every wait is bounded by the pipeline timeout.
 """
@@ -59,14 +60,13 @@ class RayGenerator:
 
     def _start(self, named: dict | None, seed: int, threads: int) -> None:
         pipe = self.pipe
-        use_gpu = (int(ray.cluster_resources().get("GPU", 0)) >= pipe.stages
-                   and os.environ.get("ATTNRES_PP_FORCE_CPU") != "1")
-        bundle = {"CPU": 1, **({"GPU": 1} if use_gpu else {})}
+        # The ranks compute on the CPU over gloo (`GenerationWorker.join_process_group`): no GPU bundles.
+        bundle = {"CPU": 1}
         self._pg = placement_group([bundle] * pipe.stages, strategy=pipe.placement)
         if not ray.wait([self._pg.ready()], timeout=pipe.timeout_s)[0]:
             raise RuntimeError(f"Ray could not place {pipe.stages} bundles of {bundle} with {pipe.placement} within "
                                f"{pipe.timeout_s:.0f} s: the cluster has {ray.cluster_resources()}")
-        actor_cls = ray.remote(num_cpus=1, num_gpus=1 if use_gpu else 0, max_restarts=0)(GenerationActor)
+        actor_cls = ray.remote(num_cpus=1, num_gpus=0, max_restarts=0)(GenerationActor)
         self.actors = [
             actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self._pg, placement_group_bundle_index=rank)).remote(

@@ -63,7 +63,10 @@ class GenerationWorker:
         self.runtime: GenerationRuntime | None = None
 
     def join_process_group(self, init_method: str, world_size: int) -> str:
-        backend, self.device = init_process_group(init_method, self.pp_rank, world_size, self.pipe.timeout_s)
+        # Generation runs on the CPU over gloo: its forward-only runtime posts every receive of a pass
+        # up front, an order proven only under gloo's rules, not NCCL's (see README, Generation).
+        backend, self.device = init_process_group(init_method, self.pp_rank, world_size, self.pipe.timeout_s,
+                                                  device="cpu")
         self.model.to(self.device)
         transport = DistTransport(self.pp_rank, self.pipe.timeout_s, self.device)
         self.runtime = GenerationRuntime(pp_rank=self.pp_rank, chunks=self.chunks, plan=self.plan, transport=transport)

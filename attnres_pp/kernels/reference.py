@@ -33,6 +33,11 @@ def phase1_torch(
     values [N, T, d]; queries [S, k]; keys [N, T, k] or None (keys = values, k = d).
     Returns out [S, T, d] = sum_i softmax_i(q . RMSNorm(key_i)) v_i and lse [S, T].
     """
+    with torch.autocast(values_NTD.device.type, enabled=False):  # fp32 math, as the Triton kernels
+        return _phase1(values_NTD, queries_SK, keys_NTK, eps)
+
+
+def _phase1(values_NTD, queries_SK, keys_NTK, eps):
     math = _math_dtype(values_NTD.dtype)
     v = values_NTD.to(math)
     k = v if keys_NTK is None else keys_NTK.to(math)
@@ -54,6 +59,11 @@ def phase2_torch(
     eps: float = 1e-6,
 ) -> torch.Tensor:
     """Merge the phase-1 read with the open partial: h = o1 + sigmoid(s_p - lse1) * (p - o1)."""
+    with torch.autocast(partial_TD.device.type, enabled=False):  # fp32 math, as the Triton kernels
+        return _phase2(out1_TD, lse1_T, partial_TD, query_K, partial_key_TK, eps)
+
+
+def _phase2(out1_TD, lse1_T, partial_TD, query_K, partial_key_TK, eps):
     math = _math_dtype(partial_TD.dtype)
     p = partial_TD.to(math)
     k = p if partial_key_TK is None else partial_key_TK.to(math)

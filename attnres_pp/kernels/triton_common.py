@@ -14,12 +14,17 @@ import torch
 import triton
 import triton.language as tl
 
-# Largest live 3-D tile ([S, T, d-chunk] accumulator or product) per program, in elements. The warp
-# count grows with the tile so that each such tile costs about 32 fp32 registers per thread (a few
-# are live at once): wide enough for full-bandwidth row loads, small enough not to spill. Tests
-# shrink it to force the chunked code paths on tiny shapes.
-DEFAULT_TILE_ELEMS = 16384
+# Register budget per program, in fp32 elements of the live tiles (the [S, T, d-chunk] tile plus,
+# where a kernel says so, [T, d-chunk] row tiles and [S, d-chunk] query tiles). A program has at
+# most 16 warps (512 threads), and 16 warps cap a thread at 128 registers; THREAD_ELEMS elements
+# of the budget per thread leave room for the products, pointers and masks beside the tiles, so no
+# build spills (`scripts/aot_kernels.py` checks this for sm_90 and sm_80 at paper-scale shapes; a
+# budget of 16384 at 32 elements per thread spilled in 44 of 416 builds). Tests shrink the budget
+# to force the chunked code paths on tiny shapes.
+DEFAULT_TILE_ELEMS = 8192
+THREAD_ELEMS = 16
 MAX_BLOCK_T = 64
+MAX_WARPS = 16
 
 # When True, every buffer a launcher allocates starts as NaN, so an element that no program writes
 # shows up in a test. Tests flip it; production keeps torch.empty.
@@ -38,17 +43,48 @@ class Tiles:
     n_d_chunks: int
     num_warps: int
 
+    @property
+    def launch_options(self) -> dict:
+        """num_warps, and on CUDA the register cap that many warps allow (65536 per SM / threads).
+        Stating the cap stops ptxas trading a few spilled registers for a second resident program
+        (with `.reqntid` alone it caps itself at 64 and spills; see scripts/aot_kernels.py)."""
+        if torch.version.hip is not None:  # ROCm's Triton backend has no maxnreg option
+            return {"num_warps": self.num_warps}
+        return {"num_warps": self.num_warps, "maxnreg": min(255, 65536 // (32 * self.num_warps))}
 
-def pick_tiles(n_queries: int, n_tokens: int, width_d: int, width_k: int, tile_elems: int | None) -> Tiles:
-    """Size the [S, T, d-chunk] tile to `tile_elems`: the whole query set always sits in one program
-    (so each source is read once for all queries); d is chunked across programs only when one row
-    of every query does not fit."""
+
+def pick_tiles(
+    n_queries: int,
+    n_tokens: int,
+    width_d: int,
+    width_k: int,
+    tile_elems: int | None,
+    *,
+    row_tiles: int = 0,
+    query_tiles: int = 0,
+) -> Tiles:
+    """Size one program's tiles so that [S, T, D] + row_tiles x [T, D] + query_tiles x [S, D]
+    elements (padded sizes) fit `tile_elems`: the whole query set always sits in one program (so
+    each source is read once for all queries); d is chunked across programs only when one row of
+    every query does not fit. The key chunk K is sized so that the key-score product [S, T, K] and
+    the key tile [T, K] take at most half the budget. Warps: THREAD_ELEMS budget elements each."""
     budget = tile_elems or DEFAULT_TILE_ELEMS
     block_s = triton.next_power_of_2(n_queries)
-    block_d = max(1, min(triton.next_power_of_2(width_d), budget // block_s))
-    block_t = max(1, min(budget // (block_s * block_d), MAX_BLOCK_T, triton.next_power_of_2(n_tokens)))
-    block_k = max(1, min(triton.next_power_of_2(width_k), budget // (block_s * block_t)))
-    num_warps = max(4, min(16, block_s * block_t * block_d // 1024))
+
+    def cost(block_t: int, block_d: int) -> int:
+        return (block_s * block_t + row_tiles * block_t + query_tiles * block_s) * block_d
+
+    block_d = triton.next_power_of_2(width_d)
+    while block_d > 1 and cost(1, block_d) > budget:
+        block_d //= 2
+    max_t = min(MAX_BLOCK_T, triton.next_power_of_2(n_tokens))
+    block_t = 1
+    while block_t < max_t and cost(2 * block_t, block_d) <= budget:
+        block_t *= 2
+    key_room = max(1, budget // (2 * (block_s + 1) * block_t))
+    block_k = min(triton.next_power_of_2(width_k), 1 << (key_room.bit_length() - 1))
+    threads = max(1, cost(block_t, block_d) // THREAD_ELEMS)
+    num_warps = max(4, min(MAX_WARPS, triton.next_power_of_2(threads) // 32))
     return Tiles(
         block_s=block_s,
         block_t=block_t,

@@ -169,7 +169,7 @@ def _score_pass(keys_NTK, queries_SK, eps, tiles: Tiles):
     _scores_kernel[(tiles.n_t_tiles,)](
         keys_NTK, *keys_NTK.stride(), queries_SK, *queries_SK.stride(), scores_NST, rstd_NT,
         n_sources, n_tokens, n_queries, width_k, eps,
-        BLOCK_S=tiles.block_s, BLOCK_T=tiles.block_t, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+        BLOCK_S=tiles.block_s, BLOCK_T=tiles.block_t, BLOCK_K=tiles.block_k, **tiles.launch_options,
     )  # fmt: skip
     return scores_NST, rstd_NT
 
@@ -198,7 +198,7 @@ def phase1_forward(values_NTD, queries_SK, keys_NTK=None, eps=1e-6, tile_elems=N
         n_sources, n_tokens, width_d, n_queries, width_k, eps, tiles.n_d_chunks,
         HAS_SCORES=has_scores,
         BLOCK_S=tiles.block_s, BLOCK_T=tiles.block_t, BLOCK_D=tiles.block_d, BLOCK_K=tiles.block_k,
-        num_warps=tiles.num_warps,
+        **tiles.launch_options,
     )  # fmt: skip
     return out_STD, lse_ST
 
@@ -229,7 +229,7 @@ def phase1_backward(values_NTD, queries_SK, keys_NTK, lse_ST, dout_STD, dlse_ST,
         n_sources, n_tokens, width_d, n_queries, width_k, eps, tiles.n_d_chunks,
         HAS_SCORES=has_scores, STORE_DV=keys_NTK is not None,
         BLOCK_S=tiles.block_s, BLOCK_T=tiles.block_t, BLOCK_D=tiles.block_d, BLOCK_K=tiles.block_k,
-        num_warps=tiles.num_warps,
+        **tiles.launch_options,
     )  # fmt: skip
 
     # Small [N, S, T] algebra: softmax backward plus the LSE path, ds = p * (dp - sum_j p_j dp_j + dlse).

@@ -112,7 +112,7 @@ def phase2_forward(out1_TD, lse1_T, partial_TD, query_K, partial_key_TK=None, ep
         out1_TD, *out1_TD.stride(), lse1_T.contiguous(), partial_TD, *partial_TD.stride(),
         key_src, *key_src.stride(), query_K, *query_K.stride(), h_TD,
         n_tokens, width_d, width_k, eps, tiles.n_d_chunks,
-        BLOCK_T=tiles.block_t, BLOCK_D=tiles.block_d, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+        BLOCK_T=tiles.block_t, BLOCK_D=tiles.block_d, BLOCK_K=tiles.block_k, **tiles.launch_options,
     )  # fmt: skip
     return h_TD
 
@@ -138,7 +138,7 @@ def phase2_backward(out1_TD, lse1_T, partial_TD, query_K, partial_key_TK, dh_TD,
         d_out1, d_partial, score_T, rstd_T, dg_part,
         n_tokens, width_d, width_k, eps, tiles.n_d_chunks,
         STORE_DP=partial_key_TK is not None,
-        BLOCK_T=tiles.block_t, BLOCK_D=tiles.block_d, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+        BLOCK_T=tiles.block_t, BLOCK_D=tiles.block_d, BLOCK_K=tiles.block_k, **tiles.launch_options,
     )  # fmt: skip
 
     # Small [T] algebra: sigmoid backward; lse1 enters the gate with the opposite sign of s_p.

@@ -29,7 +29,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.weight
+        # At least fp32 math (a bf16 activation under autocast), back in the input's dtype.
+        math = x.to(torch.promote_types(x.dtype, torch.float32))
+        return (math * torch.rsqrt(math.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
 
 
 class Attention(nn.Module):

@@ -13,6 +13,7 @@ from attnres_pp.model.config import ModelConfig, block_of, completes_block
 from attnres_pp.model.decode_state import DecodeStep
 from attnres_pp.model.depth import BlockReader, StreamConvs, emit_source
 from attnres_pp.model.layers import TransformerLayer
+from attnres_pp.model.precision import to_activation
 
 
 @dataclass
@@ -36,13 +37,14 @@ def forward_sublayers(cfg: ModelConfig, layers: Mapping[int, TransformerLayer], 
 
     `layers[i]` must hold transformer layer i for every sublayer in range. A sublayer that completes a
     block (or is the model's last) moves the partial into `blocks`. Each output passes `emit_source`
-    before it is summed, here and nowhere else, so pipeline chunks inherit the same rule.
+    before it is summed, here and nowhere else, so pipeline chunks inherit the same rule; under
+    bf16 autocast every stored tensor is bf16 (`precision.to_activation`).
     `decode`: incremental decoding, the state's tokens are one pass of a DecodeState (SPEC 7).
     """
     if cfg.residual == "standard":
         residual = state.residual
         for l in sublayers:
-            residual = residual + _sublayer_output(layers, l, residual, decode)
+            residual = to_activation(residual + _sublayer_output(layers, l, residual, decode))
         return DepthState(residual=residual)
 
     blocks, partial = list(state.blocks), state.partial
@@ -57,7 +59,7 @@ def forward_sublayers(cfg: ModelConfig, layers: Mapping[int, TransformerLayer], 
             reader = BlockReader(cfg, reads, blocks, stream_convs, backend, decode, l)
             segment_start = l
         h_BTD = reader.read(l - segment_start, partial, block_index)
-        out_BTW = emit_source(cfg, _sublayer_output(layers, l, h_BTD, decode))
+        out_BTW = to_activation(emit_source(cfg, _sublayer_output(layers, l, h_BTD, decode)))
         partial = out_BTW if partial is None else partial + out_BTW
         if completes_block(l, cfg.block_size, cfg.n_sublayers):
             blocks.append(partial)

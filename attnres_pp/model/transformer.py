@@ -10,6 +10,7 @@ from attnres_pp.model.config import ModelConfig
 from attnres_pp.model.decode_state import DecodeStep
 from attnres_pp.model.depth import BlockReader, DepthRead, StreamConvs, emit_source
 from attnres_pp.model.layers import Embedding, RMSNorm, TransformerLayer, init_weights
+from attnres_pp.model.precision import PRECISIONS, compute_context, to_activation
 from attnres_pp.model.stack import DepthState, forward_sublayers
 
 
@@ -36,10 +37,10 @@ class Head(nn.Module):
 
 
 def embed_state(cfg: ModelConfig, embedding: Embedding, idx_BT: torch.Tensor, start: int = 0) -> DepthState:
-    o_emb = embedding(idx_BT, start)
+    o_emb = to_activation(embedding(idx_BT, start))
     if cfg.residual == "standard":
         return DepthState(residual=o_emb)
-    return DepthState(blocks=[emit_source(cfg, o_emb)])
+    return DepthState(blocks=[to_activation(emit_source(cfg, o_emb))])
 
 
 def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
@@ -48,17 +49,21 @@ def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
 
 class Transformer(nn.Module):
     """Decoder-only LM of SPEC section 1. `model(idx)` -> logits; `model(idx, targets)` -> mean loss.
+    `precision` "bf16" runs the forward under bf16 autocast (see `model.precision`).
 
     Parameters are initialised from `seed` and their whole-model names (`layers.init_weights`), not
     from torch's global generator. Built under `torch.device("meta")` the model allocates nothing:
     a pipeline rank then materialises and initialises only its own chunks (`pipeline.chunk`).
     """
 
-    def __init__(self, cfg: ModelConfig, *, backend: str = "auto", seed: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, *, backend: str = "auto", seed: int = 0, precision: str = "fp32") -> None:
         super().__init__()
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r} is invalid: choose one of {', '.join(PRECISIONS)}")
         self.cfg = cfg
         self.backend = backend
         self.seed = seed
+        self.precision = precision
         self.embed = Embedding(cfg)
         self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(cfg.n_layers))
         self.head = Head(cfg)
@@ -71,12 +76,13 @@ class Transformer(nn.Module):
         attending to the cached earlier ones; see model.decode_state)."""
         if idx_BT.shape[1] > self.cfg.seq_len:
             raise ValueError(f"sequence of {idx_BT.shape[1]} tokens exceeds seq_len={self.cfg.seq_len}")
-        state = embed_state(self.cfg, self.embed, idx_BT, 0 if decode is None else decode.start)
-        layers = dict(enumerate(self.layers))
-        state = forward_sublayers(self.cfg, layers, self.stream_convs, state, range(self.cfg.n_sublayers),
-                                  self.backend, decode)
-        logits = self.head(state, self.stream_convs, self.backend, decode)
-        return logits if targets_BT is None else lm_loss(logits, targets_BT)
+        with compute_context(self.precision, idx_BT.device.type):
+            state = embed_state(self.cfg, self.embed, idx_BT, 0 if decode is None else decode.start)
+            layers = dict(enumerate(self.layers))
+            state = forward_sublayers(self.cfg, layers, self.stream_convs, state, range(self.cfg.n_sublayers),
+                                      self.backend, decode)
+            logits = self.head(state, self.stream_convs, self.backend, decode)
+            return logits if targets_BT is None else lm_loss(logits, targets_BT)
 
 
 def parameter_count(cfg: ModelConfig) -> int:

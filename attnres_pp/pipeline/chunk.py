@@ -18,6 +18,7 @@ from attnres_pp.comm.plan import RESIDUAL, Source
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.model.decode_state import DecodeStep
 from attnres_pp.model.layers import init_weights
+from attnres_pp.model.precision import compute_context
 from attnres_pp.model.stack import DepthState, forward_sublayers
 from attnres_pp.model.transformer import Transformer, embed_state, lm_loss
 
@@ -33,6 +34,7 @@ class PipelineChunk(nn.Module):
         super().__init__()
         self.cfg = model.cfg
         self.backend = model.backend
+        self.precision = model.precision
         self.chunk_index = chunk_index
         self.sublayers = partition.sublayer_range(chunk_index)
         self.is_first = chunk_index == 0
@@ -45,13 +47,20 @@ class PipelineChunk(nn.Module):
     def forward(self, sources: dict[Source, torch.Tensor], idx_BT: torch.Tensor | None = None,
                 targets_BT: torch.Tensor | None = None) -> tuple[dict[Source, torch.Tensor], torch.Tensor | None]:
         """sources: the chunk's inputs by name. Returns (sources this chunk produced, loss or None)."""
-        produced, logits = self.run(sources, idx_BT)
-        return produced, None if logits is None else lm_loss(logits, targets_BT)
+        with compute_context(self.precision, _device_of(sources, idx_BT).type):
+            produced, logits = self.run(sources, idx_BT)
+            return produced, None if logits is None else lm_loss(logits, targets_BT)
 
     def run(self, sources: dict[Source, torch.Tensor], idx_BT: torch.Tensor | None = None,
             decode: DecodeStep | None = None) -> tuple[dict[Source, torch.Tensor], torch.Tensor | None]:
         """The forward without the loss: (sources produced, logits [B, T, V] on the last chunk or None).
-        `decode`: one pass of incremental decoding over this rank's DecodeState (generation)."""
+        `decode`: one pass of incremental decoding over this rank's DecodeState (generation). Runs in
+        the model's precision (bf16 autocast under bf16, as `Transformer.forward` does)."""
+        with compute_context(self.precision, _device_of(sources, idx_BT).type):
+            return self._run(sources, idx_BT, decode)
+
+    def _run(self, sources: dict[Source, torch.Tensor], idx_BT: torch.Tensor | None,
+             decode: DecodeStep | None) -> tuple[dict[Source, torch.Tensor], torch.Tensor | None]:
         cfg, convs = self.cfg, self._stream_convs[0]
         if self.is_first:
             state = embed_state(cfg, self.embed, idx_BT, 0 if decode is None else decode.start)
@@ -69,6 +78,10 @@ class PipelineChunk(nn.Module):
         if state.partial is not None:
             produced[Source("partial", len(state.blocks))] = state.partial
         return produced, None
+
+
+def _device_of(sources: dict[Source, torch.Tensor], idx_BT: torch.Tensor | None) -> torch.device:
+    return (idx_BT if idx_BT is not None else next(iter(sources.values()))).device
 
 
 def _state_from_sources(sources: dict[Source, torch.Tensor]) -> DepthState:
@@ -98,11 +111,13 @@ def rank_module_names(cfg: ModelConfig, partition: Partition, pp_rank: int) -> l
 
 
 def build_rank_model(cfg: ModelConfig, partition: Partition, pp_rank: int, *, seed: int, backend: str = "auto",
-                     device: torch.device | str = "cpu") -> tuple[Transformer, dict[int, PipelineChunk]]:
+                     device: torch.device | str = "cpu", precision: str = "fp32"
+                     ) -> tuple[Transformer, dict[int, PipelineChunk]]:
     """The model skeleton of rank `pp_rank` (other ranks' parameters stay on the meta device, with no
-    storage) and its chunks, whose parameters equal `Transformer(cfg, seed=seed)`'s."""
+    storage) and its chunks, whose parameters equal `Transformer(cfg, seed=seed)`'s; the chunks
+    compute in `precision` (`model.precision`)."""
     with torch.device("meta"):
-        model = Transformer(cfg, backend=backend, seed=seed)
+        model = Transformer(cfg, backend=backend, seed=seed, precision=precision)
     for name in rank_module_names(cfg, partition, pp_rank):
         model.get_submodule(name).to_empty(device=device)
     init_weights(model, cfg, seed)

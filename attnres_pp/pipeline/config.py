@@ -13,6 +13,10 @@ LAUNCHERS = ("local", "ray", "inprocess")  # inprocess: loopback transport, for 
 # Ray placement-group strategies: STRICT_PACK keeps every rank on one node (fastest links); PACK
 # and SPREAD let a pipeline span nodes (PACK fills a node before the next, SPREAD balances).
 PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD")
+# Point-to-point rules the runtime obeys (SPEC section 5): "gloo" matches by tag and buffers sends;
+# "nccl" matches in issue order with rendezvous sends, so the runtime issues batched groups in the
+# order validate_nccl proves; "auto" follows the process group's backend (the loopback: gloo).
+P2P_SEMANTICS = ("auto", "gloo", "nccl")
 
 
 def _is_int(value) -> bool:
@@ -35,6 +39,7 @@ class PipelineConfig:
     timeout_s: float = 120.0
     placement: str = "STRICT_PACK"
     data_parallel: int = 1
+    p2p_semantics: str = "auto"
     link_gbps: float | None = None
     link_latency_us: float = 0.0
 
@@ -58,6 +63,11 @@ class PipelineConfig:
             raise ValueError(
                 f"PipelineConfig.placement={self.placement!r} is invalid: choose one of {', '.join(PLACEMENTS)} "
                 "(PACK or SPREAD to span several nodes)"
+            )
+        if self.p2p_semantics not in P2P_SEMANTICS:
+            raise ValueError(
+                f"PipelineConfig.p2p_semantics={self.p2p_semantics!r} is invalid: choose one of "
+                f"{', '.join(P2P_SEMANTICS)} (nccl: NCCL's in-order, rendezvous point-to-point rules)"
             )
         if not isinstance(self.cache, bool):
             raise ValueError(f"PipelineConfig.cache={self.cache!r} is invalid: must be True or False")
@@ -113,6 +123,15 @@ class PipelineConfig:
     @property
     def is_single_process(self) -> bool:
         return self.n_chunks == 1 and self.data_parallel == 1
+
+    def resolved_p2p(self, backend: str) -> str:
+        """The rules the runtime obeys over `backend` ("gloo", "nccl", or "loopback")."""
+        if self.p2p_semantics == "auto":
+            return "nccl" if backend == "nccl" else "gloo"
+        if backend == "nccl" and self.p2p_semantics == "gloo":
+            raise ValueError("PipelineConfig.p2p_semantics='gloo' is invalid on the nccl backend: NCCL cannot match "
+                             "messages by tag; use 'auto' or 'nccl'")
+        return self.p2p_semantics
 
     @classmethod
     def from_dict(cls, values: dict) -> PipelineConfig:

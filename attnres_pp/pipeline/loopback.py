@@ -18,13 +18,27 @@ from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
 
 def make_loopback_runtimes(cfg: ModelConfig, rank_chunks: list[dict[int, PipelineChunk]], plan: PayloadPlan,
                            schedule: Schedule, microbatch_shape: tuple[int, int],
-                           ledger: ByteLedger | None = None) -> list[StageRuntime]:
+                           ledger: ByteLedger | None = None, p2p_semantics: str = "gloo",
+                           activation_dtype: torch.dtype | None = None) -> list[StageRuntime]:
+    """p2p_semantics "gloo": messages matched by tag, sends buffered; "nccl": NCCL's rules, enforced
+    (`loopback_nccl`), with the runtime issuing messages in its NCCL order. Hops carry
+    `activation_dtype` (default: the parameters' dtype; bf16 under bf16 autocast)."""
     mailbox: dict = {}
     ledger = ledger or ByteLedger()
-    dtype = next(rank_chunks[0][min(rank_chunks[0])].parameters()).dtype
+    dtype = activation_dtype or next(rank_chunks[0][min(rank_chunks[0])].parameters()).dtype
+    if p2p_semantics == "nccl":
+        from attnres_pp.pipeline.loopback_nccl import NcclLoopbackTransport
+        from attnres_pp.pipeline.validate_nccl import NcclP2P
+
+        fabric = NcclP2P(len(rank_chunks))
+        transports = [NcclLoopbackTransport(rank, fabric, ledger) for rank in range(len(rank_chunks))]
+    elif p2p_semantics == "gloo":
+        transports = [LoopbackTransport(rank, mailbox, ledger) for rank in range(len(rank_chunks))]
+    else:
+        raise ValueError(f"p2p_semantics={p2p_semantics!r} is invalid: choose 'gloo' or 'nccl'")
     return [
         StageRuntime(pp_rank=rank, chunks=chunks, plan=plan, schedule=schedule,
-                     transport=LoopbackTransport(rank, mailbox, ledger), microbatch_shape=microbatch_shape,
+                     transport=transports[rank], microbatch_shape=microbatch_shape,
                      source_width=cfg.source_width, residual_width=cfg.d_model, dtype=dtype)
         for rank, chunks in enumerate(rank_chunks)
     ]

@@ -17,7 +17,6 @@ entry), so the wire carries, and the ledger counts, only what crosses between ra
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +24,7 @@ import torch
 from attnres_pp.comm.cache import BlockCache
 from attnres_pp.comm.plan import PayloadPlan, Source
 from attnres_pp.pipeline.chunk import PipelineChunk
+from attnres_pp.pipeline.clock import make_clock
 from attnres_pp.pipeline.graph_cut import CutCache
 from attnres_pp.pipeline.ir import Action, ActionKind, Schedule
 from attnres_pp.pipeline.routes import Route, hop_shapes, message_tag, rank_routes
@@ -40,7 +40,8 @@ class _ChunkContext:
 
 @dataclass
 class ActionEvent:
-    """One executed action: name as the IR prints it, start/end in seconds (perf_counter clock)."""
+    """One executed action: name as the IR prints it, start/end in seconds on this rank's own clock
+    (perf_counter; on a GPU, CUDA events converted to it, `pipeline.clock`)."""
 
     pp_rank: int
     name: str
@@ -67,21 +68,24 @@ __all__ = ["ActionEvent", "StageRuntime", "StepRecord", "message_tag"]
 class StageRuntime:
     def __init__(self, *, pp_rank: int, chunks: dict[int, PipelineChunk], plan: PayloadPlan, schedule: Schedule,
                  transport, microbatch_shape: tuple[int, int], source_width: int, residual_width: int,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, clock=None) -> None:
         self.pp_rank = pp_rank
         self.chunks = chunks
         self.plan = plan
         self.schedule = schedule
         self.actions = schedule.rank_actions[pp_rank]
         self.transport = transport
-        self.dtype = dtype
+        self.dtype = dtype  # of hops: the activation dtype (bf16 under bf16 autocast)
         self.shape_of = hop_shapes(microbatch_shape, source_width, residual_width)
+        device = next((p.device for chunk in chunks.values() for p in chunk.parameters()), torch.device("cpu"))
+        self._clock = clock or make_clock(device)  # CUDA events on a GPU, perf_counter on CPU
         self.first_chunk = min(chunks)
         self.cache = BlockCache()
         self._cuts = CutCache()  # each chunk's graph has the same I/W cut for every microbatch
         # Per action position: its route (peer, tag, shapes; None for compute), name and category,
         # fixed for the run, so that a message costs lookups, not re-derivations.
         self._routes: list[Route | None] = rank_routes(schedule, plan, pp_rank, self.shape_of)
+        self._route_of = {a: r for a, r in zip(self.actions, self._routes, strict=True) if r is not None}
         self._names = [str(a) for a in self.actions]
         self._categories = ["compute" if a.is_compute else "comm" for a in self.actions]
         # Positions of this rank's receives; with a transport that can post receives ahead (gloo),
@@ -89,6 +93,13 @@ class StageRuntime:
         self._recv_positions = [i for i, (action, route) in enumerate(zip(self.actions, self._routes, strict=True))
                                 if action.is_recv and not route.self_hop]
         self._prepost = getattr(transport, "can_prepost", False)
+        # NCCL rules (no tags, rendezvous sends): issue the sends and receives in the groups that
+        # validate_nccl.lockstep_plan proves deadlock-free, one batch_isend_irecv per group.
+        self._nccl_plan = None
+        if getattr(transport, "p2p_semantics", "gloo") == "nccl":
+            from attnres_pp.pipeline.validate_nccl import lockstep_plan
+
+            self._nccl_plan = lockstep_plan(schedule)[pp_rank]
 
     # ---- one step ----
     def start_step(self, inputs_by_mb: list[torch.Tensor] | None, targets_by_mb: list[torch.Tensor] | None,
@@ -106,7 +117,9 @@ class StageRuntime:
         self._in_memory: dict[tuple[str, int, int], list[torch.Tensor]] = {}  # self-hops, by message id
         self.cache = BlockCache()
         self.record = StepRecord()
+        self._clock.start_step()
         self.cursor = 0
+        self._nccl_posted_at = -1
         self._recvs_done = self._recvs_posted = 0
         self._prepost_receives()
 
@@ -121,14 +134,16 @@ class StageRuntime:
             return True
         if route.self_hop:
             return route.message_id in self._in_memory
+        self._issue_nccl_groups(None)
         return self.transport.ready(route.peer, route.tag)
 
     def run_next(self) -> None:
         cursor = self.cursor
         action = self.actions[cursor]
-        start = time.perf_counter()
-        self._HANDLERS[action.kind](self, action)
-        self.record.events.append(ActionEvent(self.pp_rank, self._names[cursor], start, time.perf_counter(),
+        start = self._clock.mark()
+        if not self._issue_nccl_groups(action):
+            self._HANDLERS[action.kind](self, action)
+        self.record.events.append(ActionEvent(self.pp_rank, self._names[cursor], start, self._clock.mark(),
                                               self._categories[cursor]))
         self.cursor = cursor + 1
 
@@ -138,9 +153,10 @@ class StageRuntime:
         return self.finish_step()
 
     def finish_step(self) -> StepRecord:
-        start = time.perf_counter()
+        start = self._clock.mark()
         self.transport.flush()
-        self.record.events.append(ActionEvent(self.pp_rank, "flush", start, time.perf_counter(), "comm"))
+        self.record.events.append(ActionEvent(self.pp_rank, "flush", start, self._clock.mark(), "comm"))
+        self._clock.resolve(self.record.events)
         leftover = sorted(self._contexts)
         if leftover:
             raise RuntimeError(f"rank {self.pp_rank}: forward contexts {leftover} never ran their backward")
@@ -159,6 +175,25 @@ class StageRuntime:
             route = self._routes[self._recv_positions[self._recvs_posted]]
             self.transport.prepost_recv(route.shapes, self.dtype, route.peer, route.tag)
             self._recvs_posted += 1
+
+    def _issue_nccl_groups(self, action: Action | None) -> bool:
+        """Under NCCL rules, issue (once) the groups planned at the cursor: their receives, and the
+        action's own send inside its group. True if `action` ran here."""
+        if self._nccl_plan is None or self._nccl_posted_at == self.cursor:
+            return False
+        self._nccl_posted_at = self.cursor
+        ran = False
+        for group in self._nccl_plan[self.cursor]:
+            self.transport.begin_group()
+            for planned in group:
+                if planned.is_recv:
+                    route = self._route_of[planned]
+                    self.transport.prepost_recv(route.shapes, self.dtype, route.peer, route.tag)
+            if action is not None and action.is_send and action in group:
+                self._HANDLERS[action.kind](self, action)
+                ran = True
+            self.transport.end_group()
+        return ran
 
     # ---- handlers ----
 

@@ -4,7 +4,6 @@ check that a split works (run by the driver before any worker starts) and the pr
 from __future__ import annotations
 
 import datetime
-import os
 
 import torch
 
@@ -17,9 +16,10 @@ from attnres_pp.pipeline.validate import validate
 
 
 def lowered_schedule(pipe: PipelineConfig, n_microbatches: int) -> Schedule:
-    """The validated, communication-lowered schedule of a run (identical on every rank)."""
+    """The validated, communication-lowered schedule of a run (identical on every rank); unless the
+    run is pinned to gloo's rules, also proven deadlock-free under NCCL's (validate_nccl)."""
     schedule = insert_comm(build_schedule(pipe.schedule, pipe.stages, pipe.virtual, n_microbatches))
-    validate(schedule)
+    validate(schedule, p2p_semantics="gloo" if pipe.p2p_semantics == "gloo" else "nccl")
     return schedule
 
 
@@ -37,17 +37,25 @@ def check_split(n_layers: int, pipe: PipelineConfig, n_microbatches: int) -> Par
     return partition
 
 
-def init_process_group(init_method: str, pp_rank: int, world_size: int,
-                       timeout_s: float) -> tuple[str, torch.device]:
-    """gloo on CPU, nccl when a GPU is visible; every collective and p2p op times out after timeout_s."""
+def init_process_group(init_method: str, rank: int, world_size: int, timeout_s: float,
+                       device: str = "cpu") -> tuple[str, torch.device]:
+    """Join the run's process group on the device the driver decided (`train.devices`): "cuda" is
+    nccl with this rank's own GPU (Ray gives each actor one GPU, device 0 in its view; local
+    processes take GPU `rank` (their global rank) of the node), "cpu" is gloo. Every collective and
+    p2p op times out after timeout_s."""
     import torch.distributed as dist
 
-    use_cuda = torch.cuda.is_available() and os.environ.get("ATTNRES_PP_FORCE_CPU") != "1"
-    backend = "nccl" if use_cuda else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=pp_rank, world_size=world_size,
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is invalid here: the driver passes 'cpu' or 'cuda'")
+    backend = "nccl" if device == "cuda" else "gloo"
+    rank_device = torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        rank_device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    if not use_cuda:
-        return backend, torch.device("cpu")
-    # Ray hands each actor one GPU (device 0 in its view); local processes share the node's GPUs.
-    torch.cuda.set_device(pp_rank % torch.cuda.device_count())
-    return backend, torch.device("cuda", torch.cuda.current_device())
+    if device == "cuda":
+        # Initialise the NCCL communicator with every rank now: the first batched p2p call may
+        # involve only some ranks, which torch documents as undefined behaviour for a first call.
+        dist.all_reduce(torch.zeros(1, device=rank_device))
+    return backend, rank_device

@@ -29,6 +29,40 @@ def bubble_fraction(events: list[Event], n_ranks: int) -> float:
     return 1.0 - busy / (n_ranks * window) if window > 0 else 0.0
 
 
+def rank_bubbles(events: list[Event], n_ranks: int) -> list[float]:
+    """Each rank's bubble on its own clock: 1 - its compute / its own window (its first action's
+    start to its last action's end). No clock is compared with another rank's, so it holds for
+    ranks on different hosts."""
+    bubbles = []
+    for pp_rank in range(n_ranks):
+        mine = [e for e in events if e[0] == pp_rank]
+        window = max(e[3] for e in mine) - min(e[2] for e in mine) if mine else 0.0
+        busy = sum(e[3] - e[2] for e in mine if e[4] == "compute")
+        bubbles.append(1.0 - busy / window if window > 0 else 0.0)
+    return bubbles
+
+
+def own_clock_bubble(events: list[Event], n_ranks: int) -> float:
+    """1 - compute / (sum over ranks of each rank's own window): `bubble_fraction` without comparing
+    the ranks' clocks."""
+    windows = busy = 0.0
+    for pp_rank in range(n_ranks):
+        mine = [e for e in events if e[0] == pp_rank]
+        if mine:
+            windows += max(e[3] for e in mine) - min(e[2] for e in mine)
+            busy += sum(e[3] - e[2] for e in mine if e[4] == "compute")
+    return 1.0 - busy / windows if windows > 0 else 0.0
+
+
+def align_per_rank(events: list[Event]) -> list[Event]:
+    """Each rank's events shifted so that its step starts at 0 on its own clock (traces of ranks on
+    different hosts line up per step)."""
+    starts: dict[int, float] = {}
+    for rank, _name, start, _end, _category in events:
+        starts[rank] = min(start, starts.get(rank, start))
+    return [(r, n, s - starts[r], e - starts[r], c) for r, n, s, e, c in events]
+
+
 def message_pairs(events: list[Event]) -> list[tuple[Event, Event]]:
     """(send, receive) event pairs of one step: SF c.mb -> RF c+1.mb and SB c.mb -> RB c-1.mb."""
     by_name = {e[1]: e for e in events if e[1][:2] in ("SF", "SB", "RF", "RB")}

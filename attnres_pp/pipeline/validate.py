@@ -23,14 +23,25 @@ class ScheduleError(ValueError):
     """A schedule that would compute the wrong thing, or hang."""
 
 
-def validate(schedule: Schedule) -> None:
-    """Raise ScheduleError with a readable reason if `schedule` is not safe to run."""
+def validate(schedule: Schedule, p2p_semantics: str = "gloo") -> None:
+    """Raise ScheduleError with a readable reason if `schedule` is not safe to run. With
+    p2p_semantics="nccl" a lowered schedule must also finish under NCCL's point-to-point rules in
+    the order the runtime issues it (`validate_nccl`)."""
     _check_placement(schedule)
     _check_compute_once(schedule)
     _check_deposits_before_collection(schedule)
     if schedule.has_comm:
         _check_messages(schedule)
     _check_no_deadlock(schedule)
+    if p2p_semantics == "nccl" and schedule.has_comm:
+        from attnres_pp.pipeline.validate_nccl import NcclDeadlock, P2PMismatch, check_nccl
+
+        try:
+            check_nccl(schedule)
+        except (NcclDeadlock, P2PMismatch) as error:
+            raise ScheduleError(str(error)) from None
+    elif p2p_semantics not in ("gloo", "nccl"):
+        raise ValueError(f"p2p_semantics={p2p_semantics!r} is invalid: choose 'gloo' or 'nccl'")
 
 
 def _check_placement(schedule: Schedule) -> None:

@@ -7,6 +7,7 @@ cadence and restart limit. One-off flags (`--inject-failure`, `--address`, `--qu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -15,7 +16,7 @@ from pathlib import Path
 from attnres_pp.data import load_corpus
 from attnres_pp.model.config import KEY_MODES, RESIDUALS
 from attnres_pp.out_paths import check_out_dir
-from attnres_pp.pipeline.config import LAUNCHERS, PLACEMENTS, SCHEDULE_NAMES
+from attnres_pp.pipeline.config import LAUNCHERS, P2P_SEMANTICS, PLACEMENTS, SCHEDULE_NAMES
 from attnres_pp.train.checkpoint import (
     CheckpointConfig,
     check_run_dir,
@@ -23,7 +24,7 @@ from attnres_pp.train.checkpoint import (
     latest_checkpoint,
     read_meta,
 )
-from attnres_pp.train.config import RunConfig, merge_tables, read_toml
+from attnres_pp.train.config import DEVICES, DTYPES, KERNELS, RunConfig, merge_tables, read_toml
 from attnres_pp.train.loop import run_training
 from attnres_pp.train.recovery import RunFailed
 
@@ -47,6 +48,12 @@ _FLAGS = (
     ("--data", "train", "data", str, "'builtin' (stdlib source bytes), FILE.txt or FILE.bin (uint16 tokens)"),
     ("--eval-every", "train", "eval_every", int, "evaluate every k steps (0 = only at the end)"),
     ("--threads", "train", "threads", int, "torch threads per process"),
+    ("--device", "train", "device", str, f"{' | '.join(DEVICES)}: cuda gives every rank its own GPU (nccl), "
+     "cpu uses gloo; auto picks cuda when there are enough GPUs"),
+    ("--dtype", "train", "dtype", str, f"{' | '.join(DTYPES)}: bf16 autocast with fp32 master weights and bf16 "
+     "hops; auto: bf16 on cuda, fp32 on cpu"),
+    ("--kernels", "train", "kernels", str, f"depth-attention backend: {' | '.join(KERNELS)} "
+     "(auto: triton on cuda, torch on cpu)"),
     ("--stages", "pipeline", "stages", int, "pipeline stages P (ranks)"),
     ("--virtual", "pipeline", "virtual", int, "virtual stages V per rank"),
     ("--data-parallel", "pipeline", "data_parallel", int,
@@ -56,6 +63,9 @@ _FLAGS = (
     ("--timeout", "pipeline", "timeout_s", float, "pipeline timeout in seconds"),
     ("--placement", "pipeline", "placement", str,
      f"ray placement of the ranks: {' | '.join(PLACEMENTS)} (PACK or SPREAD for several nodes)"),
+    ("--p2p-semantics", "pipeline", "p2p_semantics", str,
+     f"point-to-point rules: {' | '.join(P2P_SEMANTICS)} (nccl under --launcher inprocess: the loopback "
+     "enforces NCCL's in-order, rendezvous matching; auto: the process group's backend)"),
     ("--link-gbps", "pipeline", "link_gbps", float,
      "emulate a slow link between ranks on one host: its bandwidth in Gb/s (off by default)"),
     ("--link-latency-us", "pipeline", "link_latency_us", float, "the emulated link's latency in microseconds"),
@@ -232,6 +242,8 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as error:  # config mistakes: one line, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
+    # The engine resolved device, dtype and kernels ("auto"); the summary records what ran.
+    run_cfg = dataclasses.replace(run_cfg, train=engine.train_cfg)
     try:
         run_training(run_cfg, engine, out_dir, progress=not args.quiet, corpus=corpus, checkpoints=checkpoints)
     except RunFailed as error:

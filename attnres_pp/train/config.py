@@ -12,6 +12,10 @@ from attnres_pp.config_tables import from_table, to_table
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
 
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "fp32", "bf16")
+KERNELS = ("auto", "torch", "triton")
+
 
 def _fail(field_name: str, value, fix: str) -> None:
     raise ValueError(f"TrainConfig.{field_name}={value!r} is invalid: {fix}")
@@ -46,6 +50,12 @@ class TrainConfig:
     seed: int = 0
     data: str = "builtin"
     threads: int = 1
+    # Where and how the model computes; "auto" is resolved by the driver (`train.devices`) once it
+    # knows the device: cuda if every rank can have its own GPU, bf16 and the Triton kernels there,
+    # else cpu, fp32 and the torch kernels. summary.json records the resolved values.
+    device: str = "auto"
+    dtype: str = "auto"
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "microbatches", "eval_batches", "threads"):
@@ -72,6 +82,13 @@ class TrainConfig:
                 _fail(name, value, "must be in [0, 1), e.g. 0.9 or 0.95")
         if not _is_real(self.grad_clip) or self.grad_clip < 0:
             _fail("grad_clip", self.grad_clip, "must be >= 0 (0 disables clipping)")
+        for name, choices, hint in (
+            ("device", DEVICES, "cuda: one GPU per rank (nccl); cpu: gloo; auto: cuda when every rank gets a GPU"),
+            ("dtype", DTYPES, "bf16: autocast compute with fp32 master weights; auto: bf16 on cuda, fp32 on cpu"),
+            ("kernels", KERNELS, "the depth-attention backend; auto: triton on cuda, torch on cpu"),
+        ):
+            if getattr(self, name) not in choices:
+                _fail(name, getattr(self, name), f"choose one of {', '.join(choices)} ({hint})")
         if not isinstance(self.data, str) or not self.data:
             _fail("data", self.data, "use 'builtin' or a path to a .txt or .bin file")
 

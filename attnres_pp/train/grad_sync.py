@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from attnres_pp.pipeline.mesh import Collectives
+from attnres_pp.train.optim import sum_of_squares
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
@@ -70,24 +71,25 @@ def sync_gradients(untied: list[nn.Parameter], tied: list[nn.Parameter], collect
         _reduce_flat(tied, collectives, "world", data_parallel)
 
 
-def squared_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    """Sum of squared gradients in float64 on the CPU, in parameter order (deterministic)."""
-    total = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is not None:
-            total += p.grad.detach().to(torch.float64).square().sum().cpu()
-    return total
+def squared_norm(params: list[nn.Parameter], device: torch.device | None = None) -> torch.Tensor:
+    """Sum of squared gradients as a 0-dim float64 tensor on `device` (default: the CPU), in parameter
+    order (deterministic), computed the way `optim.clip_grad_norm_` computes a rank's own: one
+    `_foreach_norm` per device, no host synchronisation."""
+    grads = [p.grad.detach() for p in params if p.grad is not None]
+    return sum_of_squares(grads).to(device or torch.device("cpu"))
 
 
 def norm_reducer(tied: list[nn.Parameter], collectives: Collectives,
                  device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
     """The `reduce_sq` of `optim.clip_grad_norm_`: this rank's squared norm (tied included) -> the
-    whole model's, each parameter counted once (call after `sync_gradients`)."""
-    tied_sq = squared_norm(tied)
+    whole model's, each parameter counted once (call after `sync_gradients`): the untied part summed
+    over the replica's P ranks, the tied part (equal on every rank) added once. Everything stays on
+    `device`, so the step's one host synchronisation is `clip_grad_norm_`'s reading of the norm."""
+    tied_sq = squared_norm(tied, device)
 
     def reduce_sq(local_sq: torch.Tensor) -> torch.Tensor:
-        untied_sq = (local_sq - tied_sq).to(device)
+        untied_sq = local_sq.to(device) - tied_sq
         collectives.all_reduce(untied_sq, "pp")
-        return untied_sq.cpu() + tied_sq
+        return untied_sq + tied_sq
 
     return reduce_sq

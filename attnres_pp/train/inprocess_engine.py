@@ -9,10 +9,16 @@ block as they do between processes.
 
 Nothing crosses a process boundary here; `driver_bytes_per_step` reports what the same requests
 and replies measure pickled, the bytes the local launcher's pipes would carry.
+
+The driver decides the device (`train.devices`, one process: a GPU if one is visible) and every
+rank computes there. With `p2p_semantics="nccl"` each replica's loopback enforces NCCL's
+point-to-point rules (`loopback_nccl`: in-order matching, rendezvous sends) and the runtimes issue
+their messages in NCCL's order, so a schedule that would hang on NCCL hangs here, on the CPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import threading
 
@@ -20,9 +26,12 @@ import torch
 
 from attnres_pp.comm.transport import LoopbackTransport
 from attnres_pp.data import Corpus
+from attnres_pp.pipeline.loopback_nccl import NcclLoopbackTransport
 from attnres_pp.pipeline.mesh import thread_collectives
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
+from attnres_pp.pipeline.validate_nccl import NcclP2P
 from attnres_pp.train.config import RunConfig
+from attnres_pp.train.devices import decide_device, resolve_train, visible_gpus
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.pipeline_engine import PipelineEngineBase, mean_eval_loss
 from attnres_pp.train.shards import save_shard, shard_state
@@ -32,15 +41,24 @@ from attnres_pp.train.stage_worker import StageWorker
 class InProcessEngine(PipelineEngineBase):
     def __init__(self, run_cfg: RunConfig, out_dir=None, *, corpus: Corpus | None = None,
                  record_timelines: bool = False) -> None:
+        # Every rank lives in this process, on one device: a GPU if one is visible (or asked for).
+        decision = decide_device(run_cfg.train.device, n_ranks=run_cfg.pipeline.world_size, one_process=True,
+                                 gpus=visible_gpus())
+        run_cfg = dataclasses.replace(run_cfg, train=resolve_train(run_cfg.train, decision.device))
         super().__init__(run_cfg, out_dir, record_timelines=record_timelines)
         pipe = run_cfg.pipeline
         self.timeout_s = pipe.timeout_s
+        self.device = torch.device(decision.device)
         collectives = thread_collectives(pipe.data_parallel, pipe.stages, pipe.timeout_s)
         self.workers = [StageWorker(run_cfg.to_dict(), rank, corpus=corpus) for rank in range(self.world_size)]
-        mailboxes = [{} for _ in range(pipe.data_parallel)]
+        nccl_rules = pipe.resolved_p2p("loopback") == "nccl"
+        # One loopback per replica: a mailbox (gloo's rules) or an NCCL point-to-point model.
+        fabrics = [NcclP2P(pipe.stages) if nccl_rules else {} for _ in range(pipe.data_parallel)]
         for worker in self.workers:
-            transport = LoopbackTransport(worker.pp_rank, mailboxes[worker.dp_rank])
-            worker.attach(torch.device("cpu"), transport, collectives[worker.rank])
+            fabric = fabrics[worker.dp_rank]
+            transport = (NcclLoopbackTransport(worker.pp_rank, fabric) if nccl_rules
+                         else LoopbackTransport(worker.pp_rank, fabric))
+            worker.attach(self.device, transport, collectives[worker.rank])
         self._note_setup([w.describe("loopback") for w in self.workers])
 
     # ---- training ----

@@ -9,6 +9,7 @@ import torch
 from attnres_pp.data import Corpus, batch_at, load_corpus, val_batches
 from attnres_pp.model import ModelConfig, Transformer
 from attnres_pp.train.config import TrainConfig
+from attnres_pp.train.devices import decide_device, resolve_train, visible_gpus
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.optim import build_optimizer, optimizer_step
 from attnres_pp.train.shards import load_shard, save_shard, shard_state
@@ -18,14 +19,20 @@ class LocalEngine:
     """Implements the `Engine` protocol of `attnres_pp.train.loop` in one process.
 
     Sets this process's torch thread count to `train_cfg.threads`; the initial weights are a function
-    of `train_cfg.seed` and each parameter's name (`model.layers.init_weights`)."""
+    of `train_cfg.seed` and each parameter's name (`model.layers.init_weights`; drawn on the CPU,
+    then moved: the same weights on any device). `train_cfg.device` "auto" takes the GPU if one is
+    visible; `self.train_cfg` holds the resolved device, dtype and kernels."""
 
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, *, corpus: Corpus | None = None) -> None:
         torch.set_num_threads(train_cfg.threads)
+        decision = decide_device(train_cfg.device, n_ranks=1, one_process=True, gpus=visible_gpus())
+        train_cfg = resolve_train(train_cfg, decision.device)
         self.model_cfg = model_cfg
-        self.train_cfg = train_cfg
-        self.model = Transformer(model_cfg, seed=train_cfg.seed)
-        self.optimizer = build_optimizer(self.model, train_cfg)
+        self.train_cfg = train_cfg  # device, dtype and kernels resolved
+        self.device = torch.device(decision.device)
+        self.model = Transformer(model_cfg, seed=train_cfg.seed, backend=train_cfg.kernels,
+                                 precision=train_cfg.dtype).to(self.device)
+        self.optimizer = build_optimizer(self.model, train_cfg, fused=self.device.type == "cuda")
         self._corpus = corpus
 
     @property
@@ -47,6 +54,7 @@ class LocalEngine:
             raise ValueError(f"global batch of {inputs_BT.shape[0]} sequences does not split into {m} microbatches")
         self.model.train()
         total_loss = 0.0
+        inputs_BT, targets_BT = inputs_BT.to(self.device), targets_BT.to(self.device)
         for inputs_bT, targets_bT in zip(inputs_BT.chunk(m), targets_BT.chunk(m), strict=True):
             loss = self.model(inputs_bT, targets_bT)
             (loss / m).backward()
@@ -57,7 +65,7 @@ class LocalEngine:
     @torch.no_grad()
     def eval_loss(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> float:
         self.model.eval()
-        loss = float(self.model(inputs_BT, targets_BT))
+        loss = float(self.model(inputs_BT.to(self.device), targets_BT.to(self.device)))
         self.model.train()
         return loss
 

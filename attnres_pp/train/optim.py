@@ -26,9 +26,11 @@ def decays(name: str, shape: tuple[int, ...] | torch.Size) -> bool:
 def build_optimizer(
     params: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]] | Iterable[torch.nn.Parameter],
     train_cfg: TrainConfig,
+    fused: bool = False,
 ) -> torch.optim.AdamW:
     """AdamW over `params` (a module, `named_parameters()` pairs, or bare parameters, which are
-    grouped by shape alone), two groups: decayed matrices and undecayed vectors."""
+    grouped by shape alone), two groups: decayed matrices and undecayed vectors. `fused` (for
+    parameters on a CUDA GPU) runs one fused kernel per step instead of per-parameter updates."""
     if isinstance(params, torch.nn.Module):
         params = params.named_parameters()
     named = [item if isinstance(item, tuple) else ("", item) for item in params]
@@ -41,9 +43,9 @@ def build_optimizer(
     groups = [group for group in groups if group["params"]]
     if not groups:
         raise ValueError("build_optimizer got no trainable parameters")
-    return torch.optim.AdamW(
-        groups, lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2), eps=1e-8, foreach=False
-    )
+    implementation = {"fused": True} if fused else {"foreach": False}
+    return torch.optim.AdamW(groups, lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2), eps=1e-8,
+                             **implementation)
 
 
 def lr_at(step: int, train_cfg: TrainConfig) -> float:
@@ -73,21 +75,34 @@ def clip_grad_norm_(
     """Scale the gradients of `params` in place so that their global L2 norm is at most
     `max_norm` (0 disables the scaling) and return the norm before scaling.
 
-    The local squared norm is summed in float64 in parameter order (deterministic). `reduce_sq`,
-    if given, maps that 0-dim float64 tensor to the sum over all pipeline ranks (an all-reduce);
+    The local squared norm is summed in float64 in parameter order (deterministic) from one
+    `_foreach_norm` per device, so a GPU rank synchronises with the host once, not once per
+    parameter. `reduce_sq`, if given, maps that 0-dim float64 tensor (on the gradients' device)
+    to the sum over all pipeline ranks (an all-reduce);
     every rank then applies the same scale. Tied parameters replicated on several ranks must be
     counted once by the caller's choice of `params`."""
-    grads = [p.grad for p in params if p.grad is not None]
-    local_sq = torch.zeros((), dtype=torch.float64)
-    for grad in grads:
-        local_sq += grad.detach().to(torch.float64).square().sum()
+    grads = [p.grad.detach() for p in params if p.grad is not None]
+    local_sq = sum_of_squares(grads)
     total_sq = reduce_sq(local_sq) if reduce_sq is not None else local_sq
-    total_norm = float(total_sq.sqrt())
-    if max_norm > 0 and total_norm > max_norm:
-        scale = max_norm / (total_norm + 1e-6)
-        for grad in grads:
-            grad.mul_(scale)
+    total_norm = float(total_sq.sqrt())  # the one host synchronisation of the step's clipping
+    if max_norm > 0 and total_norm > max_norm and grads:
+        torch._foreach_mul_(grads, max_norm / (total_norm + 1e-6))
     return total_norm
+
+
+def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """sum of squared gradient norms as a 0-dim float64 tensor on the gradients' device: one
+    `_foreach_norm` per device and one stacked sum in parameter order (deterministic, and no
+    host synchronisation per parameter)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    device = grads[0].device
+    norms: list = [None] * len(grads)
+    for group_device in dict.fromkeys(g.device for g in grads):
+        indices = [i for i, g in enumerate(grads) if g.device == group_device]
+        for i, norm in zip(indices, torch._foreach_norm([grads[i] for i in indices]), strict=True):
+            norms[i] = norm.to(device)
+    return torch.stack(norms).to(torch.float64).square().sum()
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter], lr: float,

@@ -11,6 +11,7 @@ import torch
 
 from attnres_pp.model import parameter_count
 from attnres_pp.pipeline.stage_setup import check_split
+from attnres_pp.pipeline.timeline import align_per_rank
 from attnres_pp.pipeline.trace import write_chrome_trace
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.loop import StepResult
@@ -37,6 +38,12 @@ class PipelineEngineBase:
         self._trace_step = min(1, run_cfg.train.steps - 1)
         self.static_extras: dict = {"data_parallel": pipe.data_parallel}
 
+    @property
+    def train_cfg(self):
+        """The run's TrainConfig with device, dtype and kernels resolved by the driver (summary.json's
+        config; `train.devices`)."""
+        return self.run_cfg.train
+
     def param_count(self) -> int:
         return parameter_count(self.run_cfg.model)
 
@@ -57,7 +64,11 @@ class PipelineEngineBase:
                                                driver_bytes, traced)
         extras.update(self.static_extras)
         if traced:
-            trace = write_chrome_trace(sorted(self.stats.last_events, key=lambda e: e[2]), self.out_dir / "trace.json")
+            events = self.stats.last_events
+            if len({d["host"] for d in getattr(self, "rank_descriptions", [])}) > 1:
+                # Ranks on several hosts: their clocks are not comparable, so every rank's step starts at 0.
+                events = align_per_rank(events)
+            trace = write_chrome_trace(sorted(events, key=lambda e: e[2]), self.out_dir / "trace.json")
             extras["trace"] = str(trace)
         return StepResult(loss=loss, extras=extras, metrics=metrics)
 

@@ -6,10 +6,14 @@ WorkerLost naming it, and `restart_workers()` replaces every rank process (the t
 recovery). Rank processes ignore Ctrl-C: the driver, which receives it too, stops them in `close()`.
 Per step the driver sends each rank (step, lr) and gets scalars back (`StepReply`); the ranks read
 their own data and write their own checkpoint shards.
+
+The driver decides every rank's device (`train.devices`): a GPU each and nccl when the node has one
+per rank (D x P of them), else gloo on the CPU; the ranks receive the resolved config.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -17,6 +21,7 @@ import torch
 from attnres_pp.pipeline.errors import WorkerLost
 from attnres_pp.pipeline.rank_processes import RankProcesses, serve
 from attnres_pp.train.config import RunConfig
+from attnres_pp.train.devices import decide_device, resolve_train, visible_gpus
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.pipeline_engine import PipelineEngineBase, mean_eval_loss
 from attnres_pp.train.rank_data import resolve_data_path
@@ -39,6 +44,9 @@ def _serve(rank: int, init_method: str, world_size: int, conn, run_cfg_dict: dic
 class ProcessEngine(PipelineEngineBase):
     def __init__(self, run_cfg: RunConfig, out_dir=None, *, fail_at: tuple[int, int] | None = None,
                  record_timelines: bool = False) -> None:
+        decision = decide_device(run_cfg.train.device, n_ranks=run_cfg.pipeline.world_size, one_process=False,
+                                 gpus=visible_gpus(), data_parallel=run_cfg.pipeline.data_parallel)
+        run_cfg = dataclasses.replace(run_cfg, train=resolve_train(run_cfg.train, decision.device))
         super().__init__(run_cfg, out_dir, record_timelines=record_timelines)
         self.timeout_s = run_cfg.pipeline.timeout_s
         self._ranks: RankProcesses | None = None

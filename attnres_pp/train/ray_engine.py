@@ -3,10 +3,11 @@ group of D x P bundles.
 
 The actor is a thin shell around `StageWorker` (the same runtime as the local launcher). The
 process-group rendezvous follows Ray Train: rank 0 picks its node address and a free port, then
-every actor initialises concurrently against it (nccl when every bundle has a GPU, gloo otherwise)
-and joins the ("dp", "pp") mesh. Per step the driver sends each actor (step, lr) and gets scalars
-back; actors read their own data and write their own checkpoint shards into --out, which several
-nodes must share (checked at start).
+every actor initialises concurrently against it and joins the ("dp", "pp") mesh. The driver decides
+the device (`train.devices`): one GPU per actor and nccl when the cluster has one for every rank,
+else gloo on the CPU (`--device cuda` without enough GPUs is refused, naming the shortfall). Per
+step the driver sends each actor (step, lr) and gets scalars back; actors read their own data and
+write their own checkpoint shards into --out, which several nodes must share (checked at start).
 
 Where the actors run: `address` (or RAY_ADDRESS, which `ray job submit` sets for its driver) joins
 that cluster; `address="auto"` joins the `ray start` cluster of this machine; otherwise a private
@@ -19,6 +20,7 @@ as soon as Ray reports it (the surviving ranks, blocked on it, are killed by `re
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import socket
@@ -30,6 +32,7 @@ import torch
 from attnres_pp.pipeline.config import PLACEMENTS
 from attnres_pp.pipeline.errors import WorkerLost
 from attnres_pp.train.config import RunConfig
+from attnres_pp.train.devices import decide_device, resolve_train
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.pipeline_engine import PipelineEngineBase, mean_eval_loss
 from attnres_pp.train.rank_data import resolve_data_path
@@ -98,8 +101,11 @@ class RayEngine(PipelineEngineBase):
                          log_to_driver=True)
                 self.started_ray = True
         try:
-            gpus = int(ray.cluster_resources().get("GPU", 0))
-            self.use_gpu = gpus >= self.world_size and os.environ.get("ATTNRES_PP_FORCE_CPU") != "1"
+            gpus = 0 if os.environ.get("ATTNRES_PP_FORCE_CPU") == "1" else int(ray.cluster_resources().get("GPU", 0))
+            decision = decide_device(run_cfg.train.device, n_ranks=self.world_size, one_process=False, gpus=gpus,
+                                     where="in the Ray cluster", data_parallel=run_cfg.pipeline.data_parallel)
+            self.run_cfg = dataclasses.replace(run_cfg, train=resolve_train(run_cfg.train, decision.device))
+            self.use_gpu = decision.device == "cuda"
             self._start_workers(fail_at)
             self._check_shared_out_dir(lambda path, token: self._get(
                 [a.sees_file.remote(path, token) for a in self.actors], "the --out visibility check"))

@@ -10,10 +10,17 @@ its weights equal the single-process model's. It reads its own microbatches by (
 (`rank_data`), averages its gradients over its replicas (`grad_sync`), and answers the driver with
 scalars (`step_stats.StepReply`). MSAR stream convolutions are replicated on every rank; their
 gradients are reduced over all ranks (tied parameters) and counted once in the norm.
+
+Device, dtype and kernels come resolved from the driver (`train.devices`): a rank never decides
+them. On "cuda" it joins the nccl group on its own GPU, computes in the run's precision (bf16
+autocast with fp32 master weights; hops, cache entries and deposits in bf16), times its actions
+with CUDA events and steps a fused AdamW. Under NCCL's point-to-point rules (the nccl backend, or
+`p2p_semantics="nccl"`) its messages go out in `validate_nccl.lockstep_plan`'s batched groups.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import socket
@@ -21,17 +28,21 @@ from pathlib import Path
 
 import torch
 
+from attnres_pp.comm.nccl_transport import BatchedDistTransport
 from attnres_pp.comm.plan import plan_for_model
 from attnres_pp.comm.shm_transport import SharedMemoryTransport, connect_transport
 from attnres_pp.comm.transport import DistTransport
 from attnres_pp.data import Corpus
+from attnres_pp.model.precision import activation_dtype
 from attnres_pp.pipeline.chunk import build_rank_model, rank_module_names, rank_parameters
 from attnres_pp.pipeline.forward_only import forward_only_schedule
 from attnres_pp.pipeline.mesh import Collectives, MeshCollectives, RankCoords
 from attnres_pp.pipeline.routes import hop_shapes, wire_messages
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
 from attnres_pp.pipeline.stage_setup import init_process_group, lowered_schedule, run_partition
+from attnres_pp.pipeline.validate_nccl import check_nccl
 from attnres_pp.train.config import RunConfig
+from attnres_pp.train.devices import resolve_train
 from attnres_pp.train.grad_sync import norm_reducer, sync_gradients
 from attnres_pp.train.optim import build_optimizer, optimizer_step
 from attnres_pp.train.rank_data import MicrobatchLists, RankData
@@ -46,13 +57,17 @@ RankBatch = tuple[torch.Tensor | None, torch.Tensor | None]
 class StageWorker:
     def __init__(self, run_cfg_dict: dict, rank: int, *, corpus: Corpus | None = None, data_path: str | None = None,
                  fail_at_step: int | None = None) -> None:
-        self.run_cfg = RunConfig.from_dict(run_cfg_dict)
+        run_cfg = RunConfig.from_dict(run_cfg_dict)
+        if run_cfg.train.device == "auto":  # not from a driver (tests): cpu, as gloo needs
+            run_cfg = dataclasses.replace(run_cfg, train=resolve_train(run_cfg.train, "cpu"))
+        self.run_cfg = run_cfg
         cfg, train, pipe = self.run_cfg.model, self.run_cfg.train, self.run_cfg.pipeline
         self.coords = RankCoords(rank, pipe.data_parallel, pipe.stages)
         self.rank, self.pp_rank, self.dp_rank = rank, self.coords.pp_rank, self.coords.dp_rank
         torch.set_num_threads(train.threads)
         self.partition = run_partition(cfg.n_layers, pipe)
-        self.model, self.chunks = build_rank_model(cfg, self.partition, self.pp_rank, seed=train.seed)
+        self.model, self.chunks = build_rank_model(cfg, self.partition, self.pp_rank, seed=train.seed,
+                                                   backend=train.kernels, precision=train.dtype)
         self.owned_modules = rank_module_names(cfg, self.partition, self.pp_rank)
         self.params = rank_parameters(self.chunks, self.model)
         self.tied = [p for name, p in self.params.items() if name.startswith("stream_convs.")]
@@ -62,6 +77,8 @@ class StageWorker:
         self.schedule = lowered_schedule(pipe, train.microbatches)
         self.eval_schedule = forward_only_schedule(pipe.stages, pipe.virtual, train.microbatches,
                                                    self.partition.placement)
+        if pipe.p2p_semantics != "gloo":  # the runtime may issue it under NCCL's rules: prove it finishes
+            check_nccl(self.eval_schedule)
         self.data = RankData(self.run_cfg, self.dp_rank, corpus=corpus, data_path=data_path,
                              needs_inputs=self.partition.rank_of(0) == self.pp_rank,
                              needs_targets=self.partition.rank_of(pipe.n_chunks - 1) == self.pp_rank)
@@ -75,20 +92,27 @@ class StageWorker:
     def join_process_group(self, init_method: str, world_size: int) -> dict:
         """Join the run's process group (gloo on CPU, nccl when this worker has a GPU) and its
         ("dp", "pp") mesh; returns `describe(backend)`."""
-        backend, device = init_process_group(init_method, self.rank, world_size, self.run_cfg.pipeline.timeout_s)
-        self.connect(device)
+        backend, device = init_process_group(init_method, self.rank, world_size, self.run_cfg.pipeline.timeout_s,
+                                             self.run_cfg.train.device)
+        self.connect(device, backend)
         return self.describe(backend)
 
-    def connect(self, device: torch.device) -> None:
+    def connect(self, device: torch.device, backend: str = "gloo") -> None:
         """Attach to the initialised default process group: p2p to this replica's pipeline peers,
-        collectives over the ("dp", "pp") mesh. Collective: the ranks agree on the transport
-        (shared memory when every rank is on this host and no link is emulated, else p2p)."""
-        pipe, cfg = self.run_cfg.pipeline, self.run_cfg.model
+        collectives over the ("dp", "pp") mesh. Collective: the ranks agree on the transport. Under
+        NCCL's rules (the nccl backend, or p2p_semantics="nccl") the p2p messages go out in batched
+        groups (`BatchedDistTransport`); otherwise shared memory when every rank is on this host and
+        no link is emulated, else p2p."""
+        pipe, cfg, train = self.run_cfg.pipeline, self.run_cfg.model, self.run_cfg.train
         peers = [self.coords.global_rank(p) for p in range(pipe.stages)]
-        shape_of = hop_shapes((self.run_cfg.microbatch_size, cfg.seq_len), cfg.source_width, cfg.d_model)
-        transport = connect_transport(self.pp_rank, pipe.stages, device, pipe.timeout_s,
-                                      wire_messages(self.schedule, self.plan, shape_of), self.dtype,
-                                      peer_ranks=peers, link=pipe.link)
+        hop_dtype = activation_dtype(train.dtype, self.dtype)
+        if pipe.resolved_p2p(backend) == "nccl":  # every rank resolves the same: none takes the collective
+            transport = BatchedDistTransport(self.pp_rank, pipe.timeout_s, device, peer_ranks=peers, link=pipe.link)
+        else:
+            shape_of = hop_shapes((self.run_cfg.microbatch_size, cfg.seq_len), cfg.source_width, cfg.d_model)
+            transport = connect_transport(self.pp_rank, pipe.stages, device, pipe.timeout_s,
+                                          wire_messages(self.schedule, self.plan, shape_of), hop_dtype,
+                                          peer_ranks=peers, link=pipe.link)
         eval_transport = transport
         if isinstance(transport, SharedMemoryTransport):
             # Evaluation's passes run back to back with no all-reduce between them, so a sender could
@@ -105,16 +129,20 @@ class StageWorker:
 
     def attach(self, device: torch.device, transport, collectives: Collectives, eval_transport=None) -> None:
         """Move to `device` and build the training and evaluation runtimes over `transport` (the
-        evaluation's over `eval_transport` if given)."""
+        evaluation's over `eval_transport` if given; a transport with `p2p_semantics = "nccl"` makes
+        them issue messages in NCCL's order). Hops carry the run's activation dtype (bf16 under bf16)."""
         self.device, self.collectives = device, collectives
         for name in self.owned_modules:  # the rest of the model is on the meta device and stays there
             self.model.get_submodule(name).to(device)
-        cfg = self.run_cfg.model
+        cfg, train = self.run_cfg.model, self.run_cfg.train
+        if device.type == "cuda":  # fused AdamW needs the parameters on the GPU; no state exists yet
+            self.optimizer = build_optimizer(self.params.items(), train, fused=True)
+        hop_dtype = activation_dtype(train.dtype, next(iter(self.params.values())).dtype)
 
         def runtime(schedule, transport) -> StageRuntime:
             return StageRuntime(pp_rank=self.pp_rank, chunks=self.chunks, plan=self.plan, schedule=schedule,
                                 transport=transport, microbatch_shape=(self.run_cfg.microbatch_size, cfg.seq_len),
-                                source_width=cfg.source_width, residual_width=cfg.d_model, dtype=self.dtype)
+                                source_width=cfg.source_width, residual_width=cfg.d_model, dtype=hop_dtype)
 
         self.runtime = runtime(self.schedule, transport)
         self.eval_runtime = runtime(self.eval_schedule, transport if eval_transport is None else eval_transport)

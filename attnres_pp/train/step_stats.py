@@ -1,7 +1,7 @@
 """Per-step measurements of a pipelined run from the scalars each rank reports (`StepReply`): the loss,
-tensors per forward hop, bytes sent, the bubble (idle time over ranks x wall time) and the bytes the
-driver exchanged with the ranks. A rank sends its action timeline only when asked (the traced step,
-or every step for the benchmarks), so a step's requests and replies stay scalars."""
+tensors per forward hop, bytes sent, the bubble (idle time over the ranks' own step windows) and the
+bytes the driver exchanged with the ranks. A rank sends its action timeline only when asked (the
+traced step, or every step for the benchmarks), so a step's requests and replies stay scalars."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ class StepReply(NamedTuple):
 
     loss_sum / n_losses: the sum and number of microbatch losses it computed (the rank of the last
     chunk; 0 elsewhere). busy_s: time in F and B actions; first_s / last_s: its first action's start
-    and last action's end (perf_counter, one clock per host). hop_tensors: (hop c, tensors) of the
-    forward hops it sent for microbatch 0."""
+    and last action's end on this rank's own clock (`pipeline.clock`: perf_counter, or CUDA events
+    converted to it on a GPU; clocks of different ranks are never compared). hop_tensors: (hop c,
+    tensors) of the forward hops it sent for microbatch 0."""
 
     rank: int
     loss_sum: float
@@ -39,10 +40,18 @@ def fwd_hop_tensors(ledger: list[tuple[str, int, int, int, int]], n_chunks: int)
 
 
 def replies_bubble(replies: list[StepReply]) -> float:
-    """1 - compute / (ranks x step window), the window from the first action to the last on any rank."""
-    window = max(r.last_s for r in replies) - min(r.first_s for r in replies)
+    """1 - compute / (sum over ranks of each rank's own step window, its first action's start to its
+    last action's end): no rank's clock is compared with another's, so it holds for ranks on
+    different hosts (`timeline.own_clock_bubble` over the replies' scalars)."""
+    windows = sum(r.last_s - r.first_s for r in replies)
     busy = sum(r.busy_s for r in replies)
-    return 1.0 - busy / (len(replies) * window) if window > 0 else 0.0
+    return 1.0 - busy / windows if windows > 0 else 0.0
+
+
+def rank_bubbles(replies: list[StepReply]) -> list[float]:
+    """Each rank's bubble on its own clock: 1 - its compute / its own step window, in rank order."""
+    return [1.0 - r.busy_s / (r.last_s - r.first_s) if r.last_s > r.first_s else 0.0
+            for r in sorted(replies, key=lambda r: r.rank)]
 
 
 @dataclass
@@ -66,6 +75,8 @@ class StepStatsLog:
             raise RuntimeError(f"the ranks reported {got} microbatch losses, expected {n_losses}")
         bubble = replies_bubble(replies)
         self.bubbles.append(bubble)
+        # Each rank's own clock (one clock per host; `PipelineEngineBase` aligns the trace of ranks on
+        # several hosts, and the benchmarks, on one host, compare the ranks' events as they are).
         self.last_events = [e for r in replies for e in (r.events or ())]
         if traced:
             self.trace_step_bytes = driver_bytes
@@ -83,5 +94,6 @@ class StepStatsLog:
             "driver_bytes_per_step": statistics.median(self.driver_bytes) if self.driver_bytes else driver_bytes,
             "driver_bytes_trace_step": self.trace_step_bytes,
         }
-        metrics = {"bubble_fraction": bubble, "grad_norm": replies[0].grad_norm, "driver_bytes": driver_bytes}
+        metrics = {"bubble_fraction": bubble, "rank_bubbles": [round(b, 4) for b in rank_bubbles(replies)],
+                   "grad_norm": replies[0].grad_norm, "driver_bytes": driver_bytes}
         return sum(r.loss_sum for r in replies) / n_losses, extras, metrics

@@ -274,3 +274,33 @@ def test_phase2_zero_query_is_a_mean_merge():
     h = triton_ops.phase2(out1[0], lse1[0], partial, torch.zeros(8))
     torch.testing.assert_close(h, torch.cat([values, partial[None]]).mean(dim=0), **FP32_TOL)
     torch.testing.assert_close(h, phase2_torch(out1[0], lse1[0], partial, torch.zeros(8)), **FP32_TOL)
+
+
+@pytest.mark.parametrize("key_mode,rank", [("values", None), ("projected", 5)])
+def test_key_gradient_programs_walk_several_token_tiles(monkeypatch, key_mode, rank):
+    """With few key-gradient programs each walks a group of token tiles; the query gradient sums
+    the groups' partials. Gradients must not change."""
+    from attnres_pp.kernels import triton_keygrad
+
+    _set_tile_budget(monkeypatch, 64)
+    monkeypatch.setattr(triton_keygrad, "KEY_GRAD_PROGRAMS", 2)
+    launches = []
+    kernel = triton_keygrad._key_grad_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid[0], args[-1]))  # programs, token tiles per program
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(triton_keygrad, "_key_grad_kernel", Spy())
+    leaves = _phase1_inputs(3, 37, 12, 2, key_mode, rank)
+    d_out = torch.randn(2, 37, 12, dtype=torch.float64)
+    d_lse = torch.randn(2, 37, dtype=torch.float64)
+    twin = _run_phase1(leaves, key_mode, rank, "torch", torch.float32, d_out, d_lse)
+    fast = _run_phase1(leaves, key_mode, rank, "triton", torch.float32, d_out, d_lse)
+    assert launches and all(per_group > 1 for _, per_group in launches)
+    for got, want in zip(fast, twin, strict=True):
+        torch.testing.assert_close(got, want, **FP32_TOL)
