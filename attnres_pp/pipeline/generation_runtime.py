@@ -27,6 +27,7 @@ from attnres_pp.model.decode_state import DecodeState
 from attnres_pp.pipeline.chunk import PipelineChunk
 from attnres_pp.pipeline.forward_schedule import generation_schedule
 from attnres_pp.pipeline.ir import Action, ActionKind
+from attnres_pp.pipeline.loopback import run_in_turns
 from attnres_pp.pipeline.runtime import message_tag
 
 
@@ -178,14 +179,6 @@ def run_loopback_pass(runtimes: list[GenerationRuntime], batch_size: int, pieces
     last_rank = runtimes[0].partition.rank_of(runtimes[0].partition.n_chunks - 1)
     for runtime in runtimes:
         runtime.start_pass(batch_size, pieces, tokens_by_piece if runtime.pp_rank == 0 else None, all_logits)
-    while not all(r.finished for r in runtimes):
-        progressed = False
-        for runtime in runtimes:
-            if not runtime.finished and runtime.next_ready():
-                runtime.run_next()
-                progressed = True
-        if not progressed:
-            stuck = {r.pp_rank: str(r.actions[r.cursor]) for r in runtimes if not r.finished}
-            raise RuntimeError(f"loopback generation pass is stuck; next actions per rank: {stuck}")
+    run_in_turns(runtimes, "generation pass")
     results = [runtime.finish_pass() for runtime in runtimes]
     return results[last_rank]

@@ -49,6 +49,14 @@ def run_loopback_step(runtimes: list[StageRuntime], inputs_by_mb: list[torch.Ten
     """One forward/backward of every microbatch through all ranks; returns each rank's record."""
     for runtime in runtimes:
         runtime.start_step(inputs_by_mb, targets_by_mb, loss_scale)
+    run_in_turns(runtimes, "pipeline")
+    return [runtime.finish_step() for runtime in runtimes]
+
+
+def run_in_turns(runtimes: list, what: str) -> None:
+    """Run started runtimes (training or generation: anything with `finished`, `next_ready()`,
+    `run_next()`, `actions`, `cursor`, `pp_rank`) to their ends in this process, each taking its next
+    action when it can; raises naming every rank's next action if none can move."""
     while not all(r.finished for r in runtimes):
         progressed = False
         for runtime in runtimes:
@@ -57,5 +65,4 @@ def run_loopback_step(runtimes: list[StageRuntime], inputs_by_mb: list[torch.Ten
                 progressed = True
         if not progressed:
             stuck = {r.pp_rank: str(r.actions[r.cursor]) for r in runtimes if not r.finished}
-            raise RuntimeError(f"loopback pipeline is stuck; next actions per rank: {stuck}")
-    return [runtime.finish_step() for runtime in runtimes]
+            raise RuntimeError(f"loopback {what} is stuck; next actions per pipeline rank: {stuck}")

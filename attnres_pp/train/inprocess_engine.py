@@ -26,6 +26,7 @@ import torch
 
 from attnres_pp.comm.transport import LoopbackTransport
 from attnres_pp.data import Corpus
+from attnres_pp.pipeline.loopback import run_in_turns
 from attnres_pp.pipeline.loopback_nccl import NcclLoopbackTransport
 from attnres_pp.pipeline.mesh import thread_collectives
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
@@ -143,13 +144,5 @@ class InProcessEngine(PipelineEngineBase):
 
 def _run_together(runtimes: list[StageRuntime]) -> list[StepRecord]:
     """Run started runtimes to the end, each taking its next action when it can; one record each."""
-    while not all(r.finished for r in runtimes):
-        progressed = False
-        for runtime in runtimes:
-            if not runtime.finished and runtime.next_ready():
-                runtime.run_next()
-                progressed = True
-        if not progressed:
-            stuck = {r.pp_rank: str(r.actions[r.cursor]) for r in runtimes if not r.finished}
-            raise RuntimeError(f"loopback pipeline is stuck; next actions per pipeline rank: {stuck}")
+    run_in_turns(runtimes, "pipeline")
     return [runtime.finish_step() for runtime in runtimes]
