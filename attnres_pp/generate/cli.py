@@ -20,6 +20,7 @@ import time
 import warnings
 from pathlib import Path
 
+from attnres_pp.config_tables import convert_flag
 from attnres_pp.generate.config import GenerationConfig
 from attnres_pp.pipeline.config import LAUNCHERS
 
@@ -62,16 +63,8 @@ def register(subparsers) -> None:
     parser.set_defaults(func=main)
 
 
-def _convert(flag: str, raw: str, kind: type):
-    try:
-        return kind(raw)
-    except ValueError:
-        expected = {int: "an integer", float: "a number"}.get(kind, kind.__name__)
-        raise ValueError(f"{flag} {raw!r} is invalid: expected {expected}") from None
-
-
 def _values(args: argparse.Namespace, flags: tuple) -> dict:
-    return {key: _convert(flag, raw, kind) for flag, key, kind, _help in flags
+    return {key: convert_flag(flag, raw, kind) for flag, key, kind, _help in flags
             if (raw := getattr(args, flag[2:].replace("-", "_"))) is not None}
 
 
@@ -84,11 +77,11 @@ def configs_from_args(args: argparse.Namespace):
     gen_cfg = GenerationConfig(**_values(args, _GEN_FLAGS))
     pipe_values = {"launcher": "local", **_values(args, _PIPE_FLAGS)}
     if args.layer_counts is not None:
-        pipe_values["layer_counts"] = tuple(_convert("--layer-counts", part, int)
+        pipe_values["layer_counts"] = tuple(convert_flag("--layer-counts", part, int)
                                             for part in args.layer_counts.split(","))
     if args.address is not None and pipe_values["launcher"] != "ray":
         raise ValueError(f"--address is for --launcher ray, not {pipe_values['launcher']}")
-    threads = _convert("--threads", args.threads, int) if args.threads is not None else 1
+    threads = convert_flag("--threads", args.threads, int) if args.threads is not None else 1
     if threads < 1:
         raise ValueError(f"--threads {threads} is invalid: must be >= 1")
     return gen_cfg, PipelineConfig(**pipe_values), threads

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from attnres_pp.config_tables import convert_flag
 from attnres_pp.data import load_corpus
 from attnres_pp.model.config import KEY_MODES, RESIDUALS
 from attnres_pp.out_paths import check_out_dir
@@ -136,9 +137,9 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
     saved table a resumed run would save nothing more, and a second crash would lose all since."""
     settings = dict(_resumed_meta(args.resume).get("checkpointing", {})) if args.resume else {}
     if args.checkpoint_every is not None:
-        settings["every"] = _convert("--checkpoint-every", args.checkpoint_every, int)
+        settings["every"] = convert_flag("--checkpoint-every", args.checkpoint_every, int)
     if args.max_restarts is not None:
-        settings["max_restarts"] = _convert("--max-restarts", args.max_restarts, int)
+        settings["max_restarts"] = convert_flag("--max-restarts", args.max_restarts, int)
     return CheckpointConfig.from_settings(settings, resume=args.resume is not None)
 
 
@@ -167,22 +168,14 @@ def flag_overrides(args: argparse.Namespace) -> dict:
     for flag, table, key, kind, _help in _FLAGS:
         raw = getattr(args, flag[2:].replace("-", "_"))
         if raw is not None:
-            overrides[table][key] = _convert(flag, raw, kind)
+            overrides[table][key] = convert_flag(flag, raw, kind)
     if args.cache is not None:
         overrides["pipeline"]["cache"] = args.cache == "on"
     if args.layer_counts is not None:
         overrides["pipeline"]["layer_counts"] = [
-            _convert("--layer-counts", part, int) for part in args.layer_counts.split(",")
+            convert_flag("--layer-counts", part, int) for part in args.layer_counts.split(",")
         ]
     return {table: values for table, values in overrides.items() if values}
-
-
-def _convert(flag: str, raw: str, kind: type):
-    try:
-        return kind(raw)
-    except ValueError:
-        expected = {int: "an integer", float: "a number"}.get(kind, kind.__name__)
-        raise ConfigError(f"{flag} {raw!r} is invalid: expected {expected}") from None
 
 
 def make_run_engine(run_cfg: RunConfig, out_dir: Path, *, address: str | None = None,
