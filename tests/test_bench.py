@@ -12,7 +12,7 @@ import torch
 from attnres_pp.bench.bubbles import with_overhead
 from attnres_pp.bench.common import BENCH_MODEL, account, analytic_bubble, message_pairs, random_batch
 from attnres_pp.cli import build_parser, main
-from attnres_pp.pipeline.schedules import build_schedule
+from attnres_pp.schedule.schedules import build_schedule
 from attnres_pp.simulator.costs import unit_costs
 from attnres_pp.simulator.engine import simulate
 from attnres_pp.simulator.metrics import summarize

@@ -12,7 +12,7 @@ import torch
 from attnres_pp.cli import main
 from attnres_pp.pipeline.clock import HostClock, make_clock
 from attnres_pp.pipeline.stage_setup import init_process_group
-from attnres_pp.pipeline.timeline import align_per_rank, bubble_fraction, own_clock_bubble, rank_bubbles
+from attnres_pp.schedule.timeline import align_per_rank, bubble_fraction, own_clock_bubble, rank_bubbles
 from attnres_pp.train.config import TrainConfig
 from attnres_pp.train.devices import DeviceDecision, backend_of, decide_device, resolve_train
 from attnres_pp.train.local_engine import LocalEngine

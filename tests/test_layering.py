@@ -4,10 +4,12 @@ function) of every module under attnres_pp must point down or sideways, never up
     kernels, data, config_tables,    import nothing of the project (model: kernels and config_tables)
     out_paths
     comm                             model at most (plan, partition, cache, transports)
-    pipeline                         comm and below
+    schedule                         comm's partition at most; pure Python, no torch (IR, generators,
+                                     passes, validators, timeline accounting, traces)
+    pipeline                         schedule, comm and below (runtime, chunks, rank start-up)
     train                            pipeline and below (configs, optimiser step, engines, checkpoints)
     generate                         train and below (reads checkpoints; generators, decode loop, its CLI)
-    simulator                        the torch-free parts of pipeline and comm; never the runtime, train,
+    simulator                        schedule and the torch-free parts of comm; never pipeline, train,
                                      torch, torch.distributed or ray
     bench                            on top: anything
 """
@@ -29,24 +31,24 @@ ALLOWED = {
     "data": set(),
     "model": {"kernels", "config_tables"},
     "comm": {"model", "kernels", "config_tables"},
-    "pipeline": {"comm", "model", "kernels", "config_tables", "out_paths"},
-    "train": {"pipeline", "comm", "model", "kernels", "data", "config_tables", "out_paths"},
-    "simulator": {"pipeline", "comm", "model", "config_tables", "out_paths"},
-    "generate": {"train", "pipeline", "comm", "model", "kernels", "data", "config_tables", "out_paths"},
-    "bench": {"generate", "train", "simulator", "pipeline", "comm", "model", "kernels", "data", "config_tables",
-              "out_paths"},
+    "schedule": {"comm"},
+    "pipeline": {"schedule", "comm", "model", "kernels", "config_tables", "out_paths"},
+    "train": {"pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths"},
+    "simulator": {"schedule", "comm", "model", "config_tables", "out_paths"},
+    "generate": {"train", "pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths"},
+    "bench": {"generate", "train", "simulator", "pipeline", "schedule", "comm", "model", "kernels", "data",
+              "config_tables", "out_paths"},
     "cli": set(),  # imports the subcommands by name, at run time
     "root": set(),  # attnres_pp/__init__.py
 }
-# The only pipeline / comm modules the simulator may read: the schedule IR, passes and validator,
-# the timeline accounting and traces, the plan and the partition. All of them are torch-free.
+# The only modules outside its own layer and `schedule` that the simulator may read: the plan, the
+# partition and the link model of comm, the model's shapes. All of them are torch-free.
 SIMULATOR_MAY_READ = {
-    "attnres_pp.pipeline.ir", "attnres_pp.pipeline.schedules", "attnres_pp.pipeline.passes",
-    "attnres_pp.pipeline.validate", "attnres_pp.pipeline.validate_nccl", "attnres_pp.pipeline.timeline",
-    "attnres_pp.pipeline.trace",
-    "attnres_pp.pipeline.config", "attnres_pp.comm.plan", "attnres_pp.comm.partition", "attnres_pp.comm.link",
+    "attnres_pp.comm.plan", "attnres_pp.comm.partition", "attnres_pp.comm.link",
     "attnres_pp.model.config", "attnres_pp.config_tables", "attnres_pp.out_paths",
 }
+# The only comm module a schedule may read: where a chunk runs.
+SCHEDULE_MAY_READ = {"attnres_pp.comm.partition"}
 RAY_MODULES = {"attnres_pp.train.ray_engine", "attnres_pp.generate.ray_generator"}  # only the Ray launchers
 
 
@@ -90,17 +92,46 @@ def _project_imports(module: str) -> list[tuple[str, int]]:
 def test_the_scan_sees_every_layer():
     """Guard against a scan that finds nothing (and so passes vacuously)."""
     layers = {_layer(m) for m in MODULES}
-    assert {"model", "kernels", "data", "comm", "pipeline", "train", "simulator", "bench"} <= layers
+    assert {"model", "kernels", "data", "comm", "schedule", "pipeline", "train", "simulator", "bench"} <= layers
     assert sum(len(_project_imports(m)) for m in MODULES) > 100
+
+
+def _uphill(module: str, imports: list[tuple[str, int]]) -> list[str]:
+    """The imports of `module` that break the layering, one line each."""
+    layer = _layer(module)
+    allowed = ALLOWED[layer] | {layer}
+    return [f"line {line}: imports {name} (layer {_layer(name)})"
+            for name, line in imports if _layer(name) not in allowed]
 
 
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_imports_run_one_way(module):
-    layer = _layer(module)
-    allowed = ALLOWED[layer] | {layer}
-    uphill = [f"line {line}: imports {name} (layer {_layer(name)})"
-              for name, line in _project_imports(module) if _layer(name) not in allowed]
-    assert not uphill, f"{module} (layer {layer}) may import only {sorted(allowed)}:\n" + "\n".join(uphill)
+    uphill = _uphill(module, _project_imports(module))
+    allowed = sorted(ALLOWED[_layer(module)] | {_layer(module)})
+    assert not uphill, f"{module} (layer {_layer(module)}) may import only {allowed}:\n" + "\n".join(uphill)
+
+
+def test_a_reversed_import_between_schedule_and_pipeline_fails():
+    """The checker itself: a schedule module reading the runtime, or the simulator reading the
+    pipeline, is reported; the lawful direction is not."""
+    assert _uphill("attnres_pp.schedule.validate", [("attnres_pp.pipeline.runtime", 7)])
+    assert _uphill("attnres_pp.simulator.engine", [("attnres_pp.pipeline.chunk", 3)])
+    assert _uphill("attnres_pp.schedule.ir", [("attnres_pp.train.loop", 1)])
+    assert not _uphill("attnres_pp.pipeline.runtime", [("attnres_pp.schedule.ir", 1)])
+    assert not _uphill("attnres_pp.simulator.engine", [("attnres_pp.schedule.validate", 1)])
+
+
+def test_schedule_is_pure_python():
+    """The schedule package imports no torch, no ray, no numpy, and of comm only the partition."""
+    problems = []
+    for module in (m for m in MODULES if _layer(m) == "schedule"):
+        for name, line in _imports(MODULES[module]):
+            if name.split(".")[0] in ("torch", "ray", "numpy", "triton"):
+                problems.append(f"{module} line {line}: imports {name}")
+            if name in MODULES and _layer(name) == "comm" and name not in SCHEDULE_MAY_READ:
+                problems.append(f"{module} line {line}: reads {name}; schedule may read only {SCHEDULE_MAY_READ}")
+    assert sum(1 for m in MODULES if _layer(m) == "schedule") >= 9
+    assert not problems, "\n".join(problems)
 
 
 def test_the_simulator_reads_only_torch_free_modules():
@@ -119,7 +150,8 @@ def test_the_simulator_reads_only_torch_free_modules():
             if top in ("torch", "ray"):
                 problems.append(f"{module} line {line}: imports {name}")
             if name in MODULES:
-                if _layer(name) != "simulator" and name not in SIMULATOR_MAY_READ and name != "attnres_pp":
+                if _layer(name) not in ("simulator", "schedule") and name not in SIMULATOR_MAY_READ \
+                        and name != "attnres_pp":
                     problems.append(f"{module} line {line}: reads {name}, which the simulator may not")
                 todo.append(name)
     assert len(seen) > 10

@@ -16,10 +16,10 @@ from attnres_pp.comm.plan import plan_for_model
 from attnres_pp.pipeline.chunk import build_rank_chunks
 from attnres_pp.pipeline.loopback import make_loopback_runtimes, run_loopback_step
 from attnres_pp.pipeline.loopback_nccl import NcclLoopbackTransport
-from attnres_pp.pipeline.passes import insert_comm
-from attnres_pp.pipeline.schedules import SCHEDULES, build_schedule, schedule_placement
-from attnres_pp.pipeline.validate import validate
-from attnres_pp.pipeline.validate_nccl import (
+from attnres_pp.schedule.passes import insert_comm
+from attnres_pp.schedule.schedules import SCHEDULES, build_schedule, schedule_placement
+from attnres_pp.schedule.validate import validate
+from attnres_pp.schedule.validate_nccl import (
     NcclDeadlock,
     NcclP2P,
     Op,
@@ -175,7 +175,7 @@ def test_pipelined_step_under_nccl_semantics_equals_single_process(case):
 
 def test_the_loopback_enforces_the_rules_on_a_crossed_runtime_order(monkeypatch):
     """The same step with every send and receive issued alone where it stands cannot finish."""
-    from attnres_pp.pipeline import validate_nccl
+    from attnres_pp.schedule import validate_nccl
 
     monkeypatch.setattr(validate_nccl, "lockstep_plan", naive_plan)
     cfg = model_config("block", 2)

@@ -12,9 +12,9 @@ from attnres_pp.comm.plan import Source, plan_for_model, plan_payloads
 from attnres_pp.comm.transport import ByteLedger
 from attnres_pp.pipeline.chunk import build_rank_chunks
 from attnres_pp.pipeline.loopback import make_loopback_runtimes, run_loopback_step
-from attnres_pp.pipeline.passes import insert_comm
-from attnres_pp.pipeline.schedules import build_schedule, schedule_placement
-from attnres_pp.pipeline.validate import validate
+from attnres_pp.schedule.passes import insert_comm
+from attnres_pp.schedule.schedules import build_schedule, schedule_placement
+from attnres_pp.schedule.validate import validate
 from attnres_pp.train.step_stats import fwd_hop_tensors
 from tests.pipeline_helpers import MICRO, SEQ, assert_grads_match, batch, build_model, model_config, reference_step
 from tests.reference_model import VARIANTS
@@ -140,7 +140,7 @@ def test_wire_hops_follow_the_spec_rule_for_any_placement(P, V, placement, block
 def _vshape_gpipe(P: int, m: int):
     """A GPipe order under V-shape placement (chunk c on rank c, then 2P - 1 - c): each rank runs
     all forwards of its chunks in visit order, then all backwards in reverse."""
-    from attnres_pp.pipeline.ir import B, F, Schedule
+    from attnres_pp.schedule.ir import B, F, Schedule
 
     rank_actions = []
     for rank in range(P):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from attnres_pp.comm.partition import chunk_rank
-from attnres_pp.pipeline.ir import Action, ActionKind, Schedule
-from attnres_pp.pipeline.passes import insert_comm
-from attnres_pp.pipeline.schedules import (
+from attnres_pp.schedule.ir import Action, ActionKind, Schedule
+from attnres_pp.schedule.passes import insert_comm
+from attnres_pp.schedule.schedules import (
     PLACEMENT_OF,
     SCHEDULES,
     build_schedule,
@@ -18,7 +18,7 @@ from attnres_pp.pipeline.schedules import (
     zb_h1,
     zbv,
 )
-from attnres_pp.pipeline.validate import validate
+from attnres_pp.schedule.validate import validate
 
 SPLIT = ("zb_h1", "interleaved_zb", "zbv")
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from attnres_pp.pipeline.timeline import account
-from attnres_pp.pipeline.trace import write_chrome_trace
+from attnres_pp.schedule.timeline import account
+from attnres_pp.schedule.trace import write_chrome_trace
 from attnres_pp.simulator.calibrate import calibrate_from
 
 # gpipe, P = 2, V = 1, m = 1: rank 1 starts its forward 0.1 s after the data arrived (dispatch gap)

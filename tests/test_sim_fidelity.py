@@ -10,7 +10,7 @@ import pytest
 from attnres_pp.comm.link import LinkModel
 from attnres_pp.comm.partition import make_partition
 from attnres_pp.model.config import ModelConfig
-from attnres_pp.pipeline.schedules import build_schedule
+from attnres_pp.schedule.schedules import build_schedule
 from attnres_pp.simulator.costs import CostModel
 from attnres_pp.simulator.engine import simulate
 from attnres_pp.simulator.metrics import SPLIT_SCHEDULES

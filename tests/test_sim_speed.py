@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from attnres_pp.pipeline.ir import B, F, I, Schedule, W
-from attnres_pp.pipeline.passes import insert_comm
-from attnres_pp.pipeline.schedules import SCHEDULES, build_schedule
-from attnres_pp.pipeline.validate import ScheduleError, validate
+from attnres_pp.schedule.ir import B, F, I, Schedule, W
+from attnres_pp.schedule.passes import insert_comm
+from attnres_pp.schedule.schedules import SCHEDULES, build_schedule
+from attnres_pp.schedule.validate import ScheduleError, validate
 from attnres_pp.simulator.costs import CostModel, unit_costs
 from attnres_pp.simulator.encode import encode_compute_only, encode_lowered
 from attnres_pp.simulator.engine import simulate

@@ -9,10 +9,10 @@ import pytest
 
 from attnres_pp.comm.partition import make_partition
 from attnres_pp.comm.plan import plan_payloads
-from attnres_pp.pipeline.ir import Action, Schedule
-from attnres_pp.pipeline.schedules import build_schedule
-from attnres_pp.pipeline.trace import read_chrome_trace, write_chrome_trace
-from attnres_pp.pipeline.validate import ScheduleError
+from attnres_pp.schedule.ir import Action, Schedule
+from attnres_pp.schedule.schedules import build_schedule
+from attnres_pp.schedule.trace import read_chrome_trace, write_chrome_trace
+from attnres_pp.schedule.validate import ScheduleError
 from attnres_pp.simulator.calibrate import calibrate_from
 from attnres_pp.simulator.comm import closed_form_cached, closed_form_naive, comm_report
 from attnres_pp.simulator.costs import CostModel, unit_costs

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from attnres_pp.pipeline.ir import Action, Schedule
-from attnres_pp.pipeline.passes import insert_comm
-from attnres_pp.pipeline.schedules import build_schedule
-from attnres_pp.pipeline.validate import ScheduleError, validate
+from attnres_pp.schedule.ir import Action, Schedule
+from attnres_pp.schedule.passes import insert_comm
+from attnres_pp.schedule.schedules import build_schedule
+from attnres_pp.schedule.validate import ScheduleError, validate
 
 
 def _edit(schedule: Schedule, pp_rank: int, words: str) -> Schedule:

@@ -45,9 +45,9 @@ from attnres_pp.bench.common import (
     relative_link,
     run_config,
 )
-from attnres_pp.pipeline.ir import Action, ActionKind
-from attnres_pp.pipeline.schedules import build_schedule
-from attnres_pp.pipeline.trace import write_chrome_trace
+from attnres_pp.schedule.ir import Action, ActionKind
+from attnres_pp.schedule.schedules import build_schedule
+from attnres_pp.schedule.trace import write_chrome_trace
 from attnres_pp.simulator.calibrate import calibrate_from, with_overhead
 from attnres_pp.simulator.costs import CostModel, unit_costs
 from attnres_pp.simulator.engine import simulate

@@ -32,7 +32,7 @@ from attnres_pp.bench.common import (
     relative_link,
     run_config,
 )
-from attnres_pp.pipeline.schedules import build_schedule
+from attnres_pp.schedule.schedules import build_schedule
 from attnres_pp.simulator.comm import COMM_MODES, comm_report
 from attnres_pp.simulator.costs import PROFILES
 

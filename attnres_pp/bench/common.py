@@ -1,7 +1,7 @@
 """What the benchmarks share: the benchmark model, run configs, a pipelined engine stepped one timed
 global batch at a time, the per-action time accounting of a step, the machine description and the
 result files (`<name>[_quick]_<YYYY-MM-DD>.json` and `.md` under `benchmarks/results/`).
-The time accounting of a step lives in `attnres_pp.pipeline.timeline`.
+The time accounting of a step lives in `attnres_pp.schedule.timeline`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from attnres_pp.pipeline.timeline import Event, account, message_pairs  # noqa: F401  (re-exported)
+from attnres_pp.schedule.timeline import Event, account, message_pairs  # noqa: F401  (re-exported)
 from attnres_pp.train.config import RunConfig
 
 # Big enough that F/B compute dominates Python dispatch on one CPU core, small enough that every

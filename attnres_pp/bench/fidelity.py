@@ -32,7 +32,7 @@ from attnres_pp.bench.common import BENCH_MODEL, MICROBATCH_SIZE, TimedEngine, a
 from attnres_pp.bench.unit_probe import probe_units
 from attnres_pp.comm.link import LinkModel
 from attnres_pp.model.config import ModelConfig
-from attnres_pp.pipeline.schedules import build_schedule
+from attnres_pp.schedule.schedules import build_schedule
 from attnres_pp.simulator.engine import simulate
 from attnres_pp.simulator.metrics import summarize
 from attnres_pp.simulator.transfer import RunShape, TransferCalibration, fit_transfer

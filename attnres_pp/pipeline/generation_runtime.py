@@ -25,10 +25,10 @@ from attnres_pp.comm.cache import BlockCache
 from attnres_pp.comm.plan import RESIDUAL, PayloadPlan, Source
 from attnres_pp.model.decode_state import DecodeState
 from attnres_pp.pipeline.chunk import PipelineChunk
-from attnres_pp.pipeline.forward_schedule import generation_schedule
-from attnres_pp.pipeline.ir import Action, ActionKind
 from attnres_pp.pipeline.loopback import run_in_turns
 from attnres_pp.pipeline.runtime import message_tag
+from attnres_pp.schedule.forward_schedule import generation_schedule
+from attnres_pp.schedule.ir import Action, ActionKind
 
 
 class GenerationRuntime:

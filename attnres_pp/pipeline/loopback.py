@@ -12,8 +12,8 @@ from attnres_pp.comm.plan import PayloadPlan
 from attnres_pp.comm.transport import ByteLedger, LoopbackTransport
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.pipeline.chunk import PipelineChunk
-from attnres_pp.pipeline.ir import Schedule
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
+from attnres_pp.schedule.ir import Schedule
 
 
 def make_loopback_runtimes(cfg: ModelConfig, rank_chunks: list[dict[int, PipelineChunk]], plan: PayloadPlan,
@@ -28,7 +28,7 @@ def make_loopback_runtimes(cfg: ModelConfig, rank_chunks: list[dict[int, Pipelin
     dtype = activation_dtype or next(rank_chunks[0][min(rank_chunks[0])].parameters()).dtype
     if p2p_semantics == "nccl":
         from attnres_pp.pipeline.loopback_nccl import NcclLoopbackTransport
-        from attnres_pp.pipeline.validate_nccl import NcclP2P
+        from attnres_pp.schedule.validate_nccl import NcclP2P
 
         fabric = NcclP2P(len(rank_chunks))
         transports = [NcclLoopbackTransport(rank, fabric, ledger) for rank in range(len(rank_chunks))]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from attnres_pp.comm.transport import ByteLedger, TransportTimeout, _pack, _refuse_self_hop, _unpack
-from attnres_pp.pipeline.validate_nccl import NcclDeadlock, NcclP2P, Op
+from attnres_pp.schedule.validate_nccl import NcclDeadlock, NcclP2P, Op
 
 
 def _numel(shapes: list[torch.Size]) -> int:

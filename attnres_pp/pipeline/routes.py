@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from attnres_pp.comm.plan import RESIDUAL, PayloadPlan, Source
-from attnres_pp.pipeline.ir import ActionKind, Schedule
+from attnres_pp.schedule.ir import ActionKind, Schedule
 
 
 def hop_shapes(microbatch_shape: tuple[int, int], source_width: int,

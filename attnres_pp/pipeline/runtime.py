@@ -26,9 +26,9 @@ from attnres_pp.comm.plan import PayloadPlan, Source
 from attnres_pp.pipeline.chunk import PipelineChunk
 from attnres_pp.pipeline.clock import make_clock
 from attnres_pp.pipeline.graph_cut import CutCache
-from attnres_pp.pipeline.ir import Action, ActionKind, Schedule
 from attnres_pp.pipeline.routes import Route, hop_shapes, message_tag, rank_routes
 from attnres_pp.pipeline.split_backward import WeightWork, backward_input, backward_weight, fused_backward
+from attnres_pp.schedule.ir import Action, ActionKind, Schedule
 
 
 @dataclass
@@ -97,7 +97,7 @@ class StageRuntime:
         # validate_nccl.lockstep_plan proves deadlock-free, one batch_isend_irecv per group.
         self._nccl_plan = None
         if getattr(transport, "p2p_semantics", "gloo") == "nccl":
-            from attnres_pp.pipeline.validate_nccl import lockstep_plan
+            from attnres_pp.schedule.validate_nccl import lockstep_plan
 
             self._nccl_plan = lockstep_plan(schedule)[pp_rank]
 

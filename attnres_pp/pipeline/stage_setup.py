@@ -9,10 +9,10 @@ import torch
 
 from attnres_pp.comm.partition import Partition, make_partition
 from attnres_pp.pipeline.config import PipelineConfig
-from attnres_pp.pipeline.ir import Schedule
-from attnres_pp.pipeline.passes import insert_comm
-from attnres_pp.pipeline.schedules import build_schedule, schedule_placement
-from attnres_pp.pipeline.validate import validate
+from attnres_pp.schedule.ir import Schedule
+from attnres_pp.schedule.passes import insert_comm
+from attnres_pp.schedule.schedules import build_schedule, schedule_placement
+from attnres_pp.schedule.validate import validate
 
 
 def lowered_schedule(pipe: PipelineConfig, n_microbatches: int) -> Schedule:

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attnres_pp.model.config import ModelConfig
-from attnres_pp.pipeline.ir import Action, ActionKind
-from attnres_pp.pipeline.timeline import account, bubble_fraction
-from attnres_pp.pipeline.trace import TimelineEvent, read_chrome_trace
+from attnres_pp.schedule.ir import Action, ActionKind
+from attnres_pp.schedule.timeline import account, bubble_fraction
+from attnres_pp.schedule.trace import TimelineEvent, read_chrome_trace
 from attnres_pp.simulator.costs import CostModel
 
 

@@ -15,8 +15,8 @@ from attnres_pp.comm.partition import make_partition
 from attnres_pp.comm.plan import plan_for_model
 from attnres_pp.model.config import KEY_MODES, RESIDUALS, ModelConfig
 from attnres_pp.out_paths import check_out_dir, check_out_file
-from attnres_pp.pipeline.schedules import SCHEDULES, build_schedule
-from attnres_pp.pipeline.trace import write_chrome_trace
+from attnres_pp.schedule.schedules import SCHEDULES, build_schedule
+from attnres_pp.schedule.trace import write_chrome_trace
 from attnres_pp.simulator.calibrate import calibrate_from
 from attnres_pp.simulator.comm import DTYPE_BYTES, comm_report, format_comm_table
 from attnres_pp.simulator.costs import PROFILES, DeviceProfile, model_costs, unit_costs

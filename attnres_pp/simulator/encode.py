@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attnres_pp.pipeline.ir import ActionKind, Schedule
-from attnres_pp.pipeline.passes import insert_comm
-from attnres_pp.pipeline.validate import ScheduleError, validate
+from attnres_pp.schedule.ir import ActionKind, Schedule
+from attnres_pp.schedule.passes import insert_comm
+from attnres_pp.schedule.validate import ScheduleError, validate
 from attnres_pp.simulator.costs import CostModel
 
 COMPUTE, SEND, RECV = 0, 1, 2

@@ -24,10 +24,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
-from attnres_pp.pipeline.ir import Schedule
-from attnres_pp.pipeline.passes import insert_comm
-from attnres_pp.pipeline.trace import TimelineEvent
-from attnres_pp.pipeline.validate import ScheduleError, validate
+from attnres_pp.schedule.ir import Schedule
+from attnres_pp.schedule.passes import insert_comm
+from attnres_pp.schedule.trace import TimelineEvent
+from attnres_pp.schedule.validate import ScheduleError, validate
 from attnres_pp.simulator.costs import CostModel
 from attnres_pp.simulator.encode import COMPUTE, SEND, Encoded, encode
 

@@ -13,7 +13,7 @@ interleaved with the split (P-1)/(3 V m + P - 1) and ZB-V, V = 2, (P-1)/(6m + P 
 from __future__ import annotations
 
 from attnres_pp.comm.plan import PayloadPlan
-from attnres_pp.pipeline.ir import INPUT_GRAD_KINDS, ActionKind, Schedule
+from attnres_pp.schedule.ir import INPUT_GRAD_KINDS, ActionKind, Schedule
 from attnres_pp.simulator.comm import format_bytes
 from attnres_pp.simulator.engine import SimResult
 

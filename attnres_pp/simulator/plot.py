@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from attnres_pp.pipeline.ir import Action, ActionKind
+from attnres_pp.schedule.ir import Action, ActionKind
 
 # Above this many compute boxes, microbatch labels would be unreadable.
 _MAX_LABELLED_BOXES = 600

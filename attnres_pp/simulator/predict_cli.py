@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from attnres_pp.comm.link import LinkModel
-from attnres_pp.pipeline.schedules import SCHEDULES, build_schedule
+from attnres_pp.schedule.schedules import SCHEDULES, build_schedule
 from attnres_pp.simulator.engine import simulate
 from attnres_pp.simulator.metrics import summarize
 from attnres_pp.simulator.transfer import RunShape, TransferCalibration

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from attnres_pp.comm.partition import Partition, make_partition
 from attnres_pp.comm.plan import PayloadPlan, plan_for_model
 from attnres_pp.model.config import ModelConfig
-from attnres_pp.pipeline.schedules import build_schedule, schedule_placement
+from attnres_pp.schedule.schedules import build_schedule, schedule_placement
 from attnres_pp.simulator.comm import COMM_MODES
 from attnres_pp.simulator.costs import CostModel, sublayer_forward_flops
 from attnres_pp.simulator.engine import simulate

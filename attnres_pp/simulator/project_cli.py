@@ -12,7 +12,7 @@ import math
 import sys
 
 from attnres_pp.model.config import ModelConfig
-from attnres_pp.pipeline.schedules import SCHEDULES
+from attnres_pp.schedule.schedules import SCHEDULES
 from attnres_pp.simulator.comm import DTYPE_BYTES, format_bytes
 from attnres_pp.simulator.project import Cluster, project
 

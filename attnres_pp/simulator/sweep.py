@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from attnres_pp.pipeline.schedules import build_schedule
+from attnres_pp.schedule.schedules import build_schedule
 from attnres_pp.simulator.comm import COMM_MODES, DTYPE_BYTES, comm_report
 from attnres_pp.simulator.costs import unit_costs
 from attnres_pp.simulator.engine import simulate

@@ -34,9 +34,9 @@ from attnres_pp.comm.link import LinkModel
 from attnres_pp.comm.partition import Partition, make_partition
 from attnres_pp.comm.plan import PayloadPlan, plan_for_model
 from attnres_pp.model.config import ModelConfig
-from attnres_pp.pipeline.ir import Action, ActionKind
-from attnres_pp.pipeline.schedules import build_schedule, schedule_placement
-from attnres_pp.pipeline.timeline import Event, account, message_pairs
+from attnres_pp.schedule.ir import Action, ActionKind
+from attnres_pp.schedule.schedules import build_schedule, schedule_placement
+from attnres_pp.schedule.timeline import Event, account, message_pairs
 from attnres_pp.simulator.costs import CostModel
 from attnres_pp.simulator.engine import simulate
 from attnres_pp.simulator.units import MessageCosts, UnitTimes, chunk_work, fit_plane

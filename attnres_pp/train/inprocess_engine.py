@@ -30,7 +30,7 @@ from attnres_pp.pipeline.loopback import run_in_turns
 from attnres_pp.pipeline.loopback_nccl import NcclLoopbackTransport
 from attnres_pp.pipeline.mesh import thread_collectives
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
-from attnres_pp.pipeline.validate_nccl import NcclP2P
+from attnres_pp.schedule.validate_nccl import NcclP2P
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.devices import decide_device, resolve_train, visible_gpus
 from attnres_pp.train.loop import StepResult

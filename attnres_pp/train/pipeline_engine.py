@@ -11,8 +11,8 @@ import torch
 
 from attnres_pp.model import parameter_count
 from attnres_pp.pipeline.stage_setup import check_split
-from attnres_pp.pipeline.timeline import align_per_rank
-from attnres_pp.pipeline.trace import write_chrome_trace
+from attnres_pp.schedule.timeline import align_per_rank
+from attnres_pp.schedule.trace import write_chrome_trace
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.stage_worker import RankBatch

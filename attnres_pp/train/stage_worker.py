@@ -35,12 +35,12 @@ from attnres_pp.comm.transport import DistTransport
 from attnres_pp.data import Corpus
 from attnres_pp.model.precision import activation_dtype
 from attnres_pp.pipeline.chunk import build_rank_model, rank_module_names, rank_parameters
-from attnres_pp.pipeline.forward_only import forward_only_schedule
 from attnres_pp.pipeline.mesh import Collectives, MeshCollectives, RankCoords
 from attnres_pp.pipeline.routes import hop_shapes, wire_messages
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
 from attnres_pp.pipeline.stage_setup import init_process_group, lowered_schedule, run_partition
-from attnres_pp.pipeline.validate_nccl import check_nccl
+from attnres_pp.schedule.forward_only import forward_only_schedule
+from attnres_pp.schedule.validate_nccl import check_nccl
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.devices import resolve_train
 from attnres_pp.train.grad_sync import norm_reducer, sync_gradients

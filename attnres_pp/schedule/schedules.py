@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from attnres_pp.pipeline.ir import Action, B, F, I, Schedule, W
+from attnres_pp.schedule.ir import Action, B, F, I, Schedule, W
 
 
 def _check_sizes(n_stages: int, n_virtual: int, n_microbatches: int) -> None:

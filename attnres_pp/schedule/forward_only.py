@@ -11,8 +11,8 @@ the in-process loopback execution, which raises on any stuck rank.)
 from __future__ import annotations
 
 from attnres_pp.comm.partition import chunk_rank
-from attnres_pp.pipeline.ir import F, Schedule
-from attnres_pp.pipeline.passes import insert_comm
+from attnres_pp.schedule.ir import F, Schedule
+from attnres_pp.schedule.passes import insert_comm
 
 
 def forward_only_schedule(n_stages: int, n_virtual: int, n_microbatches: int, placement: str = "loop") -> Schedule:

@@ -22,7 +22,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from attnres_pp.pipeline.ir import Action, Schedule
+from attnres_pp.schedule.ir import Action, Schedule
+from attnres_pp.schedule.prerequisites import ScheduleError, input_grad_actions, prerequisites
 
 
 class P2PMismatch(RuntimeError):
@@ -199,17 +200,15 @@ def lockstep_plan(schedule: Schedule) -> PostPlan:
     each rank's groups are in step order, and the earliest incomplete step can always complete,
     so nothing deadlocks under NCCL's rules; `check_nccl` re-checks it on the model. Cached per
     schedule: callers must not modify the plan."""
-    from attnres_pp.pipeline.validate import ScheduleError, _input_grad_actions, _prerequisites
-
     lists = schedule.rank_actions
     last_chunk = schedule.n_chunks - 1
-    input_grad = _input_grad_actions(schedule)  # I (split schedules) or B: what sends a gradient back
+    input_grad = input_grad_actions(schedule)  # I (split schedules) or B: what sends a gradient back
     plan = [[[] for _ in range(len(actions) + 1)] for actions in lists]
     cursor = [0] * schedule.n_stages
     done: set[Action] = set()
     while any(cursor[r] < len(lists[r]) for r in range(schedule.n_stages)):
         moves = [lists[r][cursor[r]] if cursor[r] < len(lists[r]) and all(
-            p in done for p in _prerequisites(lists[r][cursor[r]], last_chunk, True, input_grad)) else None
+            p in done for p in prerequisites(lists[r][cursor[r]], last_chunk, True, input_grad)) else None
             for r in range(schedule.n_stages)]
         if not any(moves):
             raise ScheduleError(f"schedule {schedule.name!r} cannot finish even with buffered sends; run validate()")

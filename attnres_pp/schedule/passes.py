@@ -5,7 +5,7 @@ Pure standard library.
 
 from __future__ import annotations
 
-from attnres_pp.pipeline.ir import Action, ActionKind, Schedule
+from attnres_pp.schedule.ir import Action, ActionKind, Schedule
 
 
 def insert_comm(schedule: Schedule) -> Schedule:

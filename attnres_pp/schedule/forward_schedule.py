@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from attnres_pp.pipeline import validate as _validate
-from attnres_pp.pipeline.ir import ActionKind, Schedule
-from attnres_pp.pipeline.passes import insert_comm
-from attnres_pp.pipeline.schedules import gpipe
+from attnres_pp.schedule import validate as _validate
+from attnres_pp.schedule.ir import ActionKind, Schedule
+from attnres_pp.schedule.passes import insert_comm
+from attnres_pp.schedule.schedules import gpipe
 
 
 def forward_only(schedule: Schedule) -> Schedule:

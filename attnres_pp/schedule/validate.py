@@ -13,14 +13,12 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
-from attnres_pp.pipeline.ir import INPUT_GRAD_KINDS, Action, ActionKind, Schedule
+from attnres_pp.schedule.ir import INPUT_GRAD_KINDS, Action, ActionKind, Schedule
+from attnres_pp.schedule.prerequisites import ScheduleError, input_grad_actions, prerequisites
+from attnres_pp.schedule.validate_nccl import NcclDeadlock, P2PMismatch, check_nccl
 
 # Rows of the step x rank table kept for a deadlock report (the last ones matter).
 _TABLE_ROWS = 40
-
-
-class ScheduleError(ValueError):
-    """A schedule that would compute the wrong thing, or hang."""
 
 
 def validate(schedule: Schedule, p2p_semantics: str = "gloo") -> None:
@@ -34,8 +32,6 @@ def validate(schedule: Schedule, p2p_semantics: str = "gloo") -> None:
         _check_messages(schedule)
     _check_no_deadlock(schedule)
     if p2p_semantics == "nccl" and schedule.has_comm:
-        from attnres_pp.pipeline.validate_nccl import NcclDeadlock, P2PMismatch, check_nccl
-
         try:
             check_nccl(schedule)
         except (NcclDeadlock, P2PMismatch) as error:
@@ -149,40 +145,10 @@ def _check_messages(schedule: Schedule) -> None:
                                 f"which the schedule lacks")
 
 
-def _input_grad_actions(schedule: Schedule) -> dict[tuple[int, int], Action]:
-    """(chunk, microbatch) -> the action that makes its input gradients: B, or I in a split."""
-    return {(a.chunk_index, a.microbatch_index): a for actions in schedule.rank_actions for a in actions
-            if a.kind in INPUT_GRAD_KINDS}
-
-
-def _prerequisites(action: Action, last_chunk: int, has_comm: bool,
-                   input_grad: dict[tuple[int, int], Action]) -> tuple[Action, ...]:
-    """What must have run (on any rank) before `action` can run."""
-    kind, chunk, microbatch = action.kind, action.chunk_index, action.microbatch_index
-    if kind is ActionKind.F:
-        if chunk == 0:
-            return ()
-        return (Action(ActionKind.RECV_F, chunk, microbatch) if has_comm
-                else Action(ActionKind.F, chunk - 1, microbatch),)
-    if kind in INPUT_GRAD_KINDS:
-        if chunk == last_chunk:
-            return (Action(ActionKind.F, chunk, microbatch),)
-        if has_comm:
-            return (Action(ActionKind.RECV_B, chunk, microbatch),)
-        return (input_grad.get((chunk + 1, microbatch), Action(ActionKind.B, chunk + 1, microbatch)),)
-    if kind is ActionKind.W:
-        return (Action(ActionKind.I, chunk, microbatch),)
-    if kind is ActionKind.SEND_F:
-        return (Action(ActionKind.F, chunk, microbatch),)
-    if kind is ActionKind.SEND_B:
-        return (input_grad.get((chunk, microbatch), Action(ActionKind.B, chunk, microbatch)),)
-    return (action.matching(),)  # a receive waits for its send
-
-
 def _check_no_deadlock(schedule: Schedule) -> None:
     """Run every rank's list with unit time per action; raise with a step x rank table on a hang."""
     last_chunk, has_comm = schedule.n_chunks - 1, schedule.has_comm
-    input_grad = _input_grad_actions(schedule)
+    input_grad = input_grad_actions(schedule)
     lists = schedule.rank_actions
     cursor = [0] * schedule.n_stages
     done: set[Action] = set()
@@ -192,7 +158,7 @@ def _check_no_deadlock(schedule: Schedule) -> None:
     while remaining:
         # Decide every rank's move from the state at the start of the step, then commit.
         ran = [lists[r][cursor[r]] if cursor[r] < len(lists[r]) and all(
-            p in done for p in _prerequisites(lists[r][cursor[r]], last_chunk, has_comm, input_grad)) else None
+            p in done for p in prerequisites(lists[r][cursor[r]], last_chunk, has_comm, input_grad)) else None
             for r in range(schedule.n_stages)]
         if not any(ran):
             raise ScheduleError(_deadlock_report(schedule, cursor, done, rows, step))
@@ -208,7 +174,7 @@ def _check_no_deadlock(schedule: Schedule) -> None:
 def _deadlock_report(schedule: Schedule, cursor: list[int], done: set[Action],
                      rows: deque, step: int) -> str:
     last_chunk, has_comm = schedule.n_chunks - 1, schedule.has_comm
-    input_grad = _input_grad_actions(schedule)
+    input_grad = input_grad_actions(schedule)
     blocked_row, reasons = [], []
     for pp_rank, actions in enumerate(schedule.rank_actions):
         if cursor[pp_rank] == len(actions):
@@ -216,7 +182,7 @@ def _deadlock_report(schedule: Schedule, cursor: list[int], done: set[Action],
             continue
         action = actions[cursor[pp_rank]]
         blocked_row.append(f"[{action}]")
-        missing = [p for p in _prerequisites(action, last_chunk, has_comm, input_grad) if p not in done]
+        missing = [p for p in prerequisites(action, last_chunk, has_comm, input_grad) if p not in done]
         waits = ", ".join(f"{p} (rank {schedule.rank_of(p.chunk_index)})" for p in missing)
         reasons.append(f"  rank {pp_rank} is blocked at {action}, waiting for {waits}")
     header = ["step"] + [f"rank {r}" for r in range(schedule.n_stages)]
