@@ -64,7 +64,7 @@ class GenerationWorker:
 
     def join_process_group(self, init_method: str, world_size: int) -> str:
         # Generation runs on the CPU over gloo: its forward-only runtime posts every receive of a pass
-        # up front, an order proven only under gloo's rules, not NCCL's (see README, Generation).
+        # up front, an order proven only under gloo's rules, not NCCL's (see docs/generation.md).
         backend, self.device = init_process_group(init_method, self.pp_rank, world_size, self.pipe.timeout_s,
                                                   device="cpu")
         self.model.to(self.device)

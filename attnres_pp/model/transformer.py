@@ -86,7 +86,7 @@ class Transformer(nn.Module):
 
 
 def parameter_count(cfg: ModelConfig) -> int:
-    """Closed-form parameter count (documented in the README; tests check it against the modules).
+    """Closed-form parameter count (documented in docs/training.md; tests check it against the modules).
 
     embedding V d + seq d (+ d r projected); per layer 2 d (norms) + 3 d^2 + d (d + r_p) + d f + f (d + r_p);
     per reading site (L + 1 of them): attnres d, lr_attnres r, msar m d + m^2 d + 1 + m;

@@ -2,7 +2,7 @@
 standard residual, Full AttnRes without a cache, Block AttnRes without and with the cache: the
 table to read before booking the cluster.
 
-The model of a step (all of it stated in the README's worked example):
+The model of a step (all of it stated in docs/simulator.md's worked example):
     compute   per chunk and microbatch: matmul FLOPs / achieved FLOP/s, plus memory traffic /
               HBM bandwidth for what is bound by it: each depth read (phase 1 reads its n sources
               and writes its k outputs; a merge reads two tensors and writes one; the standard

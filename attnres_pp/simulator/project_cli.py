@@ -45,7 +45,7 @@ def register(commands) -> None:
         "project", help="plan a cluster: step time, bubble, bytes, cache memory per mode",
         description="Step time, bubble, bytes per step per link, peak cache memory per rank and the AttnRes "
                     "overhead over the standard residual, for standard / Full AttnRes naive / Block naive / "
-                    "Block cached, from a model and a cluster (see the README's worked example).")
+                    "Block cached, from a model and a cluster (see docs/simulator.md's worked example).")
     for flag, dest, _kind, default, help_text in _NUMBERS:
         parser.add_argument(flag, dest=dest, metavar="N", default=None,
                             help=help_text + ("" if default is None else f" (default {default})")
