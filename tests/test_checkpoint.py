@@ -13,6 +13,7 @@ import pytest
 
 from attnres_pp.cli import main
 from attnres_pp.train.checkpoint import latest_checkpoint
+from attnres_pp.train.metadata_pickle import CheckpointRefused
 from attnres_pp.train.shards import checkpoint_tensors
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,7 +69,7 @@ def test_incomplete_checkpoints_are_ignored_and_loading_unpickles_only_checkpoin
     assert {"embed.pos.weight", "optim.embed.pos.weight.exp_avg", "optim.embed.pos.weight.step", "rng.0"} <= set(saved)
     # DCP reads .metadata with plain pickle; ours admits checkpoint metadata only.
     (root / "step_1" / ".metadata").write_bytes(pickle.dumps(_Unpicklable()))
-    with pytest.raises(pickle.UnpicklingError, match="refusing to load"):
+    with pytest.raises(CheckpointRefused, match="refusing to load"):
         checkpoint_tensors(root / "step_1")
 
 

@@ -113,6 +113,12 @@ def check_run_dir(out_dir: str | Path, resume: bool) -> None:
     if not resume and latest is not None:
         raise ValueError(f"{out_dir} already holds checkpoints of an earlier run ({latest.name}): continue "
                          f"it with --resume {out_dir}, or choose another --out")
+    if resume:
+        # The driver reads the metadata first, under the same guarded unpickler the ranks use, so a
+        # hostile or damaged file is one error line before any rank starts.
+        from attnres_pp.train.shards import checkpoint_tensors
+
+        checkpoint_tensors(latest)
 
 
 def remove_interrupted_saves(out_dir: str | Path) -> list[str]:

@@ -11,13 +11,13 @@ exactly the keys of the parameters it holds, so a checkpoint loads into any laun
 file has it. Only a changed model cannot load (names or shapes differ; the error says so).
 
 Loading never unpickles arbitrary objects: tensors are read with torch.load(weights_only=True) by
-DCP itself, and the `.metadata` file, which DCP reads with plain pickle, is read here through an
-unpickler that admits only DCP's metadata classes and torch's dtypes and sizes.
+DCP itself, and the `.metadata` file, which DCP reads with plain pickle, is read here through
+`metadata_pickle`, which admits an exact list of DCP's metadata classes, torch's dtypes and sizes,
+and refuses every other name, every dotted name and every call to anything else.
 """
 
 from __future__ import annotations
 
-import pickle
 import warnings
 from pathlib import Path
 
@@ -25,6 +25,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from attnres_pp.train.metadata_pickle import load_metadata
 
 
 def rng_keys(rank: int) -> tuple[str, str]:
@@ -53,33 +55,15 @@ def save_shard(step_dir: str | Path, state: dict, *, distributed: bool) -> None:
         dcp.save(state, checkpoint_id=str(step_dir), no_dist=not distributed)
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits DCP's metadata classes, torch's dtypes and sizes, the layout decoder torch pickles
-    layouts with, and the path DCP records; nothing else."""
-
-    _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-                ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
-
-    def find_class(self, module: str, name: str):
-        if module.startswith("torch.distributed.checkpoint.") or (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which a checkpoint never "
-                                     "holds: refusing to load it (the file was not written by this program)")
-
-
 class SafeReader(FileSystemReader):
-    """DCP's file reader, with the metadata read by `_MetadataUnpickler` instead of plain pickle."""
+    """DCP's file reader, with the metadata read by `metadata_pickle.load_metadata` (exact names, no
+    calls but the admitted ones) instead of plain pickle."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         path = Path(self.path) / ".metadata"
         if not path.is_file():
             raise ValueError(f"checkpoint {self.path} has no .metadata: it is not a checkpoint of this format")
-        with path.open("rb") as handle:
-            metadata = _MetadataUnpickler(handle).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(f"{path} does not hold checkpoint metadata")
+        metadata = load_metadata(path)
         if getattr(metadata, "storage_meta", None) is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata

@@ -1,0 +1,162 @@
+"""Loading a checkpoint runs no code from it: hand-made `.metadata` gadgets (attribute walks through an
+admitted module, builtins, GLOBAL / STACK_GLOBAL / INST, REDUCE and BUILD on admitted classes with
+hostile arguments, a truncated file) are refused by the guarded unpickler, by `train --resume` and
+by `generate --resume`, each with one `error:` line, exit 2, and no side effect (a marker file that
+every gadget would create is never created)."""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnres_pp.cli import main
+from attnres_pp.train.checkpoint import latest_checkpoint
+from attnres_pp.train.metadata_pickle import ADMITTED, CheckpointRefused, load_metadata
+
+TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "2",
+        "--microbatches", "1", "--eval-every", "0", "--quiet"]
+
+
+def _text(value: str) -> bytes:
+    data = value.encode()
+    return b"\x8c" + bytes([len(data)]) + data  # SHORT_BINUNICODE
+
+
+def _stack_global(module: str, name: str) -> bytes:
+    return _text(module) + _text(name) + b"\x93"  # STACK_GLOBAL (protocol 4)
+
+
+def _call(func: bytes, *args: bytes) -> bytes:
+    """func(*args) through REDUCE; the args are already pickled values."""
+    return func + b"(" + b"".join(args) + b"tR"  # MARK ... TUPLE REDUCE
+
+
+def _program(body: bytes) -> bytes:
+    return b"\x80\x04" + body + b"."  # PROTO 4 ... STOP
+
+
+def gadgets(marker: Path) -> dict[str, bytes]:
+    """Pickles that create `marker` when unpickled by plain pickle (or by an unpickler that admits
+    any name under `torch.distributed.checkpoint.`); each must be refused."""
+    shell = _text(f"touch {marker}")
+    code = _text(f"open({str(marker)!r}, 'w').close()")  # for eval
+    return {
+        # The reported attack: protocol 4 walks `os.system` through an admitted module's namespace.
+        "attribute walk via an admitted module":
+            _program(_call(_stack_global("torch.distributed.checkpoint.filesystem", "os.system"), shell)),
+        "attribute walk via the metadata module":
+            _program(_call(_stack_global("torch.distributed.checkpoint.metadata", "os.system"), shell)),
+        "dotted walk to builtins through torch":
+            _program(_call(_stack_global("torch", "serialization.os.system"), shell)),
+        "builtins.eval by STACK_GLOBAL": _program(_call(_stack_global("builtins", "eval"), code)),
+        "builtins.exec by GLOBAL": b"cbuiltins\nexec\n(V" + f"open({str(marker)!r}, 'w').close()".encode() + b"\ntR.",
+        "os.system by GLOBAL": b"cos\nsystem\n(V" + f"touch {marker}".encode() + b"\ntR.",
+        "getattr(os, 'system')": _program(_call(
+            _call(_stack_global("builtins", "getattr"), _call(_stack_global("builtins", "__import__"), _text("os")),
+                  _text("system")), shell)),
+        "INST opcode": b"(V" + f"touch {marker}".encode() + b"\nios\nsystem\n.",
+        # Admitted names used as weapons: a dataclass REDUCEd with arguments, a factory with an object.
+        "REDUCE on an admitted class": _program(_call(
+            _stack_global("torch.distributed.checkpoint.metadata", "Metadata"), shell)),
+        "REDUCE of an admitted factory on an admitted object": _program(_call(
+            _stack_global("torch", "Size"),
+            _stack_global("torch.distributed.checkpoint.metadata", "Metadata") + b")\x81")),  # NEWOBJ
+        "REDUCE of a dtype": _program(_call(_stack_global("torch", "float32"), shell)),
+        "BUILD on a factory's product": _program(
+            _call(_stack_global("pathlib", "PosixPath"), _text("/tmp"))
+            + b"}" + _text("_raw_paths") + shell + b"sb"),
+        "NEWOBJ of an unlisted class": _program(_stack_global("subprocess", "Popen") + b"(" + shell + b"\x85t\x81"),
+        "persistent id": _program(shell + b"Q"),
+        "extension registry": _program(b"\x82\x01"),
+    }
+
+
+@pytest.fixture()
+def marker(tmp_path) -> Path:
+    return tmp_path / "pwned"
+
+
+def test_each_gadget_really_runs_under_plain_pickle(marker):
+    """The gadgets are real attacks: plain pickle runs the ones that need no refused opcode."""
+    live = gadgets(marker)
+    for name in ("attribute walk via an admitted module", "os.system by GLOBAL", "builtins.eval by STACK_GLOBAL",
+                 "getattr(os, 'system')", "INST opcode"):
+        marker.unlink(missing_ok=True)
+        try:
+            pickle.loads(live[name])
+        except Exception:  # noqa: BLE001 - what the call returns afterwards does not matter
+            pass
+        assert marker.exists(), f"{name}: plain pickle did not run it, so the gadget proves nothing"
+    marker.unlink()
+
+
+@pytest.mark.parametrize("name", sorted(gadgets(Path("/m"))))
+def test_the_guarded_unpickler_refuses_every_gadget(tmp_path, marker, name):
+    path = tmp_path / ".metadata"
+    path.write_bytes(gadgets(marker)[name])
+    with pytest.raises(CheckpointRefused) as refused:
+        load_metadata(path)
+    assert "\n" not in str(refused.value) and str(path) in str(refused.value)
+    assert not marker.exists()
+
+
+def test_the_prefix_rule_would_have_run_the_reported_gadget(tmp_path, marker):
+    """The old rule (any name under a `torch.distributed.checkpoint.` module) resolves `os.system`;
+    the exact list does not hold it."""
+    class PrefixRule(pickle.Unpickler):
+        def find_class(self, module, name):
+            if module.startswith("torch.distributed.checkpoint."):
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"{module}.{name}")
+
+    import io
+    PrefixRule(io.BytesIO(gadgets(marker)["attribute walk via an admitted module"])).load()
+    assert marker.exists()
+    assert not any("." in name for _, name in ADMITTED)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("security") / "run"
+    assert main(["train", *TINY, "--launcher", "local", "--steps", "2", "--checkpoint-every", "1",
+                 "--out", str(run)]) == 0
+    return run
+
+
+def test_a_real_checkpoint_loads_and_a_truncated_one_is_refused(trained_run, tmp_path):
+    metadata = latest_checkpoint(trained_run) / ".metadata"
+    assert load_metadata(metadata).state_dict_metadata  # what DCP writes is admitted
+    data = metadata.read_bytes()
+    for cut in (1, len(data) // 2, len(data) - 1):
+        damaged = tmp_path / f"cut{cut}"
+        damaged.write_bytes(data[:cut])
+        with pytest.raises(CheckpointRefused, match="truncated or damaged"):
+            load_metadata(damaged)
+
+
+def _hostile_copy(trained_run: Path, tmp_path: Path, payload: bytes) -> Path:
+    run = tmp_path / "hostile"
+    shutil.copytree(trained_run, run)
+    (latest_checkpoint(run) / ".metadata").write_bytes(payload)
+    return run
+
+
+@pytest.mark.parametrize("name", ["attribute walk via an admitted module", "os.system by GLOBAL",
+                                  "REDUCE on an admitted class"])
+@pytest.mark.parametrize("command", ["train", "generate"])
+def test_resume_from_a_hostile_checkpoint_is_one_error_line(trained_run, tmp_path, marker, name, command):
+    run = _hostile_copy(trained_run, tmp_path, gadgets(marker)[name])
+    argv = {"train": ["train", "--resume", str(run), "--steps", "3", "--launcher", "local", "--quiet"],
+            "generate": ["generate", "--resume", str(run), "--prompt", "def ", "--max-new-tokens", "2"]}[command]
+    done = subprocess.run([sys.executable, "-m", "attnres_pp.cli", *argv], capture_output=True, text=True,
+                          timeout=240)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "refusing to load" in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
+    assert not marker.exists()
