@@ -102,6 +102,21 @@ def test_lr_schedule_warmup_then_cosine_to_floor():
     assert lr_at(0, TrainConfig(steps=1, warmup_steps=0, lr=1e-2)) == pytest.approx(1e-3)
 
 
+@pytest.mark.parametrize(("steps", "warmup"), [(1, 0), (1, 30), (2, 30), (3, 30), (7, 30), (30, 30), (31, 30),
+                                                (45, 30), (61, 30), (500, 30), (12, 0)])
+def test_every_run_ends_on_the_floor_rate(steps, warmup):
+    """The last step's rate is lr * min_lr_ratio for every length, runs shorter than the warmup and
+    a 1-step run included; a short run warms up over at most half of itself, then decays."""
+    cfg = TrainConfig(steps=steps, warmup_steps=warmup, lr=1e-2, min_lr_ratio=0.1)
+    rates = [lr_at(s, cfg) for s in range(steps)]
+    assert rates[-1] == pytest.approx(1e-3, rel=1e-12)
+    assert max(rates) == pytest.approx(1e-2 if steps > 1 else 1e-3)  # a 1-step run has the floor only
+    warm = min(warmup, steps // 2)
+    assert rates[:warm] == pytest.approx([1e-2 * (s + 1) / warm for s in range(warm)])
+    decay = rates[warm:]
+    assert all(a >= b for a, b in zip(decay, decay[1:], strict=False))
+
+
 def test_clip_grad_norm_with_and_without_reduce():
     params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(1))]
     params[0].grad = torch.tensor([3.0, 0.0])

@@ -49,17 +49,24 @@ def build_optimizer(
 
 
 def lr_at(step: int, train_cfg: TrainConfig) -> float:
-    """Learning rate of 0-based `step`: linear warmup from lr / warmup_steps up to lr over the
-    first `warmup_steps` steps, then a cosine from lr (at step warmup_steps) down to
-    min_lr_ratio * lr (at the last step, steps - 1)."""
+    """Learning rate of 0-based `step`: linear warmup from lr / w up to lr over the first
+    w = `warmup_length(train_cfg)` steps, then a cosine from lr (at step w) down to min_lr_ratio * lr
+    at the last step, steps - 1. A run too short for its warmup keeps half of it for the decay, so
+    every run ends on the floor (a 1-step run trains at the floor rate)."""
     peak = train_cfg.lr
     floor = peak * train_cfg.min_lr_ratio
-    warmup = train_cfg.warmup_steps
+    warmup = warmup_length(train_cfg)
     if step < warmup:
         return peak * (step + 1) / warmup
     decay_steps = train_cfg.steps - 1 - warmup
     progress = 1.0 if decay_steps <= 0 else min(1.0, (step - warmup) / decay_steps)
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def warmup_length(train_cfg: TrainConfig) -> int:
+    """The warmup steps a run takes: `warmup_steps`, but at most half of the run (`steps // 2`), so
+    a run shorter than its warmup still decays to the floor by its last step."""
+    return min(train_cfg.warmup_steps, train_cfg.steps // 2)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
