@@ -32,20 +32,22 @@ def assert_same_losses(got: list[float], want: list[float]) -> None:
 
 
 def test_resume_continues_with_the_same_losses_in_any_launcher(tmp_path):
-    """A 2x2 in-process pipeline saves step_2 and step_4; resuming from step_4 (the newest) in the
-    same launcher, and in the single-process engine, ends exactly like the uninterrupted run."""
+    """A 2x2 in-process pipeline saves step_2, step_4 and the final step_6 (keeping the newest two);
+    resuming from step_4 in the same launcher, and in the single-process engine, ends exactly like
+    the uninterrupted run."""
     run = tmp_path / "run"
     pipe = ["--launcher", "inprocess", "--stages", "2", "--virtual", "2"]
     assert main(["train", *TINY, *pipe, "--steps", "6", "--checkpoint-every", "2", "--out", str(run)]) == 0
     full = losses(run)
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4"]
-    assert latest_checkpoint(run).name == "step_4"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_4", "step_6"]
+    assert latest_checkpoint(run).name == "step_6"
     meta = json.loads((run / "checkpoints" / "step_4" / "meta.json").read_text())
-    assert meta["steps_done"] == 4 and meta["losses"] == full[:4]
+    assert meta["steps_done"] == 4 and meta["losses"] == full[:4] and not meta["final"]
+    assert json.loads((run / "checkpoints" / "step_6" / "meta.json").read_text())["final"]
 
     for name, launcher in (("same", pipe), ("single", ["--launcher", "local", "--stages", "1", "--virtual", "1"])):
         again = tmp_path / name  # the run as an interruption after step 5 would have left it
-        shutil.copytree(run / "checkpoints", again / "checkpoints")
+        shutil.copytree(run / "checkpoints" / "step_4", again / "checkpoints" / "step_4")
         (again / "metrics.jsonl").write_text("".join((run / "metrics.jsonl").read_text().splitlines(True)[:5]))
         assert main(["train", "--resume", str(again), *launcher, "--quiet"]) == 0
         summary = json.loads((again / "summary.json").read_text())
@@ -60,17 +62,17 @@ def test_incomplete_checkpoints_are_ignored_and_loading_unpickles_only_checkpoin
     assert main(["train", *TINY, "--launcher", "local", "--steps", "2", "--checkpoint-every", "1",
                  "--out", str(run)]) == 0
     root = run / "checkpoints"
-    assert latest_checkpoint(run).name == "step_1"
+    assert latest_checkpoint(run).name == "step_2"
     (root / "step_9.tmp").mkdir()  # a save that crashed before its rename
     (root / "step_8").mkdir()  # a folder without meta.json, the commit marker, is not a checkpoint
-    assert latest_checkpoint(run).name == "step_1"
+    assert latest_checkpoint(run).name == "step_2"
 
-    saved = checkpoint_tensors(root / "step_1")  # keyed by whole-model names
+    saved = checkpoint_tensors(root / "step_2")  # keyed by whole-model names
     assert {"embed.pos.weight", "optim.embed.pos.weight.exp_avg", "optim.embed.pos.weight.step", "rng.0"} <= set(saved)
     # DCP reads .metadata with plain pickle; ours admits checkpoint metadata only.
-    (root / "step_1" / ".metadata").write_bytes(pickle.dumps(_Unpicklable()))
+    (root / "step_2" / ".metadata").write_bytes(pickle.dumps(_Unpicklable()))
     with pytest.raises(CheckpointRefused, match="refusing to load"):
-        checkpoint_tensors(root / "step_1")
+        checkpoint_tensors(root / "step_2")
 
 
 class _Unpicklable:

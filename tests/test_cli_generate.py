@@ -46,7 +46,7 @@ def test_generate_from_a_trained_checkpoint_prints_the_json_contract(run_dir):
     assert len(payload["tokens"]) == 8 and all(0 <= t < 128 for t in payload["tokens"])
     assert payload["text"] == bytes(payload["tokens"]).decode("utf-8", errors="replace")
     assert payload["prefill_s"] > 0 and payload["decode_s_per_token"] > 0
-    assert payload["checkpoint"].endswith("step_1")
+    assert payload["checkpoint"].endswith("step_2")  # the final step's checkpoint, the trained model
     assert "prefill 4 tokens" in done.stderr  # progress on stderr, never in the JSON
 
 

@@ -57,12 +57,13 @@ def test_sigkill_during_a_checkpoint_then_resume_alone(tmp_path, split):
     resumed = run_cli(["--resume", str(run)])
     assert resumed.returncode == 0, resumed.stderr
     assert "removed step_4.tmp" in resumed.stdout
-    assert (f"resuming from {root / 'step_2'} (continuing at step 3; checkpoint every 2 steps, max restarts 1, "
-            "eval every 3 steps, data builtin)") in resumed.stdout
-    # Saving went on after the crash (KEEP = 2 leaves the newest two), and nothing stale is left.
-    assert sorted(p.name for p in root.iterdir()) == ["step_4", "step_6"]
-    meta = json.loads((root / "step_6" / "meta.json").read_text())
-    assert meta["checkpointing"] == {"every": 2, "max_restarts": 1}
+    assert (f"resuming from {root / 'step_2'} (continuing at step 3; checkpoint every 2 steps, and of the last "
+            "step, keep 2, max restarts 1, eval every 3 steps, data builtin)") in resumed.stdout
+    # Saving went on after the crash (--keep-checkpoints 2 leaves the newest two, the final step_8 among
+    # them), and nothing stale is left.
+    assert sorted(p.name for p in root.iterdir()) == ["step_6", "step_8"]
+    meta = json.loads((root / "step_8" / "meta.json").read_text())
+    assert meta["checkpointing"] == {"every": 2, "final": True, "max_restarts": 1} and meta["final"]
 
     got, want = summary(run), summary(clean)
     assert got["config"] == want["config"]  # model, train (eval cadence, data) and pipeline restored

@@ -1,7 +1,11 @@
 """Checkpoints: `DIR/checkpoints/step_N/` after N completed steps, holding every rank's shard, written
 by the ranks themselves with torch.distributed.checkpoint (`train.shards`: one `__R_0.distcp` file
 per writing rank plus DCP's `.metadata`), and `meta.json` (steps done, config, the run's records so
-far, the checkpoint settings).
+far, tokens seen and the data position, the checkpoint settings, whether it is a run's final step).
+
+A run saves every `every` steps and, unless `final` is off, at its last step: the trained model is
+always on disk. Retention (`prune_checkpoints`) keeps the newest `keep_checkpoints` and never
+deletes a final checkpoint.
 
 meta.json is the commit marker: the driver writes it (atomically) only after every rank's save has
 returned, and a folder without it is not a checkpoint. Saves also go into `step_N.tmp/`, renamed
@@ -32,8 +36,6 @@ from pathlib import Path
 from attnres_pp.train.summary import write_json_atomic
 
 FORMAT = 2  # 1: rank_*.pt files written by the driver (before DCP shards)
-# Two, not one: a newest checkpoint damaged on disk afterwards still leaves a good one to load.
-KEEP = 2
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _INTERRUPTED_DIR = re.compile(r"^step_(\d+)\.(tmp|old)$")
 # Rehearsal hook, like `--inject-failure`: with ATTNRES_PP_KILL_DURING_CHECKPOINT=N set, the process
@@ -44,10 +46,13 @@ KILL_DURING_CHECKPOINT = "ATTNRES_PP_KILL_DURING_CHECKPOINT"
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
-    """every: save after every `every` steps (0 = never). resume: continue from the newest complete
-    checkpoint in the run directory. max_restarts: lost workers the run recovers from before it stops."""
+    """every: save after every `every` steps (0 = only the final one). final: save after the run's
+    last step too (`--no-final-checkpoint` turns it off). resume: continue from the newest complete
+    checkpoint in the run directory. max_restarts: lost workers the run recovers from before it
+    stops. How many checkpoints stay is `TrainConfig.keep_checkpoints` (TOML `[train]`)."""
 
     every: int = 0
+    final: bool = True
     resume: bool = False
     max_restarts: int = 3
 
@@ -56,20 +61,30 @@ class CheckpointConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"CheckpointConfig.{name}={value!r} is invalid: must be an integer >= 0")
+        if not isinstance(self.final, bool):
+            raise ValueError(f"CheckpointConfig.final={self.final!r} is invalid: must be true or false "
+                             "(false: no checkpoint of the last step, as --no-final-checkpoint)")
 
     def settings(self) -> dict:
         """The run's settings, which a checkpoint's meta.json keeps as its "checkpointing" table for
         `--resume`. Not `resume`: that says how this process started, not how the run goes on."""
-        return {"every": self.every, "max_restarts": self.max_restarts}
+        return {"every": self.every, "final": self.final, "max_restarts": self.max_restarts}
 
     @classmethod
     def from_settings(cls, table: dict, *, resume: bool) -> CheckpointConfig:
         """Build from a `settings()` table; missing keys (older checkpoints have none) take the defaults."""
-        unknown = sorted(set(table) - {"every", "max_restarts"})
+        unknown = sorted(set(table) - set(SETTINGS))
         if unknown:
-            raise ValueError(f"checkpoint settings {unknown} are unknown to this version (known: every, "
-                             "max_restarts): resume with the version that wrote the checkpoint")
+            raise ValueError(f"checkpoint settings {unknown} are unknown to this version (known: "
+                             f"{', '.join(SETTINGS)}): resume with the version that wrote the checkpoint")
         return cls(**table, resume=resume)
+
+    def saves_after(self, steps_done: int, steps: int) -> bool:
+        """Whether the run saves a checkpoint once `steps_done` of its `steps` steps are done."""
+        return bool(self.every and steps_done % self.every == 0) or (self.final and steps_done == steps)
+
+
+SETTINGS = ("every", "final", "max_restarts")
 
 
 def checkpoints_dir(out_dir: str | Path) -> Path:
@@ -109,7 +124,8 @@ def check_run_dir(out_dir: str | Path, resume: bool) -> None:
     latest = latest_checkpoint(out_dir)
     if resume and latest is None:
         raise ValueError(f"--resume {out_dir}: no complete checkpoint under {checkpoints_dir(out_dir)} "
-                         "(runs save them with --checkpoint-every K)")
+                         "(a run saves one at its last step unless --no-final-checkpoint, and every K steps "
+                         "with --checkpoint-every K)")
     if not resume and latest is not None:
         raise ValueError(f"{out_dir} already holds checkpoints of an earlier run ({latest.name}): continue "
                          f"it with --resume {out_dir}, or choose another --out")
@@ -150,10 +166,10 @@ def kill_during_checkpoint_step() -> int | None:
     return step
 
 
-def save_checkpoint(out_dir: str | Path, steps_done: int, engine, meta: dict) -> Path:
+def save_checkpoint(out_dir: str | Path, steps_done: int, engine, meta: dict, *, keep: int) -> Path:
     """Write checkpoint `step_{steps_done}` atomically: the ranks' shards (`engine.save_checkpoint`),
-    then meta.json, the commit marker, then the rename. Keeps the newest KEEP checkpoints. Returns
-    the final folder."""
+    then meta.json, the commit marker, then the rename; then `prune_checkpoints(out_dir, keep)`.
+    Returns the final folder."""
     root = checkpoints_dir(out_dir)
     final, tmp = root / f"step_{steps_done}", root / f"step_{steps_done}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -170,6 +186,19 @@ def save_checkpoint(out_dir: str | Path, steps_done: int, engine, meta: dict) ->
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    for _steps, path in _complete(out_dir)[:-KEEP]:
-        shutil.rmtree(path, ignore_errors=True)
+    prune_checkpoints(out_dir, keep)
     return final
+
+
+def prune_checkpoints(out_dir: str | Path, keep: int) -> list[str]:
+    """Delete all but the newest `keep` complete checkpoints (0 keeps all), never one whose meta.json
+    says `"final": true` (written at the last step of a run: a run extended with `--resume --steps`
+    keeps the model each of its legs ended with). Returns the deleted folders' names."""
+    if keep == 0:
+        return []
+    removed = []
+    for _steps, path in _complete(out_dir)[:-keep]:
+        if not read_meta(path).get("final", False):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    return removed

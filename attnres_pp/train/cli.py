@@ -26,7 +26,7 @@ from attnres_pp.train.checkpoint import (
     read_meta,
 )
 from attnres_pp.train.config import DEVICES, DTYPES, KERNELS, RunConfig, merge_tables, read_toml
-from attnres_pp.train.loop import run_training
+from attnres_pp.train.loop import check_resume, nothing_to_do, run_training
 from attnres_pp.train.recovery import RunFailed
 
 # (flag, table, key, type, help); a flag left unset keeps the TOML or default value.
@@ -49,6 +49,8 @@ _FLAGS = (
     ("--data", "train", "data", str, "'builtin' (stdlib source bytes), FILE.txt or FILE.bin (uint16 tokens)"),
     ("--eval-every", "train", "eval_every", int, "evaluate every k steps (0 = only at the end)"),
     ("--threads", "train", "threads", int, "torch threads per process"),
+    ("--keep-checkpoints", "train", "keep_checkpoints", int,
+     "checkpoints kept: the newest K (default 2; 0 keeps all), and always the final one"),
     ("--device", "train", "device", str, f"{' | '.join(DEVICES)}: cuda gives every rank its own GPU (nccl), "
      "cpu uses gloo; auto picks cuda when there are enough GPUs"),
     ("--dtype", "train", "dtype", str, f"{' | '.join(DTYPES)}: bf16 autocast with fp32 master weights and bf16 "
@@ -94,7 +96,10 @@ def register(subparsers) -> None:
                         help="--launcher ray: the cluster to join (default RAY_ADDRESS, else a private local "
                              "instance; 'auto' joins the `ray start` cluster of this machine)")
     parser.add_argument("--checkpoint-every", metavar="K",
-                        help="save DIR/checkpoints/step_N every K steps (default 0 = never; --resume: as saved)")
+                        help="save DIR/checkpoints/step_N every K steps too (default 0: only the final one; "
+                             "--resume: as saved)")
+    parser.add_argument("--final-checkpoint", action=argparse.BooleanOptionalAction, default=None,
+                        help="save a checkpoint of the last step, the trained model (default; --resume: as saved)")
     parser.add_argument("--resume", metavar="DIR",
                         help="continue the run in DIR from its newest complete checkpoint, with its saved config, "
                              "checkpoint cadence and restart limit (flags override them)")
@@ -140,6 +145,8 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
         settings["every"] = convert_flag("--checkpoint-every", args.checkpoint_every, int)
     if args.max_restarts is not None:
         settings["max_restarts"] = convert_flag("--max-restarts", args.max_restarts, int)
+    if args.final_checkpoint is not None:
+        settings["final"] = args.final_checkpoint
     return CheckpointConfig.from_settings(settings, resume=args.resume is not None)
 
 
@@ -231,6 +238,12 @@ def main(args: argparse.Namespace) -> int:
         if not args.resume:  # a resumed run's directory is checked for its checkpoints below
             check_out_dir(out_dir, "--out")
         check_run_dir(out_dir, checkpoints.resume)
+        if checkpoints.resume:  # before any engine starts: a finished run, or one that cannot go on
+            idle = nothing_to_do(out_dir, latest_checkpoint(out_dir), run_cfg.train.steps)
+            if idle is not None:
+                print(idle[0])
+                return 0
+            check_resume(read_meta(latest_checkpoint(out_dir)), run_cfg)
         engine = make_run_engine(run_cfg, out_dir, address=args.address, fail_at=fail_at, corpus=corpus)
     except ValueError as error:  # config mistakes: one line, no traceback
         print(f"error: {error}", file=sys.stderr)

@@ -50,6 +50,9 @@ class TrainConfig:
     seed: int = 0
     data: str = "builtin"
     threads: int = 1
+    # Checkpoints kept in the run directory: the newest `keep_checkpoints` (0 keeps all), and always
+    # the one written at a run's last step (`train.checkpoint.prune_checkpoints`).
+    keep_checkpoints: int = 2
     # Where and how the model computes; "auto" is resolved by the driver (`train.devices`) once it
     # knows the device: cuda if every rank can have its own GPU, bf16 and the Triton kernels there,
     # else cpu, fp32 and the torch kernels. summary.json records the resolved values.
@@ -62,7 +65,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 _fail(name, value, "must be an integer >= 1")
-        for name, hint in (("warmup_steps", ""), ("eval_every", " (0 = evaluate only at the end)"), ("seed", "")):
+        for name, hint in (("warmup_steps", ""), ("eval_every", " (0 = evaluate only at the end)"), ("seed", ""),
+                           ("keep_checkpoints", " (the newest checkpoints kept; 0 keeps every one)")):
             value = getattr(self, name)
             if not _is_int(value) or value < 0:
                 _fail(name, value, "must be an integer >= 0" + hint)

@@ -1,6 +1,13 @@
-"""The one training loop, shared by the single-process engine and the pipeline: it owns the data,
-the learning-rate schedule, evaluation, progress and the run records; an Engine owns the model,
-the optimiser and how a global batch is computed."""
+"""The one training loop, shared by the single-process engine and the pipeline: it owns the data
+position, the learning-rate schedule, evaluation, progress, checkpoint cadence and the run records;
+an Engine owns the model, the optimiser and how a global batch is computed.
+
+The data position of a run is its step: batch `step` is a pure function of (seed, step)
+(`data.batches`), and a batch of B rows begins with the rows of a smaller batch of the same step.
+So a resume continues at the checkpoint's step whatever `--batch-size` or `--data-parallel` it
+is given (the global batch is split over the replicas by rows); each step's token count is
+recorded, so `tokens_seen` stays exact across such a change. Another `--seed` would read another
+stream and is refused."""
 
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ from attnres_pp.train.checkpoint import (
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.optim import lr_at
 from attnres_pp.train.recovery import RunFailed, RunHistory, WorkerLost, describe_rank
-from attnres_pp.train.summary import MetricsLog, median, progress_line, write_json_atomic
+from attnres_pp.train.summary import MetricsLog, describe_summary, median, progress_line, write_json_atomic
 
 
 @dataclass(frozen=True)
@@ -71,11 +78,14 @@ def run_training(
     `out_dir/summary.json`; per-step records go to `out_dir/metrics.jsonl`. The caller owns the
     engine (and closes it). `corpus`, if given, must be `load_corpus(run_cfg.train.data)`.
 
-    `checkpoints` (default: none saved, no resume, 3 restarts): save `out_dir/checkpoints/step_N`
-    every `every` steps; with `resume`, continue from the newest one. When the engine raises
-    WorkerLost and has `restart_workers()`, the loop restarts it from the last checkpoint (or from
-    scratch) up to `max_restarts` times, then raises RunFailed."""
-    ckpt = checkpoints or CheckpointConfig()
+    `checkpoints` (default: none saved at all, no resume, 3 restarts; `attnres-pp train` passes its
+    flags, which save the final step by default): save `out_dir/checkpoints/step_N` every `every`
+    steps and after the last step (`final`), keeping `train.keep_checkpoints` of them; with `resume`,
+    continue from the newest one, or, if it has `steps` or more steps done already, say so and
+    return the saved summary (`{}` if the run has none). When the engine raises WorkerLost and has
+    `restart_workers()`, the loop restarts it from the last checkpoint (or from scratch) up to
+    `max_restarts` times, then raises RunFailed."""
+    ckpt = checkpoints if checkpoints is not None else CheckpointConfig(final=False)
     train_cfg, seq_len = run_cfg.train, run_cfg.model.seq_len
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -83,16 +93,22 @@ def run_training(
     corpus = corpus if corpus is not None else load_corpus(train_cfg.data)
     corpus.check_fits(vocab_size=run_cfg.model.vocab_size, seq_len=seq_len)
     tokens_per_step = train_cfg.batch_size * seq_len
-    params = engine.param_count()
     say = print if progress else (lambda *args, **kwargs: None)
+    if ckpt.resume:
+        idle = nothing_to_do(out_dir, latest_checkpoint(out_dir), train_cfg.steps)
+        if idle is not None:
+            say(idle[0], flush=True)
+            return idle[1]
+    params = engine.param_count()
     say(f"training {params:,} parameters on {corpus.name} ({corpus.n_tokens:,} tokens) for "
         f"{train_cfg.steps} steps of {tokens_per_step:,} tokens", flush=True)
 
-    history, last_checkpoint = RunHistory(), None
+    history, last_checkpoint, final_checkpoint = RunHistory(), None, None
     if ckpt.resume:
         for name in remove_interrupted_saves(out_dir):
             say(f"removed {name}: a checkpoint save that a crash interrupted", flush=True)
         last_checkpoint = latest_checkpoint(out_dir)
+        check_resume(read_meta(last_checkpoint), run_cfg)
         history = _restore(engine, last_checkpoint, _read_records(out_dir / "metrics.jsonl"))
         say(f"resuming from {last_checkpoint} (continuing at step {history.steps_done + 1}; "
             f"{_describe_settings(run_cfg, ckpt)})", flush=True)
@@ -108,9 +124,11 @@ def run_training(
                 log.write(record)
                 say(progress_line(step, train_cfg.steps, record["loss"], record["lr"], record["tokens_per_s"])
                     + (f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""), flush=True)
-                if ckpt.every and (step + 1) % ckpt.every == 0 and step + 1 < train_cfg.steps:
-                    meta = {"config": run_cfg.to_dict(), "checkpointing": ckpt.settings(), **history.to_meta()}
-                    last_checkpoint = save_checkpoint(out_dir, step + 1, engine, meta)
+                if ckpt.saves_after(step + 1, train_cfg.steps):
+                    meta = checkpoint_meta(run_cfg, ckpt, history)
+                    last_checkpoint = save_checkpoint(out_dir, step + 1, engine, meta, keep=train_cfg.keep_checkpoints)
+                    if step + 1 == train_cfg.steps:
+                        final_checkpoint = last_checkpoint
             except WorkerLost as lost:
                 _restart_or_fail(engine, lost, step, history, last_checkpoint, ckpt, train_cfg.steps, say)
                 log.close()
@@ -128,10 +146,11 @@ def run_training(
         "val_loss": history.val_losses[-1][1],
         "val_losses": history.val_losses,
         "step_time_s": median(step_times),
-        "tokens_per_s": tokens_per_step * len(step_times) / train_time if train_time > 0 else None,
+        "tokens_per_s": history.tokens_seen / train_time if train_time > 0 else None,
         "train_time_s": train_time,
         "wall_time_s": time.perf_counter() - start,
-        "tokens_seen": tokens_per_step * len(step_times),
+        "tokens_seen": history.tokens_seen,
+        "final_checkpoint": None if final_checkpoint is None else str(final_checkpoint),
         "params": params,
         "restarts": history.restarts,
         "data": {"name": corpus.name, "train_tokens": len(corpus.train_tokens_N),
@@ -140,8 +159,8 @@ def run_training(
         **history.extras,
     }
     write_json_atomic(out_dir / "summary.json", summary)
-    say(f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f}, val {summary['val_loss']:.4f}, "
-        f"median step {summary['step_time_s'] * 1e3:.1f} ms; wrote {out_dir / 'summary.json'}", flush=True)
+    say(f"done: {describe_summary(summary)}; wrote {out_dir / 'summary.json'}"
+        + (f" and {final_checkpoint}" if final_checkpoint else ""), flush=True)
     return summary
 
 
@@ -155,12 +174,14 @@ def _train_one_step(engine: Engine, run_cfg: RunConfig, step: int, history: RunH
     result = engine.train_step(step, None, None, lr)  # the engine reads batch `step` itself
     step_time = time.perf_counter() - t0
     record = {"step": step, "loss": float(result.loss), "lr": lr, "step_time_s": step_time,
-              "tokens_per_s": tokens_per_step / step_time, **result.metrics}
+              "tokens_per_s": tokens_per_step / step_time, "tokens_seen": history.tokens_seen + tokens_per_step,
+              **result.metrics}
     if step == train_cfg.steps - 1 or (train_cfg.eval_every and (step + 1) % train_cfg.eval_every == 0):
         record["val_loss"] = float(engine.evaluate())
         history.val_losses.append([step, record["val_loss"]])
     history.losses.append(float(result.loss))
     history.step_times.append(step_time)
+    history.tokens.append(tokens_per_step)
     history.records.append(record)
     history.extras.update(result.extras)
     return record
@@ -190,7 +211,7 @@ def _restart_or_fail(engine: Engine, lost: WorkerLost, step: int, history: RunHi
     if restored is None:
         history.rewind(0)
     else:
-        history.losses, history.step_times = restored.losses, restored.step_times
+        history.losses, history.step_times, history.tokens = restored.losses, restored.step_times, restored.tokens
         history.val_losses, history.records = restored.val_losses, restored.records
     history.restarts = restarts
 
@@ -198,14 +219,64 @@ def _restart_or_fail(engine: Engine, lost: WorkerLost, step: int, history: RunHi
 def _restore(engine: Engine, step_dir: Path, records: list[dict]) -> RunHistory:
     """Load `step_dir` into the engine; returns the run history as of that checkpoint."""
     check_format(step_dir)
+    meta = read_meta(step_dir)
+    history = RunHistory.from_meta(meta, records)
+    position = meta.get("data_position")
+    if position is not None and (position["next_step"], position["tokens_seen"]) != (history.steps_done,
+                                                                                   history.tokens_seen):
+        raise ValueError(f"checkpoint {step_dir} is inconsistent: its data position {position} does not match "
+                         f"{history.steps_done} steps of {history.tokens_seen} tokens")
     engine.load_checkpoint(step_dir)
-    return RunHistory.from_meta(read_meta(step_dir), records)
+    return history
+
+
+def checkpoint_meta(run_cfg: RunConfig, ckpt: CheckpointConfig, history: RunHistory) -> dict:
+    """What a checkpoint's meta.json holds besides its format and step: the config, the checkpoint
+    settings, whether it is the run's last step ("final", which retention never deletes), the data
+    position (the next step's batch, the stream's seed, what the run has read) and the history."""
+    steps_done, tokens_seen = history.steps_done, history.tokens_seen
+    position = {"next_step": steps_done, "seed": run_cfg.train.seed,
+                "sequences_seen": tokens_seen // run_cfg.model.seq_len, "tokens_seen": tokens_seen}
+    return {"config": run_cfg.to_dict(), "checkpointing": ckpt.settings(), "final": steps_done == run_cfg.train.steps,
+            "data_position": position, **history.to_meta()}
+
+
+def check_resume(meta: dict, run_cfg: RunConfig) -> None:
+    """Raise ValueError if `run_cfg` cannot continue the checkpoint with `meta`: batches are keyed by
+    the seed, so another seed would read another data stream (and other validation batches)."""
+    saved = meta.get("data_position", {}).get("seed", meta.get("config", {}).get("train", {}).get("seed"))
+    if saved is not None and saved != run_cfg.train.seed:
+        raise ValueError(f"--seed {run_cfg.train.seed} differs from the checkpoint's seed {saved}: the run's batches "
+                         f"are drawn from the stream of seed {saved}, so resume with --seed {saved} (or drop --seed)")
+
+
+def nothing_to_do(out_dir: Path, step_dir: Path | None, steps: int) -> tuple[str, dict] | None:
+    """When checkpoint `step_dir` has `steps` or more steps done already: (what to tell the user, the
+    run's saved summary, `{}` if it has none or it cannot be read), and the run directory is left
+    as it is. None when there are steps left to train (or no checkpoint)."""
+    if step_dir is None:
+        return None
+    done = int(read_meta(step_dir)["steps_done"])
+    if done < steps:
+        return None
+    lines = [f"nothing to do: {step_dir} has {done} steps done and --steps {steps} asks for no more "
+             f"(give --steps above {done} to train on)"]
+    path = Path(out_dir) / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+        lines.append(f"the run's summary, kept: {describe_summary(summary)} ({path})")
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        summary = {}
+        lines.append(f"no readable {path}: the run stopped before its end; its checkpoints are kept")
+    return "\n".join(lines), summary
 
 
 def _describe_settings(run_cfg: RunConfig, ckpt: CheckpointConfig) -> str:
     """The settings a resumed run goes on with (saved ones unless a flag overrode them), for the progress line."""
     train_cfg = run_cfg.train
-    saving = f"checkpoint every {ckpt.every} steps" if ckpt.every else "no checkpoints"
+    saving = f"checkpoint every {ckpt.every} steps" if ckpt.every else "no periodic checkpoints"
+    saving += (", and of the last step" if ckpt.final else ", none of the last step")
+    saving += f", keep {train_cfg.keep_checkpoints or 'all'}"
     evaluating = f"eval every {train_cfg.eval_every} steps" if train_cfg.eval_every else "eval at the end"
     return f"{saving}, max restarts {ckpt.max_restarts}, {evaluating}, data {train_cfg.data}"
 

@@ -5,14 +5,17 @@ process or actor is gone, the error that ends a run past `--max-restarts`, and t
 An engine that can recover has `restart_workers()`: it tears down every rank and the process
 group and starts fresh ones from the seed (without any injected failure); the loop then loads the
 last checkpoint into them. Batches and the learning rate are functions of the step, so rewinding
-the records to the checkpoint's step is all the data-side state there is.
+the records to the checkpoint's step is all the data-side state there is; the tokens each step
+trained on are recorded too, since `--batch-size` may change at a resume.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from attnres_pp.model.config import ModelConfig
 from attnres_pp.pipeline.errors import WorkerLost
+from attnres_pp.train.config import TrainConfig
 
 __all__ = ["RunFailed", "RunHistory", "WorkerLost", "describe_rank"]  # WorkerLost: pipeline.errors
 
@@ -27,11 +30,13 @@ def describe_rank(pp_rank: int) -> str:
 
 @dataclass
 class RunHistory:
-    """Everything summary.json and metrics.jsonl report about completed steps. `records[i]` and
-    `losses[i]` belong to 0-based step i; `restarts` counts recoveries over the whole run."""
+    """Everything summary.json and metrics.jsonl report about completed steps. `records[i]`,
+    `losses[i]` and `tokens[i]` (the tokens step i trained on) belong to 0-based step i; `restarts`
+    counts recoveries over the whole run."""
 
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
     val_losses: list[list] = field(default_factory=list)
     records: list[dict] = field(default_factory=list)
     extras: dict = field(default_factory=dict)
@@ -41,25 +46,39 @@ class RunHistory:
     def steps_done(self) -> int:
         return len(self.losses)
 
+    @property
+    def tokens_seen(self) -> int:
+        return sum(self.tokens)
+
     def rewind(self, steps_done: int) -> None:
         """Forget every step after the first `steps_done` (a restart re-runs them)."""
         del self.losses[steps_done:], self.step_times[steps_done:], self.records[steps_done:]
+        del self.tokens[steps_done:]
         self.val_losses = [entry for entry in self.val_losses if entry[0] < steps_done]
 
     def to_meta(self) -> dict:
         """The JSON-able part a checkpoint's meta.json carries (records stay in metrics.jsonl)."""
-        return {"losses": self.losses, "step_times": self.step_times, "val_losses": self.val_losses,
-                "extras": self.extras, "restarts": self.restarts}
+        return {"losses": self.losses, "step_times": self.step_times, "tokens": self.tokens,
+                "val_losses": self.val_losses, "extras": self.extras, "restarts": self.restarts}
 
     @classmethod
     def from_meta(cls, meta: dict, records: list[dict]) -> RunHistory:
-        """The history of a checkpoint: its meta.json plus the metrics.jsonl records of its steps."""
+        """The history of a checkpoint: its meta.json plus the metrics.jsonl records of its steps.
+        Checkpoints written before meta.json had "tokens" trained every step on their config's batch."""
         steps_done = int(meta["steps_done"])
-        history = cls(losses=list(meta["losses"]), step_times=list(meta["step_times"]),
+        if "tokens" in meta:
+            tokens = [int(n) for n in meta["tokens"]]
+        else:
+            config = meta.get("config", {})
+            per_step = (config.get("train", {}).get("batch_size", TrainConfig().batch_size)
+                        * config.get("model", {}).get("seq_len", ModelConfig().seq_len))
+            tokens = [per_step] * steps_done
+        history = cls(losses=list(meta["losses"]), step_times=list(meta["step_times"]), tokens=tokens,
                       val_losses=[list(entry) for entry in meta["val_losses"]],
                       records=[r for r in records if r.get("step", steps_done) < steps_done],
                       extras=dict(meta.get("extras", {})), restarts=int(meta.get("restarts", 0)))
-        if len(history.losses) != steps_done or len(history.step_times) != steps_done:
+        if not len(history.losses) == len(history.step_times) == len(history.tokens) == steps_done:
             raise ValueError(f"checkpoint meta.json is inconsistent: steps_done={steps_done} but "
-                             f"{len(history.losses)} losses and {len(history.step_times)} step times")
+                             f"{len(history.losses)} losses, {len(history.step_times)} step times and "
+                             f"{len(history.tokens)} token counts")
         return history

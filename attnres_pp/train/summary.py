@@ -1,5 +1,5 @@
 """Run records on disk: `metrics.jsonl` (one JSON object per step) and `summary.json` (written
-atomically at the end), plus the one-line progress print."""
+atomically at the end), plus the one-line progress print and the one-line summary."""
 
 from __future__ import annotations
 
@@ -43,6 +43,16 @@ def median(values: list[float]) -> float:
 def progress_line(step: int, steps: int, loss: float, lr: float, tokens_per_s: float) -> str:
     width = len(str(steps))
     return f"step {step + 1:>{width}}/{steps} | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_s:,.0f} tok/s"
+
+
+def describe_summary(summary: dict) -> str:
+    """One line of a summary.json: first and last loss, final validation loss, median step time."""
+    losses, step_s = summary["losses"], summary.get("step_time_s")
+    steps = f"{len(losses)} steps, "
+    timing = f", median step {step_s * 1e3:.1f} ms" if isinstance(step_s, int | float) else ""
+    val = summary.get("val_loss")
+    return (steps + f"loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+            + (f", val {val:.4f}" if isinstance(val, int | float) else "") + timing)
 
 
 def _jsonable(value):
