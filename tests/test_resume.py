@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,3 +120,64 @@ def test_unknown_saved_settings_and_a_bad_kill_hook_exit_2_with_one_line(tmp_pat
     assert main(["train", "--launcher", "local", *TINY, "--out", str(tmp_path / "fresh")]) == 2
     err = capsys.readouterr().err
     assert f"{KILL_DURING_CHECKPOINT}='soon' is invalid" in err and len(err.strip().splitlines()) == 1
+
+
+def _interrupted_copy(run: Path, again: Path, steps_done: int) -> None:
+    """`again` as a run stopped after checkpoint step_{steps_done} would have left it."""
+    shutil.copytree(run / "checkpoints" / f"step_{steps_done}", again / "checkpoints" / f"step_{steps_done}")
+    lines = (run / "metrics.jsonl").read_text().splitlines(True)[:steps_done]
+    (again / "metrics.jsonl").write_text("".join(lines))
+
+
+SMALL = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
+         "--microbatches", "2", "--eval-every", "0", "--steps", "4", "--checkpoint-every", "2", "--quiet"]
+
+
+def test_another_batch_size_at_resume_continues_at_the_step_and_counts_its_tokens(tmp_path):
+    """Resumed from step_2 with --batch-size 8, steps 3 and 4 read batch 2 and 3 of the stream at 8
+    rows (the twin below feeds exactly those), and tokens_seen adds 4 and then 8 sequences a step."""
+    from attnres_pp.train.local_engine import LocalEngine
+    from attnres_pp.train.optim import lr_at
+
+    run, again = tmp_path / "run", tmp_path / "again"
+    assert main(["train", "--launcher", "local", *SMALL, "--out", str(run)]) == 0
+    _interrupted_copy(run, again, 2)
+    assert main(["train", "--resume", str(again), "--batch-size", "8", "--quiet"]) == 0
+    got, first = summary(again), summary(run)
+    assert got["losses"][:2] == first["losses"][:2]
+    assert got["tokens_seen"] == (2 * 4 + 2 * 8) * 16 and first["tokens_seen"] == 4 * 4 * 16
+    records = [json.loads(line) for line in (again / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tokens_seen"] for r in records] == [64, 128, 256, 384]
+    position = json.loads((again / "checkpoints" / "step_4" / "meta.json").read_text())["data_position"]
+    assert position == {"next_step": 4, "seed": 0, "sequences_seen": 24, "tokens_seen": 384}
+
+    run_cfg = RunConfig.from_dict(json.loads((again / "checkpoints" / "step_4" / "meta.json").read_text())["config"])
+    assert run_cfg.train.batch_size == 8
+    twin = LocalEngine(run_cfg.model, run_cfg.train)
+    twin.load_checkpoint(run / "checkpoints" / "step_2")
+    want = [twin.train_step(step, None, None, lr_at(step, run_cfg.train)).loss for step in (2, 3)]
+    for g, w in zip(got["losses"][2:], want, strict=True):
+        assert abs(g - w) <= 1e-6 * abs(w)
+
+
+def test_another_data_parallel_at_resume_keeps_the_stream_and_the_tokens(tmp_path):
+    """The global batch is split over the replicas by rows: resumed at D = 2 from a D = 1 checkpoint
+    (P = 2, in-process ranks), the run ends with the uninterrupted D = 1 run's losses and tokens."""
+    split = ["--launcher", "inprocess", "--stages", "2", "--virtual", "1"]
+    run, again = tmp_path / "run", tmp_path / "again"
+    assert main(["train", *split, *SMALL, "--out", str(run)]) == 0
+    _interrupted_copy(run, again, 2)
+    assert main(["train", "--resume", str(again), "--data-parallel", "2", "--quiet"]) == 0
+    got, want = summary(again), summary(run)
+    assert got["config"]["pipeline"]["data_parallel"] == 2 and want["config"]["pipeline"]["data_parallel"] == 1
+    for step, (g, w) in enumerate(zip(got["losses"], want["losses"], strict=True)):
+        assert abs(g - w) <= 1e-5 * abs(w), (step, g, w)
+    assert got["tokens_seen"] == want["tokens_seen"] == 4 * 4 * 16
+
+
+def test_another_seed_at_resume_is_refused(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--launcher", "local", *SMALL, "--steps", "2", "--out", str(run)]) == 0
+    assert main(["train", "--resume", str(run), "--steps", "4", "--seed", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --seed 1 differs from the checkpoint's seed 0") and len(err.strip().splitlines()) == 1
