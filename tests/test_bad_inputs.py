@@ -45,6 +45,9 @@ CASES = [
     ("train-layer-counts-zero", [*TRAIN, *OUT, "--stages", "2", "--layer-counts", "2,0"], None, "layers >= 1"),
     ("train-max-restarts-negative", [*TRAIN, *OUT, "--max-restarts", "-1"], None, "max_restarts=-1"),
     ("train-cache-choice", [*TRAIN, *OUT, "--cache", "maybe"], None, "invalid choice"),
+    ("train-keep-checkpoints-negative", [*TRAIN, *OUT, "--keep-checkpoints", "-1"], None, "keep_checkpoints=-1"),
+    ("train-keep-checkpoints-word", [*TRAIN, *OUT, "--keep-checkpoints", "x"], None, "--keep-checkpoints 'x'"),
+    ("train-final-checkpoint-value", [*TRAIN, *OUT, "--final-checkpoint=no"], None, "ignored explicit argument"),
     # train: paths
     ("train-out-is-file", [*TRAIN, "--out", "{file}"], None, "is an existing file"),
     ("train-out-under-file", [*TRAIN, "--out", "{file}/run"], None, "is a file, not a directory"),
@@ -77,6 +80,8 @@ CASES = [
     ("toml-timeout-nan", [*TRAIN, *OUT, "--config", "{toml}"], "[pipeline]\ntimeout_s = nan\n", "timeout_s=nan"),
     ("toml-norm-eps-inf", [*TRAIN, *OUT, "--config", "{toml}"], "[model]\nnorm_eps = inf\n", "norm_eps=inf"),
     ("toml-unknown-key", [*TRAIN, *OUT, "--config", "{toml}"], "[train]\nbatchsize = 8\n", "batch_size"),
+    ("toml-keep-checkpoints-negative", [*TRAIN, *OUT, "--config", "{toml}"], "[train]\nkeep_checkpoints = -2\n",
+     "0 keeps every one"),
     # train: Ray
     ("ray-address-unreachable", [*RAY, *OUT, "--address", UNREACHABLE], None, "cannot be reached"),
     ("ray-client-address-unreachable", [*RAY, *OUT, "--address", f"ray://{UNREACHABLE}"], None,
