@@ -92,8 +92,7 @@ def find_checkpoint(run: str | None) -> Path:
     from attnres_pp.train.checkpoint import checkpoints_dir, latest_checkpoint
 
     if run is None:
-        raise ValueError("--resume RUN is required: the run directory of `attnres-pp train ... --out RUN "
-                         "--checkpoint-every K`")
+        raise ValueError("--resume RUN is required: the run directory of `attnres-pp train ... --out RUN`")
     path = Path(run)
     if not path.exists():
         raise ValueError(f"--resume {run}: no such directory; give the --out directory of a training run")
@@ -104,7 +103,7 @@ def find_checkpoint(run: str | None) -> Path:
     latest = latest_checkpoint(path)
     if latest is None:
         raise ValueError(f"--resume {run}: no complete checkpoint under {checkpoints_dir(path)} "
-                         "(train with --checkpoint-every K to write them)")
+                         "(a run saves one at its last step unless --no-final-checkpoint)")
     return latest
 
 
