@@ -13,7 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from attnres_pp.cli import build_parser, main
 from attnres_pp.train.checkpoint import KILL_DURING_CHECKPOINT, latest_checkpoint
@@ -58,8 +60,8 @@ def test_sigkill_during_a_checkpoint_then_resume_alone(tmp_path, split):
     resumed = run_cli(["--resume", str(run)])
     assert resumed.returncode == 0, resumed.stderr
     assert "removed step_4.tmp" in resumed.stdout
-    assert (f"resuming from {root / 'step_2'} (continuing at step 3; checkpoint every 2 steps, and of the last "
-            "step, keep 2, max restarts 1, eval every 3 steps, data builtin)") in resumed.stdout
+    assert (f"resuming from {root / 'step_2'} (continuing at step 3; checkpoint every 2 steps and at the end, "
+            "keep 2, max restarts 1, eval every 3 steps, data builtin)") in resumed.stdout
     # Saving went on after the crash (--keep-checkpoints 2 leaves the newest two, the final step_8 among
     # them), and nothing stale is left.
     assert sorted(p.name for p in root.iterdir()) == ["step_6", "step_8"]
@@ -181,3 +183,15 @@ def test_another_seed_at_resume_is_refused(tmp_path, capsys):
     assert main(["train", "--resume", str(run), "--steps", "4", "--seed", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --seed 1 differs from the checkpoint's seed 0") and len(err.strip().splitlines()) == 1
+
+
+def test_a_larger_batch_of_a_step_begins_with_the_smaller_batch():
+    """What lets a resume change --batch-size and stay on the stream: batch `step` at 8 rows starts
+    with that step's 4 rows (each row's start is drawn in order from the step's generator)."""
+    from attnres_pp.data import batch_at
+
+    tokens_N = np.arange(5000, dtype=np.int64) % 251
+    for step in (0, 3, 17):
+        small, large = batch_at(tokens_N, step, 4, 16, 0), batch_at(tokens_N, step, 8, 16, 0)
+        assert all(torch.equal(s, big[:4]) for s, big in zip(small, large, strict=True))
+        assert not torch.equal(large[0][4:], batch_at(tokens_N, step + 1, 4, 16, 0)[0])

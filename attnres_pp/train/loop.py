@@ -274,8 +274,10 @@ def nothing_to_do(out_dir: Path, step_dir: Path | None, steps: int) -> tuple[str
 def _describe_settings(run_cfg: RunConfig, ckpt: CheckpointConfig) -> str:
     """The settings a resumed run goes on with (saved ones unless a flag overrode them), for the progress line."""
     train_cfg = run_cfg.train
-    saving = f"checkpoint every {ckpt.every} steps" if ckpt.every else "no periodic checkpoints"
-    saving += (", and of the last step" if ckpt.final else ", none of the last step")
+    if ckpt.every:
+        saving = f"checkpoint every {ckpt.every} steps" + (" and at the end" if ckpt.final else ", none at the end")
+    else:
+        saving = "checkpoint at the end" if ckpt.final else "no checkpoints"
     saving += f", keep {train_cfg.keep_checkpoints or 'all'}"
     evaluating = f"eval every {train_cfg.eval_every} steps" if train_cfg.eval_every else "eval at the end"
     return f"{saving}, max restarts {ckpt.max_restarts}, {evaluating}, data {train_cfg.data}"
