@@ -7,6 +7,7 @@ issue the old order."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from attnres_pp.generate.config import GenerationConfig
 from attnres_pp.generate.engines import InProcessGenerator, ProcessGenerator, SingleProcessGenerator
@@ -67,6 +68,20 @@ def test_nccl_loopback_gives_the_single_process_tokens(variant):
     batch = [PROMPT, PROMPT[:2], PROMPT[:5]]  # a ragged batch under NCCL's rules too
     alone = [generate(SingleProcessGenerator(cfg, named), ids, GREEDY).tokens for ids in batch]
     assert [r.tokens for r in generate_batch(piped, batch, GREEDY)] == alone
+
+
+def test_bf16_under_the_nccl_loopback_gives_the_single_process_bf16_tokens():
+    """bf16 autocast: hops carry bf16 (2 bytes a number), and the tokens are the single process's."""
+    cfg, named = _setup("msar")
+    want = generate(SingleProcessGenerator(cfg, named, precision="bf16"), PROMPT, GREEDY).tokens
+    piped = InProcessGenerator(cfg, _nccl_pipe(), named, precision="bf16")
+    assert generate(piped, PROMPT, GREEDY).tokens == want
+    piped.reset()
+    piped.ledger.clear()
+    piped.forward([(0, len(PROMPT))], torch.tensor([PROMPT]))  # one prefill pass of one sequence
+    assert piped.ledger.records
+    assert all(n_bytes == n_tensors * len(PROMPT) * cfg.source_width * 2
+               for *_, n_tensors, n_bytes in piped.ledger.records)
 
 
 def test_the_nccl_loopback_rejects_the_post_everything_order(monkeypatch):
