@@ -96,6 +96,14 @@ def test_the_nccl_loopback_rejects_the_post_everything_order(monkeypatch):
         generate(piped, PROMPT, GREEDY)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_the_nccl_loopback_gives_the_single_process_tokens():
+    cfg, named = _setup("msar")
+    want = generate(SingleProcessGenerator(cfg, named, device="cuda", precision="bf16"), PROMPT, GREEDY).tokens
+    piped = InProcessGenerator(cfg, _nccl_pipe(), named, device="cuda", precision="bf16")
+    assert generate(piped, PROMPT, GREEDY).tokens == want
+
+
 @pytest.mark.distributed
 def test_nccl_order_over_gloo_rank_processes():
     """BatchedDistTransport (one batch_isend_irecv per planned group) between spawned ranks."""
