@@ -1,7 +1,8 @@
 """Batches of sequences (`generate.loop.generate_batch`): prompts of different lengths run as one
 ragged batch and each greedy output equals that prompt's output generated alone, in one process and
 pipelined (P = 2, V = 2, prefill in pieces); a stop string ends its sequence and is left out, the
-others going on; each sequence's seeded samples are those it draws alone."""
+others going on with the finished sequences dropped from the caches; each sequence's seeded
+samples are those it draws alone."""
 
 from __future__ import annotations
 
@@ -46,15 +47,37 @@ def test_a_batch_of_one_is_the_single_sequence_loop():
     assert len(one) == 1 and one[0].tokens == generate(SingleProcessGenerator(cfg, named), PROMPTS[0], GREEDY).tokens
 
 
-def test_a_stop_string_ends_its_sequence_and_is_left_out():
+class CountingGenerator:
+    """A generator that records the batch size of every pass."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.cfg, self.batch_sizes = inner, inner.cfg, []
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.inner.keep_rows(rows)
+
+    def forward(self, pieces, tokens_BT):
+        self.batch_sizes.append(tokens_BT.shape[0])
+        return self.inner.forward(pieces, tokens_BT)
+
+
+@pytest.mark.parametrize("launcher", ["single", "inprocess"])
+def test_a_stop_string_ends_its_sequence_and_is_left_out(launcher):
     cfg, named = _setup("msar")
     want = _alone(cfg, named, GREEDY)
     target = 2  # stop the third prompt at two tokens from the middle of its output
     stop = bytes(want[target][5:7])
     cut = next(i for i in range(len(want[target])) if bytes(want[target][i:i + len(stop)]) == stop)
     stopped = GenerationConfig(max_new_tokens=GREEDY.max_new_tokens, prefill_chunk=3, temperature=0, stop=(stop,))
-    results = generate_batch(SingleProcessGenerator(cfg, named), PROMPTS, stopped)
+    pipe = PipelineConfig(stages=2, virtual=2, launcher="inprocess", timeout_s=60.0)
+    generator = CountingGenerator(SingleProcessGenerator(cfg, named) if launcher == "single"
+                                  else InProcessGenerator(cfg, pipe, named))
+    results = generate_batch(generator, PROMPTS, stopped)
     assert results[target].tokens == want[target][:cut] and results[target].stopped_at == stop
+    assert generator.batch_sizes[0] == len(PROMPTS) and generator.batch_sizes[-1] < len(PROMPTS)  # it left
     assert len(results[target].decode_s) == cut + len(stop) - 1  # it ended where the stop string ended
     for row, result in enumerate(results):
         if row != target and result.stopped_at is None:  # another row may contain the string too

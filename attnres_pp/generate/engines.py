@@ -2,7 +2,7 @@
 
 Every generator answers `forward(pieces, tokens_BT)` with the logits of the pass's last position
 `[B, V]` (on the CPU), for a batch of B sequences at the same positions, keeping its key/value
-caches between calls until `reset()`:
+caches between calls until `reset()`; `keep_rows(rows)` drops the other sequences from them:
 - `SingleProcessGenerator`: the whole Transformer in this process (the ground truth);
 - `InProcessGenerator`: every rank in this process over the loopback transport (debugging, tests),
   under gloo's rules or, with `p2p_semantics="nccl"`, NCCL's, enforced (`pipeline.loopback_nccl`);
@@ -59,6 +59,9 @@ class SingleProcessGenerator:
     def reset(self) -> None:
         self.state = DecodeState(self.cfg)
 
+    def keep_rows(self, rows: list[int]) -> None:
+        self.state.keep_rows(rows)
+
     @torch.no_grad()
     def forward(self, pieces: list[tuple[int, int]], tokens_BT: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         tokens_BT = tokens_BT.to(self.device)
@@ -101,6 +104,10 @@ class InProcessGenerator:
         for runtime in self.runtimes:
             runtime.reset()
 
+    def keep_rows(self, rows: list[int]) -> None:
+        for runtime in self.runtimes:
+            runtime.keep_rows(rows)
+
     def forward(self, pieces: list[tuple[int, int]], tokens_BT: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         tokens_BT = tokens_BT.to(self.device)
         return run_loopback_pass(self.runtimes, tokens_BT.shape[0], pieces, _split(tokens_BT, pieces),
@@ -142,6 +149,9 @@ class ProcessGenerator:
 
     def reset(self) -> None:
         self._ranks.call_all("reset")
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self._ranks.call("keep_rows", [(rows,)] * len(self._ranks.procs))
 
     def forward(self, pieces: list[tuple[int, int]], tokens_BT: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         args = [(tokens_BT.shape[0], pieces, tokens_BT if rank == 0 else None, all_logits)

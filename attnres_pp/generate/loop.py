@@ -9,7 +9,8 @@ shortest prompt's length); from there a pass feeds, per sequence, its next promp
 has one (its logits are not sampled) and its last sampled token after that. So each sequence sees
 exactly the tokens and positions it sees alone, and its greedy output equals its output alone;
 the cost is that the part of a longer prompt beyond the shortest one is fed a token per pass. A
-sequence that is done (max_new_tokens, or a stop string) rides along until the last one is.
+sequence that is done (max_new_tokens, or a stop string) leaves the batch: every rank drops its
+rows from its caches (`keep_rows`) before the next pass.
 Each sequence samples with its own generator seeded by `seed`, so its sampled tokens, too, are
 those it gets alone (up to the rounding of a batched forward).
 """
@@ -105,16 +106,16 @@ def generate_batch(generator, prompts: list[list[int]], gen_cfg: GenerationConfi
                                   torch.tensor([ids[:n_common] for ids in prompts], dtype=torch.long))
     position = n_common  # the position whose token the last pass's logits predict
     fed = [ids[n_common - 1] for ids in prompts]
+    in_batch = list(range(batch))  # the prompt of each row the generator holds
     reported = 0
     while True:
-        for row, ids in enumerate(prompts):
-            if not active[row]:
-                continue  # done: feeds its last token again, its logits unread
+        for index, row in enumerate(in_batch):
+            ids = prompts[row]
             if position < len(ids):
-                fed[row] = ids[position]  # still in its prompt
+                fed[row] = ids[position]  # still in its prompt: its logits are not sampled
                 continue
             result = results[row]
-            fed[row] = int(samplers[row](logits_BV[row:row + 1])[0])
+            fed[row] = int(samplers[row](logits_BV[index:index + 1])[0])
             now = time.perf_counter()
             if result.tokens:
                 result.decode_s.append(now - pass_started)
@@ -131,5 +132,9 @@ def generate_batch(generator, prompts: list[list[int]], gen_cfg: GenerationConfi
             mean_s = statistics.fmean(s for r in results for s in r.decode_s)
             progress(f"  {generated}/{gen_cfg.max_new_tokens} tokens, {1e3 * mean_s:.2f} ms/token")
         pass_started = time.perf_counter()
-        logits_BV = generator.forward([(position, 1)], torch.tensor(fed, dtype=torch.long).view(batch, 1))
+        if not all(active[row] for row in in_batch):  # some are done: drop them from every cache
+            generator.keep_rows([index for index, row in enumerate(in_batch) if active[row]])
+            in_batch = [row for row in in_batch if active[row]]
+        tokens_B1 = torch.tensor([fed[row] for row in in_batch], dtype=torch.long).view(len(in_batch), 1)
+        logits_BV = generator.forward([(position, 1)], tokens_B1)
         position += 1

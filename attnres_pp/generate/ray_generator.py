@@ -102,6 +102,9 @@ class RayGenerator:
     def reset(self) -> None:
         self._get([a.reset.remote() for a in self.actors], "reset")
 
+    def keep_rows(self, rows: list[int]) -> None:
+        self._get([a.keep_rows.remote(rows) for a in self.actors], "dropping finished sequences")
+
     def forward(self, pieces: list[tuple[int, int]], tokens_BT: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         refs = [actor.run_pass.remote(tokens_BT.shape[0], pieces, tokens_BT if rank == 0 else None, all_logits)
                 for rank, actor in enumerate(self.actors)]

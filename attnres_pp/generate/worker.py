@@ -88,6 +88,9 @@ class GenerationWorker:
     def reset(self) -> None:
         self.runtime.reset()
 
+    def keep_rows(self, rows: list[int]) -> None:
+        self.runtime.keep_rows(rows)
+
     def run_pass(self, batch_size: int, pieces: list[tuple[int, int]], tokens_BT: torch.Tensor | None,
                  all_logits: bool = False) -> torch.Tensor | None:
         """One pass; `tokens_BT` (chunk 0's rank only) holds every piece's tokens side by side."""

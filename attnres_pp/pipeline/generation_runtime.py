@@ -60,6 +60,10 @@ class GenerationRuntime:
         """Forget every earlier token: the next pass starts a new batch of sequences at position 0."""
         self.decode_state = DecodeState(self.cfg)
 
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only the sequences at batch indices `rows` (the others are done)."""
+        self.decode_state.keep_rows(rows)
+
     # ---- one pass ----
     def start_pass(self, batch_size: int, pieces: list[tuple[int, int]],
                    tokens_by_piece: list[torch.Tensor] | None, all_logits: bool = False) -> None:
