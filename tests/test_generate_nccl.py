@@ -109,8 +109,11 @@ def test_nccl_order_over_gloo_rank_processes():
     """BatchedDistTransport (one batch_isend_irecv per planned group) between spawned ranks."""
     cfg, named = _setup("msar")
     want = generate(SingleProcessGenerator(cfg, named), PROMPT, GREEDY).tokens
+    batch = [PROMPT[:2], PROMPT]
+    alone = [generate(SingleProcessGenerator(cfg, named), ids, GREEDY).tokens for ids in batch]
     generator = ProcessGenerator(cfg, _nccl_pipe(launcher="local"), named)
     try:
         assert generate(generator, PROMPT, GREEDY).tokens == want
+        assert [r.tokens for r in generate_batch(generator, batch, GREEDY)] == alone  # keep_rows on the ranks
     finally:
         generator.close()
