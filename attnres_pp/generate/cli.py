@@ -177,6 +177,8 @@ def main(args: argparse.Namespace) -> int:
         # The Ray launcher decides against the cluster's GPUs once it has joined it.
         device = gen_cfg.device if pipe.launcher == "ray" else decide_generation_device(gen_cfg.device, pipe)
         precision = gen_cfg.dtype if pipe.launcher == "ray" else resolve_precision(gen_cfg.dtype, device)
+        if device == "cuda" and pipe.launcher == "local" and pipe.n_chunks > 1:
+            pipe.resolved_p2p("nccl")  # --p2p-semantics gloo over nccl fails here, not in a rank
         step_dir = find_checkpoint(args.resume)
         prompts = read_prompts(args)
         import torch
