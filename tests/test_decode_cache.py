@@ -50,6 +50,21 @@ def test_msar_history_covers_the_longest_kernel():
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("variant", ["standard", "msar"])
+def test_keep_rows_continues_the_kept_sequences(variant):
+    """Drop a sequence mid-decode: the kept ones go on to the whole forward's logits (float64)."""
+    cfg = model_config(variant, n_layers=3, seq_len=SEQ_LEN)
+    model = build_model(cfg, torch.float64)
+    idx_BT = torch.randint(0, cfg.vocab_size, (3, SEQ_LEN), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want_BTV = model(idx_BT)[[2, 0]]
+        state = DecodeState(cfg)
+        first = model(idx_BT[:, :9], decode=state.step(0, 9))[[2, 0]]
+        state.keep_rows([2, 0])
+        rest = [model(idx_BT[[2, 0], t:t + 1], decode=state.step(t, 1)) for t in range(9, SEQ_LEN)]
+    torch.testing.assert_close(torch.cat([first, *rest], dim=1), want_BTV, rtol=1e-10, atol=1e-10)
+
+
 def test_a_pass_past_seq_len_is_refused_with_the_limit():
     cfg = model_config("block", n_layers=2, seq_len=SEQ_LEN)
     state = DecodeState(cfg)

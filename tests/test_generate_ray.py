@@ -1,4 +1,5 @@
-"""`--launcher ray` for generation: one actor per rank, the same greedy tokens as one process."""
+"""`--launcher ray` for generation: one actor per rank, the same greedy tokens as one process, for
+one sequence and for a ragged batch."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from attnres_pp.generate.config import GenerationConfig
 from attnres_pp.generate.engines import SingleProcessGenerator, make_generator
-from attnres_pp.generate.loop import generate
+from attnres_pp.generate.loop import generate, generate_batch
 from attnres_pp.pipeline.config import PipelineConfig
 from tests.pipeline_helpers import build_model, model_config
 
@@ -27,6 +28,9 @@ def test_ray_actors_generate_the_single_process_tokens():
     try:
         assert generator.started_ray
         assert generate(generator, [1, 2, 3, 4, 5], greedy).tokens == want
+        batch = [[1, 2], [1, 2, 3, 4, 5]]  # ragged: the first finishes first and leaves the batch
+        alone = [generate(SingleProcessGenerator(cfg, named), ids, greedy).tokens for ids in batch]
+        assert [r.tokens for r in generate_batch(generator, batch, greedy)] == alone
     finally:
         generator.close()
     assert not ray.is_initialized()

@@ -1,14 +1,17 @@
 """`attnres-pp generate`: text from a checkpoint written by `attnres-pp train`, in one process or
-pipelined over the same stages (SPEC section 7).
+pipelined over the same stages (SPEC section 7), for one prompt or a batch of them.
 
-    attnres-pp generate --resume RUN (--prompt TEXT | --prompt-file F) --max-new-tokens N
-        [--temperature T --top-k K --seed S --prefill-chunk N]
-        [--stages P --virtual V --launcher local|inprocess|ray --layer-counts .. --timeout S] [--json]
+    attnres-pp generate --resume RUN (--prompt TEXT [--prompt TEXT ..] | --prompt-file F | --prompts-file F)
+        --max-new-tokens N [--temperature T --top-k K --seed S --prefill-chunk N --stop S ..]
+        [--device auto|cpu|cuda --dtype auto|fp32|bf16]
+        [--stages P --virtual V --launcher local|inprocess|ray --p2p-semantics auto|gloo|nccl
+         --layer-counts .. --timeout S] [--json]
 
-Tokens are bytes (the training corpora's vocabulary). `--json` prints one object on stdout:
+Tokens are bytes (the training corpora's vocabulary). Several prompts run as one batch
+(`generate.loop`). `--json` prints one object per prompt, one per line, in prompt order:
 `{"text", "tokens", "prefill_s", "decode_s_per_token", ...}`; progress goes to stderr. A mistake in
-the input (no checkpoint, empty prompt, a byte outside the vocabulary, too long a request) is one
-`error:` line and exit code 2.
+the input (no checkpoint, an empty prompt, a bad prompts file, a byte outside the vocabulary, too
+long a request, a device that is not there) is one `error:` line and exit code 2.
 """
 
 from __future__ import annotations
@@ -22,18 +25,24 @@ from pathlib import Path
 
 from attnres_pp.config_tables import convert_flag
 from attnres_pp.generate.config import GenerationConfig
-from attnres_pp.pipeline.config import LAUNCHERS
+from attnres_pp.generate.prompts import decode_text, prompt_tokens, read_prompts, stop_strings
+from attnres_pp.pipeline.config import LAUNCHERS, P2P_SEMANTICS
+from attnres_pp.train.config import DEVICES, DTYPES
 
 # (flag, GenerationConfig or PipelineConfig field, type, help); parsed as strings, converted here so a
 # bad value is one clear `error:` line.
 _GEN_FLAGS = (
-    ("--max-new-tokens", "max_new_tokens", int, "tokens to generate (required)"),
+    ("--max-new-tokens", "max_new_tokens", int, "tokens to generate per prompt (required)"),
     ("--temperature", "temperature", float, "sampling temperature; 0 = greedy (default 1.0)"),
     ("--top-k", "top_k", int, "sample among the k most likely tokens; 0 = all (default)"),
-    ("--seed", "seed", int, "seed of the sampler (default 0)"),
+    ("--seed", "seed", int, "seed of each sequence's sampler (default 0)"),
     ("--prefill-chunk", "prefill_chunk", int,
      "prompt tokens per prefill piece; 0 = the whole prompt in one piece (default). Pieces let the "
      "pipeline's ranks work on the prompt at once"),
+    ("--device", "device", str, f"{' | '.join(DEVICES)}, as for training: cuda gives every rank its own GPU (nccl), "
+     "cpu uses gloo; auto (default) picks cuda when there are enough GPUs"),
+    ("--dtype", "dtype", str, f"{' | '.join(DTYPES)}: bf16 computes under bf16 autocast over the checkpoint's fp32 "
+     "weights, with bf16 hops; auto (default): bf16 on cuda, fp32 on cpu"),
 )
 _PIPE_FLAGS = (
     ("--stages", "stages", int, "pipeline stages P (default 1)"),
@@ -41,25 +50,38 @@ _PIPE_FLAGS = (
     ("--launcher", "launcher", str, f"how ranks start: {' | '.join(LAUNCHERS)} (default local: one process "
                                     "per rank, or this process alone for P = V = 1)"),
     ("--timeout", "timeout_s", float, "pipeline timeout in seconds (default 120)"),
+    ("--p2p-semantics", "p2p_semantics", str,
+     f"point-to-point rules: {' | '.join(P2P_SEMANTICS)} (nccl: messages go out in the order proven under NCCL's "
+     "in-order, rendezvous matching, enforced by the loopback under --launcher inprocess; auto (default): the "
+     "process group's backend)"),
 )
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "generate", help="generate text from a trained checkpoint (single process or pipelined)",
-        description="Generate text from the newest checkpoint of a training run: prefill the prompt, then "
-                    "decode one token per pass with each layer's key/value cache on its rank.")
+        description="Generate text from the newest checkpoint of a training run: prefill the prompts (several "
+                    "run as one batch), then decode one token per pass with each layer's key/value cache on its "
+                    "rank. Each prompt's greedy output is the one it gets alone.")
     parser.add_argument("--resume", metavar="RUN", help="the run directory (its newest complete checkpoint), or "
                                                        "one checkpoint folder RUN/checkpoints/step_N")
-    parser.add_argument("--prompt", metavar="TEXT", help="the prompt, as UTF-8 bytes")
-    parser.add_argument("--prompt-file", metavar="FILE", help="read the prompt's bytes from FILE")
+    parser.add_argument("--prompt", metavar="TEXT", action="append",
+                        help="a prompt, as UTF-8 bytes; repeat it for a batch of prompts")
+    parser.add_argument("--prompt-file", metavar="FILE", help="read one prompt from FILE: its bytes, newlines included")
+    parser.add_argument("--prompts-file", metavar="FILE",
+                        help="a batch of prompts: one per line, or for FILE.jsonl one {\"prompt\": ...} JSON object "
+                             "per line (prompts with newlines)")
+    parser.add_argument("--stop", metavar="S", action="append",
+                        help="end a sequence where it first generates the string S (repeatable); S itself and "
+                             "anything after it are not included in the output")
     for flag, key, _kind, help_text in _GEN_FLAGS + _PIPE_FLAGS:
         parser.add_argument(flag, metavar=key.upper(), help=help_text)
     parser.add_argument("--layer-counts", metavar="N,N,..", help="transformer layers per chunk, comma separated")
     parser.add_argument("--threads", metavar="N", help="torch threads per process (default 1)")
     parser.add_argument("--address", metavar="ADDR", help="--launcher ray: the cluster to join (default: "
                                                          "RAY_ADDRESS, else a private local instance)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object per prompt, one per line, in prompt order, instead of the texts")
     parser.set_defaults(func=main)
 
 
@@ -74,7 +96,7 @@ def configs_from_args(args: argparse.Namespace):
 
     if args.max_new_tokens is None:
         raise ValueError("--max-new-tokens N is required: how many tokens to generate")
-    gen_cfg = GenerationConfig(**_values(args, _GEN_FLAGS))
+    gen_cfg = GenerationConfig(**_values(args, _GEN_FLAGS), stop=stop_strings(args.stop))
     pipe_values = {"launcher": "local", **_values(args, _PIPE_FLAGS)}
     if args.layer_counts is not None:
         pipe_values["layer_counts"] = tuple(convert_flag("--layer-counts", part, int)
@@ -130,68 +152,62 @@ def load_checkpoint(step_dir: Path):
                          "give another one with --resume") from None
 
 
-def read_prompt(args: argparse.Namespace) -> bytes:
-    if (args.prompt is None) == (args.prompt_file is None):
-        raise ValueError("give the prompt with exactly one of --prompt TEXT or --prompt-file FILE")
-    if args.prompt is not None:
-        return args.prompt.encode("utf-8")
-    try:
-        return Path(args.prompt_file).read_bytes()
-    except OSError as error:
-        raise ValueError(f"--prompt-file {args.prompt_file}: cannot read it ({error.strerror})") from None
+def _fits(model_cfg, prompts: list[list[int]], max_new_tokens: int) -> None:
+    from attnres_pp.generate.loop import check_fits
 
-
-def prompt_tokens(prompt: bytes, vocab_size: int) -> list[int]:
-    """The prompt's bytes as token ids; ValueError if one is outside the model's vocabulary."""
-    if not prompt:
-        raise ValueError("the prompt is empty: give at least one byte with --prompt TEXT or --prompt-file FILE")
-    for offset, byte in enumerate(prompt):
-        if byte >= vocab_size:
-            raise ValueError(f"prompt byte {byte:#04x} at offset {offset} is outside the model's vocabulary of "
-                             f"{vocab_size} tokens: use bytes below {vocab_size} (e.g. ASCII text)")
-    return list(prompt)
-
-
-def decode_text(tokens: list[int]) -> str:
-    """Bytes to text (invalid UTF-8, or ids past 255 from a non-byte vocabulary, become U+FFFD)."""
-    return b"".join(bytes([t]) if t < 256 else b"\xef\xbf\xbd" for t in tokens).decode("utf-8", errors="replace")
+    for number, ids in enumerate(prompts, start=1):
+        try:
+            check_fits(model_cfg, len(ids), max_new_tokens)
+        except ValueError as error:
+            raise ValueError(f"prompt {number}: {error}" if len(prompts) > 1 else str(error)) from None
 
 
 def main(args: argparse.Namespace) -> int:
-    from attnres_pp.generate.loop import check_fits, generate
+    from attnres_pp.generate.loop import generate_batch
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
     try:
         gen_cfg, pipe, threads = configs_from_args(args)
-        step_dir = find_checkpoint(args.resume)
-        prompt = read_prompt(args)
-        import torch
-
-        from attnres_pp.generate.engines import make_generator
+        from attnres_pp.generate.engines import decide_generation_device, make_generator, resolve_precision
         from attnres_pp.generate.worker import pipeline_partition
 
+        # The Ray launcher decides against the cluster's GPUs once it has joined it.
+        device = gen_cfg.device if pipe.launcher == "ray" else decide_generation_device(gen_cfg.device, pipe)
+        precision = gen_cfg.dtype if pipe.launcher == "ray" else resolve_precision(gen_cfg.dtype, device)
+        if device == "cuda" and pipe.launcher == "local" and pipe.n_chunks > 1:
+            pipe.resolved_p2p("nccl")  # --p2p-semantics gloo over nccl fails here, not in a rank
+        step_dir = find_checkpoint(args.resume)
+        prompts = read_prompts(args)
+        import torch
+
         model_cfg, named = load_checkpoint(step_dir)
-        ids = prompt_tokens(prompt, model_cfg.vocab_size)
-        check_fits(model_cfg, len(ids), gen_cfg.max_new_tokens)
+        which = (lambda n: f"prompt {n}: ") if len(prompts) > 1 else (lambda n: "")
+        ids = [prompt_tokens(prompt, model_cfg.vocab_size, which(n)) for n, prompt in enumerate(prompts, start=1)]
+        _fits(model_cfg, ids, gen_cfg.max_new_tokens)
         pipeline_partition(model_cfg, pipe)  # a split that does not fit the model fails here, in one line
         torch.set_num_threads(threads)
 
         where = "one process" if pipe.n_chunks == 1 and pipe.launcher == "local" else \
             f"P={pipe.stages} V={pipe.virtual} ({pipe.launcher})"
         progress(f"generate: {step_dir} ({model_cfg.residual}, {model_cfg.n_layers} layers, d={model_cfg.d_model}) "
-                 f"on {where}")
+                 f"on {where}, {device} {precision}")
+        started = time.perf_counter()
+        generator = make_generator(model_cfg, pipe, named, threads=threads, address=args.address, device=device,
+                                   precision=precision)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    generator = None
+    except RuntimeError as error:  # a rank that failed to start
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     try:
-        started = time.perf_counter()
-        generator = make_generator(model_cfg, pipe, named, threads=threads, address=args.address)
-        progress(f"  ready in {time.perf_counter() - started:.1f} s; prompt {len(ids)} tokens, "
-                 f"{gen_cfg.max_new_tokens} new")
-        result = generate(generator, ids, gen_cfg, progress)
+        lengths = sorted({len(prompt) for prompt in ids})
+        size = f"prompt {lengths[0]} tokens" if len(ids) == 1 else \
+            f"{len(ids)} prompts of {lengths[0]}..{lengths[-1]} tokens"
+        progress(f"  ready in {time.perf_counter() - started:.1f} s; {size}, {gen_cfg.max_new_tokens} new")
+        results = generate_batch(generator, ids, gen_cfg, progress)
     except KeyboardInterrupt:
         print("interrupted: stopping the workers", file=sys.stderr)
         return 130
@@ -199,16 +215,19 @@ def main(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     finally:
-        if generator is not None:
-            generator.close()
-    progress(f"  prefill {len(ids)} tokens in {1e3 * result.prefill_s:.1f} ms; "
-             f"{len(result.decode_s)} more tokens at {1e3 * result.decode_s_per_token:.2f} ms/token")
-    text = decode_text(result.tokens)
-    if args.json:
-        print(json.dumps({"text": text, "tokens": result.tokens, "prefill_s": result.prefill_s,
-                          "decode_s_per_token": result.decode_s_per_token, "prompt_tokens": len(ids),
-                          "checkpoint": str(step_dir), "stages": pipe.stages, "virtual": pipe.virtual,
-                          "launcher": pipe.launcher}))
-    else:
-        print(text)
+        generator.close()
+    for number, (prompt, result) in enumerate(zip(ids, results, strict=True), start=1):
+        label = f"  prompt {number}:" if len(ids) > 1 else " "
+        stopped = f"; stopped at {result.stopped_at!r}" if result.stopped_at is not None else ""
+        progress(f"{label} prefill {len(prompt)} tokens in {1e3 * result.prefill_s:.1f} ms; "
+                 f"{len(result.decode_s)} more tokens at {1e3 * result.decode_s_per_token:.2f} ms/token{stopped}")
+    for prompt, result in zip(ids, results, strict=True):
+        text = decode_text(result.tokens)
+        if args.json:
+            print(json.dumps({"text": text, "tokens": result.tokens, "prefill_s": result.prefill_s,
+                              "decode_s_per_token": result.decode_s_per_token, "prompt_tokens": len(prompt),
+                              "checkpoint": str(step_dir), "stages": pipe.stages, "virtual": pipe.virtual,
+                              "launcher": pipe.launcher}))
+        else:
+            print(text)
     return 0

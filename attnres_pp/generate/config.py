@@ -1,10 +1,13 @@
-"""GenerationConfig: what to generate and how to sample. Frozen and validated; the CLI fills it in.
-Where the model runs (stages, virtual stages, launcher) is a `PipelineConfig`."""
+"""GenerationConfig: what to generate, how to sample, and on which device and dtype. Frozen and
+validated; the CLI fills it in. How the model is split (stages, virtual stages, launcher) is a
+`PipelineConfig`."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from attnres_pp.train.config import DEVICES, DTYPES
 
 
 def _fail(field_name: str, value, fix: str) -> None:
@@ -17,15 +20,21 @@ def _is_int(value) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class GenerationConfig:
-    """max_new_tokens: tokens to generate. prefill_chunk: prompt tokens per prefill piece (0 = the
-    whole prompt as one piece; pieces let a pipeline's ranks work on the prompt at once).
-    temperature 0 is greedy (argmax); top_k 0 keeps the whole vocabulary; seed seeds the sampler."""
+    """max_new_tokens: tokens to generate per sequence. prefill_chunk: prompt tokens per prefill
+    piece (0 = the whole prompt as one piece; pieces let a pipeline's ranks work on the prompt at
+    once). temperature 0 is greedy (argmax); top_k 0 keeps the whole vocabulary; seed seeds each
+    sequence's sampler. stop: byte strings; a sequence ends where it first generates one of them,
+    which is left out of its output. device: auto | cpu | cuda and dtype: auto | fp32 | bf16, as in
+    training (`train.devices` decides; auto: cuda when every rank gets a GPU, bf16 there, fp32 on cpu)."""
 
     max_new_tokens: int = 64
     prefill_chunk: int = 0
     temperature: float = 1.0
     top_k: int = 0
     seed: int = 0
+    stop: tuple[bytes, ...] = ()
+    device: str = "auto"
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -38,6 +47,11 @@ class GenerationConfig:
         if (not isinstance(self.temperature, int | float) or isinstance(self.temperature, bool)
                 or not math.isfinite(self.temperature) or self.temperature < 0):
             _fail("temperature", self.temperature, "must be a finite number >= 0 (0 = greedy)")
+        if not isinstance(self.stop, tuple) or any(not isinstance(s, bytes) or not s for s in self.stop):
+            _fail("stop", self.stop, "must be a tuple of non-empty byte strings (--stop S, S not empty)")
+        for name, choices in (("device", DEVICES), ("dtype", DTYPES)):
+            if getattr(self, name) not in choices:
+                _fail(name, getattr(self, name), f"choose one of {', '.join(choices)}")
 
     @property
     def greedy(self) -> bool:

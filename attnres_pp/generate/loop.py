@@ -1,6 +1,19 @@
-"""The decode loop: prefill the prompt in one pass (in pieces of `prefill_chunk` tokens), then one
-pass per new token, each feeding back the token the driver's sampler chose. Works with any
-generator of `generate.engines`; only token ids and last-position logits cross to the driver."""
+"""The decode loop over a batch of sequences: prefill the prompts in one pass (in pieces of
+`prefill_chunk` tokens), then one pass per position, each feeding back the tokens the driver's
+samplers chose. Works with any generator of `generate.engines`; only token ids and last-position
+logits cross to the driver.
+
+Prompts of different lengths run ragged, without padding or masks: every sequence of the batch is
+at the same position in every pass. The prefill covers the positions every prompt has (the
+shortest prompt's length); from there a pass feeds, per sequence, its next prompt token while it
+has one (its logits are not sampled) and its last sampled token after that. So each sequence sees
+exactly the tokens and positions it sees alone, and its greedy output equals its output alone;
+the cost is that the part of a longer prompt beyond the shortest one is fed a token per pass. A
+sequence that is done (max_new_tokens, or a stop string) leaves the batch: every rank drops its
+rows from its caches (`keep_rows`) before the next pass.
+Each sequence samples with its own generator seeded by `seed`, so its sampled tokens, too, are
+those it gets alone (up to the rounding of a batched forward).
+"""
 
 from __future__ import annotations
 
@@ -21,11 +34,14 @@ PROGRESS_EVERY = 64
 
 @dataclass
 class GenerationResult:
-    """tokens: the new token ids; prefill_s: prompt pass to first token; decode_s: each later token."""
+    """tokens: the new token ids (a stop string and what follows left out); prefill_s: the start to
+    the first new token (the prefill, and the passes feeding the rest of a longer prompt);
+    decode_s: each later token's pass; stopped_at: the stop string that ended it, or None."""
 
     tokens: list[int]
     prefill_s: float
     decode_s: list[float] = field(default_factory=list)
+    stopped_at: bytes | None = None
 
     @property
     def decode_s_per_token(self) -> float:
@@ -58,21 +74,67 @@ def check_fits(cfg: ModelConfig, n_prompt: int, max_new_tokens: int) -> None:
 
 def generate(generator, prompt_ids: list[int], gen_cfg: GenerationConfig,
              progress: Callable[[str], None] | None = None) -> GenerationResult:
-    """Generate `gen_cfg.max_new_tokens` tokens after `prompt_ids` (one sequence)."""
-    check_fits(generator.cfg, len(prompt_ids), gen_cfg.max_new_tokens)
-    sampler = Sampler(gen_cfg)
+    """Generate up to `gen_cfg.max_new_tokens` tokens after `prompt_ids` (one sequence)."""
+    return generate_batch(generator, [prompt_ids], gen_cfg, progress)[0]
+
+
+def _hit_stop(result: GenerationResult, stops: tuple[bytes, ...]) -> bool:
+    """If the newest token completes a stop string, cut it off (the longest, if several end here)."""
+    ending = [s for s in stops if len(result.tokens) >= len(s) and result.tokens[-len(s):] == list(s)]
+    if not ending:
+        return False
+    result.stopped_at = max(ending, key=len)
+    del result.tokens[-len(result.stopped_at):]
+    return True
+
+
+def generate_batch(generator, prompts: list[list[int]], gen_cfg: GenerationConfig,
+                   progress: Callable[[str], None] | None = None) -> list[GenerationResult]:
+    """Generate up to `gen_cfg.max_new_tokens` tokens after each prompt, all in one batch; one
+    result per prompt, in order."""
+    if not prompts:
+        raise ValueError("no prompts: give at least one")
+    for ids in prompts:
+        check_fits(generator.cfg, len(ids), gen_cfg.max_new_tokens)
+    batch, n_common = len(prompts), min(len(ids) for ids in prompts)
+    samplers = [Sampler(gen_cfg) for _ in prompts]
+    results = [GenerationResult(tokens=[], prefill_s=0.0) for _ in prompts]
+    active = [True] * batch
     generator.reset()
-    started = time.perf_counter()
-    logits_BV = generator.forward(prefill_pieces(len(prompt_ids), gen_cfg.prefill_chunk),
-                                  torch.tensor([prompt_ids], dtype=torch.long))
-    next_B = sampler(logits_BV)
-    result = GenerationResult(tokens=[int(next_B[0])], prefill_s=time.perf_counter() - started)
-    for position in range(len(prompt_ids), len(prompt_ids) + gen_cfg.max_new_tokens - 1):
-        started = time.perf_counter()
-        next_B = sampler(generator.forward([(position, 1)], next_B.view(1, 1)))
-        result.decode_s.append(time.perf_counter() - started)
-        result.tokens.append(int(next_B[0]))
-        if progress is not None and len(result.tokens) % PROGRESS_EVERY == 0:
-            progress(f"  {len(result.tokens)}/{gen_cfg.max_new_tokens} tokens, "
-                     f"{1e3 * result.decode_s_per_token:.2f} ms/token")
-    return result
+    started = pass_started = time.perf_counter()
+    logits_BV = generator.forward(prefill_pieces(n_common, gen_cfg.prefill_chunk),
+                                  torch.tensor([ids[:n_common] for ids in prompts], dtype=torch.long))
+    position = n_common  # the position whose token the last pass's logits predict
+    fed = [ids[n_common - 1] for ids in prompts]
+    in_batch = list(range(batch))  # the prompt of each row the generator holds
+    reported = 0
+    while True:
+        for index, row in enumerate(in_batch):
+            ids = prompts[row]
+            if position < len(ids):
+                fed[row] = ids[position]  # still in its prompt: its logits are not sampled
+                continue
+            result = results[row]
+            fed[row] = int(samplers[row](logits_BV[index:index + 1])[0])
+            now = time.perf_counter()
+            if result.tokens:
+                result.decode_s.append(now - pass_started)
+            else:
+                result.prefill_s = now - started
+            result.tokens.append(fed[row])
+            if _hit_stop(result, gen_cfg.stop) or len(result.tokens) == gen_cfg.max_new_tokens:
+                active[row] = False
+        if not any(active):
+            return results
+        generated = max(len(r.tokens) for r in results)
+        if progress is not None and generated % PROGRESS_EVERY == 0 and generated != reported:
+            reported = generated
+            mean_s = statistics.fmean(s for r in results for s in r.decode_s)
+            progress(f"  {generated}/{gen_cfg.max_new_tokens} tokens, {1e3 * mean_s:.2f} ms/token")
+        pass_started = time.perf_counter()
+        if not all(active[row] for row in in_batch):  # some are done: drop them from every cache
+            generator.keep_rows([index for index, row in enumerate(in_batch) if active[row]])
+            in_batch = [row for row in in_batch if active[row]]
+        tokens_B1 = torch.tensor([fed[row] for row in in_batch], dtype=torch.long).view(len(in_batch), 1)
+        logits_BV = generator.forward([(position, 1)], tokens_B1)
+        position += 1

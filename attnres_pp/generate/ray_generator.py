@@ -1,9 +1,10 @@
 """`attnres-pp generate --launcher ray`: one Ray actor per rank, each a thin shell around the same
 `GenerationWorker` as the local launcher's rank processes.
 
-Placement and rendezvous follow the training launcher (`train.ray_engine`): a placement group with
-one bundle per rank (one CPU each: generation ranks run on the CPU over gloo, see
-`generate.worker`), rank 0 picks its node address and a free port, every actor joins the
+Placement and rendezvous follow the training launcher (`train.ray_engine`): the device is decided
+against the cluster's GPUs (`train.devices`: one GPU per actor and nccl when there is one for
+every rank, else gloo on the CPU; `--device cuda` without enough is refused), a placement group
+holds one bundle per rank, rank 0 picks its node address and a free port, every actor joins the
 torch.distributed group against it. `address` (or
 RAY_ADDRESS) joins that cluster, "auto" the `ray start` cluster of this machine; otherwise a private
 local instance is started and stopped on close. Every wait is bounded by the pipeline timeout.
@@ -19,6 +20,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from attnres_pp.generate.engines import decide_generation_device, resolve_precision
 from attnres_pp.generate.worker import GenerationWorker, pipeline_partition
 from attnres_pp.model import ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
@@ -39,7 +41,7 @@ class GenerationActor(GenerationWorker):
 
 class RayGenerator:
     def __init__(self, cfg: ModelConfig, pipe: PipelineConfig, named: dict | None, seed: int = 0,
-                 threads: int = 1, *, address: str | None = None) -> None:
+                 threads: int = 1, *, address: str | None = None, device: str = "auto", dtype: str = "auto") -> None:
         self.cfg, self.pipe = cfg, pipe
         partition = pipeline_partition(cfg, pipe)  # a bad split fails before Ray starts
         self.last_rank = partition.rank_of(partition.n_chunks - 1)
@@ -53,6 +55,9 @@ class RayGenerator:
                          log_to_driver=True)
                 self.started_ray = True
         try:
+            gpus = 0 if os.environ.get("ATTNRES_PP_FORCE_CPU") == "1" else int(ray.cluster_resources().get("GPU", 0))
+            self.device = decide_generation_device(device, pipe, gpus=gpus)
+            self.precision = resolve_precision(dtype, self.device)
             self._start(named, seed, threads)
         except BaseException:
             self.close()
@@ -60,17 +65,18 @@ class RayGenerator:
 
     def _start(self, named: dict | None, seed: int, threads: int) -> None:
         pipe = self.pipe
-        # The ranks compute on the CPU over gloo (`GenerationWorker.join_process_group`): no GPU bundles.
-        bundle = {"CPU": 1}
+        use_gpu = self.device == "cuda"
+        bundle = {"CPU": 1, **({"GPU": 1} if use_gpu else {})}
         self._pg = placement_group([bundle] * pipe.stages, strategy=pipe.placement)
         if not ray.wait([self._pg.ready()], timeout=pipe.timeout_s)[0]:
             raise RuntimeError(f"Ray could not place {pipe.stages} bundles of {bundle} with {pipe.placement} within "
                                f"{pipe.timeout_s:.0f} s: the cluster has {ray.cluster_resources()}")
-        actor_cls = ray.remote(num_cpus=1, num_gpus=0, max_restarts=0)(GenerationActor)
+        actor_cls = ray.remote(num_cpus=1, num_gpus=1 if use_gpu else 0, max_restarts=0)(GenerationActor)
         self.actors = [
             actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self._pg, placement_group_bundle_index=rank)).remote(
-                    self.cfg.to_dict(), pipe.to_dict(), rank, seed, threads)
+                    self.cfg.to_dict(), pipe.to_dict(), rank, seed, threads, device=self.device,
+                    precision=self.precision)
             for rank in range(pipe.stages)
         ]
         host, port = self._get([self.actors[0].master_address.remote()], "rendezvous")[0]
@@ -95,6 +101,9 @@ class RayGenerator:
 
     def reset(self) -> None:
         self._get([a.reset.remote() for a in self.actors], "reset")
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self._get([a.keep_rows.remote(rows) for a in self.actors], "dropping finished sequences")
 
     def forward(self, pieces: list[tuple[int, int]], tokens_BT: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         refs = [actor.run_pass.remote(tokens_BT.shape[0], pieces, tokens_BT if rank == 0 else None, all_logits)

@@ -3,7 +3,10 @@ actor, talking to its neighbours over torch.distributed with the pipeline's Dist
 
 Like the training ranks, every rank builds the whole model from the seed, keeps its own chunks and
 takes its parameters by whole-model name, so a checkpoint of any split loads into any other. The
-driver exchanges only token ids and the last position's logits with the ranks.
+driver exchanges only token ids and the last position's logits with the ranks, and decides each
+rank's device: "cuda" is nccl with the rank's own GPU, "cpu" gloo. Under NCCL's point-to-point
+rules (the nccl backend, or `p2p_semantics="nccl"` over gloo) the runtime issues its messages in
+`lockstep_plan`'s batched groups (`BatchedDistTransport`); otherwise it preposts them (`DistTransport`).
 """
 
 from __future__ import annotations
@@ -11,20 +14,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from attnres_pp.comm.nccl_transport import BatchedDistTransport
 from attnres_pp.comm.partition import make_partition
 from attnres_pp.comm.plan import plan_for_model
 from attnres_pp.comm.transport import DistTransport
 from attnres_pp.model import ModelConfig, Transformer
+from attnres_pp.model.precision import activation_dtype
 from attnres_pp.pipeline.chunk import build_rank_chunks, rank_parameters
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.pipeline.generation_runtime import GenerationRuntime
 from attnres_pp.pipeline.stage_setup import init_process_group
 
 
-def build_model(cfg: ModelConfig, named: dict[str, torch.Tensor] | None, seed: int = 0) -> Transformer:
-    """The whole model from `seed`, then the values of `named` (by whole-model name) when given."""
+def build_model(cfg: ModelConfig, named: dict[str, torch.Tensor] | None, seed: int = 0, *,
+                precision: str = "fp32") -> Transformer:
+    """The whole model from `seed`, then the values of `named` (by whole-model name) when given.
+    `precision` "bf16" computes under bf16 autocast over the fp32 weights (`model.precision`)."""
     torch.manual_seed(seed)
-    model = Transformer(cfg)
+    model = Transformer(cfg, precision=precision)
     if named is not None:
         load_parameters(dict(model.named_parameters()), named)
     return model.eval()
@@ -50,12 +57,13 @@ def pipeline_partition(cfg: ModelConfig, pipe: PipelineConfig):
 
 class GenerationWorker:
     def __init__(self, model_cfg_dict: dict, pipe_cfg_dict: dict, pp_rank: int, seed: int = 0,
-                 threads: int = 1) -> None:
+                 threads: int = 1, *, device: str = "cpu", precision: str = "fp32") -> None:
         torch.set_num_threads(threads)
         self.cfg = ModelConfig.from_dict(model_cfg_dict)
         self.pipe = PipelineConfig.from_dict(pipe_cfg_dict)
         self.pp_rank = pp_rank
-        self.model = build_model(self.cfg, None, seed)
+        self.device_name, self.precision = device, precision
+        self.model = build_model(self.cfg, None, seed, precision=precision)
         self.partition = pipeline_partition(self.cfg, self.pipe)
         self.chunks = build_rank_chunks(self.model, self.partition, pp_rank)
         self.params = rank_parameters(self.chunks, self.model)
@@ -63,13 +71,15 @@ class GenerationWorker:
         self.runtime: GenerationRuntime | None = None
 
     def join_process_group(self, init_method: str, world_size: int) -> str:
-        # Generation runs on the CPU over gloo: its forward-only runtime posts every receive of a pass
-        # up front, an order proven only under gloo's rules, not NCCL's (see docs/generation.md).
         backend, self.device = init_process_group(init_method, self.pp_rank, world_size, self.pipe.timeout_s,
-                                                  device="cpu")
+                                                  device=self.device_name)
         self.model.to(self.device)
-        transport = DistTransport(self.pp_rank, self.pipe.timeout_s, self.device)
-        self.runtime = GenerationRuntime(pp_rank=self.pp_rank, chunks=self.chunks, plan=self.plan, transport=transport)
+        if self.pipe.resolved_p2p(backend) == "nccl":  # every rank resolves the same
+            transport = BatchedDistTransport(self.pp_rank, self.pipe.timeout_s, self.device)
+        else:
+            transport = DistTransport(self.pp_rank, self.pipe.timeout_s, self.device)
+        self.runtime = GenerationRuntime(pp_rank=self.pp_rank, chunks=self.chunks, plan=self.plan, transport=transport,
+                                         dtype=activation_dtype(self.precision))
         return backend
 
     def load_parameters(self, named: dict[str, torch.Tensor]) -> None:
@@ -77,6 +87,9 @@ class GenerationWorker:
 
     def reset(self) -> None:
         self.runtime.reset()
+
+    def keep_rows(self, rows: list[int]) -> None:
+        self.runtime.keep_rows(rows)
 
     def run_pass(self, batch_size: int, pieces: list[tuple[int, int]], tokens_BT: torch.Tensor | None,
                  all_logits: bool = False) -> torch.Tensor | None:

@@ -64,6 +64,14 @@ class DecodeState:
             self._sources[key] = like_BTD.new_zeros((batch, self.max_len, width))
         return self._sources[key]
 
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only the sequences at batch indices `rows` (in that order), e.g. once the others are
+        done; the next pass carries len(rows) sequences."""
+        if not rows:
+            raise ValueError("keep_rows needs at least one row: reset() to start a new batch")
+        self._kv = {layer: tuple(t[rows] for t in pair) for layer, pair in self._kv.items()}
+        self._sources = {key: t[rows] for key, t in self._sources.items()}
+
     @property
     def nbytes(self) -> int:
         tensors = [t for pair in self._kv.values() for t in pair] + list(self._sources.values())

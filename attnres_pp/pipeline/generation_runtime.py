@@ -13,8 +13,14 @@ no autograd, no backward and no loss, state that outlives the pass, and a token 
 from pass to pass (so receive shapes come from the pass, not from a fixed microbatch shape).
 
 Message tags number the pieces of a whole session (`message_tag` of the training runtime with a
-running piece id), so no tag is reused while a rank lives, and every receive of a pass is posted
-before its first action (gloo: the sender's isend then writes at once, see comm.transport).
+running piece id), so no tag is reused while a rank lives. How messages are issued depends on the
+transport's point-to-point rules (SPEC section 5):
+- gloo (tags match, sends are buffered): every receive of a pass is posted before its first action,
+  so the sender's isend writes at once (see comm.transport);
+- nccl (issue order matches, sends wait for their receive): the sends and receives go out in the
+  groups of `validate_nccl.lockstep_plan` for the pass's schedule, one `batch_isend_irecv` each,
+  the order `forward_schedule.generation_schedule` proves deadlock-free with `check_nccl`. Posting
+  every receive up front would deadlock there at V >= 2.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from attnres_pp.pipeline.loopback import run_in_turns
 from attnres_pp.pipeline.runtime import message_tag
 from attnres_pp.schedule.forward_schedule import generation_schedule
 from attnres_pp.schedule.ir import Action, ActionKind
+from attnres_pp.schedule.validate_nccl import lockstep_plan
 
 
 class GenerationRuntime:
@@ -45,12 +52,17 @@ class GenerationRuntime:
         self.cfg = next(iter(chunks.values())).cfg
         self.partition = plan.partition
         self._prepost = getattr(transport, "can_prepost", False)
+        self._nccl = getattr(transport, "p2p_semantics", "gloo") == "nccl"
         self._next_piece_id = 0  # running piece count: message tags are never reused
         self.reset()
 
     def reset(self) -> None:
         """Forget every earlier token: the next pass starts a new batch of sequences at position 0."""
         self.decode_state = DecodeState(self.cfg)
+
+    def keep_rows(self, rows: list[int]) -> None:
+        """Keep only the sequences at batch indices `rows` (the others are done)."""
+        self.decode_state.keep_rows(rows)
 
     # ---- one pass ----
     def start_pass(self, batch_size: int, pieces: list[tuple[int, int]],
@@ -69,7 +81,9 @@ class GenerationRuntime:
         self._logits: list[torch.Tensor] = []
         self.cache = BlockCache()
         self.cursor = 0
-        if self._prepost:
+        self._nccl_plan = lockstep_plan(self.schedule)[self.pp_rank] if self._nccl else None
+        self._nccl_posted_at = -1
+        if self._prepost and not self._nccl:
             for action in self.actions:
                 if action.is_recv and not self._is_self_hop(action):
                     self.transport.prepost_recv(self._recv_shapes(action), self.dtype, self.schedule.peer(action),
@@ -86,13 +100,34 @@ class GenerationRuntime:
             return True
         if self._is_self_hop(action):
             return self._message_id(action) in self._in_memory
+        self._issue_nccl_groups(None)
         return self.transport.ready(self.schedule.peer(action), self._tag(action))
 
     def run_next(self) -> None:
         action = self.actions[self.cursor]
         with torch.no_grad():
-            self._HANDLERS[action.kind](self, action)
+            if not self._issue_nccl_groups(action):
+                self._HANDLERS[action.kind](self, action)
         self.cursor += 1
+
+    def _issue_nccl_groups(self, action: Action | None) -> bool:
+        """Under NCCL's rules, issue (once per position) the groups the plan places at the cursor:
+        their receives, and `action`'s own send inside its group. True if `action` ran here."""
+        if self._nccl_plan is None or self._nccl_posted_at == self.cursor:
+            return False
+        self._nccl_posted_at = self.cursor
+        ran = False
+        for group in self._nccl_plan[self.cursor]:
+            self.transport.begin_group()
+            for planned in group:
+                if planned.is_recv:
+                    self.transport.prepost_recv(self._recv_shapes(planned), self.dtype, self.schedule.peer(planned),
+                                                self._tag(planned))
+            if action is not None and action.is_send and action in group:
+                self._HANDLERS[action.kind](self, action)
+                ran = True
+            self.transport.end_group()
+        return ran
 
     def finish_pass(self) -> torch.Tensor | None:
         """Wait for this pass's sends; the logits if this rank runs the last chunk, else None."""

@@ -7,7 +7,13 @@ position order, which its key/value cache needs (a piece attends to the pieces b
 
 The result is lowered by the same `passes.insert_comm` and checked by the validator's own placement,
 message and deadlock checks; only "every F has its B" does not apply to a forward-only schedule, so
-its place is taken here by "every F exactly once, pieces of a chunk in order".
+its place is taken here by "every F exactly once, pieces of a chunk in order". It is also proven
+deadlock-free under NCCL's point-to-point rules (`validate_nccl.check_nccl`) when issued in
+`validate_nccl.lockstep_plan`'s groups, the order the generation runtime issues on NCCL ranks.
+Posting every receive of a pass up front, as the runtime may under gloo's tag matching, is not such
+an order: one NCCL stream runs a rank's receive groups before its later sends, so at V >= 2 a rank
+waits for a message whose chain needs its own send (`tests/test_generate_nccl.py` checks the model
+rejects it).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from attnres_pp.schedule import validate as _validate
 from attnres_pp.schedule.ir import ActionKind, Schedule
 from attnres_pp.schedule.passes import insert_comm
 from attnres_pp.schedule.schedules import gpipe
+from attnres_pp.schedule.validate_nccl import check_nccl
 
 
 def forward_only(schedule: Schedule) -> Schedule:
@@ -53,7 +60,9 @@ def validate_forward_only(schedule: Schedule) -> None:
 
 @lru_cache(maxsize=64)
 def generation_schedule(n_stages: int, n_virtual: int, n_pieces: int) -> Schedule:
-    """The lowered, validated forward-only schedule of one pass of `n_pieces` pieces (loop placement)."""
+    """The lowered, validated forward-only schedule of one pass of `n_pieces` pieces (loop placement),
+    proven to finish under gloo's rules and, issued in `lockstep_plan`'s groups, under NCCL's."""
     schedule = insert_comm(forward_only(gpipe(n_stages, n_virtual, n_pieces)))
     validate_forward_only(schedule)
+    check_nccl(schedule)
     return schedule

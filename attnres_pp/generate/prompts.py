@@ -1,0 +1,96 @@
+"""The prompts of `attnres-pp generate`, from its flags to token ids, and new tokens back to text.
+
+Exactly one source gives them:
+- `--prompt TEXT`, repeatable: each one prompt, as UTF-8 bytes;
+- `--prompt-file FILE`: the whole file's bytes are one prompt (newlines included);
+- `--prompts-file FILE`: one prompt per line (the line's bytes, without its line ending), or, for a
+  file named `*.jsonl`, one JSON object `{"prompt": "..."}` per line (UTF-8), for prompts that hold
+  newlines. A blank line is a mistake in either form (it would be an empty prompt).
+Tokens are bytes (the training corpora's vocabulary). Every mistake is a ValueError saying what to fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+SOURCES = "--prompt TEXT (repeatable), --prompt-file FILE or --prompts-file FILE"
+
+
+def read_prompts(args: argparse.Namespace) -> list[bytes]:
+    """The prompts the flags give, in order; ValueError if none, several sources, or a bad file."""
+    given = [flag for flag, value in (("--prompt", args.prompt), ("--prompt-file", args.prompt_file),
+                                      ("--prompts-file", args.prompts_file)) if value is not None]
+    if len(given) != 1:
+        both = f" (got {' and '.join(given)})" if given else ""
+        raise ValueError(f"give the prompt with exactly one of {SOURCES}{both}")
+    if args.prompt is not None:
+        return [text.encode("utf-8") for text in args.prompt]
+    if args.prompt_file is not None:
+        return [_read("--prompt-file", args.prompt_file)]
+    return parse_prompts_file(args.prompts_file, _read("--prompts-file", args.prompts_file))
+
+
+def _read(flag: str, path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: cannot read it ({error.strerror})") from None
+
+
+def parse_prompts_file(path: str, data: bytes) -> list[bytes]:
+    """The prompts of a `--prompts-file`: one per line, or one JSON object per line for `*.jsonl`."""
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()  # the final line ending ends a line; it does not start an empty one
+    if not lines:
+        raise ValueError(f"--prompts-file {path} holds no prompts: give one prompt per line")
+    jsonl = path.endswith(".jsonl")
+    prompts = []
+    for number, line in enumerate(lines, start=1):
+        line = line.removesuffix(b"\r")
+        if not line.strip():
+            raise ValueError(f"--prompts-file {path} line {number} is blank: every line is one prompt "
+                             "(remove the blank line)")
+        prompts.append(_json_prompt(path, number, line) if jsonl else line)
+    return prompts
+
+
+def _json_prompt(path: str, number: int, line: bytes) -> bytes:
+    where = f"--prompts-file {path} line {number}"
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"{where} is not UTF-8: a .jsonl file is UTF-8 JSON, one object per line") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where} is not JSON ({error.msg} at column {error.colno}): write one "
+                         '{"prompt": "..."} object per line') from None
+    if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+        raise ValueError(f'{where} is not an object with a "prompt" string: write one {{"prompt": "..."}} '
+                         "object per line")
+    return record["prompt"].encode("utf-8")
+
+
+def prompt_tokens(prompt: bytes, vocab_size: int, which: str = "") -> list[int]:
+    """The prompt's bytes as token ids; ValueError if it is empty or a byte is outside the vocabulary.
+    `which` names the prompt in the message when there are several (e.g. "prompt 2: ")."""
+    if not prompt:
+        raise ValueError(f"{which}the prompt is empty: give at least one byte with {SOURCES}")
+    for offset, byte in enumerate(prompt):
+        if byte >= vocab_size:
+            raise ValueError(f"{which}prompt byte {byte:#04x} at offset {offset} is outside the model's vocabulary "
+                             f"of {vocab_size} tokens: use bytes below {vocab_size} (e.g. ASCII text)")
+    return list(prompt)
+
+
+def stop_strings(values: list[str] | None) -> tuple[bytes, ...]:
+    """The `--stop S` strings as UTF-8 bytes; ValueError for an empty one."""
+    if any(value == "" for value in values or ()):
+        raise ValueError("--stop needs a non-empty string: the text that ends a sequence")
+    return tuple(value.encode("utf-8") for value in values or ())
+
+
+def decode_text(tokens: list[int]) -> str:
+    """Bytes to text (invalid UTF-8, or ids past 255 from a non-byte vocabulary, become U+FFFD)."""
+    return b"".join(bytes([t]) if t < 256 else b"\xef\xbf\xbd" for t in tokens).decode("utf-8", errors="replace")
