@@ -198,7 +198,11 @@ def prune_checkpoints(out_dir: str | Path, keep: int) -> list[str]:
         return []
     removed = []
     for _steps, path in _complete(out_dir)[:-keep]:
-        if not read_meta(path).get("final", False):
+        try:
+            final = read_meta(path).get("final", False)
+        except (OSError, ValueError):  # a meta.json damaged on disk: keep the folder for a person to look at
+            continue
+        if not final:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path.name)
     return removed
