@@ -12,7 +12,10 @@ install:
 	$(PIP) install --quiet "$(TORCH_SPEC)"
 	$(PIP) install --quiet -e ".[dev]"
 
+# The demo run is rewritten each time: a fresh run refuses a folder holding another run's
+# checkpoints (it would otherwise load them on a restart). Continue one with --resume instead.
 demo: install
+	rm -rf runs/demo
 	attnres-pp train --out runs/demo
 
 test: install
