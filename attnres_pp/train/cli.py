@@ -33,6 +33,8 @@ from attnres_pp.train.recovery import RunFailed
 _FLAGS = (
     ("--residual", "model", "residual", str, f"residual variant: {' | '.join(RESIDUALS)}"),
     ("--block-size", "model", "block_size", int, "sublayers per AttnRes block (1 = Full AttnRes)"),
+    ("--blocks", "model", "blocks", int, "number of AttnRes blocks N instead of --block-size: block i ends after "
+     "sublayer ceil(L i / N), L = 2 x layers (0 = use --block-size)"),
     ("--key-mode", "model", "key_mode", str, f"low-rank key mode: {' | '.join(KEY_MODES)}"),
     ("--key-rank", "model", "key_rank", int, "low-rank key dimension r"),
     ("--layers", "model", "n_layers", int, "transformer layers (two sublayers each)"),
@@ -87,6 +89,8 @@ def register(subparsers) -> None:
         # Parsed as strings and converted here, so a bad value is one clear `error:` line.
         parser.add_argument(flag, metavar=_key.upper(), help=help_text)
     parser.add_argument("--cache", choices=("on", "off"), help="cross-stage block cache")
+    parser.add_argument("--key-norm-gain", action="store_true", default=None,
+                        help="a learned gain (init 1) on the depth-attention key RMSNorm (default off)")
     parser.add_argument("--layer-counts", metavar="N,N,..", help="transformer layers per chunk, comma separated")
     parser.add_argument("--out", metavar="DIR", help="run directory (default runs/<timestamp>)")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
@@ -171,6 +175,8 @@ def flag_overrides(args: argparse.Namespace) -> dict:
             overrides[table][key] = convert_flag(flag, raw, kind)
     if args.cache is not None:
         overrides["pipeline"]["cache"] = args.cache == "on"
+    if args.key_norm_gain:
+        overrides["model"]["key_norm_gain"] = True
     if args.layer_counts is not None:
         overrides["pipeline"]["layer_counts"] = [
             convert_flag("--layer-counts", part, int) for part in args.layer_counts.split(",")
