@@ -14,6 +14,7 @@ from attnres_pp.model.decode_state import DecodeStep
 from attnres_pp.model.depth import BlockReader, StreamConvs, emit_source
 from attnres_pp.model.layers import TransformerLayer
 from attnres_pp.model.precision import to_activation
+from attnres_pp.model.routing import record_read
 
 
 @dataclass
@@ -44,7 +45,9 @@ def forward_sublayers(cfg: ModelConfig, layers: Mapping[int, TransformerLayer], 
     if cfg.residual == "standard":
         residual = state.residual
         for l in sublayers:
-            residual = to_activation(residual + _sublayer_output(layers, l, residual, decode))
+            out_BTD = _sublayer_output(layers, l, residual, decode)
+            record_read(layers[l // 2].sublayer(l % 2).read, l, None, 0, [], None, 0, residual, out_BTD)
+            residual = to_activation(residual + out_BTD)
         return DepthState(residual=residual)
 
     blocks, partial = list(state.blocks), state.partial
@@ -61,6 +64,8 @@ def forward_sublayers(cfg: ModelConfig, layers: Mapping[int, TransformerLayer], 
             segment_start = l
         h_BTD = reader.read(l - segment_start, partial, block_index)
         out_BTW = to_activation(emit_source(cfg, _sublayer_output(layers, l, h_BTD, decode)))
+        record_read(layers[l // 2].sublayer(l % 2).read, l, reader, l - segment_start, blocks, partial, block_index,
+                    h_BTD, out_BTW)
         partial = out_BTW if partial is None else partial + out_BTW
         if completes_block(l, block_ends):
             blocks.append(partial)
