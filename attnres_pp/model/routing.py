@@ -148,9 +148,26 @@ class RoutingProbe:
             out.append(row)
         return out
 
-    def scalars(self) -> dict[int, tuple[float, float]]:
-        """(mean entropy, embedding weight) per routed site: what a training step logs."""
-        return {row["site"]: (row["entropy"], row["embedding_weight"]) for row in self.summary() if "entropy" in row}
+    def token_sums(self) -> dict[int, tuple[float, float, int]]:
+        """Per routed site (entropy summed over tokens, embedding weight summed over tokens, tokens), each
+        averaged over the streams: scalars a pipeline rank sends for the sites it owns (`routing_metrics`)."""
+        return {site: (float(sums.entropy_sum_M.mean()), float(sums.weight_sum_MN[:, 0].mean()), sums.n_tokens)
+                for site, sums in sorted(self.sites.items()) if sums.weight_sum_MN is not None}
+
+
+def routing_metrics(token_sums: list[dict[int, tuple[float, float, int]]]) -> dict[str, list[float]]:
+    """The metrics.jsonl keys of a step that logs routing, from every rank's `token_sums` (replicas of a
+    site are summed, so the means are over the whole batch as in one process): per routed site in site
+    order, "routing_entropy" (mean over tokens, nats) and "routing_embedding_weight" (mean weight on b_0)."""
+    merged: dict[int, list[float]] = {}
+    for sums in token_sums:
+        for site, values in sums.items():
+            total = merged.setdefault(int(site), [0.0, 0.0, 0])
+            for k in range(3):
+                total[k] += values[k]
+    sites = sorted(merged)
+    return {"routing_entropy": [merged[s][0] / merged[s][2] for s in sites],
+            "routing_embedding_weight": [merged[s][1] / merged[s][2] for s in sites]}
 
 
 def record_read(read: DepthRead, site: int, reader: BlockReader | None, i: int, blocks: list[torch.Tensor],
@@ -162,15 +179,22 @@ def record_read(read: DepthRead, site: int, reader: BlockReader | None, i: int, 
         probe.record(site, read, reader, i, blocks, partial_BTW, partial_index, h_BTD, out_BTW)
 
 
+def set_probe(module: nn.Module, probe: RoutingProbe | None) -> None:
+    """Attach `probe` to every DepthRead under `module` (materialised or not), or detach with None."""
+    for read in module.modules():
+        if isinstance(read, DepthRead):
+            if probe is not None:
+                setattr(read, PROBE_ATTRIBUTE, probe)
+            elif hasattr(read, PROBE_ATTRIBUTE):
+                delattr(read, PROBE_ATTRIBUTE)
+
+
 @contextlib.contextmanager
 def attach_probe(module: nn.Module, probe: RoutingProbe):
-    """Attach `probe` to every DepthRead under `module` (materialised or not) for the `with` block."""
-    reads = [m for m in module.modules() if isinstance(m, DepthRead)]
-    for read in reads:
-        setattr(read, PROBE_ATTRIBUTE, probe)
+    """`probe` attached to every DepthRead under `module` for the `with` block."""
+    set_probe(module, probe)
     try:
         yield probe
     finally:
-        for read in reads:
-            delattr(read, PROBE_ATTRIBUTE)
+        set_probe(module, None)
 

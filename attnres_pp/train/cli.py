@@ -2,7 +2,8 @@
 engine (this process, or the pipeline's `make_engine`) and run the shared training loop, with
 checkpoints, resume and recovery from lost workers (`attnres_pp.train.checkpoint`, `.recovery`).
 With `--resume DIR` the defaults are the checkpoint's own settings: its config and its checkpoint
-cadence and restart limit. One-off flags (`--inject-failure`, `--address`, `--quiet`) are never saved."""
+cadence and restart limit. One-off flags (`--inject-failure`, `--address`, `--quiet`, `--tensorboard`) are
+never saved."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from attnres_pp.train.checkpoint import (
 from attnres_pp.train.config import DEVICES, DTYPES, KERNELS, RunConfig, merge_tables, read_toml
 from attnres_pp.train.loop import run_training
 from attnres_pp.train.recovery import RunFailed
+from attnres_pp.train.tensorboard import check_tensorboard
 
 # (flag, table, key, type, help); a flag left unset keeps the TOML or default value.
 _FLAGS = (
@@ -50,6 +52,8 @@ _FLAGS = (
     ("--seed", "train", "seed", int, "seed for init and data"),
     ("--data", "train", "data", str, "'builtin' (stdlib source bytes), FILE.txt or FILE.bin (uint16 tokens)"),
     ("--eval-every", "train", "eval_every", int, "evaluate every k steps (0 = only at the end)"),
+    ("--log-routing-every", "train", "log_routing_every", int,
+     "every k steps add routing entropy and embedding weight per reading site to metrics.jsonl (0 = never)"),
     ("--threads", "train", "threads", int, "torch threads per process"),
     ("--device", "train", "device", str, f"{' | '.join(DEVICES)}: cuda gives every rank its own GPU (nccl), "
      "cpu uses gloo; auto picks cuda when there are enough GPUs"),
@@ -94,6 +98,8 @@ def register(subparsers) -> None:
     parser.add_argument("--layer-counts", metavar="N,N,..", help="transformer layers per chunk, comma separated")
     parser.add_argument("--out", metavar="DIR", help="run directory (default runs/<timestamp>)")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    parser.add_argument("--tensorboard", metavar="DIR",
+                        help="also write the per-step scalars as TensorBoard events in DIR (needs the [tb] extra)")
     parser.add_argument("--address", metavar="ADDR",
                         help="--launcher ray: the cluster to join (default RAY_ADDRESS, else a private local "
                              "instance; 'auto' joins the `ray start` cluster of this machine)")
@@ -121,6 +127,9 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
         saved = {**saved, "pipeline": {k: v for k, v in saved.get("pipeline", {}).items() if k != "layer_counts"}}
     base = merge_tables(saved, read_toml(args.config)) if args.config else saved
     run_cfg = RunConfig.from_dict(merge_tables(base, overrides))
+    if run_cfg.train.log_routing_every and not run_cfg.model.uses_depth_attention:
+        raise ConfigError("--log-routing-every needs a depth-attention residual (the standard one has no "
+                          "routing): drop it or choose --residual attnres, lr_attnres or msar")
     if saved and run_cfg.model.to_dict() != saved["model"]:
         changed = sorted(k for k, v in run_cfg.model.to_dict().items() if saved["model"].get(k) != v)
         raise ConfigError(f"--resume {args.resume}: the checkpoint holds another model (model {changed} differ); "
@@ -234,6 +243,9 @@ def main(args: argparse.Namespace) -> int:
         if args.resume and args.out and Path(args.out) != Path(args.resume):
             raise ConfigError(f"--resume {args.resume} continues that run in its own directory: drop --out")
         out_dir = Path(args.resume or args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        if args.tensorboard:
+            check_out_dir(args.tensorboard, "--tensorboard")
+            check_tensorboard()
         if not args.resume:  # a resumed run's directory is checked for its checkpoints below
             check_out_dir(out_dir, "--out")
         check_run_dir(out_dir, checkpoints.resume)
@@ -244,7 +256,8 @@ def main(args: argparse.Namespace) -> int:
     # The engine resolved device, dtype and kernels ("auto"); the summary records what ran.
     run_cfg = dataclasses.replace(run_cfg, train=engine.train_cfg)
     try:
-        run_training(run_cfg, engine, out_dir, progress=not args.quiet, corpus=corpus, checkpoints=checkpoints)
+        run_training(run_cfg, engine, out_dir, progress=not args.quiet, corpus=corpus, checkpoints=checkpoints,
+                     tensorboard=args.tensorboard)
     except RunFailed as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
