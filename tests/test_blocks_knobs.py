@@ -4,6 +4,7 @@ learned gain to the key norm that starts as the identity."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -109,6 +110,15 @@ def test_train_flags_fill_blocks_and_key_norm_gain():
     assert model.blocks == 4 and model.key_norm_gain and model.block_ends == (2, 3, 5, 6)
 
 
+def test_block_size_and_blocks_together_is_one_error_line(tmp_path, capsys):
+    from attnres_pp.cli import main
+
+    code = main(["train", "--launcher", "local", "--block-size", "2", "--blocks", "3", "--out", str(tmp_path)])
+    assert code == 2
+    assert capsys.readouterr().err == ("error: give one of --block-size S (sublayers per block) and --blocks N "
+                                       "(number of blocks)\n")
+
+
 def test_key_norm_gain_starts_as_the_identity_and_folds_into_the_query():
     inputs, targets = batch(1)
     plain_cfg = model_config("block", 2)
@@ -136,3 +146,16 @@ def test_key_norm_gain_starts_as_the_identity_and_folds_into_the_query():
     torch.testing.assert_close(loss, plain(inputs, targets), rtol=1e-6, atol=1e-6)
     loss.backward()
     assert any(float(p.grad.abs().sum()) > 0 for n, p in gained.named_parameters() if n.endswith("key_gain"))
+
+
+def test_training_with_blocks_n_equals_training_with_block_size(tmp_path):
+    """`--blocks 4` over 4 layers (8 sublayers) trains exactly as `--block-size 2`: identical losses."""
+    from attnres_pp.cli import main
+
+    common = ["train", "--launcher", "local", "--layers", "4", "--d-model", "16", "--heads", "2", "--seq-len", "16",
+              "--batch-size", "4", "--steps", "3", "--quiet", "--residual", "lr_attnres", "--key-mode", "sliced",
+              "--key-rank", "4"]
+    assert main([*common, "--block-size", "2", "--out", str(tmp_path / "size")]) == 0
+    assert main([*common, "--blocks", "4", "--out", str(tmp_path / "count")]) == 0
+    losses = [json.loads((tmp_path / name / "summary.json").read_text())["losses"] for name in ("size", "count")]
+    assert losses[0] == losses[1] and len(losses[0]) == 3

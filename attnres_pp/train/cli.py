@@ -186,6 +186,8 @@ def flag_overrides(args: argparse.Namespace) -> dict:
         overrides["pipeline"]["cache"] = args.cache == "on"
     if args.key_norm_gain:
         overrides["model"]["key_norm_gain"] = True
+    if {"block_size", "blocks"} <= set(overrides["model"]):
+        raise ConfigError("give one of --block-size S (sublayers per block) and --blocks N (number of blocks)")
     if args.layer_counts is not None:
         overrides["pipeline"]["layer_counts"] = [
             convert_flag("--layer-counts", part, int) for part in args.layer_counts.split(",")
