@@ -84,10 +84,11 @@ def dilution_png(rows: list[dict], baseline: list[dict] | None, path: Path, titl
         if not data:
             continue
         sublayers = [r for r in data if r["kind"] != "final"]
+        face = "none" if name == "baseline" else None  # open markers: the baseline shows where curves meet
         ax.plot([r["site"] for r in sublayers], [r["input_rms"] for r in sublayers], "o" + style,
-                color="tab:blue", label=f"input RMS ({name})")
+                color="tab:blue", mfc=face, label=f"input RMS ({name})")
         ax.plot([r["site"] for r in sublayers], [r["output_rms"] for r in sublayers], "s" + style,
-                color="tab:orange", label=f"output RMS ({name})")
+                color="tab:orange", mfc=face, label=f"output RMS ({name})")
     ax.set_yscale("log")
     ax.set_xlabel("sublayer l")
     ax.set_ylabel("RMS per token")
