@@ -16,7 +16,7 @@ from pathlib import Path
 
 from attnres_pp.config_tables import convert_flag
 from attnres_pp.data import load_corpus
-from attnres_pp.model.config import KEY_MODES, RESIDUALS
+from attnres_pp.model.config import KEY_MODES, RESIDUALS, ModelConfig
 from attnres_pp.out_paths import check_out_dir
 from attnres_pp.pipeline.config import LAUNCHERS, P2P_SEMANTICS, PLACEMENTS, SCHEDULE_NAMES
 from attnres_pp.train.checkpoint import (
@@ -130,8 +130,10 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
     if run_cfg.train.log_routing_every and not run_cfg.model.uses_depth_attention:
         raise ConfigError("--log-routing-every needs a depth-attention residual (the standard one has no "
                           "routing): drop it or choose --residual attnres, lr_attnres or msar")
-    if saved and run_cfg.model.to_dict() != saved["model"]:
-        changed = sorted(k for k, v in run_cfg.model.to_dict().items() if saved["model"].get(k) != v)
+    # The saved model read back through ModelConfig: a checkpoint from before a field existed has its default.
+    saved_model = ModelConfig.from_dict(saved["model"]).to_dict() if saved else {}
+    if saved and run_cfg.model.to_dict() != saved_model:
+        changed = sorted(k for k, v in run_cfg.model.to_dict().items() if saved_model.get(k) != v)
         raise ConfigError(f"--resume {args.resume}: the checkpoint holds another model (model {changed} differ); "
                           "drop the flags or TOML keys that change the model")
     return run_cfg
