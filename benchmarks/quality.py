@@ -4,6 +4,7 @@ corpus (single process, the shared training loop) and tabulate validation loss a
     python benchmarks/quality.py                 # the default budget (TrainConfig defaults), ~5 min
     python benchmarks/quality.py --quick         # a smoke run of a few steps
     python benchmarks/quality.py --seeds 2       # mean over seeds 0..1
+    python benchmarks/quality.py --depth         # 12 layers, d 48, 3 paired seeds (benchmarks/quality_depth.py)
 
 Writes benchmarks/results/quality_<date>.json and .md (with the exact command line); run
 directories go to runs/quality_<date>/. Runs `--jobs` trainings at once, one torch thread each.
@@ -83,6 +84,12 @@ def train_one(job: tuple[str, dict, int, int, str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--depth" in argv:  # the deep, narrow benchmark with paired seeds lives beside this file
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from quality_depth import main as depth_main
+
+        return depth_main(argv)
     args = parse_args(argv)
     date = time.strftime("%Y-%m-%d")
     tag = f"quality_{date}" + ("_quick" if args.quick else "") + ("_partial" if args.only else "")
@@ -97,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(name, overrides, args.steps, seed, str(runs_root / f"{index}_seed{seed}"))
             for index, (name, overrides) in enumerate(variants) for seed in range(args.seeds)]
     jobs.sort(key=lambda job: job[1]["residual"] != "msar")  # the slowest first packs the workers best
-    command = shlex.join(["python", "benchmarks/quality.py", *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(["python", "benchmarks/quality.py", *argv])
     print(f"{len(jobs)} runs of {args.steps} steps, {args.jobs} at a time", flush=True)
     start = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool:

@@ -174,7 +174,8 @@ def check_command(parser: argparse.ArgumentParser, command: str) -> list[str]:
                 value = tokens.pop(0)
             problems.extend(_check_choices(path, flag, action, value))
         elif positionals:
-            action = positionals.pop(0)
+            # A positional with nargs "+" or "*" (`attnres-pp plot RUN ...`) takes every later argument.
+            action = positionals[0] if positionals[0].nargs in ("+", "*") else positionals.pop(0)
             problems.extend(_check_choices(path, action.dest, action, token))
         else:
             problems.append(f"`{path}` takes no argument {token!r}")

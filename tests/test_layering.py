@@ -9,6 +9,7 @@ function) of every module under attnres_pp must point down or sideways, never up
     pipeline                         schedule, comm and below (runtime, chunks, rank start-up)
     train                            pipeline and below (configs, optimiser step, engines, checkpoints)
     generate                         train and below (reads checkpoints; generators, decode loop, its CLI)
+    analysis                         train and below, beside generate (routing diagnostics, run plots)
     simulator                        schedule and the torch-free parts of comm; never pipeline, train,
                                      torch, torch.distributed or ray
     bench                            on top: anything
@@ -36,7 +37,8 @@ ALLOWED = {
     "train": {"pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths"},
     "simulator": {"schedule", "comm", "model", "config_tables", "out_paths"},
     "generate": {"train", "pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths"},
-    "bench": {"generate", "train", "simulator", "pipeline", "schedule", "comm", "model", "kernels", "data",
+    "analysis": {"train", "pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths"},
+    "bench": {"analysis", "generate", "train", "simulator", "pipeline", "schedule", "comm", "model", "kernels", "data",
               "config_tables", "out_paths"},
     "cli": set(),  # imports the subcommands by name, at run time
     "root": set(),  # attnres_pp/__init__.py

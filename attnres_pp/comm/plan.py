@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from attnres_pp.comm.partition import Partition
+from attnres_pp.model.config import block_ends_of, completed_blocks
 
 MODES = ("standard", "naive", "cached")
 
@@ -75,25 +76,30 @@ class PayloadPlan:
         return [len(hop) for hop in self.wire_hops]
 
 
-def _completed_blocks(sublayers_done: int, block_size: int) -> int:
-    """Completed blocks b_1..b_n after the first `sublayers_done` sublayers (excluding the tail)."""
-    return sublayers_done // block_size
-
-
-def _open_partial(sublayers_done: int, block_size: int) -> Source | None:
-    if sublayers_done % block_size == 0:
+def _open_partial(sublayers_done: int, block_ends: tuple[int, ...]) -> Source | None:
+    if sublayers_done == 0 or sublayers_done in block_ends:
         return None
-    return Source("partial", sublayers_done // block_size + 1)
+    return Source("partial", completed_blocks(sublayers_done, block_ends) + 1)
 
 
-def plan_payloads(*, n_sublayers: int, block_size: int, partition: Partition, mode: str) -> PayloadPlan:
-    """Plan every hop and every chunk's cache traffic for one microbatch (identical for all)."""
+def plan_payloads(*, n_sublayers: int, block_size: int = 0, block_ends: tuple[int, ...] = (), partition: Partition,
+                  mode: str) -> PayloadPlan:
+    """Plan every hop and every chunk's cache traffic for one microbatch (identical for all).
+
+    The blocks are every `block_size` sublayers, or end where `block_ends` says (ModelConfig.block_ends:
+    ascending, the last one `n_sublayers`); give exactly one of them unless `mode` is standard."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is unknown; choose one of {', '.join(MODES)}")
     if 2 * partition.n_layers != n_sublayers:
         raise ValueError(f"partition holds {partition.n_layers} layers but the model has {n_sublayers // 2}")
     if mode == "standard":
         return _plan_standard(partition)
+    if bool(block_size) == bool(block_ends):
+        raise ValueError("give exactly one of block_size (sublayers per block) and block_ends (where blocks end)")
+    if block_size:
+        block_ends = block_ends_of(n_sublayers, block_size=block_size)
+    if block_ends[-1] != n_sublayers or list(block_ends) != sorted(set(block_ends)) or block_ends[0] < 1:
+        raise ValueError(f"block_ends={block_ends} must rise strictly from >= 1 to n_sublayers={n_sublayers}")
 
     held_by_rank: list[set[Source]] = [set() for _ in range(partition.n_stages)]
     rows: list[dict] = []
@@ -102,19 +108,19 @@ def plan_payloads(*, n_sublayers: int, block_size: int, partition: Partition, mo
         rank = partition.rank_of(chunk_index)
         sublayers = partition.sublayer_range(chunk_index)
         # Chunk 0 makes b_0 itself; every later chunk starts with b_0 .. b_n completed.
-        available_before = [Source("block", j) for j in range(_completed_blocks(sublayers.start, block_size) + 1)]
+        available_before = [Source("block", j) for j in range(completed_blocks(sublayers.start, block_ends) + 1)]
         if chunk_index == 0:
             available_before = []
         cache_reads = tuple(s for s in available_before if s not in received)
         if mode == "naive":
             assert not cache_reads, "naive hops carry every completed block"
         done = sublayers.stop
-        completed_now = [Source("block", j) for j in range(_completed_blocks(sublayers.start, block_size) + 1,
-                                                            _completed_blocks(done, block_size) + 1)]
+        completed_now = [Source("block", j) for j in range(completed_blocks(sublayers.start, block_ends) + 1,
+                                                            completed_blocks(done, block_ends) + 1)]
         if chunk_index == 0:
             completed_now.insert(0, Source("block", 0))
         is_last = chunk_index == partition.n_chunks - 1
-        partial = _open_partial(done, block_size)
+        partial = _open_partial(done, block_ends)
         if is_last and partial is not None:  # a short trailing block counts as complete
             completed_now.append(Source("block", partial.index))
             partial = None
@@ -128,7 +134,7 @@ def plan_payloads(*, n_sublayers: int, block_size: int, partition: Partition, mo
                 cache_puts = holds_now
         sent: tuple[Source, ...] = ()
         if not is_last:
-            all_blocks = [Source("block", j) for j in range(_completed_blocks(done, block_size) + 1)]
+            all_blocks = [Source("block", j) for j in range(completed_blocks(done, block_ends) + 1)]
             receiver = partition.rank_of(chunk_index + 1)
             if mode == "cached":
                 all_blocks = [s for s in all_blocks if s not in held_by_rank[receiver]]
@@ -165,4 +171,4 @@ def _plan_standard(partition: Partition) -> PayloadPlan:
 def plan_for_model(cfg, partition: Partition, cache: bool) -> PayloadPlan:
     """The plan a run of `cfg` (a ModelConfig) uses: standard, or naive/cached AttnRes."""
     mode = "standard" if cfg.residual == "standard" else ("cached" if cache else "naive")
-    return plan_payloads(n_sublayers=cfg.n_sublayers, block_size=cfg.block_size, partition=partition, mode=mode)
+    return plan_payloads(n_sublayers=cfg.n_sublayers, block_ends=cfg.block_ends, partition=partition, mode=mode)

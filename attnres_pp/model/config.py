@@ -6,6 +6,7 @@ block completes, how many sources the final read sees.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
@@ -29,7 +30,9 @@ def _is_real(value) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """One model of the family. `block_size` counts sublayers (two per transformer layer)."""
+    """One model of the family. `block_size` counts sublayers (two per transformer layer); `blocks` > 0
+    names the number of blocks N instead (SPEC 1.2: block i ends after sublayer ceil(L i / N)) and then
+    decides the boundaries alone. `key_norm_gain` adds a learned gain (init 1) to the key RMSNorm."""
 
     vocab_size: int = 256
     n_layers: int = 4
@@ -39,12 +42,14 @@ class ModelConfig:
     seq_len: int = 64
     residual: str = "attnres"
     block_size: int = 2
+    blocks: int = 0  # 0: blocks of block_size sublayers
     key_mode: str = "projected"
     key_rank: int = 8
     logit_scale: float = 1.0
     stream_kernels: tuple[int, ...] = field(default=(4, 8, 12))
     norm_eps: float = 1e-6
     init_std: float = 0.02
+    key_norm_gain: bool = False
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "n_layers", "d_model", "n_heads", "seq_len")
@@ -63,6 +68,11 @@ class ModelConfig:
         if self.block_size > self.n_sublayers:
             _fail("block_size", self.block_size,
                   f"must be <= 2 * n_layers = {self.n_sublayers} (block_size counts sublayers)")
+        if not _is_int(self.blocks) or not 0 <= self.blocks <= self.n_sublayers:
+            _fail("blocks", self.blocks, f"must be an integer in 1..2 * n_layers = {self.n_sublayers} "
+                  "(the number of blocks N), or 0 to use block_size")
+        if not isinstance(self.key_norm_gain, bool):
+            _fail("key_norm_gain", self.key_norm_gain, "must be true or false")
         if self.key_mode not in KEY_MODES:
             _fail("key_mode", self.key_mode, f"choose one of {', '.join(KEY_MODES)}")
         if not _is_int(self.key_rank) or self.key_rank < 1:
@@ -117,21 +127,45 @@ class ModelConfig:
         return 1 + len(self.stream_kernels) if self.residual == "msar" else 1
 
     @property
+    def block_ends(self) -> tuple[int, ...]:
+        """Where each block b_1..b_N ends: block j holds sublayers block_ends[j-2] .. block_ends[j-1] - 1
+        (from 0 for j = 1); the last entry is L (a short trailing block counts)."""
+        return block_ends_of(self.n_sublayers, block_size=self.block_size, blocks=self.blocks)
+
+    @property
     def n_blocks(self) -> int:
         """Completed blocks after the last sublayer (a short trailing block counts)."""
-        return -(-self.n_sublayers // self.block_size)
+        return len(self.block_ends)
 
 
-def block_of(sublayer: int, block_size: int) -> int:
+def block_ends_of(n_sublayers: int, *, block_size: int = 1, blocks: int = 0) -> tuple[int, ...]:
+    """Block boundaries of SPEC 1.2: with `blocks` = N > 0, block i (1-based) ends after sublayer
+    ceil(L i / N), spreading the remainder; otherwise every `block_size` sublayers, the last block short."""
+    if blocks:
+        return tuple(-(-n_sublayers * i // blocks) for i in range(1, blocks + 1))
+    return tuple(min(end, n_sublayers) for end in range(block_size, n_sublayers + block_size, block_size))
+
+
+def completed_blocks(sublayers_done: int, block_ends: tuple[int, ...]) -> int:
+    """Blocks b_1..b_n complete once the first `sublayers_done` sublayers have run."""
+    return bisect.bisect_right(block_ends, sublayers_done)
+
+
+def block_of(sublayer: int, block_ends: tuple[int, ...]) -> int:
     """1-based source index of the block that sublayer `sublayer` contributes to."""
-    return sublayer // block_size + 1
+    return completed_blocks(sublayer, block_ends) + 1
 
 
-def completes_block(sublayer: int, block_size: int, n_sublayers: int) -> bool:
-    """True if `sublayer` is the last of its block (or the last sublayer of the model)."""
-    return (sublayer + 1) % block_size == 0 or sublayer == n_sublayers - 1
+def block_stop(sublayer: int, block_ends: tuple[int, ...]) -> int:
+    """One past the last sublayer of the block that `sublayer` belongs to."""
+    return block_ends[block_of(sublayer, block_ends) - 1]
 
 
-def has_partial_before(sublayer: int, block_size: int) -> bool:
+def completes_block(sublayer: int, block_ends: tuple[int, ...]) -> bool:
+    """True if `sublayer` is the last of its block (the model's last sublayer always is)."""
+    return block_stop(sublayer, block_ends) == sublayer + 1
+
+
+def has_partial_before(sublayer: int, block_ends: tuple[int, ...]) -> bool:
     """True if sublayer `sublayer` reads an open partial (it is not its block's first)."""
-    return sublayer % block_size != 0
+    return sublayer != 0 and sublayer not in block_ends

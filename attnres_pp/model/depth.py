@@ -39,6 +39,13 @@ class DepthRead(nn.Module):
             self.gate_bias = nn.Parameter(torch.zeros(m))
         else:
             self.query = nn.Parameter(torch.zeros(cfg.query_dim))
+        # A learned gain g on the key RMSNorm (init 1): w . (g * RMSNorm(k)) = (w * g) . RMSNorm(k), so
+        # the kernels, which normalise keys without a gain, are given the query w * g.
+        self.key_gain = nn.Parameter(torch.ones_like(self.query)) if cfg.key_norm_gain else None
+
+    def scoring_query(self) -> torch.Tensor:
+        """The query the scores use ([k], or [m, d] per stream): `query`, times the key gain if any."""
+        return self.query if self.key_gain is None else self.query * self.key_gain
 
 
 class StreamConvs(nn.Module):
@@ -106,12 +113,12 @@ class BlockReader:
             per_source = [self._streams(("block", j), j, b) for j, b in enumerate(blocks)]
             for s in range(cfg.n_streams):
                 values_NTD = torch.stack([self._flat(streams[s]) for streams in per_source])
-                queries_SD = torch.stack([r.query[s] for r in reads])
+                queries_SD = torch.stack([r.scoring_query()[s] for r in reads])
                 self.phase1_by_stream.append(phase1(values_NTD, queries_SD, eps=cfg.norm_eps, backend=backend))
         else:
             packed_NTW = torch.stack([self._flat(b) for b in blocks])
             values_NTD, keys_NTK = self._split(packed_NTW)
-            queries_SK = torch.stack([r.query for r in reads]) * cfg.logit_scale
+            queries_SK = torch.stack([r.scoring_query() for r in reads]) * cfg.logit_scale
             self.phase1_by_stream.append(
                 phase1(values_NTD, queries_SK, keys=keys_NTK, eps=cfg.norm_eps, backend=backend))
 
@@ -145,7 +152,7 @@ class BlockReader:
             out1_TD, lse1_T = (t[i] for t in self.phase1_by_stream[0])
             if partial_BTW is not None:
                 values_TD, keys_TK = self._split(self._flat(partial_BTW))
-                out1_TD = phase2(out1_TD, lse1_T, values_TD, read.query * cfg.logit_scale,
+                out1_TD = phase2(out1_TD, lse1_T, values_TD, read.scoring_query() * cfg.logit_scale,
                                  partial_key=keys_TK, eps=cfg.norm_eps, backend=self.backend)
             return out1_TD.view(*self.shape_BT, cfg.d_model)
         partial_streams = (self._streams(("partial", self.first_site + i), partial_index, partial_BTW)
@@ -154,7 +161,7 @@ class BlockReader:
         for s, (out1_STD, lse1_ST) in enumerate(self.phase1_by_stream):
             z_TD = out1_STD[i]
             if partial_streams is not None:
-                z_TD = phase2(z_TD, lse1_ST[i], self._flat(partial_streams[s]), read.query[s],
+                z_TD = phase2(z_TD, lse1_ST[i], self._flat(partial_streams[s]), read.scoring_query()[s],
                               eps=cfg.norm_eps, backend=self.backend)
             z_by_stream.append(z_TD)
         return mix_streams(read, z_by_stream, cfg.norm_eps).view(*self.shape_BT, cfg.d_model)

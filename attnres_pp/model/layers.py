@@ -123,7 +123,7 @@ def _init_value(module_name: str, module: nn.Module, param_name: str, shape: tor
         return torch.ones(shape)
     if isinstance(module, DepthRead):
         # Zero queries make every read a plain mean at step 0; gates start at sigmoid(0) = 0.5.
-        return torch.ones(shape) if param_name == "gate_alpha" else torch.zeros(shape)
+        return torch.ones(shape) if param_name in ("gate_alpha", "key_gain") else torch.zeros(shape)
     if module_name.startswith("stream_convs."):
         return torch.full(shape, 1.0 / shape[0])  # causal moving average over kappa = shape[0] taps
     raise ValueError(f"no initialisation rule for parameter {module_name}.{param_name} "

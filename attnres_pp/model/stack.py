@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnres_pp.model.config import ModelConfig, block_of, completes_block
+from attnres_pp.model.config import ModelConfig, block_of, block_stop, completes_block
 from attnres_pp.model.decode_state import DecodeStep
 from attnres_pp.model.depth import BlockReader, StreamConvs, emit_source
 from attnres_pp.model.layers import TransformerLayer
 from attnres_pp.model.precision import to_activation
+from attnres_pp.model.routing import record_read
 
 
 @dataclass
@@ -44,24 +45,29 @@ def forward_sublayers(cfg: ModelConfig, layers: Mapping[int, TransformerLayer], 
     if cfg.residual == "standard":
         residual = state.residual
         for l in sublayers:
-            residual = to_activation(residual + _sublayer_output(layers, l, residual, decode))
+            out_BTD = _sublayer_output(layers, l, residual, decode)
+            record_read(layers[l // 2].sublayer(l % 2).read, l, None, 0, [], None, 0, residual, out_BTD)
+            residual = to_activation(residual + out_BTD)
         return DepthState(residual=residual)
 
     blocks, partial = list(state.blocks), state.partial
     reader: BlockReader | None = None
     segment_start = sublayers.start
+    block_ends = cfg.block_ends
     for l in sublayers:
-        block_index = block_of(l, cfg.block_size)
+        block_index = block_of(l, block_ends)
         if reader is None:
             # Phase 1 for this block's sublayers that lie in `sublayers` (one batched read).
-            segment_stop = min(sublayers.stop, block_index * cfg.block_size)
+            segment_stop = min(sublayers.stop, block_stop(l, block_ends))
             reads = [layers[j // 2].sublayer(j % 2).read for j in range(l, segment_stop)]
             reader = BlockReader(cfg, reads, blocks, stream_convs, backend, decode, l)
             segment_start = l
         h_BTD = reader.read(l - segment_start, partial, block_index)
         out_BTW = to_activation(emit_source(cfg, _sublayer_output(layers, l, h_BTD, decode)))
+        record_read(layers[l // 2].sublayer(l % 2).read, l, reader, l - segment_start, blocks, partial, block_index,
+                    h_BTD, out_BTW)
         partial = out_BTW if partial is None else partial + out_BTW
-        if completes_block(l, cfg.block_size, cfg.n_sublayers):
+        if completes_block(l, block_ends):
             blocks.append(partial)
             partial, reader = None, None
     return DepthState(blocks=blocks, partial=partial)

@@ -11,6 +11,7 @@ from attnres_pp.model.decode_state import DecodeStep
 from attnres_pp.model.depth import BlockReader, DepthRead, StreamConvs, emit_source
 from attnres_pp.model.layers import Embedding, RMSNorm, TransformerLayer, init_weights
 from attnres_pp.model.precision import PRECISIONS, compute_context, to_activation
+from attnres_pp.model.routing import record_read
 from attnres_pp.model.stack import DepthState, forward_sublayers
 
 
@@ -28,11 +29,13 @@ class Head(nn.Module):
                 decode: DecodeStep | None = None) -> torch.Tensor:
         if self.cfg.residual == "standard":
             h_BTD = state.residual
+            record_read(self.read, self.cfg.n_sublayers, None, 0, [], None, 0, h_BTD)
         else:
             # The last sublayer always completes a block, so no partial is open here.
             reader = BlockReader(self.cfg, [self.read], state.blocks, stream_convs, backend, decode,
                                  self.cfg.n_sublayers)
             h_BTD = reader.read(0, None, 0)
+            record_read(self.read, self.cfg.n_sublayers, reader, 0, state.blocks, None, 0, h_BTD)
         return self.lm_head(self.norm(h_BTD))
 
 

@@ -87,8 +87,11 @@ def register(subparsers) -> None:
 
 def _model_flags(parser: argparse.ArgumentParser, *, required: bool) -> None:
     parser.add_argument("--layers", type=_count(1), required=required, default=None, help="transformer layers")
-    parser.add_argument("--block-size", type=_count(1), required=required, default=None,
-                        help="sublayers per block (1 = Full AttnRes)")
+    parser.add_argument("--block-size", type=_count(1), default=None,
+                        help="sublayers per block (1 = Full AttnRes)" + ("; this or --blocks is required" if required
+                                                                         else ""))
+    parser.add_argument("--blocks", type=_count(1), default=None,
+                        help="number of blocks N instead of --block-size (block i ends after sublayer ceil(L i / N))")
     parser.add_argument("--residual", choices=RESIDUALS, default="attnres")
     parser.add_argument("--key-mode", choices=KEY_MODES, default="projected")
     parser.add_argument("--key-rank", type=_count(1), default=8, help="r of low-rank keys (lr_attnres)")
@@ -136,10 +139,13 @@ def _fail(args: argparse.Namespace, message: str) -> int:
 
 
 def _model_config(args: argparse.Namespace) -> ModelConfig:
+    if (args.block_size is None) == (args.blocks is None):
+        raise ValueError("give exactly one of --block-size S and --blocks N to place the blocks")
     # Heads do not change FLOPs or bytes here, and one head divides every width.
     return ModelConfig(vocab_size=args.vocab_size, n_layers=args.layers, d_model=args.d_model, n_heads=1,
                        d_ff=args.d_ff, seq_len=args.seq_len, residual=args.residual,
-                       block_size=args.block_size, key_mode=args.key_mode, key_rank=args.key_rank)
+                       block_size=args.block_size or 1, blocks=args.blocks or 0, key_mode=args.key_mode,
+                       key_rank=args.key_rank)
 
 
 def _layer_counts(text: str | None) -> tuple[int, ...] | None:
@@ -155,8 +161,8 @@ def _run_comm(args: argparse.Namespace) -> int:
     try:
         cfg = _model_config(args)
         layer_counts = _layer_counts(args.layer_counts)
-        report = comm_report(n_layers=cfg.n_layers, block_size=cfg.block_size, n_stages=args.stages,
-                             n_virtual=args.virtual, tokens=args.tokens, d_model=cfg.d_model,
+        report = comm_report(n_layers=cfg.n_layers, block_size=cfg.block_size, blocks=cfg.blocks,
+                             n_stages=args.stages, n_virtual=args.virtual, tokens=args.tokens, d_model=cfg.d_model,
                              source_width=cfg.source_width, dtype=args.dtype, layer_counts=layer_counts)
     except ValueError as error:
         return _fail(args, str(error))
@@ -213,9 +219,9 @@ def _simulate_schedule(args: argparse.Namespace):
     cfg, tokens, cache = None, args.tokens, not args.no_cache
     if calibration is not None:
         cfg, tokens, cache = calibration.model, calibration.microbatch_tokens, calibration.cache
-    elif args.layers is not None or args.block_size is not None:
-        if args.layers is None or args.block_size is None:
-            raise ValueError("give both --layers and --block-size to describe the model")
+    elif args.layers is not None or args.block_size is not None or args.blocks is not None:
+        if args.layers is None or (args.block_size is None and args.blocks is None):
+            raise ValueError("give both --layers and --block-size (or --blocks) to describe the model")
         cfg = _model_config(args)
     elif args.costs == "model":
         raise ValueError("--costs model needs the model: give --layers and --block-size")

@@ -16,18 +16,22 @@ from dataclasses import dataclass
 
 from attnres_pp.comm.partition import Partition, make_partition
 from attnres_pp.comm.plan import PayloadPlan, plan_payloads
+from attnres_pp.model.config import block_ends_of
 
 COMM_MODES = ("standard", "full_naive", "naive", "cached")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
-def plan_for_mode(mode: str, *, n_sublayers: int, block_size: int, partition: Partition) -> PayloadPlan:
-    """The planner's answer for one of COMM_MODES (full_naive = naive with block_size 1)."""
+def plan_for_mode(mode: str, *, n_sublayers: int, block_size: int, partition: Partition,
+                  blocks: int = 0) -> PayloadPlan:
+    """The planner's answer for one of COMM_MODES (full_naive = naive with block_size 1); `blocks` > 0
+    places the block boundaries by the number of blocks instead (SPEC 1.2, ModelConfig.block_ends)."""
     if mode not in COMM_MODES:
         raise ValueError(f"mode {mode!r} is unknown; choose one of {', '.join(COMM_MODES)}")
     if mode == "full_naive":
         return plan_payloads(n_sublayers=n_sublayers, block_size=1, partition=partition, mode="naive")
-    return plan_payloads(n_sublayers=n_sublayers, block_size=block_size, partition=partition, mode=mode)
+    block_ends = block_ends_of(n_sublayers, block_size=block_size, blocks=blocks)
+    return plan_payloads(n_sublayers=n_sublayers, block_ends=block_ends, partition=partition, mode=mode)
 
 
 def closed_form_naive(n_stages: int, n_virtual: int) -> list[int]:
@@ -58,6 +62,7 @@ class CommReport:
     source_width: int
     dtype: str
     fwd_hop_tensors: dict[str, list[int]]
+    blocks: int = 0  # > 0: the blocks are placed by their number (SPEC 1.2), block_size is not used
 
     def width_of(self, mode: str) -> int:
         return self.d_model if mode == "standard" else self.source_width
@@ -77,7 +82,8 @@ class CommReport:
     def to_dict(self) -> dict:
         return {
             "layers": self.n_layers, "sublayers": 2 * self.n_layers, "block_size": self.block_size,
-            "stages": self.n_stages, "virtual": self.n_virtual, "chunks": self.n_stages * self.n_virtual,
+            "blocks": self.blocks, "stages": self.n_stages, "virtual": self.n_virtual,
+            "chunks": self.n_stages * self.n_virtual,
             "tokens": self.tokens, "d_model": self.d_model, "source_width": self.source_width,
             "dtype": self.dtype,
             "fwd_hop_tensors": self.fwd_hop_tensors,
@@ -90,8 +96,8 @@ class CommReport:
 
 def comm_report(*, n_layers: int, block_size: int, n_stages: int, n_virtual: int, tokens: int,
                 d_model: int, source_width: int, dtype: str = "bf16",
-                layer_counts: tuple[int, ...] | None = None) -> CommReport:
-    """Plan all four modes for one model shape and partition."""
+                layer_counts: tuple[int, ...] | None = None, blocks: int = 0) -> CommReport:
+    """Plan all four modes for one model shape and partition (`blocks` > 0: N blocks, SPEC 1.2)."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is unknown; choose one of {', '.join(DTYPE_BYTES)}")
     if tokens < 1:
@@ -99,11 +105,13 @@ def comm_report(*, n_layers: int, block_size: int, n_stages: int, n_virtual: int
     if n_stages < 1 or n_virtual < 1:  # before the partition divides by stages x virtual
         raise ValueError(f"stages={n_stages}, virtual={n_virtual} are invalid: each must be an integer >= 1")
     partition = make_partition(n_layers, n_stages, n_virtual, layer_counts)
-    counts = {mode: plan_for_mode(mode, n_sublayers=2 * n_layers, block_size=block_size,
-                                  partition=partition).fwd_hop_tensors for mode in COMM_MODES}
+    if not 0 <= blocks <= 2 * n_layers:
+        raise ValueError(f"blocks={blocks} is invalid: the number of blocks must be in 1..{2 * n_layers}, or 0")
+    counts = {mode: plan_for_mode(mode, n_sublayers=2 * n_layers, block_size=block_size, partition=partition,
+                                  blocks=blocks).fwd_hop_tensors for mode in COMM_MODES}
     return CommReport(n_layers=n_layers, block_size=block_size, n_stages=n_stages, n_virtual=n_virtual,
                       tokens=tokens, d_model=d_model, source_width=source_width, dtype=dtype,
-                      fwd_hop_tensors=counts)
+                      fwd_hop_tensors=counts, blocks=blocks)
 
 
 def format_bytes(n_bytes: float) -> str:
@@ -127,7 +135,8 @@ def format_comm_table(report: CommReport) -> str:
     lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in
                        enumerate(zip(row, widths, strict=True))) for row in rows]
     return "\n".join([
-        f"L={2 * report.n_layers} sublayers, S={report.block_size}, P={report.n_stages}, "
+        f"L={2 * report.n_layers} sublayers, "
+        f"{f'N={report.blocks} blocks' if report.blocks else f'S={report.block_size}'}, P={report.n_stages}, "
         f"V={report.n_virtual}, {report.tokens} tokens/mb, width {report.source_width} "
         f"(standard {report.d_model}), {report.dtype}",
         "tensors per forward hop c -> c+1:",

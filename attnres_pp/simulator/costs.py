@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from attnres_pp.comm.partition import Partition
 from attnres_pp.comm.plan import PayloadPlan
-from attnres_pp.model.config import ModelConfig
+from attnres_pp.model.config import ModelConfig, block_of, has_partial_before
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,7 +144,8 @@ def sublayer_forward_flops(cfg: ModelConfig, sublayer: int, tokens: int) -> floa
     else:  # MLP: up and down projection
         flops = 2 * tokens * (d * cfg.ff_dim + cfg.ff_dim * width_out)
     if cfg.uses_depth_attention:
-        sources = sublayer // cfg.block_size + 1 + (1 if sublayer % cfg.block_size else 0)
+        ends = cfg.block_ends
+        sources = block_of(sublayer, ends) + (1 if has_partial_before(sublayer, ends) else 0)
         flops += 5 * sources * tokens * d * cfg.n_streams
     return float(flops)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attnres_pp.comm.partition import Partition
-from attnres_pp.model.config import ModelConfig
+from attnres_pp.model.config import ModelConfig, block_of, block_stop, has_partial_before
 
 
 @dataclass(frozen=True)
@@ -45,14 +45,14 @@ def chunk_work(cfg: ModelConfig, partition: Partition, chunk_index: int) -> Chun
                          has_embed=chunk_index == 0, has_head=is_last)
     if cfg.residual != "attnres":
         raise ValueError(f"unit costs model the standard and attnres variants, not {cfg.residual!r}")
-    size = cfg.block_size
+    ends = cfg.block_ends
     segments, n_merges, l = [], 0, sublayers.start
     while l < sublayers.stop:
         # A segment runs from here to the end of this block or of the chunk (`forward_sublayers`).
-        stop = min(sublayers.stop, (l // size + 1) * size)
-        segments.append((l // size + 1, stop - l))
+        stop = min(sublayers.stop, block_stop(l, ends))
+        segments.append((block_of(l, ends), stop - l))
         l = stop
-    n_merges = sum(1 for l in sublayers if l % size)
+    n_merges = sum(1 for l in sublayers if has_partial_before(l, ends))
     if is_last:
         segments.append((cfg.n_blocks + 1, 1))
     return ChunkWork(n_layers=len(sublayers) // 2, segments=tuple(segments), n_merges=n_merges, n_adds=0,

@@ -2,7 +2,8 @@
 engine (this process, or the pipeline's `make_engine`) and run the shared training loop, with
 checkpoints, resume and recovery from lost workers (`attnres_pp.train.checkpoint`, `.recovery`).
 With `--resume DIR` the defaults are the checkpoint's own settings: its config and its checkpoint
-cadence and restart limit. One-off flags (`--inject-failure`, `--address`, `--quiet`) are never saved."""
+cadence and restart limit. One-off flags (`--inject-failure`, `--address`, `--quiet`, `--tensorboard`) are
+never saved."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from attnres_pp.config_tables import convert_flag
 from attnres_pp.data import load_corpus
-from attnres_pp.model.config import KEY_MODES, RESIDUALS
+from attnres_pp.model.config import KEY_MODES, RESIDUALS, ModelConfig
 from attnres_pp.out_paths import check_out_dir
 from attnres_pp.pipeline.config import LAUNCHERS, P2P_SEMANTICS, PLACEMENTS, SCHEDULE_NAMES
 from attnres_pp.train.checkpoint import (
@@ -28,11 +29,14 @@ from attnres_pp.train.checkpoint import (
 from attnres_pp.train.config import DEVICES, DTYPES, KERNELS, RunConfig, merge_tables, read_toml
 from attnres_pp.train.loop import check_resume, nothing_to_do, run_training
 from attnres_pp.train.recovery import RunFailed
+from attnres_pp.train.tensorboard import check_tensorboard
 
 # (flag, table, key, type, help); a flag left unset keeps the TOML or default value.
 _FLAGS = (
     ("--residual", "model", "residual", str, f"residual variant: {' | '.join(RESIDUALS)}"),
     ("--block-size", "model", "block_size", int, "sublayers per AttnRes block (1 = Full AttnRes)"),
+    ("--blocks", "model", "blocks", int, "number of AttnRes blocks N instead of --block-size: block i ends after "
+     "sublayer ceil(L i / N), L = 2 x layers (0 = use --block-size)"),
     ("--key-mode", "model", "key_mode", str, f"low-rank key mode: {' | '.join(KEY_MODES)}"),
     ("--key-rank", "model", "key_rank", int, "low-rank key dimension r"),
     ("--layers", "model", "n_layers", int, "transformer layers (two sublayers each)"),
@@ -48,6 +52,8 @@ _FLAGS = (
     ("--seed", "train", "seed", int, "seed for init and data"),
     ("--data", "train", "data", str, "'builtin' (stdlib source bytes), FILE.txt or FILE.bin (uint16 tokens)"),
     ("--eval-every", "train", "eval_every", int, "evaluate every k steps (0 = only at the end)"),
+    ("--log-routing-every", "train", "log_routing_every", int,
+     "every k steps add routing entropy and embedding weight per reading site to metrics.jsonl (0 = never)"),
     ("--threads", "train", "threads", int, "torch threads per process"),
     ("--keep-checkpoints", "train", "keep_checkpoints", int,
      "checkpoints kept: the newest K (default 2; 0 keeps all), and always the final one"),
@@ -89,9 +95,13 @@ def register(subparsers) -> None:
         # Parsed as strings and converted here, so a bad value is one clear `error:` line.
         parser.add_argument(flag, metavar=_key.upper(), help=help_text)
     parser.add_argument("--cache", choices=("on", "off"), help="cross-stage block cache")
+    parser.add_argument("--key-norm-gain", action="store_true", default=None,
+                        help="a learned gain (init 1) on the depth-attention key RMSNorm (default off)")
     parser.add_argument("--layer-counts", metavar="N,N,..", help="transformer layers per chunk, comma separated")
     parser.add_argument("--out", metavar="DIR", help="run directory (default runs/<timestamp>)")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    parser.add_argument("--tensorboard", metavar="DIR",
+                        help="also write the per-step scalars as TensorBoard events in DIR (needs the [tb] extra)")
     parser.add_argument("--address", metavar="ADDR",
                         help="--launcher ray: the cluster to join (default RAY_ADDRESS, else a private local "
                              "instance; 'auto' joins the `ray start` cluster of this machine)")
@@ -122,8 +132,13 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
         saved = {**saved, "pipeline": {k: v for k, v in saved.get("pipeline", {}).items() if k != "layer_counts"}}
     base = merge_tables(saved, read_toml(args.config)) if args.config else saved
     run_cfg = RunConfig.from_dict(merge_tables(base, overrides))
-    if saved and run_cfg.model.to_dict() != saved["model"]:
-        changed = sorted(k for k, v in run_cfg.model.to_dict().items() if saved["model"].get(k) != v)
+    if run_cfg.train.log_routing_every and not run_cfg.model.uses_depth_attention:
+        raise ConfigError("--log-routing-every needs a depth-attention residual (the standard one has no "
+                          "routing): drop it or choose --residual attnres, lr_attnres or msar")
+    # The saved model read back through ModelConfig: a checkpoint from before a field existed has its default.
+    saved_model = ModelConfig.from_dict(saved["model"]).to_dict() if saved else {}
+    if saved and run_cfg.model.to_dict() != saved_model:
+        changed = sorted(k for k, v in run_cfg.model.to_dict().items() if saved_model.get(k) != v)
         raise ConfigError(f"--resume {args.resume}: the checkpoint holds another model (model {changed} differ); "
                           "drop the flags or TOML keys that change the model")
     return run_cfg
@@ -178,6 +193,10 @@ def flag_overrides(args: argparse.Namespace) -> dict:
             overrides[table][key] = convert_flag(flag, raw, kind)
     if args.cache is not None:
         overrides["pipeline"]["cache"] = args.cache == "on"
+    if args.key_norm_gain:
+        overrides["model"]["key_norm_gain"] = True
+    if {"block_size", "blocks"} <= set(overrides["model"]):
+        raise ConfigError("give one of --block-size S (sublayers per block) and --blocks N (number of blocks)")
     if args.layer_counts is not None:
         overrides["pipeline"]["layer_counts"] = [
             convert_flag("--layer-counts", part, int) for part in args.layer_counts.split(",")
@@ -235,6 +254,9 @@ def main(args: argparse.Namespace) -> int:
         if args.resume and args.out and Path(args.out) != Path(args.resume):
             raise ConfigError(f"--resume {args.resume} continues that run in its own directory: drop --out")
         out_dir = Path(args.resume or args.out or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        if args.tensorboard:
+            check_out_dir(args.tensorboard, "--tensorboard")
+            check_tensorboard()
         if not args.resume:  # a resumed run's directory is checked for its checkpoints below
             check_out_dir(out_dir, "--out")
         check_run_dir(out_dir, checkpoints.resume)
@@ -251,7 +273,8 @@ def main(args: argparse.Namespace) -> int:
     # The engine resolved device, dtype and kernels ("auto"); the summary records what ran.
     run_cfg = dataclasses.replace(run_cfg, train=engine.train_cfg)
     try:
-        run_training(run_cfg, engine, out_dir, progress=not args.quiet, corpus=corpus, checkpoints=checkpoints)
+        run_training(run_cfg, engine, out_dir, progress=not args.quiet, corpus=corpus, checkpoints=checkpoints,
+                     tensorboard=args.tensorboard)
     except RunFailed as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -47,6 +47,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     eval_every: int = 100
     eval_batches: int = 4
+    log_routing_every: int = 0  # k > 0: routing entropy and embedding weight per site every k steps
     seed: int = 0
     data: str = "builtin"
     threads: int = 1
@@ -66,7 +67,8 @@ class TrainConfig:
             if not _is_int(value) or value < 1:
                 _fail(name, value, "must be an integer >= 1")
         for name, hint in (("warmup_steps", ""), ("eval_every", " (0 = evaluate only at the end)"), ("seed", ""),
-                           ("keep_checkpoints", " (the newest checkpoints kept; 0 keeps every one)")):
+                           ("keep_checkpoints", " (the newest checkpoints kept; 0 keeps every one)"),
+                           ("log_routing_every", " (0 = never)")):
             value = getattr(self, name)
             if not _is_int(value) or value < 0:
                 _fail(name, value, "must be an integer >= 0" + hint)

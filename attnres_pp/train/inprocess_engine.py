@@ -26,6 +26,7 @@ import torch
 
 from attnres_pp.comm.transport import LoopbackTransport
 from attnres_pp.data import Corpus
+from attnres_pp.model.routing import routing_metrics
 from attnres_pp.pipeline.loopback import run_in_turns
 from attnres_pp.pipeline.loopback_nccl import NcclLoopbackTransport
 from attnres_pp.pipeline.mesh import thread_collectives
@@ -125,6 +126,18 @@ class InProcessEngine(PipelineEngineBase):
             records = _run_together([w.eval_runtime for w in self.workers])
             answers += [(sum(r.losses.values()), len(r.losses)) for r in records]
         return mean_eval_loss(answers)
+
+    @torch.no_grad()
+    def routing_metrics(self) -> dict:
+        """Routing entropy and embedding weight per site on validation batch 0, each rank probing the
+        reads of its own chunks (`StageWorker.begin_routing`); only their scalar sums are merged."""
+        for worker in self.workers:
+            worker.begin_routing(0)
+        try:
+            _run_together([w.eval_runtime for w in self.workers])
+        finally:
+            sums = [w.finish_routing() for w in self.workers]
+        return routing_metrics(sums)
 
     # ---- checkpoints ----
     def save_checkpoint(self, step_dir) -> None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from attnres_pp.data import Corpus, batch_at, load_corpus, val_batches
+from attnres_pp.data import Corpus, batch_at, load_corpus, val_batch_at, val_batches
 from attnres_pp.model import ModelConfig, Transformer
+from attnres_pp.model.routing import RoutingProbe, attach_probe, routing_metrics
 from attnres_pp.train.config import TrainConfig
 from attnres_pp.train.devices import decide_device, resolve_train, visible_gpus
 from attnres_pp.train.loop import StepResult
@@ -75,6 +76,18 @@ class LocalEngine:
         batches = val_batches(self.corpus.val_tokens_N, train.eval_batches, train.batch_size,
                               self.model_cfg.seq_len, train.seed)
         return sum(self.eval_loss(inputs_BT, targets_BT) for inputs_BT, targets_BT in batches) / len(batches)
+
+    @torch.no_grad()
+    def routing_metrics(self) -> dict:
+        """Routing entropy and embedding weight per site on validation batch 0 (`--log-routing-every`)."""
+        train = self.train_cfg
+        inputs_BT, _ = val_batch_at(self.corpus.val_tokens_N, 0, train.batch_size, self.model_cfg.seq_len, train.seed)
+        probe = RoutingProbe(self.model_cfg)
+        self.model.eval()
+        with attach_probe(self.model, probe):
+            self.model(inputs_BT.to(self.device))
+        self.model.train()
+        return routing_metrics([probe.token_sums()])
 
     def save_checkpoint(self, step_dir) -> None:
         """The whole model as one shard, in the format every engine reads (see train.shards)."""

@@ -33,6 +33,7 @@ from attnres_pp.train.config import RunConfig
 from attnres_pp.train.optim import lr_at
 from attnres_pp.train.recovery import RunFailed, RunHistory, WorkerLost, describe_rank
 from attnres_pp.train.summary import MetricsLog, describe_summary, median, progress_line, write_json_atomic
+from attnres_pp.train.tensorboard import TensorBoardLog
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class Engine(Protocol):
 
 def run_training(
     run_cfg: RunConfig, engine: Engine, out_dir: str | Path, *, progress: bool = True, corpus: Corpus | None = None,
-    checkpoints: CheckpointConfig | None = None,
+    checkpoints: CheckpointConfig | None = None, tensorboard: str | Path | None = None,
 ) -> dict:
     """Train `engine` for `run_cfg.train.steps` steps and return the summary dict, also written to
     `out_dir/summary.json`; per-step records go to `out_dir/metrics.jsonl`. The caller owns the
@@ -84,7 +85,8 @@ def run_training(
     continue from the newest one, or, if it has `steps` or more steps done already, say so and
     return the saved summary (`{}` if the run has none). When the engine raises WorkerLost and has
     `restart_workers()`, the loop restarts it from the last checkpoint (or from scratch) up to
-    `max_restarts` times, then raises RunFailed."""
+    `max_restarts` times, then raises RunFailed. `tensorboard`: also write each step's record as
+    TensorBoard scalars under that directory (`train.tensorboard`)."""
     ckpt = checkpoints if checkpoints is not None else CheckpointConfig(final=False)
     train_cfg, seq_len = run_cfg.train, run_cfg.model.seq_len
     out_dir = Path(out_dir)
@@ -115,6 +117,7 @@ def run_training(
     log = MetricsLog(out_dir / "metrics.jsonl")
     for record in history.records:
         log.write(record)
+    tb = TensorBoardLog(tensorboard) if tensorboard else None
     start = time.perf_counter()
     try:
         step = history.steps_done
@@ -122,6 +125,8 @@ def run_training(
             try:
                 record = _train_one_step(engine, run_cfg, step, history)
                 log.write(record)
+                if tb is not None:
+                    tb.write(record, history.extras)
                 say(progress_line(step, train_cfg.steps, record["loss"], record["lr"], record["tokens_per_s"])
                     + (f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""), flush=True)
                 if ckpt.saves_after(step + 1, train_cfg.steps):
@@ -138,6 +143,8 @@ def run_training(
             step = history.steps_done
     finally:
         log.close()
+        if tb is not None:
+            tb.close()
 
     losses, step_times = history.losses, history.step_times
     train_time = sum(step_times)
@@ -176,6 +183,8 @@ def _train_one_step(engine: Engine, run_cfg: RunConfig, step: int, history: RunH
     record = {"step": step, "loss": float(result.loss), "lr": lr, "step_time_s": step_time,
               "tokens_per_s": tokens_per_step / step_time, "tokens_seen": history.tokens_seen + tokens_per_step,
               **result.metrics}
+    if train_cfg.log_routing_every and (step + 1) % train_cfg.log_routing_every == 0:
+        record.update(engine.routing_metrics())  # scalars per site, computed where the sites live
     if step == train_cfg.steps - 1 or (train_cfg.eval_every and (step + 1) % train_cfg.eval_every == 0):
         record["val_loss"] = float(engine.evaluate())
         history.val_losses.append([step, record["val_loss"]])

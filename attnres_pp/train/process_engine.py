@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from attnres_pp.model.routing import routing_metrics
 from attnres_pp.pipeline.errors import WorkerLost
 from attnres_pp.pipeline.rank_processes import RankProcesses, serve
 from attnres_pp.train.config import RunConfig
@@ -94,6 +95,10 @@ class ProcessEngine(PipelineEngineBase):
     def evaluate(self) -> float:
         """Mean loss over the run's validation batches, each rank reading its own share."""
         return mean_eval_loss(self._ranks.call_all("evaluate"))
+
+    def routing_metrics(self) -> dict:
+        """Routing scalars per site on validation batch 0, summed by the ranks that own the sites."""
+        return routing_metrics(self._ranks.call_all("routing_sums"))
 
     def save_checkpoint(self, step_dir) -> None:
         """Every rank writes its own shard into `step_dir` (DCP)."""

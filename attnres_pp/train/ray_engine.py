@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from attnres_pp.model.routing import routing_metrics
 from attnres_pp.pipeline.config import PLACEMENTS
 from attnres_pp.pipeline.errors import WorkerLost
 from attnres_pp.train.config import RunConfig
@@ -217,6 +218,10 @@ class RayEngine(PipelineEngineBase):
     def evaluate(self) -> float:
         """Mean loss over the run's validation batches, each actor reading its own share."""
         return mean_eval_loss(self._get([a.evaluate.remote() for a in self.actors], "evaluation"))
+
+    def routing_metrics(self) -> dict:
+        """Routing scalars per site on validation batch 0, summed by the actors that own the sites."""
+        return routing_metrics(self._get([a.routing_sums.remote() for a in self.actors], "routing statistics"))
 
     def save_checkpoint(self, step_dir) -> None:
         """Every actor writes its own shard into `step_dir`, on the filesystem all nodes share."""

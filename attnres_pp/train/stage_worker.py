@@ -34,6 +34,7 @@ from attnres_pp.comm.shm_transport import SharedMemoryTransport, connect_transpo
 from attnres_pp.comm.transport import DistTransport
 from attnres_pp.data import Corpus
 from attnres_pp.model.precision import activation_dtype
+from attnres_pp.model.routing import RoutingProbe, set_probe
 from attnres_pp.pipeline.chunk import build_rank_model, rank_module_names, rank_parameters
 from attnres_pp.pipeline.mesh import Collectives, MeshCollectives, RankCoords
 from attnres_pp.pipeline.routes import hop_shapes, wire_messages
@@ -217,6 +218,27 @@ class StageWorker:
             record = self.eval_runtime.run_to_end()
             total, count = total + sum(record.losses.values()), count + len(record.losses)
         return total, count
+
+    # ---- routing statistics (--log-routing-every): a forward-only pass with a probe on this rank's reads ----
+    def begin_routing(self, index: int = 0) -> None:
+        """Attach a probe to this rank's depth reads and start the forward of validation batch `index`."""
+        self.routing_probe = RoutingProbe(self.run_cfg.model)
+        set_probe(self.model, self.routing_probe)
+        self.begin_eval(index)
+
+    def finish_routing(self) -> dict[int, tuple[float, float, int]]:
+        """Detach the probe; the sums of the sites this rank owns (scalars, `RoutingProbe.token_sums`)."""
+        set_probe(self.model, None)
+        return self.routing_probe.token_sums()
+
+    @torch.no_grad()
+    def routing_sums(self, index: int = 0) -> dict[int, tuple[float, float, int]]:
+        self.begin_routing(index)
+        try:
+            self.eval_runtime.run_to_end()
+        finally:
+            sums = self.finish_routing()
+        return sums
 
     # ---- checkpoints and the run directory ----
     def save_shard(self, step_dir: str) -> None:

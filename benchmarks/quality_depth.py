@@ -1,0 +1,209 @@
+"""Quality at depth (`python benchmarks/quality.py --depth`): where PreNorm dilution exists to be fixed.
+
+A deep, narrow model (12 layers = 24 sublayers, d 48), trained with the same token budget per variant
+and seed (single process, the shared training loop, one thread per run), then scored on ONE fixed
+held-out set: the first `--eval-bytes` bytes (default 131,072) of the built-in corpus's validation
+split, cut into consecutive windows, the same for every seed and variant. Seeds are paired: seed s
+initialises and feeds every variant alike, so each variant's delta to the standard residual is taken
+per seed, and the table gives the mean paired delta and how many seeds it beats standard on.
+
+Variants: standard; Block AttnRes (N = 8 blocks, `blocks`, SPEC 1.2); S-LR-AttnRes (N = 8, r = 8);
+Full AttnRes (S = 1, `--no-full` drops it); controls: AttnRes with one block over all sublayers (b_0
+plus one running partial: should track standard) and MSAR with one block (its token mixing without
+depth routing). The Block run of seed 0 is diagnosed as `attnres-pp analyze` does (model.routing):
+its per-site routing table, a heatmap and its dilution curve against standard's.
+
+    python benchmarks/quality.py --depth                          # about 30 min on 2 quiet cores
+    python benchmarks/quality.py --depth --steps 2 --eval-bytes 4096 --seeds 1   # smoke run
+
+Writes benchmarks/results/quality_depth_<date>.{json,md} and quality_depth_<date>_{heatmap,dilution}.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import platform
+import shlex
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from attnres_pp.model import ModelConfig
+from attnres_pp.pipeline.config import PipelineConfig
+from attnres_pp.train import RunConfig, TrainConfig, run_training
+from attnres_pp.train.local_engine import LocalEngine
+
+REPO = Path(__file__).resolve().parents[1]
+DEPTH_MODEL = dict(n_layers=12, d_model=48, n_heads=4, seq_len=64)
+BLOCK_RUN = "Block AttnRes (N=8)"
+VARIANTS = (
+    ("standard", dict(residual="standard")),
+    (BLOCK_RUN, dict(residual="attnres", blocks=8)),
+    ("S-LR-AttnRes (N=8, r=8)", dict(residual="lr_attnres", key_mode="sliced", key_rank=8, blocks=8)),
+    ("Full AttnRes (S=1)", dict(residual="attnres", block_size=1)),
+    ("control: AttnRes, one block", dict(residual="attnres", blocks=1)),
+    ("control: MSAR, one block", dict(residual="msar", blocks=1)),
+)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="benchmarks/quality.py --depth", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--depth", action="store_true", help="this benchmark (given by quality.py)")
+    parser.add_argument("--steps", type=int, default=400, help="steps per run (default 400)")
+    parser.add_argument("--batch-size", type=int, default=32, help="sequences per step (default 32)")
+    parser.add_argument("--seeds", type=int, default=3, help="paired seeds 0..N-1 (default 3)")
+    parser.add_argument("--eval-bytes", type=int, default=131072, help="fixed held-out bytes (default 131072)")
+    parser.add_argument("--no-full", action="store_true", help="leave Full AttnRes out (the slowest variant)")
+    parser.add_argument("--jobs", type=int, default=2, help="trainings at once (one thread each)")
+    parser.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
+    args = parser.parse_args(argv)
+    if min(args.steps, args.batch_size, args.seeds, args.jobs) < 1 or args.eval_bytes < DEPTH_MODEL["seq_len"]:
+        parser.error("--steps, --batch-size, --seeds and --jobs must be >= 1, "
+                     f"--eval-bytes >= {DEPTH_MODEL['seq_len']}")
+    return args
+
+
+def held_out_windows(eval_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed held-out set: consecutive seq_len windows over the first `eval_bytes` validation bytes."""
+    from attnres_pp.data import load_corpus
+
+    seq_len = DEPTH_MODEL["seq_len"]
+    tokens = torch.from_numpy(load_corpus("builtin").val_tokens_N[: eval_bytes + 1].astype("int64"))
+    n = (len(tokens) - 1) // seq_len
+    return tokens[: n * seq_len].view(n, seq_len), tokens[1: n * seq_len + 1].view(n, seq_len)
+
+
+@torch.no_grad()
+def held_out_loss(model, inputs_NT: torch.Tensor, targets_NT: torch.Tensor, probe=None) -> float:
+    """Mean loss per byte over the fixed set (equal windows per batch but the last: weighted by tokens)."""
+    from attnres_pp.model.routing import attach_probe
+
+    model.eval()
+    total, count = 0.0, 0
+    for inputs, targets in zip(inputs_NT.split(64), targets_NT.split(64), strict=True):
+        if probe is None:
+            loss = float(model(inputs, targets))
+        else:
+            with attach_probe(model, probe):
+                loss = float(model(inputs, targets))
+        total, count = total + loss * inputs.numel(), count + inputs.numel()
+    return total / count
+
+
+def train_one(job: tuple) -> dict:
+    """One training run and its fixed held-out score (and routing diagnostics when asked)."""
+    name, overrides, steps, batch_size, seed, eval_bytes, diagnose, run_dir = job
+    torch.set_num_threads(1)
+    run_cfg = RunConfig(
+        model=ModelConfig(**{**DEPTH_MODEL, **overrides}),
+        train=TrainConfig(steps=steps, batch_size=batch_size, seed=seed, warmup_steps=min(30, steps // 10),
+                          eval_every=0, eval_batches=1),
+        pipeline=PipelineConfig(launcher="local"),
+    )
+    engine = LocalEngine(run_cfg.model, run_cfg.train)
+    try:
+        summary = run_training(run_cfg, engine, run_dir, progress=False)
+        probe = None
+        if diagnose:
+            from attnres_pp.model.routing import RoutingProbe
+
+            probe = RoutingProbe(run_cfg.model)
+        loss = held_out_loss(engine.model, *held_out_windows(eval_bytes), probe)
+    finally:
+        engine.close()
+    print(f"  {name} seed {seed}: held-out {loss:.4f} in {summary['train_time_s']:.0f} s", flush=True)
+    return {"variant": name, "seed": seed, "held_out_loss": loss, "params": summary["params"],
+            "train_time_s": summary["train_time_s"], "final_train_loss": summary["losses"][-1],
+            "tokens_seen": summary["tokens_seen"], "model": run_cfg.model.to_dict(), "run_dir": run_dir,
+            "sites": probe.summary() if probe is not None else None}
+
+
+def paired_rows(variants: list[str], runs: list[dict], seeds: int) -> list[dict]:
+    """Per variant: mean held-out loss, per-seed deltas to standard (same seed), their mean, and the
+    number of seeds on which the variant's loss is below standard's."""
+    loss = {(r["variant"], r["seed"]): r["held_out_loss"] for r in runs}
+    rows = []
+    for name in variants:
+        deltas = [loss[name, s] - loss["standard", s] for s in range(seeds)]
+        mine = [r for r in runs if r["variant"] == name]
+        rows.append({"variant": name, "held_out_loss": statistics.mean(loss[name, s] for s in range(seeds)),
+                     "deltas": deltas, "mean_delta": statistics.mean(deltas),
+                     "better_on": sum(d < 0 for d in deltas), "params": mine[0]["params"],
+                     "train_time_s": statistics.mean(r["train_time_s"] for r in mine)})
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    date = time.strftime("%Y-%m-%d")
+    tag = f"quality_depth_{date}"
+    variants = [(n, o) for n, o in VARIANTS if not (args.no_full and n.startswith("Full"))]
+    runs_root = REPO / "runs" / tag
+    jobs = [(name, overrides, args.steps, args.batch_size, seed, args.eval_bytes,
+             name in (BLOCK_RUN, "standard") and seed == 0, str(runs_root / f"{index}_seed{seed}"))
+            for index, (name, overrides) in enumerate(variants) for seed in range(args.seeds)]
+    jobs.sort(key=lambda job: (job[1].get("block_size") != 1, job[1]["residual"] != "msar"))  # slowest first
+    print(f"{len(jobs)} runs of {args.steps} steps, {args.jobs} at a time", flush=True)
+    start = time.perf_counter()
+    with multiprocessing.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool:
+        runs = pool.map(train_one, jobs, chunksize=1)
+    rows = paired_rows([n for n, _ in variants], runs, args.seeds)
+    block_sites = next(r["sites"] for r in runs if r["variant"] == BLOCK_RUN and r["seed"] == 0)
+    standard_sites = next(r["sites"] for r in runs if r["variant"] == "standard" and r["seed"] == 0)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from attnres_pp.analysis import figures
+
+    pngs = [figures.heatmap_png(block_sites, 1, out_dir / f"{tag}_heatmap.png",
+                                f"{BLOCK_RUN}, 12 layers, d 48, seed 0: mean depth-attention weights"),
+            figures.dilution_png(block_sites, standard_sites, out_dir / f"{tag}_dilution.png",
+                                 f"{BLOCK_RUN} vs standard (dashed), seed 0")]
+    result = {
+        "command": shlex.join(["python", "benchmarks/quality.py", *argv]), "date": date,
+        "wall_time_s": time.perf_counter() - start,
+        "budget": {"steps": args.steps, "batch_size": args.batch_size, "seq_len": DEPTH_MODEL["seq_len"],
+                   "tokens_per_run": runs[0]["tokens_seen"], "seeds": args.seeds,
+                   "held_out_bytes": held_out_windows(args.eval_bytes)[0].numel()},
+        "model": DEPTH_MODEL,
+        "environment": {"python": platform.python_version(), "torch": torch.__version__, "jobs": args.jobs,
+                        "threads_per_run": 1},
+        "rows": rows, "block_run_sites": block_sites, "standard_sites": standard_sites,
+        "pngs": [str(p) for p in pngs], "runs": [{k: v for k, v in r.items() if k != "sites"} for r in runs],
+    }
+    (out_dir / f"{tag}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out_dir / f"{tag}.md").write_text(markdown(result))
+    print(markdown(result))
+    print(f"wrote {out_dir / (tag + '.json')}, .md and {', '.join(Path(p).name for p in pngs)}")
+    return 0
+
+
+def markdown(result: dict) -> str:
+    budget, seeds = result["budget"], result["budget"]["seeds"]
+    lines = [
+        f"# Quality at depth: held-out loss at an equal token budget ({result['date']})", "",
+        f"`{result['command']}`", "",
+        f"12 layers (24 sublayers), d 48, seq 64; {budget['tokens_per_run']:,} training tokens per run "
+        f"({budget['steps']} steps x {budget['batch_size']} x {budget['seq_len']}), built-in corpus; loss in nats "
+        f"per byte on one fixed held-out set of {budget['held_out_bytes']:,} bytes (the same for every seed). "
+        f"{seeds} paired seeds: delta = variant - standard at the same seed; 'better' counts the seeds where "
+        f"the variant's loss is lower. {result['environment']['jobs']} runs at a time, 1 thread each; "
+        f"wall time {result['wall_time_s'] / 60:.1f} min.", "",
+        "| variant | held-out loss | mean paired delta | per-seed deltas | better on | params | train time (s) |",
+        "|---|---:|---:|---|---:|---:|---:|",
+    ]
+    for row in result["rows"]:
+        deltas = ", ".join(f"{d:+.4f}" for d in row["deltas"])
+        lines.append(f"| {row['variant']} | {row['held_out_loss']:.4f} | {row['mean_delta']:+.4f} | {deltas} | "
+                     f"{row['better_on']}/{seeds} | {row['params']:,} | {row['train_time_s']:.0f} |")
+    lines += ["", f"Routing of the {BLOCK_RUN} run, seed 0, on the held-out set (as `attnres-pp analyze`):", "",
+              "| site | sources | entropy | effective sources | top-1 mass | embedding weight | input RMS |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for site in result["block_run_sites"]:
+        lines.append(f"| {site['site']} ({site['kind']}) | {len(site['sources'])} | {site['entropy']:.3f} | "
+                     f"{site['effective_sources']:.2f} | {site['top1_mass']:.3f} | {site['embedding_weight']:.3f} | "
+                     f"{site['input_rms']:.3f} |")
+    return "\n".join(lines) + "\n"
