@@ -170,10 +170,15 @@ class ChunkActivation:
 
 
 def activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype: str,
-                     activation_checkpoint: str = "none") -> ChunkActivation:
-    """What F(chunk_index, mb) saves for backward, in bytes (see the module docstring)."""
+                     activation_checkpoint: str = "none", weight_copies: bool = True) -> ChunkActivation:
+    """What F(chunk_index, mb) saves for backward, in bytes (see the module docstring).
+
+    `weight_copies`: bf16 autocast casts the fp32 weights in every forward and the backward keeps
+    each microbatch's copy; False under FSDP2's bf16 parameters (all-gathered once, no casts)."""
     n_sequences = max(1, tokens // cfg.seq_len)
     features = activation_features(cfg, partition, chunk_index, tokens=tokens, n_sequences=n_sequences, dtype=dtype)
+    if not weight_copies:
+        features["matmul_params"] = 0
     units = load_units()["units"][units_key(cfg, dtype)]["coefficients"]
     none = max(0.0, _linear(features, units))
     if activation_checkpoint == "none":
@@ -294,8 +299,10 @@ def dominant_term(terms: dict[str, int]) -> str:
 def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Partition,
                   plan: PayloadPlan | None) -> list[RankMemory]:
     """One RankMemory per global rank (dp_rank * P + pp_rank) for a built schedule and plan."""
+    copies = not (setup.dp_shard == "fsdp" and setup.data_parallel > 1)
     saved = [activation_bytes(cfg, partition, c, tokens=setup.tokens, dtype=setup.dtype,
-                              activation_checkpoint=setup.activation_checkpoint) for c in range(partition.n_chunks)]
+                              activation_checkpoint=setup.activation_checkpoint, weight_copies=copies)
+             for c in range(partition.n_chunks)]
     uses_cache = plan is not None and plan.mode == "cached"
     tensor_bytes = setup.tokens * cfg.source_width * DTYPE_BYTES[setup.dtype]
     per_pp_rank = []

@@ -209,7 +209,8 @@ class Planner:
         cfg = self.model_for(candidate)
         tokens = self.tokens(candidate)
         saved = [activation_bytes(cfg, partition, c, tokens=tokens, dtype=self.request.dtype,
-                                  activation_checkpoint=candidate.activation_checkpoint)
+                                  activation_checkpoint=candidate.activation_checkpoint,
+                                  weight_copies=not (candidate.dp_shard == "fsdp" and candidate.data_parallel > 1))
                  for c in range(partition.n_chunks)]
         # Rank 0 holds the most microbatches in flight: P (1F1B-like), about (V + 1) P chunk-microbatches
         # interleaved, 2P chunk passes under ZB-V; a split schedule's W can keep up to P more.
