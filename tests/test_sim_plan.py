@@ -84,3 +84,16 @@ def test_plans_the_48_layer_model_within_10_s(capsys):
     assert time.process_time() - started < 10.0
     out = capsys.readouterr().out
     assert "attnres-pp train --layers 48" in out
+
+
+def test_pruning_keeps_the_exact_optimum():
+    """Against every candidate simulated exactly: the planner's top row is the fastest that fits."""
+    from attnres_pp.simulator.plan import Planner, candidates
+
+    request = _small(gpus=4, global_batch=16)
+    planner = Planner(request)
+    exact = [planner.evaluate(c) for c in candidates(request)]
+    fitting = [row for row in exact if row["peak_memory_bytes"] <= request.gpu_memory_gib * GIB]
+    assert len(fitting) < len(exact)  # the memory limit binds here
+    best = min(row["step_time_s"] for row in fitting)
+    assert plan(request)[0]["step_time_s"] == pytest.approx(best)

@@ -139,6 +139,8 @@ class Planner:
         self.cluster = Cluster(n_stages=1, n_microbatches=1, tflops=request.tflops, hbm_tbs=request.hbm_tbs)
         self._chunks: dict = {}
         self._state: dict = {}
+        self._saved: dict = {}
+        self._grads: dict = {}
 
     def model_for(self, candidate: Candidate) -> ModelConfig:
         return dataclasses.replace(self.request.model, block_size=candidate.block_size)
@@ -184,6 +186,17 @@ class Planner:
             self._state[key] = result
         return self._state[key]
 
+    def saved(self, candidate: Candidate, partition) -> list:
+        copies = not (candidate.dp_shard == "fsdp" and candidate.data_parallel > 1)
+        key = (candidate.n_stages, candidate.n_virtual, candidate.block_size, self.tokens(candidate),
+               partition.placement, candidate.activation_checkpoint, copies)
+        if key not in self._saved:
+            cfg, tokens = self.model_for(candidate), self.tokens(candidate)
+            self._saved[key] = [activation_bytes(cfg, partition, c, tokens=tokens, dtype=self.request.dtype,
+                                                 activation_checkpoint=candidate.activation_checkpoint,
+                                                 weight_copies=copies) for c in range(partition.n_chunks)]
+        return self._saved[key]
+
     def allreduce_s(self, candidate: Candidate, partition) -> float:
         replicas = candidate.data_parallel
         if replicas == 1:
@@ -191,9 +204,12 @@ class Planner:
         request = self.request
         same_node = candidate.n_stages * replicas <= request.gpus_per_node
         bandwidth = (request.intra_node_gbps if same_node else request.inter_node_gbps) * 1e9 / 8
-        cfg = self.model_for(candidate)
-        grads = max(sum(math.prod(s) for s in rank_parameter_shapes(cfg, partition, r))
-                    for r in range(candidate.n_stages))
+        key = (candidate.n_stages, candidate.n_virtual, candidate.block_size, partition.placement)
+        if key not in self._grads:
+            cfg = self.model_for(candidate)
+            self._grads[key] = max(sum(math.prod(s) for s in rank_parameter_shapes(cfg, partition, r))
+                                   for r in range(candidate.n_stages))
+        grads = self._grads[key]
         latency = 2 * (replicas - 1) * request.latency_us * 1e-6
         return 2 * (replicas - 1) / replicas * grads * self.element / bandwidth + latency
 
@@ -208,10 +224,7 @@ class Planner:
         step = max(per_rank) * candidate.n_microbatches / (1 - bubble) + self.allreduce_s(candidate, partition)
         cfg = self.model_for(candidate)
         tokens = self.tokens(candidate)
-        saved = [activation_bytes(cfg, partition, c, tokens=tokens, dtype=self.request.dtype,
-                                  activation_checkpoint=candidate.activation_checkpoint,
-                                  weight_copies=not (candidate.dp_shard == "fsdp" and candidate.data_parallel > 1))
-                 for c in range(partition.n_chunks)]
+        saved = self.saved(candidate, partition)
         # Rank 0 holds the most microbatches in flight: P (1F1B-like), about (V + 1) P chunk-microbatches
         # interleaved, 2P chunk passes under ZB-V; a split schedule's W can keep up to P more.
         chunks0 = partition.chunks_of(0)
@@ -291,7 +304,7 @@ class Infeasible(ValueError):
     """No configuration fits: the message says what is short."""
 
 
-def plan(request: PlanRequest, *, evaluate_at_most: int = 48) -> list[dict]:
+def plan(request: PlanRequest, *, evaluate_at_most: int = 32) -> list[dict]:
     """Rows that fit, fastest first (at most request.top); Infeasible if none does."""
     planner = Planner(request)
     budget = request.gpu_memory_gib * GIB
