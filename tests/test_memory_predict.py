@@ -33,12 +33,24 @@ def test_every_case_is_a_valid_prediction_command(name, case, tmp_path):
     flags = case_flags(case)
     parser = build_parser(["simulate"])
     parser.parse_args(predict_argv(flags))
-    train_args, unknown = build_parser(["train"]).parse_known_args(train_argv(flags, tmp_path))
+    _train_args, unknown = build_parser(["train"]).parse_known_args(train_argv(flags, tmp_path))
     assert {a for a in unknown if a.startswith("--")} <= {"--dp-shard", "--activation-checkpoint"}
 
 
+@pytest.mark.parametrize("index", [1, 3, 4, 9, 11])
+def test_prediction_matches_hook_counts_of_a_real_step(index):
+    """The runtime's own step (loopback, every rank in this process) counted by saved-tensor hooks."""
+    name, case = CASES[index]
+    (row,) = measure_case(name, case, progress=lambda line: None, runs=False)
+    assert row["counted_by"] == "hooks"
+    assert row["mismatches"] == []
+    for key, errors in row["errors"].items():
+        assert statistics.median(errors) <= 0.05 and max(errors) <= 0.10, (key, errors)
+
+
 def test_prediction_matches_a_real_run():
-    row = measure_case(*CASES[1], progress=lambda line: None)
+    rows = measure_case(*CASES[1], progress=lambda line: None)
+    row = next(r for r in rows if r["counted_by"] == "run")
     if "skipped" in row:
         pytest.skip(row["skipped"] + ": run `attnres-pp bench memory --predict` once runs write it")
     assert row["mismatches"] == []
