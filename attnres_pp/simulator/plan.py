@@ -318,7 +318,10 @@ def plan(request: PlanRequest, *, evaluate_at_most: int = 32) -> list[dict]:
     # Stage 1 keeps the estimated fits (with slack: the estimate is rough), fastest first.
     hopeful = sorted((p for p in priced if p[1] <= 1.25 * budget), key=lambda p: p[0])
     rows, best_peak = [], min(p[1] for p in priced)
-    for _step, _peak, candidate in hopeful[:evaluate_at_most]:
+    for index, (_step, _peak, candidate) in enumerate(hopeful):
+        # Enough rows after the first `evaluate_at_most`; fewer (the estimate was too kind): go on, to a cap.
+        if index >= evaluate_at_most and (len(rows) >= request.top or index >= 8 * evaluate_at_most):
+            break
         row = planner.evaluate(candidate)
         best_peak = min(best_peak, row["peak_memory_bytes"])
         if row["peak_memory_bytes"] <= budget:
