@@ -84,10 +84,24 @@ def shard_numel(shape: tuple[int, ...], data_parallel: int, dp_shard: str) -> in
     return -(-shape[0] // data_parallel) * (numel // shape[0])
 
 
-def state_bytes(shapes: list[tuple[int, ...]], *, data_parallel: int, dp_shard: str) -> dict[str, int]:
-    """param/grad/optimizer bytes of one rank (fp32 throughout; AdamW's `step` is 4 bytes a tensor)."""
+def local_numel(shape: tuple[int, ...], data_parallel: int, dp_shard: str, dp_rank: int) -> int:
+    """Elements of replica `dp_rank`'s unpadded shard (torch.chunk's rows; the last ranks may get fewer)."""
+    if dp_shard == "replicate" or data_parallel == 1 or not shape:
+        return math.prod(shape)
+    rows = -(-shape[0] // data_parallel)
+    return max(0, min(rows, shape[0] - dp_rank * rows)) * (math.prod(shape) // shape[0])
+
+
+def state_bytes(shapes: list[tuple[int, ...]], *, data_parallel: int, dp_shard: str, dp_rank: int = 0
+                ) -> dict[str, int]:
+    """param/grad/optimizer bytes of one rank (fp32 throughout; AdamW's `step` is 4 bytes a tensor).
+
+    Under FSDP2 a parameter's shard storage and the reduce-scattered gradient buffer are padded to
+    ceil(dim0 / D) rows on every replica, while AdamW's moments are made like the unpadded local
+    shard (`zeros_like`), so replica `dp_rank`'s optimizer state can be smaller than its parameters."""
     numel = sum(shard_numel(s, data_parallel, dp_shard) for s in shapes)
-    return {"param_bytes": 4 * numel, "grad_bytes": 4 * numel, "optimizer_bytes": 8 * numel + 4 * len(shapes)}
+    local = sum(local_numel(s, data_parallel, dp_shard, dp_rank) for s in shapes)
+    return {"param_bytes": 4 * numel, "grad_bytes": 4 * numel, "optimizer_bytes": 8 * local + 4 * len(shapes)}
 
 
 def matmul_parameters(cfg: ModelConfig, partition: Partition, chunk_index: int) -> int:
@@ -297,31 +311,31 @@ def dominant_term(terms: dict[str, int]) -> str:
 
 
 def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Partition,
-                  plan: PayloadPlan | None) -> list[RankMemory]:
-    """One RankMemory per global rank (dp_rank * P + pp_rank) for a built schedule and plan."""
+                  plan: PayloadPlan | None, *, dp_ranks: range | None = None) -> list[RankMemory]:
+    """One RankMemory per global rank (dp_rank * P + pp_rank) for a built schedule and plan; only
+    the replicas `dp_ranks` if given (replica 0 holds the most: FSDP2's first shards are full)."""
     copies = not (setup.dp_shard == "fsdp" and setup.data_parallel > 1)
     saved = [activation_bytes(cfg, partition, c, tokens=setup.tokens, dtype=setup.dtype,
                               activation_checkpoint=setup.activation_checkpoint, weight_copies=copies)
              for c in range(partition.n_chunks)]
     uses_cache = plan is not None and plan.mode == "cached"
     tensor_bytes = setup.tokens * cfg.source_width * DTYPE_BYTES[setup.dtype]
-    per_pp_rank = []
-    for pp_rank in range(setup.n_stages):
-        terms = state_bytes(rank_parameter_shapes(cfg, partition, pp_rank), data_parallel=setup.data_parallel,
-                            dp_shard=setup.dp_shard)
-        act_peak, cache_peak, peak, action = walk_rank(
-            schedule.rank_actions[pp_rank], saved_by_chunk=saved, plan=plan if uses_cache else None,
-            tensor_bytes=tensor_bytes)
-        terms.update(activation_peak_bytes=act_peak, cache_peak_bytes=cache_peak)
-        fixed = terms["param_bytes"] + terms["grad_bytes"] + terms["optimizer_bytes"]
-        if setup.dp_shard == "fsdp" and setup.data_parallel > 1:
-            # FSDP2 without resharding after forward (the pipeline default) keeps every parameter
-            # all-gathered in the compute dtype through the step: part of the peak, not of param_bytes.
-            full = sum(math.prod(s) for s in rank_parameter_shapes(cfg, partition, pp_rank))
-            fixed += full * DTYPE_BYTES[setup.dtype]
-        per_pp_rank.append(RankMemory(terms=terms, peak_bytes=fixed + peak, peak_action=action,
-                                      dominant=dominant_term(terms)))
-    return per_pp_rank * setup.data_parallel
+    walks = [walk_rank(schedule.rank_actions[pp_rank], saved_by_chunk=saved, plan=plan if uses_cache else None,
+                       tensor_bytes=tensor_bytes) for pp_rank in range(setup.n_stages)]
+    ranks = []
+    for dp_rank in dp_ranks if dp_ranks is not None else range(setup.data_parallel):
+        for pp_rank, (act_peak, cache_peak, peak, action) in enumerate(walks):
+            shapes = rank_parameter_shapes(cfg, partition, pp_rank)
+            terms = state_bytes(shapes, data_parallel=setup.data_parallel, dp_shard=setup.dp_shard, dp_rank=dp_rank)
+            terms.update(activation_peak_bytes=act_peak, cache_peak_bytes=cache_peak)
+            fixed = terms["param_bytes"] + terms["grad_bytes"] + terms["optimizer_bytes"]
+            if setup.dp_shard == "fsdp" and setup.data_parallel > 1:
+                # FSDP2 without resharding after forward (the pipeline default) keeps every parameter
+                # all-gathered in the compute dtype through the step: part of the peak, not of param_bytes.
+                fixed += sum(math.prod(s) for s in shapes) * DTYPE_BYTES[setup.dtype]
+            ranks.append(RankMemory(terms=terms, peak_bytes=fixed + peak, peak_action=action,
+                                    dominant=dominant_term(terms)))
+    return ranks
 
 
 def predict_memory(cfg: ModelConfig, setup: MemorySetup) -> list[RankMemory]:

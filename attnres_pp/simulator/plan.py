@@ -247,7 +247,7 @@ class Planner:
                             n_microbatches=candidate.n_microbatches, tokens=tokens, dtype=request.dtype,
                             data_parallel=candidate.data_parallel, dp_shard=candidate.dp_shard,
                             activation_checkpoint=candidate.activation_checkpoint)
-        ranks = predict_ranks(cfg, setup, schedule, partition, plan)[:candidate.n_stages]
+        ranks = predict_ranks(cfg, setup, schedule, partition, plan, dp_ranks=range(1))
         width = cfg.d_model if plan.mode == "standard" else cfg.source_width
         tensor_bytes = tokens * width * self.element
         wire, hops = [], []
