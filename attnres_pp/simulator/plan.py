@@ -300,6 +300,11 @@ def train_command(request: PlanRequest, candidate: Candidate) -> str:
     return " ".join(parts)
 
 
+def _gib(n_bytes: float) -> str:
+    gib = n_bytes / GIB
+    return f"{gib:.1f}" if gib < 10 else f"{gib:.0f}"
+
+
 class Infeasible(ValueError):
     """No configuration fits: the message says what is short."""
 
@@ -317,18 +322,24 @@ def plan(request: PlanRequest, *, evaluate_at_most: int = 32) -> list[dict]:
                          f"sequences over {request.gpus} GPUs: give a batch divisible by the replicas")
     # Stage 1 keeps the estimated fits (with slack: the estimate is rough), fastest first.
     hopeful = sorted((p for p in priced if p[1] <= 1.25 * budget), key=lambda p: p[0])
-    rows, best_peak = [], min(p[1] for p in priced)
+    rows = []
     for index, (_step, _peak, candidate) in enumerate(hopeful):
         # Enough rows after the first `evaluate_at_most`; fewer (the estimate was too kind): go on, to a cap.
         if index >= evaluate_at_most and (len(rows) >= request.top or index >= 8 * evaluate_at_most):
             break
         row = planner.evaluate(candidate)
-        best_peak = min(best_peak, row["peak_memory_bytes"])
         if row["peak_memory_bytes"] <= budget:
             rows.append(row)
     if not rows:
-        shard = "" if any(p[2].dp_shard == "fsdp" for p in priced) else " or enable fsdp (needs D > 1)"
-        raise Infeasible(f"needs {best_peak / GIB:.0f} GiB per rank at best, over the {request.gpu_memory_gib:g} GiB "
-                         f"given: add GPUs{shard}, or shorten the microbatch (--global-batch)")
+        # What is short, exactly: the least peak among the candidates estimated to need the least.
+        leanest = sorted(priced, key=lambda p: p[1])[:16]
+        best = min((planner.evaluate(p[2]) for p in leanest), key=lambda r: r["peak_memory_bytes"])
+        c = best["config"]
+        shard = "" if any(p[2].dp_shard == "fsdp" for p in priced) else " or enable fsdp (it needs D > 1)"
+        raise Infeasible(
+            f"needs {_gib(best['peak_memory_bytes'])} GiB per rank at best ({c['schedule']} P={c['n_stages']} "
+            f"V={c['n_virtual']} D={c['data_parallel']} {c['dp_shard']}, AC {c['activation_checkpoint']}, "
+            f"{c['tokens_per_microbatch']} tokens per microbatch), over the {request.gpu_memory_gib:g} GiB given: "
+            f"add GPUs{shard}")
     rows.sort(key=lambda r: r["step_time_s"])
     return rows[:request.top]
