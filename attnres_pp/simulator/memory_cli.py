@@ -72,8 +72,10 @@ def run(args: argparse.Namespace) -> int:
 
 def format_table(setup: MemorySetup, ranks) -> str:
     header = ["rank", "params", "grads", "optimizer", "activations", "cache", "peak", "at", "dominated by"]
+    # Replicas hold the same as replica 0 (under fsdp their AdamW moments may be a little smaller).
+    shown = ranks[:setup.n_stages]
     rows = [header] + [[str(i), *(format_bytes(r.terms[k]) for k in MEMORY_KEYS), format_bytes(r.peak_bytes),
-                        r.peak_action, r.dominant] for i, r in enumerate(ranks)]
+                        r.peak_action, r.dominant] for i, r in enumerate(shown)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     return "\n".join([
@@ -81,6 +83,10 @@ def format_table(setup: MemorySetup, ranks) -> str:
         f"({setup.dp_shard}), AC {setup.activation_checkpoint}, {setup.tokens} tokens/mb, {setup.dtype}, "
         f"cache {'on' if setup.cache else 'off'}",
         *lines,
+        *([f"ranks {setup.n_stages}..{len(ranks) - 1} (replicas 1..{setup.data_parallel - 1}) hold the same as "
+           f"ranks 0..{setup.n_stages - 1}" + (" (AdamW moments up to their unpadded shards)"
+                                              if setup.dp_shard == "fsdp" else "") + "; --json lists every rank"]
+          if setup.data_parallel > 1 else []),
         "peak = params + grads + optimizer + (activations + cache at the peak's action)"
         + (" + the all-gathered parameters (fsdp)" if setup.dp_shard == "fsdp" and setup.data_parallel > 1 else ""),
     ])
