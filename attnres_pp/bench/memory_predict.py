@@ -89,12 +89,17 @@ def predict_argv(flags: dict) -> list[str]:
 
 def predict(flags: dict) -> dict:
     """`simulate memory --json`'s report for the case, computed in this process."""
-    from attnres_pp.cli import build_parser
+    import argparse
+
+    from attnres_pp.simulator import cli as simulate_cli
     from attnres_pp.simulator.memory import predict_memory
     from attnres_pp.simulator.memory_cli import build
 
+    # The `simulate` parser alone (bench sits below the top-level CLI): the same flags, the same defaults.
+    parser = argparse.ArgumentParser(prog="attnres-pp")
+    simulate_cli.register(parser.add_subparsers(dest="command", required=True))
     argv = predict_argv(flags)
-    cfg, setup = build(build_parser(argv).parse_args(argv))
+    cfg, setup = build(parser.parse_args(argv))
     ranks = predict_memory(cfg, setup)
     return {"memory_per_rank": [r.terms for r in ranks], "peak_action_per_rank": [r.peak_action for r in ranks],
             "model": cfg}
