@@ -40,6 +40,8 @@ def register(subparsers) -> None:
                         help="where results go (default: benchmarks/results/ of the checkout)")
     parser.add_argument("--no-timing", action="store_true",
                         help="comm only: count and predict bytes, skip the multi-process timing runs")
+    parser.add_argument("--predict", action="store_true",
+                        help="memory only: the simulator's per-rank prediction against real runs' memory_per_rank")
     parser.set_defaults(func=run_benchmark, parser=parser)
 
 
@@ -57,13 +59,17 @@ def run_benchmark(args: argparse.Namespace) -> int:
     if args.no_timing and args.name != "comm":
         print(f"{args.parser.prog}: error: --no-timing applies to comm only", file=sys.stderr)
         return 2
+    if args.predict and args.name != "memory":
+        print(f"{args.parser.prog}: error: --predict applies to memory only", file=sys.stderr)
+        return 2
     out_dir = Path(args.out) if args.out else default_out_dir()
     try:  # before the benchmark runs for minutes and then cannot write its results
         check_out_dir(out_dir, "--out")
     except ValueError as error:
         print(f"{args.parser.prog}: error: {error}", file=sys.stderr)
         return 2
-    module = importlib.import_module(f"attnres_pp.bench.{args.name}")
+    name = "memory_predict" if args.predict else args.name
+    module = importlib.import_module(f"attnres_pp.bench.{name}")
     out_dir.mkdir(parents=True, exist_ok=True)
 
     def progress(line: str) -> None:
@@ -72,11 +78,12 @@ def run_benchmark(args: argparse.Namespace) -> int:
     info = machine()
     progress(f"bench {args.name}{' --quick' if args.quick else ''} on {machine_line(info)}")
     started = time.perf_counter()
-    stem = results_stem(args.name, args.quick)
+    stem = results_stem(name, args.quick)
     options = {"timing": not args.no_timing} if args.name == "comm" else {}
     # Pictures and traces go to a folder named like the result files (STEM/), linked from STEM.md.
     payload = module.run(args.quick, out_dir / stem, progress, **options)
-    command = command_line(args.name, args.quick, args.out) + (" --no-timing" if args.no_timing else "")
+    command = command_line(args.name, args.quick, args.out) + (" --no-timing" if args.no_timing else "") + (
+        " --predict" if args.predict else "")
     payload = {"benchmark": args.name, "quick": args.quick, **payload, "machine": info, "command": command,
                "elapsed_s": time.perf_counter() - started}
     markdown = "\n".join([module.to_markdown(payload), "",

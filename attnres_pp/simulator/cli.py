@@ -1,4 +1,4 @@
-"""`attnres-pp simulate comm | schedule | sweep | project | predict`: the simulator's command line.
+"""`attnres-pp simulate comm | schedule | sweep | project | predict | memory | plan`: the simulator's command line.
 
 Flags only fill in the validated objects of the simulator (ModelConfig, CostModel, SweepBase);
 a bad value prints one line `attnres-pp simulate X: error: ...` and exits with code 2.
@@ -79,10 +79,12 @@ def register(subparsers) -> None:
     sweep.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     sweep.set_defaults(func=_run_sweep, parser=sweep)
 
-    from attnres_pp.simulator import predict_cli, project_cli
+    from attnres_pp.simulator import memory_cli, plan_cli, predict_cli, project_cli
 
     project_cli.register(commands)
     predict_cli.register(commands)
+    memory_cli.register(commands, _model_flags, _count)
+    plan_cli.register(commands)
 
 
 def _model_flags(parser: argparse.ArgumentParser, *, required: bool) -> None:

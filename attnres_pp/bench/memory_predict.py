@@ -1,0 +1,237 @@
+"""`attnres-pp bench memory --predict`: the simulator's per-rank memory (`simulate memory`) against
+what real training steps hold, on configurations the activation units were not fitted on (the units
+come from single tiny chunks; these are whole pipelined steps with other schedules, V, m, D, AC,
+block sizes and variants). Two counts, each a row of the table:
+
+- `hooks`: one step of the real runtime over the loopback transport in this process, counted by
+  `bench.memory_count` (saved tensors alive per rank, cache entries + deposits) and, for
+  param/grad/optimizer, each rank's real modules and an AdamW after one step (fp32 and bf16; not
+  for AC or fsdp, which this count does not run);
+- `run`: `attnres-pp train ... --steps 2` (in-process launcher, fp32, CPU) and its `summary.json`'s
+  `memory_per_rank`; a summary without it (a tree whose runs do not count memory) is listed as
+  skipped with the reason.
+
+param/grad/optimizer bytes must be equal; activation and cache peaks are compared as relative
+errors (target: median <= 5%, max <= 10%).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from attnres_pp.bench.common import markdown_table
+
+EXACT_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes")
+PEAK_KEYS = ("activation_peak_bytes", "cache_peak_bytes")
+BASE = {"layers": 8, "d_model": 64, "heads": 4, "seq_len": 32, "vocab_size": 256, "batch_size": 4}
+# (name, flags): each differs from the others in schedule, V, m, D, AC, block size or variant.
+CASES = (
+    ("1f1b attnres S=4", {"schedule": "1f1b", "stages": 2, "microbatches": 4, "residual": "attnres", "block_size": 4}),
+    ("interleaved V=2 S=2", {"schedule": "interleaved_1f1b", "stages": 2, "virtual": 2, "microbatches": 4,
+                             "residual": "attnres", "block_size": 2}),
+    ("zb_h1 standard", {"schedule": "zb_h1", "stages": 2, "microbatches": 4, "residual": "standard"}),
+    ("interleaved_zb full AttnRes", {"schedule": "interleaved_zb", "stages": 2, "virtual": 2, "microbatches": 4,
+                                     "residual": "attnres", "block_size": 1}),
+    ("zbv lr_attnres", {"schedule": "zbv", "stages": 2, "virtual": 2, "microbatches": 4, "residual": "lr_attnres",
+                        "block_size": 4}),
+    ("1f1b msar m=2", {"schedule": "1f1b", "stages": 2, "microbatches": 2, "residual": "msar", "block_size": 4}),
+    ("D=2 fsdp interleaved", {"schedule": "interleaved_1f1b", "stages": 2, "virtual": 2, "microbatches": 2,
+                              "data_parallel": 2, "dp_shard": "fsdp", "residual": "attnres", "block_size": 4}),
+    ("AC full 1f1b", {"schedule": "1f1b", "stages": 2, "microbatches": 4, "residual": "attnres", "block_size": 4,
+                      "activation_checkpoint": "full"}),
+    ("AC selective zb_h1", {"schedule": "zb_h1", "stages": 2, "microbatches": 4, "residual": "attnres",
+                            "block_size": 2, "activation_checkpoint": "selective"}),
+    ("bf16 interleaved_zb S=2", {"schedule": "interleaved_zb", "stages": 2, "virtual": 2, "microbatches": 4,
+                                 "residual": "attnres", "block_size": 2, "dtype": "bf16"}),
+    ("bf16 zbv msar", {"schedule": "zbv", "stages": 2, "virtual": 2, "microbatches": 4, "residual": "msar",
+                       "block_size": 2, "dtype": "bf16"}),
+    ("D=2 replicate P=4 V=2", {"schedule": "interleaved_1f1b", "stages": 4, "virtual": 2, "microbatches": 4,
+                               "data_parallel": 2, "batch_size": 8, "residual": "attnres", "block_size": 3}),
+)
+QUICK = CASES[:3]
+
+
+def case_flags(case: dict) -> dict:
+    flags = {**BASE, **case}
+    if flags["residual"] == "standard":
+        flags.pop("block_size", None)
+    return flags
+
+
+def train_argv(flags: dict, out_dir: Path) -> list[str]:
+    argv = ["train", "--steps", "2", "--launcher", "inprocess", "--device", "cpu", "--threads", "1", "--quiet",
+            "--out", str(out_dir), "--cache", "on"]
+    for key, value in {"dtype": "fp32", **flags}.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    return argv
+
+
+def microbatch_sequences(flags: dict) -> int:
+    return flags["batch_size"] // (flags.get("data_parallel", 1) * flags["microbatches"])
+
+
+def predict_argv(flags: dict) -> list[str]:
+    argv = ["simulate", "memory", "--json", "--tokens", str(microbatch_sequences(flags) * flags["seq_len"])]
+    for key, value in {"dtype": "fp32", **flags}.items():
+        if key != "batch_size":
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+    if "block_size" not in flags:
+        argv += ["--block-size", "1"]
+    return argv
+
+
+def predict(flags: dict) -> dict:
+    """`simulate memory --json`'s report for the case, computed in this process."""
+    import argparse
+
+    from attnres_pp.simulator import cli as simulate_cli
+    from attnres_pp.simulator.memory import predict_memory
+    from attnres_pp.simulator.memory_cli import build
+
+    # The `simulate` parser alone (bench sits below the top-level CLI): the same flags, the same defaults.
+    parser = argparse.ArgumentParser(prog="attnres-pp")
+    simulate_cli.register(parser.add_subparsers(dest="command", required=True))
+    argv = predict_argv(flags)
+    cfg, setup = build(parser.parse_args(argv))
+    ranks = predict_memory(cfg, setup)
+    return {"memory_per_rank": [r.terms for r in ranks], "peak_action_per_rank": [r.peak_action for r in ranks],
+            "model": cfg}
+
+
+def hook_count(flags: dict, cfg) -> list[dict]:
+    """Per global rank, counted in this process: state bytes of the real modules and AdamW, and the
+    activation and cache peaks of one loopback step (`bench.memory_count`)."""
+    import torch
+
+    from attnres_pp.bench.memory_count import count_step
+    from attnres_pp.comm.partition import make_partition
+    from attnres_pp.pipeline.chunk import build_rank_model, rank_parameters
+    from attnres_pp.schedule.schedules import schedule_placement
+    from attnres_pp.train.config import TrainConfig
+    from attnres_pp.train.optim import build_optimizer
+
+    torch.set_num_threads(1)
+    n_stages, n_virtual = flags["stages"], flags.get("virtual", 1)
+    peaks = count_step(cfg, schedule_name=flags["schedule"], n_stages=n_stages, n_virtual=n_virtual,
+                       n_microbatches=flags["microbatches"], n_sequences=microbatch_sequences(flags),
+                       dtype=flags.get("dtype", "fp32"))
+    partition = make_partition(cfg.n_layers, n_stages, n_virtual, placement=schedule_placement(flags["schedule"]))
+    ranks = []
+    for pp_rank in range(n_stages):
+        model, chunks = build_rank_model(cfg, partition, pp_rank, seed=0)
+        named = rank_parameters(chunks, model)
+        optimizer = build_optimizer(named.items(), TrainConfig())
+        for p in named.values():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        param = sum(p.numel() * p.element_size() for p in named.values())
+        state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                    if torch.is_tensor(t))
+        ranks.append({"param_bytes": param, "grad_bytes": param, "optimizer_bytes": state,
+                      "activation_peak_bytes": peaks[pp_rank]["activation_peak_bytes"],
+                      "cache_peak_bytes": peaks[pp_rank]["cache_peak_bytes"]})
+    return ranks * flags.get("data_parallel", 1)
+
+
+def _cli(argv: list[str], timeout_s: float) -> str:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    done = subprocess.run([sys.executable, "-m", "attnres_pp.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout_s, env=env)
+    if done.returncode:
+        raise RuntimeError(f"attnres-pp {' '.join(argv[:2])} failed: {done.stderr.strip().splitlines()[-1:]}")
+    return done.stdout
+
+
+def compare(predicted: list[dict], measured: list[dict]) -> dict:
+    """Per rank: which exact terms differ, and the relative errors of the two peaks."""
+    if len(predicted) != len(measured):
+        raise ValueError(f"{len(predicted)} predicted ranks but {len(measured)} counted")
+    mismatches, errors = [], {key: [] for key in PEAK_KEYS}
+    for rank, (p, m) in enumerate(zip(predicted, measured, strict=True)):
+        mismatches += [f"rank {rank} {key}: predicted {p[key]} counted {m[key]}" for key in EXACT_KEYS
+                       if p[key] != m[key]]
+        for key in PEAK_KEYS:
+            errors[key].append(0.0 if p[key] == m[key] else abs(p[key] - m[key]) / max(m[key], 1))
+    return {"mismatches": mismatches, "errors": errors}
+
+
+def measure_case(name: str, case: dict, progress: Callable[[str], None], *, runs: bool = True) -> list[dict]:
+    """The case's rows: `hooks` (where this process can count it) and `run` (a training run's summary)."""
+    flags = case_flags(case)
+    prediction = predict(flags)
+    base = {"name": name, "flags": flags, "predicted": prediction["memory_per_rank"],
+            "peak_action_per_rank": prediction["peak_action_per_rank"]}
+    rows = []
+    if "activation_checkpoint" not in flags and flags.get("dp_shard", "replicate") == "replicate":
+        rows.append(_compared(base | {"counted_by": "hooks"}, hook_count(flags, prediction["model"]), progress))
+    if runs:
+        row = base | {"counted_by": "run"}
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                _cli(train_argv(flags, Path(tmp) / "run"), 900)
+                summary = json.loads((Path(tmp) / "run" / "summary.json").read_text())
+        except RuntimeError as error:  # a flag this tree lacks (AC, fsdp) or a failed run: say so, go on
+            summary = {"error": str(error)}
+        if "memory_per_rank" in summary:
+            rows.append(_compared(row, summary["memory_per_rank"], progress))
+        else:
+            row["skipped"] = summary.get("error", "summary.json has no memory_per_rank (this tree does not count "
+                                                  "memory)")
+            progress(f"{name} (run): {row['skipped']}")
+            rows.append(row)
+    return rows
+
+
+def _compared(row: dict, measured: list[dict], progress: Callable[[str], None]) -> dict:
+    row["measured"] = [{k: r[k] for k in (*EXACT_KEYS, *PEAK_KEYS)} for r in measured]
+    row.update(compare(row["predicted"], row["measured"]))
+    progress(f"{row['name']} ({row['counted_by']}): max activation error "
+             f"{max(row['errors']['activation_peak_bytes']):.2%}, cache {max(row['errors']['cache_peak_bytes']):.2%}, "
+             f"{len(row['mismatches'])} exact mismatches")
+    return row
+
+
+def run(quick: bool, out_dir: Path, progress: Callable[[str], None]) -> dict:
+    del out_dir  # no pictures or traces
+    rows = [row for name, case in (QUICK if quick else CASES) for row in measure_case(name, case, progress)]
+    compared = [r for r in rows if "errors" in r]
+    summary = {}
+    for counted_by in ("hooks", "run"):
+        for key in PEAK_KEYS:
+            values = [e for r in compared if r["counted_by"] == counted_by for e in r["errors"][key]]
+            if values:
+                summary[f"{counted_by}/{key}"] = {"median": statistics.median(values), "max": max(values)}
+    return {"rows": rows, "summary": summary, "exact_mismatches": sum(len(r["mismatches"]) for r in compared),
+            "compared": len(compared)}
+
+
+def to_markdown(payload: dict) -> str:
+    def pct(values: list[float]) -> str:
+        return f"{statistics.median(values):.2%} / {max(values):.2%}"
+
+    table = []
+    for r in payload["rows"]:
+        if "errors" not in r:
+            table.append([r["name"], r["counted_by"], "-", "-", "-", r["skipped"]])
+            continue
+        table.append([r["name"], r["counted_by"], "equal" if not r["mismatches"] else f"{len(r['mismatches'])} differ",
+                      pct(r["errors"]["activation_peak_bytes"]), pct(r["errors"]["cache_peak_bytes"]),
+                      ", ".join(r["peak_action_per_rank"])])
+    lines = ["## Predicted vs counted memory per rank (out of sample)", "",
+             "`attnres-pp simulate memory` against one real step per case, counted by saved-tensor hooks in "
+             "this process (`hooks`: loopback runtime, every rank) or by a training run's `memory_per_rank` "
+             f"(`run`: 2 steps, in-process launcher, fp32). Model {BASE} (dtype fp32 unless the case says bf16). "
+             "Errors: median / max over ranks.", "",
+             markdown_table(["case", "counted by", "param/grad/optimizer", "activation peak", "cache peak",
+                             "predicted peak's action per rank"], table)]
+    for key, stats in payload["summary"].items():
+        lines.append(f"\n{key}: median {stats['median']:.2%}, max {stats['max']:.2%} over every rank compared "
+                     "(targets 5% and 10%).")
+    return "\n".join(lines)

@@ -1,0 +1,351 @@
+"""Per-rank memory of a training step, predicted from shapes and the schedule's action order
+(SPEC section 8), with the keys a run counts in `summary.json`'s `memory_per_rank` (RSS excluded).
+
+    param_bytes       fp32 master weights of the rank's chunks, by parameter shape (the module list
+                      of `model.transformer` / `pipeline.chunk`; MSAR's stream convolutions on every
+                      rank); under FSDP2 over D replicas ceil(dim0 / D) rows of each parameter
+    grad_bytes        the same shapes (fp32 gradients, sharded alike)
+    optimizer_bytes   AdamW: exp_avg and exp_avg_sq (fp32, sharded alike) and one 0-d float32
+                      `step` tensor per parameter (torch keeps `step` as a tensor)
+    activation_peak   the peak over the rank's action order of the bytes saved for backward: F(c, mb)
+                      adds chunk c's saved bytes, B frees them; I frees nothing (the split backward's
+                      I keeps the graph for W, retain_graph) and W frees all of it
+    cache_peak        entries put by F(c) live until the rank's last chunk's forward frees them; a
+                      gradient deposit lives from the I/B of the rank's last chunk (the first backward
+                      of that microbatch on the rank) until the I/B of the chunk that put the entry
+The moment of a rank's peak is that of activations + cache together (not the sum of their peaks).
+
+A chunk's saved bytes per microbatch come from `memory_units.json`: per variant and dtype a linear
+form in shape features (tokens x widths, per layer, per depth-read segment, per merge, the head, the
+bf16 weight copies), fitted to saved-tensor-hook counts of tiny chunks (`bench.memory_units`, the
+command is in the JSON); `full` and `selective` activation checkpointing are derived from the
+shapes (`activation_bytes`). Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+from attnres_pp.comm.partition import Partition
+from attnres_pp.comm.plan import PayloadPlan
+from attnres_pp.model.config import ModelConfig
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+AC_POLICIES = ("none", "full", "selective")
+DP_SHARDS = ("replicate", "fsdp")
+MEMORY_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_peak_bytes", "cache_peak_bytes")
+UNITS_PATH = Path(__file__).with_name("memory_units.json")
+
+FEATURES = ("layer_td", "layer_th", "layer_tf", "sub_tw", "sub_t", "sub_tr", "seg_ntw", "seg_nkt", "seg_ktd",
+            "seg_nt", "seg_ntr", "seg_nbd", "merge_td", "merge_t", "merge_tr", "merge_bd", "head_tv", "head_td",
+            "head_t", "embed_t", "embed_td", "matmul_params", "sub_1", "seg_1", "seg_kq", "sub_d")
+
+
+# ---- parameters, gradients, optimizer state ----
+
+def _read_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
+    """The parameters of one reading site (model.depth.DepthRead)."""
+    if cfg.residual == "standard":
+        return []
+    if cfg.residual == "msar":
+        m, d = cfg.n_streams, cfg.d_model
+        return [(m, d), (m * d, m), (), (m,)]
+    return [(cfg.query_dim,)]
+
+
+def rank_parameter_shapes(cfg: ModelConfig, partition: Partition, pp_rank: int) -> list[tuple[int, ...]]:
+    """Shapes of every parameter rank `pp_rank` holds (`pipeline.chunk.rank_parameters`)."""
+    d, f, width = cfg.d_model, cfg.ff_dim, cfg.source_width
+    shapes: list[tuple[int, ...]] = []
+    chunks = partition.chunks_of(pp_rank)
+    if 0 in chunks:
+        shapes += [(cfg.vocab_size, d), (cfg.seq_len, d)]
+        if cfg.projected_key_rank:
+            shapes.append((cfg.projected_key_rank, d))
+    layer = [(d,), (3 * d, d), (width, d), *_read_shapes(cfg), (d,), (f, d), (width, f), *_read_shapes(cfg)]
+    for c in chunks:
+        shapes += layer * partition.layers_per_chunk[c]
+    if partition.n_chunks - 1 in chunks:
+        shapes += [*_read_shapes(cfg), (d,), (cfg.vocab_size, d)]
+    if cfg.residual == "msar":
+        shapes += [(k, d) for _source in range(cfg.n_blocks + 1) for k in cfg.stream_kernels]
+    return shapes
+
+
+def shard_numel(shape: tuple[int, ...], data_parallel: int, dp_shard: str) -> int:
+    """Elements a rank holds of one parameter: all of it, or FSDP2's padded dim-0 shard."""
+    numel = math.prod(shape)
+    if dp_shard == "replicate" or data_parallel == 1 or not shape:
+        return numel
+    return -(-shape[0] // data_parallel) * (numel // shape[0])
+
+
+def local_numel(shape: tuple[int, ...], data_parallel: int, dp_shard: str, dp_rank: int) -> int:
+    """Elements of replica `dp_rank`'s unpadded shard (torch.chunk's rows; the last ranks may get fewer)."""
+    if dp_shard == "replicate" or data_parallel == 1 or not shape:
+        return math.prod(shape)
+    rows = -(-shape[0] // data_parallel)
+    return max(0, min(rows, shape[0] - dp_rank * rows)) * (math.prod(shape) // shape[0])
+
+
+def state_bytes(shapes: list[tuple[int, ...]], *, data_parallel: int, dp_shard: str, dp_rank: int = 0
+                ) -> dict[str, int]:
+    """param/grad/optimizer bytes of one rank (fp32 throughout; AdamW's `step` is 4 bytes a tensor).
+
+    Under FSDP2 a parameter's shard storage and the reduce-scattered gradient buffer are padded to
+    ceil(dim0 / D) rows on every replica, while AdamW's moments are made like the unpadded local
+    shard (`zeros_like`), so replica `dp_rank`'s optimizer state can be smaller than its parameters."""
+    numel = sum(shard_numel(s, data_parallel, dp_shard) for s in shapes)
+    local = sum(local_numel(s, data_parallel, dp_shard, dp_rank) for s in shapes)
+    return {"param_bytes": 4 * numel, "grad_bytes": 4 * numel, "optimizer_bytes": 8 * local + 4 * len(shapes)}
+
+
+def matmul_parameters(cfg: ModelConfig, partition: Partition, chunk_index: int) -> int:
+    """Elements of the weights a chunk multiplies with (bf16 autocast keeps a bf16 copy of each)."""
+    d, f, width = cfg.d_model, cfg.ff_dim, cfg.source_width
+    count = partition.layers_per_chunk[chunk_index] * (3 * d * d + width * d + f * d + width * f)
+    if chunk_index == 0:
+        count += cfg.projected_key_rank * d
+    if chunk_index == partition.n_chunks - 1:
+        count += cfg.vocab_size * d
+    return count
+
+
+# ---- activations ----
+
+def depth_segments(cfg: ModelConfig, partition: Partition, chunk_index: int) -> tuple[list[tuple[int, int]], int]:
+    """(phase-1 segments as (sources n, queries k), merges) of a chunk, as `model.stack` runs them;
+    the last chunk's final read is one more segment."""
+    if not cfg.uses_depth_attention:
+        return [], 0
+    size, sublayers = cfg.block_size, partition.sublayer_range(chunk_index)
+    segments, l = [], sublayers.start
+    while l < sublayers.stop:
+        stop = min(sublayers.stop, (l // size + 1) * size)
+        segments.append((l // size + 1, stop - l))
+        l = stop
+    if chunk_index == partition.n_chunks - 1:
+        segments.append((cfg.n_blocks + 1, 1))
+    return segments, sum(1 for l in sublayers if l % size)
+
+
+def activation_features(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int,
+                        n_sequences: int, dtype: str) -> dict[str, float]:
+    """The shape features of `FEATURES` of one chunk and microbatch (`tokens` = n_sequences x seq)."""
+    t, d, f, width = tokens, cfg.d_model, cfg.ff_dim, cfg.source_width
+    r = cfg.key_rank if cfg.residual == "lr_attnres" else 0
+    n_layers = partition.layers_per_chunk[chunk_index]
+    n_sub = 2 * n_layers
+    segments, n_merges = depth_segments(cfg, partition, chunk_index)
+    is_first, is_last = chunk_index == 0, chunk_index == partition.n_chunks - 1
+    return {
+        "layer_td": n_layers * t * d, "layer_th": n_layers * t * cfg.n_heads, "layer_tf": n_layers * t * f,
+        "sub_tw": n_sub * t * width, "sub_t": n_sub * t, "sub_tr": n_sub * t * r,
+        "seg_ntw": sum(n * t * width for n, _k in segments), "seg_nkt": sum(n * k * t for n, k in segments),
+        "seg_ktd": sum(k * t * d for _n, k in segments), "seg_nt": sum(n * t for n, _k in segments),
+        "seg_ntr": sum(n * t * r for n, _k in segments),
+        "seg_nbd": sum(n * n_sequences * d for n, _k in segments),
+        "merge_td": n_merges * t * d, "merge_t": n_merges * t, "merge_tr": n_merges * t * r,
+        "merge_bd": n_merges * n_sequences * d,
+        "head_tv": is_last * t * cfg.vocab_size, "head_td": is_last * t * d, "head_t": is_last * t,
+        "embed_t": is_first * t, "embed_td": is_first * t * d,
+        "matmul_params": matmul_parameters(cfg, partition, chunk_index) if dtype == "bf16" else 0,
+        "sub_1": n_sub, "seg_1": len(segments),
+        "seg_kq": sum(k * cfg.query_dim * cfg.n_streams for _n, k in segments), "sub_d": n_sub * d,
+    }
+
+
+@cache
+def load_units(path: str = str(UNITS_PATH)) -> dict:
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def units_key(cfg: ModelConfig, dtype: str) -> str:
+    variant = f"lr_attnres_{cfg.key_mode}" if cfg.residual == "lr_attnres" else cfg.residual
+    return f"{variant}/{dtype}"
+
+
+def _linear(features: dict[str, float], coefficients: dict[str, float]) -> float:
+    return sum(coefficients.get(name, 0.0) * value for name, value in features.items())
+
+
+@dataclass(frozen=True)
+class ChunkActivation:
+    """Saved bytes of one chunk and microbatch: `saved` from F until B (or W); `transient` the
+    extra bytes alive inside its backward (a full-AC recomputation)."""
+
+    saved: int
+    transient: int = 0
+
+
+def activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype: str,
+                     activation_checkpoint: str = "none", weight_copies: bool = True) -> ChunkActivation:
+    """What F(chunk_index, mb) saves for backward, in bytes (see the module docstring).
+
+    `weight_copies`: bf16 autocast casts the fp32 weights in every forward and the backward keeps
+    each microbatch's copy; False under FSDP2's bf16 parameters (all-gathered once, no casts)."""
+    n_sequences = max(1, tokens // cfg.seq_len)
+    features = activation_features(cfg, partition, chunk_index, tokens=tokens, n_sequences=n_sequences, dtype=dtype)
+    if not weight_copies:
+        features["matmul_params"] = 0
+    units = load_units()["units"][units_key(cfg, dtype)]["coefficients"]
+    none = max(0.0, _linear(features, units))
+    if activation_checkpoint == "none":
+        return ChunkActivation(saved=round(none))
+    element = DTYPE_BYTES[dtype]
+    n_layers, t = partition.layers_per_chunk[chunk_index], tokens
+    # What stays outside the checkpointed layers: the embedding's and the head's saved tensors.
+    outside = {name: value for name, value in features.items() if name.startswith(("head_", "embed_"))}
+    if chunk_index == partition.n_chunks - 1:
+        outside["seg_ntw"] = (cfg.n_blocks + 1) * t * cfg.source_width
+    outside_bytes = max(0.0, _linear(outside, units))
+    if activation_checkpoint == "full":
+        # Each layer keeps its input (the standard residual, or the partial it adds to), and its
+        # backward recomputes one layer's saved tensors at a time.
+        kept = n_layers * t * cfg.source_width * element
+        one_layer = (none - outside_bytes) / max(1, n_layers)
+        return ChunkActivation(saved=round(kept + outside_bytes), transient=round(max(0.0, one_layer)))
+    # selective: the matmul outputs (qkv, attention, output projection, MLP up and down) and the
+    # attention's log-sum-exp stay; norms, softmax and depth-attention intermediates are recomputed.
+    d, f, width = cfg.d_model, cfg.ff_dim, cfg.source_width
+    kept = n_layers * t * ((4 * d + 2 * width + f) * element + 4 * cfg.n_heads)
+    weights = features["matmul_params"] * 2
+    return ChunkActivation(saved=round(kept + weights + outside_bytes))
+
+
+# ---- the walk over the action order ----
+
+@dataclass(frozen=True, kw_only=True)
+class RankMemory:
+    """One rank's prediction: `terms` has the MEMORY_KEYS; `peak_action` is the action at whose end
+    (or, for a recomputing backward, during which) activations + cache peak."""
+
+    terms: dict[str, int]
+    peak_bytes: int
+    peak_action: str
+    dominant: str = field(default="")
+
+
+def walk_rank(actions, *, saved_by_chunk: list[ChunkActivation], plan: PayloadPlan | None,
+              tensor_bytes: int) -> tuple[int, int, int, str]:
+    """(activation peak, cache peak, peak of both together, action of that peak) over one rank's
+    actions (objects with kind, chunk_index, microbatch_index)."""
+    ios = plan.chunks if plan is not None else None
+    deposits: dict[int, set] = {}  # microbatch -> the sources whose gradient deposit is alive
+    cache_entries: dict[int, int] = {}  # microbatch -> len(deposits[mb]) as counted in cache_live
+    act = cache_live = 0
+    act_peak = cache_peak = total_peak = 0
+    peak_action = ""
+    for action in actions:
+        kind, c, mb = action.kind.value, action.chunk_index, action.microbatch_index
+        unit = saved_by_chunk[c]
+        if kind == "F":
+            act += unit.saved
+            if ios is not None:
+                cache_live += len(ios[c].cache_puts) * tensor_bytes
+            moment = act + cache_live
+            cache_peak = max(cache_peak, cache_live)
+            if ios is not None:
+                cache_live -= len(ios[c].frees) * tensor_bytes
+        elif kind in ("B", "I"):
+            moment = act + cache_live + unit.transient
+            if kind == "B":
+                act -= unit.saved
+            if ios is not None:
+                # Collect the deposits into the entries this chunk put, then deposit its cache reads
+                # (a later deposit into a live one is added in place: no new tensor).
+                alive = deposits.setdefault(mb, set())
+                alive.difference_update(ios[c].cache_puts)
+                alive.update(ios[c].cache_reads)
+                cache_live = cache_live - cache_entries.get(mb, 0) * tensor_bytes
+                cache_entries[mb] = len(alive)
+                cache_live += len(alive) * tensor_bytes
+                cache_peak = max(cache_peak, cache_live)
+        else:  # W
+            moment = act + cache_live
+            act -= unit.saved
+        act_peak = max(act_peak, act)
+        if moment > total_peak:
+            total_peak, peak_action = moment, f"{kind}{c}.{mb}"
+    return act_peak, cache_peak, total_peak, peak_action
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemorySetup:
+    """What a memory prediction needs besides the model: the run's parallel layout and policies."""
+
+    schedule: str
+    n_stages: int
+    n_virtual: int = 1
+    n_microbatches: int
+    tokens: int
+    dtype: str = "bf16"
+    cache: bool = True
+    data_parallel: int = 1
+    dp_shard: str = "replicate"
+    activation_checkpoint: str = "none"
+    layer_counts: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("n_stages", "n_virtual", "n_microbatches", "tokens", "data_parallel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MemorySetup.{name}={value!r} is invalid: must be an integer >= 1")
+        for name, allowed in (("dtype", tuple(DTYPE_BYTES)), ("dp_shard", DP_SHARDS),
+                              ("activation_checkpoint", AC_POLICIES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"MemorySetup.{name}={getattr(self, name)!r} is invalid: choose one of "
+                                 f"{', '.join(allowed)}")
+
+
+def dominant_term(terms: dict[str, int]) -> str:
+    """The largest of the terms, by its short name (params, grads, optimizer, activations, cache)."""
+    names = {"param_bytes": "params", "grad_bytes": "grads", "optimizer_bytes": "optimizer",
+             "activation_peak_bytes": "activations", "cache_peak_bytes": "cache"}
+    return names[max(MEMORY_KEYS, key=lambda key: terms[key])]
+
+
+def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Partition,
+                  plan: PayloadPlan | None, *, dp_ranks: range | None = None) -> list[RankMemory]:
+    """One RankMemory per global rank (dp_rank * P + pp_rank) for a built schedule and plan; only
+    the replicas `dp_ranks` if given (replica 0 holds the most: FSDP2's first shards are full)."""
+    copies = not (setup.dp_shard == "fsdp" and setup.data_parallel > 1)
+    saved = [activation_bytes(cfg, partition, c, tokens=setup.tokens, dtype=setup.dtype,
+                              activation_checkpoint=setup.activation_checkpoint, weight_copies=copies)
+             for c in range(partition.n_chunks)]
+    uses_cache = plan is not None and plan.mode == "cached"
+    tensor_bytes = setup.tokens * cfg.source_width * DTYPE_BYTES[setup.dtype]
+    walks = [walk_rank(schedule.rank_actions[pp_rank], saved_by_chunk=saved, plan=plan if uses_cache else None,
+                       tensor_bytes=tensor_bytes) for pp_rank in range(setup.n_stages)]
+    ranks = []
+    for dp_rank in dp_ranks if dp_ranks is not None else range(setup.data_parallel):
+        for pp_rank, (act_peak, cache_peak, peak, action) in enumerate(walks):
+            shapes = rank_parameter_shapes(cfg, partition, pp_rank)
+            terms = state_bytes(shapes, data_parallel=setup.data_parallel, dp_shard=setup.dp_shard, dp_rank=dp_rank)
+            terms.update(activation_peak_bytes=act_peak, cache_peak_bytes=cache_peak)
+            fixed = terms["param_bytes"] + terms["grad_bytes"] + terms["optimizer_bytes"]
+            if setup.dp_shard == "fsdp" and setup.data_parallel > 1:
+                # FSDP2 without resharding after forward (the pipeline default) keeps every parameter
+                # all-gathered in the compute dtype through the step: part of the peak, not of param_bytes.
+                fixed += sum(math.prod(s) for s in shapes) * DTYPE_BYTES[setup.dtype]
+            ranks.append(RankMemory(terms=terms, peak_bytes=fixed + peak, peak_action=action,
+                                    dominant=dominant_term(terms)))
+    return ranks
+
+
+def predict_memory(cfg: ModelConfig, setup: MemorySetup) -> list[RankMemory]:
+    """Build the schedule, partition and payload plan `setup` names and predict every rank."""
+    from attnres_pp.comm.partition import make_partition
+    from attnres_pp.comm.plan import plan_for_model
+    from attnres_pp.schedule.schedules import build_schedule, schedule_placement
+
+    schedule = build_schedule(setup.schedule, setup.n_stages, setup.n_virtual, setup.n_microbatches)
+    partition = make_partition(cfg.n_layers, setup.n_stages, setup.n_virtual, setup.layer_counts,
+                               placement=schedule_placement(setup.schedule))
+    plan = plan_for_model(cfg, partition, setup.cache)
+    return predict_ranks(cfg, setup, schedule, partition, plan)

@@ -1,0 +1,92 @@
+"""`attnres-pp simulate memory`: flags -> ModelConfig + MemorySetup -> each rank's predicted memory
+(`simulator.memory`), as a table or as `{"memory_per_rank": [...], "peak_action_per_rank": [...]}`
+with the ranks in global-rank order (dp_rank * P + pp_rank), as `summary.json` lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from attnres_pp.model.config import ModelConfig
+from attnres_pp.schedule.schedules import SCHEDULES
+from attnres_pp.simulator.comm import format_bytes
+from attnres_pp.simulator.memory import AC_POLICIES, DP_SHARDS, MEMORY_KEYS, MemorySetup, predict_memory
+
+
+def register(commands, model_flags, count) -> None:
+    parser = commands.add_parser(
+        "memory", help="predict each rank's peak memory (params, grads, AdamW, activations, cache)",
+        description="Per-rank memory of one training step predicted from shapes and the schedule's action "
+                    "order (SPEC section 8): the keys of summary.json's memory_per_rank and the peak's action.")
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), required=True)
+    parser.add_argument("--stages", type=count(1), required=True, help="P, pipeline ranks")
+    parser.add_argument("--virtual", type=count(1), default=1, help="V, chunks per rank (default 1)")
+    parser.add_argument("--microbatches", type=count(1), required=True, help="m, microbatches per step and replica")
+    model_flags(parser, required=True)
+    parser.add_argument("--heads", type=count(1), default=None, help="attention heads (default: d-model / 128, >= 1)")
+    parser.add_argument("--layer-counts", default=None, help="layers per chunk, comma separated")
+    parser.add_argument("--no-cache", action="store_true", help="AttnRes without the cross-stage cache")
+    parser.add_argument("--data-parallel", type=count(1), default=1, help="D, replicas of the pipeline")
+    parser.add_argument("--dp-shard", choices=DP_SHARDS, default="replicate",
+                        help="replicate: every replica holds everything; fsdp: FSDP2 shards 1/D")
+    parser.add_argument("--activation-checkpoint", choices=AC_POLICIES, default="none")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run, parser=parser)
+
+
+def build(args: argparse.Namespace) -> tuple[ModelConfig, MemorySetup]:
+    heads = args.heads or max(1, args.d_model // 128)
+    cfg = ModelConfig(vocab_size=args.vocab_size, n_layers=args.layers, d_model=args.d_model, n_heads=heads,
+                      d_ff=args.d_ff, seq_len=args.seq_len, residual=args.residual, block_size=args.block_size,
+                      key_mode=args.key_mode, key_rank=args.key_rank)
+    layer_counts = None
+    if args.layer_counts:
+        try:
+            layer_counts = tuple(int(n) for n in args.layer_counts.split(","))
+        except ValueError:
+            raise ValueError(f"--layer-counts {args.layer_counts!r} must be integers separated by commas") from None
+    setup = MemorySetup(schedule=args.schedule, n_stages=args.stages, n_virtual=args.virtual,
+                        n_microbatches=args.microbatches, tokens=args.tokens, dtype=args.dtype,
+                        cache=not args.no_cache, data_parallel=args.data_parallel, dp_shard=args.dp_shard,
+                        activation_checkpoint=args.activation_checkpoint, layer_counts=layer_counts)
+    return cfg, setup
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg, setup = build(args)
+        ranks = predict_memory(cfg, setup)
+    except ValueError as error:
+        print(f"{args.parser.prog}: error: {str(error).splitlines()[0]}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"memory_per_rank": [r.terms for r in ranks],
+                          "peak_action_per_rank": [r.peak_action for r in ranks],
+                          "peak_bytes_per_rank": [r.peak_bytes for r in ranks]}))
+        return 0
+    print(format_table(setup, ranks))
+    return 0
+
+
+def format_table(setup: MemorySetup, ranks) -> str:
+    header = ["rank", "params", "grads", "optimizer", "activations", "cache", "peak", "at", "dominated by"]
+    # Replicas hold the same as replica 0 (under fsdp their AdamW moments may be a little smaller).
+    shown = ranks[:setup.n_stages]
+    rows = [header] + [[str(i), *(format_bytes(r.terms[k]) for k in MEMORY_KEYS), format_bytes(r.peak_bytes),
+                        r.peak_action, r.dominant] for i, r in enumerate(shown)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    return "\n".join([
+        f"{setup.schedule} P={setup.n_stages} V={setup.n_virtual} m={setup.n_microbatches} D={setup.data_parallel} "
+        f"({setup.dp_shard}), AC {setup.activation_checkpoint}, {setup.tokens} tokens/mb, {setup.dtype}, "
+        f"cache {'on' if setup.cache else 'off'}",
+        *lines,
+        *([f"ranks {setup.n_stages}..{len(ranks) - 1} (replicas 1..{setup.data_parallel - 1}) hold the same as "
+           f"ranks 0..{setup.n_stages - 1}" + (" (AdamW moments up to their unpadded shards)"
+                                              if setup.dp_shard == "fsdp" else "") + "; --json lists every rank"]
+          if setup.data_parallel > 1 else []),
+        "peak = params + grads + optimizer + (activations + cache at the peak's action)"
+        + (" + the all-gathered parameters (fsdp)" if setup.dp_shard == "fsdp" and setup.data_parallel > 1 else ""),
+    ])

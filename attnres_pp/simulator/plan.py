@@ -1,0 +1,345 @@
+"""`attnres-pp simulate plan`: the fastest training configuration that fits, for a model and a cluster.
+
+Searched: P (dividing the GPUs; D = GPUs / P), V, m (whole sequences per microbatch), the schedule
+(and with it the placement: loop, or V-shape for zbv), the block size (where the variant has one),
+dp_shard (replicate | fsdp) and activation checkpointing (none | full | selective). Two stages keep
+it fast:
+  1. every candidate is priced in closed form: the slowest rank's compute per microbatch (the
+     `simulate project` chunk model, backward 2x forward, + one forward under full AC, + the
+     memory-bound part under selective AC) times m over (1 - SPEC 5's closed-form bubble), plus the
+     data-parallel all-reduce (fsdp's reduce-scatter + all-gather move the same bytes); memory as
+     the exact parameter/gradient/AdamW bytes + a closed-form count of in-flight chunk-microbatches;
+  2. the fastest candidates that pass stage 1 with slack get the exact memory walk
+     (`simulator.memory`) and the event-engine simulation of their schedule with per-hop links
+     (NVLink inside a node, the network between nodes: global rank = dp_rank x P + pp_rank, G per
+     node); rows are those that fit, ranked by the simulated step time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from attnres_pp.comm.partition import make_partition
+from attnres_pp.comm.plan import plan_for_model
+from attnres_pp.model.config import ModelConfig
+from attnres_pp.schedule.schedules import build_schedule, schedule_placement
+from attnres_pp.simulator.costs import CostModel, sublayer_forward_flops
+from attnres_pp.simulator.engine import simulate
+from attnres_pp.simulator.memory import (
+    DTYPE_BYTES,
+    MemorySetup,
+    activation_bytes,
+    predict_ranks,
+    rank_parameter_shapes,
+    state_bytes,
+)
+from attnres_pp.simulator.metrics import closed_form_bubble_fraction
+from attnres_pp.simulator.project import Cluster, chunk_seconds
+
+GIB = 1024 ** 3
+SPLIT = frozenset({"zb_h1", "interleaved_zb", "zbv"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    """The model, the batch and the cluster to plan for (GB/s = 1e9 bytes/s; Gb/s = 1e9 bits/s)."""
+
+    model: ModelConfig
+    global_batch: int
+    gpus: int
+    gpu_memory_gib: float
+    gpus_per_node: int = 8
+    intra_node_gbps: float = 3600.0
+    inter_node_gbps: float = 400.0
+    latency_us: float = 10.0
+    tflops: float = 400.0
+    peak_tflops: float = 989.0
+    hbm_tbs: float = 3.0
+    dtype: str = "bf16"
+    block_size: int | None = None
+    top: int = 5
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch", "gpus", "gpus_per_node", "top"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {value!r} is invalid: give an integer >= 1")
+        for name in ("gpu_memory_gib", "intra_node_gbps", "inter_node_gbps", "tflops", "peak_tflops", "hbm_tbs"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} {value!r} is invalid: give a finite number > 0")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"--dtype {self.dtype!r} is invalid: choose one of {', '.join(DTYPE_BYTES)}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    schedule: str
+    n_stages: int
+    n_virtual: int
+    n_microbatches: int
+    data_parallel: int
+    block_size: int
+    dp_shard: str
+    activation_checkpoint: str
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def block_sizes(request: PlanRequest) -> list[int]:
+    cfg = request.model
+    if not cfg.uses_depth_attention:
+        return [cfg.block_size]
+    if request.block_size is not None:
+        return [request.block_size]
+    # Block AttnRes with 4, 8 or 16 blocks (the papers' range; more blocks = more to send and cache).
+    sizes = {-(-cfg.n_sublayers // n) for n in (4, 8, 16) if n <= cfg.n_sublayers}
+    return sorted(sizes)
+
+
+def schedules_for(n_stages: int, n_virtual: int) -> list[str]:
+    if n_stages == 1:
+        return ["1f1b"] if n_virtual == 1 else []
+    if n_virtual == 1:
+        return ["1f1b", "zb_h1"]
+    return ["interleaved_1f1b", "interleaved_zb"] + (["zbv"] if n_virtual == 2 else [])
+
+
+def candidates(request: PlanRequest) -> list[Candidate]:
+    cfg, found = request.model, []
+    for n_stages in _divisors(request.gpus):
+        replicas = request.gpus // n_stages
+        if n_stages > cfg.n_layers or request.global_batch % replicas:
+            continue
+        per_replica = request.global_batch // replicas
+        for n_virtual in (1, 2, 3, 4, 6, 8):
+            if n_stages * n_virtual > cfg.n_layers:
+                continue
+            for schedule in schedules_for(n_stages, n_virtual):
+                for m in _divisors(per_replica):
+                    if n_stages > 1 and m < n_stages or (schedule == "zbv" and m < 2 * n_stages - 1):
+                        continue
+                    for size in block_sizes(request):
+                        for shard in ("replicate", "fsdp") if replicas > 1 else ("replicate",):
+                            for ac in ("none", "selective", "full"):
+                                found.append(Candidate(schedule, n_stages, n_virtual, m, replicas, size, shard, ac))
+    return found
+
+
+class Planner:
+    """Prices candidates; caches what several candidates share (chunk times, state bytes, activations)."""
+
+    def __init__(self, request: PlanRequest) -> None:
+        self.request = request
+        self.element = DTYPE_BYTES[request.dtype]
+        self.cluster = Cluster(n_stages=1, n_microbatches=1, tflops=request.tflops, hbm_tbs=request.hbm_tbs)
+        self._chunks: dict = {}
+        self._state: dict = {}
+        self._saved: dict = {}
+        self._grads: dict = {}
+
+    def model_for(self, candidate: Candidate) -> ModelConfig:
+        return dataclasses.replace(self.request.model, block_size=candidate.block_size)
+
+    def tokens(self, candidate: Candidate) -> int:
+        per_microbatch = self.request.global_batch // (candidate.data_parallel * candidate.n_microbatches)
+        return per_microbatch * self.request.model.seq_len
+
+    def chunk_costs(self, candidate: Candidate):
+        """(partition, forward seconds per chunk, the memory-bound part of each) for the candidate's split."""
+        key = (candidate.n_stages, candidate.n_virtual, candidate.block_size, self.tokens(candidate),
+               schedule_placement(candidate.schedule))
+        if key not in self._chunks:
+            cfg = self.model_for(candidate)
+            partition = make_partition(cfg.n_layers, candidate.n_stages, candidate.n_virtual, placement=key[-1])
+            tokens = key[3]
+            forward = [chunk_seconds(cfg, partition, c, tokens=tokens, dtype_bytes=self.element, cluster=self.cluster)
+                       for c in range(partition.n_chunks)]
+            plain = dataclasses.replace(cfg, residual="standard")
+            matmul = [chunk_seconds(plain, partition, c, tokens=tokens, dtype_bytes=self.element,
+                                    cluster=self.cluster) for c in range(partition.n_chunks)]
+            bound = [max(0.0, f - mm) for f, mm in zip(forward, matmul, strict=True)]
+            self._chunks[key] = (partition, forward, bound)
+        return self._chunks[key]
+
+    def backward_factor(self, candidate: Candidate, forward: float, bound: float) -> float:
+        """Backward seconds of a chunk: 2 F, + F recomputed (full AC), + its memory-bound part (selective)."""
+        extra = {"none": 0.0, "full": forward, "selective": bound}[candidate.activation_checkpoint]
+        return 2 * forward + extra
+
+    def fixed_bytes(self, candidate: Candidate, partition) -> list[int]:
+        key = (candidate.n_stages, candidate.n_virtual, candidate.block_size, candidate.data_parallel,
+               candidate.dp_shard, partition.placement)
+        if key not in self._state:
+            cfg, result = self.model_for(candidate), []
+            for pp_rank in range(candidate.n_stages):
+                shapes = rank_parameter_shapes(cfg, partition, pp_rank)
+                terms = state_bytes(shapes, data_parallel=candidate.data_parallel, dp_shard=candidate.dp_shard)
+                total = sum(terms.values())
+                if candidate.dp_shard == "fsdp" and candidate.data_parallel > 1:
+                    total += sum(math.prod(s) for s in shapes) * self.element
+                result.append(total)
+            self._state[key] = result
+        return self._state[key]
+
+    def saved(self, candidate: Candidate, partition) -> list:
+        copies = not (candidate.dp_shard == "fsdp" and candidate.data_parallel > 1)
+        key = (candidate.n_stages, candidate.n_virtual, candidate.block_size, self.tokens(candidate),
+               partition.placement, candidate.activation_checkpoint, copies)
+        if key not in self._saved:
+            cfg, tokens = self.model_for(candidate), self.tokens(candidate)
+            self._saved[key] = [activation_bytes(cfg, partition, c, tokens=tokens, dtype=self.request.dtype,
+                                                 activation_checkpoint=candidate.activation_checkpoint,
+                                                 weight_copies=copies) for c in range(partition.n_chunks)]
+        return self._saved[key]
+
+    def allreduce_s(self, candidate: Candidate, partition) -> float:
+        replicas = candidate.data_parallel
+        if replicas == 1:
+            return 0.0
+        request = self.request
+        same_node = candidate.n_stages * replicas <= request.gpus_per_node
+        bandwidth = (request.intra_node_gbps if same_node else request.inter_node_gbps) * 1e9 / 8
+        key = (candidate.n_stages, candidate.n_virtual, candidate.block_size, partition.placement)
+        if key not in self._grads:
+            cfg = self.model_for(candidate)
+            self._grads[key] = max(sum(math.prod(s) for s in rank_parameter_shapes(cfg, partition, r))
+                                   for r in range(candidate.n_stages))
+        grads = self._grads[key]
+        latency = 2 * (replicas - 1) * request.latency_us * 1e-6
+        return 2 * (replicas - 1) / replicas * grads * self.element / bandwidth + latency
+
+    def estimate(self, candidate: Candidate) -> tuple[float, float]:
+        """(closed-form step seconds, estimated peak bytes of the fullest rank)."""
+        partition, forward, bound = self.chunk_costs(candidate)
+        per_rank = [0.0] * candidate.n_stages
+        for c, f in enumerate(forward):
+            per_rank[partition.rank_of(c)] += f + self.backward_factor(candidate, f, bound[c])
+        bubble = closed_form_bubble_fraction(candidate.n_stages, candidate.n_virtual, candidate.n_microbatches,
+                                             candidate.schedule)
+        step = max(per_rank) * candidate.n_microbatches / (1 - bubble) + self.allreduce_s(candidate, partition)
+        cfg = self.model_for(candidate)
+        tokens = self.tokens(candidate)
+        saved = self.saved(candidate, partition)
+        # Rank 0 holds the most microbatches in flight: P (1F1B-like), about (V + 1) P chunk-microbatches
+        # interleaved, 2P chunk passes under ZB-V; a split schedule's W can keep up to P more.
+        chunks0 = partition.chunks_of(0)
+        per_chunk = max(s.saved for s in saved) + max(s.transient for s in saved) / max(1, len(chunks0))
+        in_flight = min(candidate.n_microbatches * len(chunks0),
+                        candidate.n_stages * (len(chunks0) + 1 if len(chunks0) > 1 else 1))
+        tensor = tokens * cfg.source_width * self.element
+        cache = 2 * cfg.n_blocks * tensor * min(candidate.n_microbatches, candidate.n_stages) if len(chunks0) > 1 else 0
+        peak = max(self.fixed_bytes(candidate, partition)) + in_flight * per_chunk + cache
+        return step, peak
+
+    def evaluate(self, candidate: Candidate) -> dict:
+        """The exact memory walk and the simulated step of one candidate: a row of the plan."""
+        request = self.request
+        partition, forward, bound = self.chunk_costs(candidate)
+        cfg, tokens = self.model_for(candidate), self.tokens(candidate)
+        schedule = build_schedule(candidate.schedule, candidate.n_stages, candidate.n_virtual, candidate.n_microbatches)
+        plan = plan_for_model(cfg, partition, True)
+        setup = MemorySetup(schedule=candidate.schedule, n_stages=candidate.n_stages, n_virtual=candidate.n_virtual,
+                            n_microbatches=candidate.n_microbatches, tokens=tokens, dtype=request.dtype,
+                            data_parallel=candidate.data_parallel, dp_shard=candidate.dp_shard,
+                            activation_checkpoint=candidate.activation_checkpoint)
+        ranks = predict_ranks(cfg, setup, schedule, partition, plan, dp_ranks=range(1))
+        width = cfg.d_model if plan.mode == "standard" else cfg.source_width
+        tensor_bytes = tokens * width * self.element
+        wire, hops = [], []
+        for c, n_tensors in enumerate(plan.fwd_hop_tensors):
+            src, dst = partition.rank_of(c), partition.rank_of(c + 1)
+            same_node = src // request.gpus_per_node == dst // request.gpus_per_node
+            bandwidth = (request.intra_node_gbps if same_node else request.inter_node_gbps) * 1e9 / 8
+            seconds = n_tensors * tensor_bytes / bandwidth
+            wire.append(seconds)
+            hops.append(0.0 if partition.is_self_hop(c) else seconds + request.latency_us * 1e-6)
+        backward = [self.backward_factor(candidate, f, b) for f, b in zip(forward, bound, strict=True)]
+        costs = CostModel(forward_s=tuple(forward), backward_s=tuple(backward), hop_fwd_s=tuple(hops),
+                          hop_bwd_s=tuple(hops), wire_fwd_s=tuple(wire), wire_bwd_s=tuple(wire), label="plan")
+        result = simulate(schedule, costs)
+        step = result.makespan + self.allreduce_s(candidate, partition)
+        flops = 3 * request.global_batch * sum(sublayer_forward_flops(cfg, s, cfg.seq_len)
+                                               for s in range(cfg.n_sublayers))
+        flops += 3 * 2.0 * request.global_batch * cfg.seq_len * cfg.d_model * cfg.vocab_size
+        fullest = max(ranks, key=lambda r: r.peak_bytes)
+        return {
+            "config": dataclasses.asdict(candidate) | {"placement": partition.placement,
+                                                       "tokens_per_microbatch": tokens, "cache": True},
+            "step_time_s": step,
+            "tokens_per_s_per_gpu": request.global_batch * cfg.seq_len / step / request.gpus,
+            "mfu": flops / (step * request.gpus * request.peak_tflops * 1e12),
+            "bubble_fraction": 1 - sum(result.compute_s) / (candidate.n_stages * result.makespan),
+            "bytes_per_hop": max(plan.fwd_hop_tensors, default=0) * tensor_bytes,
+            "peak_memory_bytes": fullest.peak_bytes,
+            "peak_memory_per_rank": [r.peak_bytes for r in ranks],
+            "dominated_by": fullest.dominant,
+            "peak_action": fullest.peak_action,
+            "command": train_command(request, candidate),
+        }
+
+
+def train_command(request: PlanRequest, candidate: Candidate) -> str:
+    """The `attnres-pp train` command line of a candidate (one optimiser step per --steps)."""
+    cfg = request.model
+    parts = ["attnres-pp train", f"--layers {cfg.n_layers}", f"--d-model {cfg.d_model}", f"--heads {cfg.n_heads}",
+             f"--seq-len {cfg.seq_len}", f"--vocab-size {cfg.vocab_size}", f"--residual {cfg.residual}"]
+    if cfg.uses_depth_attention:
+        parts.append(f"--block-size {candidate.block_size}")
+    if cfg.residual == "lr_attnres":
+        parts += [f"--key-mode {cfg.key_mode}", f"--key-rank {cfg.key_rank}"]
+    parts += [f"--batch-size {request.global_batch}", f"--microbatches {candidate.n_microbatches}",
+              f"--stages {candidate.n_stages}", f"--virtual {candidate.n_virtual}",
+              f"--data-parallel {candidate.data_parallel}", f"--schedule {candidate.schedule}", "--cache on",
+              f"--dtype {request.dtype}", "--device cuda", f"--dp-shard {candidate.dp_shard}",
+              f"--activation-checkpoint {candidate.activation_checkpoint}"]
+    return " ".join(parts)
+
+
+def _gib(n_bytes: float) -> str:
+    gib = n_bytes / GIB
+    return f"{gib:.1f}" if gib < 10 else f"{gib:.0f}"
+
+
+class Infeasible(ValueError):
+    """No configuration fits: the message says what is short."""
+
+
+def plan(request: PlanRequest, *, evaluate_at_most: int = 32) -> list[dict]:
+    """Rows that fit, fastest first (at most request.top); Infeasible if none does."""
+    planner = Planner(request)
+    budget = request.gpu_memory_gib * GIB
+    priced = []
+    for candidate in candidates(request):
+        step, peak = planner.estimate(candidate)
+        priced.append((step, peak, candidate))
+    if not priced:
+        raise Infeasible(f"no layout of {request.model.n_layers} layers and a batch of {request.global_batch} "
+                         f"sequences over {request.gpus} GPUs: give a batch divisible by the replicas")
+    # Stage 1 keeps the estimated fits (with slack: the estimate is rough), fastest first.
+    hopeful = sorted((p for p in priced if p[1] <= 1.25 * budget), key=lambda p: p[0])
+    rows = []
+    for index, (_step, _peak, candidate) in enumerate(hopeful):
+        # Enough rows after the first `evaluate_at_most`; fewer (the estimate was too kind): go on, to a cap.
+        if index >= evaluate_at_most and (len(rows) >= request.top or index >= 8 * evaluate_at_most):
+            break
+        row = planner.evaluate(candidate)
+        if row["peak_memory_bytes"] <= budget:
+            rows.append(row)
+    if not rows:
+        # What is short, exactly: the least peak among the candidates estimated to need the least.
+        leanest = sorted(priced, key=lambda p: p[1])[:16]
+        best = min((planner.evaluate(p[2]) for p in leanest), key=lambda r: r["peak_memory_bytes"])
+        c = best["config"]
+        shard = "" if any(p[2].dp_shard == "fsdp" for p in priced) else " or enable fsdp (it needs D > 1)"
+        raise Infeasible(
+            f"needs {_gib(best['peak_memory_bytes'])} GiB per rank at best ({c['schedule']} P={c['n_stages']} "
+            f"V={c['n_virtual']} D={c['data_parallel']} {c['dp_shard']}, AC {c['activation_checkpoint']}, "
+            f"{c['tokens_per_microbatch']} tokens per microbatch), over the {request.gpu_memory_gib:g} GiB given: "
+            f"add GPUs{shard}")
+    rows.sort(key=lambda r: r["step_time_s"])
+    return rows[:request.top]

@@ -1,0 +1,126 @@
+"""`attnres-pp simulate plan`: flags -> PlanRequest -> the fastest configurations that fit
+(`simulator.plan`), as a table with the top row's `attnres-pp train` command, or `{"rows": [...]}`.
+
+Numbers are parsed here, not by argparse, so a bad value is one line `... error: ...` and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+from attnres_pp.model.config import KEY_MODES, RESIDUALS, ModelConfig
+from attnres_pp.simulator.comm import format_bytes
+from attnres_pp.simulator.memory import DTYPE_BYTES
+from attnres_pp.simulator.plan import GIB, PlanRequest, plan
+
+# (flag, dest, type, default, help); default None = required
+_NUMBERS = (
+    ("--layers", "layers", int, None, "transformer layers"),
+    ("--d-model", "d_model", int, None, "model width d"),
+    ("--heads", "heads", int, None, "attention heads"),
+    ("--seq-len", "seq_len", int, None, "tokens per sequence"),
+    ("--global-batch", "global_batch", int, None, "sequences per optimiser step (all replicas)"),
+    ("--gpus", "gpus", int, None, "GPUs in all"),
+    ("--gpu-memory-gib", "gpu_memory_gib", float, None, "memory per GPU, GiB"),
+    ("--d-ff", "d_ff", int, 0, "MLP width (0 = 4 d)"),
+    ("--vocab-size", "vocab_size", int, 32000, "vocabulary"),
+    ("--key-rank", "key_rank", int, 8, "r of low-rank keys (lr_attnres)"),
+    ("--block-size", "block_size", int, 0, "fix the block size in sublayers (0 = search 4, 8, 16 blocks)"),
+    ("--gpus-per-node", "gpus_per_node", int, 8, "GPUs per node"),
+    ("--intra-node-gbps", "intra_node_gbps", float, 3600.0, "link inside a node, Gb/s (NVLink)"),
+    ("--inter-node-gbps", "inter_node_gbps", float, 400.0, "link between nodes, Gb/s (InfiniBand)"),
+    ("--latency-us", "latency_us", float, 10.0, "link latency, microseconds"),
+    ("--tflops", "tflops", float, 400.0, "achieved TFLOP/s per GPU"),
+    ("--peak-tflops", "peak_tflops", float, 989.0, "peak TFLOP/s per GPU, for MFU (H100 dense bf16)"),
+    ("--hbm-tbs", "hbm_tbs", float, 3.0, "achieved memory bandwidth, TB/s"),
+    ("--top", "top", int, 5, "rows to print"),
+)
+
+
+def register(commands) -> None:
+    parser = commands.add_parser(
+        "plan", help="the fastest P, V, D, m, schedule, block size, FSDP and AC that fit in memory",
+        description="Search pipeline and data-parallel layouts, schedules, block sizes, dp_shard and "
+                    "activation checkpointing; keep those whose predicted per-rank peak fits --gpu-memory-gib "
+                    "and rank them by predicted step time (docs/simulator.md).")
+    for flag, dest, _kind, default, help_text in _NUMBERS:
+        parser.add_argument(flag, dest=dest, metavar="N", default=None,
+                            help=help_text + (" [required]" if default is None else f" (default {default:g})"))
+    parser.add_argument("--residual", choices=RESIDUALS, default="attnres")
+    parser.add_argument("--key-mode", choices=KEY_MODES, default="projected")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
+    parser.add_argument("--json", action="store_true", help='print {"rows": [...]}, fastest first')
+    parser.set_defaults(func=run, parser=parser)
+
+
+def build(args: argparse.Namespace) -> PlanRequest:
+    values = {}
+    for flag, dest, kind, default, _help in _NUMBERS:
+        raw = getattr(args, dest)
+        if raw is None:
+            if default is None:
+                raise ValueError(f"{flag} is required")
+            values[dest] = default
+            continue
+        try:
+            value = kind(raw)
+        except ValueError:
+            expected = "an integer" if kind is int else "a number"
+            raise ValueError(f"{flag} {raw!r} is invalid: expected {expected}") from None
+        if (kind is float and not math.isfinite(value)) or value < (0 if flag in ("--d-ff", "--block-size") else 1e-12):
+            raise ValueError(f"{flag} {raw!r} is invalid: expected a finite number > 0")
+        values[dest] = value
+    heads = values["heads"]
+    cfg = ModelConfig(vocab_size=values["vocab_size"], n_layers=values["layers"], d_model=values["d_model"],
+                      n_heads=heads, d_ff=values["d_ff"], seq_len=values["seq_len"], residual=args.residual,
+                      block_size=values["block_size"] or 1, key_mode=args.key_mode, key_rank=values["key_rank"])
+    return PlanRequest(model=cfg, global_batch=values["global_batch"], gpus=values["gpus"],
+                       gpu_memory_gib=values["gpu_memory_gib"], gpus_per_node=values["gpus_per_node"],
+                       intra_node_gbps=values["intra_node_gbps"], inter_node_gbps=values["inter_node_gbps"],
+                       latency_us=values["latency_us"], tflops=values["tflops"], peak_tflops=values["peak_tflops"],
+                       hbm_tbs=values["hbm_tbs"], dtype=args.dtype, block_size=values["block_size"] or None,
+                       top=values["top"])
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    try:
+        request = build(args)
+        rows = plan(request)
+    except ValueError as error:
+        print(f"{args.parser.prog}: error: {str(error).splitlines()[0]}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"rows": rows}))
+        return 0
+    print(format_table(request, rows, time.perf_counter() - started))
+    return 0
+
+
+def format_table(request: PlanRequest, rows: list[dict], seconds: float) -> str:
+    header = ["#", "schedule", "P", "V", "D", "m", "S", "shard", "AC", "step", "tok/s/GPU", "MFU", "bubble",
+              "bytes/hop", "peak/rank", "dominated by"]
+    table = [header]
+    for i, row in enumerate(rows, 1):
+        c = row["config"]
+        table.append([str(i), c["schedule"], str(c["n_stages"]), str(c["n_virtual"]), str(c["data_parallel"]),
+                      str(c["n_microbatches"]), str(c["block_size"]), c["dp_shard"], c["activation_checkpoint"],
+                      f"{row['step_time_s']:.2f} s", f"{row['tokens_per_s_per_gpu']:.0f}", f"{row['mfu']:.1%}",
+                      f"{row['bubble_fraction']:.3f}", format_bytes(row["bytes_per_hop"]),
+                      f"{row['peak_memory_bytes'] / GIB:.1f} GiB", row["dominated_by"]])
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in table]
+    cfg = request.model
+    return "\n".join([
+        f"{cfg.n_layers} layers, d={cfg.d_model}, {cfg.residual}, batch {request.global_batch} x {cfg.seq_len} tokens; "
+        f"{request.gpus} GPUs x {request.gpu_memory_gib:g} GiB ({request.gpus_per_node} per node), "
+        f"{request.tflops:g} TFLOP/s achieved; planned in {seconds:.1f} s",
+        *lines,
+        "peak/rank: the fullest rank's predicted peak (params + grads + AdamW + activations + cache at its peak)",
+        "run the top row:",
+        "  " + rows[0]["command"],
+    ])
