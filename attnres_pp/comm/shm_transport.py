@@ -111,7 +111,7 @@ class SharedMemoryTransport(DistTransport):
             super().send(tensors, dst, tag, label)
             return
         slot = pair.views[tag]
-        if len(tensors) != len(slot) or any(t.shape != v.shape for t, v in zip(tensors, slot, strict=False)):
+        if len(tensors) != len(slot) or any(t.shape != v.shape for t, v in zip(tensors, slot, strict=True)):
             raise ValueError(f"rank {self.pp_rank}: message {tag} to rank {dst} carries shapes "
                              f"{[tuple(t.shape) for t in tensors]}, its slot {[tuple(v.shape) for v in slot]}")
         for view, tensor in zip(slot, tensors, strict=True):
