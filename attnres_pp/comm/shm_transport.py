@@ -16,8 +16,19 @@ Slots: one per message of a step (its tag: direction, sending chunk, microbatch)
 the step's message list, which every rank derives from the same schedule and plan. A slot is
 written again only when its message is sent again, in the next step, after every rank has
 finished this one (the optimiser step's all-reduce and the driver's step both wait for all ranks),
-so the receiver no longer holds views of it. The files are unlinked as soon as every rank has
-opened them: nothing is left behind, even after a crash. A message without a slot (not in the
+so the receiver no longer holds views of it. A receive checks that the counter is exactly the
+one it expects: a sender one send ahead would have overwritten a slot not yet read, and that
+raises (MessageOutOfStep) naming the peer and the message rather than being read silently.
+
+Set-up and clean-up: the receiver of each pair makes its files with every page allocated
+(posix_fallocate), so a full tmpfs is a SharedMemoryFull at start, never a SIGBUS when a page is
+first written mid-step. Each phase (allocate, then open the peers' files) ends in a collective
+that tells every rank every rank's outcome, so all go on or all raise the same error. The files
+carry the run's random prefix and every rank removes all of them as soon as the set-up ends,
+whether it succeeded, failed, or a peer died in it: nothing is left behind, even after a crash.
+A doorbell rung at a receiver that has just closed its end (it saw the message and left) is no
+error; one whose receiver died inside its wait (its flag still up) is a PeerGone naming it.
+A message without a slot (not in the
 list) goes over gloo whole, as DistTransport sends it. Pipelined evaluation runs its forward-only
 passes back to back with no all-reduce between them, so it does not use the slots: the worker
 gives its runtime a plain DistTransport (`train.stage_worker`).
@@ -27,6 +38,8 @@ slow link (`comm.link`) every rank takes DistTransport, which applies the link's
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import platform
 import secrets
@@ -70,6 +83,18 @@ def _fence() -> None:
         pass
 
 
+class MessageOutOfStep(RuntimeError):
+    """A slot's counter is past the message the receiver expects: its sender is ahead."""
+
+
+class PeerGone(TransportTimeout):
+    """A peer's process ended in the middle of an exchange with this rank."""
+
+
+class SharedMemoryFull(ValueError):
+    """The shared-memory directory has no room for the slots: a setup error that names the fix."""
+
+
 class SharedMemoryTransport(DistTransport):
     """DistTransport whose known messages travel through shared memory (see the module docstring).
     Peers are pipeline ranks, as for DistTransport; `inbox` and `outbox` are keyed by them."""
@@ -86,7 +111,7 @@ class SharedMemoryTransport(DistTransport):
             super().send(tensors, dst, tag, label)
             return
         slot = pair.views[tag]
-        if len(tensors) != len(slot) or any(t.shape != v.shape for t, v in zip(tensors, slot, strict=False)):
+        if len(tensors) != len(slot) or any(t.shape != v.shape for t, v in zip(tensors, slot, strict=True)):
             raise ValueError(f"rank {self.pp_rank}: message {tag} to rank {dst} carries shapes "
                              f"{[tuple(t.shape) for t in tensors]}, its slot {[tuple(v.shape) for v in slot]}")
         for view, tensor in zip(slot, tensors, strict=True):
@@ -100,10 +125,23 @@ class SharedMemoryTransport(DistTransport):
         # make sure one of them sees the other's store: the sender the flag, or the receiver the count.
         _fence()
         if pair.counters[pair.waiting]:
-            try:
-                os.write(pair.fd, b"\0")
-            except BlockingIOError:  # the pipe is full of earlier doorbells: the receiver looks anyway
-                pass
+            self._ring(pair, dst, tag)
+
+    def _ring(self, pair: _Pair, dst: int, tag: int) -> None:
+        try:
+            os.write(pair.fd, b"\0")
+        except BlockingIOError:  # the pipe is full of earlier doorbells: the receiver looks anyway
+            pass
+        except BrokenPipeError:
+            # The receiver closed its end after this send saw its flag. If it has lowered the flag,
+            # it left its wait (it saw this message, or its wait ended in an error it reports
+            # itself) and then closed the transport or exited: nothing is lost by the bell. A flag
+            # still raised means it died inside the wait: that, not the broken pipe, is the cause.
+            _fence()
+            if pair.counters[pair.waiting]:
+                raise PeerGone(f"rank {self.pp_rank}: rank {dst} exited while waiting for a message from this "
+                               f"rank (its doorbell closed with its waiting flag up; message {tag} was written "
+                               f"for it); is rank {dst} still alive? Its own error, if any, is the cause") from None
 
     def prepost_recv(self, shapes: list[torch.Size], dtype: torch.dtype, src: int, tag: int) -> None:
         pair = self._in.get(src)
@@ -116,8 +154,15 @@ class SharedMemoryTransport(DistTransport):
             return super().recv(shapes, dtype, src, tag)
         expected = pair.done[tag] + 1
         position = pair.index[tag]
-        if pair.counters[position] < expected:
+        count = int(pair.counters[position])
+        if count < expected:
             self._wait(pair, position, expected, src, tag)
+            count = int(pair.counters[position])
+        if count != expected:  # the sender wrote the slot again before this rank read it
+            raise MessageOutOfStep(
+                f"rank {self.pp_rank}: message {tag} from rank {src} has been sent {count} times, but this rank "
+                f"has received it {expected - 1} times: rank {src} is {count - expected} send(s) ahead and "
+                "overwrote a slot not yet read (the ranks are out of step: a schedule or step boundary is wrong)")
         pair.done[tag] = expected
         return list(pair.views[tag])
 
@@ -153,16 +198,18 @@ class SharedMemoryTransport(DistTransport):
 
 def connect_transport(pp_rank: int, n_stages: int, device: torch.device, timeout_s: float,
                       messages: list[Message], dtype: torch.dtype, *, peer_ranks: list[int] | None = None,
-                      link: LinkModel | None = None) -> DistTransport:
+                      link: LinkModel | None = None, directory: str = SHM_DIR) -> DistTransport:
     """The transport of a rank in an initialised process group: SharedMemoryTransport when every rank
-    is on this host, on an x86 CPU, /dev/shm has room for the slots, no link is emulated, and none
-    sets ATTNRES_PP_SHM=0; DistTransport otherwise.
+    is on this host, on an x86 CPU, `directory` (a tmpfs, /dev/shm) has room for the slots, no link
+    is emulated, and none sets ATTNRES_PP_SHM=0; DistTransport otherwise.
 
     `messages` are in pipeline ranks (`pipeline.routes.wire_messages`); `peer_ranks[p]` is the global
     rank of pipeline rank p in this rank's replica (default p: one replica), as for DistTransport.
     Under D x P every replica maps its own files (named by global ranks). With `link` (an emulated
     slow link) every message goes through DistTransport, which applies the link's delay.
     Collective over the whole default group: every rank calls it with the same messages and link.
+    Raises SharedMemoryFull (on every rank) if the slots cannot be allocated in full, and PeerGone
+    if a peer dies during the setup; either way no file of the run is left in `directory`.
     """
     import torch.distributed as dist
 
@@ -181,33 +228,29 @@ def connect_transport(pp_rank: int, n_stages: int, device: torch.device, timeout
     # x86 only: the receiver reads a message's counter, then its slot, with no fence between; x86
     # keeps both the sender's stores and the receiver's loads in order, weaker memory models do not.
     wants = (device.type == "cpu" and os.environ.get("ATTNRES_PP_SHM", "1") != "0"
-             and platform.machine() in ("x86_64", "AMD64") and os.path.isdir(SHM_DIR) and bool(messages))
-    free = shutil.disk_usage(SHM_DIR).free if wants else 0
+             and platform.machine() in ("x86_64", "AMD64") and os.path.isdir(directory) and bool(messages))
+    free = shutil.disk_usage(directory).free if wants else 0
     facts = [None] * world_size
     dist.all_gather_object(facts, (socket.gethostname(), wants, free, secrets.token_hex(8)))
     if (len({host for host, _w, _f, _t in facts}) != 1 or not all(w for _h, w, _f, _t in facts)
             or 2 * need > min(f for _h, _w, f, _t in facts)):
         return dist_transport()
-    base = os.path.join(SHM_DIR, f"attnres-pp-{facts[0][3]}")
+    base = os.path.join(directory, f"attnres-pp-{facts[0][3]}")
     mine = [pair for pair in layout if pp_rank in pair]
-    files, fds = {}, {}
-    for src, dst in mine:
-        stem = f"{base}-{global_rank(src)}-to-{global_rank(dst)}"
-        files[(src, dst)] = (f"{stem}.data", f"{stem}.count", f"{stem}.bell")
-        if dst == pp_rank:  # the receiver makes the files and opens the pipe's reading end first
-            os.mkfifo(files[(src, dst)][2], 0o600)
-            fds[(src, dst)] = os.open(files[(src, dst)][2], os.O_RDONLY | os.O_NONBLOCK)
-    arenas = {pair: _map(files[pair], *layout[pair], dtype) for pair in mine if pair[1] == pp_rank}
-    dist.barrier()
-    for src, dst in mine:
-        if src == pp_rank:
-            arenas[(src, dst)] = _map(files[(src, dst)], *layout[(src, dst)], dtype)
-            fds[(src, dst)] = os.open(files[(src, dst)][2], os.O_WRONLY | os.O_NONBLOCK)
-    dist.barrier()
-    for src, dst in mine:
-        if dst == pp_rank:
-            for path in files[(src, dst)]:
-                os.unlink(path)
+    stems = {(src, dst): f"{base}-{global_rank(src)}-to-{global_rank(dst)}" for src, dst in mine}
+    arenas, fds = {}, {}
+    try:
+        # The receiver makes the files, allocated in full, and opens the pipe's reading end first.
+        _agree(pp_rank, "allocating the shared-memory slots", lambda: [
+            _create(pair, stems[pair], *layout[pair], dtype, arenas, fds) for pair in mine if pair[1] == pp_rank])
+        _agree(pp_rank, "opening the peers' shared-memory slots", lambda: [
+            _open(pair, stems[pair], *layout[pair], dtype, arenas, fds) for pair in mine if pair[0] == pp_rank])
+    except BaseException:
+        for fd in fds.values():
+            os.close(fd)
+        raise
+    finally:  # every rank has opened its files (or the setup failed): no name is needed any more
+        _unlink_run(base)
     shapes_of = {(src, dst, tag): shapes for src, dst, tag, shapes in messages}
     inbox, outbox = {}, {}
     for src, dst in mine:
@@ -219,9 +262,76 @@ def connect_transport(pp_rank: int, n_stages: int, device: torch.device, timeout
     return SharedMemoryTransport(pp_rank, timeout_s, inbox, outbox, peer_ranks=peer_ranks)
 
 
-def _map(paths: tuple[str, str, str], n_elements: int, offsets: dict[int, int], dtype: torch.dtype):
-    data = torch.from_file(paths[0], shared=True, size=max(n_elements, 1), dtype=dtype)
-    counters = torch.from_file(paths[1], shared=True, size=len(offsets) + 1, dtype=torch.int64)
+def _agree(pp_rank: int, what: str, work) -> None:
+    """Run this rank's part of a setup phase, then learn every rank's outcome (a collective over
+    the default group): all ranks go on together, or all raise, the same error, naming each failed
+    rank. A no-room error is a SharedMemoryFull; a peer lost or late in the exchange ends it too."""
+    import torch.distributed as dist
+
+    failure = None
+    try:
+        work()
+    except SharedMemoryFull as error:
+        failure = ("full", f"rank {pp_rank}: {error}")
+    except Exception as error:  # reported to every rank below, so that none waits for this one
+        failure = ("error", f"rank {pp_rank}: {type(error).__name__}: {error}")
+    outcomes = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(outcomes, failure)
+    except RuntimeError as error:  # gloo: a peer closed its connection, or did not come in time
+        raise PeerGone(f"rank {pp_rank}: {what} failed: a peer exited or did not answer within the process "
+                       f"group's timeout ({error})") from error
+    failed = [outcome for outcome in outcomes if outcome is not None]
+    if any(kind == "full" for kind, _ in failed):
+        raise SharedMemoryFull("; ".join(message for kind, message in failed if kind == "full"))
+    if failed:
+        raise RuntimeError(f"{what} failed: " + "; ".join(message for _kind, message in failed))
+
+
+def _create(pair: tuple[int, int], stem: str, n_elements: int, offsets: dict[int, int], dtype: torch.dtype,
+            arenas: dict, fds: dict) -> None:
+    """The receiver's files of `pair` (src, dst), every page allocated now (posix_fallocate): a tmpfs
+    that fills up later cannot take a page from a mapping mid-step (which would be a SIGBUS)."""
+    os.mkfifo(f"{stem}.bell", 0o600)
+    fds[pair] = os.open(f"{stem}.bell", os.O_RDONLY | os.O_NONBLOCK)
+    element = torch.empty((), dtype=dtype).element_size()
+    for path, n_bytes in ((f"{stem}.data", max(n_elements, 1) * element), (f"{stem}.count", (len(offsets) + 1) * 8)):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, n_bytes)
+        except OSError as error:
+            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            where = os.path.dirname(path)
+            raise SharedMemoryFull(
+                f"{where} has no room for this run's shared-memory hop slots ({n_bytes} bytes for "
+                f"{os.path.basename(path)}: {os.strerror(error.errno)}); free space in {where} (a container may "
+                "need a larger /dev/shm), or set ATTNRES_PP_SHM=0 to send the hops over gloo") from None
+        finally:
+            os.close(fd)
+    arenas[pair] = _map(stem, n_elements, offsets, dtype)
+
+
+def _open(pair: tuple[int, int], stem: str, n_elements: int, offsets: dict[int, int], dtype: torch.dtype,
+          arenas: dict, fds: dict) -> None:
+    """The sender's side of `pair`: the receiver's files, and the pipe's writing end."""
+    arenas[pair] = _map(stem, n_elements, offsets, dtype)
+    fds[pair] = os.open(f"{stem}.bell", os.O_WRONLY | os.O_NONBLOCK)
+
+
+def _unlink_run(base: str) -> None:
+    """Remove every file of this run (its unique name prefix), whichever rank made it: a rank that
+    died during the setup leaves its files to the others."""
+    directory, prefix = os.path.split(base)
+    for name in os.listdir(directory):
+        if name.startswith(prefix + "-"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))
+
+
+def _map(stem: str, n_elements: int, offsets: dict[int, int], dtype: torch.dtype):
+    data = torch.from_file(f"{stem}.data", shared=True, size=max(n_elements, 1), dtype=dtype)
+    counters = torch.from_file(f"{stem}.count", shared=True, size=len(offsets) + 1, dtype=torch.int64)
     return data, counters
 
 

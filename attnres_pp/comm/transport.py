@@ -82,6 +82,14 @@ def _wait_for_arrival(flat: torch.Tensor) -> torch.Tensor:
     return flat[:-n_stamp]
 
 
+def check_dtype(flat: torch.Tensor, dtype: torch.dtype, pp_rank: int, src: int, tag: int) -> None:
+    """Refuse a message whose dtype is not the one its receiver expects: NCCL would receive its bytes
+    into a buffer of another size (and hang, or read garbage), so an in-process run must not cast."""
+    if flat.dtype != dtype and flat.numel():  # a message of no tensors has no bytes to misread
+        raise TypeError(f"rank {pp_rank}: message with tag {tag} from rank {src} carries {flat.dtype}, the receiver "
+                        f"expects {dtype}: sender and receiver disagree on the hop dtype")
+
+
 def _unpack(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
     sizes = [int(torch.Size(s).numel()) for s in shapes]
     return [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes, strict=True)]
@@ -108,7 +116,8 @@ class LoopbackTransport:
             flat = self.mailbox.pop((src, self.pp_rank, tag))
         except KeyError:
             raise TransportTimeout(f"rank {self.pp_rank}: no message from rank {src} with tag {tag}") from None
-        return _unpack(flat.to(dtype), shapes)
+        check_dtype(flat, dtype, self.pp_rank, src, tag)
+        return _unpack(flat, shapes)
 
     def flush(self) -> None:
         pass

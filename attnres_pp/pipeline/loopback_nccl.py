@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from attnres_pp.comm.transport import ByteLedger, TransportTimeout, _pack, _refuse_self_hop, _unpack
+from attnres_pp.comm.transport import ByteLedger, TransportTimeout, _pack, _refuse_self_hop, _unpack, check_dtype
 from attnres_pp.schedule.validate_nccl import NcclDeadlock, NcclP2P, Op
 
 
@@ -78,7 +78,8 @@ class NcclLoopbackTransport:
             reasons = "; ".join(self.fabric.why_blocked(op.group)) if op.group is not None else "group still open"
             raise NcclDeadlock(f"rank {self.pp_rank}: receive from rank {src} with tag {tag} cannot complete: "
                                f"{reasons}")
-        return _unpack(op.payload.to(dtype), shapes)
+        check_dtype(op.payload, dtype, self.pp_rank, src, tag)
+        return _unpack(op.payload, shapes)
 
     def flush(self) -> None:
         stuck = [g for g in self.fabric.groups[self.pp_rank] if not g.complete]

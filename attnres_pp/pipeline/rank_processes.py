@@ -21,12 +21,16 @@ from attnres_pp.pipeline.errors import WorkerLost
 
 
 def serve(make_worker: Callable, conn) -> None:
-    """Rank-process body: build the worker (its setup result is the first reply), then answer
-    requests with ("ok", result) or ("error", traceback) until "close", which closes the worker."""
+    """Rank-process body: build the worker (its setup result is the first reply; a ValueError in the
+    setup is ("refused", its one-line message)), then answer requests with ("ok", result) or
+    ("error", traceback) until "close", which closes the worker."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         worker, setup_result = make_worker()
         conn.send(("ok", setup_result))
+    except ValueError as error:  # a setting or resource this rank refuses, said in one line (no room in /dev/shm)
+        conn.send(("refused", " ".join(str(error).split())))
+        return
     except Exception:  # report any setup failure to the driver rather than dying silently
         conn.send(("error", traceback.format_exc()))
         return
@@ -83,6 +87,8 @@ class RankProcesses:
                 status, value = ForkingPickler.loads(message)
             except EOFError:
                 raise WorkerLost(rank, f"rank {rank} closed its pipe during {what}") from None
+            if status == "refused":  # a ValueError, so the CLI prints it as one `error:` line
+                raise ValueError(f"rank {rank} refused to start: {value}")
             if status == "error":
                 # A peer's death often surfaces first as this rank's failed receive: name the cause.
                 time.sleep(0.5)

@@ -52,7 +52,8 @@ class ActionEvent:
 
 @dataclass
 class StepRecord:
-    losses: dict[int, float] = field(default_factory=dict)  # microbatch -> loss (last chunk's rank)
+    # microbatch -> loss (last chunk's rank); read from the device once, at the end of the step
+    losses: dict[int, float] = field(default_factory=dict)
     events: list[ActionEvent] = field(default_factory=list)
     cache_peak_bytes: int = 0
 
@@ -117,6 +118,9 @@ class StageRuntime:
         self._in_memory: dict[tuple[str, int, int], list[torch.Tensor]] = {}  # self-hops, by message id
         self.cache = BlockCache()
         self.record = StepRecord()
+        # The last chunk's losses stay on the device until finish_step: a float() per microbatch
+        # would make the host wait for the GPU after every last-chunk forward.
+        self._losses_on_device: dict[int, torch.Tensor] = {}
         self._clock.start_step()
         self.cursor = 0
         self._nccl_posted_at = -1
@@ -157,6 +161,9 @@ class StageRuntime:
         self.transport.flush()
         self.record.events.append(ActionEvent(self.pp_rank, "flush", start, self._clock.mark(), "comm"))
         self._clock.resolve(self.record.events)
+        if self._losses_on_device:  # one transfer for the whole step
+            values = torch.stack(list(self._losses_on_device.values())).float().cpu().tolist()
+            self.record.losses = dict(zip(self._losses_on_device, values, strict=True))
         leftover = sorted(self._contexts)
         if leftover:
             raise RuntimeError(f"rank {self.pp_rank}: forward contexts {leftover} never ran their backward")
@@ -212,7 +219,7 @@ class StageRuntime:
         for source in io.frees:
             self.cache.free(mb, source)
         if loss is not None:
-            self.record.losses[mb] = float(loss.detach())
+            self._losses_on_device[mb] = loss.detach()
         if not self._forward_only:
             self._contexts[(c, mb)] = _ChunkContext(inputs, produced, loss)
         if not chunk.is_last:  # the hop's tensors (none on a self-hop that carries nothing)
@@ -240,9 +247,12 @@ class StageRuntime:
         autograd roots with their gradients: the loss, and produced tensors with outside gradients."""
         c, mb = action.chunk_index, action.microbatch_index
         io, ctx = self.plan.chunks[c], self._contexts.pop((c, mb))
-        outside: dict[Source, torch.Tensor] = {}
-        for source, grad in zip(io.sent, self._out_grads.pop((c, mb), []), strict=False):
-            outside[source] = grad
+        sent_grads = self._out_grads.pop((c, mb), [])  # none for the last chunk, which sends nothing
+        if len(sent_grads) != len(io.sent):
+            raise RuntimeError(f"rank {self.pp_rank}: {action} got {len(sent_grads)} gradients back for the "
+                               f"{len(io.sent)} tensors chunk {c} sent for microbatch {mb} (the plan and the "
+                               "backward hop disagree)")
+        outside: dict[Source, torch.Tensor] = dict(zip(io.sent, sent_grads, strict=True))
         for source in io.cache_puts:
             deposit = self.cache.collect(mb, source)
             if deposit is not None:

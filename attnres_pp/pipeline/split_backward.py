@@ -57,7 +57,8 @@ def backward_input(roots: list[torch.Tensor], root_grads: list[torch.Tensor], in
     grads = torch.autograd.grad([r for r, _ in pairs], wanted + slots,
                                 grad_outputs=[g for _, g in pairs], retain_graph=True, allow_unused=True)
     n_inputs = len(inputs)
-    for position, (tensor, grad) in enumerate(zip(wanted, grads, strict=False)):
+    # grads holds the wanted tensors' gradients, then the owners' slots (read below).
+    for position, (tensor, grad) in enumerate(zip(wanted, grads[:len(wanted)], strict=True)):
         if grad is None:
             continue
         if tensor.grad is not None:

@@ -4,6 +4,8 @@ as a pipeline with m microbatches (and, up to float rounding, the same as m = 1)
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from attnres_pp.data import Corpus, batch_at, load_corpus, val_batch_at, val_batches
@@ -13,7 +15,7 @@ from attnres_pp.train.config import TrainConfig
 from attnres_pp.train.devices import decide_device, resolve_train, visible_gpus
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.optim import build_optimizer, optimizer_step
-from attnres_pp.train.shards import load_shard, save_shard, shard_state
+from attnres_pp.train.shards import load_shard, rng_stream, save_shard, shard_state
 
 
 class LocalEngine:
@@ -91,10 +93,19 @@ class LocalEngine:
 
     def save_checkpoint(self, step_dir) -> None:
         """The whole model as one shard, in the format every engine reads (see train.shards)."""
-        save_shard(step_dir, shard_state(dict(self.model.named_parameters()), self.optimizer, 0), distributed=False)
+        save_shard(step_dir, shard_state(dict(self.model.named_parameters()), self.optimizer, self.rng_stream),
+                   distributed=False)
 
     def load_checkpoint(self, step_dir) -> None:
-        load_shard(step_dir, dict(self.model.named_parameters()), self.optimizer, 0, distributed=False)
+        note = load_shard(step_dir, dict(self.model.named_parameters()), self.optimizer, self.rng_stream,
+                          distributed=False)
+        if note is not None:
+            print(f"note: {note}", file=sys.stderr, flush=True)
+
+    @property
+    def rng_stream(self) -> str:
+        """The RNG stream of the whole model in one process: replica 0, every layer (`train.shards`)."""
+        return rng_stream(0, [range(self.model_cfg.n_layers)])
 
     def param_count(self) -> int:
         return sum(p.numel() for p in self.model.parameters())

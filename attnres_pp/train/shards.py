@@ -3,12 +3,16 @@
 A checkpoint's state dict is flat and keyed by the whole model's names, whatever the split:
     "<parameter name>"                  the parameter, e.g. "layers.3.mlp.up.weight"
     "optim.<parameter name>.<key>"      its AdamW state: step, exp_avg, exp_avg_sq
-    "rng.<global rank>" (".cuda")       the RNG state of the rank that wrote it
+    "rng.<stream>" (".cuda")            the RNG state of the rank that feeds <stream> (`rng_stream`)
 Every rank saves what it holds; DCP deduplicates the copies that replicas (and MSAR's tied convs on
 every rank) hold, so each key is written once, by one rank, into that rank's own file. A rank loads
 exactly the keys of the parameters it holds, so a checkpoint loads into any launcher and any split
 (stages, virtual stages, data parallelism, layer counts): DCP reads each tensor from whichever
 file has it. Only a changed model cannot load (names or shapes differ; the error says so).
+A rank's RNG state belongs to what it holds, not to its global rank: the stream is named by the
+rank's data-parallel replica and the layers of its chunks (`dp1.layers0:2,4:6`). A resume at
+another split restores the state of every stream that exists in both splits (same replica, same
+layers); a rank whose stream the checkpoint lacks keeps the state its seed gave it, and says so.
 
 Loading never unpickles arbitrary objects: tensors are read with torch.load(weights_only=True) by
 DCP itself, and the `.metadata` file, which DCP reads with plain pickle, is read here through
@@ -29,17 +33,29 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from attnres_pp.train.metadata_pickle import load_metadata
 
 
-def rng_keys(rank: int) -> tuple[str, str]:
-    return f"rng.{rank}", f"rng.{rank}.cuda"
+def rng_stream(dp_rank: int, layer_ranges: list[range]) -> str:
+    """The RNG stream of a rank: its replica and the layers it holds, consecutive chunks' layers
+    merged (`dp0.layers0:4` for the whole model in one process or one rank of P = 1)."""
+    runs: list[list[int]] = []
+    for layers in sorted(layer_ranges, key=lambda r: r.start):
+        if runs and runs[-1][1] == layers.start:
+            runs[-1][1] = layers.stop
+        else:
+            runs.append([layers.start, layers.stop])
+    return f"dp{dp_rank}.layers" + ",".join(f"{start}:{stop}" for start, stop in runs)
 
 
-def shard_state(params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, rank: int) -> dict:
-    """What rank `rank` saves: its parameters, their optimizer state and its RNG states."""
+def rng_keys(stream: str) -> tuple[str, str]:
+    return f"rng.{stream}", f"rng.{stream}.cuda"
+
+
+def shard_state(params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, stream: str) -> dict:
+    """What a rank saves: its parameters, their optimizer state and the RNG states of its `stream`."""
     state: dict[str, torch.Tensor] = {name: p.detach() for name, p in params.items()}
     for name, p in params.items():
         for key, value in optimizer.state.get(p, {}).items():
             state[f"optim.{name}.{key}"] = value.detach() if torch.is_tensor(value) else torch.tensor(value)
-    cpu_key, cuda_key = rng_keys(rank)
+    cpu_key, cuda_key = rng_keys(stream)
     state[cpu_key] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state[cuda_key] = torch.cuda.get_rng_state()
@@ -88,9 +104,10 @@ def read_parameters(step_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_shard(step_dir: str | Path, params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer,
-               rank: int, *, distributed: bool) -> None:
+               stream: str, *, distributed: bool) -> str | None:
     """Load this rank's parameters (in place), their optimizer state and, if the checkpoint has one
-    for `rank`, its RNG state. `distributed` as for `save_shard`."""
+    for `stream`, its RNG state. Returns None when it restored the RNG state, otherwise a sentence
+    saying that it kept the seeded one and why. `distributed` as for `save_shard`."""
     saved = checkpoint_tensors(step_dir)
     missing = sorted(set(params) - set(saved))
     if missing:
@@ -107,17 +124,22 @@ def load_shard(step_dir: str | Path, params: dict[str, torch.nn.Parameter], opti
         for key in (k for k in saved if k.startswith(prefix) and "." not in k[len(prefix):]):
             optim_keys[key] = (name, key[len(prefix):])
             state[key] = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
-    rng = [key for key in rng_keys(rank) if key in saved]
+    rng = [key for key in rng_keys(stream) if key in saved]
     for key in rng:
         state[key] = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, storage_reader=SafeReader(str(step_dir)), no_dist=not distributed)
     _set_optimizer_state(optimizer, params, optim_keys, state)
-    if rng_keys(rank)[0] in rng:
-        torch.set_rng_state(state[rng_keys(rank)[0]])
-    if rng_keys(rank)[1] in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state[rng_keys(rank)[1]])
+    cpu_key, cuda_key = rng_keys(stream)
+    if cuda_key in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state[cuda_key])
+    if cpu_key in rng:
+        torch.set_rng_state(state[cpu_key])
+        return None
+    held = sorted(key[len("rng."):] for key in saved if key.startswith("rng.") and not key.endswith(".cuda"))
+    return (f"checkpoint {step_dir} has no RNG state for stream {stream} (it holds {', '.join(held) or 'none'}: "
+            "saved at another split); this rank keeps the RNG state its seed gave it")
 
 
 def _set_optimizer_state(optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter],

@@ -24,6 +24,7 @@ import dataclasses
 import os
 import resource
 import socket
+import sys
 from pathlib import Path
 
 import torch
@@ -47,7 +48,7 @@ from attnres_pp.train.devices import resolve_train
 from attnres_pp.train.grad_sync import norm_reducer, sync_gradients
 from attnres_pp.train.optim import build_optimizer, optimizer_step
 from attnres_pp.train.rank_data import MicrobatchLists, RankData
-from attnres_pp.train.shards import load_shard, save_shard, shard_state
+from attnres_pp.train.shards import load_shard, rng_stream, save_shard, shard_state
 from attnres_pp.train.step_stats import StepReply
 
 # A driver-fed batch for one rank: its replica's rows of (inputs, targets), either half None when
@@ -243,12 +244,21 @@ class StageWorker:
     # ---- checkpoints and the run directory ----
     def save_shard(self, step_dir: str) -> None:
         """Write this rank's part of checkpoint `step_dir` (DCP; every rank calls this together)."""
-        save_shard(step_dir, shard_state(self.params, self.optimizer, self.rank), distributed=self.distributed)
+        save_shard(step_dir, shard_state(self.params, self.optimizer, self.rng_stream), distributed=self.distributed)
 
-    def load_shard(self, step_dir: str) -> None:
+    def load_shard(self, step_dir: str) -> str | None:
         """Load this rank's parameters, optimizer state and RNG state from checkpoint `step_dir`, whatever
-        split wrote it (every rank calls this together)."""
-        load_shard(step_dir, self.params, self.optimizer, self.rank, distributed=self.distributed)
+        split wrote it (every rank calls this together). The RNG state is its stream's (`rng_stream`):
+        where the checkpoint has none, this rank keeps its own and says so on stderr (and returns it)."""
+        note = load_shard(step_dir, self.params, self.optimizer, self.rng_stream, distributed=self.distributed)
+        if note is not None:
+            print(f"note: rank {self.rank}: {note}", file=sys.stderr, flush=True)
+        return note
+
+    @property
+    def rng_stream(self) -> str:
+        """What this rank's RNG state belongs to: its replica and the layers of its chunks."""
+        return rng_stream(self.dp_rank, [self.partition.layer_range(c) for c in self.partition.chunks_of(self.pp_rank)])
 
     def sees_file(self, path: str, token: str) -> tuple[bool, str]:
         """Whether `path` exists here and holds `token` (the driver's probe of a shared --out)."""
