@@ -48,7 +48,8 @@ def find_checkpoint(run_dir: str | Path, name: str | None, flag: str = "RUN") ->
         found = latest_checkpoint(run_dir)
         if found is None:
             raise ValueError(f"{flag} {run_dir} has no complete checkpoint under {checkpoints_dir(run_dir)}: "
-                             "train with --checkpoint-every K, or give another run")
+                             "a run saves its last step unless --no-final-checkpoint (and every K steps with "
+                             "--checkpoint-every K); give a run that saved one")
         return found
     if not _STEP_NAME.fullmatch(name):
         raise ValueError(f"--checkpoint {name!r} is invalid: expected step_N, e.g. step_20")
