@@ -11,7 +11,7 @@ from attnres_pp.model.decode_state import DecodeStep
 from attnres_pp.model.depth import BlockReader, DepthRead, StreamConvs, emit_source
 from attnres_pp.model.layers import Embedding, RMSNorm, TransformerLayer, init_weights
 from attnres_pp.model.precision import PRECISIONS, compute_context, to_activation
-from attnres_pp.model.stack import DepthState, forward_sublayers
+from attnres_pp.model.stack import DepthState, depth_sources, forward_sublayers
 
 
 class Head(nn.Module):
@@ -30,8 +30,8 @@ class Head(nn.Module):
             h_BTD = state.residual
         else:
             # The last sublayer always completes a block, so no partial is open here.
-            reader = BlockReader(self.cfg, [self.read], state.blocks, stream_convs, backend, decode,
-                                 self.cfg.n_sublayers)
+            sources = depth_sources(self.cfg, state, stream_convs, backend, decode)
+            reader = BlockReader(self.cfg, [self.read], sources, stream_convs, backend, decode, self.cfg.n_sublayers)
             h_BTD = reader.read(0, None, 0)
         return self.lm_head(self.norm(h_BTD))
 
