@@ -37,6 +37,7 @@ class DepthRead(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.cfg = cfg
         self.enabled = cfg.uses_depth_attention
         if not self.enabled:
             return
@@ -48,6 +49,29 @@ class DepthRead(nn.Module):
             self.gate_bias = nn.Parameter(torch.zeros(m))
         else:
             self.query = nn.Parameter(torch.zeros(cfg.query_dim))
+
+    def forward(self, out1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor | None,
+                backend: str) -> torch.Tensor:
+        """Phase 2 of this site's read (and under MSAR the stream mix): the input h [T, d].
+
+        out1, lse1: this site's phase-1 rows, [T, d] and [T] (MSAR: [m, T, d] and [m, T]); partial:
+        the open partial packed [T, W] (MSAR: its streams [m, T, d]), or None at a block's start.
+        A module so that `--compile` compiles it with its sublayer (`Transformer(compile=True)`)."""
+        cfg = self.cfg
+        if cfg.residual != "msar":
+            if partial is None:
+                return out1
+            values_TD, keys_TK = split_keys(cfg, partial)
+            return phase2(out1, lse1, values_TD, self.query * cfg.logit_scale, partial_key=keys_TK,
+                          eps=cfg.norm_eps, backend=backend)
+        z_MTD = out1
+        if partial is not None:
+            if backend == "torch":
+                z_MTD = phase2_streams_torch(out1, lse1, partial, self.query, cfg.norm_eps)
+            else:
+                z_MTD = torch.stack([phase2(out1[s], lse1[s], partial[s], self.query[s], eps=cfg.norm_eps,
+                                            backend=backend) for s in range(cfg.n_streams)])
+        return mix_streams(self, z_MTD, cfg.norm_eps)
 
 
 class StreamConvs(nn.Module):
@@ -250,21 +274,11 @@ class BlockReader:
         cfg = self.cfg
         read = self.reads[i]
         out1, lse1 = (t[:, i] if cfg.residual == "msar" else t[i] for t in self.phase1_by_stream[0])
-        if cfg.residual != "msar":
-            if partial_BTW is not None:
-                values_TD, keys_TK = split_keys(cfg, partial_BTW.reshape(-1, partial_BTW.shape[-1]))
-                out1 = phase2(out1, lse1, values_TD, read.query * cfg.logit_scale,
-                              partial_key=keys_TK, eps=cfg.norm_eps, backend=self.backend)
-            return out1.view(*self.shape_BT, cfg.d_model)
-        z_MTD = out1
+        partial = None
         if partial_BTW is not None:
-            partial_MTD = self.sources.partial_streams(self.first_site + i, partial_index, partial_BTW)
-            if self.backend == "torch":
-                z_MTD = phase2_streams_torch(out1, lse1, partial_MTD, read.query, cfg.norm_eps)
-            else:
-                z_MTD = torch.stack([phase2(out1[s], lse1[s], partial_MTD[s], read.query[s], eps=cfg.norm_eps,
-                                            backend=self.backend) for s in range(cfg.n_streams)])
-        return mix_streams(read, z_MTD, cfg.norm_eps).view(*self.shape_BT, cfg.d_model)
+            partial = (self.sources.partial_streams(self.first_site + i, partial_index, partial_BTW)
+                       if cfg.residual == "msar" else partial_BTW.reshape(-1, partial_BTW.shape[-1]))
+        return read(out1, lse1, partial, self.backend).view(*self.shape_BT, cfg.d_model)
 
 
 def mix_streams(read: DepthRead, z_MTD: torch.Tensor, eps: float) -> torch.Tensor:

@@ -87,6 +87,8 @@ def register(subparsers) -> None:
         # Parsed as strings and converted here, so a bad value is one clear `error:` line.
         parser.add_argument(flag, metavar=_key.upper(), help=help_text)
     parser.add_argument("--cache", choices=("on", "off"), help="cross-stage block cache")
+    parser.add_argument("--compile", action="store_true", default=None,
+                        help="torch.compile each sublayer and its depth read (single-process runs only)")
     parser.add_argument("--layer-counts", metavar="N,N,..", help="transformer layers per chunk, comma separated")
     parser.add_argument("--out", metavar="DIR", help="run directory (default runs/<timestamp>)")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
@@ -171,6 +173,8 @@ def flag_overrides(args: argparse.Namespace) -> dict:
             overrides[table][key] = convert_flag(flag, raw, kind)
     if args.cache is not None:
         overrides["pipeline"]["cache"] = args.cache == "on"
+    if getattr(args, "compile", None):
+        overrides["train"]["compile"] = True
     if args.layer_counts is not None:
         overrides["pipeline"]["layer_counts"] = [
             convert_flag("--layer-counts", part, int) for part in args.layer_counts.split(",")
