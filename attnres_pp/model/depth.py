@@ -254,6 +254,7 @@ class BlockReader:
         khat = None if sources.khat is None else sources.khat.rows()
         # One entry: (out [S, T, d], lse [S, T]), or under MSAR (out [m, S, T, d], lse [m, S, T]).
         self.phase1_by_stream: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._per_site: tuple | None = None
         if cfg.residual == "msar":
             if khat is not None:
                 self.phase1_by_stream.append(phase1_streams_torch(values, queries, khat))
@@ -273,7 +274,13 @@ class BlockReader:
         """Input h [B, T, d] of the i-th sublayer given the open partial (None at a block's start)."""
         cfg = self.cfg
         read = self.reads[i]
-        out1, lse1 = (t[:, i] if cfg.residual == "msar" else t[i] for t in self.phase1_by_stream[0])
+        if self._per_site is None or self._per_site[0] is not self.phase1_by_stream[0]:
+            # One unbind for all sites: indexing per site would make each site's backward fill a
+            # zero gradient of the whole phase-1 output (O(S^2) per block).
+            axis = 1 if cfg.residual == "msar" else 0
+            out_all, lse_all = self.phase1_by_stream[0]
+            self._per_site = (self.phase1_by_stream[0], out_all.unbind(axis), lse_all.unbind(axis))
+        out1, lse1 = self._per_site[1][i], self._per_site[2][i]
         partial = None
         if partial_BTW is not None:
             partial = (self.sources.partial_streams(self.first_site + i, partial_index, partial_BTW)
