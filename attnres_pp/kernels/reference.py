@@ -79,9 +79,10 @@ def phase1_streams_torch(values_MNTD: torch.Tensor, queries_MSD: torch.Tensor, k
                                 queries_MSD.to(math).transpose(1, 2)).view(m, n, t, -1)
         lse_MTS = torch.logsumexp(scores_MNTS, dim=1)
         probs_MNTS = torch.exp(scores_MNTS - lse_MTS.unsqueeze(1))
-        v = values_MNTD.to(math)
-        out_MSTD = torch.stack([torch.bmm(probs_MNTS[s].permute(1, 2, 0), v[s].transpose(0, 1)).transpose(0, 1)
-                                for s in range(m)])
+        # unbind, not per-stream indexing: each index's backward would fill a zero gradient of all m streams.
+        out_MSTD = torch.stack([torch.bmm(p_NTS.permute(1, 2, 0), v_NTD.transpose(0, 1)).transpose(0, 1)
+                                for p_NTS, v_NTD in zip(probs_MNTS.unbind(0), values_MNTD.to(math).unbind(0),
+                                                        strict=True)])
         return out_MSTD.to(values_MNTD.dtype), lse_MTS.transpose(1, 2)
 
 

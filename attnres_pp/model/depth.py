@@ -69,8 +69,9 @@ class DepthRead(nn.Module):
             if backend == "torch":
                 z_MTD = phase2_streams_torch(out1, lse1, partial, self.query, cfg.norm_eps)
             else:
-                z_MTD = torch.stack([phase2(out1[s], lse1[s], partial[s], self.query[s], eps=cfg.norm_eps,
-                                            backend=backend) for s in range(cfg.n_streams)])
+                z_MTD = torch.stack([phase2(o, lse, p, q, eps=cfg.norm_eps, backend=backend) for o, lse, p, q in
+                                     zip(out1.unbind(0), lse1.unbind(0), partial.unbind(0), self.query.unbind(0),
+                                         strict=True)])
         return mix_streams(self, z_MTD, cfg.norm_eps)
 
 
@@ -259,8 +260,8 @@ class BlockReader:
             if khat is not None:
                 self.phase1_by_stream.append(phase1_streams_torch(values, queries, khat))
             else:
-                per_stream = [phase1(values[s], queries[s], eps=cfg.norm_eps, backend=self.backend)
-                              for s in range(cfg.n_streams)]
+                per_stream = [phase1(v, q, eps=cfg.norm_eps, backend=self.backend)
+                              for v, q in zip(values.unbind(0), queries.unbind(0), strict=True)]
                 self.phase1_by_stream.append(tuple(torch.stack(t) for t in zip(*per_stream, strict=True)))
             return
         values_NTD, keys_NTK = split_keys(cfg, values)
