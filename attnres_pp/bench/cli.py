@@ -1,5 +1,5 @@
-"""`attnres-pp bench bubbles | comm | overhead | peer | split | inference | memory | fidelity [--quick] [--json]
-[--out DIR]`.
+"""`attnres-pp bench bubbles | comm | overhead | peer | split | inference | memory | fidelity | variants [--quick]
+[--json] [--out DIR]` (`--compile`: variants only).
 
 Each benchmark prints its table (or, with --json, one JSON object on stdout; progress goes to
 stderr) and writes NAME[_quick]_<date>.json and .md under --out (default: the checkout's
@@ -25,12 +25,13 @@ BENCHMARKS = {
     "inference": "generation: prefill tokens/s and decode latency, Block AttnRes vs standard, 1 process and P=2 V=2",
     "memory": "peak resident memory per pipeline rank (rank-local chunks), 32 layers d = 512 at P = 1, 2, 4",
     "fidelity": "the simulator, calibrated on one run, predicts held-out runs (schedule, V, m, mode, layers, link)",
+    "variants": "step time of every residual variant over the standard one, one process and P=2 V=2, two shapes",
 }
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "bench", help="benchmarks: bubbles, comm, overhead, peer, split, inference, memory, fidelity",
+        "bench", help="benchmarks: bubbles, comm, overhead, peer, split, inference, memory, fidelity, variants",
         description="Benchmarks of the real pipeline (local launcher, gloo, one thread per rank). "
                     + " ".join(f"{name}: {text}." for name, text in BENCHMARKS.items()))
     parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
@@ -42,6 +43,8 @@ def register(subparsers) -> None:
                         help="comm only: count and predict bytes, skip the multi-process timing runs")
     parser.add_argument("--predict", action="store_true",
                         help="memory only: the simulator's per-rank prediction against real runs' memory_per_rank")
+    parser.add_argument("--compile", action="store_true",
+                        help="variants only: also time every variant with its sublayers torch.compile'd")
     parser.set_defaults(func=run_benchmark, parser=parser)
 
 
@@ -62,6 +65,9 @@ def run_benchmark(args: argparse.Namespace) -> int:
     if args.predict and args.name != "memory":
         print(f"{args.parser.prog}: error: --predict applies to memory only", file=sys.stderr)
         return 2
+    if args.compile and args.name != "variants":
+        print(f"{args.parser.prog}: error: --compile applies to variants only", file=sys.stderr)
+        return 2
     out_dir = Path(args.out) if args.out else default_out_dir()
     try:  # before the benchmark runs for minutes and then cannot write its results
         check_out_dir(out_dir, "--out")
@@ -80,10 +86,12 @@ def run_benchmark(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     stem = results_stem(name, args.quick)
     options = {"timing": not args.no_timing} if args.name == "comm" else {}
+    if args.name == "variants":
+        options = {"compile_model": args.compile}
     # Pictures and traces go to a folder named like the result files (STEM/), linked from STEM.md.
     payload = module.run(args.quick, out_dir / stem, progress, **options)
-    command = command_line(args.name, args.quick, args.out) + (" --no-timing" if args.no_timing else "") + (
-        " --predict" if args.predict else "")
+    command = (command_line(args.name, args.quick, args.out) + (" --no-timing" if args.no_timing else "")
+               + (" --predict" if args.predict else "") + (" --compile" if args.compile else ""))
     payload = {"benchmark": args.name, "quick": args.quick, **payload, "machine": info, "command": command,
                "elapsed_s": time.perf_counter() - started}
     markdown = "\n".join([module.to_markdown(payload), "",

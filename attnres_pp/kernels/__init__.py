@@ -4,7 +4,15 @@ merge of the open partial), with a pure-torch backend and a Triton backend.
 This package imports nothing else from the project.
 """
 
-from attnres_pp.kernels.dispatch import phase1, phase2
-from attnres_pp.kernels.reference import phase1_torch, phase2_torch, rms_normalize
+from attnres_pp.kernels.dispatch import phase1, phase2, resolve_backend
+from attnres_pp.kernels.reference import (
+    phase1_normalized_torch,
+    phase1_streams_torch,
+    phase1_torch,
+    phase2_streams_torch,
+    phase2_torch,
+    rms_normalize,
+)
 
-__all__ = ["phase1", "phase2", "phase1_torch", "phase2_torch", "rms_normalize"]
+__all__ = ["phase1", "phase2", "resolve_backend", "phase1_torch", "phase2_torch", "phase1_normalized_torch",
+           "phase1_streams_torch", "phase2_streams_torch", "rms_normalize"]

@@ -10,6 +10,11 @@ from attnres_pp.kernels.reference import phase1_torch, phase2_torch
 BACKENDS = ("auto", "torch", "triton")
 
 
+def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
+    """"torch" or "triton": what `backend` means for ops on `tensor`."""
+    return _resolve(backend, tensor)
+
+
 def _resolve(backend: str, tensor: torch.Tensor) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is unknown; choose one of {', '.join(BACKENDS)}")

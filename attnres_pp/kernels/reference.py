@@ -39,15 +39,63 @@ def phase1_torch(
 
 def _phase1(values_NTD, queries_SK, keys_NTK, eps):
     math = _math_dtype(values_NTD.dtype)
+    k = values_NTD if keys_NTK is None else keys_NTK
+    return _phase1_normalized(values_NTD, queries_SK, rms_normalize(k.to(math), eps))
+
+
+def phase1_normalized_torch(values_NTD: torch.Tensor, queries_SK: torch.Tensor,
+                            khat_NTK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`phase1_torch` with the keys already RMS-normalised (`khat = RMSNorm(key)`, computed once per
+    source by the caller rather than once per read): the same out [S, T, d] and lse [S, T]."""
+    with torch.autocast(values_NTD.device.type, enabled=False):
+        return _phase1_normalized(values_NTD, queries_SK, khat_NTK)
+
+
+def _phase1_normalized(values_NTD, queries_SK, khat_NTK):
+    math = _math_dtype(values_NTD.dtype)
     v = values_NTD.to(math)
-    k = v if keys_NTK is None else keys_NTK.to(math)
     # Plain matmul / bmm rather than einsum: at small shapes einsum's layout planning costs more
     # than the arithmetic (2x on CPU for N=5, T=256, d=128).
-    scores_TSN = (rms_normalize(k, eps) @ queries_SK.to(math).t()).permute(1, 2, 0)
+    scores_TSN = (khat_NTK.to(math) @ queries_SK.to(math).t()).permute(1, 2, 0)
     lse_TS = torch.logsumexp(scores_TSN, dim=-1)
-    probs_TSN = torch.softmax(scores_TSN, dim=-1)
+    probs_TSN = torch.exp(scores_TSN - lse_TS.unsqueeze(-1))  # the softmax, reusing the lse
     out_TSD = torch.bmm(probs_TSN, v.transpose(0, 1))
     return out_TSD.transpose(0, 1).to(values_NTD.dtype), lse_TS.t()
+
+
+def phase1_streams_torch(values_MNTD: torch.Tensor, queries_MSD: torch.Tensor, khat_MNTD: torch.Tensor,
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase 1 of MSAR for all m streams at once (the slow twin of the fused stream kernel).
+
+    values [m, N, T, d] (stream s of source i), queries [m, S, d], khat = RMSNorm(values) [m, N, T, d].
+    Returns out [m, S, T, d] = sum_i softmax_i(q_s . khat_{s,i}) v_{s,i} and lse [m, S, T]: stream s
+    equals `phase1_torch(values[s], queries[s])`.
+    """
+    with torch.autocast(values_MNTD.device.type, enabled=False):
+        math = _math_dtype(values_MNTD.dtype)
+        m, n, t, d = values_MNTD.shape
+        # One bmm for every stream's scores: [m, N*T, d] @ [m, d, S] (the source prefix is contiguous).
+        scores_MNTS = torch.bmm(khat_MNTD.to(math).reshape(m, n * t, d),
+                                queries_MSD.to(math).transpose(1, 2)).view(m, n, t, -1)
+        lse_MTS = torch.logsumexp(scores_MNTS, dim=1)
+        probs_MNTS = torch.exp(scores_MNTS - lse_MTS.unsqueeze(1))
+        # unbind, not per-stream indexing: each index's backward would fill a zero gradient of all m streams.
+        out_MSTD = torch.stack([torch.bmm(p_NTS.permute(1, 2, 0), v_NTD.transpose(0, 1)).transpose(0, 1)
+                                for p_NTS, v_NTD in zip(probs_MNTS.unbind(0), values_MNTD.to(math).unbind(0),
+                                                        strict=True)])
+        return out_MSTD.to(values_MNTD.dtype), lse_MTS.transpose(1, 2)
+
+
+def phase2_streams_torch(out1_MTD: torch.Tensor, lse1_MT: torch.Tensor, partial_MTD: torch.Tensor,
+                         query_MD: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Phase 2 of MSAR for all m streams at once: stream s equals `phase2_torch(out1[s], lse1[s],
+    partial[s], query[s])`; returns h [m, T, d]."""
+    with torch.autocast(partial_MTD.device.type, enabled=False):
+        math = _math_dtype(partial_MTD.dtype)
+        p = partial_MTD.to(math)
+        score_MT1 = torch.bmm(rms_normalize(p, eps), query_MD.to(math).unsqueeze(-1))
+        gate_MT1 = torch.sigmoid(score_MT1 - lse1_MT.to(math).unsqueeze(-1))
+        return torch.lerp(out1_MTD.to(math), p, gate_MT1).to(partial_MTD.dtype)
 
 
 def phase2_torch(

@@ -14,9 +14,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attnres_pp.kernels import phase1, phase2, rms_normalize
+from attnres_pp.kernels import (
+    phase1,
+    phase1_normalized_torch,
+    phase1_streams_torch,
+    phase2,
+    phase2_streams_torch,
+    resolve_backend,
+    rms_normalize,
+)
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.model.decode_state import DecodeStep
+from attnres_pp.model.sources import RowBuffer
 
 
 class DepthRead(nn.Module):
@@ -28,6 +37,7 @@ class DepthRead(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.cfg = cfg
         self.enabled = cfg.uses_depth_attention
         if not self.enabled:
             return
@@ -47,6 +57,31 @@ class DepthRead(nn.Module):
         """The query the scores use ([k], or [m, d] per stream): `query`, times the key gain if any."""
         return self.query if self.key_gain is None else self.query * self.key_gain
 
+    def forward(self, out1: torch.Tensor, lse1: torch.Tensor, partial: torch.Tensor | None,
+                backend: str) -> torch.Tensor:
+        """Phase 2 of this site's read (and under MSAR the stream mix): the input h [T, d].
+
+        out1, lse1: this site's phase-1 rows, [T, d] and [T] (MSAR: [m, T, d] and [m, T]); partial:
+        the open partial packed [T, W] (MSAR: its streams [m, T, d]), or None at a block's start.
+        A module so that `--compile` compiles it with its sublayer (`Transformer(compile=True)`)."""
+        cfg = self.cfg
+        if cfg.residual != "msar":
+            if partial is None:
+                return out1
+            values_TD, keys_TK = split_keys(cfg, partial)
+            return phase2(out1, lse1, values_TD, self.scoring_query() * cfg.logit_scale, partial_key=keys_TK,
+                          eps=cfg.norm_eps, backend=backend)
+        z_MTD = out1
+        if partial is not None:
+            if backend == "torch":
+                z_MTD = phase2_streams_torch(out1, lse1, partial, self.scoring_query(), cfg.norm_eps)
+            else:
+                queries_MD = self.scoring_query()
+                z_MTD = torch.stack([phase2(o, lse, p, q, eps=cfg.norm_eps, backend=backend) for o, lse, p, q in
+                                     zip(out1.unbind(0), lse1.unbind(0), partial.unbind(0), queries_MD.unbind(0),
+                                         strict=True)])
+        return mix_streams(self, z_MTD, cfg.norm_eps)
+
 
 class StreamConvs(nn.Module):
     """MSAR per-source causal depthwise convolutions: `weights[j][s-1]` is `[kappa_s, d]` for source j.
@@ -62,17 +97,27 @@ class StreamConvs(nn.Module):
             for _source in range(cfg.n_blocks + 1)
         )
 
+    def kernel(self, source_index: int) -> torch.Tensor:
+        """Source j's m - 1 convolutions as one conv1d weight `[d * (m-1), 1, kappa_max]`, output
+        channel c * (m-1) + s - 1 being stream s of channel c: taps flipped (conv1d correlates) and
+        left-padded with zeros to the longest kernel, so one call computes every stream."""
+        kappa_max = max(self.kernel_sizes)
+        taps = [F.pad(taps_KD.flip(0).t(), (kappa_max - taps_KD.shape[0], 0)) for taps_KD in self.weights[source_index]]
+        return torch.stack(taps, dim=1).reshape(-1, 1, kappa_max)
+
+    def stream_stack(self, kernels: list[torch.Tensor], v_NBTD: torch.Tensor) -> torch.Tensor:
+        """Streams [m, N, B, T, d] of N sources (stream 0 is v) with their `kernel`s: one grouped conv."""
+        n, batch, seq, width = v_NBTD.shape
+        kappa_max = kernels[0].shape[-1]
+        x_BCT = v_NBTD.permute(1, 0, 3, 2).reshape(batch, n * width, seq)  # channel (source, c)
+        weight = kernels[0] if n == 1 else torch.cat(kernels)
+        y_BCT = F.conv1d(F.pad(x_BCT, (kappa_max - 1, 0)), weight, groups=n * width)  # v[t < 0] = 0
+        y_SNBTD = y_BCT.view(batch, n, width, -1, seq).permute(3, 1, 0, 4, 2)
+        return torch.cat([v_NBTD.unsqueeze(0), y_SNBTD.to(v_NBTD.dtype)])
+
     def streams(self, source_index: int, v_BTD: torch.Tensor) -> list[torch.Tensor]:
         """[v, conv_1(v), ..., conv_{m-1}(v)], each [B, T, d]; v[t < 0] = 0."""
-        out = [v_BTD]
-        x_BDT = v_BTD.transpose(1, 2)
-        for taps_KD in self.weights[source_index]:
-            kappa, width = taps_KD.shape
-            # conv1d correlates: tap k of the flipped kernel meets x[t - (kappa - 1 - k)].
-            kernel_D1K = taps_KD.flip(0).t().unsqueeze(1)
-            y_BDT = F.conv1d(F.pad(x_BDT, (kappa - 1, 0)), kernel_D1K, groups=width)
-            out.append(y_BDT.transpose(1, 2))
-        return out
+        return list(self.stream_stack([self.kernel(source_index)], v_BTD.unsqueeze(0))[:, 0].unbind(0))
 
 
 def emit_source(cfg: ModelConfig, out_BTW: torch.Tensor) -> torch.Tensor:
@@ -88,88 +133,183 @@ def emit_source(cfg: ModelConfig, out_BTW: torch.Tensor) -> torch.Tensor:
     return torch.cat([out_BTW[..., :d], rms_normalize(out_BTW[..., d:], cfg.norm_eps)], dim=-1)
 
 
+class DepthSources:
+    """The completed sources b_0..b_n of one pass over a range of sublayers, as every read needs them.
+
+    Each source enters once (`append`), when the pass starts (the sources it holds) or when its
+    block completes: it is written into a preallocated buffer (`sources.RowBuffer`, capacity
+    n_blocks + 1), its key normalised once (torch backend; the Triton kernels normalise on the fly)
+    and, under MSAR, its m streams computed once, for every source appended together in one grouped
+    convolution. Reads then see `[n, T, W]` views of the buffers: no copy and no recomputation per
+    read, and each source's gradient (conv taps included) is formed once after all its reads.
+    `blocks` keeps the tensors themselves (what a pipeline chunk hands on).
+    """
+
+    def __init__(self, cfg: ModelConfig, stream_convs: StreamConvs | None, backend: str, like_BTW: torch.Tensor,
+                 decode: DecodeStep | None = None) -> None:
+        self.cfg, self.stream_convs, self.decode = cfg, stream_convs, decode
+        self.backend = resolve_backend(backend, like_BTW)
+        self.shape_BT = tuple(like_BTW.shape[:2])
+        n_tokens, capacity, d = self.shape_BT[0] * self.shape_BT[1], cfg.n_blocks + 1, cfg.d_model
+        dtype, device = like_BTW.dtype, like_BTW.device
+        # Normalised keys in the math dtype (fp32, fp64 for fp64), as the reads compute them.
+        self.key_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.blocks: list[torch.Tensor] = []
+        self.kernels: list[torch.Tensor] = []  # MSAR: each source's conv weight, built once per pass
+        self.normalize_keys = self.backend == "torch"
+        if cfg.residual == "msar":
+            shape = (cfg.n_streams, capacity, n_tokens, d)
+            self.values = RowBuffer(shape, dtype, device, row_axis=1)
+            self.khat = RowBuffer(shape, self.key_dtype, device, row_axis=1) if self.normalize_keys else None
+        else:
+            self.values = RowBuffer((capacity, n_tokens, cfg.source_width), dtype, device)
+            key_width = cfg.key_rank if cfg.residual == "lr_attnres" else d
+            self.khat = (RowBuffer((capacity, n_tokens, key_width), self.key_dtype, device)
+                         if self.normalize_keys else None)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def append(self, blocks_BTW: list[torch.Tensor]) -> None:
+        """Add completed sources (in source order) to the buffers."""
+        if not blocks_BTW:
+            return
+        first = len(self.blocks)
+        self.blocks.extend(blocks_BTW)
+        n_tokens = self.shape_BT[0] * self.shape_BT[1]
+        if self.cfg.residual != "msar":
+            packed_NTW = (blocks_BTW[0].reshape(1, n_tokens, -1) if len(blocks_BTW) == 1
+                          else torch.stack([b.reshape(n_tokens, -1) for b in blocks_BTW]))
+            self.values.append(packed_NTW)
+            if self.khat is not None:
+                values_NTD, keys_NTK = split_keys(self.cfg, packed_NTW)
+                self.khat.append(self.normalized_keys(values_NTD if keys_NTK is None else keys_NTK))
+            return
+        self.kernels.extend(self.stream_convs.kernel(j) for j in range(first, first + len(blocks_BTW)))
+        if self.decode is None:
+            streams_MNBTD = self.stream_convs.stream_stack(self.kernels[first:], torch.stack(blocks_BTW))
+        else:
+            streams_MNBTD = torch.cat([self._decode_streams(("block", first + i), first + i, b)
+                                       for i, b in enumerate(blocks_BTW)], dim=1)
+        streams_MNTD = streams_MNBTD.flatten(2, 3)
+        self.values.append(streams_MNTD)
+        if self.khat is not None:
+            self.khat.append(self.normalized_keys(streams_MNTD))
+
+    def normalized_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """RMSNorm (no gain) of keys, in the math dtype: the one place a read's keys are normalised
+        outside the kernels. (A learned key-norm gain folds into the queries: `read_queries`.)"""
+        with torch.autocast(keys.device.type, enabled=False):
+            return rms_normalize(keys.to(self.key_dtype), self.cfg.norm_eps)
+
+    def partial_streams(self, site: int, source_index: int, partial_BTW: torch.Tensor) -> torch.Tensor:
+        """MSAR streams of the open partial [m, T, d] (block `source_index`'s weights)."""
+        if self.decode is not None:
+            return self._decode_streams(("partial", site), source_index, partial_BTW)[:, 0].flatten(1, 2)
+        kernel = self.kernels[source_index] if source_index < len(self.kernels) else \
+            self.stream_convs.kernel(source_index)
+        return self.stream_convs.stream_stack([kernel], partial_BTW.unsqueeze(0))[:, 0].flatten(1, 2)
+
+    def _decode_streams(self, key: tuple[str, int], source_index: int, v_BTD: torch.Tensor) -> torch.Tensor:
+        """Streams [m, 1, B, T, d] of a source at this pass's T positions, convolved over its stored
+        earlier positions too, so they equal the streams of a whole-sequence forward."""
+        v_BSD, n_prefix = self.decode.with_history(key, v_BTD)
+        return self.stream_convs.stream_stack([self.stream_convs.kernel(source_index)], v_BSD.unsqueeze(0))[
+            :, :, :, n_prefix:]
+
+
+def split_keys(cfg: ModelConfig, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Values and keys of packed sources `[..., W]`; sliced keys are a view of the values' last r
+    channels, projected keys the last r columns; None: keys are the values."""
+    d = cfg.d_model
+    values = packed[..., :d]
+    if cfg.residual != "lr_attnres":
+        return values, None
+    if cfg.key_mode == "projected":
+        return values, packed[..., d:]
+    return values, values[..., d - cfg.key_rank:]
+
+
+def read_queries(cfg: ModelConfig, reads: list[DepthRead]) -> torch.Tensor:
+    """The pseudo-queries of `reads` as the kernels take them: [S, k] (attnres, lr_attnres, logit
+    scale applied) or [m, S, d] (msar), each times its site's learned key-norm gain if it has one."""
+    if cfg.residual == "msar":
+        return torch.stack([r.scoring_query() for r in reads], dim=1)
+    return torch.stack([r.scoring_query() for r in reads]) * cfg.logit_scale
+
+
 class BlockReader:
     """Reads for consecutive sublayers of one block, all seeing the same completed sources.
 
-    `blocks` are the completed sources b_0..b_n as `[B, T, W]`; `reads` the DepthRead of each
-    sublayer in order. Phase 1 runs here, once per stream; `read(i, partial, partial_index)` runs
-    phase 2 for the i-th of them. When decoding, `decode` is the pass's DecodeStep and `first_site`
-    the global sublayer index of the first read (an open partial's history is kept per reading site).
+    `sources` are the completed sources b_0..b_n (a DepthSources, or a list of `[B, T, W]` tensors);
+    `reads` the DepthRead of each sublayer in order. Phase 1 runs here once for all of them (under
+    MSAR for every stream at once); `read(i, partial, partial_index)` runs phase 2 for the i-th.
+    When decoding, `decode` is the pass's DecodeStep and `first_site` the global sublayer index of the
+    first read (an open partial's history is kept per reading site).
     """
 
-    def __init__(self, cfg: ModelConfig, reads: list[DepthRead], blocks: list[torch.Tensor],
+    def __init__(self, cfg: ModelConfig, reads: list[DepthRead], sources: DepthSources | list[torch.Tensor],
                  stream_convs: StreamConvs | None, backend: str, decode: DecodeStep | None = None,
                  first_site: int = 0) -> None:
-        self.cfg = cfg
-        self.reads = reads
-        self.stream_convs = stream_convs
-        self.backend = backend
-        # Incremental decoding: MSAR streams need earlier positions of each source (decode_state).
-        self.decode, self.first_site = decode, first_site
-        self.shape_BT = blocks[0].shape[:2]
-        # Per stream: phase-1 output [S, BT, d] and lse [S, BT].
+        if not isinstance(sources, DepthSources):
+            held = DepthSources(cfg, stream_convs, backend, sources[0], decode)
+            held.append(list(sources))
+            sources = held
+        self.cfg, self.reads, self.sources, self.first_site = cfg, reads, sources, first_site
+        self.backend = sources.backend
+        self.shape_BT = sources.shape_BT
+        queries = read_queries(cfg, reads)
+        values = sources.values.rows()
+        khat = None if sources.khat is None else sources.khat.rows()
+        # One entry: (out [S, T, d], lse [S, T]), or under MSAR (out [m, S, T, d], lse [m, S, T]).
         self.phase1_by_stream: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._per_site: tuple | None = None
         if cfg.residual == "msar":
-            per_source = [self._streams(("block", j), j, b) for j, b in enumerate(blocks)]
-            for s in range(cfg.n_streams):
-                values_NTD = torch.stack([self._flat(streams[s]) for streams in per_source])
-                queries_SD = torch.stack([r.scoring_query()[s] for r in reads])
-                self.phase1_by_stream.append(phase1(values_NTD, queries_SD, eps=cfg.norm_eps, backend=backend))
+            if khat is not None:
+                self.phase1_by_stream.append(phase1_streams_torch(values, queries, khat))
+            else:
+                per_stream = [phase1(v, q, eps=cfg.norm_eps, backend=self.backend)
+                              for v, q in zip(values.unbind(0), queries.unbind(0), strict=True)]
+                self.phase1_by_stream.append(tuple(torch.stack(t) for t in zip(*per_stream, strict=True)))
+            return
+        values_NTD, keys_NTK = split_keys(cfg, values)
+        if khat is not None:
+            self.phase1_by_stream.append(phase1_normalized_torch(values_NTD, queries, khat))
         else:
-            packed_NTW = torch.stack([self._flat(b) for b in blocks])
-            values_NTD, keys_NTK = self._split(packed_NTW)
-            queries_SK = torch.stack([r.scoring_query() for r in reads]) * cfg.logit_scale
-            self.phase1_by_stream.append(
-                phase1(values_NTD, queries_SK, keys=keys_NTK, eps=cfg.norm_eps, backend=backend))
+            self.phase1_by_stream.append(phase1(values_NTD, queries, keys=keys_NTK, eps=cfg.norm_eps,
+                                                backend=self.backend))
 
-    def _streams(self, key: tuple[str, int], source_index: int, v_BTD: torch.Tensor) -> list[torch.Tensor]:
-        """MSAR streams of source `v` at its T positions; when decoding, convolved over the source's
-        stored earlier positions too, so they equal the streams of a whole-sequence forward."""
-        if self.decode is None:
-            return self.stream_convs.streams(source_index, v_BTD)
-        v_BSD, n_prefix = self.decode.with_history(key, v_BTD)
-        return [s_BSD[:, n_prefix:] for s_BSD in self.stream_convs.streams(source_index, v_BSD)]
-
-    def _flat(self, x_BTW: torch.Tensor) -> torch.Tensor:
-        return x_BTW.reshape(-1, x_BTW.shape[-1])
-
-    def _split(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Values and keys of packed sources; sliced keys are a view of the values' last r channels."""
-        cfg = self.cfg
-        d = cfg.d_model
-        values = packed[..., :d]
-        if cfg.residual != "lr_attnres":
-            return values, None
-        if cfg.key_mode == "projected":
-            return values, packed[..., d:]
-        return values, values[..., d - cfg.key_rank:]
+    @property
+    def stream_convs(self) -> StreamConvs | None:
+        """MSAR's per-source convolutions the sources were expanded with (None for the other variants)."""
+        return self.sources.stream_convs
 
     def read(self, i: int, partial_BTW: torch.Tensor | None, partial_index: int) -> torch.Tensor:
         """Input h [B, T, d] of the i-th sublayer given the open partial (None at a block's start)."""
         cfg = self.cfg
         read = self.reads[i]
-        if cfg.residual != "msar":
-            out1_TD, lse1_T = (t[i] for t in self.phase1_by_stream[0])
-            if partial_BTW is not None:
-                values_TD, keys_TK = self._split(self._flat(partial_BTW))
-                out1_TD = phase2(out1_TD, lse1_T, values_TD, read.scoring_query() * cfg.logit_scale,
-                                 partial_key=keys_TK, eps=cfg.norm_eps, backend=self.backend)
-            return out1_TD.view(*self.shape_BT, cfg.d_model)
-        partial_streams = (self._streams(("partial", self.first_site + i), partial_index, partial_BTW)
-                           if partial_BTW is not None else None)
-        z_by_stream = []
-        for s, (out1_STD, lse1_ST) in enumerate(self.phase1_by_stream):
-            z_TD = out1_STD[i]
-            if partial_streams is not None:
-                z_TD = phase2(z_TD, lse1_ST[i], self._flat(partial_streams[s]), read.scoring_query()[s],
-                              eps=cfg.norm_eps, backend=self.backend)
-            z_by_stream.append(z_TD)
-        return mix_streams(read, z_by_stream, cfg.norm_eps).view(*self.shape_BT, cfg.d_model)
+        if self._per_site is None or self._per_site[0] is not self.phase1_by_stream[0]:
+            # One unbind for all sites: indexing per site would make each site's backward fill a
+            # zero gradient of the whole phase-1 output (O(S^2) per block).
+            axis = 1 if cfg.residual == "msar" else 0
+            out_all, lse_all = self.phase1_by_stream[0]
+            self._per_site = (self.phase1_by_stream[0], out_all.unbind(axis), lse_all.unbind(axis))
+        out1, lse1 = self._per_site[1][i], self._per_site[2][i]
+        partial = None
+        if partial_BTW is not None:
+            partial = (self.sources.partial_streams(self.first_site + i, partial_index, partial_BTW)
+                       if cfg.residual == "msar" else partial_BTW.reshape(-1, partial_BTW.shape[-1]))
+        return read(out1, lse1, partial, self.backend).view(*self.shape_BT, cfg.d_model)
 
 
-def mix_streams(read: DepthRead, z_by_stream: list[torch.Tensor], eps: float) -> torch.Tensor:
-    """h = sum_s g[s] z^(s), g = sigmoid(alpha * RMSNorm(flatten(z)) W + b); z^(s) are [T, d]."""
-    z_TMD = torch.stack(z_by_stream, dim=1)
-    flat_TF = rms_normalize(z_TMD.flatten(1), eps)
-    gate_TM = torch.sigmoid(read.gate_alpha * flat_TF @ read.gate_weight + read.gate_bias)
-    return (gate_TM.unsqueeze(-1) * z_TMD).sum(dim=1)
+def mix_streams(read: DepthRead, z_MTD: torch.Tensor, eps: float) -> torch.Tensor:
+    """h = sum_s g[s] z^(s), g = sigmoid(alpha * RMSNorm(flatten(z)) W + b); z is [m, T, d].
+
+    RMSNorm(flatten(z)) W = rstd * sum_s z^(s) W_s with W_s the rows of stream s: one bmm on the
+    stream-major z, no [T, m*d] copy."""
+    m, _, d = z_MTD.shape
+    norm_T = torch.linalg.vector_norm(z_MTD, dim=(0, 2), dtype=torch.promote_types(z_MTD.dtype, torch.float32))
+    rstd_T1 = torch.rsqrt(norm_T.square() / (m * d) + eps).unsqueeze(-1)
+    logits_TM = torch.bmm(z_MTD, read.gate_weight.view(m, d, m)).sum(dim=0)
+    gate_TM = torch.sigmoid(read.gate_alpha * (rstd_T1 * logits_TM) + read.gate_bias)
+    return (gate_TM.t().unsqueeze(-1) * z_MTD).sum(dim=0)

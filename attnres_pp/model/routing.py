@@ -20,7 +20,7 @@ from torch import nn
 
 from attnres_pp.kernels import rms_normalize
 from attnres_pp.model.config import ModelConfig
-from attnres_pp.model.depth import BlockReader, DepthRead
+from attnres_pp.model.depth import BlockReader, DepthRead, split_keys
 
 PROBE_ATTRIBUTE = "routing_probe"
 
@@ -57,19 +57,22 @@ def read_weights(cfg: ModelConfig, read: DepthRead, reader: BlockReader, i: int,
     the partial if open), from `reader`'s phase-1 lse and phase 2's merge; and per stream the read's
     (source views) `[sources, BT, d]` so a caller can form the streams' outputs."""
     weights, views = [], []
-    for s, (_out1, lse1_ST) in enumerate(reader.phase1_by_stream):
-        lse1_T = lse1_ST[i].double()
-        if cfg.residual == "msar":
+    msar = cfg.residual == "msar"
+    convs = reader.sources.stream_convs
+    _out_all, lse_all = reader.phase1_by_stream[0]  # lse [S, T], or per stream [m, S, T] under MSAR
+    for s in range(cfg.n_streams if msar else 1):
+        lse1_T = (lse_all[s, i] if msar else lse_all[i]).double()
+        if msar:
             query_K = read.scoring_query()[s].double()
-            values = [reader.stream_convs.streams(j, b)[s].reshape(-1, cfg.d_model) for j, b in enumerate(blocks)]
+            values = [convs.streams(j, b)[s].reshape(-1, cfg.d_model) for j, b in enumerate(blocks)]
             keys = values
             if partial_BTW is not None:
-                p = reader.stream_convs.streams(partial_index, partial_BTW)[s].reshape(-1, cfg.d_model)
+                p = convs.streams(partial_index, partial_BTW)[s].reshape(-1, cfg.d_model)
                 values, keys = values + [p], keys + [p]
         else:
             query_K = read.scoring_query().double() * cfg.logit_scale
             sources = blocks + ([partial_BTW] if partial_BTW is not None else [])
-            split = [reader._split(reader._flat(b)) for b in sources]
+            split = [split_keys(cfg, b.reshape(-1, b.shape[-1])) for b in sources]
             values = [v for v, _k in split]
             keys = [v if k is None else k for v, k in split]
         scores_NT = torch.stack([rms_normalize(k.double(), cfg.norm_eps) @ query_K for k in keys])

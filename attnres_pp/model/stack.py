@@ -11,7 +11,7 @@ import torch
 
 from attnres_pp.model.config import ModelConfig, block_of, block_stop, completes_block
 from attnres_pp.model.decode_state import DecodeStep
-from attnres_pp.model.depth import BlockReader, StreamConvs, emit_source
+from attnres_pp.model.depth import BlockReader, DepthSources, StreamConvs, emit_source
 from attnres_pp.model.layers import TransformerLayer
 from attnres_pp.model.precision import to_activation
 from attnres_pp.model.routing import record_read
@@ -23,12 +23,25 @@ class DepthState:
 
     blocks[j] is source b_j as `[B, T, W]` (b_0 = embedding); partial is the open block's running
     sum or None. Both are sums of emitted outputs (`emit_source`: projected keys normalised first).
-    residual is the standard stream h (the `standard` variant only).
+    residual is the standard stream h (the `standard` variant only). `sources` is the pass's
+    DepthSources holding `blocks` for reading (buffers, normalised keys, MSAR streams), so a later
+    read in the same pass (the head's) reuses them; None until a pass builds it.
     """
 
     blocks: list[torch.Tensor] = field(default_factory=list)
     partial: torch.Tensor | None = None
     residual: torch.Tensor | None = None
+    sources: DepthSources | None = None
+
+
+def depth_sources(cfg: ModelConfig, state: DepthState, stream_convs: StreamConvs | None, backend: str,
+                  decode: DecodeStep | None = None) -> DepthSources:
+    """The state's DepthSources: its own if it holds every block, else one built from `blocks`."""
+    if state.sources is not None and len(state.sources) == len(state.blocks):
+        return state.sources
+    sources = DepthSources(cfg, stream_convs, backend, state.blocks[0], decode)
+    sources.append(list(state.blocks))
+    return sources
 
 
 def forward_sublayers(cfg: ModelConfig, layers: Mapping[int, TransformerLayer], stream_convs: StreamConvs | None,
@@ -51,6 +64,7 @@ def forward_sublayers(cfg: ModelConfig, layers: Mapping[int, TransformerLayer], 
         return DepthState(residual=residual)
 
     blocks, partial = list(state.blocks), state.partial
+    sources = depth_sources(cfg, state, stream_convs, backend, decode)
     reader: BlockReader | None = None
     segment_start = sublayers.start
     block_ends = cfg.block_ends
@@ -60,7 +74,7 @@ def forward_sublayers(cfg: ModelConfig, layers: Mapping[int, TransformerLayer], 
             # Phase 1 for this block's sublayers that lie in `sublayers` (one batched read).
             segment_stop = min(sublayers.stop, block_stop(l, block_ends))
             reads = [layers[j // 2].sublayer(j % 2).read for j in range(l, segment_stop)]
-            reader = BlockReader(cfg, reads, blocks, stream_convs, backend, decode, l)
+            reader = BlockReader(cfg, reads, sources, stream_convs, backend, decode, l)
             segment_start = l
         h_BTD = reader.read(l - segment_start, partial, block_index)
         out_BTW = to_activation(emit_source(cfg, _sublayer_output(layers, l, h_BTD, decode)))
@@ -69,8 +83,9 @@ def forward_sublayers(cfg: ModelConfig, layers: Mapping[int, TransformerLayer], 
         partial = out_BTW if partial is None else partial + out_BTW
         if completes_block(l, block_ends):
             blocks.append(partial)
+            sources.append([partial])
             partial, reader = None, None
-    return DepthState(blocks=blocks, partial=partial)
+    return DepthState(blocks=blocks, partial=partial, sources=sources)
 
 
 def _sublayer_output(layers: Mapping[int, TransformerLayer], l: int, h_BTD: torch.Tensor,

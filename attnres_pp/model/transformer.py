@@ -12,7 +12,7 @@ from attnres_pp.model.depth import BlockReader, DepthRead, StreamConvs, emit_sou
 from attnres_pp.model.layers import Embedding, RMSNorm, TransformerLayer, init_weights
 from attnres_pp.model.precision import PRECISIONS, compute_context, to_activation
 from attnres_pp.model.routing import record_read
-from attnres_pp.model.stack import DepthState, forward_sublayers
+from attnres_pp.model.stack import DepthState, depth_sources, forward_sublayers
 
 
 class Head(nn.Module):
@@ -32,8 +32,8 @@ class Head(nn.Module):
             record_read(self.read, self.cfg.n_sublayers, None, 0, [], None, 0, h_BTD)
         else:
             # The last sublayer always completes a block, so no partial is open here.
-            reader = BlockReader(self.cfg, [self.read], state.blocks, stream_convs, backend, decode,
-                                 self.cfg.n_sublayers)
+            sources = depth_sources(self.cfg, state, stream_convs, backend, decode)
+            reader = BlockReader(self.cfg, [self.read], sources, stream_convs, backend, decode, self.cfg.n_sublayers)
             h_BTD = reader.read(0, None, 0)
             record_read(self.read, self.cfg.n_sublayers, reader, 0, state.blocks, None, 0, h_BTD)
         return self.lm_head(self.norm(h_BTD))
@@ -57,9 +57,15 @@ class Transformer(nn.Module):
     Parameters are initialised from `seed` and their whole-model names (`layers.init_weights`), not
     from torch's global generator. Built under `torch.device("meta")` the model allocates nothing:
     a pipeline rank then materialises and initialises only its own chunks (`pipeline.chunk`).
+    `compile`: every sublayer and its depth read's merge (`DepthRead.forward`: phase 2 and MSAR's
+    stream mix) run torch.compile'd, the Triton ops as custom ops inside the graphs; phase 1 (one
+    batched read per block, its source count changing from block to block) and the block sums stay
+    eager. Graphs are compiled on the first step and reused after (the same shapes every step);
+    `compile_backend` is torch.compile's backend ("aot_eager" traces without generating code).
     """
 
-    def __init__(self, cfg: ModelConfig, *, backend: str = "auto", seed: int = 0, precision: str = "fp32") -> None:
+    def __init__(self, cfg: ModelConfig, *, backend: str = "auto", seed: int = 0, precision: str = "fp32",
+                 compile: bool = False, compile_backend: str = "inductor") -> None:
         super().__init__()
         if precision not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is invalid: choose one of {', '.join(PRECISIONS)}")
@@ -72,6 +78,12 @@ class Transformer(nn.Module):
         self.head = Head(cfg)
         self.stream_convs = StreamConvs(cfg) if cfg.residual == "msar" else None
         init_weights(self, cfg, seed)  # skips meta parameters: nothing to do on the meta device
+        self.compiled = compile
+        if compile:
+            for layer in self.layers:
+                for module in (layer.attn, layer.mlp, layer.attn.read, layer.mlp.read):
+                    module.compile(backend=compile_backend, dynamic=False)
+            self.head.read.compile(backend=compile_backend, dynamic=False)
 
     def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None, *,
                 decode: DecodeStep | None = None) -> torch.Tensor:

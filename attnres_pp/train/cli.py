@@ -97,6 +97,8 @@ def register(subparsers) -> None:
     parser.add_argument("--cache", choices=("on", "off"), help="cross-stage block cache")
     parser.add_argument("--key-norm-gain", action="store_true", default=None,
                         help="a learned gain (init 1) on the depth-attention key RMSNorm (default off)")
+    parser.add_argument("--compile", action="store_true", default=None,
+                        help="torch.compile each sublayer and its depth read (single-process runs only)")
     parser.add_argument("--layer-counts", metavar="N,N,..", help="transformer layers per chunk, comma separated")
     parser.add_argument("--out", metavar="DIR", help="run directory (default runs/<timestamp>)")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
@@ -197,6 +199,8 @@ def flag_overrides(args: argparse.Namespace) -> dict:
         overrides["model"]["key_norm_gain"] = True
     if {"block_size", "blocks"} <= set(overrides["model"]):
         raise ConfigError("give one of --block-size S (sublayers per block) and --blocks N (number of blocks)")
+    if getattr(args, "compile", None):
+        overrides["train"]["compile"] = True
     if args.layer_counts is not None:
         overrides["pipeline"]["layer_counts"] = [
             convert_flag("--layer-counts", part, int) for part in args.layer_counts.split(",")

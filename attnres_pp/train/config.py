@@ -60,6 +60,7 @@ class TrainConfig:
     device: str = "auto"
     dtype: str = "auto"
     kernels: str = "auto"
+    compile: bool = False  # torch.compile each sublayer and its depth read (single-process runs)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "microbatches", "eval_batches", "threads"):
@@ -95,6 +96,8 @@ class TrainConfig:
         ):
             if getattr(self, name) not in choices:
                 _fail(name, getattr(self, name), f"choose one of {', '.join(choices)} ({hint})")
+        if not isinstance(self.compile, bool):
+            _fail("compile", self.compile, "must be true or false")
         if not isinstance(self.data, str) or not self.data:
             _fail("data", self.data, "use 'builtin' or a path to a .txt or .bin file")
 
@@ -131,6 +134,13 @@ class RunConfig:
                 f"TrainConfig.batch_size={self.train.batch_size} is invalid: the global batch is split over "
                 f"data_parallel={replicas} replicas of microbatches={m} microbatches each, so it must be a "
                 f"multiple of {replicas * m}, e.g. {replicas * m * max(1, self.train.batch_size // (replicas * m))}"
+            )
+        if self.train.compile and not (self.pipeline.is_single_process and self.pipeline.launcher == "local"):
+            raise ValueError(
+                "TrainConfig.compile=True is invalid for a pipelined run: --compile compiles the single-process "
+                "model only (stages = virtual = data_parallel = 1, launcher local); pipeline chunks run eager, "
+                "and a split-backward schedule's W could not be cut apart from I inside a compiled region's one "
+                "backward node; drop --compile or train in one process"
             )
         if self.pipeline.layer_counts is not None and sum(self.pipeline.layer_counts) != self.model.n_layers:
             raise ValueError(

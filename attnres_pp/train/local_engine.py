@@ -34,7 +34,7 @@ class LocalEngine:
         self.train_cfg = train_cfg  # device, dtype and kernels resolved
         self.device = torch.device(decision.device)
         self.model = Transformer(model_cfg, seed=train_cfg.seed, backend=train_cfg.kernels,
-                                 precision=train_cfg.dtype).to(self.device)
+                                 precision=train_cfg.dtype, compile=train_cfg.compile).to(self.device)
         self.optimizer = build_optimizer(self.model, train_cfg, fused=self.device.type == "cuda")
         self._corpus = corpus
 

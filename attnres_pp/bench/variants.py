@@ -1,0 +1,226 @@
+"""`attnres-pp bench variants [--quick] [--compile]`: the step time of every residual variant over the
+standard residual, in one process and pipelined (P = 2, V = 2), at two shapes: the quality
+benchmark's (4 layers, d = 64) and 16 layers, d = 256 (where the targets are set).
+
+Single process: forward + backward of one batch through the whole model, one thread, every variant
+built first and then run in rotation (A B C .., B C A .., ...) so drift in the machine's load falls
+on every variant alike; warm-up rounds are dropped. Pipelined: one `TimedEngine` per variant (the
+driver's wall time of a whole optimiser step), stepped in the same rotation. The headline `ratios`
+are the median over rounds of (variant / standard in the same round). `--compile` measures the same
+single-process steps with every sublayer compiled (`Transformer(compile=True)`), beside eager, and
+reports the compile time (the first step) separately. The full run adds a torch.profiler table of
+the ops that grow most over standard at 16 layers, d = 256 (what is left where a target is missed).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from attnres_pp.bench.common import TimedEngine, markdown_table, random_batch, run_config
+
+QUALITY_SHAPE = {"vocab_size": 256, "n_layers": 4, "d_model": 64, "n_heads": 4, "seq_len": 64}
+TARGET_SHAPE = {"vocab_size": 256, "n_layers": 16, "d_model": 256, "n_heads": 4, "seq_len": 64}
+SHAPES = {"4L_d64": (QUALITY_SHAPE, 2), "16L_d256": (TARGET_SHAPE, 4)}  # shape, block size of its variants
+SINGLE_BATCH = 4  # sequences per single-process step
+PIPELINE = {"stages": 2, "virtual": 2, "schedule": "interleaved_1f1b", "microbatches": 4}
+# 16 layers, d = 256: the issue's targets (variant / standard, single process).
+TARGETS = {"msar": 2.0, "block_attnres": 1.12, "full_attnres": 1.5}
+
+
+def variant_overrides(block_size: int) -> dict[str, dict]:
+    """Each variant's ModelConfig fields beyond the shape (Block and LR variants use `block_size`)."""
+    return {
+        "standard": {"residual": "standard", "block_size": 1},
+        "full_attnres": {"residual": "attnres", "block_size": 1},
+        "block_attnres": {"residual": "attnres", "block_size": block_size},
+        "p_lr_attnres": {"residual": "lr_attnres", "block_size": block_size, "key_mode": "projected", "key_rank": 8},
+        "s_lr_attnres": {"residual": "lr_attnres", "block_size": block_size, "key_mode": "sliced", "key_rank": 8},
+        "msar": {"residual": "msar", "block_size": block_size},
+    }
+
+
+def _rotations(names: tuple[str, ...], n_rounds: int):
+    """Round r runs the names shifted by r: each variant takes each position equally often."""
+    for index in range(n_rounds):
+        shift = index % len(names)
+        yield index, names[shift:] + names[:shift]
+
+
+def paired_ratios(times: dict[str, list[float]], base: str = "standard") -> dict[str, float]:
+    """Median over rounds of times[name][r] / times[base][r] for every name but `base`."""
+    return {name: statistics.median(a / b for a, b in zip(samples, times[base], strict=True))
+            for name, samples in times.items() if name != base}
+
+
+def single_process(shape: dict, block_size: int, warmup: int, rounds: int, *, compile_model: bool = False) -> dict:
+    """Median forward + backward time per variant in this process (one thread), rotation order."""
+    import torch
+
+    from attnres_pp.model import ModelConfig, Transformer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        models, compile_s = {}, {}
+        for name, overrides in variant_overrides(block_size).items():
+            cfg = ModelConfig.from_dict({**shape, **overrides})
+            models[name] = Transformer(cfg, **({"compile": True} if compile_model else {}))
+        inputs_BT, targets_BT = random_batch(0, SINGLE_BATCH, shape["seq_len"], shape["vocab_size"])
+
+        def step(name: str) -> float:
+            started = time.perf_counter()
+            models[name](inputs_BT, targets_BT).backward()
+            for p in models[name].parameters():
+                p.grad = None
+            return time.perf_counter() - started
+
+        if compile_model:  # the first step compiles: timed apart from the steps that reuse the cache
+            compile_s = {name: step(name) for name in models}
+        times: dict[str, list[float]] = {name: [] for name in models}
+        for index, order in _rotations(tuple(models), warmup + rounds):
+            for name in order:
+                elapsed = step(name)
+                if index >= warmup:
+                    times[name].append(elapsed)
+    finally:
+        torch.set_num_threads(threads)
+    out = {"step_s": {name: statistics.median(t) for name, t in times.items()}, "ratios": paired_ratios(times),
+           "step_s_all": times}
+    if compile_model:
+        out["first_step_s"] = compile_s
+    return out
+
+
+def pipelined(shape: dict, block_size: int, warmup: int, rounds: int) -> dict:
+    """Median driver wall time of an optimiser step per variant, P = 2 V = 2, engines in rotation."""
+    engines: dict[str, TimedEngine] = {}
+    try:
+        for name, overrides in variant_overrides(block_size).items():
+            engines[name] = TimedEngine(run_config({**shape, **overrides}, **PIPELINE))
+        for _index, order in _rotations(tuple(engines), warmup + rounds):
+            for name in order:
+                engines[name].step()
+    finally:
+        for engine in engines.values():
+            engine.close()
+    times = {name: [s.wall_s for s in engine.samples[warmup:]] for name, engine in engines.items()}
+    return {"step_s": {name: statistics.median(t) for name, t in times.items()}, "ratios": paired_ratios(times),
+            "bytes_per_step": {name: e.samples[-1].bytes_sent for name, e in engines.items()}}
+
+
+def profile_growth(shape: dict, block_size: int, variants: tuple[str, ...], top: int = 10) -> dict[str, list[dict]]:
+    """torch.profiler self CPU time per op and forward + backward, for each of `variants` against
+    standard: the ops whose time grows most (where the remaining overhead goes)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from attnres_pp.model import ModelConfig, Transformer
+
+    inputs_BT, targets_BT = random_batch(0, SINGLE_BATCH, shape["seq_len"], shape["vocab_size"])
+    per_variant: dict[str, dict[str, tuple[float, int]]] = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name in ("standard", *variants):
+            model = Transformer(ModelConfig.from_dict({**shape, **variant_overrides(block_size)[name]}))
+            model(inputs_BT, targets_BT).backward()  # warm-up
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(3):
+                    model(inputs_BT, targets_BT).backward()
+            per_variant[name] = {e.key: (e.self_cpu_time_total / 3e3, e.count // 3) for e in prof.key_averages()}
+    finally:
+        torch.set_num_threads(threads)
+    base = per_variant["standard"]
+    out = {}
+    for name in variants:
+        rows = [{"op": op, "standard_ms": base.get(op, (0.0, 0))[0], "variant_ms": ms, "calls": calls,
+                 "extra_ms": ms - base.get(op, (0.0, 0))[0]} for op, (ms, calls) in per_variant[name].items()]
+        out[name] = sorted(rows, key=lambda r: -r["extra_ms"])[:top]
+    return out
+
+
+def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None], compile_model: bool = False) -> dict:
+    del out_dir  # tables only
+    warmup, rounds = (2, 8) if quick else (3, 20)
+    pipe_warmup, pipe_rounds = (1, 4) if quick else (2, 10)
+    single, piped, compiled = {}, {}, {}
+    for label, (shape, block_size) in SHAPES.items():
+        single[label] = single_process(shape, block_size, warmup, rounds)
+        progress(f"  {label} one process: " + _ratio_line(single[label]["ratios"]))
+        if compile_model:
+            compiled[label] = single_process(shape, block_size, warmup, rounds, compile_model=True)
+            progress(f"  {label} one process, compiled: " + _ratio_line(compiled[label]["ratios"]))
+    # Pipelined: the quality shape always, the 16-layer shape only in the full run (minutes per round).
+    for label in (("4L_d64",) if quick else tuple(SHAPES)):
+        shape, block_size = SHAPES[label]
+        piped[label] = pipelined(shape, block_size, pipe_warmup, pipe_rounds)
+        progress(f"  {label} P=2 V=2: " + _ratio_line(piped[label]["ratios"]))
+    names = tuple(variant_overrides(1))
+    ratios = {name: {"single_process": {label: single[label]["ratios"][name] for label in single},
+                     "pipelined": {label: piped[label]["ratios"][name] for label in piped}}
+              for name in names if name != "standard"}
+    if compile_model:
+        for name in ratios:
+            ratios[name]["single_process_compiled"] = {label: compiled[label]["ratios"][name] for label in compiled}
+    headline = single["16L_d256"]["ratios"]
+    targets = {name: {"target": bound, "measured": headline[name], "met": headline[name] <= bound}
+               for name, bound in TARGETS.items()}
+    payload = {"ratios": ratios, "targets_16L_d256_single_process": targets, "single_process": single,
+               "pipelined": piped, "shapes": {label: {"model": s, "block_size": b} for label, (s, b) in SHAPES.items()},
+               "single_batch": SINGLE_BATCH, "pipeline": PIPELINE, "warmup_rounds": warmup, "rounds": rounds,
+               "pipeline_warmup_rounds": pipe_warmup, "pipeline_rounds": pipe_rounds, "compile": compile_model,
+               "note": "ratio = median over rounds of (variant step / standard step in the same round); variants "
+                       "run in rotation; single process = forward + backward of one batch, one thread; "
+                       "pipelined = the driver's wall time of a whole optimiser step"}
+    if compile_model:
+        payload["compiled"] = compiled
+    if not quick:
+        shape, block_size = SHAPES["16L_d256"]
+        payload["profile_16L_d256"] = profile_growth(shape, block_size, ("msar", "full_attnres", "block_attnres"))
+    return payload
+
+
+def _ratio_line(ratios: dict[str, float]) -> str:
+    return ", ".join(f"{name} {value:.3f}" for name, value in ratios.items())
+
+
+def to_markdown(payload: dict) -> str:
+    names = list(payload["ratios"])
+    lines = ["## Step time of every variant over the standard residual", "",
+             f"One process: forward + backward of {payload['single_batch']} sequences, one thread, median of "
+             f"{payload['rounds']} rounds after {payload['warmup_rounds']} (variants in rotation). Pipelined: "
+             f"{payload['pipeline']['schedule']} P={payload['pipeline']['stages']} V={payload['pipeline']['virtual']} "
+             f"m={payload['pipeline']['microbatches']}, the driver's wall time of an optimiser step, median of "
+             f"{payload['pipeline_rounds']} rounds after {payload['pipeline_warmup_rounds']}. Ratio = median over "
+             "rounds of variant / standard in the same round.", ""]
+    headers, rows = ["variant"], []
+    columns = [(mode, label) for mode in ("single_process", "single_process_compiled", "pipelined")
+               for label in payload["shapes"] if label in payload["ratios"][names[0]].get(mode, {})]
+    headers += [f"{label} {mode.replace('_', ' ')}" for mode, label in columns]
+    rows.append(["standard (ms)"] + [_standard_ms(payload, mode, label) for mode, label in columns])
+    for name in names:
+        rows.append([name] + [f"{payload['ratios'][name][mode][label]:.3f}" for mode, label in columns])
+    lines += [markdown_table(headers, rows), "", "Targets at 16 layers, d = 256, one process:", ""]
+    lines += [f"- {name}: {t['measured']:.3f} (target <= {t['target']}) {'met' if t['met'] else 'missed'}"
+              for name, t in payload["targets_16L_d256_single_process"].items()]
+    for label, result in payload.get("compiled", {}).items():
+        first = ", ".join(f"{n} {s:.1f} s" for n, s in result["first_step_s"].items())
+        lines += ["", f"Compiled, {label}: first step (compiles) {first}; later steps reuse the compiled graphs."]
+        lines += ["Eager / compiled step: " + ", ".join(
+            f"{n} {payload['single_process'][label]['step_s'][n] / s:.2f}x" for n, s in result["step_s"].items())]
+    for name, rows_ in payload.get("profile_16L_d256", {}).items():
+        lines += ["", f"Ops that grow most from standard to {name} (16 layers, d = 256; self CPU ms per forward "
+                      "+ backward):", "",
+                  markdown_table(["op", "standard (ms)", f"{name} (ms)", "extra (ms)", "calls"],
+                                 [[r["op"], r["standard_ms"], r["variant_ms"], r["extra_ms"], r["calls"]]
+                                  for r in rows_])]
+    return "\n".join(lines)
+
+
+def _standard_ms(payload: dict, mode: str, label: str) -> str:
+    source = {"single_process": payload["single_process"], "pipelined": payload["pipelined"],
+              "single_process_compiled": payload.get("compiled", {})}[mode]
+    return f"{1e3 * source[label]['step_s']['standard']:.1f}"
