@@ -60,8 +60,9 @@ def bind_to_address(address: str) -> str:
     """Make this process's gloo and NCCL sockets use the interface that holds `address` (the node's
     address as the cluster knows it): without this gloo takes the address the host name resolves
     to, which is loopback on many hosts (Debian's 127.0.1.1) and in every network namespace, and
-    the full mesh then fails to connect. Returns the interface's name; ValueError if none has it."""
-    name = interface_of(address)
+    the full mesh then fails to connect. ATTNRES_PP_SOCKET_IFNAME names the interface instead (as
+    GLOO_SOCKET_IFNAME would). Returns the interface's name; ValueError if none has the address."""
+    name = os.environ.get("ATTNRES_PP_SOCKET_IFNAME") or interface_of(address)
     if name is None:
         raise ValueError(f"no network interface of this host holds {address}, the address the cluster reports "
                          "for this node: start the node with --node-ip-address set to one of its own addresses")

@@ -175,8 +175,12 @@ class RayEngine(PipelineEngineBase):
         actor_cls = ray.remote(num_cpus=1, num_gpus=1 if self.use_gpu else 0, max_restarts=0)(StageActor)
         data_path = resolve_data_path(self.run_cfg.train.data)
         bundles = ranks_by_node(ray.util.placement_group_table(self._pg)["bundles_to_node_id"], world)
+        # The driver's ATTNRES_PP_* settings (ATTNRES_PP_SHM, ATTNRES_PP_SOCKET_IFNAME, ...) hold for
+        # its ranks too, on whichever node they run.
+        env_vars = {k: v for k, v in os.environ.items() if k.startswith("ATTNRES_PP_")}
+        runtime_env = {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
         self.actors = [
-            actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            actor_cls.options(**runtime_env, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self._pg, placement_group_bundle_index=bundles[rank])).remote(
                     self.run_cfg.to_dict(), rank, data_path,
                     fail_at[1] if fail_at is not None and fail_at[0] == rank else None)
