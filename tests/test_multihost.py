@@ -199,15 +199,17 @@ def _disturbed_run(make_cluster, tmp_path, action: str) -> tuple[dict, str, str]
     """P = 2 over 3 one-CPU hosts, checkpoints every 2 steps; `action` ("kill" or "partition") hits
     the host of a rank that is not on the head, right after step 3. Returns (summary, driver log,
     the host's address)."""
-    steps = ["--steps", "10", "--checkpoint-every", "2", "--eval-every", "5"]
+    # 20 ms of emulated latency per message slows the steps (~0.2 s) so that the hit lands mid-run.
+    steps = ["--steps", "12", "--checkpoint-every", "2", "--eval-every", "6"]
     assert main(["train", *TINY, *steps, "--stages", "2", "--launcher", "inprocess", "--out",
                  str(tmp_path / "undisturbed"), "--quiet"]) == 0
+    steps += ["--link-gbps", "100", "--link-latency-us", "20000"]  # the emulated link changes no number
     cluster = make_cluster(3)
     log = tmp_path / "driver.log"
     proc = cluster.driver([*TINY, *steps, "--stages", "2", "--placement", "SPREAD", "--timeout", "20"],
                           tmp_path / "run")
     try:
-        text = _wait_for_line(log, proc, "step 3/10", timeout=240)
+        text = _wait_for_line(log, proc, "step  3/12", timeout=240)
         head = cluster.info["hosts"][0]["ip"]
         address = next(ip for ip in _rank_addresses(text, 2).values() if ip != head)
         cluster.harness(action, cluster.host_of(address))

@@ -39,8 +39,10 @@ from attnres_pp.train.pipeline_engine import PipelineEngineBase, mean_eval_loss
 from attnres_pp.train.rank_data import resolve_data_path
 from attnres_pp.train.stage_worker import StageWorker
 
-# After one rank's task fails, how long to wait for Ray to report a dead peer that caused it.
-_DEATH_GRACE_S = 5.0
+# After one rank's task fails, how long to wait for Ray to report a dead peer that caused it: a lost
+# host resets its TCP connections at once, but Ray declares its node dead only after missed health
+# checks (3 s under scripts/netns_cluster.py's settings, ~30 s under Ray's defaults).
+_DEATH_GRACE_S = 10.0
 
 
 class RendezvousError(ValueError):
