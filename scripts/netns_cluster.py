@@ -53,6 +53,7 @@ OBJECT_STORE_BYTES = 100 * 1024**2  # Ray's default takes 30 % of RAM per node: 
 RAY_HEALTH = {"RAY_health_check_initial_delay_ms": "1000", "RAY_health_check_period_ms": "1000",
               "RAY_health_check_timeout_ms": "1000", "RAY_health_check_failure_threshold": "3"}
 UP_TIMEOUT_S = 120.0
+BURST_BYTES = 16 * 1024  # tbf's bucket at low rates
 
 
 class HarnessError(Exception):
@@ -236,9 +237,9 @@ def apply_shape(state: dict, host: dict, gbps: float, latency_ms: float) -> None
     if latency_ms < 0:
         raise HarnessError(f"--latency-ms {latency_ms} must be 0 or more")
     rate_bit = int(gbps * 1e9)
-    # The bucket must hold one whole segment (veth hands 64 KiB GSO segments to the qdisc) and
-    # ~1 ms of traffic, or tbf drops instead of pacing.
-    burst = max(128 * 1024, rate_bit // 8 // 1000)
+    # A small bucket, so that a message's bytes are paced rather than let through at line rate
+    # (tbf splits GSO segments larger than the bucket), yet ~0.2 ms of traffic at high rates.
+    burst = max(BURST_BYTES, rate_bit // 8 // 5000)
     for inside, dev in (((), host["veth"]), (("ip", "netns", "exec", host["name"]), "eth0")):
         sh(*inside, "tc", "qdisc", "del", "dev", dev, "root", check=False)
         if latency_ms > 0 and state["netem"]:

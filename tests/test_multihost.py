@@ -240,3 +240,30 @@ def test_a_host_cut_off_mid_step_is_named_and_the_run_never_hangs(make_cluster, 
     assert summary["restarts"] == 1
     assert [lost["address"] for lost in summary["lost_nodes"]] == [address]
     assert f"on node {address}" in text and "stopped answering" in text
+
+
+def test_a_shaped_link_slows_naive_more_than_cached_as_the_simulator_predicts(tmp_path):
+    """Host 1's link shaped to 0.2 Gb/s (and 1 ms where the kernel has sch_netem): Block AttnRes
+    cached vs naive step times on the real link, and the simulator's predictions for both from a
+    calibration on the unshaped link (out of sample for the link). The errors are printed."""
+    from attnres_pp.bench.common import MICROBATCH_SIZE
+    from attnres_pp.bench.fidelity_hosts import CALIBRATION, HostBench, HostCase, evaluate
+    from attnres_pp.bench.unit_probe import probe_units
+    from attnres_pp.model.config import ModelConfig
+
+    probe = probe_units(ModelConfig.from_dict(CALIBRATION.fidelity_case().model()), MICROBATCH_SIZE, rounds=5)
+    bench = HostBench(prefix=f"t{secrets.token_hex(2)}", net=f"10.213.{100 + secrets.randbelow(150)}.0/24")
+    try:
+        latency = 1.0 if bench.latency_shaping else 0.0
+        cases = [HostCase("1f1b", 1, mode, 0.2, latency) for mode in ("cached", "naive")]
+        result = evaluate(bench, cases, 4, probe, print)
+    finally:
+        bench.down()
+    cached, naive = result["rows"]
+    print(f"0.2 Gb/s + {latency:g} ms: cached {cached['measured_step_s'] * 1e3:.1f} ms measured / "
+          f"{cached['predicted_step_s'] * 1e3:.1f} predicted ({cached['error']:+.1%}); naive "
+          f"{naive['measured_step_s'] * 1e3:.1f} / {naive['predicted_step_s'] * 1e3:.1f} ({naive['error']:+.1%})")
+    assert naive["measured_step_s"] > cached["measured_step_s"]  # naive sends every block summary again
+    assert naive["predicted_step_s"] > cached["predicted_step_s"]
+    for row in (cached, naive):
+        assert abs(row["error"]) < 0.5, row  # a loose bound: the figures themselves are the report
