@@ -255,7 +255,7 @@ def test_a_shaped_link_slows_naive_more_than_cached_as_the_simulator_predicts(tm
     bench = HostBench(prefix=f"t{secrets.token_hex(2)}", net=f"10.213.{100 + secrets.randbelow(150)}.0/24")
     try:
         latency = 1.0 if bench.latency_shaping else 0.0
-        cases = [HostCase("1f1b", 1, mode, 0.2, latency) for mode in ("cached", "naive")]
+        cases = [HostCase("interleaved_1f1b", 2, mode, 0.2, latency) for mode in ("cached", "naive")]
         result = evaluate(bench, cases, 4, probe, print)
     finally:
         bench.down()

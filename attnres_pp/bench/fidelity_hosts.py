@@ -5,14 +5,15 @@ one-CPU rank per host by SPREAD), so every pipeline hop crosses a real veth link
 run on the unshaped link calibrates the simulator (`simulator.transfer.fit_transfer`: the unit probe
 scaled to the run, message costs from its timeline); held-out runs on the link of host 1 shaped by
 `tc` (token bucket at 0.1 / 0.5 / 2 Gb/s, both directions; plus a netem delay where the kernel has
-sch_netem) are then predicted, Block AttnRes cached and naive, 1f1b and interleaved 1f1b.
+sch_netem) are then predicted, Block AttnRes cached and naive, interleaved 1f1b and GPipe, V = 2.
 error = predicted / measured - 1, on the pipeline window (first action start to last action end).
 
 The shaped link is modelled as the tc link in series with the calibrated unshaped one: per message
 latency = calibrated link latency + added delay, seconds per byte = 8 / rate + calibrated seconds
 per byte. Where TCP departs from that model: tbf lets a full bucket (16 KiB at low rates, ~0.2 ms
-of traffic at high ones) through at line rate, so a message after an idle gap is faster by up to burst / rate; slow start
-after idle costs a few round trips, negligible without added delay (RTT ~0.1 ms here).
+of traffic at high ones) through at line rate, so a message after an idle gap is faster by up to
+burst / rate; slow start after idle costs a few round trips, negligible without added delay (RTT
+~0.1 ms here).
 
 Each run is a driver process in host 0's namespace (`netns_cluster.py exec`), which writes its
 steps' timelines to a file; this process shapes the link between runs and fits and predicts.
@@ -37,7 +38,9 @@ N_STAGES = 2
 HARNESS = Path(__file__).resolve().parents[2] / "scripts" / "netns_cluster.py"
 GBPS = (0.1, 0.5, 2.0)
 LATENCIES_MS = (0.0, 1.0)  # the second only where the kernel has sch_netem
-SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2))
+# V = 2: a block summary crosses a hop again on its way to later chunks, which the cache avoids
+# (with V = 1 and P = 2 there is one hop and cached equals naive).
+SCHEDULES = (("interleaved_1f1b", 2), ("gpipe", 2))
 CASE_TIMEOUT_S = 300
 
 
