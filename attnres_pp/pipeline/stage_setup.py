@@ -74,8 +74,9 @@ def bind_to_address(address: str) -> str:
 def init_process_group(init_method: str, rank: int, world_size: int, timeout_s: float,
                        device: str = "cpu", address: str | None = None) -> tuple[str, torch.device]:
     """Join the run's process group on the device the driver decided (`train.devices`): "cuda" is
-    nccl with this rank's own GPU (Ray gives each actor one GPU, device 0 in its view; local
-    processes take GPU `rank` (their global rank) of the node), "cpu" is gloo. Every collective and
+    nccl with this rank's own GPU (LOCAL_RANK when set: the Ray launcher shows the ranks of a node
+    all its GPUs and names each rank's own; otherwise local processes take GPU `rank` (their
+    global rank) of the node), "cpu" is gloo. Every collective and
     p2p op times out after timeout_s. `address`: this rank's node address (several hosts): its
     sockets are bound to the interface that holds it (`bind_to_address`)."""
     import torch.distributed as dist
@@ -86,8 +87,9 @@ def init_process_group(init_method: str, rank: int, world_size: int, timeout_s: 
         bind_to_address(address)
     backend = "nccl" if device == "cuda" else "gloo"
     rank_device = torch.device("cpu")
-    if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+    if device == "cuda":  # LOCAL_RANK (torchrun's and Ray Train's convention): its GPU among the node's
+        local = os.environ.get("LOCAL_RANK")
+        torch.cuda.set_device(int(local) if local is not None else rank % torch.cuda.device_count())
         rank_device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))

@@ -33,7 +33,7 @@ from attnres_pp.pipeline.config import PLACEMENTS
 from attnres_pp.pipeline.errors import WorkerLost
 from attnres_pp.pipeline.stage_setup import bind_to_address
 from attnres_pp.train.config import RunConfig
-from attnres_pp.train.devices import decide_device, resolve_train
+from attnres_pp.train.devices import decide_device, node_gpu_views, resolve_train
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.pipeline_engine import PipelineEngineBase, mean_eval_loss
 from attnres_pp.train.rank_data import resolve_data_path
@@ -84,6 +84,16 @@ class StageActor(StageWorker):
     def node(self) -> tuple[str, str]:
         """(Ray node id, node address) of this rank."""
         return self.node_id, self.node_ip
+
+    def gpu_ids(self) -> list[str]:
+        import ray
+
+        return [str(g) for g in ray.get_gpu_ids()]
+
+    def see_node_gpus(self, visible: str, local_rank: int) -> None:
+        """Before CUDA starts here: see every GPU of this node's ranks, use the `local_rank`-th."""
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        os.environ["LOCAL_RANK"] = str(local_rank)
 
     def transport_bytes(self) -> dict[str, int]:
         """Bytes this rank sent in its last training step, by way ("shm", "gloo")."""
@@ -192,6 +202,11 @@ class RayEngine(PipelineEngineBase):
         self.static_extras["nodes"] = [node_id for node_id, _ip in self.rank_nodes]
         self.static_extras["node_addresses"] = [ip for _node_id, ip in self.rank_nodes]
         self._transport_bytes_known = False
+        if self.use_gpu:  # each rank its own GPU, seeing its node's others (`devices.node_gpu_views`)
+            gpus = self._get([a.gpu_ids.remote() for a in self.actors], "GPU lookup")
+            views = node_gpu_views([node_id for node_id, _ip in self.rank_nodes], gpus)
+            self._get([a.see_node_gpus.remote(*view) for a, view in zip(self.actors, views, strict=True)],
+                      "GPU set-up")
         host, port = self._get([self.actors[0].master_address.remote()], "rendezvous")[0]
         init_method = f"tcp://{host}:{port}"
         described = self._join([a.join_process_group.remote(init_method, world) for a in self.actors], init_method)
