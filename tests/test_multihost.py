@@ -171,18 +171,12 @@ def test_job_submitted_from_the_root_namespace_runs_over_two_hosts(make_cluster,
     assert by_way["shm"] == summary["bytes_sent_per_step"] > 0 and by_way["gloo"] == 0
 
 
-def test_a_pipeline_across_hosts_sends_over_gloo_and_a_failed_rendezvous_is_one_line(make_cluster, tmp_path):
-    """P = 2 over two hosts: the hops go over the network. Ranks whose gloo sockets are bound to
-    loopback (the address a host name resolves to in every namespace) cannot connect: one `error:`
-    line naming the ranks and addresses, exit 2, no traceback."""
+def test_a_rendezvous_that_cannot_connect_is_one_line_naming_ranks_and_addresses(make_cluster, tmp_path):
+    """Ranks on two hosts whose gloo sockets are bound to loopback (the address a host name resolves
+    to in every namespace) cannot connect: one `error:` line naming the ranks and addresses, exit 2,
+    no traceback, within the --timeout."""
     cluster = make_cluster(2)
     argv = [*TINY, "--steps", "2", "--stages", "2", "--placement", "SPREAD", "--timeout", "20"]
-    proc = cluster.driver(argv, tmp_path / "run")
-    assert proc.wait(timeout=240) == 0, (tmp_path / "driver.log").read_text()[-4000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert len(set(summary["nodes"])) == 2
-    assert summary["bytes_sent_per_step_by_transport"] == {"shm": 0, "gloo": summary["bytes_sent_per_step"]}
-
     # Loopback is what binding to the host name's address gives in every namespace.
     done = subprocess.run([*HARNESS, "--state-dir", str(cluster.state_dir), "exec", "0", "--", *CLI, "train", *argv,
                            "--launcher", "ray", "--out", str(tmp_path / "bad")],
@@ -222,6 +216,8 @@ def _disturbed_run(make_cluster, tmp_path, action: str) -> tuple[dict, str, str]
     assert elapsed < 20 + 90, f"the run took {elapsed:.0f} s to recover"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert_same_losses(summary["losses"], losses(tmp_path / "undisturbed"))
+    assert len(set(summary["nodes"])) == 2  # one rank per host: every hop crosses a link, over gloo
+    assert summary["bytes_sent_per_step_by_transport"] == {"shm": 0, "gloo": summary["bytes_sent_per_step"]}
     checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert all(name.startswith("step_") and name[5:].isdigit() for name in checkpoints), checkpoints  # no .tmp
     return summary, log.read_text(), address
