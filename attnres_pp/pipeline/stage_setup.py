@@ -72,19 +72,16 @@ def bind_to_address(address: str) -> str:
 
 
 def init_process_group(init_method: str, rank: int, world_size: int, timeout_s: float,
-                       device: str = "cpu", address: str | None = None) -> tuple[str, torch.device]:
+                       device: str = "cpu") -> tuple[str, torch.device]:
     """Join the run's process group on the device the driver decided (`train.devices`): "cuda" is
     nccl with this rank's own GPU (LOCAL_RANK when set: the Ray launcher shows the ranks of a node
     all its GPUs and names each rank's own; otherwise local processes take GPU `rank` (their
-    global rank) of the node), "cpu" is gloo. Every collective and
-    p2p op times out after timeout_s. `address`: this rank's node address (several hosts): its
-    sockets are bound to the interface that holds it (`bind_to_address`)."""
+    global rank) of the node), "cpu" is gloo. Every collective and p2p op times out after
+    timeout_s. Ranks on several hosts call `bind_to_address` first."""
     import torch.distributed as dist
 
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device={device!r} is invalid here: the driver passes 'cpu' or 'cuda'")
-    if address is not None:
-        bind_to_address(address)
     backend = "nccl" if device == "cuda" else "gloo"
     rank_device = torch.device("cpu")
     if device == "cuda":  # LOCAL_RANK (torchrun's and Ray Train's convention): its GPU among the node's
