@@ -93,3 +93,16 @@ def test_ranks_on_different_nodes_never_use_shared_memory(tmp_path):
         assert out[rank]["shm_peers"] == []
         assert out[rank]["bytes 1"]["shm"] == 0
     assert (out[0]["got 1"] == 310).all()
+
+
+def test_ranks_are_numbered_node_by_node_so_a_replica_shares_a_node():
+    """SPREAD hands bundles out round-robin over nodes; numbering ranks node by node (as Ray Train
+    orders workers) keeps each replica's pipeline ranks on one node where the placement allows."""
+    from attnres_pp.comm.pair_transport import same_node_messages
+    from attnres_pp.train.ray_engine import ranks_by_node
+
+    bundles = ranks_by_node({0: "a", 1: "b", 2: "a", 3: "b"}, 4)
+    assert bundles == [0, 2, 1, 3]  # ranks 0, 1 on node a; ranks 2, 3 on node b
+    nodes = [{0: "a", 1: "b", 2: "a", 3: "b"}[b] for b in bundles]
+    assert same_node_messages(MESSAGES[:1], nodes, [2, 3]) == MESSAGES[:1]  # replica 1: both on b
+    assert same_node_messages(MESSAGES[:1], ["a", "b"], [0, 1]) == []
