@@ -141,3 +141,16 @@ def test_the_replica_norm_counts_tied_parameters_once_without_host_round_trips(m
     want = float((2 * sum(p.grad.double().square().sum() for p in untied)
                   + sum(p.grad.double().square().sum() for p in tied)).sqrt())
     assert OtherRankHoldsTheSame.axes == ["pp"] and norm == pytest.approx(want, rel=1e-6)
+
+
+def test_ranks_of_one_gpu_node_see_all_its_gpus_each_using_its_own():
+    """Fake GPU ids as Ray assigns them (one per rank): node a holds ranks 0, 1 and 3 on GPUs 2, 0
+    and 10; node b rank 2 on GPU 0. The ranks of node a all see "0,2,10" and each takes its own."""
+    from attnres_pp.train.devices import node_gpu_views
+
+    views = node_gpu_views(["a", "a", "b", "a"], [["2"], ["0"], ["0"], ["10"]])
+    assert views == [("0,2,10", 1), ("0,2,10", 0), ("0", 0), ("0,2,10", 2)]
+    with pytest.raises(ValueError, match="rank 1 was given GPU 0 of node a, which another rank there holds"):
+        node_gpu_views(["a", "a"], [["0"], ["0"]])
+    with pytest.raises(ValueError, match="rank 0 holds 2 GPUs"):
+        node_gpu_views(["a"], [["0", "1"]])

@@ -55,7 +55,7 @@ def _rank_main(rank, world_size, init_method, run_dicts, results, env=None):
             grads = {n: p.grad.numpy().copy() for n, p in worker.params.items() if p.grad is not None}
             transport = worker.runtime.transport
             results.put((index, rank, record.losses, grads, list(transport.ledger.records),
-                         type(transport).__name__))
+                         type(getattr(transport, "inner", transport)).__name__))  # what a per-pair transport uses
             getattr(transport, "close", lambda: None)()  # its pipes; the group stays
     except Exception:
         results.put(("error", rank, traceback.format_exc(), None, None, None))

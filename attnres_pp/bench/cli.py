@@ -39,6 +39,8 @@ def register(subparsers) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     parser.add_argument("--out", metavar="DIR", default=None,
                         help="where results go (default: benchmarks/results/ of the checkout)")
+    parser.add_argument("--hosts", action="store_true",
+                        help="fidelity only: over real links between hosts (network namespaces, tc; needs root)")
     parser.add_argument("--no-timing", action="store_true",
                         help="comm only: count and predict bytes, skip the multi-process timing runs")
     parser.add_argument("--predict", action="store_true",
@@ -68,6 +70,9 @@ def run_benchmark(args: argparse.Namespace) -> int:
     if args.compile and args.name != "variants":
         print(f"{args.parser.prog}: error: --compile applies to variants only", file=sys.stderr)
         return 2
+    if args.hosts and args.name != "fidelity":
+        print(f"{args.parser.prog}: error: --hosts applies to fidelity only", file=sys.stderr)
+        return 2
     out_dir = Path(args.out) if args.out else default_out_dir()
     try:  # before the benchmark runs for minutes and then cannot write its results
         check_out_dir(out_dir, "--out")
@@ -84,14 +89,17 @@ def run_benchmark(args: argparse.Namespace) -> int:
     info = machine()
     progress(f"bench {args.name}{' --quick' if args.quick else ''} on {machine_line(info)}")
     started = time.perf_counter()
-    stem = results_stem(name, args.quick)
+    stem = results_stem(name + ("_hosts" if args.hosts else ""), args.quick)
     options = {"timing": not args.no_timing} if args.name == "comm" else {}
     if args.name == "variants":
         options = {"compile_model": args.compile}
+    if args.hosts:
+        options = {"hosts": True}
     # Pictures and traces go to a folder named like the result files (STEM/), linked from STEM.md.
     payload = module.run(args.quick, out_dir / stem, progress, **options)
     command = (command_line(args.name, args.quick, args.out) + (" --no-timing" if args.no_timing else "")
-               + (" --predict" if args.predict else "") + (" --compile" if args.compile else ""))
+               + (" --predict" if args.predict else "") + (" --compile" if args.compile else "")
+               + (" --hosts" if args.hosts else ""))
     payload = {"benchmark": args.name, "quick": args.quick, **payload, "machine": info, "command": command,
                "elapsed_s": time.perf_counter() - started}
     markdown = "\n".join([module.to_markdown(payload), "",

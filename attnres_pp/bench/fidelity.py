@@ -138,8 +138,13 @@ def _calibrate(probe: dict, samples) -> TransferCalibration:
     return fit_transfer(probe, CALIBRATION.shape(), [s.events for s in samples])
 
 
-def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> dict:
+def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None], hosts: bool = False) -> dict:
+    """The emulated-link fidelity table; with `hosts`, the real-link one (`bench.fidelity_hosts`)."""
     del out_dir  # tables only: no pictures
+    if hosts:
+        from attnres_pp.bench import fidelity_hosts
+
+        return fidelity_hosts.run(quick, progress)
     plan = FidelityPlan.make(quick)
     progress(f"  probing unit times ({plan.probe_rounds} rounds)")
     probe = probe_units(ModelConfig.from_dict(CALIBRATION.model()), MICROBATCH_SIZE, rounds=plan.probe_rounds)
@@ -198,6 +203,10 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> d
 
 
 def to_markdown(payload: dict) -> str:
+    if payload.get("hosts"):
+        from attnres_pp.bench import fidelity_hosts
+
+        return fidelity_hosts.to_markdown(payload)
     rows = payload["cases"]
     table = markdown_table(
         ["schedule", "V", "m", "mode", "layers", "link", "measured step (ms)", "predicted (ms)", "error",

@@ -32,39 +32,91 @@ import torch
 from attnres_pp.model.routing import routing_metrics
 from attnres_pp.pipeline.config import PLACEMENTS
 from attnres_pp.pipeline.errors import WorkerLost
+from attnres_pp.pipeline.stage_setup import bind_to_address
 from attnres_pp.train.config import RunConfig
-from attnres_pp.train.devices import decide_device, resolve_train
+from attnres_pp.train.devices import decide_device, node_gpu_views, resolve_train
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.pipeline_engine import PipelineEngineBase, mean_eval_loss
 from attnres_pp.train.rank_data import resolve_data_path
 from attnres_pp.train.stage_worker import StageWorker
 
-# After one rank's task fails, how long to wait for Ray to report a dead peer that caused it.
-_DEATH_GRACE_S = 5.0
+# After one rank's task fails, how long to wait for Ray to report a dead peer that caused it: a lost
+# host resets its TCP connections at once, but Ray declares its node dead only after missed health
+# checks (3 s under scripts/netns_cluster.py's settings, ~30 s under Ray's defaults).
+_DEATH_GRACE_S = 10.0
+
+
+class RendezvousError(ValueError):
+    """The ranks' process group did not connect: one line naming the ranks and their addresses (a
+    ValueError, so the CLI prints it as `error:` and exits 2)."""
+
+
+def ranks_by_node(bundle_nodes: dict, world_size: int) -> list[int]:
+    """Bundle index of each global rank such that ranks on one node are consecutive, nodes in the
+    order their first bundle comes (as Ray Train orders its workers): a replica's pipeline ranks
+    then share a node where the placement allows, and their hops stay in shared memory."""
+    order: dict = {}
+    for index in range(world_size):
+        order.setdefault(bundle_nodes.get(index, bundle_nodes.get(str(index))), []).append(index)
+    return [index for indices in order.values() for index in indices]
 
 
 class StageActor(StageWorker):
     """Ray prefixes each actor's log lines with its repr, so they read `(StageActor rank=0 ...)`."""
 
     def __init__(self, run_cfg_dict: dict, rank: int, data_path: str, fail_at_step: int | None = None) -> None:
+        import ray
+
         super().__init__(run_cfg_dict, rank, data_path=data_path, fail_at_step=fail_at_step)
+        # Where this rank runs as Ray knows it: the node id decides shared memory vs the network
+        # (`comm.pair_transport`), the node's address carries the process group's sockets.
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.node_ip = ray.util.get_node_ip_address()
 
     def __repr__(self) -> str:
         return f"StageActor rank={self.rank} (dp {self.dp_rank}, pp {self.pp_rank})"
 
     def master_address(self) -> tuple[str, int]:
-        """This node's address and a free TCP port, for the tcp:// rendezvous (Ray Train's way)."""
+        """This node's address and a free TCP port on it, for the tcp:// rendezvous (Ray Train's way)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((self.node_ip, 0))
+            return self.node_ip, probe.getsockname()[1]
+
+    def node(self) -> tuple[str, str]:
+        """(Ray node id, node address) of this rank."""
+        return self.node_id, self.node_ip
+
+    def gpu_ids(self) -> list[str]:
         import ray
 
-        address = ray.util.get_node_ip_address()
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind(("", 0))
-            return address, probe.getsockname()[1]
+        return [str(g) for g in ray.get_gpu_ids()]
+
+    def see_node_gpus(self, visible: str, local_rank: int) -> None:
+        """Before CUDA starts here: see every GPU of this node's ranks, use the `local_rank`-th."""
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        os.environ["LOCAL_RANK"] = str(local_rank)
+
+    def transport_bytes(self) -> dict[str, int]:
+        """Bytes this rank sent in its last training step, by way ("shm", "gloo")."""
+        ledger = self.runtime.transport.ledger
+        if hasattr(ledger, "bytes_by_transport"):
+            return ledger.bytes_by_transport()
+        return {"gloo": ledger.total_bytes}  # nccl's batched transport: everything over the backend
 
     def join_process_group(self, init_method: str, world_size: int) -> dict:
-        described = super().join_process_group(init_method, world_size)
+        """As StageWorker's, with gloo's sockets on the interface of the node's address. A mesh that
+        cannot connect is RendezvousError (one line: this rank, its address, the cause)."""
+        interface = bind_to_address(self.node_ip)
+        try:
+            described = super().join_process_group(init_method, world_size)
+        except RuntimeError as error:
+            cause = " ".join(str(error).split())[:300]
+            raise RendezvousError(f"rank {self.rank} at {self.node_ip} ({interface}) could not join the process "
+                                  f"group at {init_method}: {cause}") from None
+        described.update(node=self.node_id, address=self.node_ip, interface=interface)
         print(f"chunks {sorted(self.chunks)} ({described['params']:,} parameters) on {self.device} of "
-              f"{described['host']}, {described['backend']} group of {world_size} via {init_method}", flush=True)
+              f"{described['host']}, node {self.node_ip} ({self.node_id[:8]}, {interface}), {described['backend']} "
+              f"group of {world_size} via {init_method}", flush=True)
         return described
 
 
@@ -135,19 +187,73 @@ class RayEngine(PipelineEngineBase):
             )
         actor_cls = ray.remote(num_cpus=1, num_gpus=1 if self.use_gpu else 0, max_restarts=0)(StageActor)
         data_path = resolve_data_path(self.run_cfg.train.data)
+        bundles = ranks_by_node(ray.util.placement_group_table(self._pg)["bundles_to_node_id"], world)
+        # The driver's ATTNRES_PP_* settings (ATTNRES_PP_SHM, ATTNRES_PP_SOCKET_IFNAME, ...) hold for
+        # its ranks too, on whichever node they run.
+        env_vars = {k: v for k, v in os.environ.items() if k.startswith("ATTNRES_PP_")}
+        runtime_env = {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
         self.actors = [
-            actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self._pg, placement_group_bundle_index=rank)).remote(
+            actor_cls.options(**runtime_env, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self._pg, placement_group_bundle_index=bundles[rank])).remote(
                     self.run_cfg.to_dict(), rank, data_path,
                     fail_at[1] if fail_at is not None and fail_at[0] == rank else None)
             for rank in range(world)
         ]
+        self.rank_nodes = self._get([a.node.remote() for a in self.actors], "node lookup")
+        self.static_extras["nodes"] = [node_id for node_id, _ip in self.rank_nodes]
+        self.static_extras["node_addresses"] = [ip for _node_id, ip in self.rank_nodes]
+        self._transport_bytes_known = False
+        if self.use_gpu:  # each rank its own GPU, seeing its node's others (`devices.node_gpu_views`)
+            gpus = self._get([a.gpu_ids.remote() for a in self.actors], "GPU lookup")
+            views = node_gpu_views([node_id for node_id, _ip in self.rank_nodes], gpus)
+            self._get([a.see_node_gpus.remote(*view) for a, view in zip(self.actors, views, strict=True)],
+                      "GPU set-up")
         host, port = self._get([self.actors[0].master_address.remote()], "rendezvous")[0]
         init_method = f"tcp://{host}:{port}"
-        described = self._get([a.join_process_group.remote(init_method, world) for a in self.actors],
-                              "process-group setup")
+        described = self._join([a.join_process_group.remote(init_method, world) for a in self.actors], init_method)
         self.backend = described[0]["backend"]
         self._note_setup(described)
+
+    def _join(self, refs: list, init_method: str) -> list[dict]:
+        """The ranks' process-group set-up; RendezvousError naming every rank's address and the first
+        rank's failure when the group does not connect (a rank that dies is still WorkerLost)."""
+        ray = self._ray
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s + 30.0)
+        failures = []
+        for rank, ref in enumerate(refs):
+            if ref not in ready:
+                failures.append(f"rank {rank} did not finish within {self.timeout_s:.0f} s")
+                continue
+            try:
+                ray.get(ref, timeout=1.0)
+            except ray.exceptions.RayActorError as error:
+                raise WorkerLost(rank, f"{self._where(rank)} died during process-group setup: {error}") from None
+            except ray.exceptions.RayTaskError as error:
+                cause = getattr(error, "cause", None)
+                failures.append(str(cause) if isinstance(cause, RendezvousError)
+                                else f"rank {rank}: {' '.join(str(error).split())[-300:]}")
+        if failures:
+            where = ", ".join(f"rank {r} at {ip}" for r, (_node, ip) in enumerate(self.rank_nodes))
+            raise RendezvousError(f"the process group of ranks 0-{len(refs) - 1} ({where}) did not connect at "
+                                  f"{init_method}: {failures[0]}; check that every node reaches the others at "
+                                  "these addresses (routes, firewalls) and that each node's --node-ip-address "
+                                  "is its own")
+        return ray.get(refs)
+
+    def _where(self, rank: int) -> str:
+        """`rank R on node IP (id prefix)`, as far as the engine knows the rank's node."""
+        nodes = getattr(self, "rank_nodes", None)
+        if not nodes or rank < 0 or rank >= len(nodes):
+            return f"rank {rank}"
+        node_id, ip = nodes[rank]
+        return f"rank {rank} on node {ip} ({node_id[:8]})"
+
+    def _note_lost(self, rank: int, what: str) -> None:
+        """summary.json's `lost_nodes`: each lost rank, its node and when."""
+        if 0 <= rank < len(getattr(self, "rank_nodes", [])):
+            node_id, ip = self.rank_nodes[rank]
+            self.static_extras.setdefault("lost_nodes", []).append(
+                {"rank": rank, "node": node_id, "address": ip, "during": what})
 
     def _stop_workers(self) -> None:
         """Kill every actor (a survivor may be blocked on a lost peer) and free the placement group."""
@@ -183,7 +289,9 @@ class RayEngine(PipelineEngineBase):
         try:
             ray.get(refs[rank], timeout=self.timeout_s)
         except ray.exceptions.RayActorError as error:
-            raise WorkerLost(rank, f"rank {rank} actor died during {what}: {error}") from error
+            self._note_lost(rank, what)
+            raise WorkerLost(rank, f"{self._where(rank)} stopped answering (its actor died) during {what}: "
+                                   f"{error}") from error
         except ray.exceptions.RayTaskError as error:
             # A peer's death often shows first as this rank's failed receive: name the dead one.
             others = [ref for r, ref in enumerate(refs) if r != rank]
@@ -193,7 +301,9 @@ class RayEngine(PipelineEngineBase):
                     ray.get(ref, timeout=1.0)
                 except ray.exceptions.RayActorError:
                     dead = refs.index(ref)
-                    raise WorkerLost(dead, f"rank {dead} actor died during {what}") from error
+                    self._note_lost(dead, what)
+                    raise WorkerLost(dead, f"{self._where(dead)} stopped answering (its actor died) during "
+                                           f"{what}") from error
                 except Exception:  # another rank's own failure: the first one is reported below
                     pass
             raise RuntimeError(f"rank {rank} failed during {what}:\n{error}") from error
@@ -208,6 +318,11 @@ class RayEngine(PipelineEngineBase):
                             f"step {step + 1}")
         # What Ray serialises for these calls: their arguments and results, pickled.
         driver_bytes = sum(len(pickle.dumps(x)) for x in args) + sum(len(pickle.dumps(r)) for r in replies)
+        if not self._transport_bytes_known:  # the same every step (one plan): asked once per set of actors
+            by_rank = self._get([a.transport_bytes.remote() for a in self.actors], "the transport byte counts")
+            self.static_extras["bytes_sent_per_step_by_transport"] = {
+                way: sum(counts.get(way, 0) for counts in by_rank) for way in ("shm", "gloo")}
+            self._transport_bytes_known = True
         return self._step_result(step, replies, driver_bytes)
 
     def eval_loss(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> float:

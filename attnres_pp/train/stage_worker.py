@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 
 from attnres_pp.comm.nccl_transport import BatchedDistTransport
+from attnres_pp.comm.pair_transport import connect_pair_transport
 from attnres_pp.comm.plan import plan_for_model
-from attnres_pp.comm.shm_transport import SharedMemoryTransport, connect_transport
+from attnres_pp.comm.shm_transport import SharedMemoryTransport
 from attnres_pp.comm.transport import DistTransport
 from attnres_pp.data import Corpus
 from attnres_pp.model.precision import activation_dtype
@@ -57,6 +58,8 @@ RankBatch = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 class StageWorker:
+    node_id: str | None = None  # the node this rank runs on, as its launcher knows it (Ray's node id)
+
     def __init__(self, run_cfg_dict: dict, rank: int, *, corpus: Corpus | None = None, data_path: str | None = None,
                  fail_at_step: int | None = None) -> None:
         run_cfg = RunConfig.from_dict(run_cfg_dict)
@@ -103,8 +106,9 @@ class StageWorker:
         """Attach to the initialised default process group: p2p to this replica's pipeline peers,
         collectives over the ("dp", "pp") mesh. Collective: the ranks agree on the transport. Under
         NCCL's rules (the nccl backend, or p2p_semantics="nccl") the p2p messages go out in batched
-        groups (`BatchedDistTransport`); otherwise shared memory when every rank is on this host and
-        no link is emulated, else p2p."""
+        groups (`BatchedDistTransport`); otherwise per peer (`comm.pair_transport`): shared memory to
+        a peer on this rank's node (`node_id`, else the host name) when no link is emulated, gloo p2p
+        to the others."""
         pipe, cfg, train = self.run_cfg.pipeline, self.run_cfg.model, self.run_cfg.train
         peers = [self.coords.global_rank(p) for p in range(pipe.stages)]
         hop_dtype = activation_dtype(train.dtype, self.dtype)
@@ -112,11 +116,12 @@ class StageWorker:
             transport = BatchedDistTransport(self.pp_rank, pipe.timeout_s, device, peer_ranks=peers, link=pipe.link)
         else:
             shape_of = hop_shapes((self.run_cfg.microbatch_size, cfg.seq_len), cfg.source_width, cfg.d_model)
-            transport = connect_transport(self.pp_rank, pipe.stages, device, pipe.timeout_s,
-                                          wire_messages(self.schedule, self.plan, shape_of), hop_dtype,
-                                          peer_ranks=peers, link=pipe.link)
+            transport = connect_pair_transport(self.pp_rank, pipe.stages, device, pipe.timeout_s,
+                                               wire_messages(self.schedule, self.plan, shape_of), hop_dtype,
+                                               node=self.node_id or socket.gethostname(), peer_ranks=peers,
+                                               link=pipe.link)
         eval_transport = transport
-        if isinstance(transport, SharedMemoryTransport):
+        if isinstance(getattr(transport, "inner", None), SharedMemoryTransport):
             # Evaluation's passes run back to back with no all-reduce between them, so a sender could
             # write a slot again before its receiver has read it: they go over plain p2p (same ledger).
             eval_transport = DistTransport(self.pp_rank, pipe.timeout_s, device, ledger=transport.ledger,
