@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import resource
 import socket
 from pathlib import Path
 
@@ -44,6 +43,7 @@ from attnres_pp.schedule.validate_nccl import check_nccl
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.devices import resolve_train
 from attnres_pp.train.grad_sync import norm_reducer, sync_gradients
+from attnres_pp.train.memory_report import grad_bytes, memory_entry, peak_rss_bytes
 from attnres_pp.train.optim import build_optimizer, optimizer_step
 from attnres_pp.train.rank_data import MicrobatchLists, RankData
 from attnres_pp.train.shards import load_shard, save_shard, shard_state
@@ -67,7 +67,8 @@ class StageWorker:
         torch.set_num_threads(train.threads)
         self.partition = run_partition(cfg.n_layers, pipe)
         self.model, self.chunks = build_rank_model(cfg, self.partition, self.pp_rank, seed=train.seed,
-                                                   backend=train.kernels, precision=train.dtype)
+                                                   backend=train.kernels, precision=train.dtype,
+                                                   activation_checkpoint=train.activation_checkpoint)
         self.owned_modules = rank_module_names(cfg, self.partition, self.pp_rank)
         self.params = rank_parameters(self.chunks, self.model)
         self.tied = [p for name, p in self.params.items() if name.startswith("stream_convs.")]
@@ -84,6 +85,7 @@ class StageWorker:
                              needs_targets=self.partition.rank_of(pipe.n_chunks - 1) == self.pp_rank)
         self.fail_at_step = fail_at_step  # rehearsal of a lost rank: exit mid-step at this step
         self.runtime: StageRuntime | None = None
+        self._grad_bytes = 0  # gradients held after the last sync (`memory`)
         self.eval_runtime: StageRuntime | None = None
         self.collectives: Collectives | None = None
         self.distributed = False  # in a torch.distributed process group (`connect`), or a thread rank
@@ -170,6 +172,7 @@ class StageWorker:
 
     def sync_gradients(self) -> None:
         sync_gradients(self.untied, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel)
+        self._grad_bytes = grad_bytes(self.params.values())  # before the optimizer step drops them
 
     def optimizer_step(self, lr: float) -> float:
         """Global-norm clipping and AdamW on synced gradients; returns the whole model's norm."""
@@ -180,6 +183,12 @@ class StageWorker:
         self.sync_gradients()
         grad_norm = self.optimizer_step(lr)
         return self.reply(record, grad_norm, want_events)
+
+    def memory(self, record: StepRecord) -> dict:
+        """This rank's `memory_per_rank` entry for the step of `record` (after its optimizer step)."""
+        return memory_entry(self.params.values(), self.optimizer, grad_bytes=self._grad_bytes,
+                            activation_peak_bytes=record.activation_peak_bytes,
+                            cache_peak_bytes=record.cache_peak_bytes, device=self.device)
 
     def train_step(self, step: int, lr: float, batch: RankBatch | None = None, want_events: bool = False) -> StepReply:
         """One optimiser step: forward/backward, gradient sync, global-norm clipping, AdamW."""
@@ -200,6 +209,7 @@ class StageWorker:
             hop_tensors=tuple(sorted({(hop, n) for d, hop, mb, n, _ in ledger if d == "fwd" and mb == 0})),
             cache_peak_bytes=record.cache_peak_bytes, peak_rss_bytes=peak_rss_bytes(),
             events=tuple((self.rank, e.name, e.start_s, e.end_s, e.category) for e in events) if want_events else None,
+            memory=self.memory(record),
         )
 
     # ---- evaluation: the forward-only schedule on the training ranks ----
@@ -244,7 +254,3 @@ class StageWorker:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
