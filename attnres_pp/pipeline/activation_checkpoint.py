@@ -90,7 +90,7 @@ class _Frame:
             create_selective_checkpoint_contexts(policy_fn)
 
     def _wrap(self, t: torch.Tensor):
-        return t if self.meter is None else self.meter.pack(t)
+        return t.detach() if self.meter is None else self.meter.pack(t)
 
     def _unwrap(self, held) -> torch.Tensor:
         return held if self.meter is None else self.meter.unpack(held)

@@ -69,6 +69,9 @@ class ActivationMeter:
         self.peak_bytes = self.live_bytes
 
     def pack(self, t: torch.Tensor) -> _Held:
+        # Detached: a node that saves its own output would otherwise hold itself through the tensor's
+        # grad_fn (a reference cycle that only the garbage collector frees); same storage either way.
+        t = t.detach()
         if t.is_meta or t.device.type == "meta":
             return _Held(t, None, None)
         key = storage_key(t)
