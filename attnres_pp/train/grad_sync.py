@@ -25,6 +25,12 @@ from attnres_pp.train.optim import sum_of_squares
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
+# Why not DistributedDataParallel, which buckets the same all-reduce: DDP wraps one module and
+# reduces from hooks on AccumulateGrad inside one backward call, but a rank here runs one engine call
+# per chunk and microbatch (and under the split two, I then W, with W writing weight gradients into
+# .grad itself, past AccumulateGrad), so DDP's reducer would fire on partial gradients or miss W's.
+# This is a structural reason, not a timing: the two were not measured against each other.
+
 
 def ensure_grads(params: list[nn.Parameter]) -> None:
     """Zero gradients where autograd left none (a tied conv whose source this rank never reads), so
