@@ -46,7 +46,9 @@ class PipelineConfig:
     link_gbps: float | None = None
     link_latency_us: float = 0.0
     dp_shard: str = "replicate"
-    fsdp_reshard_after_forward: str | None = None  # None: "never" under fsdp; only fsdp may set it
+    # None: "never" under fsdp; only fsdp may set it. With data_parallel = 1 fsdp is a no-op sharding
+    # (each rank keeps whole tensors, as under replicate).
+    fsdp_reshard_after_forward: str | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.stages) or self.stages < 1:
@@ -121,9 +123,9 @@ class PipelineConfig:
         if reshard is not None and self.dp_shard != "fsdp":
             raise ValueError(f"PipelineConfig.fsdp_reshard_after_forward={reshard!r} needs dp_shard='fsdp' "
                              "(--dp-shard fsdp); drop it under replicate")
-        if self.dp_shard == "fsdp":
-            raise ValueError("PipelineConfig.dp_shard='fsdp' is not available in this build yet: FSDP2 sharding "
-                             "over the replicas is not wired into the pipeline runtime; use --dp-shard replicate")
+        if self.dp_shard == "fsdp" and self.launcher == "inprocess":
+            raise ValueError("PipelineConfig.dp_shard='fsdp' needs a torch.distributed process group per rank: use "
+                             "--launcher local or ray (inprocess ranks are threads of one process)")
 
     @property
     def link(self) -> LinkModel | None:

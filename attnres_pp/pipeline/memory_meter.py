@@ -12,7 +12,8 @@ simulator's prediction follows:
   (B) drops a node's handles as the node runs; the split backward's I keeps the whole graph
   (`retain_graph`), so the chunk's saved storages live until its W drops them;
 - parameters' own storages are not activations (they are `param_bytes`), so they are never
-  counted; a copy of a parameter (the bf16 cast under autocast) is a new storage and is counted;
+  counted; a copy of a parameter (the bf16 cast under autocast, FSDP2's all-gathered unsharded
+  parameter) is a new storage and is counted;
 - inputs of a chunk (received hop tensors, cache reads) that a node saves are counted like any
   other saved storage, also when the cache counts the same storage in `cache_peak_bytes`: each
   term stands alone, and the rank's total peak is not their sum;
@@ -32,6 +33,9 @@ import torch
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """(device type, storage address); a DTensor (an FSDP2 shard) is keyed by its local tensor."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
     storage = t.untyped_storage()
     return (t.device.type, storage.data_ptr())
 

@@ -70,7 +70,7 @@ __all__ = ["ActionEvent", "StageRuntime", "StepRecord", "message_tag"]
 class StageRuntime:
     def __init__(self, *, pp_rank: int, chunks: dict[int, PipelineChunk], plan: PayloadPlan, schedule: Schedule,
                  transport, microbatch_shape: tuple[int, int], source_width: int, residual_width: int,
-                 dtype: torch.dtype = torch.float32, clock=None) -> None:
+                 dtype: torch.dtype = torch.float32, clock=None, compute_hooks=None) -> None:
         self.pp_rank = pp_rank
         self.chunks = chunks
         self.plan = plan
@@ -84,6 +84,9 @@ class StageRuntime:
         self.first_chunk = min(chunks)
         self.cache = BlockCache()
         self.memory = ActivationMeter()  # what the forwards save for backward (SPEC 8)
+        # Called around every compute action (`before(action)`, `after(action)`): FSDP2's unshard and
+        # reshard of the action's chunk (`train.fsdp`); None: nothing to do.
+        self.compute_hooks = compute_hooks
         self._cuts = CutCache()  # each chunk's graph has the same I/W cut for every microbatch
         # Per action position: its route (peer, tag, shapes; None for compute), name and category,
         # fixed for the run, so that a message costs lookups, not re-derivations.
@@ -146,8 +149,13 @@ class StageRuntime:
         cursor = self.cursor
         action = self.actions[cursor]
         start = self._clock.mark()
+        hooks = self.compute_hooks if action.is_compute else None
+        if hooks is not None:
+            hooks.before(action)
         if not self._issue_nccl_groups(action):
             self._HANDLERS[action.kind](self, action)
+        if hooks is not None:
+            hooks.after(action)
         self.record.events.append(ActionEvent(self.pp_rank, self._names[cursor], start, self._clock.mark(),
                                               self._categories[cursor]))
         self.cursor = cursor + 1

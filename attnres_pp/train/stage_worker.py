@@ -86,6 +86,7 @@ class StageWorker:
         self.fail_at_step = fail_at_step  # rehearsal of a lost rank: exit mid-step at this step
         self.runtime: StageRuntime | None = None
         self._grad_bytes = 0  # gradients held after the last sync (`memory`)
+        self.fsdp = None  # FSDP2 units under dp_shard="fsdp" with D > 1 (`train.fsdp`)
         self.eval_runtime: StageRuntime | None = None
         self.collectives: Collectives | None = None
         self.distributed = False  # in a torch.distributed process group (`connect`), or a thread rank
@@ -121,8 +122,26 @@ class StageWorker:
             # write a slot again before its receiver has read it: they go over plain p2p (same ledger).
             eval_transport = DistTransport(self.pp_rank, pipe.timeout_s, device, ledger=transport.ledger,
                                            peer_ranks=peers)
-        self.attach(device, transport, MeshCollectives(self.coords, device.type), eval_transport=eval_transport)
+        collectives = MeshCollectives(self.coords, device.type)
+        self.attach(device, transport, collectives, eval_transport=eval_transport)
         self.distributed = True
+        if pipe.dp_shard == "fsdp" and pipe.data_parallel > 1:
+            self._shard(collectives.mesh["dp"])
+
+    def _shard(self, dp_mesh) -> None:
+        """FSDP2 units over the replicas (`train.fsdp`): the parameters become shards, so the parameter
+        list and the optimizer are built again and the runtimes unshard chunks around their actions."""
+        from attnres_pp.train.fsdp import FsdpShards
+
+        pipe = self.run_cfg.pipeline
+        self.fsdp = FsdpShards(self.model, self.chunks, self.owned_modules, dp_mesh,
+                               pipe.fsdp_reshard_after_forward or "never")
+        self.params = rank_parameters(self.chunks, self.model)
+        self.tied = [p for name, p in self.params.items() if name.startswith("stream_convs.")]
+        self.untied = [p for name, p in self.params.items() if not name.startswith("stream_convs.")]
+        self.optimizer = build_optimizer(self.params.items(), self.run_cfg.train, fused=self.device.type == "cuda")
+        self.runtime.compute_hooks = self.fsdp
+        self.eval_runtime.compute_hooks = self.fsdp
 
     def describe(self, backend: str) -> dict:
         return {"backend": backend, "rank": self.rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
@@ -171,12 +190,20 @@ class StageWorker:
         return self.runtime.run_to_end()
 
     def sync_gradients(self) -> None:
-        sync_gradients(self.untied, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel)
+        if self.fsdp is not None:  # the shards' reduce-scatter averages over the replicas
+            self.fsdp.reduce()
+        sync_gradients(self.untied, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel,
+                       untied_reduced=self.fsdp is not None)
         self._grad_bytes = grad_bytes(self.params.values())  # before the optimizer step drops them
 
     def optimizer_step(self, lr: float) -> float:
         """Global-norm clipping and AdamW on synced gradients; returns the whole model's norm."""
-        reduce_sq = norm_reducer(self.tied, self.collectives, self.device)
+        if self.fsdp is not None:
+            from attnres_pp.train.fsdp import norm_reducer as fsdp_norm_reducer
+
+            reduce_sq = fsdp_norm_reducer(self.untied, self.tied, self.collectives, self.device)
+        else:
+            reduce_sq = norm_reducer(self.tied, self.collectives, self.device)
         return optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip, reduce_sq)
 
     def finish_step(self, record: StepRecord, lr: float, want_events: bool = False) -> StepReply:
