@@ -33,6 +33,7 @@ from attnres_pp.pipeline.chunk import PipelineChunk
 from attnres_pp.pipeline.mesh import Collectives
 from attnres_pp.schedule.ir import Action
 from attnres_pp.train.grad_sync import squared_norm
+from attnres_pp.train.optim import set_lr
 
 
 class FsdpShards:
@@ -43,11 +44,16 @@ class FsdpShards:
         from torch.distributed.fsdp import fully_shard
 
         self.units: dict[str, nn.Module] = {}
+        # FSDP2 refuses 0-dim parameters (MSAR's gate scales): they stay whole and are averaged over
+        # the replicas by `grad_sync` like any replicated parameter.
+        self.replicated: list[nn.Parameter] = []
         for name in owned_modules:
             if name == "stream_convs":
                 continue
             module = model.get_submodule(name)
-            fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
+            scalars = {p for p in module.parameters() if p.dim() == 0}
+            self.replicated += sorted(scalars, key=lambda p: [id(q) for q in module.parameters()].index(id(p)))
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, ignored_params=scalars or None)
             module._get_fsdp_state()._lazy_init()
             module.set_requires_gradient_sync(False)
             module.set_reshard_after_backward(False)
@@ -91,15 +97,34 @@ def local_squared_norm(params: list[nn.Parameter], device: torch.device) -> torc
     return total
 
 
-def norm_reducer(sharded: list[nn.Parameter], tied: list[nn.Parameter], collectives: Collectives,
-                 device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+def norm_reducer(sharded: list[nn.Parameter], replicated: list[nn.Parameter], tied: list[nn.Parameter],
+                 collectives: Collectives, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
     """`optim.clip_grad_norm_`'s reduce_sq under fsdp: the local shards' squares summed over every rank
-    (the rank's own total is recomputed from the local shards), plus the tied gradients once."""
+    (the rank's own total is recomputed from the local shards), the whole untied parameters' over the
+    replica's ranks, and the tied gradients once."""
     tied_sq = squared_norm(tied, device)
 
     def reduce_sq(_local_sq: torch.Tensor) -> torch.Tensor:
         shard_sq = local_squared_norm(sharded, device)
         collectives.all_reduce(shard_sq, "world")
-        return shard_sq + tied_sq
+        replicated_sq = local_squared_norm(replicated, device)
+        collectives.all_reduce(replicated_sq, "pp")
+        return shard_sq + replicated_sq + tied_sq
 
     return reduce_sq
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, params, lr: float, max_norm: float,
+                   reduce_sq: Callable[[torch.Tensor | None], torch.Tensor]) -> float:
+    """`optim.optimizer_step` for a mix of shards (DTensors) and whole tensors, which `_foreach_norm`
+    refuses together: the same clip (norm from `reduce_sq`, the same scale), learning rate, step and
+    dropped gradients. Returns the norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total_norm = float(reduce_sq(None).sqrt())
+    if max_norm > 0 and total_norm > max_norm:
+        for grad in grads:
+            grad.mul_(max_norm / (total_norm + 1e-6))
+    set_lr(optimizer, lr)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total_norm

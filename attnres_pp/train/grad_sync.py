@@ -66,12 +66,12 @@ def _reduce_flat(params: list[nn.Parameter], collectives: Collectives, axis: str
 
 
 def sync_gradients(untied: list[nn.Parameter], tied: list[nn.Parameter], collectives: Collectives,
-                   data_parallel: int, bucket_bytes: int = BUCKET_BYTES, *, untied_reduced: bool = False) -> None:
-    """Average `untied` over the dp axis (in buckets; not when `untied_reduced`: FSDP2's
-    reduce-scatter did it); sum `tied` over each replica and average them over replicas (one
-    all-reduce over every rank)."""
+                   data_parallel: int, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Average `untied` over the dp axis (in buckets); sum `tied` over each replica and average them
+    over replicas (one all-reduce over every rank). Under fsdp `untied` is the parameters FSDP2
+    leaves whole (`train.fsdp`); its reduce-scatter averages the shards."""
     ensure_grads(untied + tied)
-    if data_parallel > 1 and not untied_reduced:
+    if data_parallel > 1:
         for bucket in flat_buckets(untied, bucket_bytes):
             _reduce_flat(bucket, collectives, "dp", data_parallel)
     if tied:

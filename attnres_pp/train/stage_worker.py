@@ -42,7 +42,7 @@ from attnres_pp.schedule.forward_only import forward_only_schedule
 from attnres_pp.schedule.validate_nccl import check_nccl
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.devices import resolve_train
-from attnres_pp.train.grad_sync import norm_reducer, sync_gradients
+from attnres_pp.train.grad_sync import ensure_grads, norm_reducer, sync_gradients
 from attnres_pp.train.memory_report import grad_bytes, memory_entry, peak_rss_bytes
 from attnres_pp.train.optim import build_optimizer, optimizer_step
 from attnres_pp.train.rank_data import MicrobatchLists, RankData
@@ -192,18 +192,23 @@ class StageWorker:
     def sync_gradients(self) -> None:
         if self.fsdp is not None:  # the shards' reduce-scatter averages over the replicas
             self.fsdp.reduce()
-        sync_gradients(self.untied, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel,
-                       untied_reduced=self.fsdp is not None)
+            ensure_grads(self.untied)
+            sync_gradients(self.fsdp.replicated, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel)
+        else:
+            sync_gradients(self.untied, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel)
         self._grad_bytes = grad_bytes(self.params.values())  # before the optimizer step drops them
 
     def optimizer_step(self, lr: float) -> float:
         """Global-norm clipping and AdamW on synced gradients; returns the whole model's norm."""
         if self.fsdp is not None:
-            from attnres_pp.train.fsdp import norm_reducer as fsdp_norm_reducer
+            from attnres_pp.train import fsdp
 
-            reduce_sq = fsdp_norm_reducer(self.untied, self.tied, self.collectives, self.device)
-        else:
-            reduce_sq = norm_reducer(self.tied, self.collectives, self.device)
+            replicated = {id(p) for p in self.fsdp.replicated}
+            sharded = [p for p in self.untied if id(p) not in replicated]
+            reduce_sq = fsdp.norm_reducer(sharded, self.fsdp.replicated, self.tied, self.collectives, self.device)
+            return fsdp.optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip,
+                                       reduce_sq)
+        reduce_sq = norm_reducer(self.tied, self.collectives, self.device)
         return optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip, reduce_sq)
 
     def finish_step(self, record: StepRecord, lr: float, want_events: bool = False) -> StepReply:
