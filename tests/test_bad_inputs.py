@@ -129,7 +129,8 @@ CASES = [
      "needs dp_shard='fsdp'"),
     ("train-reshard-unknown", [*TRAIN, *OUT, "--dp-shard", "fsdp", "--fsdp-reshard-after-forward", "often"], None,
      "choose one of never, always"),
-    ("train-fsdp-unavailable", [*TRAIN, *OUT, "--dp-shard", "fsdp"], None, "use --dp-shard replicate"),
+    ("train-fsdp-inprocess", [*TRAIN, *OUT, "--dp-shard", "fsdp", "--launcher", "inprocess"], None,
+     "use --launcher local or ray"),
 ]
 
 _ERROR_LINE = re.compile(r"^(error: |attnres-pp[\w -]*: error: )")
