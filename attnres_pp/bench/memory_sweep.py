@@ -1,13 +1,15 @@
 """The counted-memory table of `attnres-pp bench memory` (SPEC section 8's `memory_per_rank`): a
 32-layer, narrow (d = 64) Block AttnRes model over P = 2 local rank processes, swept over D replicas
 x dp_shard x activation checkpointing x schedule, with the counted bytes per rank, the peak RSS and
-the step time, and the ratios the memory work targets.
+the step time, and the ratios the memory work targets (fsdp / replicate parameter + gradient +
+AdamW bytes at D = 2 and 4; AC full / none activation peak; Block AttnRes under selective over the
+standard residual without AC; the step-time cost of each policy).
 
 Rows (each a fresh local-launcher run, three optimiser steps on random batches, step time = median
 of the last two): D = 1 with AC none / full / selective under 1F1B (16 layers per chunk) and ZB-V
-(8 layers per chunk); D = 2 and 4 under 1F1B without AC (D = 4 x P = 2 is 8 processes on this
-machine); the standard residual at D = 1, 1F1B, no AC (the reference of the Block AttnRes under
-selective target). `--dp-shard fsdp` is not wired into the runtime yet, so its rows are absent.
+(8 layers per chunk); D = 2 and 4 under 1F1B without AC, replicate and fsdp (D = 4 x P = 2 is 8
+processes on this machine); the standard residual at D = 1, 1F1B, no AC (the reference of the Block
+AttnRes under selective target).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ MICROBATCHES, MICROBATCH_SIZE, STAGES = 4, 2, 2
 KiB = 2**10
 # (residual overrides, D, dp_shard, AC, schedule)
 RUNS = [({}, 1, "replicate", ac, schedule) for schedule in ("1f1b", "zbv") for ac in ("none", "full", "selective")]
-RUNS += [({}, d, "replicate", "none", "1f1b") for d in (2, 4)]
+RUNS += [({}, d, shard, "none", "1f1b") for d in (2, 4) for shard in ("replicate", "fsdp")]
 RUNS += [(STANDARD, 1, "replicate", "none", "1f1b")]
 QUICK_RUNS = [r for r in RUNS if r[1] <= 2]
 
@@ -89,6 +91,13 @@ def ratios(rows: list) -> dict:
                 out[f"{schedule}_{ac}_over_none_activation"] = _max(row, "activation_peak_bytes") / _max(
                     none, "activation_peak_bytes")
                 out[f"{schedule}_{ac}_over_none_step_time"] = row["step_s"] / none["step_s"]
+    for d in (2, 4):
+        replicate = _find(rows, data_parallel=d, dp_shard="replicate")
+        fsdp = _find(rows, data_parallel=d, dp_shard="fsdp")
+        if replicate and fsdp:
+            def state(row):
+                return max(m["param_bytes"] + m["grad_bytes"] + m["optimizer_bytes"] for m in row["memory_per_rank"])
+            out[f"D{d}_fsdp_over_replicate_state"] = state(fsdp) / state(replicate)
     standard = _find(rows, residual="standard", activation_checkpoint="none")
     selective = _find(rows, residual="attnres", activation_checkpoint="selective", schedule="1f1b")
     if standard and selective:
