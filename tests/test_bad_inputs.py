@@ -125,6 +125,17 @@ CASES = [
     ("bench-out-under-file", ["bench", "bubbles", "--out", "{file}/results"], None, "is a file"),
     ("bench-unknown-name", ["bench", "latency"], None, "invalid choice"),
     ("bench-no-timing-not-comm", ["bench", "overhead", "--no-timing"], None, "comm only"),
+    # memory: activation checkpointing and FSDP2 names
+    ("train-ac-unknown", [*TRAIN, *OUT, "--activation-checkpoint", "some"], None, "activation_checkpoint='some'"),
+    ("toml-ac-unknown", [*TRAIN, *OUT, "--config", "{toml}"], '[train]\nactivation_checkpoint = "all"\n',
+     "choose one of none, full, selective"),
+    ("train-dp-shard-unknown", [*TRAIN, *OUT, "--dp-shard", "zero3"], None, "dp_shard='zero3'"),
+    ("train-reshard-without-fsdp", [*TRAIN, *OUT, "--fsdp-reshard-after-forward", "always"], None,
+     "needs dp_shard='fsdp'"),
+    ("train-reshard-unknown", [*TRAIN, *OUT, "--dp-shard", "fsdp", "--fsdp-reshard-after-forward", "often"], None,
+     "choose one of never, always"),
+    ("train-fsdp-inprocess", [*TRAIN, *OUT, "--dp-shard", "fsdp", "--launcher", "inprocess"], None,
+     "use --launcher local or ray"),
 ]
 
 _ERROR_LINE = re.compile(r"^(error: |attnres-pp[\w -]*: error: )")

@@ -1,5 +1,6 @@
 """`attnres-pp bench memory`: peak resident memory of each pipeline rank, now that a rank builds only
-its own chunks (the rest of the model stays on the meta device).
+its own chunks (the rest of the model stays on the meta device), and the counted `memory_per_rank`
+table over D x dp_shard x activation checkpointing x schedule (`bench.memory_sweep`).
 
 A 32-layer d = 512 Block AttnRes model (about 101 M parameters) split over P = 1, 2, 4 ranks
 (`--quick`: 8 layers, P = 1, 2), local launcher (one spawned process per rank, gloo), 1F1B with m = P
@@ -19,6 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from attnres_pp.bench import memory_sweep
 from attnres_pp.bench.common import markdown_table, random_batch, run_config
 
 MODEL = {"vocab_size": 256, "n_layers": 32, "d_model": 512, "n_heads": 8, "seq_len": 64,
@@ -85,7 +87,7 @@ def run(quick: bool, out_dir: Path, progress: Callable[[str], None]) -> dict:
     progress(f"one process: {floor / MiB:.0f} MiB after imports, {whole / MiB:.0f} MiB after building the whole model")
     rows = [_measure(model, n_stages, progress) for n_stages in ((1, 2) if quick else (1, 2, 4))]
     return {"model": model, "microbatch_size": 1, "steps": 2, "import_rss": floor, "whole_model_build_rss": whole,
-            "rows": rows}
+            "rows": rows, "counted": memory_sweep.sweep(quick, progress)}
 
 
 def to_markdown(payload: dict) -> str:
@@ -112,4 +114,6 @@ def to_markdown(payload: dict) -> str:
         f"One process that only imports torch and attnres_pp: {payload['import_rss'] / MiB:,.0f} MiB (every rank's "
         f"floor). One process that builds the whole model, as every rank did before building only its chunks: "
         f"{payload['whole_model_build_rss'] / MiB:,.0f} MiB before any training state.",
+        "",
+        memory_sweep.to_markdown(payload["counted"]),
     ])

@@ -22,7 +22,8 @@ class BlockCache:
     def __init__(self) -> None:
         self._values: dict[tuple[int, Source], torch.Tensor] = {}
         self._deposits: dict[tuple[int, Source], torch.Tensor] = {}
-        self.peak_bytes = 0
+        self.peak_bytes = 0  # entries alone
+        self.peak_held_bytes = 0  # entries plus deposits (SPEC 8's cache_peak_bytes)
 
     def put(self, microbatch_index: int, source: Source, value: torch.Tensor) -> None:
         key = (microbatch_index, source)
@@ -30,6 +31,7 @@ class BlockCache:
             raise CacheError(f"cache entry {source} of microbatch {microbatch_index} is stored twice")
         self._values[key] = value.detach()
         self.peak_bytes = max(self.peak_bytes, self.nbytes)
+        self._note_held()
 
     def read(self, microbatch_index: int, source: Source) -> torch.Tensor:
         """A new leaf that requires grad, sharing storage with the cached value."""
@@ -49,6 +51,11 @@ class BlockCache:
         key = (microbatch_index, source)
         held = self._deposits.get(key)
         self._deposits[key] = grad if held is None else held + grad
+        self._note_held()
+
+    def _note_held(self) -> None:
+        deposits = sum(t.numel() * t.element_size() for t in self._deposits.values())
+        self.peak_held_bytes = max(self.peak_held_bytes, self.nbytes + deposits)
 
     def collect(self, microbatch_index: int, source: Source) -> torch.Tensor | None:
         return self._deposits.pop((microbatch_index, source), None)

@@ -21,17 +21,26 @@ from attnres_pp.model.layers import init_weights
 from attnres_pp.model.precision import compute_context
 from attnres_pp.model.stack import DepthState, forward_sublayers
 from attnres_pp.model.transformer import Transformer, embed_state, lm_loss
+from attnres_pp.pipeline.activation_checkpoint import AC_POLICIES, checkpointed
+from attnres_pp.pipeline.memory_meter import ActivationMeter, optional_saving, storage_key
 
 
 class PipelineChunk(nn.Module):
     """Chunk `chunk_index` of `partition`. Holds the embedding on chunk 0 and the head on the last.
 
     `stream_convs` (MSAR) is one module per rank, shared by its chunks and replicated on every rank.
+    `activation_checkpoint` ("none", "full", "selective"): how each transformer layer's forward is
+    checkpointed in training (`pipeline.activation_checkpoint`).
     """
 
     def __init__(self, model: Transformer, partition: Partition, chunk_index: int,
-                 stream_convs: nn.Module | None) -> None:
+                 stream_convs: nn.Module | None, activation_checkpoint: str = "none") -> None:
         super().__init__()
+        if activation_checkpoint not in AC_POLICIES:
+            raise ValueError(f"activation_checkpoint={activation_checkpoint!r} is invalid: choose one of "
+                             f"{', '.join(AC_POLICIES)}")
+        self.activation_checkpoint = activation_checkpoint
+        self._meter: ActivationMeter | None = None  # set for the duration of one forward
         self.cfg = model.cfg
         self.backend = model.backend
         self.precision = model.precision
@@ -45,11 +54,17 @@ class PipelineChunk(nn.Module):
         self._stream_convs = [stream_convs]  # a list so the module is not registered twice per rank
 
     def forward(self, sources: dict[Source, torch.Tensor], idx_BT: torch.Tensor | None = None,
-                targets_BT: torch.Tensor | None = None) -> tuple[dict[Source, torch.Tensor], torch.Tensor | None]:
-        """sources: the chunk's inputs by name. Returns (sources this chunk produced, loss or None)."""
-        with compute_context(self.precision, _device_of(sources, idx_BT).type):
-            produced, logits = self.run(sources, idx_BT)
-            return produced, None if logits is None else lm_loss(logits, targets_BT)
+                targets_BT: torch.Tensor | None = None, *, meter: ActivationMeter | None = None
+                ) -> tuple[dict[Source, torch.Tensor], torch.Tensor | None]:
+        """sources: the chunk's inputs by name. Returns (sources this chunk produced, loss or None).
+        `meter`: counts what the forward saves for backward (`memory_meter`)."""
+        self._meter = meter
+        try:
+            with optional_saving(meter), compute_context(self.precision, _device_of(sources, idx_BT).type):
+                produced, logits = self.run(sources, idx_BT)
+                return produced, None if logits is None else lm_loss(logits, targets_BT)
+        finally:
+            self._meter = None
 
     def run(self, sources: dict[Source, torch.Tensor], idx_BT: torch.Tensor | None = None,
             decode: DecodeStep | None = None) -> tuple[dict[Source, torch.Tensor], torch.Tensor | None]:
@@ -67,8 +82,11 @@ class PipelineChunk(nn.Module):
         else:
             state = _state_from_sources(sources)
         n_before = len(state.blocks)
-        state = forward_sublayers(cfg, {int(k): v for k, v in self.layers.items()}, convs, state,
-                                  self.sublayers, self.backend, decode)
+        layers = {int(k): v for k, v in self.layers.items()}
+        if self.activation_checkpoint != "none" and decode is None and torch.is_grad_enabled():
+            state = self._checkpointed_layers(layers, convs, state)
+        else:
+            state = forward_sublayers(cfg, layers, convs, state, self.sublayers, self.backend, decode)
         if self.is_last:
             return {}, self.head(state, convs, self.backend, decode)
         if cfg.residual == "standard":
@@ -78,6 +96,41 @@ class PipelineChunk(nn.Module):
         if state.partial is not None:
             produced[Source("partial", len(state.blocks))] = state.partial
         return produced, None
+
+
+    def _checkpointed_layers(self, layers: dict, convs, state: DepthState) -> DepthState:
+        """The chunk's sublayers one transformer layer at a time, each under `checkpointed` (a layer
+        boundary inside a block reads as a chunk boundary does: the same math)."""
+        cfg = self.cfg
+        keep = {storage_key(p) for p in self.parameters()}
+        if convs is not None:
+            keep |= {storage_key(p) for p in convs.parameters()}
+        start = self.sublayers.start
+        while start < self.sublayers.stop:
+            stop = min(self.sublayers.stop, 2 * (start // 2) + 2)
+            span = range(start, stop)
+
+            def layer(*tensors, span=span):
+                out = forward_sublayers(cfg, layers, convs, _unflatten(cfg, tensors), span, self.backend)
+                return _flatten(out)
+
+            state = _unflatten(cfg, checkpointed(layer, _flatten(state), policy=self.activation_checkpoint,
+                                                 meter=self._meter, keep=keep, min_width=cfg.d_model))
+            start = stop
+        return state
+
+
+def _flatten(state: DepthState) -> list:
+    """A depth state as a flat argument list: [residual] or [blocks..., partial or None]."""
+    if state.residual is not None:
+        return [state.residual]
+    return [*state.blocks, state.partial]
+
+
+def _unflatten(cfg: ModelConfig, tensors) -> DepthState:
+    if cfg.residual == "standard":
+        return DepthState(residual=tensors[0])
+    return DepthState(blocks=list(tensors[:-1]), partial=tensors[-1])
 
 
 def _device_of(sources: dict[Source, torch.Tensor], idx_BT: torch.Tensor | None) -> torch.device:
@@ -111,8 +164,8 @@ def rank_module_names(cfg: ModelConfig, partition: Partition, pp_rank: int) -> l
 
 
 def build_rank_model(cfg: ModelConfig, partition: Partition, pp_rank: int, *, seed: int, backend: str = "auto",
-                     device: torch.device | str = "cpu", precision: str = "fp32"
-                     ) -> tuple[Transformer, dict[int, PipelineChunk]]:
+                     device: torch.device | str = "cpu", precision: str = "fp32",
+                     activation_checkpoint: str = "none") -> tuple[Transformer, dict[int, PipelineChunk]]:
     """The model skeleton of rank `pp_rank` (other ranks' parameters stay on the meta device, with no
     storage) and its chunks, whose parameters equal `Transformer(cfg, seed=seed)`'s; the chunks
     compute in `precision` (`model.precision`)."""
@@ -121,12 +174,14 @@ def build_rank_model(cfg: ModelConfig, partition: Partition, pp_rank: int, *, se
     for name in rank_module_names(cfg, partition, pp_rank):
         model.get_submodule(name).to_empty(device=device)
     init_weights(model, cfg, seed)
-    return model, build_rank_chunks(model, partition, pp_rank)
+    return model, build_rank_chunks(model, partition, pp_rank, activation_checkpoint=activation_checkpoint)
 
 
-def build_rank_chunks(model: Transformer, partition: Partition, pp_rank: int) -> dict[int, PipelineChunk]:
+def build_rank_chunks(model: Transformer, partition: Partition, pp_rank: int, *,
+                      activation_checkpoint: str = "none") -> dict[int, PipelineChunk]:
     """The chunks of rank `pp_rank`, keyed by global chunk index, sharing one set of stream convs."""
-    return {c: PipelineChunk(model, partition, c, model.stream_convs) for c in partition.chunks_of(pp_rank)}
+    return {c: PipelineChunk(model, partition, c, model.stream_convs, activation_checkpoint)
+            for c in partition.chunks_of(pp_rank)}
 
 
 def rank_parameters(chunks: dict[int, PipelineChunk], model: Transformer) -> dict[str, nn.Parameter]:

@@ -17,6 +17,9 @@ PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD")
 # "nccl" matches in issue order with rendezvous sends, so the runtime issues batched groups in the
 # order validate_nccl proves; "auto" follows the process group's backend (the loopback: gloo).
 P2P_SEMANTICS = ("auto", "gloo", "nccl")
+# How the D replicas hold parameters, gradients and optimizer state: whole copies, or FSDP2 shards.
+DP_SHARDS = ("replicate", "fsdp")
+RESHARD_AFTER_FORWARD = ("never", "always")
 
 
 def _is_int(value) -> bool:
@@ -42,6 +45,10 @@ class PipelineConfig:
     p2p_semantics: str = "auto"
     link_gbps: float | None = None
     link_latency_us: float = 0.0
+    dp_shard: str = "replicate"
+    # None: "never" under fsdp; only fsdp may set it. With data_parallel = 1 fsdp is a no-op sharding
+    # (each rank keeps whole tensors, as under replicate).
+    fsdp_reshard_after_forward: str | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.stages) or self.stages < 1:
@@ -80,6 +87,7 @@ class PipelineConfig:
             raise ValueError(f"PipelineConfig.layer_counts={list(self.layer_counts)} is invalid: every chunk "
                              "needs an integer number of layers >= 1")
         self._check_link()
+        self._check_dp_shard()
         if self.layer_counts is not None and len(self.layer_counts) != self.stages * self.virtual:
             raise ValueError(
                 f"PipelineConfig.layer_counts={list(self.layer_counts)} is invalid: give one layer count per "
@@ -103,6 +111,21 @@ class PipelineConfig:
         if self.link_gbps is not None and self.launcher == "inprocess":
             raise ValueError("PipelineConfig.link_gbps: the link emulation delays messages between rank "
                              "processes; use --launcher local or ray (inprocess runs every rank in one process)")
+
+    def _check_dp_shard(self) -> None:
+        if self.dp_shard not in DP_SHARDS:
+            raise ValueError(f"PipelineConfig.dp_shard={self.dp_shard!r} is invalid: choose one of "
+                             f"{', '.join(DP_SHARDS)} (fsdp: FSDP2 shards over the D replicas)")
+        reshard = self.fsdp_reshard_after_forward
+        if reshard is not None and reshard not in RESHARD_AFTER_FORWARD:
+            raise ValueError(f"PipelineConfig.fsdp_reshard_after_forward={reshard!r} is invalid: choose one of "
+                             f"{', '.join(RESHARD_AFTER_FORWARD)}")
+        if reshard is not None and self.dp_shard != "fsdp":
+            raise ValueError(f"PipelineConfig.fsdp_reshard_after_forward={reshard!r} needs dp_shard='fsdp' "
+                             "(--dp-shard fsdp); drop it under replicate")
+        if self.dp_shard == "fsdp" and self.launcher == "inprocess":
+            raise ValueError("PipelineConfig.dp_shard='fsdp' needs a torch.distributed process group per rank: use "
+                             "--launcher local or ray (inprocess ranks are threads of one process)")
 
     @property
     def link(self) -> LinkModel | None:

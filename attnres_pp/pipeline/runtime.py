@@ -26,6 +26,7 @@ from attnres_pp.comm.plan import PayloadPlan, Source
 from attnres_pp.pipeline.chunk import PipelineChunk
 from attnres_pp.pipeline.clock import make_clock
 from attnres_pp.pipeline.graph_cut import CutCache
+from attnres_pp.pipeline.memory_meter import ActivationMeter
 from attnres_pp.pipeline.routes import Route, hop_shapes, message_tag, rank_routes
 from attnres_pp.pipeline.split_backward import WeightWork, backward_input, backward_weight, fused_backward
 from attnres_pp.schedule.ir import Action, ActionKind, Schedule
@@ -55,7 +56,8 @@ class StepRecord:
     # microbatch -> loss (last chunk's rank); read from the device once, at the end of the step
     losses: dict[int, float] = field(default_factory=dict)
     events: list[ActionEvent] = field(default_factory=list)
-    cache_peak_bytes: int = 0
+    cache_peak_bytes: int = 0  # cache entries plus deposits (SPEC 8)
+    activation_peak_bytes: int = 0  # storages saved for backward (`memory_meter`)
 
 
 # Receives a rank keeps posted ahead under gloo: enough to cover the next forward and backward of
@@ -69,7 +71,7 @@ __all__ = ["ActionEvent", "StageRuntime", "StepRecord", "message_tag"]
 class StageRuntime:
     def __init__(self, *, pp_rank: int, chunks: dict[int, PipelineChunk], plan: PayloadPlan, schedule: Schedule,
                  transport, microbatch_shape: tuple[int, int], source_width: int, residual_width: int,
-                 dtype: torch.dtype = torch.float32, clock=None) -> None:
+                 dtype: torch.dtype = torch.float32, clock=None, compute_hooks=None) -> None:
         self.pp_rank = pp_rank
         self.chunks = chunks
         self.plan = plan
@@ -82,6 +84,10 @@ class StageRuntime:
         self._clock = clock or make_clock(device)  # CUDA events on a GPU, perf_counter on CPU
         self.first_chunk = min(chunks)
         self.cache = BlockCache()
+        self.memory = ActivationMeter()  # what the forwards save for backward (SPEC 8)
+        # Called around every compute action (`before(action)`, `after(action)`): FSDP2's unshard and
+        # reshard of the action's chunk (`train.fsdp`); None: nothing to do.
+        self.compute_hooks = compute_hooks
         self._cuts = CutCache()  # each chunk's graph has the same I/W cut for every microbatch
         # Per action position: its route (peer, tag, shapes; None for compute), name and category,
         # fixed for the run, so that a message costs lookups, not re-derivations.
@@ -117,6 +123,8 @@ class StageRuntime:
         self._weight_work: dict[tuple[int, int], WeightWork] = {}  # I done, W to come
         self._in_memory: dict[tuple[str, int, int], list[torch.Tensor]] = {}  # self-hops, by message id
         self.cache = BlockCache()
+        self.memory.set_excluded(p for chunk in self.chunks.values() for p in chunk.parameters())
+        self.memory.reset_peak()
         self.record = StepRecord()
         # The last chunk's losses stay on the device until finish_step: a float() per microbatch
         # would make the host wait for the GPU after every last-chunk forward.
@@ -145,8 +153,13 @@ class StageRuntime:
         cursor = self.cursor
         action = self.actions[cursor]
         start = self._clock.mark()
+        hooks = self.compute_hooks if action.is_compute else None
+        if hooks is not None:
+            hooks.before(action)
         if not self._issue_nccl_groups(action):
             self._HANDLERS[action.kind](self, action)
+        if hooks is not None:
+            hooks.after(action)
         self.record.events.append(ActionEvent(self.pp_rank, self._names[cursor], start, self._clock.mark(),
                                               self._categories[cursor]))
         self.cursor = cursor + 1
@@ -170,7 +183,8 @@ class StageRuntime:
         if self._weight_work:
             raise RuntimeError(f"rank {self.pp_rank}: (chunk, microbatch) {sorted(self._weight_work)} ran I "
                                "but never W")
-        self.record.cache_peak_bytes = self.cache.peak_bytes
+        self.record.cache_peak_bytes = self.cache.peak_held_bytes
+        self.record.activation_peak_bytes = self.memory.peak_bytes
         return self.record
 
     def _prepost_receives(self) -> None:
@@ -213,7 +227,7 @@ class StageRuntime:
         idx = self._inputs_by_mb[mb] if chunk.is_first else None
         targets = self._targets_by_mb[mb] if chunk.is_last else None
         with torch.no_grad() if self._forward_only else contextlib.nullcontext():
-            produced, loss = chunk(inputs, idx, targets)
+            produced, loss = chunk(inputs, idx, targets, meter=None if self._forward_only else self.memory)
         for source in io.cache_puts:
             self.cache.put(mb, source, produced.get(source, inputs.get(source)))
         for source in io.frees:

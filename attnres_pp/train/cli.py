@@ -18,7 +18,14 @@ from attnres_pp.config_tables import convert_flag
 from attnres_pp.data import load_corpus
 from attnres_pp.model.config import KEY_MODES, RESIDUALS, ModelConfig
 from attnres_pp.out_paths import check_out_dir
-from attnres_pp.pipeline.config import LAUNCHERS, P2P_SEMANTICS, PLACEMENTS, SCHEDULE_NAMES
+from attnres_pp.pipeline.config import (
+    DP_SHARDS,
+    LAUNCHERS,
+    P2P_SEMANTICS,
+    PLACEMENTS,
+    RESHARD_AFTER_FORWARD,
+    SCHEDULE_NAMES,
+)
 from attnres_pp.train.checkpoint import (
     CheckpointConfig,
     check_run_dir,
@@ -26,7 +33,15 @@ from attnres_pp.train.checkpoint import (
     latest_checkpoint,
     read_meta,
 )
-from attnres_pp.train.config import DEVICES, DTYPES, KERNELS, RunConfig, merge_tables, read_toml
+from attnres_pp.train.config import (
+    ACTIVATION_CHECKPOINTS,
+    DEVICES,
+    DTYPES,
+    KERNELS,
+    RunConfig,
+    merge_tables,
+    read_toml,
+)
 from attnres_pp.train.loop import check_resume, nothing_to_do, run_training
 from attnres_pp.train.recovery import RunFailed
 from attnres_pp.train.tensorboard import check_tensorboard
@@ -63,6 +78,9 @@ _FLAGS = (
      "hops; auto: bf16 on cuda, fp32 on cpu"),
     ("--kernels", "train", "kernels", str, f"depth-attention backend: {' | '.join(KERNELS)} "
      "(auto: triton on cuda, torch on cpu)"),
+    ("--activation-checkpoint", "train", "activation_checkpoint", str,
+     f"{' | '.join(ACTIVATION_CHECKPOINTS)}: full recomputes each layer in its backward, selective keeps the "
+     "projections and recomputes norms, softmax and depth-attention intermediates"),
     ("--stages", "pipeline", "stages", int, "pipeline stages P (ranks)"),
     ("--virtual", "pipeline", "virtual", int, "virtual stages V per rank"),
     ("--data-parallel", "pipeline", "data_parallel", int,
@@ -78,6 +96,10 @@ _FLAGS = (
     ("--link-gbps", "pipeline", "link_gbps", float,
      "emulate a slow link between ranks on one host: its bandwidth in Gb/s (off by default)"),
     ("--link-latency-us", "pipeline", "link_latency_us", float, "the emulated link's latency in microseconds"),
+    ("--dp-shard", "pipeline", "dp_shard", str,
+     f"{' | '.join(DP_SHARDS)}: how the D replicas hold parameters, gradients and optimizer state"),
+    ("--fsdp-reshard-after-forward", "pipeline", "fsdp_reshard_after_forward", str,
+     f"{' | '.join(RESHARD_AFTER_FORWARD)} (--dp-shard fsdp only; default never)"),
 )
 
 

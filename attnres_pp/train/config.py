@@ -15,6 +15,8 @@ from attnres_pp.pipeline.config import PipelineConfig
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
 KERNELS = ("auto", "torch", "triton")
+# How each transformer layer's forward is checkpointed (`pipeline.activation_checkpoint`).
+ACTIVATION_CHECKPOINTS = ("none", "full", "selective")
 
 
 def _fail(field_name: str, value, fix: str) -> None:
@@ -61,6 +63,7 @@ class TrainConfig:
     dtype: str = "auto"
     kernels: str = "auto"
     compile: bool = False  # torch.compile each sublayer and its depth read (single-process runs)
+    activation_checkpoint: str = "none"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "microbatches", "eval_batches", "threads"):
@@ -93,6 +96,8 @@ class TrainConfig:
             ("device", DEVICES, "cuda: one GPU per rank (nccl); cpu: gloo; auto: cuda when every rank gets a GPU"),
             ("dtype", DTYPES, "bf16: autocast compute with fp32 master weights; auto: bf16 on cuda, fp32 on cpu"),
             ("kernels", KERNELS, "the depth-attention backend; auto: triton on cuda, torch on cpu"),
+            ("activation_checkpoint", ACTIVATION_CHECKPOINTS,
+             "full: recompute each layer in its backward; selective: keep the projections, recompute the rest"),
         ):
             if getattr(self, name) not in choices:
                 _fail(name, getattr(self, name), f"choose one of {', '.join(choices)} ({hint})")

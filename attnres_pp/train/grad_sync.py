@@ -25,6 +25,12 @@ from attnres_pp.train.optim import sum_of_squares
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
+# Why not DistributedDataParallel, which buckets the same all-reduce: DDP wraps one module and
+# reduces from hooks on AccumulateGrad inside one backward call, but a rank here runs one engine call
+# per chunk and microbatch (and under the split two, I then W, with W writing weight gradients into
+# .grad itself, past AccumulateGrad), so DDP's reducer would fire on partial gradients or miss W's.
+# This is a structural reason, not a timing: the two were not measured against each other.
+
 
 def ensure_grads(params: list[nn.Parameter]) -> None:
     """Zero gradients where autograd left none (a tied conv whose source this rank never reads), so
@@ -62,7 +68,8 @@ def _reduce_flat(params: list[nn.Parameter], collectives: Collectives, axis: str
 def sync_gradients(untied: list[nn.Parameter], tied: list[nn.Parameter], collectives: Collectives,
                    data_parallel: int, bucket_bytes: int = BUCKET_BYTES) -> None:
     """Average `untied` over the dp axis (in buckets); sum `tied` over each replica and average them
-    over replicas (one all-reduce over every rank)."""
+    over replicas (one all-reduce over every rank). Under fsdp `untied` is the parameters FSDP2
+    leaves whole (`train.fsdp`); its reduce-scatter averages the shards."""
     ensure_grads(untied + tied)
     if data_parallel > 1:
         for bucket in flat_buckets(untied, bucket_bytes):

@@ -8,12 +8,16 @@ import sys
 
 import torch
 
+from attnres_pp.comm.partition import make_partition
 from attnres_pp.data import Corpus, batch_at, load_corpus, val_batch_at, val_batches
 from attnres_pp.model import ModelConfig, Transformer
 from attnres_pp.model.routing import RoutingProbe, attach_probe, routing_metrics
+from attnres_pp.pipeline.chunk import PipelineChunk
+from attnres_pp.pipeline.memory_meter import ActivationMeter
 from attnres_pp.train.config import TrainConfig
 from attnres_pp.train.devices import decide_device, resolve_train, visible_gpus
 from attnres_pp.train.loop import StepResult
+from attnres_pp.train.memory_report import grad_bytes, memory_entry
 from attnres_pp.train.optim import build_optimizer, optimizer_step
 from attnres_pp.train.shards import load_shard, rng_stream, save_shard, shard_state
 
@@ -37,6 +41,13 @@ class LocalEngine:
                                  precision=train_cfg.dtype, compile=train_cfg.compile).to(self.device)
         self.optimizer = build_optimizer(self.model, train_cfg, fused=self.device.type == "cuda")
         self._corpus = corpus
+        # Checkpointed layers run through one chunk that is the whole model (the pipeline's own code
+        # path, `pipeline.activation_checkpoint`); without checkpointing, the model's forward.
+        self._whole = None
+        if train_cfg.activation_checkpoint != "none":
+            self._whole = PipelineChunk(self.model, make_partition(model_cfg.n_layers, 1, 1), 0,
+                                        self.model.stream_convs, train_cfg.activation_checkpoint)
+        self.memory = ActivationMeter()  # what the forwards save for backward (SPEC 8)
 
     @property
     def corpus(self) -> Corpus:
@@ -58,12 +69,22 @@ class LocalEngine:
         self.model.train()
         total_loss = 0.0
         inputs_BT, targets_BT = inputs_BT.to(self.device), targets_BT.to(self.device)
+        self.memory.set_excluded(self.model.parameters())
+        self.memory.reset_peak()
         for inputs_bT, targets_bT in zip(inputs_BT.chunk(m), targets_BT.chunk(m), strict=True):
-            loss = self.model(inputs_bT, targets_bT)
+            if self._whole is None:
+                with self.memory.saving():
+                    loss = self.model(inputs_bT, targets_bT)
+            else:
+                loss = self._whole({}, inputs_bT, targets_bT, meter=self.memory)[1]
             (loss / m).backward()
             total_loss += float(loss.detach())
+        held_grad_bytes = grad_bytes(self.model.parameters())  # before the optimizer step drops them
         grad_norm = optimizer_step(self.optimizer, self.model.parameters(), lr, self.train_cfg.grad_clip)
-        return StepResult(loss=total_loss / m, metrics={"grad_norm": grad_norm})
+        memory = memory_entry(self.model.parameters(), self.optimizer, grad_bytes=held_grad_bytes,
+                              activation_peak_bytes=self.memory.peak_bytes,
+                              cache_peak_bytes=0, device=self.device)
+        return StepResult(loss=total_loss / m, metrics={"grad_norm": grad_norm}, extras={"memory_per_rank": [memory]})
 
     @torch.no_grad()
     def eval_loss(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> float:

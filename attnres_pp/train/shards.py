@@ -123,7 +123,7 @@ def load_shard(step_dir: str | Path, params: dict[str, torch.nn.Parameter], opti
         prefix = f"optim.{name}."
         for key in (k for k in saved if k.startswith(prefix) and "." not in k[len(prefix):]):
             optim_keys[key] = (name, key[len(prefix):])
-            state[key] = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
+            state[key] = _optim_target(params[name], saved[key])
     rng = [key for key in rng_keys(stream) if key in saved]
     for key in rng:
         state[key] = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
@@ -140,6 +140,14 @@ def load_shard(step_dir: str | Path, params: dict[str, torch.nn.Parameter], opti
     held = sorted(key[len("rng."):] for key in saved if key.startswith("rng.") and not key.endswith(".cuda"))
     return (f"checkpoint {step_dir} has no RNG state for stream {stream} (it holds {', '.join(held) or 'none'}: "
             "saved at another split); this rank keeps the RNG state its seed gave it")
+
+
+def _optim_target(param: torch.nn.Parameter, md: TensorStorageMetadata) -> torch.Tensor:
+    """Where an optimizer tensor loads: a moment of an FSDP2 shard (a DTensor) loads as a DTensor laid
+    out like it, so DCP reads just this rank's rows; anything else as a whole tensor."""
+    if hasattr(param, "to_local") and tuple(md.size) == tuple(param.shape):
+        return torch.zeros_like(param.detach(), dtype=md.properties.dtype)
+    return torch.empty(md.size, dtype=md.properties.dtype)
 
 
 def _set_optimizer_state(optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter],

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import resource
 import socket
 import sys
 from pathlib import Path
@@ -46,7 +45,8 @@ from attnres_pp.schedule.forward_only import forward_only_schedule
 from attnres_pp.schedule.validate_nccl import check_nccl
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.devices import resolve_train
-from attnres_pp.train.grad_sync import norm_reducer, sync_gradients
+from attnres_pp.train.grad_sync import ensure_grads, norm_reducer, sync_gradients
+from attnres_pp.train.memory_report import grad_bytes, memory_entry, peak_rss_bytes
 from attnres_pp.train.optim import build_optimizer, optimizer_step
 from attnres_pp.train.rank_data import MicrobatchLists, RankData
 from attnres_pp.train.shards import load_shard, rng_stream, save_shard, shard_state
@@ -72,7 +72,8 @@ class StageWorker:
         torch.set_num_threads(train.threads)
         self.partition = run_partition(cfg.n_layers, pipe)
         self.model, self.chunks = build_rank_model(cfg, self.partition, self.pp_rank, seed=train.seed,
-                                                   backend=train.kernels, precision=train.dtype)
+                                                   backend=train.kernels, precision=train.dtype,
+                                                   activation_checkpoint=train.activation_checkpoint)
         self.owned_modules = rank_module_names(cfg, self.partition, self.pp_rank)
         self.params = rank_parameters(self.chunks, self.model)
         self.tied = [p for name, p in self.params.items() if name.startswith("stream_convs.")]
@@ -89,6 +90,8 @@ class StageWorker:
                              needs_targets=self.partition.rank_of(pipe.n_chunks - 1) == self.pp_rank)
         self.fail_at_step = fail_at_step  # rehearsal of a lost rank: exit mid-step at this step
         self.runtime: StageRuntime | None = None
+        self._grad_bytes = 0  # gradients held after the last sync (`memory`)
+        self.fsdp = None  # FSDP2 units under dp_shard="fsdp" with D > 1 (`train.fsdp`)
         self.eval_runtime: StageRuntime | None = None
         self.collectives: Collectives | None = None
         self.distributed = False  # in a torch.distributed process group (`connect`), or a thread rank
@@ -126,8 +129,26 @@ class StageWorker:
             # write a slot again before its receiver has read it: they go over plain p2p (same ledger).
             eval_transport = DistTransport(self.pp_rank, pipe.timeout_s, device, ledger=transport.ledger,
                                            peer_ranks=peers)
-        self.attach(device, transport, MeshCollectives(self.coords, device.type), eval_transport=eval_transport)
+        collectives = MeshCollectives(self.coords, device.type)
+        self.attach(device, transport, collectives, eval_transport=eval_transport)
         self.distributed = True
+        if pipe.dp_shard == "fsdp" and pipe.data_parallel > 1:
+            self._shard(collectives.mesh["dp"])
+
+    def _shard(self, dp_mesh) -> None:
+        """FSDP2 units over the replicas (`train.fsdp`): the parameters become shards, so the parameter
+        list and the optimizer are built again and the runtimes unshard chunks around their actions."""
+        from attnres_pp.train.fsdp import FsdpShards
+
+        pipe = self.run_cfg.pipeline
+        self.fsdp = FsdpShards(self.model, self.chunks, self.owned_modules, dp_mesh,
+                               pipe.fsdp_reshard_after_forward or "never")
+        self.params = rank_parameters(self.chunks, self.model)
+        self.tied = [p for name, p in self.params.items() if name.startswith("stream_convs.")]
+        self.untied = [p for name, p in self.params.items() if not name.startswith("stream_convs.")]
+        self.optimizer = build_optimizer(self.params.items(), self.run_cfg.train, fused=self.device.type == "cuda")
+        self.runtime.compute_hooks = self.fsdp
+        self.eval_runtime.compute_hooks = self.fsdp
 
     def describe(self, backend: str) -> dict:
         return {"backend": backend, "rank": self.rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
@@ -176,10 +197,24 @@ class StageWorker:
         return self.runtime.run_to_end()
 
     def sync_gradients(self) -> None:
-        sync_gradients(self.untied, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel)
+        if self.fsdp is not None:  # the shards' reduce-scatter averages over the replicas
+            self.fsdp.reduce()
+            ensure_grads(self.untied)
+            sync_gradients(self.fsdp.replicated, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel)
+        else:
+            sync_gradients(self.untied, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel)
+        self._grad_bytes = grad_bytes(self.params.values())  # before the optimizer step drops them
 
     def optimizer_step(self, lr: float) -> float:
         """Global-norm clipping and AdamW on synced gradients; returns the whole model's norm."""
+        if self.fsdp is not None:
+            from attnres_pp.train import fsdp
+
+            replicated = {id(p) for p in self.fsdp.replicated}
+            sharded = [p for p in self.untied if id(p) not in replicated]
+            reduce_sq = fsdp.norm_reducer(sharded, self.fsdp.replicated, self.tied, self.collectives, self.device)
+            return fsdp.optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip,
+                                       reduce_sq)
         reduce_sq = norm_reducer(self.tied, self.collectives, self.device)
         return optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip, reduce_sq)
 
@@ -187,6 +222,12 @@ class StageWorker:
         self.sync_gradients()
         grad_norm = self.optimizer_step(lr)
         return self.reply(record, grad_norm, want_events)
+
+    def memory(self, record: StepRecord) -> dict:
+        """This rank's `memory_per_rank` entry for the step of `record` (after its optimizer step)."""
+        return memory_entry(self.params.values(), self.optimizer, grad_bytes=self._grad_bytes,
+                            activation_peak_bytes=record.activation_peak_bytes,
+                            cache_peak_bytes=record.cache_peak_bytes, device=self.device)
 
     def train_step(self, step: int, lr: float, batch: RankBatch | None = None, want_events: bool = False) -> StepReply:
         """One optimiser step: forward/backward, gradient sync, global-norm clipping, AdamW."""
@@ -207,6 +248,7 @@ class StageWorker:
             hop_tensors=tuple(sorted({(hop, n) for d, hop, mb, n, _ in ledger if d == "fwd" and mb == 0})),
             cache_peak_bytes=record.cache_peak_bytes, peak_rss_bytes=peak_rss_bytes(),
             events=tuple((self.rank, e.name, e.start_s, e.end_s, e.category) for e in events) if want_events else None,
+            memory=self.memory(record),
         )
 
     # ---- evaluation: the forward-only schedule on the training ranks ----
@@ -281,7 +323,3 @@ class StageWorker:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

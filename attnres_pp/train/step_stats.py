@@ -31,6 +31,7 @@ class StepReply(NamedTuple):
     cache_peak_bytes: int
     peak_rss_bytes: int
     events: tuple | None  # (rank, action name, start_s, end_s, category) per action, when asked
+    memory: dict | None = None  # the rank's `memory_per_rank` entry (`train.memory_report`)
 
 
 def fwd_hop_tensors(ledger: list[tuple[str, int, int, int, int]], n_chunks: int) -> list[int]:
@@ -90,6 +91,7 @@ class StepStatsLog:
             "bubble_fraction": statistics.median(after_first),
             "cache_peak_bytes_per_rank": [r.cache_peak_bytes for r in replies],
             "peak_rss_bytes_per_rank": [r.peak_rss_bytes for r in replies],
+            "memory_per_rank": [r.memory for r in sorted(replies, key=lambda r: r.rank)],
             # The traced step also carries every rank's timeline: reported apart.
             "driver_bytes_per_step": statistics.median(self.driver_bytes) if self.driver_bytes else driver_bytes,
             "driver_bytes_trace_step": self.trace_step_bytes,

@@ -1,0 +1,157 @@
+"""Activation checkpointing of a chunk's transformer layers (`--activation-checkpoint`), made to
+compose with the split backward (I, then W) and with the memory meter.
+
+- `full`: a layer's forward keeps only what it was given (its inputs: the depth state's blocks,
+  partial or residual) and the parameters; everything else it would save is recomputed, once, the
+  first time the backward asks for it.
+- `selective`: as `full`, but the outputs of the layers' projections (matrix products at least
+  `d_model` wide: qkv, out, up, down) and of scaled-dot-product attention are kept
+  (`torch.utils.checkpoint.create_selective_checkpoint_contexts` records them in the forward and
+  serves them to the recomputation, so no matrix product runs twice); norms, softmax, GELU,
+  depth-attention scores, weights and reads, MSAR streams and gates are recomputed.
+
+Why not `torch.utils.checkpoint.checkpoint` itself: it recomputes once per autograd graph task
+(`_current_graph_task_id`), and the split backward runs several: I, W's engine call, and W's reads
+of matrix products' saved operands outside any graph task, each of which would run the layer's
+forward again (one recomputation per read: a 12-layer chunk's W recomputed its layers dozens of
+times). Here a layer's forward is one `_Frame`: the first unpack of a recomputed tensor, in any
+graph task or none, recomputes the whole layer and keeps the results until autograd drops the
+frame's last handle (B: when the layer's backward is done; I/W: when W is done), so W never
+recomputes what I did and never finds a tensor I consumed. Cached reads and received tensors stay
+the leaves they are (they are the frame's inputs, saved as they are); deposits are untouched.
+
+Recomputation reproduces the forward exactly: the same inputs (detached, requiring grad as
+before), the same parameters, the autocast state of the forward; the layers draw no random numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from attnres_pp.pipeline.memory_meter import ActivationMeter, storage_key
+
+AC_POLICIES = ("none", "full", "selective")
+
+_ATTENTION_OPS = frozenset(
+    getattr(torch.ops.aten, name).default for name in (
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    if hasattr(torch.ops.aten, name))
+_PRODUCT_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
+
+
+def selective_policy(min_width: int) -> Callable:
+    """SAC policy: save projections (matrix products whose output is at least `min_width` wide, so a
+    depth-attention score or an MSAR gate, a few columns wide, is recomputed) and attention."""
+
+    def policy(_ctx, op, *_args, **_kwargs):
+        if op in _ATTENTION_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        if op in _PRODUCT_OPS:
+            out = _ctx.op_output
+            if isinstance(out, torch.Tensor) and out.dim() >= 1 and out.shape[-1] >= min_width:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+class _Direct:
+    __slots__ = ("value",)
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+
+class _Recompute:
+    __slots__ = ("frame", "index")
+
+    def __init__(self, frame: _Frame, index: int) -> None:
+        self.frame, self.index = frame, index
+
+
+class _Frame:
+    """One checkpointed call of `fn(*args)`: what its recomputation needs, and its results."""
+
+    def __init__(self, fn, args, meter: ActivationMeter | None, keep: set, policy_fn) -> None:
+        self.fn, self.meter, self.keep = fn, meter, keep
+        self.args = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+        self.n_packed = 0
+        self.direct: set[int] = set()
+        self.recomputed: list | None = None
+        self.cached: list | None = None
+        self.device_type = next(a.device.type for a in args if isinstance(a, torch.Tensor))
+        self.autocast = (torch.is_autocast_enabled(self.device_type), torch.get_autocast_dtype(self.device_type))
+        self.forward_mode, self.recompute_mode = (None, None) if policy_fn is None else \
+            create_selective_checkpoint_contexts(policy_fn)
+
+    def _wrap(self, t: torch.Tensor):
+        return t.detach() if self.meter is None else self.meter.pack(t)
+
+    def _unwrap(self, held) -> torch.Tensor:
+        return held if self.meter is None else self.meter.unpack(held)
+
+    def pack(self, t: torch.Tensor):
+        index = self.n_packed
+        self.n_packed += 1
+        if storage_key(t) in self.keep:  # an input or a parameter: alive anyway, saved as it is
+            self.direct.add(index)
+            return _Direct(self._wrap(t))
+        return _Recompute(self, index)
+
+    def unpack(self, packed) -> torch.Tensor:
+        if isinstance(packed, _Direct):
+            return self._unwrap(packed.value)
+        if self.recomputed is None:
+            self._recompute()
+        return self._unwrap(self.recomputed[packed.index])
+
+    def _recompute(self) -> None:
+        saved: list = []
+
+        def collect(t: torch.Tensor):
+            saved.append(None if len(saved) in self.direct else self._wrap(t.detach()))
+            return None
+
+        enabled, dtype = self.autocast
+        mode = self.recompute_mode if self.recompute_mode is not None else contextlib.nullcontext()
+        with torch.enable_grad(), torch.autocast(self.device_type, dtype=dtype, enabled=enabled), mode, \
+                torch.autograd.graph.saved_tensors_hooks(collect, lambda _unused: None):
+            self.fn(*self.args)
+        if len(saved) != self.n_packed:
+            raise RuntimeError(f"activation checkpointing: the recomputed layer saved {len(saved)} tensors, "
+                               f"the forward {self.n_packed}: the layer's forward is not deterministic")
+        self.recomputed = saved
+        self.fn = self.args = self.cached = None  # the results are all W and B need from here on
+
+    def hold_cached(self) -> None:
+        """Count what selective checkpointing keeps (the SAC storage holds it, not autograd)."""
+        if self.forward_mode is None or self.meter is None:
+            return
+        self.cached = [self.meter.pack(wrapper.val) for per_op in self.forward_mode.storage.values()
+                       for entry in per_op.values() for wrapper in _wrappers(entry)
+                       if isinstance(wrapper.val, torch.Tensor)]
+
+
+def _wrappers(entry) -> list:
+    if isinstance(entry, list | tuple):
+        return [w for item in entry for w in _wrappers(item)]
+    return [entry] if hasattr(entry, "val") else []
+
+
+def checkpointed(fn: Callable, args: list, *, policy: str, meter: ActivationMeter | None, keep: set,
+                 min_width: int):
+    """`fn(*args)` under activation checkpointing `policy` ("full" or "selective"); `keep`: storage
+    keys saved as they are (the parameters'); the args' storages are added. Returns fn's result,
+    whose autograd graph is the ordinary one."""
+    keep = keep | {storage_key(a) for a in args if isinstance(a, torch.Tensor)}
+    frame = _Frame(fn, args, meter, keep, selective_policy(min_width) if policy == "selective" else None)
+    mode = frame.forward_mode if frame.forward_mode is not None else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), mode:
+        result = fn(*args)
+    frame.hold_cached()
+    return result

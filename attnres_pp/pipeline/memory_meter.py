@@ -1,0 +1,114 @@
+"""Counting the bytes a rank keeps for its backward (SPEC section 8, `activation_peak_bytes`).
+
+`ActivationMeter.saving()` is a `torch.autograd.graph.saved_tensors_hooks` context: every tensor an
+autograd node saves while it is active is packed into a `_Held` handle that keeps the tensor (so
+memory behaves exactly as without the hook) and counts its storage. The rules, which the
+simulator's prediction follows:
+
+- the unit is the **storage** (`untyped_storage()`, its whole `nbytes()`): a tensor saved by several
+  nodes, or several views of one buffer (a received message's flat buffer, the q/k/v of one
+  projection), count once, for as long as any handle to the storage lives;
+- a storage is alive from the first save until autograd drops the last handle: a fused backward
+  (B) drops a node's handles as the node runs; the split backward's I keeps the whole graph
+  (`retain_graph`), so the chunk's saved storages live until its W drops them;
+- parameters' own storages are not activations (they are `param_bytes`), so they are never
+  counted; a copy of a parameter (the bf16 cast under autocast, FSDP2's all-gathered unsharded
+  parameter) is a new storage and is counted;
+- inputs of a chunk (received hop tensors, cache reads) that a node saves are counted like any
+  other saved storage, also when the cache counts the same storage in `cache_peak_bytes`: each
+  term stands alone, and the rank's total peak is not their sum;
+- activation checkpointing (`pipeline.activation_checkpoint`) packs its kept tensors and its
+  recomputed ones through the same meter, so a recomputation inside a backward is a transient the
+  peak includes.
+
+The peak is the running maximum of live bytes over the step (it can only rise at a save), so it is
+the peak over the action order including the moments inside an action.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def storage_key(t: torch.Tensor) -> tuple[str, int]:
+    """(device type, storage address); a DTensor (an FSDP2 shard) is keyed by its local tensor."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    storage = t.untyped_storage()
+    return (t.device.type, storage.data_ptr())
+
+
+class _Held:
+    """A saved tensor and the meter that counts it; the count drops when autograd drops this."""
+
+    __slots__ = ("tensor", "_meter", "_key")
+
+    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter | None, key) -> None:
+        self.tensor, self._meter, self._key = tensor, meter, key
+
+    def __del__(self) -> None:
+        if self._meter is not None:
+            self._meter._release(self._key)
+
+
+class ActivationMeter:
+    """Live and peak bytes of the storages saved for backward under `saving()` (see module docstring).
+
+    `exclude`: storage keys never counted (the rank's parameters); `set_excluded` renews them when
+    parameters move (to a device, or into FSDP's shards)."""
+
+    def __init__(self, exclude: set | None = None) -> None:
+        self._exclude = set(exclude or ())
+        self._refs: dict[tuple[str, int], list[int]] = {}  # key -> [handles alive, storage bytes]
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def set_excluded(self, params) -> None:
+        self._exclude = {storage_key(p) for p in params if not p.is_meta}
+
+    def reset_peak(self) -> None:
+        """Start a step: the peak restarts from what is alive now (nothing, after a whole step)."""
+        self.peak_bytes = self.live_bytes
+
+    def pack(self, t: torch.Tensor) -> _Held:
+        # Detached: a node that saves its own output would otherwise hold itself through the tensor's
+        # grad_fn (a reference cycle that only the garbage collector frees); same storage either way.
+        t = t.detach()
+        if t.is_meta or t.device.type == "meta":
+            return _Held(t, None, None)
+        key = storage_key(t)
+        if key in self._exclude:
+            return _Held(t, None, None)
+        entry = self._refs.get(key)
+        if entry is None:
+            n_bytes = t.untyped_storage().nbytes()
+            self._refs[key] = [1, n_bytes]
+            self.live_bytes += n_bytes
+            if self.live_bytes > self.peak_bytes:
+                self.peak_bytes = self.live_bytes
+        else:
+            entry[0] += 1
+        return _Held(t, self, key)
+
+    @staticmethod
+    def unpack(held: _Held) -> torch.Tensor:
+        return held.tensor
+
+    def _release(self, key) -> None:
+        entry = self._refs.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._refs[key]
+            self.live_bytes -= entry[1]
+
+    def saving(self):
+        """The context under which a forward's saved tensors are counted."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+
+def optional_saving(meter: ActivationMeter | None):
+    return contextlib.nullcontext() if meter is None else meter.saving()

@@ -1,0 +1,130 @@
+"""`--dp-shard fsdp`: FSDP2 (`torch.distributed.fsdp.fully_shard`) over the mesh's "dp" dimension, one
+unit per transformer layer of the rank's chunks and one each for the embedding and the head; MSAR's
+tied stream convolutions stay whole on every rank (`grad_sync` reduces them over every rank).
+
+The pipeline never calls a `TransformerLayer`'s own forward (a chunk runs its sublayers, and a
+block's batched depth read uses the pseudo-queries of layers that have not run yet), so FSDP2's
+forward and backward hooks never fire; everything is driven through FSDP2's explicit controls:
+
+- before any compute action of chunk c (F, B, I, W), `unshard()` its units (a no-op when they are
+  unsharded already); with `reshard_after_forward="always"`, `reshard()` after each F, so the next
+  action of the chunk all-gathers again (the graph's saved parameters are views of the unsharded
+  storage, which the all-gather refills);
+- gradients accumulate in the unsharded parameters over every microbatch, I and W alike
+  (`set_requires_gradient_sync(False)`, `set_reshard_after_backward(False)`), so W finds what I left;
+- once per step, after the rank's last backward (`reduce`), each unit's reduce-scatter runs once
+  (sync switched on, FSDP2's post-backward of the unit's parameter group), averaging over the D
+  replicas into the sharded gradients, and the unit reshards. FSDP2 has no public call for "reduce
+  now" outside its hooks, so this calls the parameter group's `post_backward` (the same call its
+  hooks make) after `_lazy_init` (what its root pre-forward does).
+
+The clipping norm (`norm_reducer`) sums the squares of each rank's local gradient shards over every
+rank (shards are disjoint; FSDP2's padding rows are zeros) and adds the tied convolutions once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from attnres_pp.pipeline.chunk import PipelineChunk
+from attnres_pp.pipeline.mesh import Collectives
+from attnres_pp.schedule.ir import Action
+from attnres_pp.train.grad_sync import squared_norm
+from attnres_pp.train.optim import set_lr
+
+
+class FsdpShards:
+    """The FSDP2 units of one rank and the explicit controls the runtime calls around actions."""
+
+    def __init__(self, model: nn.Module, chunks: dict[int, PipelineChunk], owned_modules: list[str], dp_mesh,
+                 reshard_after_forward: str = "never") -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        self.units: dict[str, nn.Module] = {}
+        # FSDP2 refuses 0-dim parameters (MSAR's gate scales): they stay whole and are averaged over
+        # the replicas by `grad_sync` like any replicated parameter.
+        self.replicated: list[nn.Parameter] = []
+        for name in owned_modules:
+            if name == "stream_convs":
+                continue
+            module = model.get_submodule(name)
+            scalars = {p for p in module.parameters() if p.dim() == 0}
+            self.replicated += sorted(scalars, key=lambda p: [id(q) for q in module.parameters()].index(id(p)))
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, ignored_params=scalars or None)
+            module._get_fsdp_state()._lazy_init()
+            module.set_requires_gradient_sync(False)
+            module.set_reshard_after_backward(False)
+            self.units[name] = module
+        self.units_of: dict[int, list[nn.Module]] = {}
+        for c, chunk in chunks.items():
+            names = [f"layers.{i}" for i in chunk.layers]
+            if chunk.is_first:
+                names.insert(0, "embed")
+            if chunk.is_last:
+                names.append("head")
+            self.units_of[c] = [self.units[n] for n in names]
+        self.reshard_after_forward = reshard_after_forward == "always"
+
+    def before(self, action: Action) -> None:
+        for unit in self.units_of[action.chunk_index]:
+            unit.unshard()
+
+    def after(self, action: Action) -> None:
+        if self.reshard_after_forward and action.kind.name == "F":
+            for unit in self.units_of[action.chunk_index]:
+                unit.reshard()
+
+    def reduce(self) -> None:
+        """Each unit's reduce-scatter, once, after the step's last backward; then reshard."""
+        for unit in self.units.values():
+            unit.unshard()  # the unsharded gradients live on the unsharded parameters
+            unit.set_requires_gradient_sync(True)
+            group = unit._get_fsdp_state()._fsdp_param_group
+            group.post_backward()
+            group.finalize_backward()  # waits for the reduce-scatter and clears the group's state
+            unit.set_requires_gradient_sync(False)
+            unit.reshard()
+
+
+def local_squared_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for g in grads:
+        total += g.detach().double().pow(2).sum().to(device)
+    return total
+
+
+def norm_reducer(sharded: list[nn.Parameter], replicated: list[nn.Parameter], tied: list[nn.Parameter],
+                 collectives: Collectives, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`optim.clip_grad_norm_`'s reduce_sq under fsdp: the local shards' squares summed over every rank
+    (the rank's own total is recomputed from the local shards), the whole untied parameters' over the
+    replica's ranks, and the tied gradients once."""
+    tied_sq = squared_norm(tied, device)
+
+    def reduce_sq(_local_sq: torch.Tensor) -> torch.Tensor:
+        shard_sq = local_squared_norm(sharded, device)
+        collectives.all_reduce(shard_sq, "world")
+        replicated_sq = local_squared_norm(replicated, device)
+        collectives.all_reduce(replicated_sq, "pp")
+        return shard_sq + replicated_sq + tied_sq
+
+    return reduce_sq
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, params, lr: float, max_norm: float,
+                   reduce_sq: Callable[[torch.Tensor | None], torch.Tensor]) -> float:
+    """`optim.optimizer_step` for a mix of shards (DTensors) and whole tensors, which `_foreach_norm`
+    refuses together: the same clip (norm from `reduce_sq`, the same scale), learning rate, step and
+    dropped gradients. Returns the norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total_norm = float(reduce_sq(None).sqrt())
+    if max_norm > 0 and total_norm > max_norm:
+        for grad in grads:
+            grad.mul_(max_norm / (total_norm + 1e-6))
+    set_lr(optimizer, lr)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total_norm

@@ -1,0 +1,104 @@
+"""Memory counted per rank (SPEC section 8): the saved-tensor meter's rules (each storage once,
+parameters never, released when autograd drops it), and `memory_per_rank` in summary.json from every
+launcher: one process, in-process, local processes and Ray, with equal counts where they must agree."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnres_pp.cli import main
+from attnres_pp.pipeline.memory_meter import ActivationMeter
+from attnres_pp.train.memory_report import MEMORY_KEYS
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--steps", "2", "--eval-every", "0",
+        "--quiet"]
+
+
+def test_a_storage_saved_twice_or_through_views_counts_once_and_parameters_never():
+    weight = torch.nn.Parameter(torch.randn(8, 8))
+    meter = ActivationMeter()
+    meter.set_excluded([weight])
+    x = torch.randn(4, 8, requires_grad=True)
+    with meter.saving():
+        y = x * x  # saves x twice: one storage
+        first, second = y.view(2, 16).unbind(0)  # views of y
+        z = (first * second).sum() + (y @ weight).sum()  # saves the views (one storage) and the weight (never)
+    assert meter.live_bytes == x.numel() * 4 + y.numel() * 4
+    assert meter.peak_bytes == meter.live_bytes
+    z.backward()
+    assert meter.live_bytes == 0  # the backward dropped every saved tensor
+    assert meter.peak_bytes == x.numel() * 4 + y.numel() * 4
+    meter.reset_peak()
+    assert meter.peak_bytes == 0
+
+
+def test_a_retained_graph_keeps_its_storages_until_it_is_dropped():
+    meter = ActivationMeter()
+    x = torch.randn(16, requires_grad=True)
+    with meter.saving():
+        loss = (x.exp() * x).sum()
+    torch.autograd.grad(loss, x, retain_graph=True)
+    assert meter.live_bytes == 2 * 16 * 4  # x and exp(x): I keeps the graph for W
+    del loss
+    assert meter.live_bytes == 0
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _check_entries(entries: list, n_ranks: int) -> None:
+    assert len(entries) == n_ranks
+    for entry in entries:
+        assert set(MEMORY_KEYS) <= set(entry)
+        assert entry["param_bytes"] > 0 and entry["grad_bytes"] == entry["param_bytes"]
+        assert entry["optimizer_bytes"] == 2 * entry["param_bytes"]  # AdamW's two fp32 moments
+        assert entry["activation_peak_bytes"] > 0 and entry["peak_rss_bytes"] > 0
+
+
+def test_every_in_this_process_launcher_writes_memory_per_rank(tmp_path):
+    assert main(["train", *TINY, "--batch-size", "4", "--launcher", "local", "--out", str(tmp_path / "one")]) == 0
+    whole = _summary(tmp_path / "one")["memory_per_rank"]
+    _check_entries(whole, 1)
+    assert main(["train", *TINY, "--batch-size", "8", "--launcher", "inprocess", "--stages", "2",
+                 "--data-parallel", "2", "--out", str(tmp_path / "inproc")]) == 0
+    entries = _summary(tmp_path / "inproc")["memory_per_rank"]
+    _check_entries(entries, 4)
+    # The ranks' parameters are the whole model's (MSAR's tied convs aside: none here), per replica.
+    assert entries[0]["param_bytes"] + entries[1]["param_bytes"] == whole[0]["param_bytes"]
+    assert entries[0] == {**entries[2], "peak_rss_bytes": entries[0]["peak_rss_bytes"]}  # replicas hold the same
+
+
+def test_local_processes_count_what_the_in_process_ranks_count(tmp_path):
+    layout = [*TINY, "--batch-size", "4", "--stages", "2", "--schedule", "zb_h1", "--activation-checkpoint", "full"]
+    assert main(["train", *layout, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
+    assert main(["train", *layout, "--launcher", "local", "--out", str(tmp_path / "procs")]) == 0
+    want, got = (_summary(tmp_path / d)["memory_per_rank"] for d in ("inproc", "procs"))
+    _check_entries(got, 2)
+    for w, g in zip(want, got, strict=True):
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "cache_peak_bytes"):
+            assert g[key] == w[key], key
+        # Received hops are views of one message buffer over the wire, separate tensors in memory.
+        assert 0.5 * w["activation_peak_bytes"] <= g["activation_peak_bytes"] <= 2 * w["activation_peak_bytes"]
+
+
+@pytest.mark.ray
+def test_ray_actors_write_memory_per_rank(tmp_path):
+    pytest.importorskip("ray")
+    if os.environ.get("RAY_ADDRESS"):
+        pytest.skip("RAY_ADDRESS is set: this test starts its own private Ray instance")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, "-m", "attnres_pp.cli", "train", *TINY, "--batch-size", "4", "--stages", "2",
+                          "--launcher", "ray", "--out", str(tmp_path / "ray")], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    _check_entries(_summary(tmp_path / "ray")["memory_per_rank"], 2)
