@@ -5,8 +5,8 @@
                       of `model.transformer` / `pipeline.chunk`; MSAR's stream convolutions on every
                       rank); under FSDP2 over D replicas ceil(dim0 / D) rows of each parameter
     grad_bytes        the same shapes (fp32 gradients, sharded alike)
-    optimizer_bytes   AdamW: exp_avg and exp_avg_sq (fp32, sharded alike) and one 0-d float32
-                      `step` tensor per parameter (torch keeps `step` as a tensor)
+    optimizer_bytes   AdamW's two moments exp_avg and exp_avg_sq (fp32, sharded alike), as SPEC 8
+                      and the runtime's count define it (its 0-d `step` tensors, 4 bytes each, left out)
     activation_peak   the peak over the rank's action order of the bytes saved for backward: F(c, mb)
                       adds chunk c's saved bytes, B frees them; I frees nothing (the split backward's
                       I keeps the graph for W, retain_graph) and W frees all of it
@@ -42,7 +42,8 @@ UNITS_PATH = Path(__file__).with_name("memory_units.json")
 
 FEATURES = ("layer_td", "layer_th", "layer_tf", "sub_tw", "sub_t", "sub_tr", "seg_ntw", "seg_nkt", "seg_ktd",
             "seg_nt", "seg_ntr", "seg_nbd", "merge_td", "merge_t", "merge_tr", "merge_bd", "head_tv", "head_td",
-            "head_t", "embed_t", "embed_td", "matmul_params", "sub_1", "seg_1", "seg_kq", "sub_d")
+            "head_t", "embed_t", "embed_td", "matmul_params", "sub_1", "seg_1", "seg_kq", "sub_d",
+            "buf_tw", "buf_tk")
 
 
 # ---- parameters, gradients, optimizer state ----
@@ -94,14 +95,14 @@ def local_numel(shape: tuple[int, ...], data_parallel: int, dp_shard: str, dp_ra
 
 def state_bytes(shapes: list[tuple[int, ...]], *, data_parallel: int, dp_shard: str, dp_rank: int = 0
                 ) -> dict[str, int]:
-    """param/grad/optimizer bytes of one rank (fp32 throughout; AdamW's `step` is 4 bytes a tensor).
+    """param/grad/optimizer bytes of one rank (fp32 throughout; optimizer: AdamW's two moments).
 
     Under FSDP2 a parameter's shard storage and the reduce-scattered gradient buffer are padded to
     ceil(dim0 / D) rows on every replica, while AdamW's moments are made like the unpadded local
     shard (`zeros_like`), so replica `dp_rank`'s optimizer state can be smaller than its parameters."""
     numel = sum(shard_numel(s, data_parallel, dp_shard) for s in shapes)
     local = sum(local_numel(s, data_parallel, dp_shard, dp_rank) for s in shapes)
-    return {"param_bytes": 4 * numel, "grad_bytes": 4 * numel, "optimizer_bytes": 8 * local + 4 * len(shapes)}
+    return {"param_bytes": 4 * numel, "grad_bytes": 4 * numel, "optimizer_bytes": 8 * local}
 
 
 def matmul_parameters(cfg: ModelConfig, partition: Partition, chunk_index: int) -> int:
@@ -142,6 +143,9 @@ def activation_features(cfg: ModelConfig, partition: Partition, chunk_index: int
     n_sub = 2 * n_layers
     segments, n_merges = depth_segments(cfg, partition, chunk_index)
     is_first, is_last = chunk_index == 0, chunk_index == partition.n_chunks - 1
+    source_rows = (cfg.n_blocks + 1) if cfg.uses_depth_attention else 0
+    streams = cfg.n_streams if cfg.residual == "msar" else 1
+    key_width = cfg.key_rank if cfg.residual == "lr_attnres" else d
     return {
         "layer_td": n_layers * t * d, "layer_th": n_layers * t * cfg.n_heads, "layer_tf": n_layers * t * f,
         "sub_tw": n_sub * t * width, "sub_t": n_sub * t, "sub_tr": n_sub * t * r,
@@ -156,6 +160,9 @@ def activation_features(cfg: ModelConfig, partition: Partition, chunk_index: int
         "matmul_params": matmul_parameters(cfg, partition, chunk_index) if dtype == "bf16" else 0,
         "sub_1": n_sub, "seg_1": len(segments),
         "seg_kq": sum(k * cfg.query_dim * cfg.n_streams for _n, k in segments), "sub_d": n_sub * d,
+        # A pass's sources live in preallocated buffers of n_blocks + 1 rows (model.depth.DepthSources)
+        # that phase 1 reads as views: autograd saves the whole storage, values and normalised keys.
+        "buf_tw": source_rows * t * width * streams, "buf_tk": source_rows * t * key_width * streams,
     }
 
 
