@@ -114,6 +114,5 @@ def to_markdown(payload: dict) -> str:
         f"One process that only imports torch and attnres_pp: {payload['import_rss'] / MiB:,.0f} MiB (every rank's "
         f"floor). One process that builds the whole model, as every rank did before building only its chunks: "
         f"{payload['whole_model_build_rss'] / MiB:,.0f} MiB before any training state.",
-        "",
-        memory_sweep.to_markdown(payload["counted"]),
+        *(["", memory_sweep.to_markdown(payload["counted"])] if "counted" in payload else []),
     ])

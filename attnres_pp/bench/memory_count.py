@@ -3,15 +3,12 @@ saved for backward that are alive (each storage once, parameters excluded) and t
 cache's entries plus gradient deposits, for comparison with `simulator.memory`.
 
 The step is the real runtime (`StageRuntime`, every schedule, I/W split included) over the loopback
-transport, all ranks in this process taking turns. A saved-tensor hook wraps every tensor autograd
-saves in a small holder owned by the rank whose action is running; the holder dies when autograd
-frees the saved tensor (after B, or after W for a split backward), and a finaliser takes its bytes
-off that rank's count. Live bytes are sampled after every action.
+transport, all ranks in this process taking turns. Each rank's own activation meter
+(`pipeline.memory_meter`, the counter behind `memory_per_rank`) counts its saved storages; the
+peak and the action it was reached in are read after every action, the cache after every action.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 
@@ -22,49 +19,6 @@ from attnres_pp.pipeline.chunk import build_rank_model
 from attnres_pp.pipeline.loopback import make_loopback_runtimes, run_loopback_step
 from attnres_pp.schedule.passes import insert_comm
 from attnres_pp.schedule.schedules import build_schedule, schedule_placement
-
-
-class _Held:
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
-class SavedLedger:
-    """Live saved-for-backward bytes per rank: a storage counts once, however many holders share it."""
-
-    def __init__(self, n_ranks: int, excluded: set[int]) -> None:
-        self.rank = 0
-        self.excluded = excluded
-        self.refs: list[dict[int, list[int]]] = [{} for _ in range(n_ranks)]  # ptr -> [holders, bytes]
-        self.live = [0] * n_ranks
-
-    def pack(self, tensor: torch.Tensor):
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in self.excluded:
-            return tensor
-        # Held detached: a saved output held with its grad_fn would make a cycle (holder -> tensor ->
-        # node -> holder) that keeps a graph kept by I (retain_graph) alive after its W.
-        held, rank = _Held(tensor.detach()), self.rank
-        entry = self.refs[rank].setdefault(ptr, [0, storage.nbytes()])
-        if entry[0] == 0:
-            self.live[rank] += entry[1]
-        entry[0] += 1
-        weakref.finalize(held, self._release, rank, ptr)
-        return held
-
-    def _release(self, rank: int, ptr: int) -> None:
-        entry = self.refs[rank][ptr]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live[rank] -= entry[1]
-            del self.refs[rank][ptr]
-
-    @staticmethod
-    def unpack(packed):
-        return packed.tensor if isinstance(packed, _Held) else packed
 
 
 def _cache_bytes(runtime) -> int:
@@ -87,19 +41,18 @@ def count_step(cfg: ModelConfig, *, schedule_name: str, n_stages: int, n_virtual
     act_dtype = torch.bfloat16 if dtype == "bf16" else None
     runtimes = make_loopback_runtimes(cfg, [chunks for _model, chunks in built], plan, schedule,
                                       (n_sequences, cfg.seq_len), activation_dtype=act_dtype)
-    excluded = {p.untyped_storage().data_ptr() for model, _ in built for p in model.parameters() if not p.is_meta}
-    ledger = SavedLedger(n_stages, excluded)
+    # The runtime's own meter (`pipeline.memory_meter`, what `memory_per_rank` reports) counts what
+    # each rank saves; an outer saved-tensor hook would see nothing, as the meter's hooks are inner.
     peaks = [{"activation_peak_bytes": 0, "cache_peak_bytes": 0, "peak_action": ""} for _ in range(n_stages)]
     for runtime in runtimes:
         original = runtime.run_next
 
         def run_next(runtime=runtime, original=original):
-            ledger.rank = runtime.pp_rank
             action = str(runtime.actions[runtime.cursor])
             result = original()
             peak = peaks[runtime.pp_rank]
-            if ledger.live[runtime.pp_rank] > peak["activation_peak_bytes"]:
-                peak["activation_peak_bytes"], peak["peak_action"] = ledger.live[runtime.pp_rank], action
+            if runtime.memory.peak_bytes > peak["activation_peak_bytes"]:
+                peak["activation_peak_bytes"], peak["peak_action"] = runtime.memory.peak_bytes, action
             peak["cache_peak_bytes"] = max(peak["cache_peak_bytes"], _cache_bytes(runtime))
             return result
 
@@ -107,7 +60,6 @@ def count_step(cfg: ModelConfig, *, schedule_name: str, n_stages: int, n_virtual
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.vocab_size, (n_microbatches * n_sequences, cfg.seq_len + 1), generator=generator)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    with torch.autograd.graph.saved_tensors_hooks(ledger.pack, ledger.unpack):
-        run_loopback_step(runtimes, list(inputs.chunk(n_microbatches)), list(targets.chunk(n_microbatches)),
-                          1.0 / n_microbatches)
+    run_loopback_step(runtimes, list(inputs.chunk(n_microbatches)), list(targets.chunk(n_microbatches)),
+                      1.0 / n_microbatches)
     return peaks

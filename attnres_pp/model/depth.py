@@ -146,11 +146,14 @@ class DepthSources:
     """
 
     def __init__(self, cfg: ModelConfig, stream_convs: StreamConvs | None, backend: str, like_BTW: torch.Tensor,
-                 decode: DecodeStep | None = None) -> None:
+                 decode: DecodeStep | None = None, capacity: int | None = None) -> None:
         self.cfg, self.stream_convs, self.decode = cfg, stream_convs, decode
         self.backend = resolve_backend(backend, like_BTW)
         self.shape_BT = tuple(like_BTW.shape[:2])
-        n_tokens, capacity, d = self.shape_BT[0] * self.shape_BT[1], cfg.n_blocks + 1, cfg.d_model
+        # A model's pass holds at most n_blocks + 1 sources; a caller reading given sources (a probe
+        # timing reads of N sources) may hold more.
+        capacity = max(cfg.n_blocks + 1, capacity or 0)
+        n_tokens, d = self.shape_BT[0] * self.shape_BT[1], cfg.d_model
         dtype, device = like_BTW.dtype, like_BTW.device
         # Normalised keys in the math dtype (fp32, fp64 for fp64), as the reads compute them.
         self.key_dtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -252,7 +255,7 @@ class BlockReader:
                  stream_convs: StreamConvs | None, backend: str, decode: DecodeStep | None = None,
                  first_site: int = 0) -> None:
         if not isinstance(sources, DepthSources):
-            held = DepthSources(cfg, stream_convs, backend, sources[0], decode)
+            held = DepthSources(cfg, stream_convs, backend, sources[0], decode, capacity=len(sources))
             held.append(list(sources))
             sources = held
         self.cfg, self.reads, self.sources, self.first_site = cfg, reads, sources, first_site
