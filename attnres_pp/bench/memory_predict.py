@@ -7,7 +7,7 @@ block sizes and variants). Two counts, each a row of the table:
   `bench.memory_count` (saved tensors alive per rank, cache entries + deposits) and, for
   param/grad/optimizer, each rank's real modules and an AdamW after one step (fp32 and bf16; not
   for AC or fsdp, which this count does not run);
-- `run`: `attnres-pp train ... --steps 2` (in-process launcher, fp32, CPU) and its `summary.json`'s
+- `run`: `attnres-pp train ... --steps 2` (in-process launcher, local for fsdp; fp32, CPU) and its `summary.json`'s
   `memory_per_rank`; a summary without it (a tree whose runs do not count memory) is listed as
   skipped with the reason.
 
@@ -66,7 +66,9 @@ def case_flags(case: dict) -> dict:
 
 
 def train_argv(flags: dict, out_dir: Path) -> list[str]:
-    argv = ["train", "--steps", "2", "--launcher", "inprocess", "--device", "cpu", "--threads", "1", "--quiet",
+    # FSDP2 needs a process group per rank, which in-process ranks (threads of one process) lack.
+    launcher = "local" if flags.get("dp_shard") == "fsdp" else "inprocess"
+    argv = ["train", "--steps", "2", "--launcher", launcher, "--device", "cpu", "--threads", "1", "--quiet",
             "--out", str(out_dir), "--cache", "on"]
     for key, value in {"dtype": "fp32", **flags}.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
@@ -228,7 +230,8 @@ def to_markdown(payload: dict) -> str:
     lines = ["## Predicted vs counted memory per rank (out of sample)", "",
              "`attnres-pp simulate memory` against one real step per case, counted by saved-tensor hooks in "
              "this process (`hooks`: loopback runtime, every rank) or by a training run's `memory_per_rank` "
-             f"(`run`: 2 steps, in-process launcher, fp32). Model {BASE} (dtype fp32 unless the case says bf16). "
+             "(`run`: 2 steps, in-process launcher (local for fsdp), fp32). "
+             f"Model {BASE} (dtype fp32 unless the case says bf16). "
              "Errors: median / max over ranks.", "",
              markdown_table(["case", "counted by", "param/grad/optimizer", "activation peak", "cache peak",
                              "predicted peak's action per rank"], table)]
