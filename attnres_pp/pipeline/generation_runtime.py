@@ -32,7 +32,7 @@ from attnres_pp.comm.plan import RESIDUAL, PayloadPlan, Source
 from attnres_pp.model.decode_state import DecodeState
 from attnres_pp.pipeline.chunk import PipelineChunk
 from attnres_pp.pipeline.loopback import run_in_turns
-from attnres_pp.pipeline.runtime import message_tag
+from attnres_pp.pipeline.runtime import issue_planned_groups, message_tag
 from attnres_pp.schedule.forward_schedule import generation_schedule
 from attnres_pp.schedule.ir import Action, ActionKind
 from attnres_pp.schedule.validate_nccl import lockstep_plan
@@ -116,18 +116,13 @@ class GenerationRuntime:
         if self._nccl_plan is None or self._nccl_posted_at == self.cursor:
             return False
         self._nccl_posted_at = self.cursor
-        ran = False
-        for group in self._nccl_plan[self.cursor]:
-            self.transport.begin_group()
-            for planned in group:
-                if planned.is_recv:
-                    self.transport.prepost_recv(self._recv_shapes(planned), self.dtype, self.schedule.peer(planned),
-                                                self._tag(planned))
-            if action is not None and action.is_send and action in group:
-                self._HANDLERS[action.kind](self, action)
-                ran = True
-            self.transport.end_group()
-        return ran
+
+        def prepost(planned: Action) -> None:
+            self.transport.prepost_recv(self._recv_shapes(planned), self.dtype, self.schedule.peer(planned),
+                                        self._tag(planned))
+
+        return issue_planned_groups(self.transport, self._nccl_plan[self.cursor], action, prepost,
+                                    lambda a: self._HANDLERS[a.kind](self, a))
 
     def finish_pass(self) -> torch.Tensor | None:
         """Wait for this pass's sends; the logits if this rank runs the last chunk, else None."""

@@ -17,6 +17,7 @@ entry), so the wire carries, and the ledger counts, only what crosses between ra
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,24 @@ from attnres_pp.pipeline.memory_meter import ActivationMeter
 from attnres_pp.pipeline.routes import Route, hop_shapes, message_tag, rank_routes
 from attnres_pp.pipeline.split_backward import WeightWork, backward_input, backward_weight, fused_backward
 from attnres_pp.schedule.ir import Action, ActionKind, Schedule
+
+
+def issue_planned_groups(transport, groups: list[list[Action]], action: Action | None,
+                         prepost: Callable[[Action], None], run: Callable[[Action], None]) -> bool:
+    """Issue one position's groups of a lockstep plan (`schedule.validate_nccl.lockstep_plan`), as
+    every runtime does under NCCL's rules: per group, its receives posted ahead (`prepost`), and
+    `action`'s own send run inside the group it belongs to (`run`). True if `action` ran here."""
+    ran = False
+    for group in groups:
+        transport.begin_group()
+        for planned in group:
+            if planned.is_recv:
+                prepost(planned)
+        if action is not None and action.is_send and action in group:
+            run(action)
+            ran = True
+        transport.end_group()
+    return ran
 
 
 @dataclass
@@ -203,18 +222,13 @@ class StageRuntime:
         if self._nccl_plan is None or self._nccl_posted_at == self.cursor:
             return False
         self._nccl_posted_at = self.cursor
-        ran = False
-        for group in self._nccl_plan[self.cursor]:
-            self.transport.begin_group()
-            for planned in group:
-                if planned.is_recv:
-                    route = self._route_of[planned]
-                    self.transport.prepost_recv(route.shapes, self.dtype, route.peer, route.tag)
-            if action is not None and action.is_send and action in group:
-                self._HANDLERS[action.kind](self, action)
-                ran = True
-            self.transport.end_group()
-        return ran
+
+        def prepost(planned: Action) -> None:
+            route = self._route_of[planned]
+            self.transport.prepost_recv(route.shapes, self.dtype, route.peer, route.tag)
+
+        return issue_planned_groups(self.transport, self._nccl_plan[self.cursor], action, prepost,
+                                    lambda a: self._HANDLERS[a.kind](self, a))
 
     # ---- handlers ----
 
