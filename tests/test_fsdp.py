@@ -66,3 +66,102 @@ def test_checkpoints_move_between_fsdp_and_replicate_at_another_split(tmp_path):
         resumed = _summary(run)
         assert resumed["config"]["pipeline"]["stages"] == 1
         _assert_losses(resumed["losses"], want)
+
+
+# bf16 under fsdp (FSDP2's MixedPrecisionPolicy) against bf16 under replicate (autocast over fp32
+# weights). The two differ by rounding only: under fsdp the ops autocast keeps in fp32 (norms, the
+# depth-attention math, the loss) read bf16-rounded weights. One rounding to bf16 errs by at most
+# 2^-9 relative; measured over these 3 steps the losses differ by <= 1.5e-4 relative (about as much
+# as either bf16 run differs from fp32), so 1e-3 relative (a quarter of bf16's 2^-8 spacing) leaves
+# 7x headroom while a wrong update (the loss falls by ~2e-2 relative per step here) cannot pass.
+BF16_RTOL = 1e-3
+
+
+def test_fsdp_bf16_tracks_the_replicated_bf16_run(tmp_path):
+    layout = [*D2P2V2, "--residual", "msar", "--block-size", "3", "--schedule", "zbv", "--steps", "3",
+              "--dtype", "bf16"]
+    assert main(["train", *layout, "--launcher", "inprocess", "--out", str(tmp_path / "replicate")]) == 0
+    assert main(["train", *layout, "--launcher", "local", "--dp-shard", "fsdp", "--out", str(tmp_path / "fsdp")]) == 0
+    want, got = _summary(tmp_path / "replicate")["losses"], _summary(tmp_path / "fsdp")["losses"]
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want, strict=True):
+        assert abs(g - w) <= BF16_RTOL * abs(w), (got, want)
+    assert got[-1] < got[0] - 0.1  # it trains
+
+
+def _bf16_rank(rank: int, init_method: str, run_cfg: dict, results) -> None:
+    """One rank of a D = 2 bf16 fsdp run: the dtypes of shards, compute copies, gradients and moments."""
+    import traceback
+
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from attnres_pp.pipeline.stage_setup import init_process_group
+    from attnres_pp.train.stage_worker import StageWorker
+
+    try:
+        torch.set_num_threads(1)
+        _backend, device = init_process_group(init_method, rank, 2, 60.0)
+        worker = StageWorker(run_cfg, rank)
+        worker.connect(device)
+        seen: dict[str, set] = {"sharded": set(), "compute": set(), "accumulated": set(), "grad": set(),
+                                "moments": set()}
+        units = list(worker.fsdp.units.values())
+        seen["sharded"] |= {(type(p).__name__, p.dtype) for u in units for p in u.parameters() if p.dim()}
+        worker.begin_step(0)
+        runtime = worker.runtime
+        while not runtime.finished:
+            action = runtime.actions[runtime.cursor]
+            if action.is_compute:  # what the chunk computes with: FSDP2's unsharded copies
+                worker.fsdp.before(action)
+                seen["compute"] |= {(type(p).__name__, p.dtype) for u in worker.fsdp.units_of[action.chunk_index]
+                                    for p in u.parameters() if p.dim()}
+            runtime.run_next()
+        record = runtime.finish_step()
+        # The microbatches' gradients add up in FSDP2's fp32 accumulator, not in the bf16 copies.
+        seen["accumulated"] |= {fp.unsharded_accumulated_grad.dtype for u in units
+                                for fp in u._get_fsdp_state()._fsdp_param_group.fsdp_params
+                                if fp.unsharded_accumulated_grad is not None}
+        worker.sync_gradients()
+        seen["grad"] |= {(type(p.grad).__name__, p.grad.dtype) for u in units for p in u.parameters()
+                         if p.dim() and p.grad is not None}
+        worker.optimizer_step(1e-3)
+        seen["moments"] |= {v.dtype for s in worker.optimizer.state.values() for k, v in s.items()
+                            if k.startswith("exp_avg")}
+        seen["sharded"] |= {(type(p).__name__, p.dtype) for u in units for p in u.parameters() if p.dim()}
+        assert all(isinstance(p, DTensor) for u in units for p in u.parameters() if p.dim())
+        results.put((rank, {k: sorted(map(str, v)) for k, v in seen.items()}, sum(record.losses.values())))
+    except Exception:
+        results.put((rank, traceback.format_exc(), None))
+
+
+def test_fsdp_bf16_keeps_fp32_shards_and_computes_in_bf16(tmp_path):
+    import multiprocessing as mp
+
+    from attnres_pp.train.config import RunConfig
+
+    run_cfg = RunConfig.from_dict({
+        "model": {"n_layers": 2, "d_model": 16, "n_heads": 2, "seq_len": 8, "residual": "attnres",
+                  "block_size": 2},
+        "train": {"steps": 1, "batch_size": 8, "microbatches": 2, "seed": 0, "dtype": "bf16", "device": "cpu"},
+        "pipeline": {"stages": 1, "virtual": 2, "schedule": "interleaved_zb", "launcher": "local", "timeout_s": 60.0,
+                     "data_parallel": 2, "dp_shard": "fsdp"},
+    }).to_dict()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_bf16_rank, args=(r, f"file://{tmp_path}/rendezvous", run_cfg, results), daemon=True)
+             for r in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        replies = [results.get(timeout=120) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=20)
+            if proc.is_alive():
+                proc.terminate()
+    for rank, seen, _loss in replies:
+        assert isinstance(seen, dict), f"rank {rank} failed:\n{seen}"
+        assert seen == {"sharded": ["('DTensor', torch.float32)"], "compute": ["('Parameter', torch.bfloat16)"],
+                        "accumulated": ["torch.float32"], "grad": ["('DTensor', torch.float32)"],
+                        "moments": ["torch.float32"]}, seen

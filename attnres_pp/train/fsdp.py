@@ -18,6 +18,15 @@ forward and backward hooks never fire; everything is driven through FSDP2's expl
   now" outside its hooks, so this calls the parameter group's `post_backward` (the same call its
   hooks make) after `_lazy_init` (what its root pre-forward does).
 
+Under `--dtype bf16` each unit gets FSDP2's `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`:
+the shards (the master weights), their gradients and AdamW's moments stay fp32, `unshard()` all-gathers
+bf16 copies (half the all-gather bytes) that the chunk computes with, and the reduce-scatter runs in
+fp32. After each backward action (B, I, W) the unit's `post_backward` with sync off (what FSDP2's hook
+does after every backward under no-sync) moves the bf16 gradient into FSDP2's fp32 accumulator, so the
+microbatches' gradients add up in fp32, as the replicated run's fp32 `.grad` does. The forward still
+runs under autocast (`model.precision`): the ops it keeps in fp32 (norms, depth-attention math, the
+loss) then read bf16-rounded weights, where the replicated run's read fp32 ones.
+
 The clipping norm (`norm_reducer`) sums the squares of each rank's local gradient shards over every
 rank (shards are disjoint; FSDP2's padding rows are zeros) and adds the tied convolutions once.
 """
@@ -29,6 +38,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from attnres_pp.model.precision import PRECISIONS
 from attnres_pp.pipeline.chunk import PipelineChunk
 from attnres_pp.pipeline.mesh import Collectives
 from attnres_pp.schedule.ir import Action
@@ -40,8 +50,13 @@ class FsdpShards:
     """The FSDP2 units of one rank and the explicit controls the runtime calls around actions."""
 
     def __init__(self, model: nn.Module, chunks: dict[int, PipelineChunk], owned_modules: list[str], dp_mesh,
-                 reshard_after_forward: str = "never") -> None:
-        from torch.distributed.fsdp import fully_shard
+                 reshard_after_forward: str = "never", precision: str = "fp32") -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # fp32: no policy (FSDP2 computes in the parameters' dtype); bf16: bf16 compute, fp32 reduce.
+        mp_policy = MixedPrecisionPolicy(param_dtype=PRECISIONS[precision], reduce_dtype=torch.float32) \
+            if precision != "fp32" else MixedPrecisionPolicy()
+        self.mixed = precision != "fp32"
 
         self.units: dict[str, nn.Module] = {}
         # FSDP2 refuses 0-dim parameters (MSAR's gate scales): they stay whole and are averaged over
@@ -53,7 +68,8 @@ class FsdpShards:
             module = model.get_submodule(name)
             scalars = {p for p in module.parameters() if p.dim() == 0}
             self.replicated += sorted(scalars, key=lambda p: [id(q) for q in module.parameters()].index(id(p)))
-            fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, ignored_params=scalars or None)
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, ignored_params=scalars or None,
+                        mp_policy=mp_policy)
             module._get_fsdp_state()._lazy_init()
             module.set_requires_gradient_sync(False)
             module.set_reshard_after_backward(False)
@@ -76,6 +92,9 @@ class FsdpShards:
         if self.reshard_after_forward and action.kind.name == "F":
             for unit in self.units_of[action.chunk_index]:
                 unit.reshard()
+        elif self.mixed and action.kind.name != "F":
+            for unit in self.units_of[action.chunk_index]:  # bf16 .grad -> FSDP2's fp32 accumulator
+                unit._get_fsdp_state()._fsdp_param_group.post_backward()
 
     def reduce(self) -> None:
         """Each unit's reduce-scatter, once, after the step's last backward; then reshard."""

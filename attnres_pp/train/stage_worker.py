@@ -142,7 +142,7 @@ class StageWorker:
 
         pipe = self.run_cfg.pipeline
         self.fsdp = FsdpShards(self.model, self.chunks, self.owned_modules, dp_mesh,
-                               pipe.fsdp_reshard_after_forward or "never")
+                               pipe.fsdp_reshard_after_forward or "never", self.run_cfg.train.dtype)
         self.params = rank_parameters(self.chunks, self.model)
         self.tied = [p for name, p in self.params.items() if name.startswith("stream_convs.")]
         self.untied = [p for name, p in self.params.items() if not name.startswith("stream_convs.")]
