@@ -43,7 +43,7 @@ def saved(tmp_path_factory):
     for worker in _workers(2, 2, 2):
         torch.manual_seed(100 + worker.rank)
         by_stream[worker.rng_stream] = torch.get_rng_state()
-        state.update(shard_state(worker.params, worker.optimizer, worker.rng_stream))
+        state.update(shard_state(worker.model, worker.params, worker.optimizer, worker.rng_stream))
     save_shard(step_dir, state, distributed=False)
     return step_dir, by_stream
 
@@ -71,10 +71,11 @@ def test_a_resume_restores_each_stream_that_exists(saved, capsys, D, P, V, resto
 
 def test_a_checkpoint_without_any_rng_state_says_so(tmp_path):
     worker = _workers(1, 1, 1)[0]
-    state = {k: v for k, v in shard_state(worker.params, worker.optimizer, "unused").items()
+    state = {k: v for k, v in shard_state(worker.model, worker.params, worker.optimizer, "unused").items()
              if not k.startswith("rng.")}
     save_shard(tmp_path / "step_1", state, distributed=False)
-    note = load_shard(tmp_path / "step_1", worker.params, worker.optimizer, worker.rng_stream, distributed=False)
+    note = load_shard(tmp_path / "step_1", worker.model, worker.params, worker.optimizer, worker.rng_stream,
+                      distributed=False)
     assert "no RNG state for stream dp0.layers0:4 (it holds none" in note
 
 

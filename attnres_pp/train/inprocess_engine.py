@@ -144,7 +144,7 @@ class InProcessEngine(PipelineEngineBase):
         """One process writes for every rank: their states merged (replicas' equal copies once)."""
         state = {}
         for worker in self.workers:
-            state.update(shard_state(worker.params, worker.optimizer, worker.rng_stream))
+            state.update(shard_state(worker.model, worker.params, worker.optimizer, worker.rng_stream))
         save_shard(step_dir, state, distributed=False)
 
     def load_checkpoint(self, step_dir) -> None:

@@ -114,11 +114,11 @@ class LocalEngine:
 
     def save_checkpoint(self, step_dir) -> None:
         """The whole model as one shard, in the format every engine reads (see train.shards)."""
-        save_shard(step_dir, shard_state(dict(self.model.named_parameters()), self.optimizer, self.rng_stream),
-                   distributed=False)
+        state = shard_state(self.model, dict(self.model.named_parameters()), self.optimizer, self.rng_stream)
+        save_shard(step_dir, state, distributed=False)
 
     def load_checkpoint(self, step_dir) -> None:
-        note = load_shard(step_dir, dict(self.model.named_parameters()), self.optimizer, self.rng_stream,
+        note = load_shard(step_dir, self.model, dict(self.model.named_parameters()), self.optimizer, self.rng_stream,
                           distributed=False)
         if note is not None:
             print(f"note: {note}", file=sys.stderr, flush=True)

@@ -4,7 +4,10 @@ A checkpoint's state dict is flat and keyed by the whole model's names, whatever
     "<parameter name>"                  the parameter, e.g. "layers.3.mlp.up.weight"
     "optim.<parameter name>.<key>"      its AdamW state: step, exp_avg, exp_avg_sq
     "rng.<stream>" (".cuda")            the RNG state of the rank that feeds <stream> (`rng_stream`)
-Every rank saves what it holds; DCP deduplicates the copies that replicas (and MSAR's tied convs on
+The values come from torch.distributed.checkpoint.state_dict (`get_model_state_dict`,
+`get_optimizer_state_dict`: FQN-keyed, FSDP2 shards as DTensors) and go back through
+`set_model_state_dict` and `set_optimizer_state_dict`; only the flattening into the keys above is
+done here. Every rank saves what it holds; DCP deduplicates the copies that replicas (and MSAR's tied convs on
 every rank) hold, so each key is written once, by one rank, into that rank's own file. A rank loads
 exactly the keys of the parameters it holds, so a checkpoint loads into any launcher and any split
 (stages, virtual stages, data parallelism, layer counts): DCP reads each tensor from whichever
@@ -29,6 +32,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from attnres_pp.train.metadata_pickle import load_metadata
 
@@ -49,11 +59,29 @@ def rng_keys(stream: str) -> tuple[str, str]:
     return f"rng.{stream}", f"rng.{stream}.cuda"
 
 
-def shard_state(params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer, stream: str) -> dict:
-    """What a rank saves: its parameters, their optimizer state and the RNG states of its `stream`."""
-    state: dict[str, torch.Tensor] = {name: p.detach() for name, p in params.items()}
-    for name, p in params.items():
-        for key, value in optimizer.state.get(p, {}).items():
+# strict=False: a rank's model holds the whole model's modules, most of them on the meta device and
+# in no shard of this rank, so a rank's state is always partial.
+_OPTIONS = StateDictOptions(strict=False)
+
+
+def _model_state(model: torch.nn.Module, params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    """The rank's parameters as `get_model_state_dict` gives them (DTensor shards under FSDP2, views
+    of the live storage), restricted to `params` (the rest of the model is on the meta device)."""
+    whole = get_model_state_dict(model, options=_OPTIONS)
+    return {name: whole[name] for name in params}
+
+
+def shard_state(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+                stream: str) -> dict:
+    """What a rank saves: its parameters (`params`, whole-model names of `model`), their optimizer
+    state and the RNG states of its `stream`, from torch's state_dict helpers, flattened into the
+    layout above."""
+    state: dict[str, torch.Tensor] = _model_state(model, params)
+    # Before any step the optimizer holds no state; get_optimizer_state_dict would make some (a step
+    # at lr 0 that counts), changing the run: nothing to save then.
+    nested = get_optimizer_state_dict(model, optimizer, options=_OPTIONS)["state"] if optimizer.state else {}
+    for name in params:
+        for key, value in nested.get(name, {}).items():
             state[f"optim.{name}.{key}"] = value.detach() if torch.is_tensor(value) else torch.tensor(value)
     cpu_key, cuda_key = rng_keys(stream)
     state[cpu_key] = torch.get_rng_state()
@@ -103,11 +131,13 @@ def read_parameters(step_dir: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_shard(step_dir: str | Path, params: dict[str, torch.nn.Parameter], optimizer: torch.optim.Optimizer,
-               stream: str, *, distributed: bool) -> str | None:
-    """Load this rank's parameters (in place), their optimizer state and, if the checkpoint has one
-    for `stream`, its RNG state. Returns None when it restored the RNG state, otherwise a sentence
-    saying that it kept the seeded one and why. `distributed` as for `save_shard`."""
+def load_shard(step_dir: str | Path, model: torch.nn.Module, params: dict[str, torch.nn.Parameter],
+               optimizer: torch.optim.Optimizer, stream: str, *, distributed: bool) -> str | None:
+    """Load this rank's parameters (`params`, whole-model names of `model`), their optimizer state and,
+    if the checkpoint has one for `stream`, its RNG state. DCP reads into the targets torch's
+    state_dict helpers lay out (a DTensor shard reads just this rank's rows) and the helpers set them.
+    Returns None when it restored the RNG state, otherwise a sentence saying that it kept the seeded
+    one and why. `distributed` as for `save_shard`."""
     saved = checkpoint_tensors(step_dir)
     missing = sorted(set(params) - set(saved))
     if missing:
@@ -117,20 +147,30 @@ def load_shard(step_dir: str | Path, params: dict[str, torch.nn.Parameter], opti
         if tuple(saved[name].size) != tuple(p.shape):
             raise ValueError(f"checkpoint parameter {name} has shape {tuple(saved[name].size)}, the model "
                              f"{tuple(p.shape)}: resume with the model config it was saved with")
-    state: dict[str, torch.Tensor] = {name: p.detach() for name, p in params.items()}
-    optim_keys = {}
+    model_state = _model_state(model, params)
+    # The targets of the moments: the optimizer's own state, laid out like each parameter (made by a
+    # step at lr 0 if there is none yet; what the checkpoint lacks is dropped by the set below).
+    live = get_optimizer_state_dict(model, optimizer, options=_OPTIONS)
+    state: dict[str, torch.Tensor] = dict(model_state)
+    optim_keys: dict[str, tuple[str, str]] = {}
     for name in params:
-        prefix = f"optim.{name}."
-        for key in (k for k in saved if k.startswith(prefix) and "." not in k[len(prefix):]):
-            optim_keys[key] = (name, key[len(prefix):])
-            state[key] = _optim_target(params[name], saved[key])
+        for field, target in live["state"].get(name, {}).items():
+            key = f"optim.{name}.{field}"
+            if key in saved and torch.is_tensor(target):
+                optim_keys[key] = (name, field)
+                state[key] = target
     rng = [key for key in rng_keys(stream) if key in saved]
     for key in rng:
         state[key] = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, storage_reader=SafeReader(str(step_dir)), no_dist=not distributed)
-    _set_optimizer_state(optimizer, params, optim_keys, state)
+    set_model_state_dict(model, {name: state[name] for name in model_state}, options=_OPTIONS)
+    loaded: dict[str, dict[str, torch.Tensor]] = {}
+    for key, (name, field) in optim_keys.items():
+        loaded.setdefault(name, {})[field] = state[key]
+    set_optimizer_state_dict(model, optimizer, {"state": loaded, "param_groups": live["param_groups"]},
+                             options=_OPTIONS)
     cpu_key, cuda_key = rng_keys(stream)
     if cuda_key in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(state[cuda_key])
@@ -140,25 +180,3 @@ def load_shard(step_dir: str | Path, params: dict[str, torch.nn.Parameter], opti
     held = sorted(key[len("rng."):] for key in saved if key.startswith("rng.") and not key.endswith(".cuda"))
     return (f"checkpoint {step_dir} has no RNG state for stream {stream} (it holds {', '.join(held) or 'none'}: "
             "saved at another split); this rank keeps the RNG state its seed gave it")
-
-
-def _optim_target(param: torch.nn.Parameter, md: TensorStorageMetadata) -> torch.Tensor:
-    """Where an optimizer tensor loads: a moment of an FSDP2 shard (a DTensor) loads as a DTensor laid
-    out like it, so DCP reads just this rank's rows; anything else as a whole tensor."""
-    if hasattr(param, "to_local") and tuple(md.size) == tuple(param.shape):
-        return torch.zeros_like(param.detach(), dtype=md.properties.dtype)
-    return torch.empty(md.size, dtype=md.properties.dtype)
-
-
-def _set_optimizer_state(optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter],
-                         optim_keys: dict[str, tuple[str, str]], state: dict[str, torch.Tensor]) -> None:
-    by_name: dict[str, dict] = {}
-    for key, (name, field) in optim_keys.items():
-        by_name.setdefault(name, {})[field] = state[key]
-    # state_dict() numbers parameters in param_group order; rebuild that numbering from names.
-    name_of = {id(p): name for name, p in params.items()}
-    ordered = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    current = optimizer.state_dict()
-    numbered = {index: by_name[name] for index, name in enumerate(ordered) if name in by_name}
-    # load_state_dict casts the moments to each parameter's device and dtype.
-    optimizer.load_state_dict({"state": numbered, "param_groups": current["param_groups"]})

@@ -291,13 +291,15 @@ class StageWorker:
     # ---- checkpoints and the run directory ----
     def save_shard(self, step_dir: str) -> None:
         """Write this rank's part of checkpoint `step_dir` (DCP; every rank calls this together)."""
-        save_shard(step_dir, shard_state(self.params, self.optimizer, self.rng_stream), distributed=self.distributed)
+        state = shard_state(self.model, self.params, self.optimizer, self.rng_stream)
+        save_shard(step_dir, state, distributed=self.distributed)
 
     def load_shard(self, step_dir: str) -> str | None:
         """Load this rank's parameters, optimizer state and RNG state from checkpoint `step_dir`, whatever
         split wrote it (every rank calls this together). The RNG state is its stream's (`rng_stream`):
         where the checkpoint has none, this rank keeps its own and says so on stderr (and returns it)."""
-        note = load_shard(step_dir, self.params, self.optimizer, self.rng_stream, distributed=self.distributed)
+        note = load_shard(step_dir, self.model, self.params, self.optimizer, self.rng_stream,
+                          distributed=self.distributed)
         if note is not None:
             print(f"note: rank {self.rank}: {note}", file=sys.stderr, flush=True)
         return note
