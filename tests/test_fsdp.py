@@ -2,7 +2,8 @@
 losses equal the replicated in-process run's (Block AttnRes under a loop schedule, MSAR under ZB-V
 with the I/W split, resharding after every forward and selective checkpointing), each rank holds
 about half the parameter, gradient and AdamW bytes, and DCP checkpoints move between fsdp and
-replicate at another P."""
+replicate at another P and another D. bf16 uses FSDP2's mixed-precision policy: fp32 shards, bf16
+compute copies, losses within a bf16 tolerance of replicate's bf16."""
 
 from __future__ import annotations
 
@@ -67,6 +68,28 @@ def test_checkpoints_move_between_fsdp_and_replicate_at_another_split(tmp_path):
         assert resumed["config"]["pipeline"]["stages"] == 1
         _assert_losses(resumed["losses"], want)
 
+
+
+def test_checkpoints_move_between_fsdp_and_replicate_at_another_d(tmp_path):
+    """fsdp at D = 2 resumes under replicate at D = 1, and replicate at D = 1 under fsdp at D = 2, to
+    the uninterrupted run's losses (each first run goes on to step 3 uninterrupted: the reference);
+    MSAR, so its 0-dim gate scales (kept whole by FSDP2) and tied convolutions round-trip too."""
+    layout = [*TINY, "--residual", "msar", "--block-size", "3", "--schedule", "1f1b", "--steps", "3"]
+    cases = (("fsdp_to_d1", ["--dp-shard", "fsdp"], ["--data-parallel", "1", "--dp-shard", "replicate"]),
+             ("d1_to_fsdp", ["--data-parallel", "1"], ["--data-parallel", "2", "--dp-shard", "fsdp"]))
+    uninterrupted = []
+    for name, first, then in cases:
+        run = tmp_path / name
+        assert main(["train", *layout, "--launcher", "local", *first, "--checkpoint-every", "2",
+                     "--no-final-checkpoint", "--out", str(run)]) == 0
+        uninterrupted.append(_summary(run)["losses"])
+        (run / "summary.json").unlink()
+        assert main(["train", "--resume", str(run), "--launcher", "local", *then, "--quiet"]) == 0
+        resumed = _summary(run)["config"]["pipeline"]
+        assert (resumed["data_parallel"], resumed["dp_shard"]) == ((1, "replicate") if name == "fsdp_to_d1"
+                                                                  else (2, "fsdp"))
+        _assert_losses(_summary(run)["losses"], uninterrupted[-1])
+    _assert_losses(uninterrupted[1], uninterrupted[0])  # fsdp D = 2 and replicate D = 1 agree
 
 # bf16 under fsdp (FSDP2's MixedPrecisionPolicy) against bf16 under replicate (autocast over fp32
 # weights). The two differ by rounding only: under fsdp the ops autocast keeps in fp32 (norms, the
