@@ -94,6 +94,23 @@ def test_zero_bubble_schedule_through_ray_actors(local_ray, tmp_path):
     assert json.loads((tmp_path / "ray" / "summary.json").read_text())["fwd_hop_tensors"][1] == 0
 
 
+def test_fsdp_through_ray_actors(local_ray, tmp_path):
+    """`--dp-shard fsdp` at D = 2 through the Ray launcher: the actors shard over their mesh's "dp"
+    dimension, end with the local launcher's losses and count their shards in `memory_per_rank`."""
+    argv = ["train", *TINY, "--stages", "1", "--virtual", "1", "--batch-size", "8", "--data-parallel", "2",
+            "--steps", "2", "--dp-shard", "fsdp", "--eval-every", "0", "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "ray")]) == 0
+    assert main([*argv, "--launcher", "local", "--out", str(tmp_path / "local")]) == 0
+    assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "local"))
+    got, want = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("ray", "local"))
+    assert len(got["memory_per_rank"]) == 2
+    whole_bytes = 4 * got["params"]  # fp32: what each replica would hold unsharded
+    for entry, local_entry in zip(got["memory_per_rank"], want["memory_per_rank"], strict=True):
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            assert entry[key] == local_entry[key], key
+        # Half of every parameter (FSDP2 pads dim 0 to a multiple of D), the 0-dim scales whole.
+        assert 0.5 * whole_bytes <= entry["param_bytes"] <= 0.52 * whole_bytes
+
 def test_a_placement_no_node_can_hold_is_refused_at_once(local_ray, tmp_path, capsys):
     """local_ray has one node with 2 CPUs: STRICT_PACK of 3 one-CPU bundles is refused before the
     placement group is created, not after the whole --timeout."""
