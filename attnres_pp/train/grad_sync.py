@@ -25,12 +25,13 @@ from attnres_pp.train.optim import sum_of_squares
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
-# Why not DistributedDataParallel, which buckets the same all-reduce: DDP wraps one module and
-# reduces from hooks on AccumulateGrad inside one backward call, but a rank here runs one engine call
-# per chunk and microbatch (and under the split two, I then W, with W writing weight gradients into
-# .grad itself, past AccumulateGrad), so DDP's reducer would fire on partial gradients or miss W's.
-# This is a structural reason, not a timing: the two were not measured against each other.
-
+# Why not DistributedDataParallel, which buckets the same all-reduce: DDP reduces from hooks on
+# AccumulateGrad inside one backward call, but a rank here runs one engine call per chunk and
+# microbatch, and under the split two (I, then W, which writes linear weights' gradients into .grad
+# itself, past AccumulateGrad). Measured (tests/test_grad_sync_ddp.py, two gloo ranks): under one
+# fused backward DDP's ranks agree exactly; under I then W their gradients stay unaveraged (max
+# difference 2.15) and DDP refuses the next forward ("Expected to have finished reduction in the
+# prior iteration"), while `sync_gradients` after the same split leaves them equal.
 
 def ensure_grads(params: list[nn.Parameter]) -> None:
     """Zero gradients where autograd left none (a tied conv whose source this rank never reads), so
