@@ -54,6 +54,20 @@ CASES = (
                        "block_size": 2, "dtype": "bf16"}),
     ("D=2 replicate P=4 V=2", {"schedule": "interleaved_1f1b", "stages": 4, "virtual": 2, "microbatches": 4,
                                "data_parallel": 2, "batch_size": 8, "residual": "attnres", "block_size": 3}),
+    ("AC full interleaved_zb lr_attnres", {"schedule": "interleaved_zb", "stages": 2, "virtual": 2, "microbatches": 4,
+                                           "residual": "lr_attnres", "block_size": 2, "activation_checkpoint": "full"}),
+    ("AC selective 1f1b msar", {"schedule": "1f1b", "stages": 2, "microbatches": 4, "residual": "msar",
+                                "block_size": 4, "activation_checkpoint": "selective"}),
+    ("AC full zbv standard bf16", {"schedule": "zbv", "stages": 2, "virtual": 2, "microbatches": 4,
+                                   "residual": "standard", "activation_checkpoint": "full", "dtype": "bf16"}),
+    ("AC selective interleaved full AttnRes", {"schedule": "interleaved_1f1b", "stages": 2, "virtual": 2,
+                                               "microbatches": 4, "residual": "attnres", "block_size": 1,
+                                               "activation_checkpoint": "selective"}),
+    ("D=2 fsdp zb_h1 S=2", {"schedule": "zb_h1", "stages": 2, "microbatches": 2, "data_parallel": 2,
+                            "dp_shard": "fsdp", "residual": "attnres", "block_size": 2}),
+    ("D=2 fsdp AC full 1f1b", {"schedule": "1f1b", "stages": 2, "microbatches": 2, "data_parallel": 2,
+                               "dp_shard": "fsdp", "residual": "attnres", "block_size": 4,
+                               "activation_checkpoint": "full"}),
 )
 QUICK = CASES[:3]
 
@@ -123,7 +137,8 @@ def hook_count(flags: dict, cfg) -> list[dict]:
     n_stages, n_virtual = flags["stages"], flags.get("virtual", 1)
     peaks = count_step(cfg, schedule_name=flags["schedule"], n_stages=n_stages, n_virtual=n_virtual,
                        n_microbatches=flags["microbatches"], n_sequences=microbatch_sequences(flags),
-                       dtype=flags.get("dtype", "fp32"))
+                       dtype=flags.get("dtype", "fp32"),
+                       activation_checkpoint=flags.get("activation_checkpoint", "none"))
     partition = make_partition(cfg.n_layers, n_stages, n_virtual, placement=schedule_placement(flags["schedule"]))
     ranks = []
     for pp_rank in range(n_stages):
@@ -172,7 +187,7 @@ def measure_case(name: str, case: dict, progress: Callable[[str], None], *, runs
     base = {"name": name, "flags": flags, "predicted": prediction["memory_per_rank"],
             "peak_action_per_rank": prediction["peak_action_per_rank"]}
     rows = []
-    if "activation_checkpoint" not in flags and flags.get("dp_shard", "replicate") == "replicate":
+    if flags.get("dp_shard", "replicate") == "replicate":
         rows.append(_compared(base | {"counted_by": "hooks"}, hook_count(flags, prediction["model"]), progress))
     if runs:
         row = base | {"counted_by": "run"}

@@ -228,7 +228,9 @@ class Planner:
         # Rank 0 holds the most microbatches in flight: P (1F1B-like), about (V + 1) P chunk-microbatches
         # interleaved, 2P chunk passes under ZB-V; a split schedule's W can keep up to P more.
         chunks0 = partition.chunks_of(0)
-        per_chunk = max(s.saved for s in saved) + max(s.transient for s in saved) / max(1, len(chunks0))
+        # Under a split schedule what I recomputes (checkpointing) stays until W.
+        kept = [s.saved + (s.input_kept if candidate.schedule in SPLIT else 0) for s in saved]
+        per_chunk = max(kept) + max(max(s.transient, s.input_transient) for s in saved) / max(1, len(chunks0))
         in_flight = min(candidate.n_microbatches * len(chunks0),
                         candidate.n_stages * (len(chunks0) + 1 if len(chunks0) > 1 else 1))
         tensor = tokens * cfg.source_width * self.element
