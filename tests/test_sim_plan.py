@@ -58,8 +58,9 @@ def test_top_command_parses_with_train():
 
 
 def test_infeasible_says_what_is_short():
-    with pytest.raises(Infeasible, match=r"needs [\d.]+ GiB per rank at best \(.*\), over the 1 GiB given: add GPUs$"):
-        plan(_small(gpu_memory_gib=1.0))
+    short = r"needs [\d.]+ GiB per rank at best \(.*\), over the 0.5 GiB given: add GPUs$"
+    with pytest.raises(Infeasible, match=short):
+        plan(_small(gpu_memory_gib=0.5))
     with pytest.raises(Infeasible, match=r"add GPUs or enable fsdp \(it needs D > 1\)$"):
         plan(_small(gpus=1, global_batch=1, gpu_memory_gib=1.0))
 

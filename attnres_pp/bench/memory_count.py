@@ -29,13 +29,16 @@ def _cache_bytes(runtime) -> int:
 
 
 def count_step(cfg: ModelConfig, *, schedule_name: str, n_stages: int, n_virtual: int, n_microbatches: int,
-               n_sequences: int, cache: bool = True, dtype: str = "fp32", seed: int = 0) -> list[dict]:
+               n_sequences: int, cache: bool = True, dtype: str = "fp32", activation_checkpoint: str = "none",
+               seed: int = 0) -> list[dict]:
     """Per pipeline rank: {"activation_peak_bytes", "cache_peak_bytes"} of one step, and the action
-    (its printed form) after which the activation count peaked."""
+    (its printed form) after which the activation count peaked. `activation_checkpoint`: the chunks'
+    policy (`pipeline.activation_checkpoint`), as a training run applies it."""
     torch.manual_seed(seed)
     precision = "bf16" if dtype == "bf16" else "fp32"
     partition = make_partition(cfg.n_layers, n_stages, n_virtual, placement=schedule_placement(schedule_name))
-    built = [build_rank_model(cfg, partition, r, seed=seed, precision=precision) for r in range(n_stages)]
+    built = [build_rank_model(cfg, partition, r, seed=seed, precision=precision,
+                              activation_checkpoint=activation_checkpoint) for r in range(n_stages)]
     schedule = insert_comm(build_schedule(schedule_name, n_stages, n_virtual, n_microbatches))
     plan = plan_for_model(cfg, partition, cache)
     act_dtype = torch.bfloat16 if dtype == "bf16" else None

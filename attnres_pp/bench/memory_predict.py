@@ -54,6 +54,20 @@ CASES = (
                        "block_size": 2, "dtype": "bf16"}),
     ("D=2 replicate P=4 V=2", {"schedule": "interleaved_1f1b", "stages": 4, "virtual": 2, "microbatches": 4,
                                "data_parallel": 2, "batch_size": 8, "residual": "attnres", "block_size": 3}),
+    ("AC full interleaved_zb lr_attnres", {"schedule": "interleaved_zb", "stages": 2, "virtual": 2, "microbatches": 4,
+                                           "residual": "lr_attnres", "block_size": 2, "activation_checkpoint": "full"}),
+    ("AC selective 1f1b msar", {"schedule": "1f1b", "stages": 2, "microbatches": 4, "residual": "msar",
+                                "block_size": 4, "activation_checkpoint": "selective"}),
+    ("AC full zbv standard bf16", {"schedule": "zbv", "stages": 2, "virtual": 2, "microbatches": 4,
+                                   "residual": "standard", "activation_checkpoint": "full", "dtype": "bf16"}),
+    ("AC selective interleaved full AttnRes", {"schedule": "interleaved_1f1b", "stages": 2, "virtual": 2,
+                                               "microbatches": 4, "residual": "attnres", "block_size": 1,
+                                               "activation_checkpoint": "selective"}),
+    ("D=2 fsdp zb_h1 S=2", {"schedule": "zb_h1", "stages": 2, "microbatches": 2, "data_parallel": 2,
+                            "dp_shard": "fsdp", "residual": "attnres", "block_size": 2}),
+    ("D=2 fsdp AC full 1f1b", {"schedule": "1f1b", "stages": 2, "microbatches": 2, "data_parallel": 2,
+                               "dp_shard": "fsdp", "residual": "attnres", "block_size": 4,
+                               "activation_checkpoint": "full"}),
 )
 QUICK = CASES[:3]
 
@@ -123,7 +137,8 @@ def hook_count(flags: dict, cfg) -> list[dict]:
     n_stages, n_virtual = flags["stages"], flags.get("virtual", 1)
     peaks = count_step(cfg, schedule_name=flags["schedule"], n_stages=n_stages, n_virtual=n_virtual,
                        n_microbatches=flags["microbatches"], n_sequences=microbatch_sequences(flags),
-                       dtype=flags.get("dtype", "fp32"))
+                       dtype=flags.get("dtype", "fp32"),
+                       activation_checkpoint=flags.get("activation_checkpoint", "none"))
     partition = make_partition(cfg.n_layers, n_stages, n_virtual, placement=schedule_placement(flags["schedule"]))
     ranks = []
     for pp_rank in range(n_stages):
@@ -172,7 +187,7 @@ def measure_case(name: str, case: dict, progress: Callable[[str], None], *, runs
     base = {"name": name, "flags": flags, "predicted": prediction["memory_per_rank"],
             "peak_action_per_rank": prediction["peak_action_per_rank"]}
     rows = []
-    if "activation_checkpoint" not in flags and flags.get("dp_shard", "replicate") == "replicate":
+    if flags.get("dp_shard", "replicate") == "replicate":
         rows.append(_compared(base | {"counted_by": "hooks"}, hook_count(flags, prediction["model"]), progress))
     if runs:
         row = base | {"counted_by": "run"}
@@ -201,18 +216,38 @@ def _compared(row: dict, measured: list[dict], progress: Callable[[str], None]) 
     return row
 
 
+def group_of(flags: dict) -> str:
+    """The part of the model a case checks: its AC policy, or fsdp (whatever its policy)."""
+    if flags.get("dp_shard") == "fsdp":
+        return "fsdp"
+    return f"AC {flags.get('activation_checkpoint', 'none')}"
+
+
+def summarize(rows: list[dict]) -> tuple[dict, dict]:
+    """(median and max error per counted_by/key, and the same per counted_by/group for the activation peak)."""
+    compared = [r for r in rows if "errors" in r]
+    summary, by_group = {}, {}
+    for counted_by in ("hooks", "run"):
+        mine = [r for r in compared if r["counted_by"] == counted_by]
+        for key in PEAK_KEYS:
+            values = [e for r in mine for e in r["errors"][key]]
+            if values:
+                summary[f"{counted_by}/{key}"] = {"median": statistics.median(values), "max": max(values)}
+        for group in ("AC none", "AC full", "AC selective", "fsdp"):
+            values = [e for r in mine if group_of(r["flags"]) == group for e in r["errors"]["activation_peak_bytes"]]
+            if values:
+                by_group[f"{counted_by}/{group}"] = {"median": statistics.median(values), "max": max(values),
+                                                     "ranks": len(values)}
+    return summary, by_group
+
+
 def run(quick: bool, out_dir: Path, progress: Callable[[str], None]) -> dict:
     del out_dir  # no pictures or traces
     rows = [row for name, case in (QUICK if quick else CASES) for row in measure_case(name, case, progress)]
     compared = [r for r in rows if "errors" in r]
-    summary = {}
-    for counted_by in ("hooks", "run"):
-        for key in PEAK_KEYS:
-            values = [e for r in compared if r["counted_by"] == counted_by for e in r["errors"][key]]
-            if values:
-                summary[f"{counted_by}/{key}"] = {"median": statistics.median(values), "max": max(values)}
-    return {"rows": rows, "summary": summary, "exact_mismatches": sum(len(r["mismatches"]) for r in compared),
-            "compared": len(compared)}
+    summary, by_group = summarize(rows)
+    return {"rows": rows, "summary": summary, "activation_by_group": by_group,
+            "exact_mismatches": sum(len(r["mismatches"]) for r in compared), "compared": len(compared)}
 
 
 def to_markdown(payload: dict) -> str:
@@ -232,10 +267,18 @@ def to_markdown(payload: dict) -> str:
              "this process (`hooks`: loopback runtime, every rank) or by a training run's `memory_per_rank` "
              "(`run`: 2 steps, in-process launcher (local for fsdp), fp32). "
              f"Model {BASE} (dtype fp32 unless the case says bf16). "
-             "Errors: median / max over ranks.", "",
+             "Errors: median / max over ranks. Out of sample: the activation units "
+             "(`attnres_pp/simulator/memory_units.json`) are fitted by `python -m attnres_pp.bench.memory_units` "
+             "on single chunks of tiny models (d_model <= 48, seq_len <= 24, vocab <= 80, <= 6 layers; every fitted "
+             "case is listed in the JSON's `in_sample`); none of these cases is among them.", "",
              markdown_table(["case", "counted by", "param/grad/optimizer", "activation peak", "cache peak",
                              "predicted peak's action per rank"], table)]
     for key, stats in payload["summary"].items():
         lines.append(f"\n{key}: median {stats['median']:.2%}, max {stats['max']:.2%} over every rank compared "
                      "(targets 5% and 10%).")
+    groups = [[key.split("/")[0], key.split("/")[1], str(stats["ranks"]), f"{stats['median']:.2%}",
+               f"{stats['max']:.2%}"] for key, stats in payload.get("activation_by_group", {}).items()]
+    if groups:
+        lines += ["", "Activation peak by what the case checks (fsdp: every fsdp case, whatever its AC):", "",
+                  markdown_table(["counted by", "group", "ranks", "median", "max"], groups)]
     return "\n".join(lines)

@@ -2,8 +2,8 @@
 compose with the split backward (I, then W) and with the memory meter.
 
 - `full`: a layer's forward keeps only what it was given (its inputs: the depth state's blocks,
-  partial or residual) and the parameters; everything else it would save is recomputed, once, the
-  first time the backward asks for it.
+  partial or residual, counted by the meter until the recomputation) and the parameters; everything
+  else it would save is recomputed, once, the first time the backward asks for it.
 - `selective`: as `full`, but the outputs of the layers' projections (matrix products at least
   `d_model` wide: qkv, out, up, down) and of scaled-dot-product attention are kept
   (`torch.utils.checkpoint.create_selective_checkpoint_contexts` records them in the forward and
@@ -80,6 +80,10 @@ class _Frame:
     def __init__(self, fn, args, meter: ActivationMeter | None, keep: set, policy_fn) -> None:
         self.fn, self.meter, self.keep = fn, meter, keep
         self.args = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
+        # The frame itself keeps the inputs its recomputation starts from (no autograd node need save
+        # them: under bf16 the norms save fp32 copies, which are recomputed): the meter counts them
+        # until the recomputation, a storage once (an input a node also saves is not counted twice).
+        self.held_inputs = None if meter is None else [meter.pack(a) for a in self.args if isinstance(a, torch.Tensor)]
         self.n_packed = 0
         self.direct: set[int] = set()
         self.recomputed: list | None = None
@@ -126,7 +130,7 @@ class _Frame:
             raise RuntimeError(f"activation checkpointing: the recomputed layer saved {len(saved)} tensors, "
                                f"the forward {self.n_packed}: the layer's forward is not deterministic")
         self.recomputed = saved
-        self.fn = self.args = self.cached = None  # the results are all W and B need from here on
+        self.fn = self.args = self.cached = self.held_inputs = None  # the results are all W and B need
 
     def hold_cached(self) -> None:
         """Count what selective checkpointing keeps (the SAC storage holds it, not autograd)."""

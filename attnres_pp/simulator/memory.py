@@ -7,19 +7,25 @@
     grad_bytes        the same shapes (fp32 gradients, sharded alike)
     optimizer_bytes   AdamW's two moments exp_avg and exp_avg_sq (fp32, sharded alike), as SPEC 8
                       and the runtime's count define it (its 0-d `step` tensors, 4 bytes each, left out)
-    activation_peak   the peak over the rank's action order of the bytes saved for backward: F(c, mb)
-                      adds chunk c's saved bytes, B frees them; I frees nothing (the split backward's
-                      I keeps the graph for W, retain_graph) and W frees all of it
+    activation_peak   the peak over the rank's action order of the bytes saved for backward, as the
+                      runtime's meter counts them (`pipeline.memory_meter`, the moments inside an
+                      action included): F(c, mb) adds chunk c's saved bytes, B frees them; I frees
+                      nothing (the split backward's I keeps the graph for W, retain_graph) and W frees
+                      all of it. Under activation checkpointing a backward recomputes layers (a
+                      transient inside B; I's recomputation stays until W). Under FSDP2 the
+                      all-gathered parameters that the forwards save count from the chunk's first F to
+                      its last backward (one storage each, whatever the microbatch)
     cache_peak        entries put by F(c) live until the rank's last chunk's forward frees them; a
                       gradient deposit lives from the I/B of the rank's last chunk (the first backward
                       of that microbatch on the rank) until the I/B of the chunk that put the entry
 The moment of a rank's peak is that of activations + cache together (not the sum of their peaks).
 
-A chunk's saved bytes per microbatch come from `memory_units.json`: per variant and dtype a linear
-form in shape features (tokens x widths, per layer, per depth-read segment, per merge, the head, the
-bf16 weight copies), fitted to saved-tensor-hook counts of tiny chunks (`bench.memory_units`, the
-command is in the JSON); `full` and `selective` activation checkpointing are derived from the
-shapes (`activation_bytes`). Pure Python: no torch.
+A chunk's bytes per microbatch come from `memory_units.json`: per variant and dtype (and per
+checkpointing policy) a linear form in the shape features of `simulator.memory_features` (tokens x
+widths, per layer, per depth-read segment, per merge, the head, the bf16 weight copies), fitted to
+the runtime's meter on tiny chunks (`bench.memory_units`, the command and the fitted cases are in
+the JSON): without checkpointing what F saves; under `full` and `selective` also the peak inside B,
+the peak inside I and what I keeps until W (`ChunkActivation`). Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -33,18 +39,22 @@ from pathlib import Path
 from attnres_pp.comm.partition import Partition
 from attnres_pp.comm.plan import PayloadPlan
 from attnres_pp.model.config import ModelConfig
+from attnres_pp.simulator.memory_features import (  # noqa: F401 (re-exported: bench.memory_units, tests)
+    CHECKPOINT_FEATURES,
+    FEATURES,
+    activation_features,
+    checkpoint_features,
+    depth_segments,
+    matmul_parameters,
+)
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 AC_POLICIES = ("none", "full", "selective")
 DP_SHARDS = ("replicate", "fsdp")
 MEMORY_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_peak_bytes", "cache_peak_bytes")
 UNITS_PATH = Path(__file__).with_name("memory_units.json")
-
-FEATURES = ("layer_td", "layer_th", "layer_tf", "sub_tw", "sub_t", "sub_tr", "seg_ntw", "seg_nkt", "seg_ktd",
-            "seg_nt", "seg_ntr", "seg_nbd", "merge_td", "merge_t", "merge_tr", "merge_bd", "head_tv", "head_td",
-            "head_t", "embed_t", "embed_td", "matmul_params", "sub_1", "seg_1", "seg_kq", "sub_d",
-            "buf_tw", "buf_tk")
-
+# What the checkpointing units predict per chunk and microbatch (the fields of ChunkActivation).
+CHECKPOINT_TARGETS = ("saved", "transient", "input_transient", "input_kept")
 
 # ---- parameters, gradients, optimizer state ----
 
@@ -105,67 +115,6 @@ def state_bytes(shapes: list[tuple[int, ...]], *, data_parallel: int, dp_shard: 
     return {"param_bytes": 4 * numel, "grad_bytes": 4 * numel, "optimizer_bytes": 8 * local}
 
 
-def matmul_parameters(cfg: ModelConfig, partition: Partition, chunk_index: int) -> int:
-    """Elements of the weights a chunk multiplies with (bf16 autocast keeps a bf16 copy of each)."""
-    d, f, width = cfg.d_model, cfg.ff_dim, cfg.source_width
-    count = partition.layers_per_chunk[chunk_index] * (3 * d * d + width * d + f * d + width * f)
-    if chunk_index == 0:
-        count += cfg.projected_key_rank * d
-    if chunk_index == partition.n_chunks - 1:
-        count += cfg.vocab_size * d
-    return count
-
-
-# ---- activations ----
-
-def depth_segments(cfg: ModelConfig, partition: Partition, chunk_index: int) -> tuple[list[tuple[int, int]], int]:
-    """(phase-1 segments as (sources n, queries k), merges) of a chunk, as `model.stack` runs them;
-    the last chunk's final read is one more segment."""
-    if not cfg.uses_depth_attention:
-        return [], 0
-    size, sublayers = cfg.block_size, partition.sublayer_range(chunk_index)
-    segments, l = [], sublayers.start
-    while l < sublayers.stop:
-        stop = min(sublayers.stop, (l // size + 1) * size)
-        segments.append((l // size + 1, stop - l))
-        l = stop
-    if chunk_index == partition.n_chunks - 1:
-        segments.append((cfg.n_blocks + 1, 1))
-    return segments, sum(1 for l in sublayers if l % size)
-
-
-def activation_features(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int,
-                        n_sequences: int, dtype: str) -> dict[str, float]:
-    """The shape features of `FEATURES` of one chunk and microbatch (`tokens` = n_sequences x seq)."""
-    t, d, f, width = tokens, cfg.d_model, cfg.ff_dim, cfg.source_width
-    r = cfg.key_rank if cfg.residual == "lr_attnres" else 0
-    n_layers = partition.layers_per_chunk[chunk_index]
-    n_sub = 2 * n_layers
-    segments, n_merges = depth_segments(cfg, partition, chunk_index)
-    is_first, is_last = chunk_index == 0, chunk_index == partition.n_chunks - 1
-    source_rows = (cfg.n_blocks + 1) if cfg.uses_depth_attention else 0
-    streams = cfg.n_streams if cfg.residual == "msar" else 1
-    key_width = cfg.key_rank if cfg.residual == "lr_attnres" else d
-    return {
-        "layer_td": n_layers * t * d, "layer_th": n_layers * t * cfg.n_heads, "layer_tf": n_layers * t * f,
-        "sub_tw": n_sub * t * width, "sub_t": n_sub * t, "sub_tr": n_sub * t * r,
-        "seg_ntw": sum(n * t * width for n, _k in segments), "seg_nkt": sum(n * k * t for n, k in segments),
-        "seg_ktd": sum(k * t * d for _n, k in segments), "seg_nt": sum(n * t for n, _k in segments),
-        "seg_ntr": sum(n * t * r for n, _k in segments),
-        "seg_nbd": sum(n * n_sequences * d for n, _k in segments),
-        "merge_td": n_merges * t * d, "merge_t": n_merges * t, "merge_tr": n_merges * t * r,
-        "merge_bd": n_merges * n_sequences * d,
-        "head_tv": is_last * t * cfg.vocab_size, "head_td": is_last * t * d, "head_t": is_last * t,
-        "embed_t": is_first * t, "embed_td": is_first * t * d,
-        "matmul_params": matmul_parameters(cfg, partition, chunk_index) if dtype == "bf16" else 0,
-        "sub_1": n_sub, "seg_1": len(segments),
-        "seg_kq": sum(k * cfg.query_dim * cfg.n_streams for _n, k in segments), "sub_d": n_sub * d,
-        # A pass's sources live in preallocated buffers of n_blocks + 1 rows (model.depth.DepthSources)
-        # that phase 1 reads as views: autograd saves the whole storage, values and normalised keys.
-        "buf_tw": source_rows * t * width * streams, "buf_tk": source_rows * t * key_width * streams,
-    }
-
-
 @cache
 def load_units(path: str = str(UNITS_PATH)) -> dict:
     with open(path) as handle:
@@ -183,11 +132,16 @@ def _linear(features: dict[str, float], coefficients: dict[str, float]) -> float
 
 @dataclass(frozen=True)
 class ChunkActivation:
-    """Saved bytes of one chunk and microbatch: `saved` from F until B (or W); `transient` the
-    extra bytes alive inside its backward (a full-AC recomputation)."""
+    """Bytes one chunk's microbatch holds for backward: `saved` from F until B (or W); `transient`
+    the extra bytes alive at the peak inside its B (a checkpointed layer's recomputation; under a
+    split backward inside the W of chunk 0, whose I has no inputs and leaves all of it to W);
+    `input_transient` the extra at the peak inside its I, and `input_kept` what I recomputed and
+    keeps until W (the frames of `pipeline.activation_checkpoint` live as long as the graph)."""
 
     saved: int
     transient: int = 0
+    input_transient: int = 0
+    input_kept: int = 0
 
 
 def activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype: str,
@@ -197,32 +151,45 @@ def activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *
     `weight_copies`: bf16 autocast casts the fp32 weights in every forward and the backward keeps
     each microbatch's copy; False under FSDP2's bf16 parameters (all-gathered once, no casts)."""
     n_sequences = max(1, tokens // cfg.seq_len)
-    features = activation_features(cfg, partition, chunk_index, tokens=tokens, n_sequences=n_sequences, dtype=dtype)
-    if not weight_copies:
-        features["matmul_params"] = 0
-    units = load_units()["units"][units_key(cfg, dtype)]["coefficients"]
-    none = max(0.0, _linear(features, units))
     if activation_checkpoint == "none":
-        return ChunkActivation(saved=round(none))
-    element = DTYPE_BYTES[dtype]
-    n_layers, t = partition.layers_per_chunk[chunk_index], tokens
-    # What stays outside the checkpointed layers: the embedding's and the head's saved tensors.
-    outside = {name: value for name, value in features.items() if name.startswith(("head_", "embed_"))}
-    if chunk_index == partition.n_chunks - 1:
-        outside["seg_ntw"] = (cfg.n_blocks + 1) * t * cfg.source_width
-    outside_bytes = max(0.0, _linear(outside, units))
-    if activation_checkpoint == "full":
-        # Each layer keeps its input (the standard residual, or the partial it adds to), and its
-        # backward recomputes one layer's saved tensors at a time.
-        kept = n_layers * t * cfg.source_width * element
-        one_layer = (none - outside_bytes) / max(1, n_layers)
-        return ChunkActivation(saved=round(kept + outside_bytes), transient=round(max(0.0, one_layer)))
-    # selective: the matmul outputs (qkv, attention, output projection, MLP up and down) and the
-    # attention's log-sum-exp stay; norms, softmax and depth-attention intermediates are recomputed.
+        features = activation_features(cfg, partition, chunk_index, tokens=tokens, n_sequences=n_sequences,
+                                       dtype=dtype)
+        if not weight_copies:
+            features["matmul_params"] = 0
+        units = load_units()["units"][units_key(cfg, dtype)]["coefficients"]
+        return ChunkActivation(saved=round(max(0.0, _linear(features, units))))
+    features = checkpoint_features(cfg, partition, chunk_index, tokens=tokens, n_sequences=n_sequences, dtype=dtype)
+    if not weight_copies:
+        features = {name: 0 if name.endswith("matmul_params") else value for name, value in features.items()}
+    units = load_units()["checkpoint_units"][f"{activation_checkpoint}/{units_key(cfg, dtype)}"]["coefficients"]
+    values = {target: max(0.0, _linear(features, units[target])) for target in CHECKPOINT_TARGETS}
+    if chunk_index == 0:  # its I has no inputs: nothing runs there, W is the whole backward
+        values["input_transient"] = values["input_kept"] = 0.0
+    return ChunkActivation(**{target: round(value) for target, value in values.items()})
+
+
+def saved_parameter_shapes(cfg: ModelConfig, partition: Partition, chunk_index: int) -> list[tuple[int, ...]]:
+    """Shapes of chunk `chunk_index`'s parameters that its autograd nodes save (a matrix product's
+    weight, a norm's gain, MSAR's gate weights): all but the embedding tables (a lookup saves the
+    indices), the AttnRes / LR-AttnRes pseudo-queries (their reads save the stacked queries, a copy)
+    and MSAR's gate scalars; MSAR's per-stream queries, a few d-vectors, are counted."""
     d, f, width = cfg.d_model, cfg.ff_dim, cfg.source_width
-    kept = n_layers * t * ((4 * d + 2 * width + f) * element + 4 * cfg.n_heads)
-    weights = features["matmul_params"] * 2
-    return ChunkActivation(saved=round(kept + weights + outside_bytes))
+    read = [(cfg.n_streams, d), (cfg.n_streams * d, cfg.n_streams)] if cfg.residual == "msar" else []
+    shapes = [(d,), (3 * d, d), (width, d), *read, (d,), (f, d), (width, f), *read] * \
+        partition.layers_per_chunk[chunk_index]
+    if chunk_index == 0 and cfg.projected_key_rank:
+        shapes.append((cfg.projected_key_rank, d))
+    if chunk_index == partition.n_chunks - 1:
+        shapes += [*read, (d,), (cfg.vocab_size, d)]
+    return shapes
+
+
+def gathered_parameter_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, data_parallel: int,
+                             dtype: str) -> int:
+    """Bytes of the FSDP2 all-gathered (unsharded) parameters chunk `chunk_index`'s nodes save: each
+    is a view of its all-gather buffer, whose storage holds D padded shards (ceil(dim0 / D) x D rows)."""
+    return sum(shard_numel(s, data_parallel, "fsdp") * data_parallel for s in
+               saved_parameter_shapes(cfg, partition, chunk_index)) * DTYPE_BYTES[dtype]
 
 
 # ---- the walk over the action order ----
@@ -239,30 +206,38 @@ class RankMemory:
 
 
 def walk_rank(actions, *, saved_by_chunk: list[ChunkActivation], plan: PayloadPlan | None,
-              tensor_bytes: int) -> tuple[int, int, int, str]:
+              tensor_bytes: int, resident_by_chunk: list[int] | None = None) -> tuple[int, int, int, str]:
     """(activation peak, cache peak, peak of both together, action of that peak) over one rank's
-    actions (objects with kind, chunk_index, microbatch_index)."""
+    actions (objects with kind, chunk_index, microbatch_index).
+
+    `resident_by_chunk`: bytes the activation term counts from a chunk's first F to the end of its
+    last backward whatever the microbatch (FSDP2's all-gathered parameters, saved by every forward:
+    one storage each). They are not in the peak of both together, which the caller adds them to
+    for the whole step (FSDP2 holds them from the first all-gather to the reduce-scatter)."""
     ios = plan.chunks if plan is not None else None
     deposits: dict[int, set] = {}  # microbatch -> the sources whose gradient deposit is alive
     cache_entries: dict[int, int] = {}  # microbatch -> len(deposits[mb]) as counted in cache_live
-    act = cache_live = 0
+    actions = list(actions)
+    last_backward = {a.chunk_index: i for i, a in enumerate(actions) if a.kind.value in ("B", "W")}
+    act = cache_live = resident = 0
     act_peak = cache_peak = total_peak = 0
     peak_action = ""
-    for action in actions:
+    started: set[int] = set()
+    for position, action in enumerate(actions):
         kind, c, mb = action.kind.value, action.chunk_index, action.microbatch_index
         unit = saved_by_chunk[c]
+        extra = 0  # bytes alive only inside this action (a recomputation)
         if kind == "F":
+            if resident_by_chunk is not None and c not in started:
+                started.add(c)
+                resident += resident_by_chunk[c]
             act += unit.saved
             if ios is not None:
                 cache_live += len(ios[c].cache_puts) * tensor_bytes
-            moment = act + cache_live
             cache_peak = max(cache_peak, cache_live)
-            if ios is not None:
-                cache_live -= len(ios[c].frees) * tensor_bytes
         elif kind in ("B", "I"):
-            moment = act + cache_live + unit.transient
-            if kind == "B":
-                act -= unit.saved
+            extra = unit.transient if kind == "B" else unit.input_transient
+            moment = act + cache_live + extra  # before this backward's deposits change the cache
             if ios is not None:
                 # Collect the deposits into the entries this chunk put, then deposit its cache reads
                 # (a later deposit into a live one is added in place: no new tensor).
@@ -273,12 +248,23 @@ def walk_rank(actions, *, saved_by_chunk: list[ChunkActivation], plan: PayloadPl
                 cache_entries[mb] = len(alive)
                 cache_live += len(alive) * tensor_bytes
                 cache_peak = max(cache_peak, cache_live)
-        else:  # W
-            moment = act + cache_live
-            act -= unit.saved
-        act_peak = max(act_peak, act)
+        elif c == 0:  # W of chunk 0: its whole backward (its I had no inputs to start from)
+            extra = unit.transient
+        if kind != "B" and kind != "I":
+            moment = act + cache_live + extra
+        act_peak = max(act_peak, act + extra + resident)
         if moment > total_peak:
             total_peak, peak_action = moment, f"{kind}{c}.{mb}"
+        if kind == "F" and ios is not None:
+            cache_live -= len(ios[c].frees) * tensor_bytes
+        elif kind == "B":
+            act -= unit.saved
+        elif kind == "I":
+            act += unit.input_kept
+        elif kind == "W":
+            act -= unit.saved + unit.input_kept
+        if resident_by_chunk is not None and last_backward.get(c) == position:
+            resident -= resident_by_chunk[c]
     return act_peak, cache_peak, total_peak, peak_action
 
 
@@ -327,8 +313,11 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
              for c in range(partition.n_chunks)]
     uses_cache = plan is not None and plan.mode == "cached"
     tensor_bytes = setup.tokens * cfg.source_width * DTYPE_BYTES[setup.dtype]
+    fsdp = setup.dp_shard == "fsdp" and setup.data_parallel > 1
+    resident = [gathered_parameter_bytes(cfg, partition, c, data_parallel=setup.data_parallel, dtype=setup.dtype)
+                for c in range(partition.n_chunks)] if fsdp else None
     walks = [walk_rank(schedule.rank_actions[pp_rank], saved_by_chunk=saved, plan=plan if uses_cache else None,
-                       tensor_bytes=tensor_bytes) for pp_rank in range(setup.n_stages)]
+                       tensor_bytes=tensor_bytes, resident_by_chunk=resident) for pp_rank in range(setup.n_stages)]
     ranks = []
     for dp_rank in dp_ranks if dp_ranks is not None else range(setup.data_parallel):
         for pp_rank, (act_peak, cache_peak, peak, action) in enumerate(walks):
@@ -336,9 +325,10 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
             terms = state_bytes(shapes, data_parallel=setup.data_parallel, dp_shard=setup.dp_shard, dp_rank=dp_rank)
             terms.update(activation_peak_bytes=act_peak, cache_peak_bytes=cache_peak)
             fixed = terms["param_bytes"] + terms["grad_bytes"] + terms["optimizer_bytes"]
-            if setup.dp_shard == "fsdp" and setup.data_parallel > 1:
+            if fsdp:
                 # FSDP2 without resharding after forward (the pipeline default) keeps every parameter
-                # all-gathered in the compute dtype through the step: part of the peak, not of param_bytes.
+                # all-gathered in the compute dtype through the step: part of the peak, not of
+                # param_bytes (the activation term counts the saved ones while graphs hold them).
                 fixed += sum(math.prod(s) for s in shapes) * DTYPE_BYTES[setup.dtype]
             ranks.append(RankMemory(terms=terms, peak_bytes=fixed + peak, peak_action=action,
                                     dominant=dominant_term(terms)))

@@ -228,12 +228,19 @@ class Planner:
         # Rank 0 holds the most microbatches in flight: P (1F1B-like), about (V + 1) P chunk-microbatches
         # interleaved, 2P chunk passes under ZB-V; a split schedule's W can keep up to P more.
         chunks0 = partition.chunks_of(0)
-        per_chunk = max(s.saved for s in saved) + max(s.transient for s in saved) / max(1, len(chunks0))
         in_flight = min(candidate.n_microbatches * len(chunks0),
                         candidate.n_stages * (len(chunks0) + 1 if len(chunks0) > 1 else 1))
+        # One recomputation at a time; under a split schedule what I recomputed (checkpointing) stays
+        # until W, for up to P chunk-microbatches.
+        recomputed = max(max(s.transient, s.input_transient) for s in saved)
+        kept_until_w = candidate.n_stages * max(s.input_kept for s in saved) if candidate.schedule in SPLIT else 0
         tensor = tokens * cfg.source_width * self.element
         cache = 2 * cfg.n_blocks * tensor * min(candidate.n_microbatches, candidate.n_stages) if len(chunks0) > 1 else 0
-        peak = max(self.fixed_bytes(candidate, partition)) + in_flight * per_chunk + cache
+        # The last chunk (the head's logits) runs its backward right after its forward: one in flight.
+        last = partition.n_chunks - 1
+        held = max(in_flight * max((saved[c].saved for c in partition.chunks_of(r) if c != last), default=0)
+                   + (saved[last].saved if last in partition.chunks_of(r) else 0) for r in range(candidate.n_stages))
+        peak = max(self.fixed_bytes(candidate, partition)) + held + recomputed + kept_until_w + cache
         return step, peak
 
     def evaluate(self, candidate: Candidate) -> dict:
@@ -322,18 +329,23 @@ def plan(request: PlanRequest, *, evaluate_at_most: int = 32) -> list[dict]:
                          f"sequences over {request.gpus} GPUs: give a batch divisible by the replicas")
     # Stage 1 keeps the estimated fits (with slack: the estimate is rough), fastest first.
     hopeful = sorted((p for p in priced if p[1] <= 1.25 * budget), key=lambda p: p[0])
-    rows = []
+    evaluated: dict[int, dict] = {}  # id(candidate) -> its row
     for index, (_step, _peak, candidate) in enumerate(hopeful):
         # Enough rows after the first `evaluate_at_most`; fewer (the estimate was too kind): go on, to a cap.
-        if index >= evaluate_at_most and (len(rows) >= request.top or index >= 8 * evaluate_at_most):
+        fits = sum(1 for row in evaluated.values() if row["peak_memory_bytes"] <= budget)
+        if index >= evaluate_at_most and (fits >= request.top or index >= 8 * evaluate_at_most):
             break
-        row = planner.evaluate(candidate)
-        if row["peak_memory_bytes"] <= budget:
-            rows.append(row)
+        evaluated[id(candidate)] = planner.evaluate(candidate)
+    leanest = sorted(priced, key=lambda p: p[1])[:16]
+    if sum(1 for row in evaluated.values() if row["peak_memory_bytes"] <= budget) < request.top:
+        # The estimate can be too strict as well as too kind: the candidates it finds leanest, walked
+        # exactly, join the rows if they fit; if none does, the least of them says what is short.
+        for _step, _peak, candidate in leanest:
+            if id(candidate) not in evaluated:
+                evaluated[id(candidate)] = planner.evaluate(candidate)
+    rows = [row for row in evaluated.values() if row["peak_memory_bytes"] <= budget]
     if not rows:
-        # What is short, exactly: the least peak among the candidates estimated to need the least.
-        leanest = sorted(priced, key=lambda p: p[1])[:16]
-        best = min((planner.evaluate(p[2]) for p in leanest), key=lambda r: r["peak_memory_bytes"])
+        best = min((evaluated[id(p[2])] for p in leanest), key=lambda r: r["peak_memory_bytes"])
         c = best["config"]
         shard = "" if any(p[2].dp_shard == "fsdp" for p in priced) else " or enable fsdp (it needs D > 1)"
         raise Infeasible(

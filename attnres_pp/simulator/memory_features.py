@@ -1,0 +1,147 @@
+"""Shape features of one chunk's activation memory (pure Python, no torch): the columns that the
+units of `memory_units.json` multiply (`bench.memory_units` fits them, `simulator.memory` uses them).
+
+- `activation_features` (FEATURES): without activation checkpointing, the chunk's forward is one
+  depth-attention pass over its sublayers (one source buffer, phase-1 segments per block);
+- `checkpoint_features` (CHECKPOINT_FEATURES): under `full` / `selective` checkpointing every
+  transformer layer runs as its own pass (`pipeline.chunk._checkpointed_layers`), with its own
+  source buffers of n_blocks + 1 rows and its own segments: `all_*` sums the layers' passes (what
+  the forward keeps, what I recomputes and keeps until W), `last_*` is the chunk's last layer (the
+  one a backward recomputes first, with the most sources), `out_*` what runs outside the layers
+  (the embedding; the final read, norm and LM head).
+"""
+
+from __future__ import annotations
+
+from attnres_pp.comm.partition import Partition
+from attnres_pp.model.config import ModelConfig
+
+FEATURES = ("layer_td", "layer_th", "layer_tf", "sub_tw", "sub_t", "sub_tr", "seg_ntw", "seg_nkt", "seg_ktd",
+            "seg_nt", "seg_ntr", "seg_nbd", "merge_td", "merge_t", "merge_tr", "merge_bd", "head_tv", "head_td",
+            "head_t", "embed_t", "embed_td", "matmul_params", "sub_1", "seg_1", "seg_kq", "sub_d",
+            "buf_tw", "buf_tk")
+
+
+def matmul_parameters(cfg: ModelConfig, partition: Partition, chunk_index: int) -> int:
+    """Elements of the weights a chunk multiplies with (bf16 autocast keeps a bf16 copy of each)."""
+    d, f, width = cfg.d_model, cfg.ff_dim, cfg.source_width
+    count = partition.layers_per_chunk[chunk_index] * (3 * d * d + width * d + f * d + width * f)
+    if chunk_index == 0:
+        count += cfg.projected_key_rank * d
+    if chunk_index == partition.n_chunks - 1:
+        count += cfg.vocab_size * d
+    return count
+
+
+def depth_segments(cfg: ModelConfig, partition: Partition, chunk_index: int) -> tuple[list[tuple[int, int]], int]:
+    """(phase-1 segments as (sources n, queries k), merges) of a chunk, as `model.stack` runs them;
+    the last chunk's final read is one more segment."""
+    if not cfg.uses_depth_attention:
+        return [], 0
+    size, sublayers = cfg.block_size, partition.sublayer_range(chunk_index)
+    segments, l = [], sublayers.start
+    while l < sublayers.stop:
+        stop = min(sublayers.stop, (l // size + 1) * size)
+        segments.append((l // size + 1, stop - l))
+        l = stop
+    if chunk_index == partition.n_chunks - 1:
+        segments.append((cfg.n_blocks + 1, 1))
+    return segments, sum(1 for l in sublayers if l % size)
+
+
+def activation_features(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int,
+                        n_sequences: int, dtype: str) -> dict[str, float]:
+    """The shape features of `FEATURES` of one chunk and microbatch (`tokens` = n_sequences x seq)."""
+    t, d, f, width = tokens, cfg.d_model, cfg.ff_dim, cfg.source_width
+    r = cfg.key_rank if cfg.residual == "lr_attnres" else 0
+    n_layers = partition.layers_per_chunk[chunk_index]
+    n_sub = 2 * n_layers
+    segments, n_merges = depth_segments(cfg, partition, chunk_index)
+    is_first, is_last = chunk_index == 0, chunk_index == partition.n_chunks - 1
+    source_rows = (cfg.n_blocks + 1) if cfg.uses_depth_attention else 0
+    streams = cfg.n_streams if cfg.residual == "msar" else 1
+    key_width = cfg.key_rank if cfg.residual == "lr_attnres" else d
+    return {
+        "layer_td": n_layers * t * d, "layer_th": n_layers * t * cfg.n_heads, "layer_tf": n_layers * t * f,
+        "sub_tw": n_sub * t * width, "sub_t": n_sub * t, "sub_tr": n_sub * t * r,
+        "seg_ntw": sum(n * t * width for n, _k in segments), "seg_nkt": sum(n * k * t for n, k in segments),
+        "seg_ktd": sum(k * t * d for _n, k in segments), "seg_nt": sum(n * t for n, _k in segments),
+        "seg_ntr": sum(n * t * r for n, _k in segments),
+        "seg_nbd": sum(n * n_sequences * d for n, _k in segments),
+        "merge_td": n_merges * t * d, "merge_t": n_merges * t, "merge_tr": n_merges * t * r,
+        "merge_bd": n_merges * n_sequences * d,
+        "head_tv": is_last * t * cfg.vocab_size, "head_td": is_last * t * d, "head_t": is_last * t,
+        "embed_t": is_first * t, "embed_td": is_first * t * d,
+        "matmul_params": matmul_parameters(cfg, partition, chunk_index) if dtype == "bf16" else 0,
+        "sub_1": n_sub, "seg_1": len(segments),
+        "seg_kq": sum(k * cfg.query_dim * cfg.n_streams for _n, k in segments), "sub_d": n_sub * d,
+        # A pass's sources live in preallocated buffers of n_blocks + 1 rows (model.depth.DepthSources)
+        # that phase 1 reads as views: autograd saves the whole storage, values and normalised keys.
+        "buf_tw": source_rows * t * width * streams, "buf_tk": source_rows * t * key_width * streams,
+    }
+
+
+# Per layer pass, under checkpointing; each name is used as all_<name> and last_<name>.
+_PASS = ("layer_td", "layer_th", "layer_tf", "sub_tw", "sub_t", "sub_tr", "sub_1", "seg_ntw", "seg_nkt",
+         "seg_ktd", "seg_ntr", "seg_nbd", "seg_kq", "merge_td", "merge_tr", "merge_bd", "buf_tw", "buf_tk",
+         "matmul_params", "in_partial_tw")
+_OUTSIDE = ("out_single_tw", "out_head_tv", "out_head_td", "out_head_t", "out_embed_t", "out_embed_td", "out_final_ntw",
+            "out_final_buf", "out_matmul_params")
+CHECKPOINT_FEATURES = tuple(f"all_{n}" for n in _PASS) + tuple(f"last_{n}" for n in _PASS) + _OUTSIDE
+
+
+def _layer_pass(cfg: ModelConfig, sublayers: range, *, tokens: int, n_sequences: int, dtype: str) -> dict[str, float]:
+    """The `_PASS` features of one transformer layer run as its own pass (sublayers 2i, 2i + 1)."""
+    t, d, f, width = tokens, cfg.d_model, cfg.ff_dim, cfg.source_width
+    r = cfg.key_rank if cfg.residual == "lr_attnres" else 0
+    n_sub = len(sublayers)
+    segments, merges = [], 0
+    if cfg.uses_depth_attention:
+        size, l = cfg.block_size, sublayers.start
+        while l < sublayers.stop:
+            stop = min(sublayers.stop, (l // size + 1) * size)
+            segments.append((l // size + 1, stop - l))
+            l = stop
+        merges = sum(1 for l in sublayers if l % size)
+    rows = (cfg.n_blocks + 1) if cfg.uses_depth_attention else 0
+    streams = cfg.n_streams if cfg.residual == "msar" else 1
+    key_width = cfg.key_rank if cfg.residual == "lr_attnres" else d
+    return {
+        "layer_td": t * d, "layer_th": t * cfg.n_heads, "layer_tf": t * f,
+        "sub_tw": n_sub * t * width, "sub_t": n_sub * t, "sub_tr": n_sub * t * r, "sub_1": n_sub,
+        "seg_ntw": sum(n * t * width for n, _k in segments), "seg_nkt": sum(n * k * t for n, k in segments),
+        "seg_ktd": sum(k * t * d for _n, k in segments), "seg_ntr": sum(n * t * r for n, _k in segments),
+        "seg_nbd": sum(n * n_sequences * d for n, _k in segments),
+        "seg_kq": sum(k * cfg.query_dim * cfg.n_streams for _n, k in segments),
+        "merge_td": merges * t * d, "merge_tr": merges * t * r, "merge_bd": merges * n_sequences * d,
+        "buf_tw": rows * t * width * streams, "buf_tk": rows * t * key_width * streams,
+        "matmul_params": (3 * d * d + width * d + f * d + width * f) if dtype == "bf16" else 0,
+        # The pass's input partial (or residual) is saved as it is, by the norm and merge that read it.
+        "in_partial_tw": t * width if cfg.residual == "standard" or sublayers.start % cfg.block_size else 0,
+    }
+
+
+def checkpoint_features(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int,
+                        n_sequences: int, dtype: str) -> dict[str, float]:
+    """The `CHECKPOINT_FEATURES` of one chunk and microbatch under full or selective checkpointing."""
+    t, d, width = tokens, cfg.d_model, cfg.source_width
+    sublayers = partition.sublayer_range(chunk_index)
+    passes = [_layer_pass(cfg, range(s, min(sublayers.stop, s + 2)), tokens=t, n_sequences=n_sequences, dtype=dtype)
+              for s in range(sublayers.start, sublayers.stop, 2)]
+    features = {f"all_{n}": float(sum(p[n] for p in passes)) for n in _PASS}
+    features |= {f"last_{n}": float(passes[-1][n]) for n in _PASS}
+    is_first, is_last = chunk_index == 0, chunk_index == partition.n_chunks - 1
+    rows = (cfg.n_blocks + 1) if cfg.uses_depth_attention else 0
+    streams = cfg.n_streams if cfg.residual == "msar" else 1
+    # A pass that starts with one completed source (inside block 0) normalises that source's view of
+    # its own storage (more sources are stacked into a copy): the chunk keeps b_0 itself, once.
+    single = cfg.uses_depth_attention and cfg.residual != "msar" and sublayers.start < cfg.block_size
+    features |= {
+        "out_single_tw": single * t * width,
+        "out_head_tv": is_last * t * cfg.vocab_size, "out_head_td": is_last * t * d, "out_head_t": is_last * t,
+        "out_embed_t": is_first * t, "out_embed_td": is_first * t * d,
+        "out_final_ntw": is_last * rows * t * width, "out_final_buf": is_last * rows * t * width * streams,
+        "out_matmul_params": (is_last * cfg.vocab_size * d + is_first * cfg.projected_key_rank * d)
+        if dtype == "bf16" else 0,
+    }
+    return features
