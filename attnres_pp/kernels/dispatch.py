@@ -57,4 +57,4 @@ def phase1_streams(sources, taps, kernel_sizes, queries, seq_len: int, *, eps: f
         from attnres_pp.kernels import triton_ops
 
         return triton_ops.phase1_streams(sources, taps, kernel_sizes, queries, seq_len, eps=eps)
-    return phase1_conv_streams_torch(sources, taps, queries, seq_len, eps)
+    return phase1_conv_streams_torch(sources, taps, kernel_sizes, queries, seq_len, eps)

@@ -100,12 +100,16 @@ def conv_streams_torch(sources_NTD: torch.Tensor, taps_NCKD: torch.Tensor, seq_l
     return torch.cat([sources_NTD.unsqueeze(0), y_CNTD])
 
 
-def phase1_conv_streams_torch(sources_NTD: torch.Tensor, taps_NCKD: torch.Tensor, queries_MSD: torch.Tensor,
-                              seq_len: int, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+def phase1_conv_streams_torch(sources_NTD: torch.Tensor, taps_NCKD: torch.Tensor, kernel_sizes: list[int],
+                              queries_MSD: torch.Tensor, seq_len: int, eps: float = 1e-6,
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The slow twin of the fused MSAR stream kernel (`triton_ops.phase1_streams`): the streams
-    (`conv_streams_torch`) written out, then `phase1_streams_torch`. out [m, S, T, d], lse [m, S, T]."""
+    (`conv_streams_torch`, stream s using its first kernel_sizes[s-1] taps) written out, then
+    `phase1_streams_torch`. out [m, S, T, d], lse [m, S, T]."""
     with torch.autocast(sources_NTD.device.type, enabled=False):
-        streams_MNTD = conv_streams_torch(sources_NTD, taps_NCKD, seq_len)
+        used_CK = torch.arange(taps_NCKD.shape[2], device=taps_NCKD.device) < torch.tensor(
+            kernel_sizes, device=taps_NCKD.device).unsqueeze(1)  # taps past a kernel size are not used
+        streams_MNTD = conv_streams_torch(sources_NTD, taps_NCKD * used_CK.unsqueeze(-1), seq_len)
         khat = rms_normalize(streams_MNTD.to(_math_dtype(sources_NTD.dtype)), eps)
         return phase1_streams_torch(streams_MNTD, queries_MSD, khat)
 
