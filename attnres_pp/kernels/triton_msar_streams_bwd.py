@@ -39,7 +39,7 @@ STREAM_GRAD_PROGRAMS = 1024
 
 
 @triton.jit
-def _dp_kernel(
+def _streams_dp_kernel(
     v_ptr, stride_vn, stride_vt, stride_vd, taps_ptr, stride_cn, stride_cm, stride_ck, stride_cd, kappa_ptr,
     q_ptr, stride_qm, stride_qs, stride_qd,
     dout_ptr, stride_om, stride_os, stride_ot, stride_od,  # dout [M, S, T, D] (any strides)
@@ -82,7 +82,7 @@ def _dp_kernel(
 
 
 @triton.jit
-def _du_kernel(
+def _streams_du_kernel(
     v_ptr, stride_vn, stride_vt, stride_vd, taps_ptr, stride_cn, stride_cm, stride_ck, stride_cd, kappa_ptr,
     q_ptr, stride_qm, stride_qs, stride_qd,
     dout_ptr, stride_om, stride_os, stride_ot, stride_od,
@@ -141,7 +141,7 @@ def _du_kernel(
 
 
 @triton.jit
-def _dv_kernel(
+def _streams_dv_kernel(
     du_ptr,  # [M, N, T, D] fp32 contiguous
     taps_ptr, stride_cn, stride_cm, stride_ck, stride_cd, kappa_ptr,
     dv_ptr,  # out: [N, T, D] contiguous, the sources' dtype
@@ -169,7 +169,7 @@ def _dv_kernel(
 
 
 @triton.jit
-def _dtaps_kernel(
+def _streams_dtaps_kernel(
     du_ptr,  # [M, N, T, D] fp32 contiguous
     v_ptr, stride_vn, stride_vt, stride_vd, kappa_ptr,
     dtaps_part_ptr,  # out: [n_groups, N, M - 1, KMAX, D] fp32
@@ -236,7 +236,7 @@ def streams_backward(sources_NTD, taps_NCKD, kernel_sizes, queries_MSD, seq_len,
     scores_MNST = new_buffer((n_streams, n_sources, n_queries, n_tokens), torch.float32, device)
     rstd_MNT = new_buffer((n_streams, n_sources, n_tokens), torch.float32, device)
     dp_part = new_buffer((tiles.n_d_chunks, n_streams, n_sources, n_queries, n_tokens), torch.float32, device)
-    _dp_kernel[(tiles.n_t_tiles * tiles.n_d_chunks, n_streams)](
+    _streams_dp_kernel[(tiles.n_t_tiles * tiles.n_d_chunks, n_streams)](
         *common, scores_MNST, rstd_MNT, dp_part,
         n_sources, n_tokens, width_d, n_queries, n_streams, seq_len, eps, tiles.n_d_chunks,
         BLOCK_S=tiles.block_s, BLOCK_T=tiles.block_t, BLOCK_D=tiles.block_d, BLOCK_K=tiles.block_k,
@@ -256,7 +256,7 @@ def streams_backward(sources_NTD, taps_NCKD, kernel_sizes, queries_MSD, seq_len,
     n_groups, tiles_per_group = _groups(tiles.n_t_tiles, tiles.n_d_chunks * n_streams)
     du_MNTD = new_buffer((n_streams, n_sources, n_tokens, width_d), torch.float32, device)
     dq_part = new_buffer((n_groups, n_streams, n_queries, width_d), torch.float32, device)
-    _du_kernel[(n_groups * tiles.n_d_chunks, n_streams)](
+    _streams_du_kernel[(n_groups * tiles.n_d_chunks, n_streams)](
         *common, probs_MNST, ds_MNST, rstd_MNT, c_MNT, du_MNTD, dq_part,
         n_sources, n_tokens, width_d, n_queries, n_streams, seq_len, tiles.n_d_chunks, tiles_per_group,
         BLOCK_S=tiles.block_s, BLOCK_T=tiles.block_t, BLOCK_D=tiles.block_d, **tiles.launch_options,
@@ -264,7 +264,7 @@ def streams_backward(sources_NTD, taps_NCKD, kernel_sizes, queries_MSD, seq_len,
 
     tiles = pick_tiles(1, n_tokens, width_d, width_d, tile_elems, row_tiles=2)
     dsources_NTD = new_buffer(sources_NTD.shape, sources_NTD.dtype, device)
-    _dv_kernel[(tiles.n_t_tiles * tiles.n_d_chunks, n_sources)](
+    _streams_dv_kernel[(tiles.n_t_tiles * tiles.n_d_chunks, n_sources)](
         du_MNTD, taps, *taps.stride(), kappas, dsources_NTD,
         n_sources, n_tokens, width_d, n_streams, seq_len, tiles.n_d_chunks,
         BLOCK_T=tiles.block_t, BLOCK_D=tiles.block_d, **tiles.launch_options,
@@ -277,7 +277,7 @@ def streams_backward(sources_NTD, taps_NCKD, kernel_sizes, queries_MSD, seq_len,
     tiles = pick_tiles(1, n_tokens, width_d, width_d, tile_elems, row_tiles=2, query_tiles=block_kappa)
     n_groups, tiles_per_group = _groups(tiles.n_t_tiles, tiles.n_d_chunks * n_sources * n_conv)
     dtaps_part = new_buffer((n_groups, n_sources, n_conv, kappa_max, width_d), torch.float32, device)
-    _dtaps_kernel[(n_groups * tiles.n_d_chunks, n_sources * n_conv)](
+    _streams_dtaps_kernel[(n_groups * tiles.n_d_chunks, n_sources * n_conv)](
         du_MNTD, sources_NTD, *sources_NTD.stride(), kappas, dtaps_part,
         n_sources, n_tokens, width_d, n_streams, kappa_max, seq_len, tiles.n_d_chunks, tiles_per_group,
         BLOCK_T=tiles.block_t, BLOCK_D=tiles.block_d, BLOCK_KAPPA=block_kappa, **tiles.launch_options,
