@@ -28,9 +28,10 @@ def _train(tmp_path: Path, variant: str, kernels: str) -> dict:
     config.write_text("[model]\nstream_kernels = [2, 3]\n")
     console = shutil.which("attnres-pp")
     command = [console] if console else [sys.executable, "-m", "attnres_pp.cli"]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    result = subprocess.run([*command, "train", "--config", str(config), *TINY, *VARIANTS[variant], "--kernels", kernels, "--out", str(out)],
-                            capture_output=True, text=True, env=env, timeout=600)
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    argv = ["train", "--config", str(config), *TINY, *VARIANTS[variant], "--kernels", kernels, "--out", str(out)]
+    result = subprocess.run([*command, *argv], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads((out / "summary.json").read_text())
 
