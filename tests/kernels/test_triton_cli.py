@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "2",
@@ -36,6 +37,8 @@ def _train(tmp_path: Path, variant: str, kernels: str) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, scripts/gpu_check.sh trains with the compiled "
+                    "kernels instead (triton_vs_torch_loss)")
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_interpreted_triton_kernels_train_to_the_torch_kernels_losses(tmp_path, variant):
     torch_run = _train(tmp_path, variant, "torch")
