@@ -1,6 +1,7 @@
-"""Build every Triton depth-attention kernel ahead of time for Hopper (sm_90) and Ampere (sm_80) on
-a machine without a GPU, print registers / stack / local / shared memory and occupancy per build,
-and exit 1 if any build spills (a stack frame or local memory).
+"""Build every Triton depth-attention kernel (MSAR's fused streams included) ahead of time for
+Hopper (sm_90) and Ampere (sm_80) on a machine without a GPU, print registers / stack / local /
+shared memory and occupancy per build, and exit 1 if any build spills (a stack frame or local
+memory).
 
     python scripts/aot_kernels.py                      # paper-scale grid, sm_90 and sm_80
     python scripts/aot_kernels.py --grid small --arch 90 --json out.json
@@ -32,24 +33,30 @@ KEY_MODES = [("values", 0), ("projected", 64), ("sliced", 128)]
 
 
 def grid(name: str) -> list[aot.Case]:
-    """'full': S in {1, 4, 8, 16} (S = 1 is Full AttnRes), N = 8 (and N = 1), T = 16384,
-    d in {1024, 4096, 7168}, three key modes, fp32 and bf16. 'small': one phase-1 and one phase-2
-    shape in bf16 (the CI check)."""
+    """'full': S in {1, 4, 8, 16} (S = 1 is Full AttnRes), N = 8, T = 16384, d in {1024, 4096,
+    7168}, three key modes (plus projected r = 1024 at d = 1024), fp32 and bf16, and MSAR's fused
+    streams (m = 4, kappa = 4, 8, 12) over the same S, N, T, d and dtypes. 'small': one phase-1,
+    one phase-2 and one streams shape in bf16 (the CI check)."""
     if name == "small":
         return [
             aot.Case("phase1", T_PAPER, 4096, "bf16", n_queries=8, n_sources=8),
             aot.Case("phase2", T_PAPER, 4096, "bf16"),
+            aot.Case("streams", T_PAPER, 4096, "bf16", n_queries=8, n_sources=8),
         ]
     cases = []
     for dtype in ("fp32", "bf16"):
         for width_d in (1024, 4096, 7168):
-            for key_mode, rank in KEY_MODES:
+            # At d = 1024 also keys as wide as the values from their own projection (r = d).
+            key_modes = KEY_MODES + ([("projected", 1024)] if width_d == 1024 else [])
+            for key_mode, rank in key_modes:
                 for n_queries in (1, 4, 8, 16):
                     for n_sources in (8,):
                         cases.append(
                             aot.Case("phase1", T_PAPER, width_d, dtype, key_mode, rank, n_queries, n_sources)
                         )
                 cases.append(aot.Case("phase2", T_PAPER, width_d, dtype, key_mode, rank))
+            for n_queries in (1, 4, 8, 16):
+                cases.append(aot.Case("streams", T_PAPER, width_d, dtype, n_queries=n_queries, n_sources=8))
     return cases
 
 
@@ -92,6 +99,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, help="also write the builds as JSON here")
     parser.add_argument("--list", action="store_true", help="print the builds the grid needs and stop")
     parser.add_argument("--tile-elems", type=int, help="override the launchers' tile budget (to try a retune)")
+    parser.add_argument("--ops", nargs="+", choices=("phase1", "phase2", "streams"),
+                        help="only the cases of these ops (default: all)")
     args = parser.parse_args(argv)
 
     reason = aot.unavailable_reason()
@@ -102,7 +111,8 @@ def main(argv=None) -> int:
         from attnres_pp.kernels import triton_common
 
         triton_common.DEFAULT_TILE_ELEMS = args.tile_elems
-    builds = unique_builds(grid(args.grid), args.arch)
+    cases = [case for case in grid(args.grid) if args.ops is None or case.op in args.ops]
+    builds = unique_builds(cases, args.arch)
     print(f"{len(builds)} builds for grid {args.grid!r}, arch {args.arch}", flush=True)
     if args.list:
         for launch, arch, users in builds.values():

@@ -1,7 +1,8 @@
 """Ahead-of-time builds of the Triton kernels for Hopper on this CPU-only machine: a small grid of
-`scripts/aot_kernels.py` must build every kernel without a spill, and an oversized tile budget must
-be caught as a spill. Skipped only where triton's compiler or its bundled ptxas / cuobjdump are
-missing (checked without importing triton here, so the kernel tests can still set the interpreter)."""
+`scripts/aot_kernels.py` must build every kernel (MSAR's fused stream kernels included) without a
+spill, and an oversized tile budget must be caught as a spill. Skipped only where triton's compiler
+or its bundled ptxas / cuobjdump are missing (checked without importing triton here, so the kernel
+tests can still set the interpreter)."""
 
 import importlib.util
 import json
@@ -17,7 +18,8 @@ from attnres_pp.kernels import aot
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "aot_kernels.py"
 KERNELS = {"scores_kernel", "phase1_fwd_kernel", "phase1_bwd_kernel", "key_grad_kernel", "phase2_fwd_kernel",
-           "phase2_bwd_kernel"}  # fmt: skip
+           "phase2_bwd_kernel", "streams_fwd_kernel", "streams_dp_kernel", "streams_du_kernel", "streams_dv_kernel",
+           "streams_dtaps_kernel"}  # fmt: skip
 
 
 def _tools_missing() -> str | None:

@@ -1,6 +1,7 @@
 """Ahead-of-time builds of the Triton depth-attention kernels for a GPU this machine does not have.
 
-`launches(case)` runs the real launchers (phase 1 / phase 2, forward and backward) on meta tensors
+`launches(case)` runs the real launchers (phase 1 / phase 2 / MSAR's fused streams, forward and
+backward) on meta tensors
 with every `kernel[grid](...)` call recorded instead of run, so each build uses exactly the tiles,
 warps, dtypes and argument specialisation (ints equal to 1 become constants, ints and pointers
 divisible by 16 are marked so) that a CUDA launch of that shape would compile. `build(launch,
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-KERNEL_MODULES = ("triton_phase1", "triton_phase2", "triton_keygrad")
+KERNEL_MODULES = ("triton_phase1", "triton_phase2", "triton_keygrad", "triton_msar_streams", "triton_msar_streams_bwd")
 # Per-SM limits: (max resident warps, max resident blocks, registers, shared memory bytes).
 SM_LIMITS = {80: (64, 32, 65536, 167936), 90: (64, 32, 65536, 233472)}
 _RESOURCE_RE = re.compile(r"Function (\S+):\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
@@ -33,7 +34,9 @@ _RESOURCE_RE = re.compile(r"Function (\S+):\s*REG:(\d+) STACK:(\d+) SHARED:(\d+)
 
 @dataclass(frozen=True)
 class Case:
-    """One depth-attention shape: `op` "phase1" (N sources, S queries) or "phase2" (one partial)."""
+    """One depth-attention shape: `op` "phase1" (N sources, S queries), "phase2" (one partial) or
+    "streams" (MSAR's fused conv streams and phase 1: N sources, S queries per stream, one stream
+    per kernel size plus the identity)."""
 
     op: str
     n_tokens: int
@@ -43,8 +46,12 @@ class Case:
     rank: int = 0
     n_queries: int = 1
     n_sources: int = 1
+    kernel_sizes: tuple[int, ...] = (4, 8, 12)  # "streams" only: SPEC 1.4's default kappa
 
     def label(self) -> str:
+        if self.op == "streams":
+            return (f"streams m={len(self.kernel_sizes) + 1} kappa={max(self.kernel_sizes)} S={self.n_queries} "
+                    f"N={self.n_sources} T={self.n_tokens} d={self.width_d} {self.dtype}")
         keys = "k=d" if self.key_mode == "values" else f"{self.key_mode} r={self.rank}"
         head = f"S={self.n_queries} N={self.n_sources} " if self.op == "phase1" else ""
         return f"{self.op} {head}T={self.n_tokens} d={self.width_d} {keys} {self.dtype}"
@@ -141,14 +148,24 @@ def _meta(*shape, dtype):
 
 def launches(case: Case) -> list[Launch]:
     """Every kernel launch of the case's forward and backward, recorded from the real launchers."""
-    from attnres_pp.kernels import triton_phase1, triton_phase2
+    from attnres_pp.kernels import triton_msar_streams, triton_msar_streams_bwd, triton_phase1, triton_phase2
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[case.dtype]
     n, t, d, s, r = case.n_sources, case.n_tokens, case.width_d, case.n_queries, case.rank
     width_k = d if case.key_mode == "values" else r
     sink: list[Launch] = []
     with _recording(case, sink):
-        if case.op == "phase1":
+        if case.op == "streams":
+            # As the model calls it: sources in the activation dtype, fp32 conv taps and queries
+            # (parameters); tokens are whole sequences (T / 4 of them here).
+            sizes, seq_len = list(case.kernel_sizes), t // 4
+            sources = _meta(n, t, d, dtype=dtype)
+            taps = _meta(n, len(sizes), max(sizes), d, dtype=torch.float32)
+            queries = _meta(len(sizes) + 1, s, d, dtype=torch.float32)
+            out, lse = triton_msar_streams.streams_forward(sources, taps, sizes, queries, seq_len)
+            triton_msar_streams_bwd.streams_backward(sources, taps, sizes, queries, seq_len, lse,
+                                                     torch.empty_like(out), torch.empty_like(lse))
+        elif case.op == "phase1":
             values = _meta(n, t, d, dtype=dtype)
             keys = {"values": None, "projected": _meta(n, t, r, dtype=dtype), "sliced": values[..., d - r :]}
             keys = keys[case.key_mode]

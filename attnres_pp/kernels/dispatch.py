@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from attnres_pp.kernels.reference import phase1_torch, phase2_torch
+from attnres_pp.kernels.reference import phase1_conv_streams_torch, phase1_torch, phase2_torch
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -47,3 +47,14 @@ def phase2(out1, lse1, partial, query, *, partial_key=None, eps: float = 1e-6, b
 
         return triton_ops.phase2(out1, lse1, partial, query, partial_key=partial_key, eps=eps)
     return phase2_torch(out1, lse1, partial, query, partial_key, eps)
+
+
+def phase1_streams(sources, taps, kernel_sizes, queries, seq_len: int, *, eps: float = 1e-6, backend: str = "auto"):
+    """MSAR phase 1 of all m streams: sources [N, T, d], taps [N, m-1, kappa_max, d] (zero past each
+    stream's kernel size), queries [m, S, d] -> (out [m, S, T, d], lse [m, S, T]). Triton: one fused
+    kernel that never writes the streams; torch: the streams written out, then phase 1 (the twin)."""
+    if _resolve(backend, sources) == "triton":
+        from attnres_pp.kernels import triton_ops
+
+        return triton_ops.phase1_streams(sources, taps, kernel_sizes, queries, seq_len, eps=eps)
+    return phase1_conv_streams_torch(sources, taps, kernel_sizes, queries, seq_len, eps)

@@ -86,6 +86,34 @@ def phase1_streams_torch(values_MNTD: torch.Tensor, queries_MSD: torch.Tensor, k
         return out_MSTD.to(values_MNTD.dtype), lse_MTS.transpose(1, 2)
 
 
+def conv_streams_torch(sources_NTD: torch.Tensor, taps_NCKD: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """MSAR streams [m, N, T, d] of N sources [N, T, d] (T = whole sequences of seq_len): stream 0 is
+    the source, stream s >= 1 `sum_delta taps[:, s-1, delta] * v[t - delta]` (v = 0 before a
+    sequence starts), all in one grouped conv1d."""
+    n, t, d = sources_NTD.shape
+    n_conv, kappa = taps_NCKD.shape[1], taps_NCKD.shape[2]
+    x_BCS = sources_NTD.reshape(n, t // seq_len, seq_len, d).permute(1, 0, 3, 2).reshape(-1, n * d, seq_len)
+    # Output channel (source, channel, stream); conv1d correlates, so the taps are flipped.
+    weight = taps_NCKD.permute(0, 3, 1, 2).flip(-1).reshape(n * d * n_conv, 1, kappa).to(sources_NTD.dtype)
+    y = F.conv1d(F.pad(x_BCS, (kappa - 1, 0)), weight, groups=n * d)
+    y_CNTD = y.view(-1, n, d, n_conv, seq_len).permute(3, 1, 0, 4, 2).reshape(n_conv, n, t, d)
+    return torch.cat([sources_NTD.unsqueeze(0), y_CNTD])
+
+
+def phase1_conv_streams_torch(sources_NTD: torch.Tensor, taps_NCKD: torch.Tensor, kernel_sizes: list[int],
+                              queries_MSD: torch.Tensor, seq_len: int, eps: float = 1e-6,
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slow twin of the fused MSAR stream kernel (`triton_ops.phase1_streams`): the streams
+    (`conv_streams_torch`, stream s using its first kernel_sizes[s-1] taps) written out, then
+    `phase1_streams_torch`. out [m, S, T, d], lse [m, S, T]."""
+    with torch.autocast(sources_NTD.device.type, enabled=False):
+        used_CK = torch.arange(taps_NCKD.shape[2], device=taps_NCKD.device) < torch.tensor(
+            kernel_sizes, device=taps_NCKD.device).unsqueeze(1)  # taps past a kernel size are not used
+        streams_MNTD = conv_streams_torch(sources_NTD, taps_NCKD * used_CK.unsqueeze(-1), seq_len)
+        khat = rms_normalize(streams_MNTD.to(_math_dtype(sources_NTD.dtype)), eps)
+        return phase1_streams_torch(streams_MNTD, queries_MSD, khat)
+
+
 def phase2_streams_torch(out1_MTD: torch.Tensor, lse1_MT: torch.Tensor, partial_MTD: torch.Tensor,
                          query_MD: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Phase 2 of MSAR for all m streams at once: stream s equals `phase2_torch(out1[s], lse1[s],

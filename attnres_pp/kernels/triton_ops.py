@@ -3,6 +3,8 @@
 
     phase1(values [N,T,d], queries [S,k], *, keys [N,T,k] | None, eps) -> (out [S,T,d], lse [S,T])
     phase2(out1 [T,d], lse1 [T], partial [T,d], query [k], *, partial_key [T,k] | None, eps) -> h [T,d]
+    phase1_streams(sources [N,T,d], taps [N,m-1,kappa,d], kernel_sizes, queries [m,S,d], seq_len, eps)
+        -> (out [m,S,T,d], lse [m,S,T])   (MSAR: conv streams and phase 1 fused)
 
 Keys may be strided views (sliced keys are the values' last r channels): the kernels take strides,
 so no copy is made, and autograd routes the key gradient back into the viewed values.
@@ -14,7 +16,7 @@ Kernels run on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set b
 import torch
 from torch import Tensor
 
-from attnres_pp.kernels import triton_phase1, triton_phase2
+from attnres_pp.kernels import triton_msar_streams, triton_msar_streams_bwd, triton_phase1, triton_phase2
 
 
 def _no_grad_placeholder(like: Tensor) -> Tensor:
@@ -123,6 +125,54 @@ def _phase2_backward(ctx, d_h):
 _phase2_op.register_autograd(_phase2_backward, setup_context=_phase2_setup_context)
 
 
+# ------------------------------------------------------------------------- MSAR streams + phase 1
+
+
+@torch.library.custom_op("attnres_pp::phase1_streams", mutates_args=())
+def _streams_op(sources: Tensor, taps: Tensor, queries: Tensor, kernel_sizes: list[int], seq_len: int,
+                eps: float) -> tuple[Tensor, Tensor]:
+    return triton_msar_streams.streams_forward(sources, taps, kernel_sizes, queries, seq_len, eps)
+
+
+@_streams_op.register_fake
+def _streams_fake(sources, taps, queries, kernel_sizes, seq_len, eps):
+    n_streams, n_queries = queries.shape[0], queries.shape[1]
+    n_tokens, width_d = sources.shape[1], sources.shape[2]
+    return (sources.new_empty((n_streams, n_queries, n_tokens, width_d)),
+            sources.new_empty((n_streams, n_queries, n_tokens), dtype=torch.float32))
+
+
+@torch.library.custom_op("attnres_pp::phase1_streams_backward", mutates_args=())
+def _streams_backward_op(sources: Tensor, taps: Tensor, queries: Tensor, kernel_sizes: list[int], seq_len: int,
+                         lse: Tensor, d_out: Tensor, d_lse: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    return triton_msar_streams_bwd.streams_backward(sources, taps, kernel_sizes, queries, seq_len, lse, d_out,
+                                                    d_lse, eps)
+
+
+@_streams_backward_op.register_fake
+def _streams_backward_fake(sources, taps, queries, kernel_sizes, seq_len, lse, d_out, d_lse, eps):
+    return sources.new_empty(sources.shape), taps.new_empty(taps.shape), queries.new_empty(queries.shape)
+
+
+def _streams_setup_context(ctx, inputs, output):
+    sources, taps, queries, kernel_sizes, seq_len, eps = inputs
+    ctx.save_for_backward(sources, taps, queries, output[1])
+    ctx.kernel_sizes, ctx.seq_len, ctx.eps = kernel_sizes, seq_len, eps
+
+
+def _streams_backward(ctx, d_out, d_lse):
+    sources, taps, queries, lse = ctx.saved_tensors
+    if d_out is None:  # a stride-0 zero: the kernels take any strides
+        d_out = sources.new_zeros(()).expand(*lse.shape, sources.shape[-1])
+    d_lse = torch.zeros_like(lse) if d_lse is None else d_lse
+    d_sources, d_taps, d_queries = _streams_backward_op(sources, taps, queries, ctx.kernel_sizes, ctx.seq_len, lse,
+                                                        d_out, d_lse, ctx.eps)
+    return d_sources, d_taps, d_queries, None, None, None
+
+
+_streams_op.register_autograd(_streams_backward, setup_context=_streams_setup_context)
+
+
 # ------------------------------------------------------------------------------------- public API
 
 
@@ -145,3 +195,13 @@ def phase2(
     """h [T, d] = out1 + sigmoid(s_p - lse1) * (partial - out1), s_p = query . RMSNorm(partial_key
     or partial)."""
     return _phase2_op(out1, lse1, partial, query, partial_key, eps)
+
+
+def phase1_streams(sources: Tensor, taps: Tensor, kernel_sizes: list[int], queries: Tensor, seq_len: int,
+                   eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """MSAR phase 1 of every stream, the streams computed in the kernel and never stored.
+
+    sources [N, T, d] (T = whole sequences of seq_len), taps [N, m-1, kappa_max, d] (conv stream s
+    uses its first kernel_sizes[s-1] taps: u[t] = sum_delta taps[delta] * v[t - delta]), queries
+    [m, S, d] (stream 0 the identity) -> out [m, S, T, d], lse [m, S, T] fp32."""
+    return _streams_op(sources, taps, queries, list(kernel_sizes), seq_len, eps)

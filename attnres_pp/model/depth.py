@@ -17,6 +17,7 @@ from torch import nn
 from attnres_pp.kernels import (
     phase1,
     phase1_normalized_torch,
+    phase1_streams,
     phase1_streams_torch,
     phase2,
     phase2_streams_torch,
@@ -105,6 +106,13 @@ class StreamConvs(nn.Module):
         taps = [F.pad(taps_KD.flip(0).t(), (kappa_max - taps_KD.shape[0], 0)) for taps_KD in self.weights[source_index]]
         return torch.stack(taps, dim=1).reshape(-1, 1, kappa_max)
 
+    def taps(self, source_index: int) -> torch.Tensor:
+        """Source j's conv taps as the fused stream kernel takes them: [m - 1, kappa_max, d], tap delta
+        of stream s weighing v[t - delta], zero past the stream's kernel size."""
+        kappa_max = max(self.kernel_sizes)
+        return torch.stack([F.pad(taps_KD, (0, 0, 0, kappa_max - taps_KD.shape[0]))
+                            for taps_KD in self.weights[source_index]])
+
     def stream_stack(self, kernels: list[torch.Tensor], v_NBTD: torch.Tensor) -> torch.Tensor:
         """Streams [m, N, B, T, d] of N sources (stream 0 is v) with their `kernel`s: one grouped conv."""
         n, batch, seq, width = v_NBTD.shape
@@ -160,7 +168,13 @@ class DepthSources:
         self.blocks: list[torch.Tensor] = []
         self.kernels: list[torch.Tensor] = []  # MSAR: each source's conv weight, built once per pass
         self.normalize_keys = self.backend == "torch"
-        if cfg.residual == "msar":
+        self.taps: RowBuffer | None = None  # MSAR under the fused kernel: [N, m-1, kappa_max, d]
+        if cfg.residual == "msar" and self.backend == "triton" and decode is None:
+            self.values = RowBuffer((capacity, n_tokens, d), dtype, device)
+            self.khat = None
+            taps_dtype = stream_convs.weights[0][0].dtype
+            self.taps = RowBuffer((capacity, cfg.n_streams - 1, max(cfg.stream_kernels), d), taps_dtype, device)
+        elif cfg.residual == "msar":
             shape = (cfg.n_streams, capacity, n_tokens, d)
             self.values = RowBuffer(shape, dtype, device, row_axis=1)
             self.khat = RowBuffer(shape, self.key_dtype, device, row_axis=1) if self.normalize_keys else None
@@ -189,6 +203,10 @@ class DepthSources:
                 self.khat.append(self.normalized_keys(values_NTD if keys_NTK is None else keys_NTK))
             return
         self.kernels.extend(self.stream_convs.kernel(j) for j in range(first, first + len(blocks_BTW)))
+        if self.taps is not None:
+            self.values.append(torch.stack([b.reshape(n_tokens, -1) for b in blocks_BTW]))
+            self.taps.append(torch.stack([self.stream_convs.taps(j) for j in range(first, first + len(blocks_BTW))]))
+            return
         if self.decode is None:
             streams_MNBTD = self.stream_convs.stream_stack(self.kernels[first:], torch.stack(blocks_BTW))
         else:
@@ -268,7 +286,11 @@ class BlockReader:
         self.phase1_by_stream: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._per_site: tuple | None = None
         if cfg.residual == "msar":
-            if khat is not None:
+            if sources.taps is not None:
+                self.phase1_by_stream.append(phase1_streams(values, sources.taps.rows(), list(cfg.stream_kernels),
+                                                            queries, self.shape_BT[1], eps=cfg.norm_eps,
+                                                            backend=self.backend))
+            elif khat is not None:
                 self.phase1_by_stream.append(phase1_streams_torch(values, queries, khat))
             else:
                 per_stream = [phase1(v, q, eps=cfg.norm_eps, backend=self.backend)

@@ -1,0 +1,53 @@
+"""`TRITON_INTERPRET=1 attnres-pp train --kernels triton --device cpu`: the CLI runs the Triton
+kernels under the interpreter (MSAR through the fused stream kernel) and trains to the torch
+kernels' losses on a tiny model. Each run is a fresh process, as a user would start it, so the
+interpreter variable is set before anything imports triton."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "2",
+        "--microbatches", "1", "--steps", "3", "--lr", "0.01", "--eval-every", "0", "--seed", "4", "--quiet",
+        "--launcher", "local", "--device", "cpu"]
+VARIANTS = {
+    "msar": ["--residual", "msar", "--block-size", "2"],  # stream kernels (2, 3) from the TOML file
+    "block": ["--residual", "attnres", "--block-size", "2"],
+}
+
+
+def _train(tmp_path: Path, variant: str, kernels: str) -> dict:
+    out = tmp_path / f"{variant}_{kernels}"
+    config = tmp_path / "model.toml"
+    config.write_text("[model]\nstream_kernels = [2, 3]\n")
+    console = shutil.which("attnres-pp")
+    command = [console] if console else [sys.executable, "-m", "attnres_pp.cli"]
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    argv = ["train", "--config", str(config), *TINY, *VARIANTS[variant], "--kernels", kernels, "--out", str(out)]
+    result = subprocess.run([*command, *argv], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads((out / "summary.json").read_text())
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, scripts/gpu_check.sh trains with the compiled "
+                    "kernels instead (triton_vs_torch_loss)")
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_interpreted_triton_kernels_train_to_the_torch_kernels_losses(tmp_path, variant):
+    torch_run = _train(tmp_path, variant, "torch")
+    triton_run = _train(tmp_path, variant, "triton")
+    assert triton_run["config"]["train"]["kernels"] == "triton" and triton_run["config"]["train"]["device"] == "cpu"
+    assert torch_run["config"]["train"]["kernels"] == "torch"
+    if variant == "msar":
+        assert triton_run["config"]["model"]["stream_kernels"] == [2, 3]
+    want, got = torch_run["losses"], triton_run["losses"]
+    assert len(got) == len(want) == 3 and want[-1] < want[0]
+    for g, w in zip(got, want, strict=True):
+        assert abs(g - w) <= 1e-5 * abs(w), (got, want)
