@@ -48,6 +48,8 @@ CASES = [
     ("train-keep-checkpoints-negative", [*TRAIN, *OUT, "--keep-checkpoints", "-1"], None, "keep_checkpoints=-1"),
     ("train-keep-checkpoints-word", [*TRAIN, *OUT, "--keep-checkpoints", "x"], None, "--keep-checkpoints 'x'"),
     ("train-final-checkpoint-value", [*TRAIN, *OUT, "--final-checkpoint=no"], None, "ignored explicit argument"),
+    ("train-triton-on-cpu-ray", [*RAY, *OUT, "--kernels", "triton", "--device", "cpu"], None,
+     "need a CUDA device"),
     # train: paths
     ("train-out-is-file", [*TRAIN, "--out", "{file}"], None, "is an existing file"),
     ("train-out-under-file", [*TRAIN, "--out", "{file}/run"], None, "is a file, not a directory"),
@@ -174,6 +176,8 @@ def _prepare(case_id: str, tmp: Path, monkeypatch) -> None:
             ray = pytest.importorskip("ray")
             if ray.is_initialized():
                 pytest.skip("a Ray instance is already running in this process: the address is not used")
+    if case_id == "train-triton-on-cpu-ray":  # refused before Ray starts, unless the interpreter is asked for
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if case_id == "ray-env-address-unreachable":
         monkeypatch.setenv("RAY_ADDRESS", UNREACHABLE)
     else:

@@ -239,6 +239,10 @@ def make_run_engine(run_cfg: RunConfig, out_dir: Path, *, address: str | None = 
     launcher = run_cfg.pipeline.launcher
     if address is not None and launcher != "ray":
         raise ConfigError(f"--address is for --launcher ray, not {launcher}")
+    if run_cfg.train.device == "cpu":  # refuse Triton on cpu here, before a launcher starts Ray or ranks
+        from attnres_pp.train.devices import resolve_train
+
+        resolve_train(run_cfg.train, "cpu")
     single = run_cfg.pipeline.is_single_process and launcher == "local"
     if fail_at is not None and (single or launcher == "inprocess"):
         raise ConfigError("--inject-failure needs rank workers to lose: use --launcher ray, or --launcher local "
