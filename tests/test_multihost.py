@@ -171,6 +171,33 @@ def test_job_submitted_from_the_root_namespace_runs_over_two_hosts(make_cluster,
     assert by_way["shm"] == summary["bytes_sent_per_step"] > 0 and by_way["gloo"] == 0
 
 
+def test_a_replica_spread_over_two_hosts_uses_gloo_while_the_other_keeps_shared_memory(make_cluster, tmp_path):
+    """D = 2, P = 2 packed onto two 3-CPU hosts: three ranks on one host, one on the other, so
+    replica 0's hop stays on one node and replica 1's crosses the link. Shared memory and gloo carry
+    bytes in the same step (the pairs are chosen from the node map, not from host names, and a
+    replica without a same-node pair does not send the other's over gloo); the single process's
+    losses."""
+    steps = ["--steps", "2"]
+    assert main(["train", *TINY, *steps, "--launcher", "local", "--out", str(tmp_path / "single"), "--quiet"]) == 0
+    cluster = make_cluster(2, cpus_per_host=3)
+    out = tmp_path / "run"
+    proc = cluster.driver([*TINY, *steps, "--stages", "2", "--data-parallel", "2", "--placement", "PACK",
+                           "--timeout", "60"], out)
+    try:
+        assert proc.wait(timeout=300) == 0, (tmp_path / "driver.log").read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = json.loads((out / "summary.json").read_text())
+    assert_same_losses(summary["losses"], losses(tmp_path / "single"))
+    nodes = summary["nodes"]
+    assert nodes[0] == nodes[1] == nodes[2] != nodes[3], nodes  # ranks numbered node by node
+    by_way = summary["bytes_sent_per_step_by_transport"]
+    assert by_way["shm"] > 0 and by_way["gloo"] > 0, by_way
+    assert by_way["shm"] == by_way["gloo"]  # the two replicas send the same hops, one way each
+    assert by_way["shm"] + by_way["gloo"] == summary["bytes_sent_per_step"]
+
+
 def test_a_rendezvous_that_cannot_connect_is_one_line_naming_ranks_and_addresses(make_cluster, tmp_path):
     """Ranks on two hosts whose gloo sockets are bound to loopback (the address a host name resolves
     to in every namespace) cannot connect: one `error:` line naming the ranks and addresses, exit 2,
