@@ -21,8 +21,9 @@ is lowered (health checks every 1 s, dead after 3 misses) so that a lost host is
 Ports are per namespace, so Ray's defaults never collide with another Ray instance of the machine.
 
 A link is the veth pair from the host to the bridge. `shape` puts a token bucket (tc tbf) on both
-ends, so traffic in each direction is limited to X Gb/s, and (where the kernel has sch_netem) a delay
-of Y ms on each direction; a kernel without netem shapes the bandwidth only and says so. `partition`
+ends, so traffic in each direction is limited to X Gb/s, and a netem delay of Y ms on each direction;
+a kernel without sch_netem refuses Y > 0 (one `error:` line saying so; `up` reports
+`"latency_shaping": false`) and shapes bandwidth only. `partition`
 detaches the host's link from the bridge: every packet to or from it is dropped, nothing is reset
 (as a cut cable); `heal` attaches it again. `kill` SIGKILLs every process in the namespace (a host
 that loses power). `down` ends every process started in the namespaces, then deletes the namespaces,
@@ -91,15 +92,28 @@ class State:
         return state
 
 
-def netem_available() -> bool:
-    """Whether this kernel has sch_netem (delay); some VM kernels ship tbf and htb only."""
+def netem_missing() -> str | None:
+    """None if this kernel has sch_netem (delay), else why not, as tc says it. Some VM kernels ship
+    tbf and htb only (CONFIG_NET_SCH_NETEM unset and no modules to load). Tried on the loopback of a
+    scratch namespace: the harness needs namespaces anyway, and such kernels may lack dummy links."""
     name = f"attnprobe{secrets.token_hex(2)}"
-    if sh("ip", "link", "add", name, "type", "dummy", check=False).returncode != 0:
-        return False
+    made = sh("ip", "netns", "add", name, check=False)
+    if made.returncode != 0:
+        return f"no scratch namespace to try it in: {(made.stderr or made.stdout).strip()}"
     try:
-        return sh("tc", "qdisc", "add", "dev", name, "root", "netem", "delay", "1ms", check=False).returncode == 0
+        tried = sh("ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms",
+                   check=False)
+        return None if tried.returncode == 0 else (tried.stderr or tried.stdout).strip() or "tc failed"
     finally:
-        sh("ip", "link", "del", name, check=False)
+        sh("ip", "netns", "del", name, check=False)
+
+
+def refuse_latency(latency_ms: float, why: str) -> None:
+    """A delay this kernel cannot add is refused, never shaped without it."""
+    raise HarnessError(f"--latency-ms {latency_ms:g} needs sch_netem, which this kernel lacks (`tc qdisc add ... "
+                       f"netem delay 1ms` says: {why}; tbf and htb, the shapers such kernels keep, add no delay): "
+                       "shape the bandwidth alone (--latency-ms 0), or emulate the latency in the ranks "
+                       "(attnres-pp train --link-latency-us)")
 
 
 def find_host(state: dict, key: str) -> dict:
@@ -176,6 +190,13 @@ def cmd_up(args, store: State) -> dict:
     if any(ipaddress.ip_interface(w).network.overlaps(net) for line in mine.splitlines()
            for w in line.split() if "/" in w and w[0].isdigit() and ":" not in w):
         raise HarnessError(f"--net {net} overlaps an address of this machine: choose another private range")
+    if args.latency_ms < 0:
+        raise HarnessError(f"--latency-ms {args.latency_ms} must be 0 or more")
+    if args.latency_ms > 0 and args.gbps is None:
+        raise HarnessError(f"--latency-ms {args.latency_ms:g} needs --gbps: `up` shapes a link in both at once")
+    missing = netem_missing()
+    if args.latency_ms > 0 and missing:
+        refuse_latency(args.latency_ms, missing)
     prefix = args.prefix
     if not prefix.isalnum() or len(prefix) > 8:
         raise HarnessError(f"--prefix {prefix!r} must be 1-8 letters or digits (interface names are short)")
@@ -186,7 +207,7 @@ def cmd_up(args, store: State) -> dict:
     token_path.chmod(0o600)
     state = {"dir": str(store.dir), "prefix": prefix, "net": str(net), "bridge": f"{prefix}br",
              "bridge_ip": str(hosts_ip[0]), "cpus_per_host": args.cpus_per_host,
-             "auth_token_path": str(token_path), "netem": netem_available(), "hosts": []}
+             "auth_token_path": str(token_path), "netem": missing is None, "netem_missing": missing, "hosts": []}
     state["hosts"] = [{"name": f"{prefix}-h{i}", "ip": str(hosts_ip[9 + i]), "veth": f"{prefix}v{i}",
                        "pid": None, "shape": None, "partitioned": False} for i in range(args.hosts)]
     store.save(state)  # first: `down` can clean up whatever part of this gets made
@@ -231,11 +252,13 @@ def describe(state: dict) -> dict:
 
 
 def apply_shape(state: dict, host: dict, gbps: float, latency_ms: float) -> None:
-    """tbf (and netem delay, if the kernel has it) on both ends of the host's link."""
+    """tbf (and a netem delay, which a kernel without sch_netem refuses) on both ends of the host's link."""
     if not gbps > 0:
         raise HarnessError(f"--gbps {gbps} must be positive")
     if latency_ms < 0:
         raise HarnessError(f"--latency-ms {latency_ms} must be 0 or more")
+    if latency_ms > 0 and not state["netem"]:  # before any qdisc changes: the link keeps its shaping
+        refuse_latency(latency_ms, state.get("netem_missing") or "Specified qdisc kind is unknown")
     rate_bit = int(gbps * 1e9)
     # A small bucket, so that a message's bytes are paced rather than let through at line rate
     # (tbf splits GSO segments larger than the bucket), yet ~0.2 ms of traffic at high rates.
@@ -250,10 +273,7 @@ def apply_shape(state: dict, host: dict, gbps: float, latency_ms: float) -> None
         else:
             sh(*inside, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", str(rate_bit), "burst", str(burst),
                "latency", "200ms")
-    if latency_ms > 0 and not state["netem"]:
-        print(f"warning: this kernel has no sch_netem: {host['name']} is shaped to {gbps} Gb/s without the "
-              f"{latency_ms} ms delay", file=sys.stderr)
-    host["shape"] = {"gbps": gbps, "latency_ms": latency_ms if state["netem"] else 0.0}
+    host["shape"] = {"gbps": gbps, "latency_ms": latency_ms}
 
 
 def cmd_shape(args, store: State) -> dict:

@@ -216,6 +216,37 @@ def test_a_rendezvous_that_cannot_connect_is_one_line_naming_ranks_and_addresses
     assert "rank 1 at 10.213." in errors[0]
 
 
+def test_a_delay_this_kernel_cannot_add_is_refused_in_one_line(make_cluster, tmp_path):
+    """Without sch_netem no delay can be put on a link (tbf and htb add none): `up` and `shape` with
+    --latency-ms > 0 exit 2 with one `error:` line saying why and what to do instead, `up` before it
+    makes anything and `shape` before it touches the link; bandwidth alone still shapes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("netns_cluster", REPO / "scripts" / "netns_cluster.py")
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    if harness.netem_missing() is None:
+        pytest.skip("this kernel has sch_netem: --latency-ms adds a real delay here")
+    state_dir, prefix = f"/tmp/attnres-mh-{secrets.token_hex(3)}", f"t{secrets.token_hex(2)}"
+    done = subprocess.run([*HARNESS, "--state-dir", state_dir, "up", "--hosts", "1", "--gbps", "1", "--latency-ms",
+                           "1", "--prefix", prefix], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --latency-ms 1 needs sch_netem"), lines
+    assert "--link-latency-us" in lines[0] and "--latency-ms 0" in lines[0]
+    assert prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not Path(state_dir).exists()
+
+    cluster = make_cluster(1)
+    veth = json.loads((cluster.state_dir / "state.json").read_text())["hosts"][0]["veth"]
+    refused = cluster.harness("shape", "0", "--gbps", "0.5", "--latency-ms", "2", check=False)
+    assert refused.returncode == 2 and refused.stderr.startswith("error: --latency-ms 2 needs sch_netem")
+    assert "tbf" not in subprocess.run(["tc", "qdisc", "show", "dev", veth], capture_output=True, text=True).stdout
+    assert json.loads(cluster.harness("shape", "0", "--gbps", "0.5").stdout)["shape"] == {"gbps": 0.5,
+                                                                                           "latency_ms": 0.0}
+    assert "tbf" in subprocess.run(["tc", "qdisc", "show", "dev", veth], capture_output=True, text=True).stdout
+
+
 def _disturbed_run(make_cluster, tmp_path, action: str) -> tuple[dict, str, str]:
     """P = 2 over 3 one-CPU hosts, checkpoints every 2 steps; `action` ("kill" or "partition") hits
     the host of a rank that is not on the head, right after step 3. Returns (summary, driver log,
