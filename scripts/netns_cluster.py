@@ -15,8 +15,9 @@ and for HOST (which also takes the host's index or IP). Addresses come from one 
 machine reaches every host as a workstation reaches a cluster (`ray job submit --address
 http://IP:8265`, with RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH set to the printed path).
 
-Each host's Ray node has its own `--temp-dir`, `--node-ip-address` and `--num-cpus`, token
-authentication on, and runs from the Python environment of this script. Ray's node-death detection
+Each host's Ray node (and every `exec`) has its own host name, the namespace's (a UTS namespace,
+where util-linux's `unshare` exists), its own `--temp-dir`, `--node-ip-address` and `--num-cpus`,
+token authentication on, and runs from the Python environment of this script. Ray's node-death detection
 is lowered (health checks every 1 s, dead after 3 misses) so that a lost host is noticed in seconds.
 Ports are per namespace, so Ray's defaults never collide with another Ray instance of the machine.
 
@@ -138,12 +139,22 @@ def start_node(state: dict, index: int) -> int:
     temp_dir.mkdir(parents=True, exist_ok=True)
     role = (["--head", f"--port={HEAD_PORT}", "--dashboard-host=0.0.0.0", f"--dashboard-port={DASHBOARD_PORT}"]
             if index == 0 else [f"--address={state['hosts'][0]['ip']}:{HEAD_PORT}"])
-    cmd = ["ip", "netns", "exec", host["name"], sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
+    cmd = ["ip", "netns", "exec", host["name"], *own_host_name(host), sys.executable, "-m", "ray.scripts.scripts",
+           "start", "--block",
            *role, f"--node-ip-address={host['ip']}", f"--num-cpus={state['cpus_per_host']}", "--num-gpus=0",
            f"--object-store-memory={OBJECT_STORE_BYTES}", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
     log = open(Path(state["dir"]) / f"{host['name']}.log", "w")  # noqa: SIM115 (the child keeps it)
     proc = subprocess.Popen(cmd, env=ray_env(state), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return proc.pid
+
+
+def own_host_name(host: dict) -> list[str]:
+    """The command prefix that gives what follows its own host name, the namespace's, as a host of a
+    real cluster has (a namespace alone shares the machine's): `unshare --uts`, then `hostname`.
+    Without util-linux's unshare the hosts share the machine's name (the harness works either way)."""
+    if shutil.which("unshare") is None:
+        return []
+    return ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host["name"]]
 
 
 def wait_for_nodes(state: dict, n_nodes: int, timeout_s: float) -> None:
@@ -348,7 +359,7 @@ def cmd_exec(args, store: State) -> int:
     if not command:
         raise HarnessError("exec needs a command after --")
     env = ray_env(state) | {"RAY_ADDRESS": f"{state['hosts'][0]['ip']}:{HEAD_PORT}"}
-    return subprocess.run(["ip", "netns", "exec", host["name"], *command], env=env).returncode
+    return subprocess.run(["ip", "netns", "exec", host["name"], *own_host_name(host), *command], env=env).returncode
 
 
 def cmd_down(args, store: State) -> dict:

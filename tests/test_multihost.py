@@ -192,6 +192,9 @@ def test_a_replica_spread_over_two_hosts_uses_gloo_while_the_other_keeps_shared_
     assert_same_losses(summary["losses"], losses(tmp_path / "single"))
     nodes = summary["nodes"]
     assert nodes[0] == nodes[1] == nodes[2] != nodes[3], nodes  # ranks numbered node by node
+    text = (tmp_path / "driver.log").read_text()
+    for host in cluster.info["hosts"]:  # each host has its own name, as real hosts do
+        assert f" of {host['name']}, node {host['ip']} " in text, text[-4000:]
     by_way = summary["bytes_sent_per_step_by_transport"]
     assert by_way["shm"] > 0 and by_way["gloo"] > 0, by_way
     assert by_way["shm"] == by_way["gloo"]  # the two replicas send the same hops, one way each
