@@ -15,14 +15,16 @@ and for HOST (which also takes the host's index or IP). Addresses come from one 
 machine reaches every host as a workstation reaches a cluster (`ray job submit --address
 http://IP:8265`, with RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH set to the printed path).
 
-Each host's Ray node has its own `--temp-dir`, `--node-ip-address` and `--num-cpus`, token
-authentication on, and runs from the Python environment of this script. Ray's node-death detection
+Each host's Ray node (and every `exec`) has its own host name, the namespace's (a UTS namespace,
+where util-linux's `unshare` exists), its own `--temp-dir`, `--node-ip-address` and `--num-cpus`,
+token authentication on, and runs from the Python environment of this script. Ray's node-death detection
 is lowered (health checks every 1 s, dead after 3 misses) so that a lost host is noticed in seconds.
 Ports are per namespace, so Ray's defaults never collide with another Ray instance of the machine.
 
 A link is the veth pair from the host to the bridge. `shape` puts a token bucket (tc tbf) on both
-ends, so traffic in each direction is limited to X Gb/s, and (where the kernel has sch_netem) a delay
-of Y ms on each direction; a kernel without netem shapes the bandwidth only and says so. `partition`
+ends, so traffic in each direction is limited to X Gb/s, and a netem delay of Y ms on each direction;
+a kernel without sch_netem refuses Y > 0 (one `error:` line saying so; `up` reports
+`"latency_shaping": false`) and shapes bandwidth only. `partition`
 detaches the host's link from the bridge: every packet to or from it is dropped, nothing is reset
 (as a cut cable); `heal` attaches it again. `kill` SIGKILLs every process in the namespace (a host
 that loses power). `down` ends every process started in the namespaces, then deletes the namespaces,
@@ -91,15 +93,28 @@ class State:
         return state
 
 
-def netem_available() -> bool:
-    """Whether this kernel has sch_netem (delay); some VM kernels ship tbf and htb only."""
+def netem_missing() -> str | None:
+    """None if this kernel has sch_netem (delay), else why not, as tc says it. Some VM kernels ship
+    tbf and htb only (CONFIG_NET_SCH_NETEM unset and no modules to load). Tried on the loopback of a
+    scratch namespace: the harness needs namespaces anyway, and such kernels may lack dummy links."""
     name = f"attnprobe{secrets.token_hex(2)}"
-    if sh("ip", "link", "add", name, "type", "dummy", check=False).returncode != 0:
-        return False
+    made = sh("ip", "netns", "add", name, check=False)
+    if made.returncode != 0:
+        return f"no scratch namespace to try it in: {(made.stderr or made.stdout).strip()}"
     try:
-        return sh("tc", "qdisc", "add", "dev", name, "root", "netem", "delay", "1ms", check=False).returncode == 0
+        tried = sh("ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms",
+                   check=False)
+        return None if tried.returncode == 0 else (tried.stderr or tried.stdout).strip() or "tc failed"
     finally:
-        sh("ip", "link", "del", name, check=False)
+        sh("ip", "netns", "del", name, check=False)
+
+
+def refuse_latency(latency_ms: float, why: str) -> None:
+    """A delay this kernel cannot add is refused, never shaped without it."""
+    raise HarnessError(f"--latency-ms {latency_ms:g} needs sch_netem, which this kernel lacks (`tc qdisc add ... "
+                       f"netem delay 1ms` says: {why}; tbf and htb, the shapers such kernels keep, add no delay): "
+                       "shape the bandwidth alone (--latency-ms 0), or emulate the latency in the ranks "
+                       "(attnres-pp train --link-latency-us)")
 
 
 def find_host(state: dict, key: str) -> dict:
@@ -124,12 +139,22 @@ def start_node(state: dict, index: int) -> int:
     temp_dir.mkdir(parents=True, exist_ok=True)
     role = (["--head", f"--port={HEAD_PORT}", "--dashboard-host=0.0.0.0", f"--dashboard-port={DASHBOARD_PORT}"]
             if index == 0 else [f"--address={state['hosts'][0]['ip']}:{HEAD_PORT}"])
-    cmd = ["ip", "netns", "exec", host["name"], sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
+    cmd = ["ip", "netns", "exec", host["name"], *own_host_name(host), sys.executable, "-m", "ray.scripts.scripts",
+           "start", "--block",
            *role, f"--node-ip-address={host['ip']}", f"--num-cpus={state['cpus_per_host']}", "--num-gpus=0",
            f"--object-store-memory={OBJECT_STORE_BYTES}", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
     log = open(Path(state["dir"]) / f"{host['name']}.log", "w")  # noqa: SIM115 (the child keeps it)
     proc = subprocess.Popen(cmd, env=ray_env(state), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return proc.pid
+
+
+def own_host_name(host: dict) -> list[str]:
+    """The command prefix that gives what follows its own host name, the namespace's, as a host of a
+    real cluster has (a namespace alone shares the machine's): `unshare --uts`, then `hostname`.
+    Without util-linux's unshare the hosts share the machine's name (the harness works either way)."""
+    if shutil.which("unshare") is None:
+        return []
+    return ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host["name"]]
 
 
 def wait_for_nodes(state: dict, n_nodes: int, timeout_s: float) -> None:
@@ -176,6 +201,13 @@ def cmd_up(args, store: State) -> dict:
     if any(ipaddress.ip_interface(w).network.overlaps(net) for line in mine.splitlines()
            for w in line.split() if "/" in w and w[0].isdigit() and ":" not in w):
         raise HarnessError(f"--net {net} overlaps an address of this machine: choose another private range")
+    if args.latency_ms < 0:
+        raise HarnessError(f"--latency-ms {args.latency_ms} must be 0 or more")
+    if args.latency_ms > 0 and args.gbps is None:
+        raise HarnessError(f"--latency-ms {args.latency_ms:g} needs --gbps: `up` shapes a link in both at once")
+    missing = netem_missing()
+    if args.latency_ms > 0 and missing:
+        refuse_latency(args.latency_ms, missing)
     prefix = args.prefix
     if not prefix.isalnum() or len(prefix) > 8:
         raise HarnessError(f"--prefix {prefix!r} must be 1-8 letters or digits (interface names are short)")
@@ -186,7 +218,7 @@ def cmd_up(args, store: State) -> dict:
     token_path.chmod(0o600)
     state = {"dir": str(store.dir), "prefix": prefix, "net": str(net), "bridge": f"{prefix}br",
              "bridge_ip": str(hosts_ip[0]), "cpus_per_host": args.cpus_per_host,
-             "auth_token_path": str(token_path), "netem": netem_available(), "hosts": []}
+             "auth_token_path": str(token_path), "netem": missing is None, "netem_missing": missing, "hosts": []}
     state["hosts"] = [{"name": f"{prefix}-h{i}", "ip": str(hosts_ip[9 + i]), "veth": f"{prefix}v{i}",
                        "pid": None, "shape": None, "partitioned": False} for i in range(args.hosts)]
     store.save(state)  # first: `down` can clean up whatever part of this gets made
@@ -231,11 +263,13 @@ def describe(state: dict) -> dict:
 
 
 def apply_shape(state: dict, host: dict, gbps: float, latency_ms: float) -> None:
-    """tbf (and netem delay, if the kernel has it) on both ends of the host's link."""
+    """tbf (and a netem delay, which a kernel without sch_netem refuses) on both ends of the host's link."""
     if not gbps > 0:
         raise HarnessError(f"--gbps {gbps} must be positive")
     if latency_ms < 0:
         raise HarnessError(f"--latency-ms {latency_ms} must be 0 or more")
+    if latency_ms > 0 and not state["netem"]:  # before any qdisc changes: the link keeps its shaping
+        refuse_latency(latency_ms, state.get("netem_missing") or "Specified qdisc kind is unknown")
     rate_bit = int(gbps * 1e9)
     # A small bucket, so that a message's bytes are paced rather than let through at line rate
     # (tbf splits GSO segments larger than the bucket), yet ~0.2 ms of traffic at high rates.
@@ -250,10 +284,7 @@ def apply_shape(state: dict, host: dict, gbps: float, latency_ms: float) -> None
         else:
             sh(*inside, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", str(rate_bit), "burst", str(burst),
                "latency", "200ms")
-    if latency_ms > 0 and not state["netem"]:
-        print(f"warning: this kernel has no sch_netem: {host['name']} is shaped to {gbps} Gb/s without the "
-              f"{latency_ms} ms delay", file=sys.stderr)
-    host["shape"] = {"gbps": gbps, "latency_ms": latency_ms if state["netem"] else 0.0}
+    host["shape"] = {"gbps": gbps, "latency_ms": latency_ms}
 
 
 def cmd_shape(args, store: State) -> dict:
@@ -328,7 +359,7 @@ def cmd_exec(args, store: State) -> int:
     if not command:
         raise HarnessError("exec needs a command after --")
     env = ray_env(state) | {"RAY_ADDRESS": f"{state['hosts'][0]['ip']}:{HEAD_PORT}"}
-    return subprocess.run(["ip", "netns", "exec", host["name"], *command], env=env).returncode
+    return subprocess.run(["ip", "netns", "exec", host["name"], *own_host_name(host), *command], env=env).returncode
 
 
 def cmd_down(args, store: State) -> dict:

@@ -171,6 +171,36 @@ def test_job_submitted_from_the_root_namespace_runs_over_two_hosts(make_cluster,
     assert by_way["shm"] == summary["bytes_sent_per_step"] > 0 and by_way["gloo"] == 0
 
 
+def test_a_replica_spread_over_two_hosts_uses_gloo_while_the_other_keeps_shared_memory(make_cluster, tmp_path):
+    """D = 2, P = 2 packed onto two 3-CPU hosts: three ranks on one host, one on the other, so
+    replica 0's hop stays on one node and replica 1's crosses the link. Shared memory and gloo carry
+    bytes in the same step (the pairs are chosen from the node map, not from host names, and a
+    replica without a same-node pair does not send the other's over gloo); the single process's
+    losses."""
+    steps = ["--steps", "2"]
+    assert main(["train", *TINY, *steps, "--launcher", "local", "--out", str(tmp_path / "single"), "--quiet"]) == 0
+    cluster = make_cluster(2, cpus_per_host=3)
+    out = tmp_path / "run"
+    proc = cluster.driver([*TINY, *steps, "--stages", "2", "--data-parallel", "2", "--placement", "PACK",
+                           "--timeout", "60"], out)
+    try:
+        assert proc.wait(timeout=300) == 0, (tmp_path / "driver.log").read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = json.loads((out / "summary.json").read_text())
+    assert_same_losses(summary["losses"], losses(tmp_path / "single"))
+    nodes = summary["nodes"]
+    assert nodes[0] == nodes[1] == nodes[2] != nodes[3], nodes  # ranks numbered node by node
+    text = (tmp_path / "driver.log").read_text()
+    for host in cluster.info["hosts"]:  # each host has its own name, as real hosts do
+        assert f" of {host['name']}, node {host['ip']} " in text, text[-4000:]
+    by_way = summary["bytes_sent_per_step_by_transport"]
+    assert by_way["shm"] > 0 and by_way["gloo"] > 0, by_way
+    assert by_way["shm"] == by_way["gloo"]  # the two replicas send the same hops, one way each
+    assert by_way["shm"] + by_way["gloo"] == summary["bytes_sent_per_step"]
+
+
 def test_a_rendezvous_that_cannot_connect_is_one_line_naming_ranks_and_addresses(make_cluster, tmp_path):
     """Ranks on two hosts whose gloo sockets are bound to loopback (the address a host name resolves
     to in every namespace) cannot connect: one `error:` line naming the ranks and addresses, exit 2,
@@ -187,6 +217,37 @@ def test_a_rendezvous_that_cannot_connect_is_one_line_naming_ranks_and_addresses
     assert len(errors) == 1 and "Traceback" not in done.stderr.split(errors[0])[-1]
     assert "did not connect at tcp://" in errors[0] and "rank 0 at 10.213." in errors[0]
     assert "rank 1 at 10.213." in errors[0]
+
+
+def test_a_delay_this_kernel_cannot_add_is_refused_in_one_line(make_cluster, tmp_path):
+    """Without sch_netem no delay can be put on a link (tbf and htb add none): `up` and `shape` with
+    --latency-ms > 0 exit 2 with one `error:` line saying why and what to do instead, `up` before it
+    makes anything and `shape` before it touches the link; bandwidth alone still shapes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("netns_cluster", REPO / "scripts" / "netns_cluster.py")
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    if harness.netem_missing() is None:
+        pytest.skip("this kernel has sch_netem: --latency-ms adds a real delay here")
+    state_dir, prefix = f"/tmp/attnres-mh-{secrets.token_hex(3)}", f"t{secrets.token_hex(2)}"
+    done = subprocess.run([*HARNESS, "--state-dir", state_dir, "up", "--hosts", "1", "--gbps", "1", "--latency-ms",
+                           "1", "--prefix", prefix], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --latency-ms 1 needs sch_netem"), lines
+    assert "--link-latency-us" in lines[0] and "--latency-ms 0" in lines[0]
+    assert prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not Path(state_dir).exists()
+
+    cluster = make_cluster(1)
+    veth = json.loads((cluster.state_dir / "state.json").read_text())["hosts"][0]["veth"]
+    refused = cluster.harness("shape", "0", "--gbps", "0.5", "--latency-ms", "2", check=False)
+    assert refused.returncode == 2 and refused.stderr.startswith("error: --latency-ms 2 needs sch_netem")
+    assert "tbf" not in subprocess.run(["tc", "qdisc", "show", "dev", veth], capture_output=True, text=True).stdout
+    assert json.loads(cluster.harness("shape", "0", "--gbps", "0.5").stdout)["shape"] == {"gbps": 0.5,
+                                                                                           "latency_ms": 0.0}
+    assert "tbf" in subprocess.run(["tc", "qdisc", "show", "dev", veth], capture_output=True, text=True).stdout
 
 
 def _disturbed_run(make_cluster, tmp_path, action: str) -> tuple[dict, str, str]:

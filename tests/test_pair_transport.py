@@ -1,7 +1,8 @@
 """The per-pair transport between three spawned ranks of one machine that state their nodes: a rank
 with one peer on its node and one elsewhere sends to the first through shared memory and to the
 second over gloo, in the same step; payloads arrive intact; the bytes are counted by way. Ranks that
-state three different nodes use gloo for every pair, though /dev/shm is mappable by all of them."""
+state three different nodes use gloo for every pair, though /dev/shm is mappable by all of them. Under
+D = 2, a replica with no pair on one node leaves the other replica's shared memory alone."""
 
 from __future__ import annotations
 
@@ -55,15 +56,15 @@ def _rank(pp_rank: int, init_method: str, nodes: list[str], results) -> None:
         results.put((pp_rank, traceback.format_exc()))
 
 
-def _run(tmp_path, nodes: list[str]) -> dict:
+def _run(tmp_path, nodes: list[str], target=_rank, world: int = 3) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, f"file://{tmp_path}/rendezvous", nodes, results), daemon=True)
-             for r in range(3)]
+    procs = [ctx.Process(target=target, args=(r, f"file://{tmp_path}/rendezvous", nodes, results), daemon=True)
+             for r in range(world)]
     for proc in procs:
         proc.start()
     try:
-        out = dict(results.get(timeout=120) for _ in range(3))
+        out = dict(results.get(timeout=120) for _ in range(world))
     finally:
         for proc in procs:
             proc.join(timeout=20)
@@ -98,11 +99,59 @@ def test_ranks_on_different_nodes_never_use_shared_memory(tmp_path):
 def test_ranks_are_numbered_node_by_node_so_a_replica_shares_a_node():
     """SPREAD hands bundles out round-robin over nodes; numbering ranks node by node (as Ray Train
     orders workers) keeps each replica's pipeline ranks on one node where the placement allows."""
-    from attnres_pp.comm.pair_transport import same_node_messages
+    from attnres_pp.comm.node_map import RankFacts, shm_pairs
     from attnres_pp.train.ray_engine import ranks_by_node
 
     bundles = ranks_by_node({0: "a", 1: "b", 2: "a", 3: "b"}, 4)
     assert bundles == [0, 2, 1, 3]  # ranks 0, 1 on node a; ranks 2, 3 on node b
     nodes = [{0: "a", 1: "b", 2: "a", 3: "b"}[b] for b in bundles]
-    assert same_node_messages(MESSAGES[:1], nodes, [2, 3]) == MESSAGES[:1]  # replica 1: both on b
-    assert same_node_messages(MESSAGES[:1], ["a", "b"], [0, 1]) == []
+    peer = {0: 1, 1: 0, 2: 3, 3: 2}  # D = 2 x P = 2: each rank's pipeline peer
+    facts = [RankFacts(node=node, able=True, free=1 << 30, incoming={peer[rank]: 96})
+             for rank, node in enumerate(nodes)]
+    assert shm_pairs(facts) == {(0, 1), (1, 0), (2, 3), (3, 2)}  # both replicas in shared memory
+
+
+def _replica_rank(rank: int, init_method: str, nodes: list[str], results) -> None:
+    """D = 2 x P = 2: ranks 0, 1 are replica 0, ranks 2, 3 replica 1; one hop each way per step."""
+    import torch.distributed as dist
+
+    from attnres_pp.comm.pair_transport import connect_pair_transport
+
+    try:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=4)
+        pp_rank, peers = rank % 2, [rank - rank % 2, rank - rank % 2 + 1]
+        messages = [(0, 1, 1, (SHAPE,)), (1, 0, 4, (SHAPE,))]
+        transport = connect_pair_transport(pp_rank, 2, torch.device("cpu"), 30.0, messages, torch.float32,
+                                           node=nodes[rank], peer_ranks=peers)
+        out = {"shm_peers": sorted(transport.shm_peers)}
+        for step in range(2):
+            transport.ledger.clear()
+            if pp_rank == 0:
+                transport.send([torch.full(SHAPE, 10.0 * step + rank)], 1, 1, ("fwd", 0, 0))
+                out[f"got {step}"] = transport.recv([SHAPE], torch.float32, 1, 4)[0].clone().numpy()
+            else:
+                got = transport.recv([SHAPE], torch.float32, 0, 1)[0].clone()
+                transport.send([got + 100], 0, 4, ("bwd", 0, 0))
+            transport.flush()
+            out[f"bytes {step}"] = transport.ledger.bytes_by_transport()
+            dist.barrier()
+        transport.close()
+        dist.destroy_process_group()
+        results.put((rank, out))
+    except Exception:
+        results.put((rank, traceback.format_exc()))
+
+
+def test_a_replica_spread_over_two_nodes_uses_gloo_while_the_other_keeps_shared_memory(tmp_path):
+    """Replica 0 spans nodes a and b, replica 1 sits on node a: replica 1's hop goes through shared
+    memory although replica 0 has no same-node pair at all, and replica 0's over gloo."""
+    out = _run(tmp_path, ["node-a", "node-b", "node-a", "node-a"], target=_replica_rank, world=4)
+    n_bytes = SHAPE.numel() * 4
+    assert [out[r]["shm_peers"] for r in range(4)] == [[], [], [1], [0]]
+    for step in range(2):
+        assert (out[0][f"got {step}"] == 10.0 * step + 100).all()
+        assert (out[2][f"got {step}"] == 10.0 * step + 102).all()
+        for rank in (0, 1):
+            assert out[rank][f"bytes {step}"] == {"shm": 0, "gloo": n_bytes}
+        for rank in (2, 3):
+            assert out[rank][f"bytes {step}"] == {"shm": n_bytes, "gloo": 0}

@@ -122,6 +122,43 @@ def test_a_placement_no_node_can_hold_is_refused_at_once(local_ray, tmp_path, ca
     assert "node 0: 2 CPU" in err and time.monotonic() - started < 30
 
 
+class _SetUpRank:
+    """Stands in for a StageActor's process-group set-up: rank 1 refuses it as a rank does whose
+    /dev/shm has no room (SharedMemoryFull is raised on every rank, naming the one without room)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def join_process_group(self, init_method: str, world_size: int) -> dict:
+        from attnres_pp.comm.shm_transport import SharedMemoryFull
+
+        if self.rank == 1:
+            raise SharedMemoryFull("rank 1: /dev/shm has no room for this run's shared-memory hop slots\n(detail)")
+        raise RuntimeError("rank 0 gave up: its peer left the set-up")
+
+
+def test_a_setup_refusal_through_ray_is_one_line_as_under_the_local_launcher(local_ray):
+    """The Ray driver raises a rank's set-up refusal (a ValueError, carried through Ray's task error)
+    as `rank R refused to start: ...`, one line that the CLI prints as `error:`, ahead of the other
+    ranks' failures it caused, and not as a rendezvous failure or a traceback."""
+    import types
+
+    from attnres_pp.train.ray_engine import RayEngine, RendezvousError
+
+    actors = [ray.remote(num_cpus=0)(_SetUpRank).remote(rank) for rank in range(2)]
+    driver = types.SimpleNamespace(_ray=ray, timeout_s=30.0, rank_nodes=[("n0", "10.0.0.1"), ("n1", "10.0.0.2")])
+    try:
+        with pytest.raises(ValueError) as info:
+            RayEngine._join(driver, [a.join_process_group.remote("tcp://10.0.0.1:1", 2) for a in actors],
+                            "tcp://10.0.0.1:1")
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+    assert not isinstance(info.value, RendezvousError)
+    assert str(info.value) == ("rank 1 refused to start: rank 1: /dev/shm has no room for this run's shared-memory "
+                               "hop slots (detail)")
+
+
 def test_ctrl_c_stops_the_actors_and_the_local_ray_instance(tmp_path):
     """SIGINT to the whole process group, as a terminal sends it, once training is under way: the
     command exits 130 and every process it started (Ray's and the actors) is gone."""

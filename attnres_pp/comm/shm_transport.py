@@ -1,5 +1,6 @@
-"""SharedMemoryTransport: ranks on one host hand a hop's tensors over through shared memory, with a
-counter per message and a pipe as doorbell; no payload and no message goes through gloo.
+"""SharedMemoryTransport: ranks on one node hand a hop's tensors over through shared memory, with a
+counter per message and a pipe as doorbell; no payload of those messages goes through gloo. Which
+pairs of ranks get slots comes from the node map (`comm.node_map`); the others' messages go over gloo.
 
 Why: over gloo's TCP pairs the sender's isend copies every byte into the socket and the receiver's
 gloo thread copies it out again into a buffer allocated per message; and every isend, even of one
@@ -52,6 +53,7 @@ import time
 import torch
 
 from attnres_pp.comm.link import LinkModel
+from attnres_pp.comm.node_map import RankFacts, shm_pairs
 from attnres_pp.comm.transport import ByteLedger, DistTransport, TransportTimeout
 
 SHM_DIR = "/dev/shm"
@@ -104,6 +106,15 @@ class SharedMemoryTransport(DistTransport):
         super().__init__(pp_rank, timeout_s, torch.device("cpu"), ledger, peer_ranks=peer_ranks)
         self._in, self._out = inbox, outbox  # by peer rank
         self.timeout_s = timeout_s
+
+    def peers_with_slots(self) -> set[int]:
+        """The pipeline ranks this rank exchanges messages with through shared memory."""
+        return set(self._in) | set(self._out)
+
+    def has_slot(self, dst: int, tag: int) -> bool:
+        """Whether message `tag` to pipeline rank `dst` goes through shared memory (else gloo)."""
+        pair = self._out.get(dst)
+        return pair is not None and tag in pair.index
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int, label: tuple[str, int, int]) -> None:
         pair = self._out.get(dst)
@@ -198,18 +209,23 @@ class SharedMemoryTransport(DistTransport):
 
 def connect_transport(pp_rank: int, n_stages: int, device: torch.device, timeout_s: float,
                       messages: list[Message], dtype: torch.dtype, *, peer_ranks: list[int] | None = None,
-                      link: LinkModel | None = None, directory: str = SHM_DIR) -> DistTransport:
-    """The transport of a rank in an initialised process group: SharedMemoryTransport when every rank
-    is on this host, on an x86 CPU, `directory` (a tmpfs, /dev/shm) has room for the slots, no link
-    is emulated, and none sets ATTNRES_PP_SHM=0; DistTransport otherwise.
+                      link: LinkModel | None = None, directory: str = SHM_DIR,
+                      node: str | None = None) -> DistTransport:
+    """The transport of a rank in an initialised process group: SharedMemoryTransport holding a slot
+    for each message between this rank and a peer on its node (`comm.node_map.shm_pairs`: same
+    `node`, both ranks on an x86 CPU with `directory`, a tmpfs such as /dev/shm, present and
+    ATTNRES_PP_SHM not 0, and room on the node), the other messages over gloo; DistTransport when
+    this rank has no such peer, or a link is emulated.
 
     `messages` are in pipeline ranks (`pipeline.routes.wire_messages`); `peer_ranks[p]` is the global
     rank of pipeline rank p in this rank's replica (default p: one replica), as for DistTransport.
-    Under D x P every replica maps its own files (named by global ranks). With `link` (an emulated
-    slow link) every message goes through DistTransport, which applies the link's delay.
-    Collective over the whole default group: every rank calls it with the same messages and link.
-    Raises SharedMemoryFull (on every rank) if the slots cannot be allocated in full, and PeerGone
-    if a peer dies during the setup; either way no file of the run is left in `directory`.
+    `node`: this rank's node identity (a Ray node id; default the host name). Under D x P the pairs
+    are chosen per replica, and every replica maps its own files (named by global ranks). With
+    `link` (an emulated slow link) every message goes through DistTransport, which applies the
+    link's delay. Collective over the whole default group: every rank calls it with the same
+    messages and link, whether or not it has a peer on its node. Raises SharedMemoryFull (on every
+    rank) if the slots cannot be allocated in full, and PeerGone if a peer dies during the setup;
+    either way no file of the run is left in `directory`.
     """
     import torch.distributed as dist
 
@@ -218,24 +234,27 @@ def connect_transport(pp_rank: int, n_stages: int, device: torch.device, timeout
 
     if link is not None:  # every rank has the same link: none of them takes the collective below
         return dist_transport()
+    outside = [m[:3] for m in messages if not (0 <= m[0] < n_stages and 0 <= m[1] < n_stages)]
+    if outside:
+        raise ValueError(f"messages {outside} name pipeline ranks outside 0-{n_stages - 1}: give the messages "
+                         "of this replica's schedule in pipeline ranks (pipeline.routes.wire_messages)")
     global_rank = (lambda p: p) if peer_ranks is None else peer_ranks.__getitem__
-    world_size = dist.get_world_size()
-    n_replicas = max(1, world_size // n_stages)
     element = torch.empty((), dtype=dtype).element_size()
-    layout = _layout(messages)
-    # The shared memory the ranks of this host map, in bytes: every replica's files.
-    need = n_replicas * sum(n for n, _offsets in layout.values()) * element
     # x86 only: the receiver reads a message's counter, then its slot, with no fence between; x86
     # keeps both the sender's stores and the receiver's loads in order, weaker memory models do not.
-    wants = (device.type == "cpu" and os.environ.get("ATTNRES_PP_SHM", "1") != "0"
-             and platform.machine() in ("x86_64", "AMD64") and os.path.isdir(directory) and bool(messages))
-    free = shutil.disk_usage(directory).free if wants else 0
-    facts = [None] * world_size
-    dist.all_gather_object(facts, (socket.gethostname(), wants, free, secrets.token_hex(8)))
-    if (len({host for host, _w, _f, _t in facts}) != 1 or not all(w for _h, w, _f, _t in facts)
-            or 2 * need > min(f for _h, _w, f, _t in facts)):
+    able = (device.type == "cpu" and os.environ.get("ATTNRES_PP_SHM", "1") != "0"
+            and platform.machine() in ("x86_64", "AMD64") and os.path.isdir(directory))
+    incoming = {global_rank(src): n * element for (src, dst), (n, _offsets) in _layout(messages).items()
+                if dst == pp_rank and src != pp_rank}
+    mine_facts = RankFacts(node=node or socket.gethostname(), able=able, incoming=incoming,
+                           free=shutil.disk_usage(directory).free if able else 0, token=secrets.token_hex(8))
+    facts = [None] * dist.get_world_size()
+    dist.all_gather_object(facts, mine_facts)
+    pairs = shm_pairs(facts)
+    if not pairs:  # every rank sees the same facts: none of them takes the set-up's collectives
         return dist_transport()
-    base = os.path.join(directory, f"attnres-pp-{facts[0][3]}")
+    layout = _layout([m for m in messages if (global_rank(m[0]), global_rank(m[1])) in pairs])
+    base = os.path.join(directory, f"attnres-pp-{facts[0].token}")
     mine = [pair for pair in layout if pp_rank in pair]
     stems = {(src, dst): f"{base}-{global_rank(src)}-to-{global_rank(dst)}" for src, dst in mine}
     arenas, fds = {}, {}
@@ -251,6 +270,8 @@ def connect_transport(pp_rank: int, n_stages: int, device: torch.device, timeout
         raise
     finally:  # every rank has opened its files (or the setup failed): no name is needed any more
         _unlink_run(base)
+    if not mine:  # this rank took part in the set-up for the others' sake
+        return dist_transport()
     shapes_of = {(src, dst, tag): shapes for src, dst, tag, shapes in messages}
     inbox, outbox = {}, {}
     for src, dst in mine:

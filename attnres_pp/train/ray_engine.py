@@ -216,10 +216,12 @@ class RayEngine(PipelineEngineBase):
 
     def _join(self, refs: list, init_method: str) -> list[dict]:
         """The ranks' process-group set-up; RendezvousError naming every rank's address and the first
-        rank's failure when the group does not connect (a rank that dies is still WorkerLost)."""
+        rank's failure when the group does not connect (a rank that dies is still WorkerLost). A rank
+        that refuses to start (a ValueError in its set-up, such as a /dev/shm without room for the
+        shared-memory slots) is one line, as under the local launcher: `rank R refused to start: ...`."""
         ray = self._ray
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s + 30.0)
-        failures = []
+        failures, refusals = [], []
         for rank, ref in enumerate(refs):
             if ref not in ready:
                 failures.append(f"rank {rank} did not finish within {self.timeout_s:.0f} s")
@@ -230,8 +232,13 @@ class RayEngine(PipelineEngineBase):
                 raise WorkerLost(rank, f"{self._where(rank)} died during process-group setup: {error}") from None
             except ray.exceptions.RayTaskError as error:
                 cause = getattr(error, "cause", None)
-                failures.append(str(cause) if isinstance(cause, RendezvousError)
-                                else f"rank {rank}: {' '.join(str(error).split())[-300:]}")
+                if isinstance(cause, ValueError) and not isinstance(cause, RendezvousError):
+                    refusals.append(f"rank {rank} refused to start: {' '.join(str(cause).split())}")
+                else:
+                    failures.append(str(cause) if isinstance(cause, RendezvousError)
+                                    else f"rank {rank}: {' '.join(str(error).split())[-300:]}")
+        if refusals:  # the cause, which the others' failures (a peer that gave up) only follow from
+            raise ValueError(refusals[0])
         if failures:
             where = ", ".join(f"rank {r} at {ip}" for r, (_node, ip) in enumerate(self.rank_nodes))
             raise RendezvousError(f"the process group of ranks 0-{len(refs) - 1} ({where}) did not connect at "
