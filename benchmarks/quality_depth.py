@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import platform
 import shlex
 import statistics
@@ -148,7 +149,7 @@ def main(argv: list[str]) -> int:
             for index, (name, overrides) in enumerate(variants) for seed in range(args.seeds)]
     jobs.sort(key=lambda job: (job[1].get("block_size") != 1, job[1]["residual"] != "msar"))  # slowest first
     print(f"{len(jobs)} runs of {args.steps} steps, {args.jobs} at a time", flush=True)
-    start = time.perf_counter()
+    start, load_start = time.perf_counter(), os.getloadavg()
     with multiprocessing.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool:
         runs = pool.map(train_one, jobs, chunksize=1)
     rows = paired_rows([n for n, _ in variants], runs, args.seeds)
@@ -170,7 +171,7 @@ def main(argv: list[str]) -> int:
                    "held_out_bytes": held_out_windows(args.eval_bytes)[0].numel()},
         "model": DEPTH_MODEL,
         "environment": {"python": platform.python_version(), "torch": torch.__version__, "jobs": args.jobs,
-                        "threads_per_run": 1},
+                        "threads_per_run": 1, "load_average_start_end": [load_start[0], os.getloadavg()[0]]},
         "rows": rows, "block_run_sites": block_sites, "standard_sites": standard_sites,
         "pngs": [str(p) for p in pngs], "runs": [{k: v for k, v in r.items() if k != "sites"} for r in runs],
     }
@@ -179,6 +180,11 @@ def main(argv: list[str]) -> int:
     print(markdown(result))
     print(f"wrote {out_dir / (tag + '.json')}, .md and {', '.join(Path(p).name for p in pngs)}")
     return 0
+
+
+def _load(environment: dict) -> str:
+    load = environment.get("load_average_start_end")
+    return "" if load is None else f", load average {load[0]:.1f} at the start and {load[1]:.1f} at the end"
 
 
 def markdown(result: dict) -> str:
@@ -191,7 +197,7 @@ def markdown(result: dict) -> str:
         f"per byte on one fixed held-out set of {budget['held_out_bytes']:,} bytes (the same for every seed). "
         f"{seeds} paired seeds: delta = variant - standard at the same seed; 'better' counts the seeds where "
         f"the variant's loss is lower. {result['environment']['jobs']} runs at a time, 1 thread each; "
-        f"wall time {result['wall_time_s'] / 60:.1f} min.", "",
+        f"wall time {result['wall_time_s'] / 60:.1f} min{_load(result['environment'])}.", "",
         "| variant | held-out loss | mean paired delta | per-seed deltas | better on | params | train time (s) |",
         "|---|---:|---:|---|---:|---:|---:|",
     ]
