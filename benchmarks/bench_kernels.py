@@ -1,6 +1,6 @@
-"""Benchmark the Triton depth-attention ops (phase 1 and phase 2, forward and forward+backward) on
-one CUDA GPU against the torch backend, torch.compile of the torch backend, and published AttnRes
-kernels where importable.
+"""Benchmark the Triton depth-attention ops (phase 1, phase 2 and the fused MSAR stream kernel,
+forward and forward+backward) on one CUDA GPU against the torch backend, torch.compile of the torch
+backend, and published AttnRes kernels where importable.
 
     python benchmarks/bench_kernels.py            # full shape set, bf16 (under 8 minutes on one H200)
     python benchmarks/bench_kernels.py --quick    # two small shapes
@@ -27,6 +27,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from bench_kernels_streams import (
+    DRY_RUN_STREAM_SHAPES,
+    FULL_STREAM_SHAPES,
+    QUICK_STREAM_SHAPES,
+    measure_stream_shape,
+)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TIME_BUDGET_S = 360  # later measurements are marked "skipped": with one compile in flight, under 8 min
@@ -326,12 +332,14 @@ def main(argv=None) -> int:
     if args.dry_run_cpu:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported
         device, dtype, shapes = torch.device("cpu"), torch.float32, DRY_RUN_SHAPES
+        stream_shapes = DRY_RUN_STREAM_SHAPES
     elif not torch.cuda.is_available():
         print("no CUDA device: nothing measured")
         return 0
     else:
         device, dtype = torch.device("cuda"), torch.bfloat16
         shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
+        stream_shapes = QUICK_STREAM_SHAPES if args.quick else FULL_STREAM_SHAPES
 
     import triton
 
@@ -339,10 +347,13 @@ def main(argv=None) -> int:
     copy_gbps = copy_bandwidth_gbps(device, timer)
     impls = implementations(device)
     rows = []
-    for shape in shapes:
+    measures = [(shape, lambda shape: measure_shape(shape, impls, device, dtype, timer, copy_gbps)) for shape in shapes]
+    measures += [(shape, lambda shape: measure_stream_shape(shape, device, dtype, timer, copy_gbps, _add_rates))
+                 for shape in stream_shapes]
+    for shape, measure in measures:
         print(f"measuring {shape.name} ...", flush=True)
         try:
-            rows += measure_shape(shape, impls, device, dtype, timer, copy_gbps)
+            rows += measure(shape)
         except Exception as error:  # one broken shape must not lose the others' figures
             print(f"  {shape.name}: {type(error).__name__}: {error}", flush=True)
             if device.type == "cuda":

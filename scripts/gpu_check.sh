@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check (DESIGN rule 7), ready for a lent CUDA GPU: in under 8 minutes on one GPU it runs
 #   1. the kernel tests on CUDA (tests/kernels: every Triton kernel vs its torch twin, outputs and
-#      gradients, fp32 and bf16),
+#      gradients, fp32 and bf16), the fused MSAR stream kernel's (test_triton_msar_streams.py: outputs
+#      and the gradients of sources, taps and queries vs phase1_conv_streams_torch) as a row of its own,
 #   2. benchmarks/bench_kernels.py --quick (GB/s, % of the measured copy bandwidth, beside
-#      torch.compile of the torch twin); its JSON is copied to OUT_DIR/bench_kernels.json,
+#      torch.compile of the torch twin; phase 1, phase 2 and the fused stream kernel at the MSAR
+#      paper's m = 4 streams); its JSON is copied to OUT_DIR/bench_kernels.json,
 #   3. single-process training on CUDA, --kernels triton vs --kernels torch, 20 bf16 steps
 #      (losses must agree within 1e-3 relative),
 #   4. a single-process bf16 CUDA training run of every residual variant (20 steps, step time),
@@ -12,7 +14,8 @@
 #   6. a D = 2 x P = 2 in-process run on CUDA (four rank workers on one GPU, bf16, NCCL rules,
 #      gradient averaging over the replicas, pipelined evaluation at the end),
 # and writes OUT_DIR/summary.md (one row per check) and OUT_DIR/gpu_check.json (the rows, every
-# variant's step time, and what was not checked) next to each check's log.
+# variant's step time, the stream kernel's bandwidth rows, and what was not checked; written by
+# scripts/gpu_check_summary.py) next to each check's log.
 #
 # Not checked on one GPU, and said so in gpu_check.json: NCCL point-to-point between ranks (it needs
 # two GPUs), and gloo between two rank processes sharing this GPU (the local launcher gives every
@@ -58,8 +61,10 @@ check() {  # check NAME SECONDS COMMAND...: run with a time limit, log, and add 
   echo "gpu_check: $name: $status"
 }
 
-check kernel_tests 150 "$PYTHON" -m pytest -p no:benchmark -q tests/kernels
-check bench_kernels_quick 120 "$PYTHON" benchmarks/bench_kernels.py --quick
+STREAM_TESTS=tests/kernels/test_triton_msar_streams.py
+check kernel_tests 120 "$PYTHON" -m pytest -p no:benchmark -q tests/kernels --ignore="$STREAM_TESTS"
+check msar_streams_kernel 60 "$PYTHON" -m pytest -p no:benchmark -q "$STREAM_TESTS"
+check bench_kernels_quick 150 "$PYTHON" benchmarks/bench_kernels.py --quick
 check train_triton 60 "$PYTHON" "${TRAIN[@]}" --launcher local --kernels triton --out "$OUT/train_triton"
 check train_torch 60 "$PYTHON" "${TRAIN[@]}" --launcher local --kernels torch --out "$OUT/train_torch"
 check triton_vs_torch_loss 20 "$PYTHON" - "$OUT/train_triton/summary.json" "$OUT/train_torch/summary.json" <<'PY'
@@ -86,28 +91,7 @@ check data_parallel_d2_p2 90 "$PYTHON" "${TRAIN[@]}" --launcher inprocess --data
 
 cp benchmarks/results/kernels_quick_"$(date -u +%Y-%m-%d)".json "$OUT/bench_kernels.json" 2>/dev/null || true
 printf '%s\n' "${ROWS[@]}" >"$OUT/rows.txt"
-"$PYTHON" - "$OUT" "$GPU" <<'PY'
-import json, pathlib, sys
-out, gpu = pathlib.Path(sys.argv[1]), sys.argv[2]
-rows = []
-for line in (out / "rows.txt").read_text().splitlines():
-    cells = [c.strip() for c in line.strip("|").split("|")]
-    rows.append({"check": cells[0], "result": cells[1], "seconds": int(cells[2]), "last_line": cells[3]})
-variants = {}
-for summary in sorted(out.glob("variant_*/summary.json")):
-    data = json.loads(summary.read_text())
-    variants[summary.parent.name[len("variant_"):]] = {"step_time_s": data.get("step_time_s"),
-                                                       "final_loss": data["losses"][-1]}
-kernels = out / "bench_kernels.json"
-payload = {"gpu": gpu, "checks": rows, "all_passed": all(r["result"] == "pass" for r in rows),
-           "variant_step_time_bf16": variants,
-           "bench_kernels": json.loads(kernels.read_text()) if kernels.exists() else None,
-           "not_checked": ["NCCL point-to-point between ranks: it needs two GPUs; the pipelined runs here use the "
-                           "in-process loopback transport under NCCL's ordering rules, not BatchedDistTransport",
-                           "gloo between two rank processes sharing this one GPU (CUDA tensors staged through the "
-                           "host): the local launcher gives each rank its own GPU or none"]}
-(out / "gpu_check.json").write_text(json.dumps(payload, indent=1))
-PY
+"$PYTHON" scripts/gpu_check_summary.py "$OUT" "$GPU"
 {
   echo "# GPU check, $(date -u +%Y-%m-%dT%H:%MZ)"
   echo

@@ -52,3 +52,60 @@ def test_markdown_lists_ratios_and_targets():
 @pytest.mark.parametrize("name", ["variants"])
 def test_variants_is_registered(name):
     assert build_parser().parse_args(["bench", name]).name == name
+
+
+def test_compile_puts_eager_and_compiled_models_in_one_rotation(monkeypatch):
+    """Eager and compiled models of every variant share each round; per variant the compiled / eager
+    ratio is the median of the pairs and the first (compiling) step is kept apart (aot_eager: no
+    C++ toolchain needed; a tiny shape)."""
+    import functools
+
+    import attnres_pp.model as model_pkg
+
+    monkeypatch.setattr(model_pkg, "Transformer", type("AotEagerTransformer", (model_pkg.Transformer,), {
+        "__init__": functools.partialmethod(model_pkg.Transformer.__init__, compile_backend="aot_eager")}))
+    monkeypatch.setattr(variants, "variant_overrides", lambda block_size: {
+        "standard": {"residual": "standard", "block_size": 1}, "msar": {"residual": "msar", "block_size": 1}})
+    shape = {"vocab_size": 16, "n_layers": 1, "d_model": 8, "n_heads": 2, "seq_len": 4}
+    out = variants.single_process(shape, 1, warmup=1, rounds=3, compile_model=True)
+    compiled = out["compiled"]
+    assert set(out["step_s"]) == set(compiled["step_s"]) == set(compiled["first_step_s"]) == {"standard", "msar"}
+    assert set(out["ratios"]) == set(compiled["ratios"]) == {"msar"}
+    assert all(len(t) == 3 for t in [*out["step_s_all"].values(), *compiled["step_s_all"].values()])
+    for name, ratio in compiled["compiled_over_eager"].items():
+        pairs = [c / e for c, e in zip(compiled["step_s_all"][name], out["step_s_all"][name], strict=True)]
+        assert ratio == sorted(pairs)[1] > 0
+    assert "compiled" not in variants.single_process(shape, 1, warmup=0, rounds=1)
+
+
+def test_compile_results_do_not_overwrite_the_eager_ones(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_run(quick, out_dir, progress, compile_model=False):
+        seen["stem"] = out_dir.name
+        return {"ratios": {}, "compile": compile_model}
+
+    monkeypatch.setattr(variants, "run", fake_run)
+    monkeypatch.setattr(variants, "to_markdown", lambda payload: "table")
+    assert main(["bench", "variants", "--quick", "--compile", "--out", str(tmp_path)]) == 0
+    assert seen["stem"].startswith("variants_compile_quick_")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == [
+        f"{seen['stem']}.json", f"{seen['stem']}.md"]
+
+
+def test_markdown_lists_the_compile_speedup_and_compile_time():
+    names = [n for n in variants.variant_overrides(1) if n != "standard"]
+    single = {label: {"step_s": {"standard": 0.1}, "ratios": dict.fromkeys(names, 1.5)} for label in variants.SHAPES}
+    compiled = {label: {"step_s": {"standard": 0.08}, "ratios": dict.fromkeys(names, 1.2),
+                        "first_step_s": {"standard": 12.0, "msar": 30.0},
+                        "compiled_over_eager": {"standard": 0.8, "msar": 0.64}} for label in variants.SHAPES}
+    payload = {"ratios": {n: {"single_process": dict.fromkeys(variants.SHAPES, 1.5), "pipelined": {},
+                              "single_process_compiled": dict.fromkeys(variants.SHAPES, 1.2)} for n in names},
+               "single_process": single, "pipelined": {}, "compiled": compiled, "single_batch": 4,
+               "pipeline": variants.PIPELINE, "rounds": 8, "warmup_rounds": 2, "pipeline_rounds": 4,
+               "pipeline_warmup_rounds": 1, "shapes": {label: {} for label in variants.SHAPES},
+               "targets_16L_d256_single_process": {}}
+    text = variants.to_markdown(payload)
+    assert "| msar | 1.500 | 1.500 | 1.200 | 1.200 |" in text
+    assert "first step (compiles) standard 12.0 s, msar 30.0 s" in text
+    assert "Compiled / eager step (median over rounds of the pair in one rotation): standard 0.800, msar 0.640" in text

@@ -1,12 +1,11 @@
 """The completed sources of a pass (model.depth.DepthSources, model.sources.RowBuffer): every gradient
-equals the float64 oracle's, MSAR's streams are computed once per source and pass (one grouped
-convolution per batch of sources), and reads see views of one buffer rather than stacked copies."""
+equals the float64 oracle's, MSAR's streams are computed once per source and pass (one stream
+expansion per batch of sources), and reads see views of one buffer rather than stacked copies."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from attnres_pp.model import ModelConfig, Transformer
 from attnres_pp.model import depth as depth_module
@@ -40,20 +39,24 @@ def test_every_gradient_equals_the_float64_oracle(variant):
 
 def test_msar_convolves_each_source_once_per_pass(monkeypatch):
     """8 sublayers in blocks of 2: 5 sources (embedding + 4 blocks), 4 reads with an open partial.
-    One conv for the embedding, one per completed block, one per partial read: 9 (the old reader
-    convolved every source again for every block that read it, one call per kernel: 3 x 15 + 12)."""
+    One stream expansion for the embedding, one per completed block, one per partial read: 9 (the
+    old reader convolved every source again for every block that read it, one call per kernel:
+    3 x 15 + 12), each computing every stream of its sources at once."""
     cfg = ModelConfig(**{**TINY, "n_layers": 4, "residual": "msar", "block_size": 2})
     model = Transformer(cfg, backend="torch")
-    calls, conv1d = [], F.conv1d
+    calls, stream_stack = [], depth_module.StreamConvs.stream_stack
 
-    def counting_conv1d(*args, **kwargs):
-        calls.append(args[1].shape)
-        return conv1d(*args, **kwargs)
+    def counting(self, kernels, v_NBTD):
+        calls.append([k.shape for k in kernels])
+        streams = stream_stack(self, kernels, v_NBTD)
+        assert streams.shape[:2] == (cfg.n_streams, v_NBTD.shape[0])
+        return streams
 
-    monkeypatch.setattr(depth_module.F, "conv1d", counting_conv1d)
+    monkeypatch.setattr(depth_module.StreamConvs, "stream_stack", counting)
     model(torch.zeros(2, 12, dtype=torch.long), torch.zeros(2, 12, dtype=torch.long)).backward()
     assert len(calls) == 1 + cfg.n_blocks + cfg.n_sublayers // 2
-    assert all(shape[0] == cfg.d_model * (cfg.n_streams - 1) for shape in calls)  # every stream in one call
+    taps_shape = (cfg.n_streams - 1, max(cfg.stream_kernels), cfg.d_model)
+    assert all(shape == taps_shape for call in calls for shape in call)
 
 
 def test_a_pass_appends_sources_into_one_buffer_and_reads_views_of_it():

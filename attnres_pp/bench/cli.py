@@ -89,7 +89,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
     info = machine()
     progress(f"bench {args.name}{' --quick' if args.quick else ''} on {machine_line(info)}")
     started = time.perf_counter()
-    stem = results_stem(name + ("_hosts" if args.hosts else ""), args.quick)
+    # --compile results sit beside the eager-only run's of the same day, never over them.
+    stem = results_stem(name + ("_hosts" if args.hosts else "") + ("_compile" if args.compile else ""), args.quick)
     options = {"timing": not args.no_timing} if args.name == "comm" else {}
     if args.name == "variants":
         options = {"compile_model": args.compile}

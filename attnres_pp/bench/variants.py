@@ -6,9 +6,10 @@ Single process: forward + backward of one batch through the whole model, one thr
 built first and then run in rotation (A B C .., B C A .., ...) so drift in the machine's load falls
 on every variant alike; warm-up rounds are dropped. Pipelined: one `TimedEngine` per variant (the
 driver's wall time of a whole optimiser step), stepped in the same rotation. The headline `ratios`
-are the median over rounds of (variant / standard in the same round). `--compile` measures the same
-single-process steps with every sublayer compiled (`Transformer(compile=True)`), beside eager, and
-reports the compile time (the first step) separately. The full run adds a torch.profiler table of
+are the median over rounds of (variant / standard in the same round). `--compile` adds every
+variant's compiled model (`Transformer(compile=True)`) to the same single-process rotation as the
+eager ones and reports per variant the compiled / eager step (the median over rounds of the pair,
+`compiled_over_eager`) and the compile time (the first step, `compile_s`). The full run adds a torch.profiler table of
 the ops that grow most over standard at 16 layers, d = 256 (what is left where a target is missed).
 """
 
@@ -28,6 +29,7 @@ SINGLE_BATCH = 4  # sequences per single-process step
 PIPELINE = {"stages": 2, "virtual": 2, "schedule": "interleaved_1f1b", "microbatches": 4}
 # 16 layers, d = 256: the issue's targets (variant / standard, single process).
 TARGETS = {"msar": 2.0, "block_attnres": 1.12, "full_attnres": 1.5}
+COMPILED = "+compiled"  # the key suffix of a variant's compiled model within one rotation
 
 
 def variant_overrides(block_size: int) -> dict[str, dict]:
@@ -56,7 +58,13 @@ def paired_ratios(times: dict[str, list[float]], base: str = "standard") -> dict
 
 
 def single_process(shape: dict, block_size: int, warmup: int, rounds: int, *, compile_model: bool = False) -> dict:
-    """Median forward + backward time per variant in this process (one thread), rotation order."""
+    """Median forward + backward time per variant in this process (one thread), rotation order.
+
+    With `compile_model` every variant is built twice, eager and compiled (the same weights), and
+    all of them run in one rotation, so that the compiled / eager ratio of a variant is paired
+    within a round like the variant / standard ones; the eager figures are the returned dict and the
+    compiled ones its "compiled" entry (with "first_step_s", the step that compiles, and
+    "compiled_over_eager", the median over rounds of compiled / eager step of each variant)."""
     import torch
 
     from attnres_pp.model import ModelConfig, Transformer
@@ -64,10 +72,14 @@ def single_process(shape: dict, block_size: int, warmup: int, rounds: int, *, co
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        models, compile_s = {}, {}
+        models, first_step_s = {}, {}
         for name, overrides in variant_overrides(block_size).items():
             cfg = ModelConfig.from_dict({**shape, **overrides})
-            models[name] = Transformer(cfg, **({"compile": True} if compile_model else {}))
+            torch.manual_seed(0)
+            models[name] = Transformer(cfg)
+            if compile_model:
+                torch.manual_seed(0)
+                models[name + COMPILED] = Transformer(cfg, compile=True)
         inputs_BT, targets_BT = random_batch(0, SINGLE_BATCH, shape["seq_len"], shape["vocab_size"])
 
         def step(name: str) -> float:
@@ -77,8 +89,8 @@ def single_process(shape: dict, block_size: int, warmup: int, rounds: int, *, co
                 p.grad = None
             return time.perf_counter() - started
 
-        if compile_model:  # the first step compiles: timed apart from the steps that reuse the cache
-            compile_s = {name: step(name) for name in models}
+        # The first step compiles: timed apart from the steps that reuse the cache.
+        first_step_s = {name.removesuffix(COMPILED): step(name) for name in models if name.endswith(COMPILED)}
         times: dict[str, list[float]] = {name: [] for name in models}
         for index, order in _rotations(tuple(models), warmup + rounds):
             for name in order:
@@ -87,11 +99,19 @@ def single_process(shape: dict, block_size: int, warmup: int, rounds: int, *, co
                     times[name].append(elapsed)
     finally:
         torch.set_num_threads(threads)
-    out = {"step_s": {name: statistics.median(t) for name, t in times.items()}, "ratios": paired_ratios(times),
-           "step_s_all": times}
+    eager = {name: t for name, t in times.items() if not name.endswith(COMPILED)}
+    out = _timed(eager)
     if compile_model:
-        out["first_step_s"] = compile_s
+        compiled = {name.removesuffix(COMPILED): t for name, t in times.items() if name.endswith(COMPILED)}
+        out["compiled"] = {**_timed(compiled), "first_step_s": first_step_s,
+                           "compiled_over_eager": {name: statistics.median(c / e for c, e in zip(
+                               compiled[name], eager[name], strict=True)) for name in eager}}
     return out
+
+
+def _timed(times: dict[str, list[float]]) -> dict:
+    return {"step_s": {name: statistics.median(t) for name, t in times.items()}, "ratios": paired_ratios(times),
+            "step_s_all": times}
 
 
 def pipelined(shape: dict, block_size: int, warmup: int, rounds: int) -> dict:
@@ -148,11 +168,12 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None], comp
     pipe_warmup, pipe_rounds = (1, 4) if quick else (2, 10)
     single, piped, compiled = {}, {}, {}
     for label, (shape, block_size) in SHAPES.items():
-        single[label] = single_process(shape, block_size, warmup, rounds)
+        single[label] = single_process(shape, block_size, warmup, rounds, compile_model=compile_model)
         progress(f"  {label} one process: " + _ratio_line(single[label]["ratios"]))
         if compile_model:
-            compiled[label] = single_process(shape, block_size, warmup, rounds, compile_model=True)
+            compiled[label] = single[label].pop("compiled")
             progress(f"  {label} one process, compiled: " + _ratio_line(compiled[label]["ratios"]))
+            progress(f"  {label} compiled / eager: " + _ratio_line(compiled[label]["compiled_over_eager"]))
     # Pipelined: the quality shape always, the 16-layer shape only in the full run (minutes per round).
     for label in (("4L_d64",) if quick else tuple(SHAPES)):
         shape, block_size = SHAPES[label]
@@ -177,6 +198,9 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None], comp
                        "pipelined = the driver's wall time of a whole optimiser step"}
     if compile_model:
         payload["compiled"] = compiled
+        # Per variant (standard included): compiled / eager step paired within a round, and the first step.
+        payload["compiled_over_eager"] = {label: c["compiled_over_eager"] for label, c in compiled.items()}
+        payload["compile_s"] = {label: c["first_step_s"] for label, c in compiled.items()}
     if not quick:
         shape, block_size = SHAPES["16L_d256"]
         payload["profile_16L_d256"] = profile_growth(shape, block_size, ("msar", "full_attnres", "block_attnres"))
@@ -209,8 +233,8 @@ def to_markdown(payload: dict) -> str:
     for label, result in payload.get("compiled", {}).items():
         first = ", ".join(f"{n} {s:.1f} s" for n, s in result["first_step_s"].items())
         lines += ["", f"Compiled, {label}: first step (compiles) {first}; later steps reuse the compiled graphs."]
-        lines += ["Eager / compiled step: " + ", ".join(
-            f"{n} {payload['single_process'][label]['step_s'][n] / s:.2f}x" for n, s in result["step_s"].items())]
+        lines += ["Compiled / eager step (median over rounds of the pair in one rotation): " + ", ".join(
+            f"{n} {r:.3f}" for n, r in result["compiled_over_eager"].items())]
     for name, rows_ in payload.get("profile_16L_d256", {}).items():
         lines += ["", f"Ops that grow most from standard to {name} (16 layers, d = 256; self CPU ms per forward "
                       "+ backward):", "",

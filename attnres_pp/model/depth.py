@@ -99,12 +99,9 @@ class StreamConvs(nn.Module):
         )
 
     def kernel(self, source_index: int) -> torch.Tensor:
-        """Source j's m - 1 convolutions as one conv1d weight `[d * (m-1), 1, kappa_max]`, output
-        channel c * (m-1) + s - 1 being stream s of channel c: taps flipped (conv1d correlates) and
-        left-padded with zeros to the longest kernel, so one call computes every stream."""
-        kappa_max = max(self.kernel_sizes)
-        taps = [F.pad(taps_KD.flip(0).t(), (kappa_max - taps_KD.shape[0], 0)) for taps_KD in self.weights[source_index]]
-        return torch.stack(taps, dim=1).reshape(-1, 1, kappa_max)
+        """Source j's conv taps as `stream_stack` takes them: [m - 1, kappa_max, d], tap delta of
+        stream s weighing v[t - delta], zero past the stream's kernel size."""
+        return self.taps(source_index)
 
     def taps(self, source_index: int) -> torch.Tensor:
         """Source j's conv taps as the fused stream kernel takes them: [m - 1, kappa_max, d], tap delta
@@ -114,14 +111,28 @@ class StreamConvs(nn.Module):
                             for taps_KD in self.weights[source_index]])
 
     def stream_stack(self, kernels: list[torch.Tensor], v_NBTD: torch.Tensor) -> torch.Tensor:
-        """Streams [m, N, B, T, d] of N sources (stream 0 is v) with their `kernel`s: one grouped conv."""
-        n, batch, seq, width = v_NBTD.shape
-        kappa_max = kernels[0].shape[-1]
-        x_BCT = v_NBTD.permute(1, 0, 3, 2).reshape(batch, n * width, seq)  # channel (source, c)
-        weight = kernels[0] if n == 1 else torch.cat(kernels)
-        y_BCT = F.conv1d(F.pad(x_BCT, (kappa_max - 1, 0)), weight, groups=n * width)  # v[t < 0] = 0
-        y_SNBTD = y_BCT.view(batch, n, width, -1, seq).permute(3, 1, 0, 4, 2)
-        return torch.cat([v_NBTD.unsqueeze(0), y_SNBTD.to(v_NBTD.dtype)])
+        """Streams [m, N, B, T, d] of N sources (stream 0 is v) with their `kernel`s ([m-1, kappa_max,
+        d] each): stream s is sum over delta < kappa_s of taps[s-1, delta] * v[t - delta], v[t < 0] = 0.
+
+        Shifted multiply-adds over a zero-padded v rather than a grouped conv1d: at these widths
+        (d channels, 3 outputs per group, kernels <= 12) on CPU the depthwise conv and its backward
+        cost more than the 24 channel-wise multiply-adds and their gradients."""
+        n, _, seq, _ = v_NBTD.shape
+        kappa_max = kernels[0].shape[1]
+        taps_NSKD = kernels[0].unsqueeze(0) if n == 1 else torch.stack(kernels)
+        padded_NBPD = F.pad(v_NBTD, (0, 0, kappa_max - 1, 0))  # v[t < 0] = 0
+
+        def shifted(delta: int) -> torch.Tensor:  # v[t - delta]
+            return padded_NBPD[:, :, kappa_max - 1 - delta: kappa_max - 1 - delta + seq]
+
+        streams = [v_NBTD]
+        for s, kappa in enumerate(self.kernel_sizes):
+            taps_NKD = taps_NSKD[:, s].unsqueeze(1).unsqueeze(1)  # [N, 1, 1, K, d]
+            u_NBTD = v_NBTD * taps_NKD[..., 0, :]
+            for delta in range(1, min(kappa, seq)):  # taps past the sequence's start meet only zeros
+                u_NBTD = torch.addcmul(u_NBTD, shifted(delta), taps_NKD[..., delta, :])
+            streams.append(u_NBTD.to(v_NBTD.dtype))
+        return torch.stack(streams)
 
     def streams(self, source_index: int, v_BTD: torch.Tensor) -> list[torch.Tensor]:
         """[v, conv_1(v), ..., conv_{m-1}(v)], each [B, T, d]; v[t < 0] = 0."""

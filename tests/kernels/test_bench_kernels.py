@@ -1,5 +1,6 @@
 """The kernel benchmark's paths that run without a GPU: the no-device exit and the interpreter dry
-run of the whole timing code (which must not write result files)."""
+run of the whole timing code, the fused MSAR stream kernel's rows included (which must not write
+result files)."""
 
 import os
 import subprocess
@@ -34,7 +35,9 @@ def test_dry_run_times_every_implementation_and_writes_nothing():
     assert result.returncode == 0, result.stderr
     assert "dry run: no results written" in result.stdout
     rows = [line for line in result.stdout.splitlines() if line.startswith("| phase")]
-    assert len(rows) == 12  # 3 shapes x (phase1, phase2) x (fwd, fwd+bwd)
+    assert len(rows) == 14  # 3 shapes x (phase1, phase2) x (fwd, fwd+bwd), and the fused MSAR stream kernel's 2
+    streams = [row for row in rows if row.startswith("| phase1_streams | dry-run msar |")]
+    assert [row.split("|")[8].strip() for row in streams] == ["fwd", "fwd+bwd"]
     assert not any("error" in row or "skipped" in row for row in rows), rows
     after = set(results.iterdir()) if results.exists() else set()
     assert after == before
