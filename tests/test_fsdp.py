@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from attnres_pp.cli import main
+from tests.spawn_helpers import spawn_ranks
 
 TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "8", "--microbatches",
         "2", "--eval-every", "0", "--quiet", "--data-parallel", "2"]
@@ -155,11 +156,10 @@ def _bf16_rank(rank: int, init_method: str, run_cfg: dict, results) -> None:
         assert all(isinstance(p, DTensor) for u in units for p in u.parameters() if p.dim())
         results.put((rank, {k: sorted(map(str, v)) for k, v in seen.items()}, sum(record.losses.values())))
     except Exception:
-        results.put((rank, traceback.format_exc(), None))
+        results.put((rank, traceback.format_exc()))
 
 
 def test_fsdp_bf16_keeps_fp32_shards_and_computes_in_bf16(tmp_path):
-    import multiprocessing as mp
 
     from attnres_pp.train.config import RunConfig
 
@@ -170,21 +170,7 @@ def test_fsdp_bf16_keeps_fp32_shards_and_computes_in_bf16(tmp_path):
         "pipeline": {"stages": 1, "virtual": 2, "schedule": "interleaved_zb", "launcher": "local", "timeout_s": 60.0,
                      "data_parallel": 2, "dp_shard": "fsdp"},
     }).to_dict()
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_bf16_rank, args=(r, f"file://{tmp_path}/rendezvous", run_cfg, results), daemon=True)
-             for r in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        replies = [results.get(timeout=120) for _ in procs]
-    finally:
-        for proc in procs:
-            proc.join(timeout=20)
-            if proc.is_alive():
-                proc.terminate()
-    for rank, seen, _loss in replies:
-        assert isinstance(seen, dict), f"rank {rank} failed:\n{seen}"
+    for _rank_id, seen, _loss in spawn_ranks(_bf16_rank, 2, tmp_path, run_cfg):
         assert seen == {"sharded": ["('DTensor', torch.float32)"], "compute": ["('Parameter', torch.bfloat16)"],
                         "accumulated": ["torch.float32"], "grad": ["('DTensor', torch.float32)"],
                         "moments": ["torch.float32"]}, seen

@@ -5,11 +5,12 @@ them unaveraged and refuses the next forward, while `grad_sync.sync_gradients` a
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import traceback
 
 import pytest
 import torch
+
+from tests.spawn_helpers import spawn_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -57,21 +58,7 @@ def _rank(rank: int, init_method: str, results) -> None:
 
 
 def test_ddp_misses_the_split_backward_and_grad_sync_does_not(tmp_path):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, f"file://{tmp_path}/rendezvous", results), daemon=True)
-             for r in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        replies = [results.get(timeout=120) for _ in procs]
-    finally:
-        for proc in procs:
-            proc.join(timeout=20)
-            if proc.is_alive():
-                proc.terminate()
-    for rank, found in replies:
-        assert isinstance(found, dict), f"rank {rank} failed:\n{found}"
+    for _rank_id, found in spawn_ranks(_rank, 2, tmp_path):
         assert found["ddp_fused"] == (0.0, "ok")
         spread, next_forward = found["ddp_split"]
         assert spread > 0.1  # measured 2.15: W's weight gradients never reached DDP's reducer

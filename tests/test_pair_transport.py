@@ -6,11 +6,12 @@ D = 2, a replica with no pair on one node leaves the other replica's shared memo
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import traceback
 
 import pytest
 import torch
+
+from tests.spawn_helpers import spawn_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -57,22 +58,7 @@ def _rank(pp_rank: int, init_method: str, nodes: list[str], results) -> None:
 
 
 def _run(tmp_path, nodes: list[str], target=_rank, world: int = 3) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, f"file://{tmp_path}/rendezvous", nodes, results), daemon=True)
-             for r in range(world)]
-    for proc in procs:
-        proc.start()
-    try:
-        out = dict(results.get(timeout=120) for _ in range(world))
-    finally:
-        for proc in procs:
-            proc.join(timeout=20)
-            if proc.is_alive():
-                proc.terminate()
-    for rank, value in out.items():
-        assert not isinstance(value, str), f"rank {rank} failed:\n{value}"
-    return out
+    return dict(spawn_ranks(target, world, tmp_path, nodes))
 
 
 def test_a_mixed_placement_uses_shared_memory_and_gloo_at_once(tmp_path):

@@ -6,13 +6,14 @@ plain DistTransport."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import traceback
 
 import pytest
 import torch
+
+from tests.spawn_helpers import spawn_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -71,22 +72,7 @@ def _rank(pp_rank: int, init_method: str, scenario: str, results) -> None:
 
 
 def _run(scenario: str, tmp_path, ranks: int = 2) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, f"file://{tmp_path}/rendezvous", scenario, results), daemon=True)
-             for r in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        out = dict(results.get(timeout=120) for _ in range(ranks))
-    finally:
-        for proc in procs:
-            proc.join(timeout=20)
-            if proc.is_alive():
-                proc.terminate()
-    for rank, value in out.items():
-        assert not isinstance(value, str), f"rank {rank} failed:\n{value}"
-    return out
+    return dict(spawn_ranks(_rank, 2, tmp_path, scenario, replies=ranks))
 
 
 @pytest.mark.parametrize("scenario", ["shm", "gloo", "link"])
@@ -226,22 +212,7 @@ def _setup_rank(pp_rank: int, init_method: str, scenario: str, directory: str, r
 
 
 def _run_setup(scenario: str, tmp_path, directory: str, ranks: int = 2) -> dict:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_setup_rank, args=(r, f"file://{tmp_path}/rendezvous", scenario, directory, results),
-                         daemon=True) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        out = dict(results.get(timeout=120) for _ in range(ranks))
-    finally:
-        for proc in procs:
-            proc.join(timeout=20)
-            if proc.is_alive():
-                proc.terminate()
-    for rank, value in out.items():
-        assert not isinstance(value, str), f"rank {rank} failed:\n{value}"
-    return out
+    return dict(spawn_ranks(_setup_rank, 2, tmp_path, scenario, directory, replies=ranks))
 
 
 @pytest.fixture
