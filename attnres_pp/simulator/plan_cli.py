@@ -1,20 +1,20 @@
 """`attnres-pp simulate plan`: flags -> PlanRequest -> the fastest configurations that fit
 (`simulator.plan`), as a table with the top row's `attnres-pp train` command, or `{"rows": [...]}`.
 
-Numbers are parsed here, not by argparse, so a bad value is one line `... error: ...` and exit 2.
+Numbers are parsed by `simulator.number_flags`, so a bad value is one line `... error: ...` and exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 
 from attnres_pp.model.config import KEY_MODES, RESIDUALS, ModelConfig
 from attnres_pp.simulator.comm import format_bytes
 from attnres_pp.simulator.memory import DTYPE_BYTES
+from attnres_pp.simulator.number_flags import add_number_flags, parse_number_flags
 from attnres_pp.simulator.plan import GIB, PlanRequest, plan
 
 # (flag, dest, type, default, help); default None = required
@@ -39,6 +39,7 @@ _NUMBERS = (
     ("--hbm-tbs", "hbm_tbs", float, 3.0, "achieved memory bandwidth, TB/s"),
     ("--top", "top", int, 5, "rows to print"),
 )
+_REQUIRED = tuple(flag for flag, _dest, _kind, default, _help in _NUMBERS if default is None)
 
 
 def register(commands) -> None:
@@ -47,9 +48,7 @@ def register(commands) -> None:
         description="Search pipeline and data-parallel layouts, schedules, block sizes, dp_shard and "
                     "activation checkpointing; keep those whose predicted per-rank peak fits --gpu-memory-gib "
                     "and rank them by predicted step time (docs/simulator.md).")
-    for flag, dest, _kind, default, help_text in _NUMBERS:
-        parser.add_argument(flag, dest=dest, metavar="N", default=None,
-                            help=help_text + (" [required]" if default is None else f" (default {default:g})"))
+    add_number_flags(parser, _NUMBERS, _REQUIRED)
     parser.add_argument("--residual", choices=RESIDUALS, default="attnres")
     parser.add_argument("--key-mode", choices=KEY_MODES, default="projected")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
@@ -58,22 +57,8 @@ def register(commands) -> None:
 
 
 def build(args: argparse.Namespace) -> PlanRequest:
-    values = {}
-    for flag, dest, kind, default, _help in _NUMBERS:
-        raw = getattr(args, dest)
-        if raw is None:
-            if default is None:
-                raise ValueError(f"{flag} is required")
-            values[dest] = default
-            continue
-        try:
-            value = kind(raw)
-        except ValueError:
-            expected = "an integer" if kind is int else "a number"
-            raise ValueError(f"{flag} {raw!r} is invalid: expected {expected}") from None
-        if (kind is float and not math.isfinite(value)) or value < (0 if flag in ("--d-ff", "--block-size") else 1e-12):
-            raise ValueError(f"{flag} {raw!r} is invalid: expected a finite number > 0")
-        values[dest] = value
+    values = parse_number_flags(args, _NUMBERS, _REQUIRED, non_negative=("--d-ff", "--block-size"),
+                                positive=tuple(row[0] for row in _NUMBERS if row[0] not in ("--d-ff", "--block-size")))
     heads = values["heads"]
     cfg = ModelConfig(vocab_size=values["vocab_size"], n_layers=values["layers"], d_model=values["d_model"],
                       n_heads=heads, d_ff=values["d_ff"], seq_len=values["seq_len"], residual=args.residual,

@@ -1,6 +1,6 @@
 """`attnres-pp simulate project`: flags -> ModelConfig + Cluster -> the per-mode table (`project`).
 
-Numbers are parsed here, not by argparse, so a bad value is one line `... error: ...` and exit 2.
+Numbers are parsed by `simulator.number_flags`, so a bad value is one line `... error: ...` and exit 2.
 """
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.schedule.schedules import SCHEDULES
 from attnres_pp.simulator.comm import DTYPE_BYTES, format_bytes
+from attnres_pp.simulator.number_flags import add_number_flags, parse_number_flags
 from attnres_pp.simulator.project import Cluster, project
 
 # (flag, dest, type, default, help)
@@ -46,10 +46,7 @@ def register(commands) -> None:
         description="Step time, bubble, bytes per step per link, peak cache memory per rank and the AttnRes "
                     "overhead over the standard residual, for standard / Full AttnRes naive / Block naive / "
                     "Block cached, from a model and a cluster (see docs/simulator.md's worked example).")
-    for flag, dest, _kind, default, help_text in _NUMBERS:
-        parser.add_argument(flag, dest=dest, metavar="N", default=None,
-                            help=help_text + ("" if default is None else f" (default {default})")
-                            + (" [required]" if flag in _REQUIRED else ""))
+    add_number_flags(parser, _NUMBERS, _REQUIRED)
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="interleaved_1f1b")
     parser.add_argument("--residual", choices=("attnres", "lr_attnres"), default="attnres",
                         help="the AttnRes variant of the three AttnRes rows (lr_attnres: --key-rank r keys)")
@@ -59,22 +56,7 @@ def register(commands) -> None:
 
 
 def _values(args: argparse.Namespace) -> dict:
-    values = {}
-    for flag, dest, kind, default, _help in _NUMBERS:
-        raw = getattr(args, dest)
-        if raw is None:
-            if flag in _REQUIRED:
-                raise ValueError(f"{flag} is required")
-            values[dest] = default
-            continue
-        try:
-            value = kind(raw)
-        except ValueError:
-            expected = "an integer" if kind is int else "a number"
-            raise ValueError(f"{flag} {raw!r} is invalid: expected {expected}") from None
-        if kind is float and not math.isfinite(value):
-            raise ValueError(f"{flag} {raw!r} is invalid: expected a finite number")
-        values[dest] = value
+    values = parse_number_flags(args, _NUMBERS, _REQUIRED)
     if values["tokens"] < 1:
         raise ValueError(f"--tokens {values['tokens']} is invalid: tokens per microbatch must be >= 1")
     return values
