@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from attnres_pp.cli_flags import ArgumentParser
+
 # (subcommand, module that defines `register(subparsers)`, one-line help for the top-level listing)
 SUBCOMMANDS = (
     ("train", "attnres_pp.train.cli", "train a model (single process or pipelined)"),
@@ -25,7 +27,8 @@ SUBCOMMANDS = (
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The whole parser, or with `argv` given, one in which only the subcommand that `argv` names is
     imported and registered in full (the others are listed for `--help` by name alone)."""
-    parser = argparse.ArgumentParser(
+    # Every subcommand's parser is of this class too: a usage error reads `error: ...`, exit 2.
+    parser = ArgumentParser(
         prog="attnres-pp",
         description="Pipeline-parallel training of Attention-Residual transformers.",
     )

@@ -93,12 +93,3 @@ def _refuse(table: str, key: str, value, expected: str, hint: str) -> typing.NoR
     shown = json.dumps(list(value) if isinstance(value, tuple) else value, default=str)
     raise ValueError(f"[{table}] {key} = {shown} is invalid: expected {expected}, found {found}{hint}")
 
-
-def convert_flag(flag: str, raw: str, kind: type):
-    """A command-line flag's text as `kind` (int, float, str); ValueError naming the flag otherwise.
-    Flags are parsed as strings and converted here, so a bad value is one clear `error:` line."""
-    try:
-        return kind(raw)
-    except ValueError:
-        expected = {int: "an integer", float: "a number"}.get(kind, kind.__name__)
-        raise ValueError(f"{flag} {raw!r} is invalid: expected {expected}") from None

@@ -3,13 +3,14 @@ one `error:` line that names what to change, with no traceback, and no train cas
 or Ray. Run in this process (argparse's refusals arrive as SystemExit) so the table takes seconds.
 
 Placeholders in the argv: {tmp} a fresh folder, {file} an existing plain file, {toml} the case's TOML
-text written to a file. Root ignores permission bits, so "unwritable" and "unreadable" are a path
-under an existing file, /proc (which refuses new entries) and /proc/self/mem (a regular file whose
-read fails).
+text written to a file, {calibration} a `bench fidelity` calibration file. Root ignores permission
+bits, so "unwritable" and "unreadable" are a path under an existing file, /proc (which refuses new
+entries) and /proc/self/mem (a regular file whose read fails).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -26,6 +27,28 @@ OUT = ["--out", "{tmp}/run"]
 SCHEDULE = ["simulate", "schedule", "--schedule", "1f1b", "--stages", "4", "--microbatches", "8"]
 MODEL_COSTS = [*SCHEDULE, "--costs", "model", "--layers", "8", "--block-size", "4"]
 COMM = ["simulate", "comm", "--layers", "8", "--block-size", "4"]
+MEMORY = ["simulate", "memory", "--schedule", "1f1b", "--stages", "2", "--microbatches", "4", "--layers", "8",
+          "--block-size", "4"]
+PREDICT = ["simulate", "predict", "--calibration", "{calibration}"]
+PLAN = ["simulate", "plan", "--layers", "8", "--d-model", "256", "--heads", "4", "--seq-len", "256",
+        "--global-batch", "8", "--gpus", "4", "--gpu-memory-gib", "16"]
+PROJECT = ["simulate", "project", "--layers", "8", "--d-model", "256", "--block-size", "4", "--tokens", "512",
+           "--stages", "2", "--microbatches", "4"]
+LAYER_COUNTS = "--layer-counts '{}' is invalid: expected comma-separated positive integers"
+# A calibration as `bench fidelity` writes it (units in seconds), for the `simulate predict` cases.
+CALIBRATION = {
+    "forward_units_s": {"layer": 1e-3, "add": 1e-5, "embed": 1e-4, "head": 3e-4, "merge": 2e-4,
+                        "phase1_a_b_c_e": [1e-4, 1e-5, 0.0, 1e-5], "phase1_floor": 1e-4},
+    "backward_units_s": {"layer": 2e-3, "add": 2e-5, "embed": 1e-4, "head": 4e-4, "merge": 3e-4,
+                         "phase1_a_b_c_e": [1e-4, 2e-5, 0.0, 1e-5], "phase1_floor": 2e-4},
+    "forward_scale": 1.0, "backward_scale": 1.0,
+    "messages": {"send_fixed_s": 1e-4, "send_s_per_byte": 1e-10, "recv_fixed_s": 2e-5, "link_latency_s": 2e-5,
+                 "link_s_per_byte": 1e-10, "dispatch_s": 5e-6},
+    "calibrated_on": {"model": {"vocab_size": 256, "n_layers": 8, "d_model": 128, "n_heads": 4, "seq_len": 64,
+                                "residual": "attnres", "block_size": 4},
+                      "schedule": "1f1b", "n_stages": 2, "n_virtual": 1, "n_microbatches": 4, "microbatch_size": 4,
+                      "cache": True},
+}
 UNREACHABLE = "127.0.0.1:1"  # loopback port 1: refused at once, and never another machine
 
 # (id, argv, TOML text for {toml} or None, a piece of the error line). TOML cases use keys that TRAIN's
@@ -100,14 +123,15 @@ CASES = [
     ("sweep-blocks-not-dividing", ["simulate", "sweep", "--blocks", "3"], None, "must divide"),
     ("sweep-stages-zero", ["simulate", "sweep", "--stages", "0"], None, "argument --stages"),
     ("sweep-key-rank-negative", ["simulate", "sweep", "--key-rank", "-3"], None, "argument --key-rank"),
-    ("sweep-tokens-float", ["simulate", "sweep", "--tokens", "1.5"], None, "is not an integer"),
+    ("sweep-tokens-float", ["simulate", "sweep", "--tokens", "1.5"], None,
+     "argument --tokens: '1.5' is invalid: expected an integer"),
     ("sweep-out-is-file", ["simulate", "sweep", "--only", "bubble", "--out", "{file}"], None,
      "is an existing file"),
     ("schedule-key-rank-negative", [*MODEL_COSTS, "--key-rank", "-3"], None, "argument --key-rank"),
     ("schedule-tflops-nan", [*MODEL_COSTS, "--tflops", "nan"], None, "argument --tflops"),
     ("schedule-tflops-zero", [*MODEL_COSTS, "--tflops", "0"], None, "finite number > 0"),
     ("schedule-tflops-inf", [*MODEL_COSTS, "--tflops", "inf"], None, "argument --tflops"),
-    ("schedule-tflops-word", [*MODEL_COSTS, "--tflops", "fast"], None, "is not a number"),
+    ("schedule-tflops-word", [*MODEL_COSTS, "--tflops", "fast"], None, "'fast' is invalid: expected a number"),
     ("schedule-bandwidth-zero", [*MODEL_COSTS, "--bandwidth-gbs", "0"], None, "argument --bandwidth-gbs"),
     ("schedule-latency-negative", [*MODEL_COSTS, "--latency-us", "-1"], None, "finite number >= 0"),
     ("schedule-latency-nan", [*MODEL_COSTS, "--latency-us", "nan"], None, "argument --latency-us"),
@@ -122,6 +146,22 @@ CASES = [
     ("comm-stages-zero", [*COMM, "--stages", "0"], None, "argument --stages"),
     ("comm-virtual-zero", [*COMM, "--stages", "2", "--virtual", "0"], None, "argument --virtual"),
     ("comm-layer-counts-negative", [*COMM, "--stages", "2", "--layer-counts", "10,-2"], None, "at least one layer"),
+    ("comm-layer-counts-word", [*COMM, "--stages", "2", "--layer-counts", "4,x"], None, LAYER_COUNTS.format("4,x")),
+    ("comm-layer-counts-empty", [*COMM, "--stages", "2", "--layer-counts", ""], None, LAYER_COUNTS.format("")),
+    ("memory-layer-counts-word", [*MEMORY, "--layer-counts", "2;2"], None, LAYER_COUNTS.format("2;2")),
+    ("memory-layer-counts-zero", [*MEMORY, "--layer-counts", "4,0"], None, "at least one layer"),
+    ("memory-stages-zero", [*MEMORY, "--stages", "0"], None, "argument --stages: '0' is invalid"),
+    ("memory-dp-shard-choice", [*MEMORY, "--dp-shard", "zero3"], None, "argument --dp-shard: invalid choice"),
+    ("predict-layer-counts-word", [*PREDICT, "--layer-counts", "4,,4"], None, LAYER_COUNTS.format("4,,4")),
+    ("predict-virtual-word", [*PREDICT, "--virtual", "x"], None, "--virtual 'x' is invalid: expected an integer"),
+    ("predict-stages-zero", [*PREDICT, "--stages", "0"], None, "--stages '0' is invalid: expected an integer > 0"),
+    ("predict-calibration-missing", ["simulate", "predict"], None, "the following arguments are required"),
+    ("plan-layers-missing", ["simulate", "plan", "--d-model", "64"], None, "--layers is required"),
+    ("plan-gpus-zero", [*PLAN, "--gpus", "0"], None, "--gpus '0' is invalid: expected an integer > 0"),
+    ("project-tflops-word", [*PROJECT, "--tflops", "fast"], None, "--tflops 'fast' is invalid: expected a number"),
+    ("simulate-unknown-command", ["simulate", "commm"], None, "argument simulate_command: invalid choice"),
+    ("train-layer-counts-word", [*TRAIN, *OUT, "--stages", "2", "--layer-counts", "1,x"], None,
+     LAYER_COUNTS.format("1,x")),
     # bench
     ("bench-out-is-file", ["bench", "comm", "--no-timing", "--out", "{file}"], None, "is an existing file"),
     ("bench-out-under-file", ["bench", "bubbles", "--out", "{file}/results"], None, "is a file"),
@@ -140,7 +180,10 @@ CASES = [
      "use --launcher local or ray"),
 ]
 
-_ERROR_LINE = re.compile(r"^(error: |attnres-pp[\w -]*: error: )")
+# Every refusal, argparse's included, is one line starting `error: `; bench's own refusals name the
+# command first (`attnres-pp bench comm: error: ...`).
+_ERROR_LINE = re.compile(r"^error: ")
+_BENCH_ERROR_LINE = re.compile(r"^(error: |attnres-pp bench[\w -]*: error: )")
 
 
 @pytest.fixture
@@ -163,6 +206,7 @@ def _prepare(case_id: str, tmp: Path, monkeypatch) -> None:
     (tmp / "folder.txt").mkdir()
     (tmp / "badrun").mkdir()
     (tmp / "badrun" / "summary.json").write_text("{")
+    (tmp / "calibration.json").write_text(json.dumps({"calibration": CALIBRATION}))
     if case_id == "train-data-unreadable":
         if not os.path.exists("/proc/self/mem"):
             pytest.skip("needs /proc/self/mem")
@@ -190,18 +234,30 @@ def test_bad_input_is_one_error_line_and_exit_2(case_id, argv, toml, needle, tmp
     _prepare(case_id, tmp_path, monkeypatch)
     if toml is not None:
         (tmp_path / "case.toml").write_text(toml)
-    argv = [a.format(tmp=tmp_path, file=tmp_path / "file", toml=tmp_path / "case.toml") for a in argv]
+    argv = [a.format(tmp=tmp_path, file=tmp_path / "file", toml=tmp_path / "case.toml",
+                     calibration=tmp_path / "calibration.json") for a in argv]
     try:
         code = main(argv)
     except SystemExit as exit_:  # argparse's own refusals
         code = exit_.code
     captured = capsys.readouterr()
     said = captured.out + captured.err
-    errors = [line for line in said.splitlines() if _ERROR_LINE.match(line)]
+    error_line = _BENCH_ERROR_LINE if argv[0] == "bench" else _ERROR_LINE
+    errors = [line for line in said.splitlines() if error_line.match(line)]
     assert code == 2, said
     assert "Traceback" not in said, said
     assert len(errors) == 1, said
     assert needle in errors[0], errors[0]
+    if argv[0] == "simulate":  # no usage text or progress around the refusal
+        assert captured.err.splitlines() == errors, captured.err
+
+
+def test_a_usage_error_of_the_top_level_command_is_one_error_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulat", "comm"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == ("error: argument command: invalid choice: 'simulat' (choose from 'train', "
+                                       "'simulate', 'generate', 'analyze', 'plot', 'bench'); see attnres-pp --help\n")
 
 
 def test_the_table_covers_at_least_45_inputs_across_the_three_commands():

@@ -52,7 +52,7 @@ def test_flags_override_the_toml_file(tmp_path):
         (["--lr", "-1"], "TrainConfig.lr=-1.0"),
         (["--residual", "bogus"], "ModelConfig.residual='bogus'"),
         (["--steps", "many"], "--steps 'many'"),
-        (["--layer-counts", "1,x"], "--layer-counts 'x'"),
+        (["--layer-counts", "1,x"], "--layer-counts '1,x' is invalid: expected comma-separated positive integers"),
         (["--data", "nowhere.txt"], "TrainConfig.data='nowhere.txt'"),
     ],
 )

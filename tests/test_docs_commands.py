@@ -61,7 +61,7 @@ def _commands_in_code(lines: list[tuple[int, str]]) -> list[tuple[int, str]]:
 def _commands_in_text(text: str) -> list[str]:
     """The `attnres-pp SUB ...` commands in one line of shell (`ray job submit ... -- attnres-pp train`)."""
     if ERROR_LINE.search(text):
-        return []  # a quoted error message (argparse's `attnres-pp simulate X: error: ...`) is output
+        return []  # a quoted error message (`error: ...`, `attnres-pp bench X: error: ...`) is output
     match = COMMAND_START.search(text)  # the rest of the line is that command's (`;` does not occur)
     return [PROGRAM + " " + text[match.end():]] if match else []
 

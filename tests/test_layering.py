@@ -2,7 +2,7 @@
 function) of every module under attnres_pp must point down or sideways, never up.
 
     kernels, data, config_tables,    import nothing of the project (model: kernels and config_tables)
-    out_paths
+    out_paths, cli_flags
     comm                             model at most (plan, partition, cache, transports)
     schedule                         comm's partition at most; pure Python, no torch (IR, generators,
                                      passes, validators, timeline accounting, traces)
@@ -28,26 +28,29 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "attnres_pp"
 ALLOWED = {
     "config_tables": set(),
     "out_paths": set(),
+    "cli_flags": set(),  # the error style and shared flag parsers of every command
     "kernels": set(),
     "data": set(),
     "model": {"kernels", "config_tables"},
     "comm": {"model", "kernels", "config_tables"},
     "schedule": {"comm"},
     "pipeline": {"schedule", "comm", "model", "kernels", "config_tables", "out_paths"},
-    "train": {"pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths"},
-    "simulator": {"schedule", "comm", "model", "config_tables", "out_paths"},
-    "generate": {"train", "pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths"},
-    "analysis": {"train", "pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths"},
+    "train": {"pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths", "cli_flags"},
+    "simulator": {"schedule", "comm", "model", "config_tables", "out_paths", "cli_flags"},
+    "generate": {"train", "pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths",
+                "cli_flags"},
+    "analysis": {"train", "pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths",
+                "cli_flags"},
     "bench": {"analysis", "generate", "train", "simulator", "pipeline", "schedule", "comm", "model", "kernels", "data",
-              "config_tables", "out_paths"},
-    "cli": set(),  # imports the subcommands by name, at run time
+              "config_tables", "out_paths", "cli_flags"},
+    "cli": {"cli_flags"},  # imports the subcommands by name, at run time
     "root": set(),  # attnres_pp/__init__.py
 }
 # The only modules outside its own layer and `schedule` that the simulator may read: the plan, the
 # partition and the link model of comm, the model's shapes. All of them are torch-free.
 SIMULATOR_MAY_READ = {
     "attnres_pp.comm.plan", "attnres_pp.comm.partition", "attnres_pp.comm.link",
-    "attnres_pp.model.config", "attnres_pp.config_tables", "attnres_pp.out_paths",
+    "attnres_pp.model.config", "attnres_pp.config_tables", "attnres_pp.out_paths", "attnres_pp.cli_flags",
 }
 # The only comm module a schedule may read: where a chunk runs.
 SCHEDULE_MAY_READ = {"attnres_pp.comm.partition"}

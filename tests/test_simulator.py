@@ -267,7 +267,7 @@ def test_cli_comm_table_and_errors(simulate_cli, capsys):
     assert simulate_cli(["simulate", "comm", "--layers", "3", "--block-size", "2", "--stages", "4",
                          "--virtual", "2"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("attnres-pp simulate comm: error: 3 layers cannot fill") and "\n" not in err
+    assert err.startswith("error: 3 layers cannot fill") and "\n" not in err
 
 
 def test_cli_schedule_json_trace_and_plot(simulate_cli, capsys, tmp_path):

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from attnres_pp.config_tables import convert_flag
+from attnres_pp.cli_flags import convert_flag
 from attnres_pp.out_paths import check_out_dir
 
 

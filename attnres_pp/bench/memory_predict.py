@@ -108,8 +108,8 @@ def predict(flags: dict) -> dict:
     import argparse
 
     from attnres_pp.simulator import cli as simulate_cli
+    from attnres_pp.simulator.cli.memory import build
     from attnres_pp.simulator.memory import predict_memory
-    from attnres_pp.simulator.memory_cli import build
 
     # The `simulate` parser alone (bench sits below the top-level CLI): the same flags, the same defaults.
     parser = argparse.ArgumentParser(prog="attnres-pp")

@@ -23,7 +23,7 @@ import time
 import warnings
 from pathlib import Path
 
-from attnres_pp.config_tables import convert_flag
+from attnres_pp.cli_flags import convert_flag, layer_counts
 from attnres_pp.generate.config import GenerationConfig
 from attnres_pp.generate.prompts import decode_text, prompt_tokens, read_prompts, stop_strings
 from attnres_pp.pipeline.config import LAUNCHERS, P2P_SEMANTICS
@@ -99,8 +99,7 @@ def configs_from_args(args: argparse.Namespace):
     gen_cfg = GenerationConfig(**_values(args, _GEN_FLAGS), stop=stop_strings(args.stop))
     pipe_values = {"launcher": "local", **_values(args, _PIPE_FLAGS)}
     if args.layer_counts is not None:
-        pipe_values["layer_counts"] = tuple(convert_flag("--layer-counts", part, int)
-                                            for part in args.layer_counts.split(","))
+        pipe_values["layer_counts"] = layer_counts(args.layer_counts)
     if args.address is not None and pipe_values["launcher"] != "ray":
         raise ValueError(f"--address is for --launcher ray, not {pipe_values['launcher']}")
     threads = convert_flag("--threads", args.threads, int) if args.threads is not None else 1

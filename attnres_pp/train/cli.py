@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from attnres_pp.config_tables import convert_flag
+from attnres_pp.cli_flags import convert_flag, layer_counts
 from attnres_pp.data import load_corpus
 from attnres_pp.model.config import KEY_MODES, RESIDUALS, ModelConfig
 from attnres_pp.out_paths import check_out_dir
@@ -224,9 +224,7 @@ def flag_overrides(args: argparse.Namespace) -> dict:
     if getattr(args, "compile", None):
         overrides["train"]["compile"] = True
     if args.layer_counts is not None:
-        overrides["pipeline"]["layer_counts"] = [
-            convert_flag("--layer-counts", part, int) for part in args.layer_counts.split(",")
-        ]
+        overrides["pipeline"]["layer_counts"] = list(layer_counts(args.layer_counts))
     return {table: values for table, values in overrides.items() if values}
 
 

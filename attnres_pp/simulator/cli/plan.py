@@ -1,20 +1,19 @@
 """`attnres-pp simulate plan`: flags -> PlanRequest -> the fastest configurations that fit
 (`simulator.plan`), as a table with the top row's `attnres-pp train` command, or `{"rows": [...]}`.
 
-Numbers are parsed by `simulator.number_flags`, so a bad value is one line `... error: ...` and exit 2.
+Numbers are parsed by `attnres_pp.cli_flags`' flag tables, so a bad value is one line `error: ...` and exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
+from attnres_pp.cli_flags import add_number_flags, parse_number_flags, refuse
 from attnres_pp.model.config import KEY_MODES, RESIDUALS, ModelConfig
 from attnres_pp.simulator.comm import format_bytes
 from attnres_pp.simulator.memory import DTYPE_BYTES
-from attnres_pp.simulator.number_flags import add_number_flags, parse_number_flags
 from attnres_pp.simulator.plan import GIB, PlanRequest, plan
 
 # (flag, dest, type, default, help); default None = required
@@ -53,7 +52,7 @@ def register(commands) -> None:
     parser.add_argument("--key-mode", choices=KEY_MODES, default="projected")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     parser.add_argument("--json", action="store_true", help='print {"rows": [...]}, fastest first')
-    parser.set_defaults(func=run, parser=parser)
+    parser.set_defaults(func=run)
 
 
 def build(args: argparse.Namespace) -> PlanRequest:
@@ -77,8 +76,7 @@ def run(args: argparse.Namespace) -> int:
         request = build(args)
         rows = plan(request)
     except ValueError as error:
-        print(f"{args.parser.prog}: error: {str(error).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return refuse(error)
     if args.json:
         print(json.dumps({"rows": rows}))
         return 0

@@ -7,33 +7,35 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
+from attnres_pp.cli_flags import layer_counts, refuse
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.schedule.schedules import SCHEDULES
+from attnres_pp.simulator.cli.flags import model_flags, positive_int
 from attnres_pp.simulator.comm import format_bytes
 from attnres_pp.simulator.memory import AC_POLICIES, DP_SHARDS, MEMORY_KEYS, MemorySetup, predict_memory
 
 
-def register(commands, model_flags, count) -> None:
+def register(commands) -> None:
     parser = commands.add_parser(
         "memory", help="predict each rank's peak memory (params, grads, AdamW, activations, cache)",
         description="Per-rank memory of one training step predicted from shapes and the schedule's action "
                     "order (SPEC section 8): the keys of summary.json's memory_per_rank and the peak's action.")
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), required=True)
-    parser.add_argument("--stages", type=count(1), required=True, help="P, pipeline ranks")
-    parser.add_argument("--virtual", type=count(1), default=1, help="V, chunks per rank (default 1)")
-    parser.add_argument("--microbatches", type=count(1), required=True, help="m, microbatches per step and replica")
+    parser.add_argument("--stages", type=positive_int, required=True, help="P, pipeline ranks")
+    parser.add_argument("--virtual", type=positive_int, default=1, help="V, chunks per rank (default 1)")
+    parser.add_argument("--microbatches", type=positive_int, required=True, help="m, microbatches per step and replica")
     model_flags(parser, required=True)
-    parser.add_argument("--heads", type=count(1), default=None, help="attention heads (default: d-model / 128, >= 1)")
+    parser.add_argument("--heads", type=positive_int, default=None,
+                        help="attention heads (default: d-model / 128, >= 1)")
     parser.add_argument("--layer-counts", default=None, help="layers per chunk, comma separated")
     parser.add_argument("--no-cache", action="store_true", help="AttnRes without the cross-stage cache")
-    parser.add_argument("--data-parallel", type=count(1), default=1, help="D, replicas of the pipeline")
+    parser.add_argument("--data-parallel", type=positive_int, default=1, help="D, replicas of the pipeline")
     parser.add_argument("--dp-shard", choices=DP_SHARDS, default="replicate",
                         help="replicate: every replica holds everything; fsdp: FSDP2 shards 1/D")
     parser.add_argument("--activation-checkpoint", choices=AC_POLICIES, default="none")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(func=run, parser=parser)
+    parser.set_defaults(func=run)
 
 
 def build(args: argparse.Namespace) -> tuple[ModelConfig, MemorySetup]:
@@ -41,16 +43,11 @@ def build(args: argparse.Namespace) -> tuple[ModelConfig, MemorySetup]:
     cfg = ModelConfig(vocab_size=args.vocab_size, n_layers=args.layers, d_model=args.d_model, n_heads=heads,
                       d_ff=args.d_ff, seq_len=args.seq_len, residual=args.residual, block_size=args.block_size,
                       key_mode=args.key_mode, key_rank=args.key_rank)
-    layer_counts = None
-    if args.layer_counts:
-        try:
-            layer_counts = tuple(int(n) for n in args.layer_counts.split(","))
-        except ValueError:
-            raise ValueError(f"--layer-counts {args.layer_counts!r} must be integers separated by commas") from None
     setup = MemorySetup(schedule=args.schedule, n_stages=args.stages, n_virtual=args.virtual,
                         n_microbatches=args.microbatches, tokens=args.tokens, dtype=args.dtype,
                         cache=not args.no_cache, data_parallel=args.data_parallel, dp_shard=args.dp_shard,
-                        activation_checkpoint=args.activation_checkpoint, layer_counts=layer_counts)
+                        activation_checkpoint=args.activation_checkpoint,
+                        layer_counts=layer_counts(args.layer_counts))
     return cfg, setup
 
 
@@ -59,8 +56,7 @@ def run(args: argparse.Namespace) -> int:
         cfg, setup = build(args)
         ranks = predict_memory(cfg, setup)
     except ValueError as error:
-        print(f"{args.parser.prog}: error: {str(error).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return refuse(error)
     if args.json:
         print(json.dumps({"memory_per_rank": [r.terms for r in ranks],
                           "peak_action_per_rank": [r.peak_action for r in ranks],

@@ -2,18 +2,18 @@
 transfers (`simulator.transfer`), read from a `bench fidelity` result file (its "calibration") or
 a file holding that object alone.
 
-Numbers are parsed here, not by argparse, so a bad value is one line `... error: ...` and exit 2.
+Numbers are parsed by `attnres_pp.cli_flags`, not by argparse, so a bad value is one line `error: ...`
+and exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import sys
 from dataclasses import replace
 from pathlib import Path
 
+from attnres_pp.cli_flags import layer_counts, number_flag, refuse
 from attnres_pp.comm.link import LinkModel
 from attnres_pp.schedule.schedules import SCHEDULES, build_schedule
 from attnres_pp.simulator.engine import simulate
@@ -40,29 +40,12 @@ def register(commands) -> None:
     parser.add_argument("--link-gbps", metavar="X", default=None, help="an emulated link's bandwidth, Gb/s")
     parser.add_argument("--link-latency-us", metavar="Y", default=None, help="its latency, microseconds")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(func=run, parser=parser)
+    parser.set_defaults(func=run)
 
 
-def _integer(flag: str, raw: str | None, default: int) -> int:
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{flag} {raw!r} is invalid: expected an integer") from None
-    if value < 1:
-        raise ValueError(f"{flag} {value} is invalid: must be >= 1")
-    return value
-
-
-def _number(flag: str, raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{flag} {raw!r} is invalid: expected a number") from None
-    if not math.isfinite(value):
-        raise ValueError(f"{flag} {raw!r} is invalid: expected a finite number")
-    return value
+def _count(flag: str, raw: str | None, default: int) -> int:
+    """The flag's positive integer, or the calibration's value when it is not given."""
+    return default if raw is None else number_flag(flag, raw, int, bound="> 0")
 
 
 def load_calibration(path: str) -> TransferCalibration:
@@ -81,28 +64,22 @@ def load_calibration(path: str) -> TransferCalibration:
 def target_shape(args: argparse.Namespace, base: RunShape) -> RunShape:
     mode = args.mode or base.mode
     model = base.model
-    layers = _integer("--layers", args.layers, model.n_layers)
-    block_size = _integer("--block-size", args.block_size, model.block_size if model.residual != "standard" else 4)
+    layers = _count("--layers", args.layers, model.n_layers)
+    block_size = _count("--block-size", args.block_size, model.block_size if model.residual != "standard" else 4)
     residual = "standard" if mode == "standard" else "attnres"
     model = replace(model, n_layers=layers, residual=residual, block_size=1 if mode == "standard" else block_size)
-    layer_counts = None
-    if args.layer_counts:
-        try:
-            layer_counts = tuple(int(n) for n in args.layer_counts.split(","))
-        except ValueError:
-            raise ValueError(f"--layer-counts {args.layer_counts!r} must be integers separated by commas") from None
     link = None
     if args.link_gbps is not None:
-        link = LinkModel(gbps=_number("--link-gbps", args.link_gbps),
-                         latency_s=_number("--link-latency-us", args.link_latency_us or "0") * 1e-6)
+        link = LinkModel(gbps=number_flag("--link-gbps", args.link_gbps, float),
+                         latency_s=number_flag("--link-latency-us", args.link_latency_us or "0", float) * 1e-6)
     elif args.link_latency_us is not None:
         raise ValueError("--link-latency-us needs --link-gbps (the emulated link's bandwidth)")
     return RunShape(model=model, schedule=args.schedule or base.schedule,
-                    n_stages=_integer("--stages", args.stages, base.n_stages),
-                    n_virtual=_integer("--virtual", args.virtual, base.n_virtual),
-                    n_microbatches=_integer("--microbatches", args.microbatches, base.n_microbatches),
-                    microbatch_size=base.microbatch_size, cache=mode == "cached", layer_counts=layer_counts,
-                    link=link, dtype_bytes=base.dtype_bytes)
+                    n_stages=_count("--stages", args.stages, base.n_stages),
+                    n_virtual=_count("--virtual", args.virtual, base.n_virtual),
+                    n_microbatches=_count("--microbatches", args.microbatches, base.n_microbatches),
+                    microbatch_size=base.microbatch_size, cache=mode == "cached",
+                    layer_counts=layer_counts(args.layer_counts), link=link, dtype_bytes=base.dtype_bytes)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,8 +89,7 @@ def run(args: argparse.Namespace) -> int:
         schedule = build_schedule(shape.schedule, shape.n_stages, shape.n_virtual, shape.n_microbatches)
         result = simulate(schedule, calibration.costs(shape))
     except ValueError as error:
-        print(f"{args.parser.prog}: error: {str(error).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return refuse(error)
     report = summarize(result)
     out = {"schedule": shape.schedule, "P": shape.n_stages, "V": shape.n_virtual, "m": shape.n_microbatches,
            "mode": shape.mode, "layers": shape.model.n_layers, "block_size": shape.model.block_size,

@@ -1,6 +1,6 @@
 """`attnres-pp simulate project`: flags -> ModelConfig + Cluster -> the per-mode table (`project`).
 
-Numbers are parsed by `simulator.number_flags`, so a bad value is one line `... error: ...` and exit 2.
+Numbers are parsed by `attnres_pp.cli_flags`' flag tables, so a bad value is one line `error: ...` and exit 2.
 """
 
 from __future__ import annotations
@@ -8,12 +8,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 
+from attnres_pp.cli_flags import add_number_flags, parse_number_flags, refuse
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.schedule.schedules import SCHEDULES
 from attnres_pp.simulator.comm import DTYPE_BYTES, format_bytes
-from attnres_pp.simulator.number_flags import add_number_flags, parse_number_flags
 from attnres_pp.simulator.project import Cluster, project
 
 # (flag, dest, type, default, help)
@@ -52,7 +51,7 @@ def register(commands) -> None:
                         help="the AttnRes variant of the three AttnRes rows (lr_attnres: --key-rank r keys)")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.set_defaults(func=run, parser=parser)
+    parser.set_defaults(func=run)
 
 
 def _values(args: argparse.Namespace) -> dict:
@@ -81,8 +80,7 @@ def run(args: argparse.Namespace) -> int:
         cfg, cluster, tokens = build(args)
         rows = project(cfg, tokens=tokens, dtype_bytes=DTYPE_BYTES[args.dtype], cluster=cluster)
     except ValueError as error:
-        print(f"{args.parser.prog}: error: {str(error).splitlines()[0]}", file=sys.stderr)
-        return 2
+        return refuse(error)
     if args.json:
         print(json.dumps({"model": cfg.to_dict(), "tokens_per_microbatch": tokens, "dtype": args.dtype,
                           "cluster": dataclasses.asdict(cluster), "modes": rows}))

@@ -1,0 +1,50 @@
+"""The flags several `attnres-pp simulate` commands share: the argparse types of their counts and
+rates (built on `attnres_pp.cli_flags`, so a bad value reads as every command's), the model's
+shape flags of `comm`, `schedule` and `memory`, and the ModelConfig those flags describe."""
+
+from __future__ import annotations
+
+import argparse
+
+from attnres_pp.cli_flags import number_type
+from attnres_pp.model.config import KEY_MODES, RESIDUALS, ModelConfig
+from attnres_pp.simulator.comm import DTYPE_BYTES
+
+# argparse types of the counts: argparse names the flag in its refusal.
+positive_int = number_type(int, bound="> 0")
+non_negative_int = number_type(int, bound=">= 0")
+
+
+def real(*, positive: bool, example: str):
+    """argparse type: a finite number > 0 (`positive`) or >= 0; nan and inf would make every figure nan."""
+    return number_type(float, bound="> 0" if positive else ">= 0", example=example)
+
+
+def model_flags(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    """--layers, --block-size / --blocks, --residual and the widths of the model a command prices."""
+    parser.add_argument("--layers", type=positive_int, required=required, default=None, help="transformer layers")
+    parser.add_argument("--block-size", type=positive_int, default=None,
+                        help="sublayers per block (1 = Full AttnRes)" + ("; this or --blocks is required" if required
+                                                                         else ""))
+    parser.add_argument("--blocks", type=positive_int, default=None,
+                        help="number of blocks N instead of --block-size (block i ends after sublayer ceil(L i / N))")
+    parser.add_argument("--residual", choices=RESIDUALS, default="attnres")
+    parser.add_argument("--key-mode", choices=KEY_MODES, default="projected")
+    parser.add_argument("--key-rank", type=positive_int, default=8, help="r of low-rank keys (lr_attnres)")
+    parser.add_argument("--d-model", type=positive_int, default=4096)
+    parser.add_argument("--d-ff", type=non_negative_int, default=0, help="MLP width (0 = 4 x d-model)")
+    parser.add_argument("--seq-len", type=positive_int, default=4096)
+    parser.add_argument("--vocab-size", type=positive_int, default=32000)
+    parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per microbatch")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    """The ModelConfig of `model_flags`; ValueError unless exactly one of --block-size and --blocks is given."""
+    if (args.block_size is None) == (args.blocks is None):
+        raise ValueError("give exactly one of --block-size S and --blocks N to place the blocks")
+    # Heads do not change FLOPs or bytes here, and one head divides every width.
+    return ModelConfig(vocab_size=args.vocab_size, n_layers=args.layers, d_model=args.d_model, n_heads=1,
+                       d_ff=args.d_ff, seq_len=args.seq_len, residual=args.residual,
+                       block_size=args.block_size or 1, blocks=args.blocks or 0, key_mode=args.key_mode,
+                       key_rank=args.key_rank)
