@@ -22,7 +22,7 @@ _WITHIN = {"": lambda value: True, "> 0": lambda value: value > 0, ">= 0": lambd
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser whose usage errors read `error: <message>; see PROG --help` (one line, exit 2)
-    like every other refusal, without the usage text (train's alone is forty lines), which `--help`
+    like every other refusal, without the usage text (train's alone is 30 lines), which `--help`
     prints. Subparsers made by `add_subparsers` inherit the class."""
 
     def error(self, message: str) -> typing.NoReturn:
