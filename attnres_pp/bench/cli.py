@@ -132,8 +132,9 @@ class _Parsers(dict):
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "bench", help="benchmarks: " + ", ".join(REGISTRY),
-        description="Benchmarks of the real pipeline, the kernels and the model; `attnres-pp bench NAME --help` "
-                    "shows a benchmark's own flags. " + " ".join(f"{n}: {b.help}." for n, b in REGISTRY.items()))
+        description="Benchmarks of the real pipeline, the model and the kernels; `attnres-pp bench NAME --help` "
+                    "shows a benchmark's own flags. Results go to benchmarks/results/ of the checkout "
+                    "(or --out DIR).")
     benchmarks = parser.add_subparsers(dest="name", required=True, metavar="NAME", parser_class=_BenchmarkParser)
     parsers = _Parsers()
     benchmarks._name_parser_map = benchmarks.choices = parsers  # argparse looks parsers up in this map
