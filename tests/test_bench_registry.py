@@ -79,3 +79,25 @@ def test_quality_writes_its_old_file_names_through_the_writer(tmp_path, capsys, 
     markdown = (tmp_path / f"{stem}.md").read_text()
     assert markdown.startswith("# the quality table") and f"Command: `{command}`" in markdown
     assert "Machine: " in markdown
+
+
+@pytest.mark.parametrize("argv, sibling, name", [
+    (["memory", "--quick", "--predict"], "memory_predict", "memory_predict_quick"),
+    (["fidelity", "--hosts"], "fidelity_hosts", "fidelity_hosts"),
+])
+def test_a_flag_that_picks_a_sibling_module_runs_it_under_its_name(argv, sibling, name, tmp_path, monkeypatch):
+    import importlib
+
+    module = importlib.import_module(f"attnres_pp.bench.{sibling}")
+    seen = {}
+    monkeypatch.setattr(module, "run", lambda quick, out_dir, progress: seen.setdefault("folder", out_dir.name)
+                        and {"rows": []})
+    monkeypatch.setattr(module, "to_markdown", lambda payload: f"# {sibling}")
+    assert main(["bench", *argv, "--out", str(tmp_path)]) == 0
+    stem = f"{name}_{datetime.date.today().isoformat()}"
+    assert seen["folder"] == stem
+    payload = json.loads((tmp_path / f"{stem}.json").read_text())
+    assert payload["benchmark"] == argv[0]
+    assert payload["command"] == " ".join(["attnres-pp", "bench", argv[0], *argv[1:-1], "--out", str(tmp_path),
+                                           argv[-1]])
+    assert (tmp_path / f"{stem}.md").read_text().startswith(f"# {sibling}")
