@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+# add_arguments, run_options and to_markdown are this benchmark's hooks for the harness (bench/cli.py),
+# the same for both kernel benchmarks.
 from attnres_pp.bench.kernel_timing import add_arguments, add_rates, run_kernels, run_options, to_markdown  # noqa: F401
 
 PAPER_KERNELS = (4, 8, 12)

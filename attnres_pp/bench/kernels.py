@@ -23,6 +23,9 @@ from pathlib import Path
 import torch
 
 from attnres_pp.bench import kernel_streams
+
+# add_arguments, run_options and to_markdown are this benchmark's hooks for the harness (bench/cli.py),
+# the same for both kernel benchmarks.
 from attnres_pp.bench.kernel_timing import add_arguments, add_rates, run_kernels, run_options, to_markdown  # noqa: F401
 
 
