@@ -20,7 +20,7 @@ SUBCOMMANDS = (
     ("generate", "attnres_pp.generate.cli", "generate text from a trained checkpoint (single process or pipelined)"),
     ("analyze", "attnres_pp.analysis.analyze_cli", "depth-routing diagnostics of a trained checkpoint"),
     ("plot", "attnres_pp.analysis.plot_cli", "loss and val loss against tokens for several runs"),
-    ("bench", "attnres_pp.bench.cli", "benchmarks: bubbles, comm, overhead, peer, inference"),
+    ("bench", "attnres_pp.bench.cli", "benchmarks (attnres-pp bench NAME --help for each one's flags)"),
 )
 
 

@@ -3,9 +3,11 @@
 #   1. the kernel tests on CUDA (tests/kernels: every Triton kernel vs its torch twin, outputs and
 #      gradients, fp32 and bf16), the fused MSAR stream kernel's (test_triton_msar_streams.py: outputs
 #      and the gradients of sources, taps and queries vs phase1_conv_streams_torch) as a row of its own,
-#   2. benchmarks/bench_kernels.py --quick (GB/s, % of the measured copy bandwidth, beside
+#   2. `attnres-pp bench kernels --quick` (GB/s, % of the measured copy bandwidth, beside
 #      torch.compile of the torch twin; phase 1, phase 2 and the fused stream kernel at the MSAR
-#      paper's m = 4 streams); its JSON is copied to OUT_DIR/bench_kernels.json,
+#      paper's m = 4 streams), run as `python -m attnres_pp.cli` from this checkout (the GPU
+#      machine has torch and Triton but neither Ray nor the package installed); its JSON is copied
+#      to OUT_DIR/bench_kernels.json,
 #   3. single-process training on CUDA, --kernels triton vs --kernels torch, 20 bf16 steps
 #      (losses must agree within 1e-3 relative),
 #   4. a single-process bf16 CUDA training run of every residual variant (20 steps, step time),
@@ -64,7 +66,7 @@ check() {  # check NAME SECONDS COMMAND...: run with a time limit, log, and add 
 STREAM_TESTS=tests/kernels/test_triton_msar_streams.py
 check kernel_tests 120 "$PYTHON" -m pytest -p no:benchmark -q tests/kernels --ignore="$STREAM_TESTS"
 check msar_streams_kernel 60 "$PYTHON" -m pytest -p no:benchmark -q "$STREAM_TESTS"
-check bench_kernels_quick 150 "$PYTHON" benchmarks/bench_kernels.py --quick
+check bench_kernels_quick 150 "$PYTHON" -m attnres_pp.cli bench kernels --quick --out "$OUT/bench_kernels"
 check train_triton 60 "$PYTHON" "${TRAIN[@]}" --launcher local --kernels triton --out "$OUT/train_triton"
 check train_torch 60 "$PYTHON" "${TRAIN[@]}" --launcher local --kernels torch --out "$OUT/train_torch"
 check triton_vs_torch_loss 20 "$PYTHON" - "$OUT/train_triton/summary.json" "$OUT/train_torch/summary.json" <<'PY'
@@ -89,7 +91,7 @@ check pipelined_p1_v2 60 "$PYTHON" "${TRAIN[@]}" --launcher inprocess --stages 1
 check data_parallel_d2_p2 90 "$PYTHON" "${TRAIN[@]}" --launcher inprocess --data-parallel 2 --stages 2 \
   --p2p-semantics nccl --batch-size 8 --microbatches 2 --steps 5 --out "$OUT/data_parallel_d2_p2"
 
-cp benchmarks/results/kernels_quick_"$(date -u +%Y-%m-%d)".json "$OUT/bench_kernels.json" 2>/dev/null || true
+cp "$OUT"/bench_kernels/kernels_quick_*.json "$OUT/bench_kernels.json" 2>/dev/null || true
 printf '%s\n' "${ROWS[@]}" >"$OUT/rows.txt"
 "$PYTHON" scripts/gpu_check_summary.py "$OUT" "$GPU"
 {

@@ -180,10 +180,8 @@ CASES = [
      "use --launcher local or ray"),
 ]
 
-# Every refusal, argparse's included, is one line starting `error: `; bench's own refusals name the
-# command first (`attnres-pp bench comm: error: ...`).
+# Every refusal, argparse's included, is one line starting `error: `.
 _ERROR_LINE = re.compile(r"^error: ")
-_BENCH_ERROR_LINE = re.compile(r"^(error: |attnres-pp bench[\w -]*: error: )")
 
 
 @pytest.fixture
@@ -242,8 +240,7 @@ def test_bad_input_is_one_error_line_and_exit_2(case_id, argv, toml, needle, tmp
         code = exit_.code
     captured = capsys.readouterr()
     said = captured.out + captured.err
-    error_line = _BENCH_ERROR_LINE if argv[0] == "bench" else _ERROR_LINE
-    errors = [line for line in said.splitlines() if error_line.match(line)]
+    errors = [line for line in said.splitlines() if _ERROR_LINE.match(line)]
     assert code == 2, said
     assert "Traceback" not in said, said
     assert len(errors) == 1, said

@@ -28,8 +28,12 @@ def test_bench_cli_parses():
 
 
 def test_no_timing_is_for_comm_only(tmp_path, capsys):
-    assert main(["bench", "peer", "--no-timing", "--out", str(tmp_path)]) == 2
-    assert "--no-timing applies to comm only" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # argparse's refusal: peer has no such flag
+        main(["bench", "peer", "--no-timing", "--out", str(tmp_path)])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unrecognized arguments: --no-timing") and "--no-timing applies to comm only" in err
+    assert not list(tmp_path.iterdir())
 
 
 def test_bench_comm_quick_json(tmp_path, capsys):

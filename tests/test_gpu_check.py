@@ -1,5 +1,6 @@
-"""scripts/gpu_check.sh: without CUDA it says so and exits non-zero, running nothing; it parses and
-checks the fused MSAR stream kernel; and its JSON writer (gpu_check_summary.py) on a fake OUT_DIR."""
+"""scripts/gpu_check.sh: without CUDA it says so and exits non-zero, running nothing; it parses,
+checks the fused MSAR stream kernel and runs the kernel benchmark as `python -m attnres_pp.cli`; and
+its JSON writer (gpu_check_summary.py) on a fake OUT_DIR."""
 
 import json
 import subprocess
@@ -30,6 +31,18 @@ def test_gpu_check_parses_and_checks_the_fused_stream_kernel():
     text = SCRIPT.read_text()
     assert 'check msar_streams_kernel 60 "$PYTHON" -m pytest' in text
     assert "tests/kernels/test_triton_msar_streams.py" in text and '--ignore="$STREAM_TESTS"' in text
+
+
+def test_gpu_check_runs_the_kernel_benchmark_through_the_cli_module():
+    """The GPU machine has no Ray and no installed package: the benchmark runs as a module of the
+    checkout (PYTHONPATH), and its quick results are the JSON that gpu_check_summary.py reads."""
+    text = SCRIPT.read_text()
+    assert 'export PYTHONPATH="$PWD' in text
+    command = ('check bench_kernels_quick 150 "$PYTHON" -m attnres_pp.cli bench kernels --quick '
+               '--out "$OUT/bench_kernels"')
+    assert command in text
+    assert 'cp "$OUT"/bench_kernels/kernels_quick_*.json "$OUT/bench_kernels.json"' in text
+    assert "benchmarks/" not in text.split("set -uo pipefail", 1)[1]
 
 
 def test_summary_pulls_out_the_stream_kernel_rows(tmp_path):

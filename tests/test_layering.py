@@ -166,3 +166,112 @@ def test_the_simulator_reads_only_torch_free_modules():
 def test_only_the_ray_launcher_imports_ray():
     importers = {m for m in MODULES for name, _ in _imports(MODULES[m]) if name.split(".")[0] == "ray"}
     assert importers == RAY_MODULES
+
+
+def _module_imports(path: Path, module: str, modules: set[str]) -> set[str]:
+    """The project modules that importing `module` (at `path`) runs imports of: every import
+    statement, inside functions too, but not under `if TYPE_CHECKING:` (it never runs). `from x import
+    y` reaches x.y when that is a module (x is only the way to it), else x. The packages above an
+    imported module are not counted: Python has them in sys.modules before their bodies run."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for stmt in child.orelse:
+                    visit(stmt)
+                continue
+            if isinstance(child, ast.Import):
+                found.update(alias.name for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = module.split(".")
+                if child.level:  # relative: against this module's package
+                    base = base[: len(base) - child.level + (path.name == "__init__.py")]
+                    source = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    source = child.module or ""
+                names = [f"{source}.{alias.name}" for alias in child.names]
+                found.update(name for name in names if name in modules)
+                if not all(name in modules for name in names):
+                    found.add(source)
+            visit(child)
+
+    visit(ast.parse(path.read_text(), filename=str(path)))
+    return (found & modules) - {module}
+
+
+def import_circles(root: Path) -> list[list[str]]:
+    """Every set of modules of the package at `root` that import one another round in a circle
+    (the strongly connected components of the import graph with more than one module), sorted."""
+    paths = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {module: _module_imports(path, module, set(paths)) for module, path in paths.items()}
+    # Tarjan's algorithm, iterative (no recursion limit on a long chain).
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(sorted(component))
+    return sorted(circles)
+
+
+def test_no_import_circle_in_the_package():
+    """No two modules of attnres_pp need each other, directly or round a longer circle. Imports
+    inside functions count too: a lazy import defers what an import costs (torch, Ray), not the
+    dependency, and a circle of lazy imports still means the modules own one thing between them
+    (move it into a third module both import)."""
+    circles = import_circles(PACKAGE_ROOT)
+    assert not circles, "import circles (move what the modules share into a third one):\n" + "\n".join(
+        " <-> ".join(circle) for circle in circles)
+
+
+def test_the_circle_checker_finds_a_planted_circle(tmp_path):
+    """Two tiny modules that import each other (one at module level, one inside a function, through
+    `from pkg import module`) are a circle; a third that only imports them is not in it; a lawful
+    chain, a TYPE_CHECKING import and a package's own re-export are not circles."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("from pkg.a import thing\n")
+    (package / "a.py").write_text("import pkg.b\n\nthing = 1\n")
+    (package / "b.py").write_text("def late():\n    from pkg import a\n    return a.thing\n")
+    (package / "c.py").write_text("from pkg import a, b\n")
+    (package / "d.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from pkg import c\n")
+    assert import_circles(package) == [["pkg.a", "pkg.b"]]
+    (package / "b.py").write_text("import pkg.c\n")
+    assert import_circles(package) == [["pkg.a", "pkg.b", "pkg.c"]]
+    (package / "b.py").write_text("x = 2\n")
+    assert import_circles(package) == []

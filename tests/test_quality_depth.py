@@ -1,16 +1,12 @@
-"""benchmarks/quality_depth.py's bookkeeping: one fixed held-out set for every seed, and paired deltas
+"""`attnres-pp bench quality-depth`'s bookkeeping: one fixed held-out set for every seed, and paired deltas
 with their sign counts (the trainings themselves are the benchmark, not a test)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import quality_depth  # noqa: E402
+from attnres_pp.bench import quality_depth
 
 
 def test_held_out_set_is_fixed_and_at_least_128k_bytes():

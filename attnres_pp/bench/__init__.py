@@ -1,6 +1,7 @@
-"""Benchmarks of the real pipeline, side by side with the simulator and with
-torch.distributed.pipelining: `attnres-pp bench bubbles | comm | overhead | peer`.
+"""Every benchmark, `attnres-pp bench NAME`: the real pipeline side by side with the simulator and
+with torch.distributed.pipelining, the model's quality and memory, and the kernels on a GPU.
 
-`common` holds what they share (run configs, timed steps, the per-action time accounting, result
-files); one module per benchmark; `cli` wires them into the `attnres-pp` command line.
+One module per benchmark (with its own flags); `common` holds what they share (run configs, timed
+steps, the per-action time accounting, and the one results writer); `cli` is the registry of
+benchmarks and the harness that parses, runs and writes each of them.
 """

@@ -1,9 +1,29 @@
-"""`attnres-pp bench bubbles | comm | overhead | peer | split | inference | memory | fidelity | variants [--quick]
-[--json] [--out DIR]` (`--compile`: variants only).
+"""`attnres-pp bench NAME [--quick] [--json] [--out DIR] [its own flags]`: the registry of benchmarks
+and the one harness that runs each of them.
 
-Each benchmark prints its table (or, with --json, one JSON object on stdout; progress goes to
-stderr) and writes NAME[_quick]_<date>.json and .md under --out (default: the checkout's
-benchmarks/results/), and its pictures and traces in the folder NAME[_quick]_<date>/ beside them.
+REGISTRY names every benchmark, its module (in this package) and its one-line help. `bench NAME` has a
+parser of its own: the common flags (`--quick` where the benchmark has a short version, `--json`,
+`--out DIR`) and what the module's `add_arguments(parser)` declares, so a flag exists only where it
+applies and argparse refuses it elsewhere. A benchmark module provides
+
+    run(quick, pictures_dir, progress, **options) -> dict | None   (None: nothing to write)
+    to_markdown(payload) -> str
+
+and, where it needs them,
+
+    add_arguments(parser)          its own flags
+    run_options(args) -> dict      the keyword arguments of `run` that its flags give
+    check(args) -> str | None      why the flags' values are refused, before anything runs
+    results_stem(args) -> str      the stem of its results files (default MODULE[_quick]_<date>)
+    implementation(args) -> module the module that runs when a flag picks a sibling (`memory --predict`)
+
+Every benchmark prints its table (or, with --json, one JSON object on stdout; progress goes to
+stderr) and writes STEM.json and STEM.md under --out (default: the checkout's benchmarks/results/)
+through `common.write_results`, with the machine and the `attnres-pp bench NAME ...` command that
+ran it; its pictures and traces go in the folder STEM/ beside them.
+
+A benchmark's module is imported only when its parser is looked up (to parse, or to show its
+--help): `bench kernels` runs on a GPU machine that has torch and Triton but no Ray.
 """
 
 from __future__ import annotations
@@ -13,41 +33,128 @@ import importlib
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
-BENCHMARKS = {
-    "bubbles": "measured pipeline bubbles per schedule vs the calibrated simulator and the closed form",
-    "comm": "bytes and time per step: standard / Full naive / Block naive / Block cached",
-    "overhead": "step time of Block AttnRes with the cache vs the standard residual, same pipeline",
-    "peer": "our runtime vs torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B, "
-            "ScheduleInterleavedZeroBubble)",
-    "split": "the backward split in I and W against the fused backward B, per chunk",
-    "inference": "generation: prefill tokens/s and decode latency, Block AttnRes vs standard, 1 process and P=2 V=2",
-    "memory": "peak resident memory per pipeline rank (rank-local chunks), 32 layers d = 512 at P = 1, 2, 4",
-    "fidelity": "the simulator, calibrated on one run, predicts held-out runs (schedule, V, m, mode, layers, link)",
-    "variants": "step time of every residual variant over the standard one, one process and P=2 V=2, two shapes",
+from attnres_pp.cli_flags import ArgumentParser, refuse
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    module: str  # under attnres_pp.bench
+    help: str
+    quick: bool = True  # has a short version (--quick)
+    out_aliases: tuple[str, ...] = ()  # older spellings of --out that the benchmark still takes
+
+
+REGISTRY = {
+    "bubbles": Benchmark("bubbles", "measured pipeline bubbles per schedule vs the calibrated simulator and the "
+                                    "closed form"),
+    "comm": Benchmark("comm", "bytes and time per step: standard / Full naive / Block naive / Block cached"),
+    "overhead": Benchmark("overhead", "step time of Block AttnRes with the cache vs the standard residual, same "
+                                      "pipeline"),
+    "peer": Benchmark("peer", "our runtime vs torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B, "
+                              "ScheduleInterleavedZeroBubble)"),
+    "split": Benchmark("split", "the backward split in I and W against the fused backward B, per chunk"),
+    "inference": Benchmark("inference", "generation: prefill tokens/s and decode latency, Block AttnRes vs "
+                                        "standard, 1 process and P=2 V=2"),
+    "memory": Benchmark("memory", "peak resident memory per pipeline rank (rank-local chunks), 32 layers d = 512 "
+                                  "at P = 1, 2, 4"),
+    "fidelity": Benchmark("fidelity", "the simulator, calibrated on one run, predicts held-out runs (schedule, V, "
+                                      "m, mode, layers, link)"),
+    "variants": Benchmark("variants", "step time of every residual variant over the standard one, one process "
+                                      "and P=2 V=2, two shapes"),
+    "quality": Benchmark("quality", "validation loss of every residual variant at an equal token budget (single "
+                                    "process, built-in corpus)", out_aliases=("--out-dir",)),
+    "quality-depth": Benchmark("quality_depth", "held-out loss at depth (12 layers, d 48) over paired seeds, and "
+                                                "the Block run's routing", quick=False, out_aliases=("--out-dir",)),
+    "cli-parity": Benchmark("cli_parity", "through the CLI, pipelined training (P=2, V=2) against the "
+                                          "single-process losses, every variant", quick=False),
+    "kernels": Benchmark("kernels", "the Triton depth-attention kernels against the torch backend and "
+                                    "torch.compile of it (one CUDA GPU)"),
+    "kernel-streams": Benchmark("kernel_streams", "the fused MSAR stream kernel alone against its torch twin "
+                                                  "and torch.compile of it (one CUDA GPU)"),
 }
+
+
+def module_of(name: str) -> ModuleType:
+    return importlib.import_module(f"attnres_pp.bench.{REGISTRY[name].module}")
+
+
+class _BenchmarkParser(ArgumentParser):
+    """`bench NAME`'s parser: refuses what it does not know itself (argparse would leave unknown flags
+    to the top-level parser), naming the benchmarks that have the flag, in the one refusal style."""
+
+    siblings: _Parsers  # every benchmark's parser, this one's included
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            flag = extras[0].split("=", 1)[0]
+            owners = [name for name in REGISTRY if flag in self.siblings.flags_of(name)]
+            hint = f"; {flag} applies to {', '.join(owners)} only" if owners else ""
+            self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return namespace, extras
+
+
+class _Parsers(dict):
+    """Benchmark name -> its parser. A benchmark's own flags are declared the first time its parser
+    is looked up (to parse, or by a reader of the parser), so only that benchmark's module is imported."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.declared: set[str] = set()
+
+    def __getitem__(self, name: str) -> argparse.ArgumentParser:
+        parser = super().__getitem__(name)
+        if name not in self.declared:
+            self.declared.add(name)
+            add_arguments = getattr(module_of(name), "add_arguments", None)
+            if add_arguments is not None:
+                add_arguments(parser)
+        return parser
+
+    def flags_of(self, name: str) -> set[str]:
+        try:
+            return set(self[name]._option_string_actions)
+        except ImportError:  # a benchmark whose module cannot load here has no flags here
+            return set()
 
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
-        "bench", help="benchmarks: bubbles, comm, overhead, peer, split, inference, memory, fidelity, variants",
-        description="Benchmarks of the real pipeline (local launcher, gloo, one thread per rank). "
-                    + " ".join(f"{name}: {text}." for name, text in BENCHMARKS.items()))
-    parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
-    parser.add_argument("--quick", action="store_true", help="the short version (all four: under 10 min on 2 cores)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
-    parser.add_argument("--out", metavar="DIR", default=None,
-                        help="where results go (default: benchmarks/results/ of the checkout)")
-    parser.add_argument("--hosts", action="store_true",
-                        help="fidelity only: over real links between hosts (network namespaces, tc; needs root)")
-    parser.add_argument("--no-timing", action="store_true",
-                        help="comm only: count and predict bytes, skip the multi-process timing runs")
-    parser.add_argument("--predict", action="store_true",
-                        help="memory only: the simulator's per-rank prediction against real runs' memory_per_rank")
-    parser.add_argument("--compile", action="store_true",
-                        help="variants only: also time every variant with its sublayers torch.compile'd")
-    parser.set_defaults(func=run_benchmark, parser=parser)
+        "bench", help="benchmarks: " + ", ".join(REGISTRY),
+        description="Benchmarks of the real pipeline, the model and the kernels; `attnres-pp bench NAME --help` "
+                    "shows a benchmark's own flags. Results go to benchmarks/results/ of the checkout "
+                    "(or --out DIR).")
+    benchmarks = parser.add_subparsers(dest="name", required=True, metavar="NAME", parser_class=_BenchmarkParser)
+    parsers = _Parsers()
+    benchmarks._name_parser_map = benchmarks.choices = parsers  # argparse looks parsers up in this map
+    for name, bench in REGISTRY.items():
+        sub = benchmarks.add_parser(name, help=bench.help, description=f"{name}: {bench.help}.")
+        sub.siblings = parsers
+        if bench.quick:
+            sub.add_argument("--quick", action="store_true", help="the short version")
+        sub.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+        sub.add_argument("--out", *bench.out_aliases, metavar="DIR", default=None,
+                         help="where results go (default: benchmarks/results/ of the checkout)")
+        sub.set_defaults(func=run_benchmark, parser=sub, quick=False)
+
+
+def recorded_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The flags of `args` that differ from `parser`'s defaults, in declaration order (--json aside:
+    how a result is printed is not how it was measured)."""
+    flags = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help", "json"):
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0]
+        flags += [flag] if action.nargs == 0 else [flag, str(value)]
+    return flags
 
 
 def run_benchmark(args: argparse.Namespace) -> int:
@@ -61,26 +168,17 @@ def run_benchmark(args: argparse.Namespace) -> int:
     )
     from attnres_pp.out_paths import check_out_dir
 
-    if args.no_timing and args.name != "comm":
-        print(f"{args.parser.prog}: error: --no-timing applies to comm only", file=sys.stderr)
-        return 2
-    if args.predict and args.name != "memory":
-        print(f"{args.parser.prog}: error: --predict applies to memory only", file=sys.stderr)
-        return 2
-    if args.compile and args.name != "variants":
-        print(f"{args.parser.prog}: error: --compile applies to variants only", file=sys.stderr)
-        return 2
-    if args.hosts and args.name != "fidelity":
-        print(f"{args.parser.prog}: error: --hosts applies to fidelity only", file=sys.stderr)
-        return 2
+    parser = args.parser
+    module = module_of(args.name)
+    module = module.implementation(args) if hasattr(module, "implementation") else module
+    problem = module.check(args) if hasattr(module, "check") else None
+    if problem:
+        return refuse(problem)
     out_dir = Path(args.out) if args.out else default_out_dir()
     try:  # before the benchmark runs for minutes and then cannot write its results
         check_out_dir(out_dir, "--out")
     except ValueError as error:
-        print(f"{args.parser.prog}: error: {error}", file=sys.stderr)
-        return 2
-    name = "memory_predict" if args.predict else args.name
-    module = importlib.import_module(f"attnres_pp.bench.{name}")
+        return refuse(str(error))
     out_dir.mkdir(parents=True, exist_ok=True)
 
     def progress(line: str) -> None:
@@ -89,18 +187,14 @@ def run_benchmark(args: argparse.Namespace) -> int:
     info = machine()
     progress(f"bench {args.name}{' --quick' if args.quick else ''} on {machine_line(info)}")
     started = time.perf_counter()
-    # --compile results sit beside the eager-only run's of the same day, never over them.
-    stem = results_stem(name + ("_hosts" if args.hosts else "") + ("_compile" if args.compile else ""), args.quick)
-    options = {"timing": not args.no_timing} if args.name == "comm" else {}
-    if args.name == "variants":
-        options = {"compile_model": args.compile}
-    if args.hosts:
-        options = {"hosts": True}
+    stem = (module.results_stem(args) if hasattr(module, "results_stem")
+            else results_stem(module.__name__.rsplit(".", 1)[1], args.quick))
+    options = module.run_options(args) if hasattr(module, "run_options") else {}
     # Pictures and traces go to a folder named like the result files (STEM/), linked from STEM.md.
     payload = module.run(args.quick, out_dir / stem, progress, **options)
-    command = (command_line(args.name, args.quick, args.out) + (" --no-timing" if args.no_timing else "")
-               + (" --predict" if args.predict else "") + (" --compile" if args.compile else "")
-               + (" --hosts" if args.hosts else ""))
+    if payload is None:  # the benchmark measured nothing here (no GPU) or was a dry run: it said so
+        return 0
+    command = command_line(args.name, recorded_flags(parser, args))
     payload = {"benchmark": args.name, "quick": args.quick, **payload, "machine": info, "command": command,
                "elapsed_s": time.perf_counter() - started}
     markdown = "\n".join([module.to_markdown(payload), "",

@@ -200,6 +200,15 @@ def depth_plot(rows: list[dict], out_dir: Path) -> Path:
     return path
 
 
+def add_arguments(parser) -> None:
+    parser.add_argument("--no-timing", action="store_true",
+                        help="count and predict bytes, skip the multi-process timing runs")
+
+
+def run_options(args) -> dict:
+    return {"timing": not args.no_timing}
+
+
 def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None], *, timing: bool = True) -> dict:
     rows = counted_grid(quick, progress)
     timed = []

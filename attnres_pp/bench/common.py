@@ -1,6 +1,7 @@
 """What the benchmarks share: the benchmark model, run configs, a pipelined engine stepped one timed
-global batch at a time, the per-action time accounting of a step, the machine description and the
-result files (`<name>[_quick]_<YYYY-MM-DD>.json` and `.md` under `benchmarks/results/`).
+global batch at a time, the per-action time accounting of a step, and the one results writer every
+benchmark goes through: the machine description and its line, the recorded command, the stem
+`<name>[_quick]_<YYYY-MM-DD>` and the files STEM.json and STEM.md under `benchmarks/results/`.
 The time accounting of a step lives in `attnres_pp.schedule.timeline`.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import shlex
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -145,8 +147,10 @@ def machine_line(info: dict) -> str:
             f"torch {info['torch']}; load average at start {info['load_average_at_start']}")
 
 
-def results_stem(name: str, quick: bool) -> str:
-    return f"{name}{'_quick' if quick else ''}_{datetime.date.today().isoformat()}"
+def results_stem(name: str, quick: bool, suffix: str = "") -> str:
+    """NAME[_quick]_<YYYY-MM-DD>SUFFIX: the stem of a benchmark's result files (`suffix` for the
+    benchmarks whose names carry their tags after the date, `quality_<date>_partial`)."""
+    return f"{name}{'_quick' if quick else ''}_{datetime.date.today().isoformat()}{suffix}"
 
 
 def write_results(out_dir: str | Path, stem: str, payload: dict, markdown: str) -> list[Path]:
@@ -178,5 +182,6 @@ def relative_link(path: str | Path) -> str:
     return f"{path.parent.name}/{path.name}"
 
 
-def command_line(name: str, quick: bool, out: str | None) -> str:
-    return " ".join(["attnres-pp", "bench", name] + (["--quick"] if quick else []) + (["--out", out] if out else []))
+def command_line(name: str, flags: list[str]) -> str:
+    """The `attnres-pp bench NAME FLAGS...` command recorded with a result, quoted for a shell."""
+    return shlex.join(["attnres-pp", "bench", name, *flags])

@@ -25,58 +25,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from attnres_pp.bench.common import BENCH_MODEL, MICROBATCH_SIZE, TimedEngine, account, markdown_table, run_config
+from attnres_pp.bench.common import BENCH_MODEL, MICROBATCH_SIZE, TimedEngine, account, markdown_table
+from attnres_pp.bench.fidelity_cases import BLOCK_SIZE, N_STAGES, SLOW_LINK_GBPS, Case
 from attnres_pp.bench.unit_probe import probe_units
-from attnres_pp.comm.link import LinkModel
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.schedule.schedules import build_schedule
 from attnres_pp.simulator.engine import simulate
 from attnres_pp.simulator.metrics import summarize
-from attnres_pp.simulator.transfer import RunShape, TransferCalibration, fit_transfer
-
-N_STAGES = 2
-BLOCK_SIZE = 4  # sublayers: blocks of 2 layers
-SLOW_LINK_GBPS = 0.2
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    schedule: str
-    virtual: int
-    microbatches: int
-    mode: str  # standard | naive | cached
-    layers: int
-    link_gbps: float | None = None
-
-    def model(self) -> dict:
-        if self.mode == "standard":
-            return {**BENCH_MODEL, "n_layers": self.layers, "residual": "standard", "block_size": 1}
-        return {**BENCH_MODEL, "n_layers": self.layers, "residual": "attnres", "block_size": BLOCK_SIZE}
-
-    def shape(self) -> RunShape:
-        return RunShape(model=ModelConfig.from_dict(self.model()), schedule=self.schedule, n_stages=N_STAGES,
-                        n_virtual=self.virtual, n_microbatches=self.microbatches, microbatch_size=MICROBATCH_SIZE,
-                        cache=self.mode == "cached",
-                        link=LinkModel(gbps=self.link_gbps) if self.link_gbps is not None else None)
-
-    def run_config(self):
-        run_cfg = run_config(self.model(), stages=N_STAGES, virtual=self.virtual, schedule=self.schedule,
-                             microbatches=self.microbatches, cache=self.mode == "cached")
-        if self.link_gbps is None:
-            return run_cfg
-        return dataclasses.replace(run_cfg, pipeline=dataclasses.replace(run_cfg.pipeline, link_gbps=self.link_gbps))
-
-    def label(self) -> str:
-        link = f" @{self.link_gbps:g}Gb/s" if self.link_gbps is not None else ""
-        return f"{self.schedule} V={self.virtual} m={self.microbatches} {self.mode} L={self.layers}{link}"
-
-    def to_dict(self) -> dict:
-        return {"schedule": self.schedule, "P": N_STAGES, "V": self.virtual, "m": self.microbatches,
-                "mode": self.mode, "layers": self.layers}
-
+from attnres_pp.simulator.transfer import TransferCalibration, fit_transfer
 
 CALIBRATION = Case("1f1b", 1, 4, "cached", 8)
 # Rotation groups of held-out cases (each group is stepped together with the calibration run).
@@ -138,13 +98,23 @@ def _calibrate(probe: dict, samples) -> TransferCalibration:
     return fit_transfer(probe, CALIBRATION.shape(), [s.events for s in samples])
 
 
-def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None], hosts: bool = False) -> dict:
-    """The emulated-link fidelity table; with `hosts`, the real-link one (`bench.fidelity_hosts`)."""
-    del out_dir  # tables only: no pictures
-    if hosts:
-        from attnres_pp.bench import fidelity_hosts
+def add_arguments(parser) -> None:
+    parser.add_argument("--hosts", action="store_true",
+                        help="over real links between hosts (network namespaces, tc; needs root)")
 
-        return fidelity_hosts.run(quick, progress)
+
+def implementation(args):
+    """`--hosts` runs `bench.fidelity_hosts` (results fidelity_hosts_<date>)."""
+    if not args.hosts:
+        return sys.modules[__name__]
+    from attnres_pp.bench import fidelity_hosts
+
+    return fidelity_hosts
+
+
+def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> dict:
+    """The emulated-link fidelity table."""
+    del out_dir  # tables only: no pictures
     plan = FidelityPlan.make(quick)
     progress(f"  probing unit times ({plan.probe_rounds} rounds)")
     probe = probe_units(ModelConfig.from_dict(CALIBRATION.model()), MICROBATCH_SIZE, rounds=plan.probe_rounds)
@@ -203,10 +173,6 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None], host
 
 
 def to_markdown(payload: dict) -> str:
-    if payload.get("hosts"):
-        from attnres_pp.bench import fidelity_hosts
-
-        return fidelity_hosts.to_markdown(payload)
     rows = payload["cases"]
     table = markdown_table(
         ["schedule", "V", "m", "mode", "layers", "link", "measured step (ms)", "predicted (ms)", "error",

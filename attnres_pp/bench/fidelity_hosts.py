@@ -39,9 +39,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from attnres_pp.bench.common import MICROBATCH_SIZE, account, markdown_table
+from attnres_pp.bench.fidelity_cases import N_STAGES, Case
 from attnres_pp.comm.link import LinkModel
 
-N_STAGES = 2
 # TCP payload per Ethernet frame that tc tbf meters: MTU 1500 less IPv4 (20) and TCP with timestamps
 # (32) is 1448 bytes of the 1514 the frame takes with its Ethernet header (14).
 TBF_PAYLOAD_FRACTION = 1448 / 1514
@@ -64,9 +64,7 @@ class HostCase:
     microbatches: int = 4
     layers: int = 8
 
-    def fidelity_case(self):
-        from attnres_pp.bench.fidelity import Case
-
+    def fidelity_case(self) -> Case:
         return Case(self.schedule, self.virtual, self.microbatches, self.mode, self.layers)
 
     def label(self) -> str:
@@ -192,7 +190,8 @@ def evaluate(bench: HostBench, cases: list[HostCase], steps: int, probe: dict,
             "calibration_in_sample_step_s": calibration.predict_step_s(CALIBRATION.fidelity_case().shape())}
 
 
-def run(quick: bool, progress: Callable[[str], None]) -> dict:
+def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> dict:
+    del out_dir  # tables only: no pictures
     from attnres_pp.bench.unit_probe import probe_units
     from attnres_pp.model.config import ModelConfig
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from attnres_pp.bench.common import TimedEngine, markdown_table, random_batch, run_config
+from attnres_pp.bench.common import results_stem as common_results_stem
 
 QUALITY_SHAPE = {"vocab_size": 256, "n_layers": 4, "d_model": 64, "n_heads": 4, "seq_len": 64}
 TARGET_SHAPE = {"vocab_size": 256, "n_layers": 16, "d_model": 256, "n_heads": 4, "seq_len": 64}
@@ -160,6 +161,20 @@ def profile_growth(shape: dict, block_size: int, variants: tuple[str, ...], top:
                  "extra_ms": ms - base.get(op, (0.0, 0))[0]} for op, (ms, calls) in per_variant[name].items()]
         out[name] = sorted(rows, key=lambda r: -r["extra_ms"])[:top]
     return out
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--compile", action="store_true",
+                        help="also time every variant with its sublayers torch.compile'd")
+
+
+def run_options(args) -> dict:
+    return {"compile_model": args.compile}
+
+
+def results_stem(args) -> str:
+    # --compile results sit beside the eager-only run's of the same day, never over them.
+    return common_results_stem("variants_compile" if args.compile else "variants", args.quick)
 
 
 def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None], compile_model: bool = False) -> dict:

@@ -1,19 +1,28 @@
-"""The fused MSAR stream kernel's rows of the kernel benchmark (`bench_kernels.py`): the causal-conv
-streams and phase 1 of every stream in one Triton launch (`triton_ops.phase1_streams`) against its
-torch twin (`phase1_conv_streams_torch`, the streams written out) and torch.compile of the twin, at
-the MSAR paper's stream set (m = 4: the identity and causal convolutions of widths 4, 8 and 12).
+"""`attnres-pp bench kernel-streams [--quick]`: the fused MSAR stream kernel alone, and its rows of
+`bench kernels`: the causal-conv streams and phase 1 of every stream in one Triton launch
+(`triton_ops.phase1_streams`) against its torch twin (`phase1_conv_streams_torch`, the streams
+written out) and torch.compile of the twin, at the MSAR paper's stream set (m = 4: the identity and
+causal convolutions of widths 4, 8 and 12). One CUDA GPU, bf16; without one it says so and writes
+nothing; the hidden `--dry-run-cpu` runs it on CPU under the Triton interpreter and writes nothing.
+Writes kernel_streams[_quick]_<date>.json and .md.
 
 Rows carry the same keys as the phase-1/phase-2 rows (op "phase1_streams", key_mode naming the
-streams), so the Markdown table and the rates are shared. Bandwidth counts the bytes the fused op
-must move: the sources once and the m stream reads written, never the expanded streams.
+streams), so the Markdown table and the rates are shared (`bench.kernel_timing`). Bandwidth counts
+the bytes the fused op must move: the sources once and the m stream reads written, never the
+expanded streams.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
+
+# add_arguments, run_options and to_markdown are this benchmark's hooks for the harness (bench/cli.py),
+# the same for both kernel benchmarks.
+from attnres_pp.bench.kernel_timing import add_arguments, add_rates, run_kernels, run_options, to_markdown  # noqa: F401
 
 PAPER_KERNELS = (4, 8, 12)
 
@@ -71,7 +80,7 @@ def _leaves(shape: StreamShape, device, dtype, requires_grad: bool):
     return [x.requires_grad_(requires_grad) for x in (sources, taps, queries)]
 
 
-def measure_stream_shape(shape: StreamShape, device, dtype, timer, copy_gbps, add_rates):
+def measure_stream_shape(shape: StreamShape, device, dtype, timer, copy_gbps):
     """Rows for one stream shape: forward and forward+backward of every implementation, with the
     max abs error (outputs and the gradients of sources, taps and queries) against the torch twin."""
     impls = implementations(device)
@@ -125,3 +134,14 @@ def _measure_mode(shape: StreamShape, impls, backward: bool, device, dtype, time
                           max_abs_err_vs_torch=err, key_mode="streams k=" + ",".join(map(str, shape.kernel_sizes)),
                           rank=0, n_streams=m, **asdict(shape)))
     return group
+
+
+def plan(size: str) -> list:
+    """(shape, measure) for the stream shapes of `size` ("dry-run", "quick" or "full")."""
+    shapes = {"dry-run": DRY_RUN_STREAM_SHAPES, "quick": QUICK_STREAM_SHAPES, "full": FULL_STREAM_SHAPES}[size]
+    return [(shape, measure_stream_shape) for shape in shapes]
+
+
+def run(quick: bool, out_dir: Path | None, progress, dry_run: bool = False) -> dict | None:
+    del out_dir  # tables only
+    return run_kernels(quick, dry_run, plan, progress)

@@ -1,4 +1,4 @@
-"""Quality at depth (`python benchmarks/quality.py --depth`): where PreNorm dilution exists to be fixed.
+"""`attnres-pp bench quality-depth`: quality at depth, where PreNorm dilution exists to be fixed.
 
 A deep, narrow model (12 layers = 24 sublayers, d 48), trained with the same token budget per variant
 and seed (single process, the shared training loop, one thread per run), then scored on ONE fixed
@@ -13,32 +13,33 @@ plus one running partial: should track standard) and MSAR with one block (its to
 depth routing). The Block run of seed 0 is diagnosed as `attnres-pp analyze` does (model.routing):
 its per-site routing table, a heatmap and its dilution curve against standard's.
 
-    python benchmarks/quality.py --depth                          # about 30 min on 2 quiet cores
-    python benchmarks/quality.py --depth --steps 2 --eval-bytes 4096 --seeds 1   # smoke run
+    attnres-pp bench quality-depth                                        # about 30 min on 2 quiet cores
+    attnres-pp bench quality-depth --steps 2 --eval-bytes 4096 --seeds 1  # smoke run
 
-Writes benchmarks/results/quality_depth_<date>.{json,md} and quality_depth_<date>_{heatmap,dilution}.png.
+Writes quality_depth_<date>.{json,md} and quality_depth_<date>_{heatmap,dilution}.png under --out
+(the older spelling --out-dir is taken too); run directories go to the checkout's runs/.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing
 import os
 import platform
-import shlex
 import statistics
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from attnres_pp.bench.common import default_out_dir
 from attnres_pp.model import ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.train import RunConfig, TrainConfig, run_training
 from attnres_pp.train.local_engine import LocalEngine
 
-REPO = Path(__file__).resolve().parents[1]
+RUNS = default_out_dir().parents[1] / "runs"  # the checkout's runs/ (benchmarks/results/ is two below it)
 DEPTH_MODEL = dict(n_layers=12, d_model=48, n_heads=4, seq_len=64)
 BLOCK_RUN = "Block AttnRes (N=8)"
 VARIANTS = (
@@ -51,21 +52,25 @@ VARIANTS = (
 )
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="benchmarks/quality.py --depth", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--depth", action="store_true", help="this benchmark (given by quality.py)")
+def add_arguments(parser) -> None:
     parser.add_argument("--steps", type=int, default=400, help="steps per run (default 400)")
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per step (default 32)")
     parser.add_argument("--seeds", type=int, default=3, help="paired seeds 0..N-1 (default 3)")
     parser.add_argument("--eval-bytes", type=int, default=131072, help="fixed held-out bytes (default 131072)")
     parser.add_argument("--no-full", action="store_true", help="leave Full AttnRes out (the slowest variant)")
     parser.add_argument("--jobs", type=int, default=2, help="trainings at once (one thread each)")
-    parser.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
-    args = parser.parse_args(argv)
+
+
+def check(args) -> str | None:
     if min(args.steps, args.batch_size, args.seeds, args.jobs) < 1 or args.eval_bytes < DEPTH_MODEL["seq_len"]:
-        parser.error("--steps, --batch-size, --seeds and --jobs must be >= 1, "
-                     f"--eval-bytes >= {DEPTH_MODEL['seq_len']}")
-    return args
+        return ("--steps, --batch-size, --seeds and --jobs must be >= 1, "
+                f"--eval-bytes >= {DEPTH_MODEL['seq_len']}")
+    return None
+
+
+def run_options(args) -> dict:
+    return {"steps": args.steps, "batch_size": args.batch_size, "seeds": args.seeds, "eval_bytes": args.eval_bytes,
+            "full": not args.no_full, "jobs": args.jobs}
 
 
 def held_out_windows(eval_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +121,8 @@ def train_one(job: tuple) -> dict:
         loss = held_out_loss(engine.model, *held_out_windows(eval_bytes), probe)
     finally:
         engine.close()
-    print(f"  {name} seed {seed}: held-out {loss:.4f} in {summary['train_time_s']:.0f} s", flush=True)
+    print(f"  {name} seed {seed}: held-out {loss:.4f} in {summary['train_time_s']:.0f} s", file=sys.stderr,
+          flush=True)
     return {"variant": name, "seed": seed, "held_out_loss": loss, "params": summary["params"],
             "train_time_s": summary["train_time_s"], "final_train_loss": summary["losses"][-1],
             "tokens_seen": summary["tokens_seen"], "model": run_cfg.model.to_dict(), "run_dir": run_dir,
@@ -138,48 +144,44 @@ def paired_rows(variants: list[str], runs: list[dict], seeds: int) -> list[dict]
     return rows
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
-    date = time.strftime("%Y-%m-%d")
-    tag = f"quality_depth_{date}"
-    variants = [(n, o) for n, o in VARIANTS if not (args.no_full and n.startswith("Full"))]
-    runs_root = REPO / "runs" / tag
-    jobs = [(name, overrides, args.steps, args.batch_size, seed, args.eval_bytes,
-             name in (BLOCK_RUN, "standard") and seed == 0, str(runs_root / f"{index}_seed{seed}"))
-            for index, (name, overrides) in enumerate(variants) for seed in range(args.seeds)]
-    jobs.sort(key=lambda job: (job[1].get("block_size") != 1, job[1]["residual"] != "msar"))  # slowest first
-    print(f"{len(jobs)} runs of {args.steps} steps, {args.jobs} at a time", flush=True)
+def run(quick: bool, out_dir: Path, progress: Callable[[str], None], *, steps: int = 400, batch_size: int = 32,
+        seeds: int = 3, eval_bytes: int = 131072, full: bool = True, jobs: int = 2) -> dict:
+    """Train and score every variant at every seed; the two PNGs go beside the result files, named
+    after them (`out_dir` is the folder STEM/ beside them: its parent and name)."""
+    del quick  # no short version: the smoke run is a small --steps and --eval-bytes
+    tag = out_dir.name
+    variants = [(n, o) for n, o in VARIANTS if full or not n.startswith("Full")]
+    runs_root = RUNS / tag
+    jobs_list = [(name, overrides, steps, batch_size, seed, eval_bytes,
+                  name in (BLOCK_RUN, "standard") and seed == 0, str(runs_root / f"{index}_seed{seed}"))
+                 for index, (name, overrides) in enumerate(variants) for seed in range(seeds)]
+    jobs_list.sort(key=lambda job: (job[1].get("block_size") != 1, job[1]["residual"] != "msar"))  # slowest first
+    progress(f"{len(jobs_list)} runs of {steps} steps, {jobs} at a time")
     start, load_start = time.perf_counter(), os.getloadavg()
-    with multiprocessing.get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool:
-        runs = pool.map(train_one, jobs, chunksize=1)
-    rows = paired_rows([n for n, _ in variants], runs, args.seeds)
+    with multiprocessing.get_context("spawn").Pool(jobs, maxtasksperchild=1) as pool:
+        runs = pool.map(train_one, jobs_list, chunksize=1)
+    rows = paired_rows([n for n, _ in variants], runs, seeds)
     block_sites = next(r["sites"] for r in runs if r["variant"] == BLOCK_RUN and r["seed"] == 0)
     standard_sites = next(r["sites"] for r in runs if r["variant"] == "standard" and r["seed"] == 0)
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     from attnres_pp.analysis import figures
 
-    pngs = [figures.heatmap_png(block_sites, 1, out_dir / f"{tag}_heatmap.png",
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    pngs = [figures.heatmap_png(block_sites, 1, out_dir.parent / f"{tag}_heatmap.png",
                                 f"{BLOCK_RUN}, 12 layers, d 48, seed 0: mean depth-attention weights"),
-            figures.dilution_png(block_sites, standard_sites, out_dir / f"{tag}_dilution.png",
+            figures.dilution_png(block_sites, standard_sites, out_dir.parent / f"{tag}_dilution.png",
                                  f"{BLOCK_RUN} vs standard (dashed), seed 0")]
-    result = {
-        "command": shlex.join(["python", "benchmarks/quality.py", *argv]), "date": date,
+    return {
+        "date": time.strftime("%Y-%m-%d"),
         "wall_time_s": time.perf_counter() - start,
-        "budget": {"steps": args.steps, "batch_size": args.batch_size, "seq_len": DEPTH_MODEL["seq_len"],
-                   "tokens_per_run": runs[0]["tokens_seen"], "seeds": args.seeds,
-                   "held_out_bytes": held_out_windows(args.eval_bytes)[0].numel()},
+        "budget": {"steps": steps, "batch_size": batch_size, "seq_len": DEPTH_MODEL["seq_len"],
+                   "tokens_per_run": runs[0]["tokens_seen"], "seeds": seeds,
+                   "held_out_bytes": held_out_windows(eval_bytes)[0].numel()},
         "model": DEPTH_MODEL,
-        "environment": {"python": platform.python_version(), "torch": torch.__version__, "jobs": args.jobs,
+        "environment": {"python": platform.python_version(), "torch": torch.__version__, "jobs": jobs,
                         "threads_per_run": 1, "load_average_start_end": [load_start[0], os.getloadavg()[0]]},
         "rows": rows, "block_run_sites": block_sites, "standard_sites": standard_sites,
         "pngs": [str(p) for p in pngs], "runs": [{k: v for k, v in r.items() if k != "sites"} for r in runs],
     }
-    (out_dir / f"{tag}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out_dir / f"{tag}.md").write_text(markdown(result))
-    print(markdown(result))
-    print(f"wrote {out_dir / (tag + '.json')}, .md and {', '.join(Path(p).name for p in pngs)}")
-    return 0
 
 
 def _load(environment: dict) -> str:
@@ -187,11 +189,10 @@ def _load(environment: dict) -> str:
     return "" if load is None else f", load average {load[0]:.1f} at the start and {load[1]:.1f} at the end"
 
 
-def markdown(result: dict) -> str:
+def to_markdown(result: dict) -> str:
     budget, seeds = result["budget"], result["budget"]["seeds"]
     lines = [
         f"# Quality at depth: held-out loss at an equal token budget ({result['date']})", "",
-        f"`{result['command']}`", "",
         f"12 layers (24 sublayers), d 48, seq 64; {budget['tokens_per_run']:,} training tokens per run "
         f"({budget['steps']} steps x {budget['batch_size']} x {budget['seq_len']}), built-in corpus; loss in nats "
         f"per byte on one fixed held-out set of {budget['held_out_bytes']:,} bytes (the same for every seed). "
@@ -212,4 +213,4 @@ def markdown(result: dict) -> str:
         lines.append(f"| {site['site']} ({site['kind']}) | {len(site['sources'])} | {site['entropy']:.3f} | "
                      f"{site['effective_sources']:.2f} | {site['top1_mass']:.3f} | {site['embedding_weight']:.3f} | "
                      f"{site['input_rms']:.3f} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines)

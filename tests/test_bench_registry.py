@@ -1,0 +1,104 @@
+"""`attnres-pp bench`'s registry and harness: every benchmark is a subcommand whose module provides
+the harness's contract, its own flags exist only on its own parser, and a moved benchmark (quality)
+writes its files through the one results writer under its old names, with the `attnres-pp bench`
+command that ran it. No benchmark runs here: `run` is replaced by a stand-in."""
+
+from __future__ import annotations
+
+import datetime
+import json
+
+import pytest
+
+from attnres_pp.bench import quality
+from attnres_pp.bench.cli import REGISTRY, module_of
+from attnres_pp.cli import build_parser, main
+
+OWN_FLAGS = {"--no-timing": {"comm"}, "--predict": {"memory"}, "--hosts": {"fidelity"}, "--compile": {"variants"},
+             "--only": {"quality"}, "--eval-bytes": {"quality-depth"}, "--no-full": {"quality-depth"},
+             "--dry-run-cpu": {"kernels", "kernel-streams"}}
+
+
+def _parsers():
+    bench = build_parser()._subparsers._group_actions[0].choices["bench"]
+    return bench._subparsers._group_actions[0].choices
+
+
+def test_every_benchmark_is_a_subcommand_with_the_harness_contract():
+    assert {"quality", "quality-depth", "kernels", "kernel-streams", "cli-parity"} <= set(REGISTRY)
+    for name in REGISTRY:
+        module = module_of(name)
+        assert module.__doc__ and callable(module.run) and callable(module.to_markdown), name
+        assert build_parser().parse_args(["bench", name]).name == name
+
+
+def test_a_benchmarks_own_flags_exist_on_its_parser_only():
+    parsers = _parsers()
+    for flag, owners in OWN_FLAGS.items():
+        assert {name for name in REGISTRY if flag in parsers[name]._option_string_actions} == owners, flag
+    for name, bench in REGISTRY.items():
+        options = parsers[name]._option_string_actions
+        assert "--json" in options and "--out" in options and ("--quick" in options) == bench.quick, name
+
+
+def test_a_flag_of_another_benchmark_is_refused_naming_its_owner(capsys):
+    with pytest.raises(SystemExit) as refused:
+        main(["bench", "cli-parity", "--only", "MSAR"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: unrecognized arguments: --only MSAR; --only applies to quality only; "
+        "see attnres-pp bench cli-parity --help"]
+
+
+def test_quality_refuses_bad_values_before_running(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(quality, "run", lambda *args, **kwargs: pytest.fail("ran"))
+    assert main(["bench", "quality", "--only", "nothing-like-it", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("error: --only 'nothing-like-it' matches no variant")
+    assert main(["bench", "quality", "--jobs", "0", "--out", str(tmp_path)]) == 2
+    assert "error: --steps, --seeds and --jobs must be >= 1" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_quality_writes_its_old_file_names_through_the_writer(tmp_path, capsys, monkeypatch):
+    seen = {}
+
+    def fake_run(quick, out_dir, progress, *, steps, seeds, only, jobs):
+        seen.update(quick=quick, folder=out_dir.name, steps=steps, seeds=seeds, only=only, jobs=jobs)
+        return {"date": "today", "budget": {}, "rows": [], "runs": []}
+
+    monkeypatch.setattr(quality, "run", fake_run)
+    monkeypatch.setattr(quality, "to_markdown", lambda payload: "# the quality table")
+    assert main(["bench", "quality", "--quick", "--only", "P-LR", "--out-dir", str(tmp_path), "--json"]) == 0
+    stem = f"quality_{datetime.date.today().isoformat()}_quick_partial"
+    assert seen == {"quick": True, "folder": stem, "steps": quality.QUICK_STEPS, "seeds": 1, "only": "P-LR",
+                    "jobs": 2}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{stem}.json", f"{stem}.md"]
+    payload = json.loads((tmp_path / f"{stem}.json").read_text())
+    command = f"attnres-pp bench quality --quick --out {tmp_path} --only P-LR"
+    assert payload["command"] == command and json.loads(capsys.readouterr().out) == payload
+    assert {"rows", "runs", "budget", "date", "machine"} <= set(payload)
+    markdown = (tmp_path / f"{stem}.md").read_text()
+    assert markdown.startswith("# the quality table") and f"Command: `{command}`" in markdown
+    assert "Machine: " in markdown
+
+
+@pytest.mark.parametrize("argv, sibling, name", [
+    (["memory", "--quick", "--predict"], "memory_predict", "memory_predict_quick"),
+    (["fidelity", "--hosts"], "fidelity_hosts", "fidelity_hosts"),
+])
+def test_a_flag_that_picks_a_sibling_module_runs_it_under_its_name(argv, sibling, name, tmp_path, monkeypatch):
+    import importlib
+
+    module = importlib.import_module(f"attnres_pp.bench.{sibling}")
+    seen = {}
+    monkeypatch.setattr(module, "run", lambda quick, out_dir, progress: seen.setdefault("folder", out_dir.name)
+                        and {"rows": []})
+    monkeypatch.setattr(module, "to_markdown", lambda payload: f"# {sibling}")
+    assert main(["bench", *argv, "--out", str(tmp_path)]) == 0
+    stem = f"{name}_{datetime.date.today().isoformat()}"
+    assert seen["folder"] == stem
+    payload = json.loads((tmp_path / f"{stem}.json").read_text())
+    assert payload["benchmark"] == argv[0]
+    assert payload["command"] == " ".join(["attnres-pp", "bench", argv[0], *argv[1:-1], "--out", str(tmp_path),
+                                           argv[-1]])
+    assert (tmp_path / f"{stem}.md").read_text().startswith(f"# {sibling}")
