@@ -41,7 +41,7 @@ from attnres_pp.pipeline.mesh import Collectives, MeshCollectives, RankCoords
 from attnres_pp.pipeline.routes import hop_shapes, wire_messages
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
 from attnres_pp.pipeline.stage_setup import init_process_group, lowered_schedule, run_partition
-from attnres_pp.schedule.forward_only import forward_only_schedule
+from attnres_pp.schedule.forward_schedule import forward_only_schedule
 from attnres_pp.schedule.validate_nccl import check_nccl
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.devices import resolve_train
