@@ -2,7 +2,7 @@
 section 5), for the nccl backend (and, to test the same code path on CPU, over gloo).
 
 NCCL ignores tags, matches the messages between two ranks in issue order and completes a send only
-once its receive is posted, so the runtime (`pipeline.runtime`, in its NCCL mode) issues every
+once its receive is posted, so the executor (`pipeline.executor`, under NCCL rules) issues every
 message in the groups of `schedule.validate_nccl.lockstep_plan`: each group, the receives posted
 ahead plus at most the action's own send, goes out as one `batch_isend_irecv` (one NCCL group,
 whose operations progress together, as torch.distributed.pipelining batches its p2p ops), without

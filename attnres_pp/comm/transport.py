@@ -112,7 +112,7 @@ class LoopbackTransport:
 
 class DistTransport:
     """torch.distributed p2p within the default process group. Self-hops never reach a transport:
-    the runtime hands them over in memory. Peers are pipeline ranks; `peer_ranks[p]` is the global
+    the executor hands them over in memory. Peers are pipeline ranks; `peer_ranks[p]` is the global
     rank of pipeline rank p in this replica (default: p itself, a run without data parallelism).
     Tag-matched p2p: its messages need no issue groups (`begin_group` / `end_group` do nothing)."""
 

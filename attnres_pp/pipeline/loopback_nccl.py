@@ -4,7 +4,7 @@
 ignored; a pair that NCCL would match wrongly, by message or by size, raises P2PMismatch) and
 completes a send only once its receive is posted and executing.
 
-The runtime drives it as it drives NCCL: `begin_group` / `end_group` around each planned group of
+The executor drives it as it drives NCCL: `begin_group` / `end_group` around each planned group of
 `prepost_recv`s and the action's own `send` (one batch_isend_irecv on a GPU); a receive waits
 until its group has completed (`ready`, then `recv`); `flush` fails if a group never completes.
 """
