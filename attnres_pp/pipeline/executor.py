@@ -66,7 +66,6 @@ class ActionExecutor:
         """Take `schedule`'s actions of this rank, their routes (`routes.action_routes`: hop shapes per
         (microbatch, source), microbatch k numbered `first_id + k` in tags and cache entries) and,
         under NCCL's rules, its issue plan."""
-        self.schedule = schedule
         self.actions = schedule.rank_actions[self.pp_rank]
         self.first_id = first_id
         self.routes: list[Route | None] = action_routes(schedule, self.plan, self.pp_rank, shape_of, first_id)

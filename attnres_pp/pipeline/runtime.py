@@ -217,8 +217,9 @@ class StageRuntime:
                                f"{len(io.sent)} tensors chunk {c} sent for microbatch {mb} (the plan and the "
                                "backward hop disagree)")
         outside: dict[Source, torch.Tensor] = dict(zip(io.sent, sent_grads, strict=True))
+        cache_id = self.executor.cache_id(action)
         for source in io.cache_puts:
-            deposit = self.cache.collect(mb, source)
+            deposit = self.cache.collect(cache_id, source)
             if deposit is not None:
                 outside[source] = deposit if source not in outside else outside[source] + deposit
         roots, root_grads = [], []
@@ -247,12 +248,13 @@ class StageRuntime:
             self.executor.grads_out[(c, mb)] = [
                 g if (g := input_grad(s)) is not None else torch.zeros_like(ctx.inputs[s]) for s in io.received
             ]
+        cache_id = self.executor.cache_id(action)
         for source in io.cache_reads:
             grad = input_grad(source)
             if grad is not None:
-                self.cache.deposit(mb, source, grad)
+                self.cache.deposit(cache_id, source, grad)
         if c == self.first_chunk:
-            self.cache.check_drained(mb)
+            self.cache.check_drained(cache_id)
 
     _HANDLERS = {
         ActionKind.F: _forward,
