@@ -12,7 +12,7 @@ import torch
 
 from attnres_pp.data import batch_at, load_corpus
 from attnres_pp.pipeline.mesh import RankCoords
-from attnres_pp.schedule.forward_only import forward_only_schedule
+from attnres_pp.schedule.forward_schedule import forward_only_schedule
 from attnres_pp.schedule.ir import ActionKind
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.grad_sync import flat_buckets, sync_gradients

@@ -86,11 +86,11 @@ def test_bf16_under_the_nccl_loopback_gives_the_single_process_bf16_tokens():
 
 def test_the_nccl_loopback_rejects_the_post_everything_order(monkeypatch):
     """The enforcing loopback catches a runtime issuing the old order (so the parity above means
-    something): the same pass, its runtime's plan swapped for post_everything_plan, cannot finish."""
-    from attnres_pp.pipeline import generation_runtime
+    something): the same pass, its executor's plan swapped for post_everything_plan, cannot finish."""
+    from attnres_pp.pipeline import executor
 
     cfg, named = _setup("block")
-    monkeypatch.setattr(generation_runtime, "lockstep_plan", post_everything_plan)
+    monkeypatch.setattr(executor, "lockstep_plan", post_everything_plan)
     piped = InProcessGenerator(cfg, _nccl_pipe(), named)
     with pytest.raises(RuntimeError, match="generation pass is stuck"):
         generate(piped, PROMPT, GREEDY)

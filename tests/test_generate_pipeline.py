@@ -13,9 +13,9 @@ from attnres_pp.generate.engines import InProcessGenerator, ProcessGenerator, Si
 from attnres_pp.generate.loop import generate
 from attnres_pp.generate.worker import pipeline_partition
 from attnres_pp.pipeline.config import PipelineConfig
-from attnres_pp.schedule.forward_schedule import generation_schedule, validate_forward_only
+from attnres_pp.schedule.forward_schedule import generation_schedule
 from attnres_pp.schedule.ir import Action, Schedule
-from attnres_pp.schedule.validate import ScheduleError
+from attnres_pp.schedule.validate import ScheduleError, validate_forward_only
 from tests.pipeline_helpers import build_model, model_config
 from tests.reference_model import VARIANTS
 

@@ -11,7 +11,7 @@ import torch
 
 from attnres_pp.cli import main
 from attnres_pp.comm.link import LinkClock, LinkModel
-from attnres_pp.comm.transport import _stamp_numel, _wait_for_arrival, _with_arrival
+from attnres_pp.comm.wire import stamp_numel, wait_for_arrival, with_arrival
 from attnres_pp.pipeline.config import PipelineConfig
 
 
@@ -33,15 +33,15 @@ def test_arrival_is_latency_plus_bytes_over_bandwidth():
 @pytest.mark.parametrize("numel", [5, 6])
 def test_the_stamp_travels_after_the_payload(dtype, numel):
     payload = torch.arange(numel, dtype=dtype)
-    stamped = _with_arrival(payload, arrival_s=time.perf_counter() - 1.0)  # already due: no wait
-    assert stamped.numel() == numel + _stamp_numel(dtype)
-    assert torch.equal(_wait_for_arrival(stamped), payload)
+    stamped = with_arrival(payload, arrival_s=time.perf_counter() - 1.0)  # already due: no wait
+    assert stamped.numel() == numel + stamp_numel(dtype)
+    assert torch.equal(wait_for_arrival(stamped), payload)
 
 
 def test_the_receiver_waits_until_the_emulated_arrival():
     due = time.perf_counter() + 0.05
     started = time.perf_counter()
-    _wait_for_arrival(_with_arrival(torch.zeros(4), due))
+    wait_for_arrival(with_arrival(torch.zeros(4), due))
     assert time.perf_counter() >= due
     assert time.perf_counter() - started < 5.0  # loose: the machine may be busy
 

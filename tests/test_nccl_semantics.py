@@ -175,9 +175,9 @@ def test_pipelined_step_under_nccl_semantics_equals_single_process(case):
 
 def test_the_loopback_enforces_the_rules_on_a_crossed_runtime_order(monkeypatch):
     """The same step with every send and receive issued alone where it stands cannot finish."""
-    from attnres_pp.schedule import validate_nccl
+    from attnres_pp.pipeline import executor
 
-    monkeypatch.setattr(validate_nccl, "lockstep_plan", naive_plan)
+    monkeypatch.setattr(executor, "lockstep_plan", naive_plan)
     cfg = model_config("block", 2)
     model = build_model(cfg)
     partition = make_partition(cfg.n_layers, 2, 1)

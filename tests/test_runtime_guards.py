@@ -10,8 +10,9 @@ import torch
 from attnres_pp.comm.partition import make_partition
 from attnres_pp.comm.plan import plan_for_model
 from attnres_pp.pipeline.chunk import build_rank_chunks
+from attnres_pp.pipeline.executor import ActionExecutor
 from attnres_pp.pipeline.loopback import make_loopback_runtimes, run_in_turns
-from attnres_pp.pipeline.runtime import StageRuntime
+from attnres_pp.schedule.ir import ActionKind
 from attnres_pp.schedule.passes import insert_comm
 from attnres_pp.schedule.schedules import build_schedule
 from tests.pipeline_helpers import MICRO, SEQ, batch, build_model, model_config
@@ -54,15 +55,14 @@ def test_losses_are_read_once_at_the_end_of_the_step(schedule_name):
 
 def test_a_backward_hop_short_of_a_gradient_raises(monkeypatch):
     _cfg, runtimes, _inputs, _targets = _started_runtimes()
-    original = StageRuntime._recv_backward
+    original = ActionExecutor._recv_backward
 
     def drop_one(self, action):
         original(self, action)
-        grads = self._out_grads[(action.chunk_index, action.microbatch_index)]
+        grads = self.grads_back[(action.chunk_index, action.microbatch_index)]
         if len(grads) >= 2:
             grads.pop()
 
-    monkeypatch.setitem(StageRuntime._HANDLERS, next(k for k, v in StageRuntime._HANDLERS.items()
-                                                     if v is original), drop_one)
+    monkeypatch.setitem(ActionExecutor._COMM_HANDLERS, ActionKind.RECV_B, drop_one)
     with pytest.raises(RuntimeError, match=r"got 1 gradients back for the 2 tensors chunk \d sent for microbatch"):
         run_in_turns(runtimes, "pipeline")

@@ -102,13 +102,13 @@ def test_a_peer_that_exits_ends_the_wait(tmp_path):
 # ---- guards, in this process: a hand-made pair (counters, one slot, a pipe) ----
 
 def _pair(n_messages: int = 1):
-    from attnres_pp.comm.shm_transport import _Pair
+    from attnres_pp.comm.shm_transport import SlotPair
 
     read_fd, write_fd = os.pipe()
     os.set_blocking(read_fd, False)
     os.set_blocking(write_fd, False)
     views = {5 + i: (torch.zeros(4),) for i in range(n_messages)}
-    return _Pair(views, {tag: i for i, tag in enumerate(views)}, torch.zeros(n_messages + 1, dtype=torch.int64),
+    return SlotPair(views, {tag: i for i, tag in enumerate(views)}, torch.zeros(n_messages + 1, dtype=torch.int64),
                  read_fd), read_fd, write_fd
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from attnres_pp.schedule.forward_schedule import forward_only_schedule
 from attnres_pp.schedule.ir import Action, Schedule
 from attnres_pp.schedule.passes import insert_comm
 from attnres_pp.schedule.schedules import build_schedule
-from attnres_pp.schedule.validate import ScheduleError, validate
+from attnres_pp.schedule.validate import ScheduleError, validate, validate_forward_only
 
 
 def _edit(schedule: Schedule, pp_rank: int, words: str) -> Schedule:
@@ -112,3 +113,30 @@ def test_input_gradients_before_the_deposits_they_collect_are_refused(lowered):
     fused = _lists(build_schedule("interleaved_1f1b", 2, 2, 2), {0: "F0.0 F0.1 F2.0 F2.1 B0.0 B2.0 B2.1 B0.1"})
     with pytest.raises(ScheduleError, match="B0.0 runs before B2.0 on rank 0"):
         validate(fused)
+
+
+# ---- forward-only schedules (evaluation, generation) ----
+
+FORWARD = forward_only_schedule(2, 1, 2)  # rank 0: F0.0 SF0.0 F0.1 SF0.1; rank 1: RF1.0 F1.0 RF1.1 F1.1
+
+
+def test_a_forward_only_schedule_validates_in_every_placement():
+    for placement in ("loop", "vshape"):
+        validate_forward_only(forward_only_schedule(2, 2, 3, placement))
+    with pytest.raises(ScheduleError, match="B0.0 is missing from rank 0"):
+        validate(FORWARD)  # the training validator wants every F's backward
+
+
+def test_a_forward_only_schedule_with_a_backward_is_refused():
+    with pytest.raises(ScheduleError, match="rank 1: a forward-only schedule has backward actions"):
+        validate_forward_only(_edit(FORWARD, 1, "RF1.0 F1.0 RF1.1 F1.1 B1.1"))
+
+
+def test_a_forward_only_schedule_without_its_receive_is_refused():
+    with pytest.raises(ScheduleError, match="SF0.1 on rank 0 has no matching RF1.1 on rank 1"):
+        validate_forward_only(_edit(FORWARD, 1, "RF1.0 F1.0 F1.1"))
+
+
+def test_a_forward_only_schedule_that_deadlocks_is_refused():
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        validate_forward_only(_edit(FORWARD, 1, "RF1.1 F1.0 RF1.0 F1.1"))

@@ -2,7 +2,7 @@
 section 5), for the nccl backend (and, to test the same code path on CPU, over gloo).
 
 NCCL ignores tags, matches the messages between two ranks in issue order and completes a send only
-once its receive is posted, so the runtime (`pipeline.runtime`, in its NCCL mode) issues every
+once its receive is posted, so the executor (`pipeline.executor`, under NCCL rules) issues every
 message in the groups of `schedule.validate_nccl.lockstep_plan`: each group, the receives posted
 ahead plus at most the action's own send, goes out as one `batch_isend_irecv` (one NCCL group,
 whose operations progress together, as torch.distributed.pipelining batches its p2p ops), without
@@ -18,16 +18,8 @@ import time
 import torch
 
 from attnres_pp.comm.link import LinkModel
-from attnres_pp.comm.transport import (
-    DistTransport,
-    TransportTimeout,
-    _pack,
-    _refuse_self_hop,
-    _stamp_numel,
-    _unpack,
-    _wait_for_arrival,
-    _with_arrival,
-)
+from attnres_pp.comm.transport import DistTransport, TransportTimeout
+from attnres_pp.comm.wire import pack, refuse_self_hop, stamp_numel, unpack, wait_for_arrival, with_arrival
 
 
 class BatchedDistTransport(DistTransport):
@@ -65,12 +57,12 @@ class BatchedDistTransport(DistTransport):
 
         if self._group is None:
             raise RuntimeError(f"rank {self.pp_rank}: a send outside the NCCL plan's groups (tag {tag})")
-        _refuse_self_hop(self.pp_rank, dst)
+        refuse_self_hop(self.pp_rank, dst)
         self.ledger.record(*label, tensors)
-        flat = _pack(tensors).to(self.device)
+        flat = pack(tensors).to(self.device)
         if self.link_clock is not None:  # posted now: the emulated link decides when it arrives
             n_bytes = flat.numel() * flat.element_size()
-            flat = _with_arrival(flat, self.link_clock.arrival(dst, n_bytes, time.perf_counter()))
+            flat = with_arrival(flat, self.link_clock.arrival(dst, n_bytes, time.perf_counter()))
         self._group.append((dist.P2POp(dist.isend, flat, self._global(dst), tag=tag), flat, None))
 
     def prepost_recv(self, shapes: list[torch.Size], dtype: torch.dtype, src: int, tag: int) -> None:
@@ -78,10 +70,10 @@ class BatchedDistTransport(DistTransport):
 
         if self._group is None:
             raise RuntimeError(f"rank {self.pp_rank}: a receive outside the NCCL plan's groups (tag {tag})")
-        _refuse_self_hop(self.pp_rank, src)
+        refuse_self_hop(self.pp_rank, src)
         numel = sum(int(torch.Size(s).numel()) for s in shapes)
         if self.link_clock is not None:
-            numel += _stamp_numel(dtype)
+            numel += stamp_numel(dtype)
         flat = torch.empty(numel, dtype=dtype, device=self.device)
         self._group.append((dist.P2POp(dist.irecv, flat, self._global(src), tag=tag), flat, (src, tag)))
 
@@ -92,8 +84,8 @@ class BatchedDistTransport(DistTransport):
         works, flat = posted
         self._wait(works, f"receive from rank {src} (tag {tag})", src)
         if self.link_clock is not None:
-            flat = _wait_for_arrival(flat)
-        return _unpack(flat, shapes)
+            flat = wait_for_arrival(flat)
+        return unpack(flat, shapes)
 
     def flush(self) -> None:
         pending, self._pending = self._pending, []

@@ -60,6 +60,7 @@ class PairTransport:
         self.ledger = PairLedger()
         inner.ledger = self.ledger  # one ledger: the runtime reads and clears it through this transport
         self.can_prepost = inner.can_prepost
+        self.p2p_semantics = inner.p2p_semantics
 
     def way_to(self, peer: int, tag: int) -> str:
         return "shm" if isinstance(self.inner, SharedMemoryTransport) and self.inner.has_slot(peer, tag) else "gloo"
@@ -74,6 +75,12 @@ class PairTransport:
     def prepost_recv(self, shapes: list[torch.Size], dtype: torch.dtype, src: int, tag: int) -> None:
         self.inner.prepost_recv(shapes, dtype, src, tag)
 
+    def begin_group(self) -> None:
+        self.inner.begin_group()
+
+    def end_group(self) -> None:
+        self.inner.end_group()
+
     def recv(self, shapes: list[torch.Size], dtype: torch.dtype, src: int, tag: int) -> list[torch.Tensor]:
         return self.inner.recv(shapes, dtype, src, tag)
 
@@ -81,9 +88,7 @@ class PairTransport:
         self.inner.flush()
 
     def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if close is not None:
-            close()
+        self.inner.close()
 
 
 def connect_pair_transport(pp_rank: int, n_stages: int, device: torch.device, timeout_s: float,

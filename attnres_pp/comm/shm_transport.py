@@ -62,7 +62,7 @@ ALIGN_ELEMENTS = 64  # slots start on 256-byte boundaries (fp32)
 Message = tuple[int, int, int, tuple[torch.Size, ...]]  # (src, dst, tag, shapes), see pipeline.routes
 
 
-class _Pair:
+class SlotPair:
     """One direction between two ranks: the slots' views by tag, the counters (one per message,
     then the receiver's 'waiting' flag), the doorbell pipe."""
 
@@ -101,7 +101,7 @@ class SharedMemoryTransport(DistTransport):
     """DistTransport whose known messages travel through shared memory (see the module docstring).
     Peers are pipeline ranks, as for DistTransport; `inbox` and `outbox` are keyed by them."""
 
-    def __init__(self, pp_rank: int, timeout_s: float, inbox: dict[int, _Pair], outbox: dict[int, _Pair],
+    def __init__(self, pp_rank: int, timeout_s: float, inbox: dict[int, SlotPair], outbox: dict[int, SlotPair],
                  ledger: ByteLedger | None = None, peer_ranks: list[int] | None = None) -> None:
         super().__init__(pp_rank, timeout_s, torch.device("cpu"), ledger, peer_ranks=peer_ranks)
         self._in, self._out = inbox, outbox  # by peer rank
@@ -138,7 +138,7 @@ class SharedMemoryTransport(DistTransport):
         if pair.counters[pair.waiting]:
             self._ring(pair, dst, tag)
 
-    def _ring(self, pair: _Pair, dst: int, tag: int) -> None:
+    def _ring(self, pair: SlotPair, dst: int, tag: int) -> None:
         try:
             os.write(pair.fd, b"\0")
         except BlockingIOError:  # the pipe is full of earlier doorbells: the receiver looks anyway
@@ -177,7 +177,7 @@ class SharedMemoryTransport(DistTransport):
         pair.done[tag] = expected
         return list(pair.views[tag])
 
-    def _wait(self, pair: _Pair, position: int, expected: int, src: int, tag: int) -> None:
+    def _wait(self, pair: SlotPair, position: int, expected: int, src: int, tag: int) -> None:
         deadline = time.monotonic() + self.timeout_s
         poller = select.poll()
         poller.register(pair.fd, select.POLLIN)
@@ -278,7 +278,7 @@ def connect_transport(pp_rank: int, n_stages: int, device: torch.device, timeout
         offsets = layout[(src, dst)][1]
         data, counters = arenas[(src, dst)]
         views = {tag: _views(data, offset, shapes_of[(src, dst, tag)]) for tag, offset in offsets.items()}
-        pair = _Pair(views, {tag: i for i, tag in enumerate(offsets)}, counters, fds[(src, dst)])
+        pair = SlotPair(views, {tag: i for i, tag in enumerate(offsets)}, counters, fds[(src, dst)])
         (inbox if dst == pp_rank else outbox)[src if dst == pp_rank else dst] = pair
     return SharedMemoryTransport(pp_rank, timeout_s, inbox, outbox, peer_ranks=peer_ranks)
 

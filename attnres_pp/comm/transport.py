@@ -14,6 +14,7 @@
   float64 after the payload, computed by the sender as it posts the send) and the receiver waits
   until then: a slow link emulated on one host without blocking the sender (`comm.link`).
 - `LoopbackTransport`: an in-process mailbox, so a whole pipeline can run in one process.
+Both implement `comm.transport_protocol.Transport`; the message format is `comm.wire`'s.
 """
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ from dataclasses import dataclass, field
 import torch
 
 from attnres_pp.comm.link import LinkClock, LinkModel
+from attnres_pp.comm.wire import (
+    check_dtype,
+    pack,
+    refuse_self_hop,
+    stamp_numel,
+    unpack,
+    wait_for_arrival,
+    with_arrival,
+)
 
 
 class TransportTimeout(RuntimeError):
@@ -51,52 +61,17 @@ class ByteLedger:
     def tensors_per_hop(self, direction: str, microbatch_index: int) -> dict[int, int]:
         return {hop: n for d, hop, mb, n, _ in self.records if d == direction and mb == microbatch_index}
 
-
-def _refuse_self_hop(pp_rank: int, peer: int) -> None:
-    if peer == pp_rank:
-        raise ValueError(f"rank {pp_rank} asked the transport to message itself: a hop between two chunks "
-                         "of one rank is handed over in memory by the runtime, never sent")
-
-
-def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.empty(0)
-
-
-def _stamp_numel(dtype: torch.dtype) -> int:
-    """Elements of `dtype` that hold one float64 (the emulated arrival carried after a payload)."""
-    return 8 // torch.empty((), dtype=dtype).element_size()
-
-
-def _with_arrival(flat: torch.Tensor, arrival_s: float) -> torch.Tensor:
-    stamp = torch.tensor([arrival_s], dtype=torch.float64).view(flat.dtype).to(flat.device)
-    return torch.cat([flat, stamp])
-
-
-def _wait_for_arrival(flat: torch.Tensor) -> torch.Tensor:
-    """The payload of a stamped message, returned once its emulated arrival time has passed."""
-    n_stamp = _stamp_numel(flat.dtype)
-    arrival_s = float(flat[-n_stamp:].clone().view(torch.float64).item())
-    remaining = arrival_s - time.perf_counter()
-    if remaining > 0:
-        time.sleep(remaining)
-    return flat[:-n_stamp]
-
-
-def check_dtype(flat: torch.Tensor, dtype: torch.dtype, pp_rank: int, src: int, tag: int) -> None:
-    """Refuse a message whose dtype is not the one its receiver expects: NCCL would receive its bytes
-    into a buffer of another size (and hang, or read garbage), so an in-process run must not cast."""
-    if flat.dtype != dtype and flat.numel():  # a message of no tensors has no bytes to misread
-        raise TypeError(f"rank {pp_rank}: message with tag {tag} from rank {src} carries {flat.dtype}, the receiver "
-                        f"expects {dtype}: sender and receiver disagree on the hop dtype")
-
-
-def _unpack(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
-    sizes = [int(torch.Size(s).numel()) for s in shapes]
-    return [piece.view(shape) for piece, shape in zip(flat.split(sizes), shapes, strict=True)]
+    def bytes_by_transport(self) -> dict[str, int]:
+        """One way for every message: the process group's point-to-point, counted as "gloo" (the
+        per-peer ledger, `pair_transport.PairLedger`, also counts "shm")."""
+        return {"gloo": self.total_bytes}
 
 
 class LoopbackTransport:
     """All ranks in one process; messages wait in a shared mailbox keyed by (src, dst, tag)."""
+
+    p2p_semantics = "gloo"
+    can_prepost = False  # a message waits in the mailbox whether or not its receive is posted
 
     def __init__(self, pp_rank: int, mailbox: dict, ledger: ByteLedger | None = None) -> None:
         self.pp_rank = pp_rank
@@ -104,12 +79,21 @@ class LoopbackTransport:
         self.ledger = ledger or ByteLedger()
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int, label: tuple[str, int, int]) -> None:
-        _refuse_self_hop(self.pp_rank, dst)
+        refuse_self_hop(self.pp_rank, dst)
         self.ledger.record(*label, tensors)
-        self.mailbox[(self.pp_rank, dst, tag)] = _pack(tensors)  # cat already copies: no aliasing
+        self.mailbox[(self.pp_rank, dst, tag)] = pack(tensors)  # cat already copies: no aliasing
 
     def ready(self, src: int, tag: int) -> bool:
         return (src, self.pp_rank, tag) in self.mailbox
+
+    def prepost_recv(self, shapes: list[torch.Size], dtype: torch.dtype, src: int, tag: int) -> None:
+        pass
+
+    def begin_group(self) -> None:
+        pass
+
+    def end_group(self) -> None:
+        pass
 
     def recv(self, shapes: list[torch.Size], dtype: torch.dtype, src: int, tag: int) -> list[torch.Tensor]:
         try:
@@ -117,16 +101,22 @@ class LoopbackTransport:
         except KeyError:
             raise TransportTimeout(f"rank {self.pp_rank}: no message from rank {src} with tag {tag}") from None
         check_dtype(flat, dtype, self.pp_rank, src, tag)
-        return _unpack(flat, shapes)
+        return unpack(flat, shapes)
 
     def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
 class DistTransport:
     """torch.distributed p2p within the default process group. Self-hops never reach a transport:
-    the runtime hands them over in memory. Peers are pipeline ranks; `peer_ranks[p]` is the global
-    rank of pipeline rank p in this replica (default: p itself, a run without data parallelism)."""
+    the executor hands them over in memory. Peers are pipeline ranks; `peer_ranks[p]` is the global
+    rank of pipeline rank p in this replica (default: p itself, a run without data parallelism).
+    Tag-matched p2p: its messages need no issue groups (`begin_group` / `end_group` do nothing)."""
+
+    p2p_semantics = "gloo"
 
     def __init__(self, pp_rank: int, timeout_s: float, device: torch.device, ledger: ByteLedger | None = None,
                  peer_ranks: list[int] | None = None, link: LinkModel | None = None):
@@ -143,22 +133,31 @@ class DistTransport:
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int, label: tuple[str, int, int]) -> None:
         import torch.distributed as dist
 
-        _refuse_self_hop(self.pp_rank, dst)
+        refuse_self_hop(self.pp_rank, dst)
         self.ledger.record(*label, tensors)
         # One tensor goes as it is (no packing copy; the pending send keeps it alive).
-        flat = (tensors[0].detach().reshape(-1) if len(tensors) == 1 else _pack(tensors)).to(self.device)
+        flat = (tensors[0].detach().reshape(-1) if len(tensors) == 1 else pack(tensors)).to(self.device)
         if self.link_clock is not None:  # posted now: the emulated link decides when it arrives
             n_bytes = flat.numel() * flat.element_size()
-            flat = _with_arrival(flat, self.link_clock.arrival(dst, n_bytes, time.perf_counter()))
+            flat = with_arrival(flat, self.link_clock.arrival(dst, n_bytes, time.perf_counter()))
         # Keep the buffer alive until the send completes.
         self._pending.append((dist.isend(flat, self._global(dst), tag=tag), flat, dst))
 
     def ready(self, src: int, tag: int) -> bool:
         return True
 
+    def begin_group(self) -> None:
+        pass
+
+    def end_group(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
     def prepost_recv(self, shapes: list[torch.Size], dtype: torch.dtype, src: int, tag: int) -> None:
         """Post the receive of (src, tag) now; `recv` of the same message then only waits for it."""
-        _refuse_self_hop(self.pp_rank, src)
+        refuse_self_hop(self.pp_rank, src)
         if (src, tag) not in self._posted:
             self._posted[(src, tag)] = self._irecv(shapes, dtype, src, tag)
 
@@ -167,12 +166,12 @@ class DistTransport:
 
         numel = sum(int(torch.Size(s).numel()) for s in shapes)
         if self.link_clock is not None:
-            numel += _stamp_numel(dtype)
+            numel += stamp_numel(dtype)
         flat = torch.empty(numel, dtype=dtype, device=self.device)
         return dist.irecv(flat, self._global(src), tag=tag), flat
 
     def recv(self, shapes: list[torch.Size], dtype: torch.dtype, src: int, tag: int) -> list[torch.Tensor]:
-        _refuse_self_hop(self.pp_rank, src)
+        refuse_self_hop(self.pp_rank, src)
         posted = self._posted.pop((src, tag), None)
         work, flat = posted if posted is not None else self._irecv(shapes, dtype, src, tag)
         try:
@@ -183,8 +182,8 @@ class DistTransport:
                 f"{self.timeout.total_seconds():.0f} s); is rank {src} still alive? ({error})"
             ) from error
         if self.link_clock is not None:
-            flat = _wait_for_arrival(flat)
-        return _unpack(flat, shapes)
+            flat = wait_for_arrival(flat)
+        return unpack(flat, shapes)
 
     def flush(self) -> None:
         pending, self._pending = self._pending, []

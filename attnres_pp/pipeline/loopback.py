@@ -21,7 +21,7 @@ def make_loopback_runtimes(cfg: ModelConfig, rank_chunks: list[dict[int, Pipelin
                            ledger: ByteLedger | None = None, p2p_semantics: str = "gloo",
                            activation_dtype: torch.dtype | None = None) -> list[StageRuntime]:
     """p2p_semantics "gloo": messages matched by tag, sends buffered; "nccl": NCCL's rules, enforced
-    (`loopback_nccl`), with the runtime issuing messages in its NCCL order. Hops carry
+    (`loopback_nccl`), with the executor issuing messages in its NCCL order. Hops carry
     `activation_dtype` (default: the parameters' dtype; bf16 under bf16 autocast)."""
     mailbox: dict = {}
     ledger = ledger or ByteLedger()

@@ -4,7 +4,7 @@
 ignored; a pair that NCCL would match wrongly, by message or by size, raises P2PMismatch) and
 completes a send only once its receive is posted and executing.
 
-The runtime drives it as it drives NCCL: `begin_group` / `end_group` around each planned group of
+The executor drives it as it drives NCCL: `begin_group` / `end_group` around each planned group of
 `prepost_recv`s and the action's own `send` (one batch_isend_irecv on a GPU); a receive waits
 until its group has completed (`ready`, then `recv`); `flush` fails if a group never completes.
 """
@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from attnres_pp.comm.transport import ByteLedger, TransportTimeout, _pack, _refuse_self_hop, _unpack, check_dtype
+from attnres_pp.comm.transport import ByteLedger, TransportTimeout
+from attnres_pp.comm.wire import check_dtype, pack, refuse_self_hop, unpack
 from attnres_pp.schedule.validate_nccl import NcclDeadlock, NcclP2P, Op
 
 
@@ -51,14 +52,14 @@ class NcclLoopbackTransport:
             self._open.append(op)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int, label: tuple[str, int, int]) -> None:
-        _refuse_self_hop(self.pp_rank, dst)
+        refuse_self_hop(self.pp_rank, dst)
         self.ledger.record(*label, tensors)
-        flat = _pack(tensors)  # cat copies: the receiver never aliases the sender's tensors
+        flat = pack(tensors)  # cat copies: the receiver never aliases the sender's tensors
         self._issue(Op(self.pp_rank, dst, True, f"tag {tag}", size=flat.numel(), payload=flat,
                        name=f"send tag {tag} ({label[0]} hop {label[1]}, microbatch {label[2]})"))
 
     def prepost_recv(self, shapes: list[torch.Size], dtype: torch.dtype, src: int, tag: int) -> None:
-        _refuse_self_hop(self.pp_rank, src)
+        refuse_self_hop(self.pp_rank, src)
         if (src, tag) in self._posted:
             raise RuntimeError(f"rank {self.pp_rank}: the receive from rank {src} with tag {tag} is posted twice")
         op = Op(self.pp_rank, src, False, f"tag {tag}", size=_numel(shapes), name=f"recv tag {tag}")
@@ -79,7 +80,7 @@ class NcclLoopbackTransport:
             raise NcclDeadlock(f"rank {self.pp_rank}: receive from rank {src} with tag {tag} cannot complete: "
                                f"{reasons}")
         check_dtype(op.payload, dtype, self.pp_rank, src, tag)
-        return _unpack(op.payload, shapes)
+        return unpack(op.payload, shapes)
 
     def flush(self) -> None:
         stuck = [g for g in self.fabric.groups[self.pp_rank] if not g.complete]
@@ -87,3 +88,6 @@ class NcclLoopbackTransport:
             reasons = "; ".join(f"{g.describe()}: {', '.join(self.fabric.why_blocked(g))}" for g in stuck)
             raise NcclDeadlock(f"rank {self.pp_rank}: groups never completed by the end of the step: {reasons}")
         self.fabric.end_step(self.pp_rank)
+
+    def close(self) -> None:
+        pass

@@ -1,7 +1,8 @@
-"""The fixed facts of every communication action of a lowered schedule, computed once per run: the
-peer rank, the message tag, the shapes of the tensors, whether the hop stays on the rank. The
-runtime looks them up by action position instead of deriving them per message, and the
-shared-memory transport lays out its message slots from `wire_messages`.
+"""The fixed facts of every communication action of a lowered schedule, computed once per run (per
+pass in generation): the peer rank, the message tag, the shapes of the tensors, whether the hop
+stays on the rank. The executor (`pipeline.executor`) looks them up by action position instead of
+deriving them per message, and the shared-memory transport lays out its message slots from
+`wire_messages`.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ class Route:
 def rank_routes(schedule: Schedule, plan: PayloadPlan, pp_rank: int,
                 shape_of: Callable[[Source], torch.Size]) -> list[Route | None]:
     """Per action of rank `pp_rank`'s list, its Route (None for compute actions)."""
+    return action_routes(schedule, plan, pp_rank, lambda _microbatch, source: shape_of(source))
+
+
+def action_routes(schedule: Schedule, plan: PayloadPlan, pp_rank: int,
+                  shape_of: Callable[[int, Source], torch.Size], first_id: int = 0) -> list[Route | None]:
+    """As `rank_routes`, with shapes per (microbatch, source), and microbatch k numbered `first_id + k`
+    in the message ids, tags and labels: a generation pass's pieces take the next ids of the session
+    (so no tag is reused while a rank lives), and their token counts differ from piece to piece."""
     n_chunks = plan.partition.n_chunks
     routes: list[Route | None] = []
     for action in schedule.rank_actions[pp_rank]:
@@ -56,12 +65,12 @@ def rank_routes(schedule: Schedule, plan: PayloadPlan, pp_rank: int,
             sources = io.sent  # the hop out of the chunk, and its gradients coming back
         else:
             sources = io.received
-        message_id = action.message_id
+        direction, sender, microbatch = action.message_id
+        message_id = (direction, sender, first_id + microbatch)
         peer = schedule.peer(action)
-        direction, sender, microbatch = message_id
-        label = ("fwd", sender, microbatch) if direction == "F" else ("bwd", sender - 1, microbatch)
+        label = ("fwd", sender, message_id[2]) if direction == "F" else ("bwd", sender - 1, message_id[2])
         routes.append(Route(peer=peer, tag=message_tag(message_id, n_chunks),
-                            shapes=tuple(shape_of(s) for s in sources), self_hop=peer == pp_rank,
+                            shapes=tuple(shape_of(microbatch, s) for s in sources), self_hop=peer == pp_rank,
                             message_id=message_id, label=label))
     return routes
 

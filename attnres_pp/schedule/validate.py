@@ -1,6 +1,7 @@
 """Schedule validation: every F and B (or I and W) exactly once on its rank, sends matched with
 receives, cache deposits made before they are collected, and a unit-time execution that proves the
-schedule cannot deadlock. Pure standard library.
+schedule cannot deadlock; and the same for forward-only schedules (`validate_forward_only`: every F
+once and in order, no backward). Pure standard library.
 
 Works on compute-only schedules (a chunk's input is then the previous chunk's compute) and on
 lowered ones (`passes.insert_comm`; the input is then the receive). The execution model is the
@@ -38,6 +39,29 @@ def validate(schedule: Schedule, p2p_semantics: str = "gloo") -> None:
             raise ScheduleError(str(error)) from None
     elif p2p_semantics not in ("gloo", "nccl"):
         raise ValueError(f"p2p_semantics={p2p_semantics!r} is invalid: choose 'gloo' or 'nccl'")
+
+
+_BACKWARD_KINDS = frozenset({ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.SEND_B, ActionKind.RECV_B})
+
+
+def validate_forward_only(schedule: Schedule) -> None:
+    """Raise ScheduleError unless a forward-only schedule (evaluation, generation) runs every chunk
+    on each microbatch (piece) once, in piece order, on its own rank, has no backward action, every
+    message has its other end, and unit-time execution cannot deadlock. In place of `validate`'s
+    "every F has its B", which does not apply here."""
+    _check_placement(schedule)
+    for pp_rank, actions in enumerate(schedule.rank_actions):
+        if any(a.kind in _BACKWARD_KINDS for a in actions):
+            raise ScheduleError(f"rank {pp_rank}: a forward-only schedule has backward actions")
+        for chunk in schedule.chunks_of(pp_rank):
+            pieces = [a.microbatch_index for a in actions if a.kind is ActionKind.F and a.chunk_index == chunk]
+            if pieces != list(range(schedule.n_microbatches)):
+                raise ScheduleError(
+                    f"rank {pp_rank}: chunk {chunk} runs pieces {pieces}, expected each of "
+                    f"0..{schedule.n_microbatches - 1} once and in order (the key/value cache needs it)")
+    if schedule.has_comm:
+        _check_messages(schedule)
+    _check_no_deadlock(schedule)
 
 
 def _check_placement(schedule: Schedule) -> None:

@@ -98,10 +98,7 @@ class StageActor(StageWorker):
 
     def transport_bytes(self) -> dict[str, int]:
         """Bytes this rank sent in its last training step, by way ("shm", "gloo")."""
-        ledger = self.runtime.transport.ledger
-        if hasattr(ledger, "bytes_by_transport"):
-            return ledger.bytes_by_transport()
-        return {"gloo": ledger.total_bytes}  # nccl's batched transport: everything over the backend
+        return self.runtime.transport.ledger.bytes_by_transport()  # nccl's batched one: all "gloo"
 
     def join_process_group(self, init_method: str, world_size: int) -> dict:
         """As StageWorker's, with gloo's sockets on the interface of the node's address. A mesh that

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from attnres_pp.comm.nccl_transport import BatchedDistTransport
-from attnres_pp.comm.pair_transport import connect_pair_transport
+from attnres_pp.comm.pair_transport import PairTransport, connect_pair_transport
 from attnres_pp.comm.plan import plan_for_model
 from attnres_pp.comm.shm_transport import SharedMemoryTransport
 from attnres_pp.comm.transport import DistTransport
@@ -41,7 +41,7 @@ from attnres_pp.pipeline.mesh import Collectives, MeshCollectives, RankCoords
 from attnres_pp.pipeline.routes import hop_shapes, wire_messages
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
 from attnres_pp.pipeline.stage_setup import init_process_group, lowered_schedule, run_partition
-from attnres_pp.schedule.forward_only import forward_only_schedule
+from attnres_pp.schedule.forward_schedule import forward_only_schedule
 from attnres_pp.schedule.validate_nccl import check_nccl
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.devices import resolve_train
@@ -124,7 +124,7 @@ class StageWorker:
                                                node=self.node_id or socket.gethostname(), peer_ranks=peers,
                                                link=pipe.link)
         eval_transport = transport
-        if isinstance(getattr(transport, "inner", None), SharedMemoryTransport):
+        if isinstance(transport, PairTransport) and isinstance(transport.inner, SharedMemoryTransport):
             # Evaluation's passes run back to back with no all-reduce between them, so a sender could
             # write a slot again before its receiver has read it: they go over plain p2p (same ledger).
             eval_transport = DistTransport(self.pp_rank, pipe.timeout_s, device, ledger=transport.ledger,
@@ -319,9 +319,8 @@ class StageWorker:
     def close(self) -> None:
         import torch.distributed as dist
 
-        close_transport = getattr(self.runtime.transport, "close", None) if self.runtime else None
-        if close_transport is not None:  # the shared-memory transport's doorbells
-            close_transport()
+        if self.runtime is not None:  # the shared-memory transport's doorbells
+            self.runtime.transport.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
