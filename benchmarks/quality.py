@@ -27,7 +27,7 @@ import torch
 from attnres_pp.model import ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.train import RunConfig, TrainConfig, run_training
-from attnres_pp.train.local_engine import LocalEngine
+from attnres_pp.train.single_process_engine import SingleProcessEngine
 
 REPO = Path(__file__).resolve().parents[1]
 # 16 x 32 x 64 = 32,768 validation tokens, evaluated once at the end: 4x the training default,
@@ -72,7 +72,7 @@ def train_one(job: tuple[str, dict, int, int, str]) -> dict:
                           eval_every=0, eval_batches=EVAL_BATCHES),
         pipeline=PipelineConfig(launcher="local"),
     )
-    engine = LocalEngine(run_cfg.model, run_cfg.train)
+    engine = SingleProcessEngine(run_cfg.model, run_cfg.train)
     try:
         summary = run_training(run_cfg, engine, run_dir, progress=False)
     finally:

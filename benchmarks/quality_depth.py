@@ -36,7 +36,7 @@ import torch
 from attnres_pp.model import ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.train import RunConfig, TrainConfig, run_training
-from attnres_pp.train.local_engine import LocalEngine
+from attnres_pp.train.single_process_engine import SingleProcessEngine
 
 REPO = Path(__file__).resolve().parents[1]
 DEPTH_MODEL = dict(n_layers=12, d_model=48, n_heads=4, seq_len=64)
@@ -105,7 +105,7 @@ def train_one(job: tuple) -> dict:
                           eval_every=0, eval_batches=1),
         pipeline=PipelineConfig(launcher="local"),
     )
-    engine = LocalEngine(run_cfg.model, run_cfg.train)
+    engine = SingleProcessEngine(run_cfg.model, run_cfg.train)
     try:
         summary = run_training(run_cfg, engine, run_dir, progress=False)
         probe = None

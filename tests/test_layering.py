@@ -51,7 +51,7 @@ SIMULATOR_MAY_READ = {
 }
 # The only comm module a schedule may read: where a chunk runs.
 SCHEDULE_MAY_READ = {"attnres_pp.comm.partition"}
-RAY_MODULES = {"attnres_pp.train.ray_engine", "attnres_pp.generate.ray_generator"}  # only the Ray launchers
+RAY_MODULES = {"attnres_pp.pipeline.ray_rank_group"}  # only the Ray rank group
 
 
 def _module_name(path: Path) -> str:
