@@ -151,7 +151,7 @@ def _run_cfg(steps=3, model=None, **train):
                      pipeline=PipelineConfig(launcher="local"))
 
 
-def test_local_engine_is_deterministic(tmp_path):
+def test_single_process_engine_is_deterministic(tmp_path):
     cfg = _run_cfg(steps=3)
     first = run_training(cfg, SingleProcessEngine(cfg.model, cfg.train), tmp_path / "a", progress=False)
     second = run_training(cfg, SingleProcessEngine(cfg.model, cfg.train), tmp_path / "b", progress=False)
