@@ -163,3 +163,37 @@ def test_the_simulator_reads_only_torch_free_modules():
 def test_only_the_ray_launcher_imports_ray():
     importers = {m for m in MODULES for name, _ in _imports(MODULES[m]) if name.split(".")[0] == "ray"}
     assert importers == RAY_MODULES
+
+
+def _circle_through(start: str, layers: set[str]) -> list[str] | None:
+    """A path of imports from `start` back to itself within `layers`, or None."""
+    todo, seen = [(start, [start])], set()
+    while todo:
+        module, path = todo.pop()
+        for name, _line in _project_imports(module):
+            if _layer(name) not in layers or name == module:
+                continue
+            if name == start:
+                return [*path, name]
+            if name not in seen:
+                seen.add(name)
+                todo.append((name, [*path, name]))
+    return None
+
+
+def test_generate_and_train_import_no_circle():
+    """No module of generate or train reaches itself through its imports (those inside functions
+    too): each layer's modules build on one another one way."""
+    layers = {"generate", "train", "pipeline"}
+    circles = [" -> ".join(path) for m in sorted(MODULES) if _layer(m) in ("generate", "train")
+               for path in [_circle_through(m, layers)] if path]
+    assert _circle_through("attnres_pp.kernels.dispatch", {"kernels"})  # the checker finds a circle
+    assert not circles, "\n".join(circles)
+
+
+def test_one_module_starts_ray_and_places_ranks():
+    """Training and generation start their Ray ranks through one module: it alone calls ray.init
+    and makes placement groups."""
+    for call in ("ray.init(", "placement_group("):
+        callers = {m for m, path in MODULES.items() if call in path.read_text()}
+        assert callers == RAY_MODULES, call
