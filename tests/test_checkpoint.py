@@ -157,11 +157,8 @@ def test_local_launcher_restarts_from_scratch_without_a_checkpoint(tmp_path, cap
 def test_a_rank_that_cannot_see_the_run_directory_stops_the_start(tmp_path):
     """Ranks write their shards into --out directly: the engines probe that every rank sees the
     driver's directory (a file the driver writes there) and name the ranks that do not."""
-    from attnres_pp.train.config import RunConfig
-    from attnres_pp.train.pipeline_engine import PipelineEngineBase
+    from attnres_pp.train.pipeline_engine import check_shared_out_dir
 
-    run_cfg = RunConfig.from_dict({"pipeline": {"stages": 2, "launcher": "local"}})
-    engine = PipelineEngineBase(run_cfg, tmp_path / "out")
     seen = []
 
     def ask_ranks(path, token):  # rank 0 shares the driver's filesystem, rank 1 (another node) does not
@@ -169,7 +166,7 @@ def test_a_rank_that_cannot_see_the_run_directory_stops_the_start(tmp_path):
         return [(True, "node-a"), (False, "node-b")]
 
     with pytest.raises(RuntimeError, match=r"not visible to rank 1 on node-b: .* filesystem every node mounts"):
-        engine._check_shared_out_dir(ask_ranks)
+        check_shared_out_dir(tmp_path / "out", ask_ranks)
     assert seen == [True] and list((tmp_path / "out").iterdir()) == []  # the probe is removed
 
 

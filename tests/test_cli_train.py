@@ -86,13 +86,7 @@ def test_bin_data_larger_than_the_vocabulary_exits_2(tmp_path, capsys):
     [["--launcher", "local", "--stages", "2"], ["--launcher", "ray"], ["--launcher", "local", "--virtual", "2"]],
 )
 def test_only_one_local_chunk_trains_in_this_process(tmp_path, monkeypatch, capsys, argv):
-    """Everything but stages = virtual = 1 with the local launcher goes to the pipeline's make_engine."""
-    import importlib.util
-
-    if importlib.util.find_spec("attnres_pp.train.engines") is None:
-        assert main(["train", *argv, "--out", str(tmp_path / "run")]) == 2
-        assert "needs the pipeline engine" in capsys.readouterr().err
-        return
+    """Everything but stages = virtual = 1 with the local launcher goes to the pipeline engine."""
     import attnres_pp.train.engines as launch
 
     calls = []
@@ -101,7 +95,8 @@ def test_only_one_local_chunk_trains_in_this_process(tmp_path, monkeypatch, caps
         calls.append((run_cfg.pipeline, out_dir))
         raise ValueError("stub engine refused")
 
-    monkeypatch.setattr(launch, "make_engine", refuse)
+    monkeypatch.setattr(launch, "PipelineEngine", refuse)
+    monkeypatch.setattr(launch, "SingleProcessEngine", lambda *a, **k: pytest.fail("trained in this process"))
     assert main(["train", *argv, *TINY, "--out", str(tmp_path / "run")]) == 2
     assert "stub engine refused" in capsys.readouterr().err
     assert len(calls) == 1 and str(calls[0][1]) == str(tmp_path / "run")

@@ -15,10 +15,11 @@ from attnres_pp.pipeline.mesh import RankCoords
 from attnres_pp.schedule.forward_schedule import forward_only_schedule
 from attnres_pp.schedule.ir import ActionKind
 from attnres_pp.train.config import RunConfig
+from attnres_pp.train.engines import make_engine
 from attnres_pp.train.grad_sync import flat_buckets, sync_gradients
-from attnres_pp.train.inprocess_engine import InProcessEngine
-from attnres_pp.train.local_engine import LocalEngine
+from attnres_pp.train.pipeline_engine import PipelineEngine
 from attnres_pp.train.rank_data import RankData
+from attnres_pp.train.single_process_engine import SingleProcessEngine
 from tests.pipeline_helpers import MICRO, assert_grads_match, batch, model_config, reference_step
 from tests.reference_model import VARIANTS, randomize_depth_params
 
@@ -32,18 +33,18 @@ def run_config(cfg, *, D, P, V, m, schedule="interleaved_1f1b", cache=True, **tr
     })
 
 
-def engine_with_random_reads(run_cfg: RunConfig) -> InProcessEngine:
+def engine_with_random_reads(run_cfg: RunConfig) -> PipelineEngine:
     """Non-zero pseudo-queries and gates on every rank, drawn as the reference model draws them."""
-    engine = InProcessEngine(run_cfg)
-    for worker in engine.workers:
+    engine = make_engine(run_cfg)
+    for worker in engine.ranks.workers:
         randomize_depth_params(worker.model, torch.Generator().manual_seed(1))
     return engine
 
 
-def synced_grads(engine: InProcessEngine) -> dict[str, torch.Tensor]:
+def synced_grads(engine: PipelineEngine) -> dict[str, torch.Tensor]:
     """Every rank's synced gradients by name; replicas (and the tied convs everywhere) must agree."""
     grads: dict[str, torch.Tensor] = {}
-    for worker in engine.workers:
+    for worker in engine.ranks.workers:
         for name, p in worker.params.items():
             kept = grads.setdefault(name, p.grad)
             assert torch.equal(kept, p.grad), f"{name} differs between ranks (rank {worker.rank})"
@@ -66,7 +67,7 @@ def test_data_parallel_step_equals_single_process(variant, layout, cache):
     cfg = model_config(variant, 4)
     engine = engine_with_random_reads(run_config(cfg, D=D, P=P, V=V, m=m, schedule=schedule, cache=cache))
     inputs, targets = batch(D * m)
-    records = engine.backward(0, inputs, targets)
+    records = engine.ranks.call("backward", [(0, b) for b in engine.rank_batches(inputs, targets)])
     loss = sum(loss for r in records for loss in r.losses.values()) / (D * m)
     want_loss, want_grads = reference_step(cfg, inputs, targets, D * m)
     assert sum(len(r.losses) for r in records) == D * m
@@ -80,7 +81,7 @@ def test_data_parallel_training_and_evaluation_equal_single_process(variant):
     scale differs), then the pipelined forward-only evaluation."""
     cfg = model_config(variant, 4)
     run_cfg = run_config(cfg, D=2, P=2, V=2, m=2, grad_clip=0.05, lr=1e-2)
-    engine, local = InProcessEngine(run_cfg), LocalEngine(run_cfg.model, run_cfg.train)
+    engine, local = make_engine(run_cfg), SingleProcessEngine(run_cfg.model, run_cfg.train)
     for step in range(3):
         inputs, targets = batch(4, seed=10 + step)
         got, want = engine.train_step(step, inputs, targets, 1e-2), local.train_step(step, inputs, targets, 1e-2)
@@ -90,7 +91,7 @@ def test_data_parallel_training_and_evaluation_equal_single_process(variant):
     inputs, targets = batch(4, seed=99)
     want = local.eval_loss(inputs, targets)
     assert abs(engine.eval_loss(inputs, targets) - want) <= 1e-5 * abs(want)
-    assert all(p.grad is None for w in engine.workers for p in w.params.values())  # evaluation: no backward
+    assert all(p.grad is None for w in engine.ranks.workers for p in w.params.values())  # evaluation: no backward
 
 
 def test_zero_bubble_training_and_evaluation_under_data_parallel_equal_single_process():
@@ -98,7 +99,7 @@ def test_zero_bubble_training_and_evaluation_under_data_parallel_equal_single_pr
     placement (its middle hop a self-hop)."""
     cfg = model_config("block", 4)
     run_cfg = run_config(cfg, D=2, P=2, V=2, m=3, schedule="zbv", grad_clip=0.05, lr=1e-2)
-    engine, local = InProcessEngine(run_cfg), LocalEngine(run_cfg.model, run_cfg.train)
+    engine, local = make_engine(run_cfg), SingleProcessEngine(run_cfg.model, run_cfg.train)
     for step in range(2):
         inputs, targets = batch(6, seed=10 + step)
         got, want = engine.train_step(step, inputs, targets, 1e-2), local.train_step(step, inputs, targets, 1e-2)
@@ -179,6 +180,6 @@ def test_rank_local_evaluation_equals_the_single_process_val_loss(tmp_path):
     cfg = model_config("msar", 4, vocab_size=256)
     run_cfg = run_config(cfg, D=2, P=2, V=2, m=2, data=str(data), eval_batches=3)
     corpus = load_corpus(str(data))
-    want = LocalEngine(run_cfg.model, run_cfg.train, corpus=corpus).evaluate()
-    got = InProcessEngine(run_cfg, corpus=corpus).evaluate()
+    want = SingleProcessEngine(run_cfg.model, run_cfg.train, corpus=corpus).evaluate()
+    got = make_engine(run_cfg, corpus=corpus).evaluate()
     assert abs(got - want) <= 1e-5 * abs(want)

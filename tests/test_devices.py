@@ -15,8 +15,8 @@ from attnres_pp.pipeline.stage_setup import init_process_group
 from attnres_pp.schedule.timeline import align_per_rank, bubble_fraction, own_clock_bubble, rank_bubbles
 from attnres_pp.train.config import TrainConfig
 from attnres_pp.train.devices import DeviceDecision, backend_of, decide_device, resolve_train
-from attnres_pp.train.local_engine import LocalEngine
 from attnres_pp.train.optim import build_optimizer, clip_grad_norm_
+from attnres_pp.train.single_process_engine import SingleProcessEngine
 from tests.pipeline_helpers import model_config
 
 
@@ -70,7 +70,7 @@ def test_auto_resolves_dtype_and_kernels_by_device(monkeypatch):
 
 
 def test_kernels_flag_picks_the_backend_and_the_summary_records_it(tmp_path):
-    engine = LocalEngine(model_config("block", 2), TrainConfig(kernels="torch", batch_size=2, microbatches=1))
+    engine = SingleProcessEngine(model_config("block", 2), TrainConfig(kernels="torch", batch_size=2, microbatches=1))
     assert engine.model.backend == "torch" and engine.train_cfg.kernels == "torch"
     out = tmp_path / "run"
     assert main(["train", "--launcher", "inprocess", "--stages", "2", "--layers", "2", "--d-model", "16",
@@ -146,7 +146,7 @@ def test_the_replica_norm_counts_tied_parameters_once_without_host_round_trips(m
 def test_ranks_of_one_gpu_node_see_all_its_gpus_each_using_its_own():
     """Fake GPU ids as Ray assigns them (one per rank): node a holds ranks 0, 1 and 3 on GPUs 2, 0
     and 10; node b rank 2 on GPU 0. The ranks of node a all see "0,2,10" and each takes its own."""
-    from attnres_pp.train.devices import node_gpu_views
+    from attnres_pp.pipeline.ray_checks import node_gpu_views
 
     views = node_gpu_views(["a", "a", "b", "a"], [["2"], ["0"], ["0"], ["10"]])
     assert views == [("0,2,10", 1), ("0,2,10", 0), ("0", 0), ("0,2,10", 2)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from attnres_pp.generate.config import GenerationConfig
-from attnres_pp.generate.engines import InProcessGenerator, SingleProcessGenerator
+from attnres_pp.generate.engines import SingleProcessGenerator, make_generator
 from attnres_pp.generate.loop import generate, generate_batch
 from attnres_pp.pipeline.config import PipelineConfig
 from tests.pipeline_helpers import build_model, model_config
@@ -36,7 +36,7 @@ def test_each_greedy_output_equals_its_prompt_alone(variant):
     single = generate_batch(SingleProcessGenerator(cfg, named), PROMPTS, GREEDY)
     assert [r.tokens for r in single] == want
     pipe = PipelineConfig(stages=2, virtual=2, launcher="inprocess", timeout_s=60.0)
-    piped = generate_batch(InProcessGenerator(cfg, pipe, named), PROMPTS, GREEDY)
+    piped = generate_batch(make_generator(cfg, pipe, named), PROMPTS, GREEDY)
     assert [r.tokens for r in piped] == want
     assert all(r.prefill_s > 0 and len(r.decode_s) == GREEDY.max_new_tokens - 1 for r in piped)
 
@@ -74,7 +74,7 @@ def test_a_stop_string_ends_its_sequence_and_is_left_out(launcher):
     stopped = GenerationConfig(max_new_tokens=GREEDY.max_new_tokens, prefill_chunk=3, temperature=0, stop=(stop,))
     pipe = PipelineConfig(stages=2, virtual=2, launcher="inprocess", timeout_s=60.0)
     generator = CountingGenerator(SingleProcessGenerator(cfg, named) if launcher == "single"
-                                  else InProcessGenerator(cfg, pipe, named))
+                                  else make_generator(cfg, pipe, named))
     results = generate_batch(generator, PROMPTS, stopped)
     assert results[target].tokens == want[target][:cut] and results[target].stopped_at == stop
     assert generator.batch_sizes[0] == len(PROMPTS) and generator.batch_sizes[-1] < len(PROMPTS)  # it left

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attnres_pp.generate.config import GenerationConfig
-from attnres_pp.generate.engines import InProcessGenerator, ProcessGenerator, SingleProcessGenerator
+from attnres_pp.generate.engines import SingleProcessGenerator, make_generator
 from attnres_pp.generate.loop import generate, generate_batch
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.pipeline.loopback_nccl import NcclLoopbackTransport
@@ -61,8 +61,9 @@ def test_posting_every_receive_up_front_deadlocks_under_nccl_at_v2(pieces):
 def test_nccl_loopback_gives_the_single_process_tokens(variant):
     cfg, named = _setup(variant)
     want = generate(SingleProcessGenerator(cfg, named), PROMPT, GREEDY).tokens
-    piped = InProcessGenerator(cfg, _nccl_pipe(), named)
-    assert all(isinstance(r.transport, NcclLoopbackTransport) for r in piped.runtimes)  # the rules are enforced
+    piped = make_generator(cfg, _nccl_pipe(), named)
+    # the rules are enforced
+    assert all(isinstance(w.runtime.transport, NcclLoopbackTransport) for w in piped.ranks.workers)
     assert generate(piped, PROMPT, GREEDY).tokens == want
     assert piped.ledger.records  # messages crossed between the ranks
     batch = [PROMPT, PROMPT[:2], PROMPT[:5]]  # a ragged batch under NCCL's rules too
@@ -74,7 +75,7 @@ def test_bf16_under_the_nccl_loopback_gives_the_single_process_bf16_tokens():
     """bf16 autocast: hops carry bf16 (2 bytes a number), and the tokens are the single process's."""
     cfg, named = _setup("msar")
     want = generate(SingleProcessGenerator(cfg, named, precision="bf16"), PROMPT, GREEDY).tokens
-    piped = InProcessGenerator(cfg, _nccl_pipe(), named, precision="bf16")
+    piped = make_generator(cfg, _nccl_pipe(), named, precision="bf16")
     assert generate(piped, PROMPT, GREEDY).tokens == want
     piped.reset()
     piped.ledger.clear()
@@ -91,7 +92,7 @@ def test_the_nccl_loopback_rejects_the_post_everything_order(monkeypatch):
 
     cfg, named = _setup("block")
     monkeypatch.setattr(executor, "lockstep_plan", post_everything_plan)
-    piped = InProcessGenerator(cfg, _nccl_pipe(), named)
+    piped = make_generator(cfg, _nccl_pipe(), named)
     with pytest.raises(RuntimeError, match="generation pass is stuck"):
         generate(piped, PROMPT, GREEDY)
 
@@ -100,7 +101,7 @@ def test_the_nccl_loopback_rejects_the_post_everything_order(monkeypatch):
 def test_on_cuda_the_nccl_loopback_gives_the_single_process_tokens():
     cfg, named = _setup("msar")
     want = generate(SingleProcessGenerator(cfg, named, device="cuda", precision="bf16"), PROMPT, GREEDY).tokens
-    piped = InProcessGenerator(cfg, _nccl_pipe(), named, device="cuda", precision="bf16")
+    piped = make_generator(cfg, _nccl_pipe(), named, device="cuda", precision="bf16")
     assert generate(piped, PROMPT, GREEDY).tokens == want
 
 
@@ -111,7 +112,7 @@ def test_nccl_order_over_gloo_rank_processes():
     want = generate(SingleProcessGenerator(cfg, named), PROMPT, GREEDY).tokens
     batch = [PROMPT[:2], PROMPT]
     alone = [generate(SingleProcessGenerator(cfg, named), ids, GREEDY).tokens for ids in batch]
-    generator = ProcessGenerator(cfg, _nccl_pipe(launcher="local"), named)
+    generator = make_generator(cfg, _nccl_pipe(launcher="local"), named)
     try:
         assert generate(generator, PROMPT, GREEDY).tokens == want
         assert [r.tokens for r in generate_batch(generator, batch, GREEDY)] == alone  # keep_rows on the ranks

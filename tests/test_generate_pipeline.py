@@ -9,7 +9,7 @@ import torch
 
 from attnres_pp.comm.plan import plan_for_model
 from attnres_pp.generate.config import GenerationConfig
-from attnres_pp.generate.engines import InProcessGenerator, ProcessGenerator, SingleProcessGenerator
+from attnres_pp.generate.engines import SingleProcessGenerator, make_generator
 from attnres_pp.generate.loop import generate
 from attnres_pp.generate.worker import pipeline_partition
 from attnres_pp.pipeline.config import PipelineConfig
@@ -38,7 +38,7 @@ def _pipe(launcher: str, stages: int = 2, virtual: int = 2) -> PipelineConfig:
 def test_greedy_tokens_are_identical_in_process(variant):
     cfg, named = _setup(variant)
     want = generate(SingleProcessGenerator(cfg, named), PROMPT, GREEDY).tokens
-    got = generate(InProcessGenerator(cfg, _pipe("inprocess"), named), PROMPT, GREEDY).tokens
+    got = generate(make_generator(cfg, _pipe("inprocess"), named), PROMPT, GREEDY).tokens
     assert got == want
     assert len(want) == GREEDY.max_new_tokens and len(set(want)) > 1  # a real sequence, not one token repeated
 
@@ -48,7 +48,7 @@ def test_pass_logits_and_hops_match(variant):
     """Prefill in pieces then a decode pass: every position's logits within fp32 rounding of the
     single process; the transport counted exactly the plan's tensors on every wire hop."""
     cfg, named = _setup(variant)
-    single, piped = SingleProcessGenerator(cfg, named), InProcessGenerator(cfg, _pipe("inprocess"), named)
+    single, piped = SingleProcessGenerator(cfg, named), make_generator(cfg, _pipe("inprocess"), named)
     tokens_BT = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
     passes = [([(0, 4), (4, 4)], tokens_BT[:, :8]), ([(8, 1)], tokens_BT[:, 8:])]
     plan = plan_for_model(cfg, pipeline_partition(cfg, _pipe("inprocess")), cache=True)
@@ -70,7 +70,7 @@ def test_pass_logits_and_hops_match(variant):
 def test_p1_with_virtual_stages_runs_every_hop_in_memory():
     cfg, named = _setup("block")
     want = generate(SingleProcessGenerator(cfg, named), PROMPT, GREEDY).tokens
-    piped = InProcessGenerator(cfg, _pipe("inprocess", stages=1, virtual=4), named)
+    piped = make_generator(cfg, _pipe("inprocess", stages=1, virtual=4), named)
     assert generate(piped, PROMPT, GREEDY).tokens == want
     assert piped.ledger.records == []
 
@@ -79,7 +79,7 @@ def test_sampling_is_seeded_and_launcher_independent():
     cfg, named = _setup("msar")
     sampled = GenerationConfig(max_new_tokens=12, temperature=0.8, top_k=5, seed=7)
     want = generate(SingleProcessGenerator(cfg, named), PROMPT, sampled).tokens
-    assert generate(InProcessGenerator(cfg, _pipe("inprocess"), named), PROMPT, sampled).tokens == want
+    assert generate(make_generator(cfg, _pipe("inprocess"), named), PROMPT, sampled).tokens == want
     other = generate(SingleProcessGenerator(cfg, named), PROMPT, GenerationConfig(
         max_new_tokens=12, temperature=0.8, top_k=5, seed=8)).tokens
     assert other != want
@@ -101,7 +101,7 @@ def test_generation_schedule_is_forward_only_and_pipelined():
 def test_greedy_tokens_are_identical_over_gloo(variant):
     cfg, named = _setup(variant)
     want = generate(SingleProcessGenerator(cfg, named), PROMPT, GREEDY).tokens
-    generator = ProcessGenerator(cfg, _pipe("local"), named)
+    generator = make_generator(cfg, _pipe("local"), named)
     try:
         assert generate(generator, PROMPT, GREEDY).tokens == want
         assert generate(generator, PROMPT[:3], GREEDY).tokens == generate(  # reset: a second sequence

@@ -26,7 +26,7 @@ def test_ray_actors_generate_the_single_process_tokens():
     want = generate(SingleProcessGenerator(cfg, named), [1, 2, 3, 4, 5], greedy).tokens
     generator = make_generator(cfg, PipelineConfig(stages=2, virtual=2, launcher="ray", timeout_s=60.0), named)
     try:
-        assert generator.started_ray
+        assert generator.ranks.started_ray
         assert generate(generator, [1, 2, 3, 4, 5], greedy).tokens == want
         batch = [[1, 2], [1, 2, 3, 4, 5]]  # ragged: the first finishes first and leaves the batch
         alone = [generate(SingleProcessGenerator(cfg, named), ids, greedy).tokens for ids in batch]

@@ -54,7 +54,7 @@ SIMULATOR_MAY_READ = {
 }
 # The only comm module a schedule may read: where a chunk runs.
 SCHEDULE_MAY_READ = {"attnres_pp.comm.partition"}
-RAY_MODULES = {"attnres_pp.train.ray_engine", "attnres_pp.generate.ray_generator"}  # only the Ray launchers
+RAY_MODULES = {"attnres_pp.pipeline.ray_rank_group"}  # only the Ray rank group
 
 
 def _module_name(path: Path) -> str:
@@ -275,3 +275,11 @@ def test_the_circle_checker_finds_a_planted_circle(tmp_path):
     assert import_circles(package) == [["pkg.a", "pkg.b", "pkg.c"]]
     (package / "b.py").write_text("x = 2\n")
     assert import_circles(package) == []
+
+
+def test_one_module_starts_ray_and_places_ranks():
+    """Training and generation start their Ray ranks through one module: it alone calls ray.init
+    and makes placement groups."""
+    for call in ("ray.init(", "placement_group("):
+        callers = {m for m, path in MODULES.items() if call in path.read_text()}
+        assert callers == RAY_MODULES, call

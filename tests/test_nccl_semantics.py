@@ -235,16 +235,16 @@ def test_data_parallel_training_and_evaluation_under_nccl_semantics_equal_single
     """`--launcher inprocess --p2p-semantics nccl` at D = 2, P = 2, V = 2: every replica's loopback
     enforces NCCL's rules on the training steps and on the forward-only evaluation, and both equal
     the single process (loss, clipped norm, val loss)."""
-    from attnres_pp.train.inprocess_engine import InProcessEngine
-    from attnres_pp.train.local_engine import LocalEngine
+    from attnres_pp.train.engines import make_engine
+    from attnres_pp.train.single_process_engine import SingleProcessEngine
     from tests.test_data_parallel import run_config
 
     run_cfg = run_config(model_config(variant, 4), D=2, P=2, V=2, m=2, grad_clip=0.05, lr=1e-2)
     run_cfg = RunConfig.from_dict({**run_cfg.to_dict(),
                                    "pipeline": {**run_cfg.pipeline.to_dict(), "p2p_semantics": "nccl"}})
-    engine, local = InProcessEngine(run_cfg), LocalEngine(run_cfg.model, run_cfg.train)
-    assert all(isinstance(w.runtime.transport, NcclLoopbackTransport) for w in engine.workers)
-    assert len({id(w.runtime.transport.fabric) for w in engine.workers}) == 2  # one per replica
+    engine, local = make_engine(run_cfg), SingleProcessEngine(run_cfg.model, run_cfg.train)
+    assert all(isinstance(w.runtime.transport, NcclLoopbackTransport) for w in engine.ranks.workers)
+    assert len({id(w.runtime.transport.fabric) for w in engine.ranks.workers}) == 2  # one per replica
     for step in range(2):
         inputs, targets = batch(4, seed=10 + step)
         got, want = engine.train_step(step, inputs, targets, 1e-2), local.train_step(step, inputs, targets, 1e-2)
@@ -253,4 +253,4 @@ def test_data_parallel_training_and_evaluation_under_nccl_semantics_equal_single
     inputs, targets = batch(4, seed=99)
     want = local.eval_loss(inputs, targets)
     assert abs(engine.eval_loss(inputs, targets) - want) <= 1e-5 * abs(want)
-    assert not any(g for w in engine.workers for g in w.runtime.transport.fabric.groups)  # all flushed
+    assert not any(g for w in engine.ranks.workers for g in w.runtime.transport.fabric.groups)  # all flushed

@@ -10,9 +10,10 @@ import traceback
 import pytest
 import torch
 
+from attnres_pp.pipeline.errors import WorkerLost
 from attnres_pp.train.config import RunConfig
-from attnres_pp.train.local_engine import LocalEngine
-from attnres_pp.train.process_engine import ProcessEngine, WorkerLost
+from attnres_pp.train.engines import make_engine
+from attnres_pp.train.single_process_engine import SingleProcessEngine
 from tests.pipeline_helpers import MICRO, assert_grads_match, batch, model_config, reference_step
 from tests.reference_model import VARIANTS
 
@@ -173,8 +174,8 @@ def test_lost_rank_gives_a_bounded_error_not_a_hang(tmp_path):
     cfg = model_config("block", 4, block_size=3)
     run_cfg = RunConfig.from_dict({**run_dict(cfg, "interleaved_1f1b", 2, 2, 4),
                                    "pipeline": {"stages": 2, "virtual": 2, "launcher": "local", "timeout_s": 10.0}})
-    engine = ProcessEngine(run_cfg, fail_at=(1, 1))
-    procs = list(engine._procs)
+    engine = make_engine(run_cfg, fail_at=(1, 1))
+    procs = list(engine.ranks.procs)
     inputs, targets = batch(4)
     try:
         engine.train_step(0, inputs, targets, 1e-3)
@@ -194,8 +195,8 @@ def test_local_launcher_training_matches_single_process_losses(variant, tmp_path
     overrides = {} if variant in ("standard", "full") else {"block_size": 3}
     run_cfg = RunConfig.from_dict(run_dict(model_config(variant, 4, **overrides), "interleaved_1f1b", 2, 2, 2,
                                            steps=3, grad_clip=0.05, lr=1e-2))
-    engine = ProcessEngine(run_cfg, tmp_path)
-    local = LocalEngine(run_cfg.model, run_cfg.train)
+    engine = make_engine(run_cfg, tmp_path)
+    local = SingleProcessEngine(run_cfg.model, run_cfg.train)
     try:
         for step in range(3):
             inputs, targets = batch(2, seed=10 + step)

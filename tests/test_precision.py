@@ -15,9 +15,9 @@ from attnres_pp.cli import main
 from attnres_pp.comm.cache import BlockCache
 from attnres_pp.data import batch_at, load_corpus
 from attnres_pp.train.config import RunConfig, TrainConfig
-from attnres_pp.train.inprocess_engine import InProcessEngine
-from attnres_pp.train.local_engine import LocalEngine
+from attnres_pp.train.engines import make_engine
 from attnres_pp.train.optim import lr_at
+from attnres_pp.train.single_process_engine import SingleProcessEngine
 from tests.pipeline_helpers import model_config
 from tests.reference_model import VARIANTS
 
@@ -51,16 +51,16 @@ def _train(engine, run_cfg, batches):
 def test_bf16_pipelined_steps_equal_the_bf16_single_process(variant):
     run_cfg = _run_cfg(variant, "bf16")
     batches = _batches(3, run_cfg)
-    single = _train(LocalEngine(run_cfg.model, run_cfg.train), run_cfg, batches)
-    piped_engine = InProcessEngine(run_cfg)
+    single = _train(SingleProcessEngine(run_cfg.model, run_cfg.train), run_cfg, batches)
+    piped_engine = make_engine(run_cfg)
     piped = _train(piped_engine, run_cfg, batches)
     for got, want in zip(piped, single, strict=True):
         assert abs(got - want) <= 1e-3 * abs(want), (piped, single)
-    fp32 = _train(LocalEngine(run_cfg.model, TrainConfig(**{**run_cfg.train.to_dict(), "dtype": "fp32"})),
+    fp32 = _train(SingleProcessEngine(run_cfg.model, TrainConfig(**{**run_cfg.train.to_dict(), "dtype": "fp32"})),
                   run_cfg, batches)
     assert single != fp32  # bf16 really computed in bf16
     # Master weights and optimiser state stay fp32, on every rank.
-    workers = piped_engine.workers
+    workers = piped_engine.ranks.workers
     assert all(p.dtype == torch.float32 for w in workers for p in w.params.values())
     states = [t for w in workers for s in w.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     assert states and all(t.dtype == torch.float32 for t in states if t.dim() > 0)
@@ -75,11 +75,11 @@ def test_hops_cache_entries_and_deposits_are_bf16(monkeypatch):
     bytes_by_dtype = {}
     for dtype in ("fp32", "bf16"):
         run_cfg = _run_cfg("block", dtype, stages=2, virtual=2)
-        engine = InProcessEngine(run_cfg)
+        engine = make_engine(run_cfg)
         (inputs, _), = _batches(1, run_cfg)
         result = engine.train_step(0, inputs, inputs, 1e-3)
         bytes_by_dtype[dtype] = result.extras["bytes_sent_per_step"]
-        runtimes = [rt for w in engine.workers for rt in (w.runtime, w.eval_runtime)]
+        runtimes = [rt for w in engine.ranks.workers for rt in (w.runtime, w.eval_runtime)]
         assert {r.dtype for r in runtimes} == {torch.bfloat16 if dtype == "bf16" else torch.float32}
     assert seen["put"] >= {torch.bfloat16} and seen["deposit"] >= {torch.bfloat16}
     assert bytes_by_dtype["bf16"] * 2 == bytes_by_dtype["fp32"] > 0
@@ -114,7 +114,7 @@ def test_bf16_training_ends_within_2_percent_of_fp32():
     for dtype in ("fp32", "bf16"):
         train = TrainConfig(steps=60, batch_size=8, microbatches=1, lr=3e-3, warmup_steps=5, dtype=dtype,
                             device="cpu", eval_every=0)
-        engine = LocalEngine(model, train)
+        engine = SingleProcessEngine(model, train)
         losses = []
         for step in range(train.steps):
             inputs, targets = batch_at(corpus.train_tokens_N, step, train.batch_size, model.seq_len, train.seed)
@@ -143,10 +143,10 @@ def test_bf16_data_parallel_steps_equal_the_bf16_single_process(variant):
     run_cfg = RunConfig.from_dict({**run_cfg.to_dict(), "train": {**run_cfg.train.to_dict(), "batch_size": 8},
                                    "pipeline": {**run_cfg.pipeline.to_dict(), "data_parallel": 2}})
     batches = _batches(3, run_cfg)
-    single = _train(LocalEngine(run_cfg.model, run_cfg.train), run_cfg, batches)
-    engine = InProcessEngine(run_cfg)
+    single = _train(SingleProcessEngine(run_cfg.model, run_cfg.train), run_cfg, batches)
+    engine = make_engine(run_cfg)
     piped = _train(engine, run_cfg, batches)
     for got, want in zip(piped, single, strict=True):
         assert abs(got - want) <= 1e-3 * abs(want), (piped, single)
-    assert {w.runtime.dtype for w in engine.workers} == {torch.bfloat16}
-    assert all(p.dtype == torch.float32 for w in engine.workers for p in w.params.values())
+    assert {w.runtime.dtype for w in engine.ranks.workers} == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for w in engine.ranks.workers for p in w.params.values())

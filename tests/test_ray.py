@@ -2,8 +2,8 @@
 other launchers'), the restart limit stops a run with a message, and a real cluster job: a head
 started with `ray start` (token authentication on), a job submitted with `ray job submit`.
 
-Recovery tests share one private local Ray instance (RayEngine joins an initialised Ray and leaves
-it running), so Ray's start-up is paid once. The cluster test's head lives in its own temp dir,
+Recovery tests share one private local Ray instance (the Ray rank group joins an initialised Ray and
+leaves it running), so Ray's start-up is paid once. The cluster test's head lives in its own temp dir,
 so no other test's `ray.init()` can find it, and is stopped through its own `ray start --block`
 process, never with `ray stop` (which would stop every Ray instance on the machine).
 """
@@ -123,7 +123,7 @@ def test_a_placement_no_node_can_hold_is_refused_at_once(local_ray, tmp_path, ca
 
 
 class _SetUpRank:
-    """Stands in for a StageActor's process-group set-up: rank 1 refuses it as a rank does whose
+    """Stands in for a rank actor's process-group set-up: rank 1 refuses it as a rank does whose
     /dev/shm has no room (SharedMemoryFull is raised on every rank, naming the one without room)."""
 
     def __init__(self, rank: int) -> None:
@@ -141,16 +141,13 @@ def test_a_setup_refusal_through_ray_is_one_line_as_under_the_local_launcher(loc
     """The Ray driver raises a rank's set-up refusal (a ValueError, carried through Ray's task error)
     as `rank R refused to start: ...`, one line that the CLI prints as `error:`, ahead of the other
     ranks' failures it caused, and not as a rendezvous failure or a traceback."""
-    import types
-
-    from attnres_pp.train.ray_engine import RayEngine, RendezvousError
+    from attnres_pp.pipeline.ray_rank_group import RendezvousError, join_results
 
     actors = [ray.remote(num_cpus=0)(_SetUpRank).remote(rank) for rank in range(2)]
-    driver = types.SimpleNamespace(_ray=ray, timeout_s=30.0, rank_nodes=[("n0", "10.0.0.1"), ("n1", "10.0.0.2")])
     try:
         with pytest.raises(ValueError) as info:
-            RayEngine._join(driver, [a.join_process_group.remote("tcp://10.0.0.1:1", 2) for a in actors],
-                            "tcp://10.0.0.1:1")
+            join_results([a.join_process_group.remote("tcp://10.0.0.1:1", 2) for a in actors], "tcp://10.0.0.1:1",
+                         30.0, [("n0", "10.0.0.1"), ("n1", "10.0.0.2")])
     finally:
         for actor in actors:
             ray.kill(actor)

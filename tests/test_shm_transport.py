@@ -263,22 +263,21 @@ def test_slots_survive_a_tmpfs_that_fills_after_setup(tmp_path, small_tmpfs):
         assert out[1][f"got {step}"] == 24 * step and out[0][f"back {step}"] == 24 * (step + 1)
 
 
-def _refusing_rank(rank: int, init_method: str, world_size: int, conn) -> None:
-    from attnres_pp.comm.shm_transport import SharedMemoryFull
-    from attnres_pp.pipeline.rank_processes import serve
+class _RefusingWorker:
+    """A rank whose set-up finds no room in /dev/shm."""
 
-    def make_worker():
+    def __init__(self, rank: int) -> None:
+        from attnres_pp.comm.shm_transport import SharedMemoryFull
+
         raise SharedMemoryFull(f"rank {rank}: /dev/shm has no room for this run's shared-memory hop slots\n(detail)")
-
-    serve(make_worker, conn)
 
 
 def test_a_setup_refusal_reaches_the_driver_as_one_line():
     """The local launcher's driver raises a rank's SharedMemoryFull as a one-line ValueError, which
     the CLI prints as `error:` (exit 2), not as a traceback."""
-    from attnres_pp.pipeline.rank_processes import RankProcesses
+    from attnres_pp.pipeline.rank_group import ProcessRankGroup
 
     with pytest.raises(ValueError) as info:
-        RankProcesses(_refusing_rank, 2, 30.0, name="attnres-pp-test")
+        ProcessRankGroup(2, 30.0, name="attnres-pp-test").start(_RefusingWorker, [{"rank": rank} for rank in range(2)])
     assert str(info.value) == ("rank 0 refused to start: rank 0: /dev/shm has no room for this run's shared-memory "
                                "hop slots (detail)")

@@ -13,8 +13,8 @@ import torch
 from attnres_pp.model import ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.train import RunConfig, StepResult, TrainConfig, clip_grad_norm_, lr_at, run_training
-from attnres_pp.train.local_engine import LocalEngine
 from attnres_pp.train.optim import build_optimizer, decays
+from attnres_pp.train.single_process_engine import SingleProcessEngine
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = dict(n_layers=2, d_model=32, n_heads=2, seq_len=32)
@@ -151,10 +151,10 @@ def _run_cfg(steps=3, model=None, **train):
                      pipeline=PipelineConfig(launcher="local"))
 
 
-def test_local_engine_is_deterministic(tmp_path):
+def test_single_process_engine_is_deterministic(tmp_path):
     cfg = _run_cfg(steps=3)
-    first = run_training(cfg, LocalEngine(cfg.model, cfg.train), tmp_path / "a", progress=False)
-    second = run_training(cfg, LocalEngine(cfg.model, cfg.train), tmp_path / "b", progress=False)
+    first = run_training(cfg, SingleProcessEngine(cfg.model, cfg.train), tmp_path / "a", progress=False)
+    second = run_training(cfg, SingleProcessEngine(cfg.model, cfg.train), tmp_path / "b", progress=False)
     assert first["losses"] == second["losses"] and first["val_loss"] == second["val_loss"]
 
 
@@ -162,7 +162,7 @@ def test_gradient_accumulation_matches_one_microbatch():
     engines = []
     for m in (1, 2):
         cfg = _run_cfg(steps=2, microbatches=m, batch_size=4, model=VARIANTS["msar"])
-        engines.append(LocalEngine(cfg.model, cfg.train))
+        engines.append(SingleProcessEngine(cfg.model, cfg.train))
     inputs_BT = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
     targets_BT = torch.roll(inputs_BT, -1, dims=1)
     losses = [engine.train_step(0, inputs_BT, targets_BT, 1e-3).loss for engine in engines]
@@ -174,7 +174,7 @@ def test_gradient_accumulation_matches_one_microbatch():
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_every_variant_learns_the_builtin_corpus(variant, tmp_path):
     cfg = _run_cfg(steps=30, model=VARIANTS[variant], batch_size=8, lr=1e-2, warmup_steps=3)
-    summary = run_training(cfg, LocalEngine(cfg.model, cfg.train), tmp_path, progress=False)
+    summary = run_training(cfg, SingleProcessEngine(cfg.model, cfg.train), tmp_path, progress=False)
     losses = summary["losses"]
     assert len(losses) == 30
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5

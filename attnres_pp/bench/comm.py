@@ -60,14 +60,14 @@ def predicted_bytes_per_step(mode: str, *, n_layers: int, block_size: int, n_sta
 
 def count_bytes(mode: str, n_layers: int, block_size: int, n_stages: int, n_virtual: int) -> dict:
     """One step of the in-process pipeline; its ledger's bytes against the prediction."""
-    from attnres_pp.train.inprocess_engine import InProcessEngine
+    from attnres_pp.train.engines import make_engine
 
     n_microbatches = n_stages
     model, cache = model_for_mode(mode, {**TINY_MODEL, "n_layers": n_layers}, block_size)
     run_cfg = run_config(model, stages=n_stages, virtual=n_virtual, schedule="interleaved_1f1b",
                          microbatches=n_microbatches, microbatch_size=TINY_MICROBATCH, cache=cache,
                          launcher="inprocess")
-    engine = InProcessEngine(run_cfg)
+    engine = make_engine(run_cfg)
     inputs_BT, targets_BT = random_batch(0, run_cfg.train.batch_size, model["seq_len"], model["vocab_size"])
     extras = engine.train_step(0, inputs_BT, targets_BT, 1e-3).extras
     predicted = predicted_bytes_per_step(

@@ -66,17 +66,17 @@ class StepSample:
 
 @dataclass
 class TimedEngine:
-    """A pipelined engine (`make_engine`) stepped one random global batch at a time."""
+    """A pipelined engine (`make_pipeline_engine`) stepped one random global batch at a time."""
 
     run_cfg: RunConfig
     samples: list[StepSample] = field(default_factory=list)
     startup_s: float = 0.0
 
     def __post_init__(self) -> None:
-        from attnres_pp.train.engines import make_engine
+        from attnres_pp.train.engines import make_pipeline_engine
 
         started = time.perf_counter()
-        self.engine = make_engine(self.run_cfg, None, record_timelines=True)  # every step's timeline
+        self.engine = make_pipeline_engine(self.run_cfg, None, record_timelines=True)  # every step's timeline
         self.startup_s = time.perf_counter() - started
 
     def step(self) -> StepSample:

@@ -55,12 +55,12 @@ def _single_process_rss(model: dict | None) -> int:
 
 
 def _measure(model: dict, n_stages: int, progress: Callable[[str], None]) -> dict:
-    from attnres_pp.train.process_engine import ProcessEngine
+    from attnres_pp.train.engines import make_pipeline_engine
 
     run_cfg = run_config(model, stages=n_stages, virtual=1, schedule="1f1b", microbatches=n_stages,
                          microbatch_size=1)
     started = time.perf_counter()
-    engine = ProcessEngine(run_cfg)
+    engine = make_pipeline_engine(run_cfg)
     try:
         build = [d["peak_rss_bytes"] for d in engine.rank_descriptions]
         params = [d["params"] for d in engine.rank_descriptions]

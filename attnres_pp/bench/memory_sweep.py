@@ -35,7 +35,7 @@ QUICK_RUNS = [r for r in RUNS if r[1] <= 2]
 
 
 def _one(model: dict, data_parallel: int, dp_shard: str, ac: str, schedule: str) -> dict:
-    from attnres_pp.train.process_engine import ProcessEngine
+    from attnres_pp.train.engines import make_engine
 
     run_cfg = run_config(model, stages=STAGES, virtual=2 if schedule == "zbv" else 1, schedule=schedule,
                          microbatches=MICROBATCHES, microbatch_size=MICROBATCH_SIZE)
@@ -43,7 +43,7 @@ def _one(model: dict, data_parallel: int, dp_shard: str, ac: str, schedule: str)
         run_cfg, train=dataclasses.replace(run_cfg.train, activation_checkpoint=ac,
                                            batch_size=data_parallel * MICROBATCHES * MICROBATCH_SIZE),
         pipeline=dataclasses.replace(run_cfg.pipeline, data_parallel=data_parallel, dp_shard=dp_shard))
-    engine = ProcessEngine(run_cfg)
+    engine = make_engine(run_cfg)
     try:
         step_s, result = [], None
         for step in range(3):

@@ -28,7 +28,7 @@ from attnres_pp.bench.common import results_stem as common_results_stem
 from attnres_pp.model import ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.train import RunConfig, TrainConfig, run_training
-from attnres_pp.train.local_engine import LocalEngine
+from attnres_pp.train.single_process_engine import SingleProcessEngine
 
 RUNS = default_out_dir().parents[1] / "runs"  # the checkout's runs/ (benchmarks/results/ is two below it)
 QUICK_STEPS = 40
@@ -90,7 +90,7 @@ def train_one(job: tuple[str, dict, int, int, str]) -> dict:
                           eval_every=0, eval_batches=EVAL_BATCHES),
         pipeline=PipelineConfig(launcher="local"),
     )
-    engine = LocalEngine(run_cfg.model, run_cfg.train)
+    engine = SingleProcessEngine(run_cfg.model, run_cfg.train)
     try:
         summary = run_training(run_cfg, engine, run_dir, progress=False)
     finally:

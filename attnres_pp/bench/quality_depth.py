@@ -37,7 +37,7 @@ from attnres_pp.bench.common import default_out_dir
 from attnres_pp.model import ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.train import RunConfig, TrainConfig, run_training
-from attnres_pp.train.local_engine import LocalEngine
+from attnres_pp.train.single_process_engine import SingleProcessEngine
 
 RUNS = default_out_dir().parents[1] / "runs"  # the checkout's runs/ (benchmarks/results/ is two below it)
 DEPTH_MODEL = dict(n_layers=12, d_model=48, n_heads=4, seq_len=64)
@@ -110,7 +110,7 @@ def train_one(job: tuple) -> dict:
                           eval_every=0, eval_batches=1),
         pipeline=PipelineConfig(launcher="local"),
     )
-    engine = LocalEngine(run_cfg.model, run_cfg.train)
+    engine = SingleProcessEngine(run_cfg.model, run_cfg.train)
     try:
         summary = run_training(run_cfg, engine, run_dir, progress=False)
         probe = None

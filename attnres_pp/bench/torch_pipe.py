@@ -14,7 +14,7 @@ import time
 import torch
 from torch import nn
 
-from attnres_pp.pipeline.rank_processes import RankProcesses, serve
+from attnres_pp.pipeline.rank_group import ProcessRankGroup
 from attnres_pp.train.config import RunConfig
 
 
@@ -52,7 +52,11 @@ def lm_loss_fn(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tens
 class TorchPipeWorker:
     """One rank: its chunks as PipelineStages, the schedule, the optimiser."""
 
-    def __init__(self, run_cfg_dict: dict, pp_rank: int, world_size: int, init_method: str) -> None:
+    def __init__(self, run_cfg_dict: dict, pp_rank: int) -> None:
+        self.run_cfg_dict, self.pp_rank = run_cfg_dict, pp_rank
+
+    def join_process_group(self, init_method: str, world_size: int) -> None:
+        """Join the gloo group, then build the stages and the schedule (they need the group)."""
         import datetime
 
         import torch.distributed as dist
@@ -68,7 +72,8 @@ class TorchPipeWorker:
         from attnres_pp.pipeline.chunk import build_rank_chunks, rank_parameters
         from attnres_pp.train.optim import build_optimizer
 
-        self.run_cfg = RunConfig.from_dict(run_cfg_dict)
+        pp_rank = self.pp_rank
+        self.run_cfg = RunConfig.from_dict(self.run_cfg_dict)
         cfg, train, pipe = self.run_cfg.model, self.run_cfg.train, self.run_cfg.pipeline
         torch.set_num_threads(train.threads)
         dist.init_process_group("gloo", init_method=init_method, rank=pp_rank, world_size=world_size,
@@ -120,18 +125,15 @@ class TorchPipeWorker:
             dist.destroy_process_group()
 
 
-def _serve(pp_rank: int, init_method: str, world_size: int, conn, run_cfg_dict: dict) -> None:
-    serve(lambda: (TorchPipeWorker(run_cfg_dict, pp_rank, world_size, init_method), None), conn)
-
-
 class TorchPipeEngine:
     """P spawned processes running torch.distributed.pipelining; `train_step` returns per-rank dicts."""
 
     def __init__(self, run_cfg: RunConfig) -> None:
         pipe = run_cfg.pipeline
         self.run_cfg = run_cfg
-        self._ranks = RankProcesses(_serve, pipe.stages, pipe.timeout_s + 60.0, name="torchpipe",
-                                    extra_args=[(run_cfg.to_dict(),)] * pipe.stages)
+        self._ranks = ProcessRankGroup(pipe.stages, pipe.timeout_s + 60.0, name="torchpipe")
+        self._ranks.start(TorchPipeWorker, [{"run_cfg_dict": run_cfg.to_dict(), "pp_rank": rank}
+                                            for rank in range(pipe.stages)])
 
     def train_step(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, lr: float) -> list[dict]:
         pipe = self.run_cfg.pipeline

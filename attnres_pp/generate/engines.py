@@ -3,11 +3,12 @@
 Every generator answers `forward(pieces, tokens_BT)` with the logits of the pass's last position
 `[B, V]` (on the CPU), for a batch of B sequences at the same positions, keeping its key/value
 caches between calls until `reset()`; `keep_rows(rows)` drops the other sequences from them:
-- `SingleProcessGenerator`: the whole Transformer in this process (the ground truth);
-- `InProcessGenerator`: every rank in this process over the loopback transport (debugging, tests),
-  under gloo's rules or, with `p2p_semantics="nccl"`, NCCL's, enforced (`pipeline.loopback_nccl`);
-- `ProcessGenerator` (`--launcher local`): one spawned process per rank, gloo or nccl between them;
-- `RayGenerator` (`--launcher ray`, in `ray_generator`): one Ray actor per rank.
+- `SingleProcessGenerator`: the whole Transformer in this process (the ground truth; `--launcher
+  local` with one chunk);
+- `PipelineGenerator`: one `GenerationWorker` per rank on the launcher's rank group
+  (`pipeline.rank_group`): spawned processes (local), Ray actors (ray), or threads of this process
+  over the loopback transport (inprocess: debugging, tests), under gloo's rules or, with
+  `p2p_semantics="nccl"`, NCCL's, enforced (`pipeline.loopback_nccl`).
 
 `device` is "cpu" or "cuda", decided by the driver (`decide_generation_device`, the rules of
 `train.devices`); `precision` "fp32" or "bf16" (bf16 autocast over the checkpoint's fp32 weights, as
@@ -16,24 +17,22 @@ training computes, with bf16 hops).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from attnres_pp.comm.plan import plan_for_model
-from attnres_pp.comm.transport import ByteLedger, LoopbackTransport
-from attnres_pp.generate.worker import build_model, pipeline_partition
+from attnres_pp.comm.transport import ByteLedger
+from attnres_pp.generate.worker import GenerationWorker, build_model, pipeline_partition
 from attnres_pp.model import DecodeState, ModelConfig
-from attnres_pp.model.precision import activation_dtype
-from attnres_pp.pipeline.chunk import build_rank_chunks
 from attnres_pp.pipeline.config import PipelineConfig
-from attnres_pp.pipeline.generation_runtime import GenerationRuntime, run_loopback_pass
-from attnres_pp.pipeline.rank_processes import RankProcesses, serve
+from attnres_pp.pipeline.rank_group import RankGroup, make_rank_group
 from attnres_pp.train.devices import decide_device, visible_gpus
 
 
 def decide_generation_device(requested: str, pipe: PipelineConfig, gpus: int | None = None) -> str:
     """"cpu" or "cuda" for `--device requested` ("auto", "cpu", "cuda"); ValueError with the reason
     when cuda is asked for and the ranks cannot each have a GPU. `gpus` defaults to this node's;
-    the Ray launcher decides with the cluster's instead (`RayGenerator`)."""
+    the Ray launcher decides with the cluster's instead (`PipelineGenerator`)."""
     one_process = pipe.launcher == "inprocess" or (pipe.launcher == "local" and pipe.n_chunks == 1)
     return decide_device(requested, n_ranks=pipe.stages, one_process=one_process,
                          gpus=visible_gpus() if gpus is None else gpus).device
@@ -73,111 +72,61 @@ class SingleProcessGenerator:
         """Nothing to release."""
 
 
-class InProcessGenerator:
-    """All ranks of the pipeline in this process; `ledger` counts what crossed between ranks."""
-
-    def __init__(self, cfg: ModelConfig, pipe: PipelineConfig, named: dict | None, seed: int = 0, *,
-                 device: str = "cpu", precision: str = "fp32") -> None:
-        self.cfg = cfg
-        self.device = torch.device(device)
-        self.model = build_model(cfg, named, seed, precision=precision).to(self.device)
-        partition = pipeline_partition(cfg, pipe)
-        plan = plan_for_model(cfg, partition, cache=True)
-        self.ledger = ByteLedger()
-        self.p2p_semantics = pipe.resolved_p2p("loopback")
-        if self.p2p_semantics == "nccl":
-            from attnres_pp.pipeline.loopback_nccl import NcclLoopbackTransport
-            from attnres_pp.schedule.validate_nccl import NcclP2P
-
-            fabric = NcclP2P(pipe.stages)
-            transports = [NcclLoopbackTransport(rank, fabric, self.ledger) for rank in range(pipe.stages)]
-        else:
-            mailbox: dict = {}
-            transports = [LoopbackTransport(rank, mailbox, self.ledger) for rank in range(pipe.stages)]
-        self.runtimes = [
-            GenerationRuntime(pp_rank=rank, chunks=build_rank_chunks(self.model, partition, rank), plan=plan,
-                              transport=transports[rank], dtype=activation_dtype(precision))
-            for rank in range(pipe.stages)
-        ]
-
-    def reset(self) -> None:
-        for runtime in self.runtimes:
-            runtime.reset()
-
-    def keep_rows(self, rows: list[int]) -> None:
-        for runtime in self.runtimes:
-            runtime.keep_rows(rows)
-
-    def forward(self, pieces: list[tuple[int, int]], tokens_BT: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        tokens_BT = tokens_BT.to(self.device)
-        return run_loopback_pass(self.runtimes, tokens_BT.shape[0], pieces, _split(tokens_BT, pieces),
-                                 all_logits).cpu()
-
-    def close(self) -> None:
-        """Nothing to release."""
-
-
-def _serve(pp_rank: int, init_method: str, world_size: int, conn, model_cfg_dict: dict, pipe_cfg_dict: dict,
-           seed: int, threads: int, device: str, precision: str) -> None:
-    """The rank process: build the worker, join the group, then answer requests."""
-    from attnres_pp.generate.worker import GenerationWorker
-
-    def make_worker():
-        worker = GenerationWorker(model_cfg_dict, pipe_cfg_dict, pp_rank, seed, threads, device=device,
-                                  precision=precision)
-        return worker, worker.join_process_group(init_method, world_size)
-
-    serve(make_worker, conn)
-
-
-class ProcessGenerator:
-    """`--launcher local`: one spawned process per rank; every wait is bounded by the pipeline timeout."""
+class PipelineGenerator:
+    """Every rank of the pipeline on a rank group, made by `ranks()` once the split is checked; every
+    wait is bounded by the pipeline timeout. The device is decided again against the GPUs the
+    group can give (the Ray cluster's: "auto" resolves there) and `precision` "auto" with it.
+    `ledger` counts what crossed between in-process ranks (None for the others)."""
 
     def __init__(self, cfg: ModelConfig, pipe: PipelineConfig, named: dict | None, seed: int = 0,
-                 threads: int = 1, *, device: str = "cpu", precision: str = "fp32") -> None:
+                 threads: int = 1, *, ranks: Callable[[], RankGroup], device: str = "cpu",
+                 precision: str = "fp32", ledger: ByteLedger | None = None) -> None:
         self.cfg = cfg
-        partition = pipeline_partition(cfg, pipe)  # a bad split fails here, before any process starts
+        partition = pipeline_partition(cfg, pipe)  # a bad split fails here, before any rank starts
         self.last_rank = partition.rank_of(partition.n_chunks - 1)
-        extra = [(cfg.to_dict(), pipe.to_dict(), seed, threads, device, precision)] * pipe.stages
-        self._ranks = RankProcesses(_serve, pipe.stages, pipe.timeout_s, name="attnres-pp-generate", extra_args=extra)
+        self.ranks: RankGroup | None = None
+        self.ledger = ledger
         try:
+            self.ranks = ranks()
+            self.device = decide_generation_device(device, pipe, gpus=self.ranks.gpus())
+            self.precision = resolve_precision(precision, self.device)
+            kwargs = [{"model_cfg_dict": cfg.to_dict(), "pipe_cfg_dict": pipe.to_dict(), "pp_rank": rank,
+                       "seed": seed, "threads": threads, "device": self.device, "precision": self.precision}
+                      for rank in range(pipe.stages)]
+            self.ranks.start(GenerationWorker, kwargs, device=self.device)
             if named is not None:
-                self._ranks.call("load_parameters", [(named,)] * pipe.stages)
+                self.ranks.call_all("load_parameters", named, what="parameter load")
         except BaseException:
             self.close()
             raise
 
     def reset(self) -> None:
-        self._ranks.call_all("reset")
+        self.ranks.call_all("reset", what="reset")
 
     def keep_rows(self, rows: list[int]) -> None:
-        self._ranks.call("keep_rows", [(rows,)] * len(self._ranks.procs))
+        self.ranks.call_all("keep_rows", rows, what="dropping finished sequences")
 
     def forward(self, pieces: list[tuple[int, int]], tokens_BT: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         args = [(tokens_BT.shape[0], pieces, tokens_BT if rank == 0 else None, all_logits)
-                for rank in range(len(self._ranks.procs))]
-        return self._ranks.call("run_pass", args)[self.last_rank]
+                for rank in range(self.ranks.world_size)]
+        return self.ranks.call("run_pass", args, what="a generation pass")[self.last_rank]
 
     def close(self) -> None:
-        if self._ranks is not None:
-            self._ranks.stop(graceful=True)
-            self._ranks = None
+        """Stop the ranks (and a Ray instance the group started); safe to call twice."""
+        if self.ranks is not None:
+            self.ranks.stop(graceful=True)
+            self.ranks = None
 
 
 def make_generator(cfg: ModelConfig, pipe: PipelineConfig, named: dict | None, *, seed: int = 0, threads: int = 1,
                    address: str | None = None, device: str = "cpu", precision: str = "fp32"):
-    """One process for a single chunk under the local launcher, else the launcher's pipeline.
-    `device` is decided (`decide_generation_device`), except under Ray, which decides "auto" and
-    checks "cuda" against the cluster's GPUs; `precision` is "fp32", "bf16" or (Ray) "auto"."""
-    if pipe.launcher == "ray":
-        from attnres_pp.generate.ray_generator import RayGenerator
-
-        return RayGenerator(cfg, pipe, named, seed, threads, address=address, device=device, dtype=precision)
-    options = {"device": device, "precision": precision}
+    """One process for a single chunk under the local launcher, else a `PipelineGenerator` on the
+    launcher's rank group. `device` is decided (`decide_generation_device`), except under Ray, which
+    decides "auto" and checks "cuda" against the cluster's GPUs; `precision` is "fp32", "bf16" or
+    (Ray) "auto"."""
     if pipe.n_chunks == 1 and pipe.launcher == "local":
-        return SingleProcessGenerator(cfg, named, seed, **options)
-    if pipe.launcher == "inprocess":
-        return InProcessGenerator(cfg, pipe, named, seed, **options)
-    if pipe.launcher == "local":
-        return ProcessGenerator(cfg, pipe, named, seed, threads, **options)
-    raise ValueError(f"launcher={pipe.launcher!r} is unknown: choose local, inprocess or ray")
+        return SingleProcessGenerator(cfg, named, seed, device=device, precision=precision)
+    ledger = ByteLedger() if pipe.launcher == "inprocess" else None
+    return PipelineGenerator(cfg, pipe, named, seed, threads, device=device, precision=precision, ledger=ledger,
+                             ranks=lambda: make_rank_group(pipe, pipe.stages, name="attnres-pp-generate",
+                                                           address=address, ledger=ledger))

@@ -1,5 +1,7 @@
-"""GenerationWorker: one rank of a generation pipeline in its own process (local launcher) or Ray
-actor, talking to its neighbours over torch.distributed with the pipeline's DistTransport.
+"""GenerationWorker: one rank of a generation pipeline, hosted by a rank group (`pipeline.rank_group`):
+in its own process (local launcher) or Ray actor, talking to its neighbours over torch.distributed
+with the pipeline's DistTransport, or as a thread of the driver over the loopback transport
+(in-process launcher, `join_threads`: the ranks take turns action by action).
 
 Like the training ranks, every rank builds the whole model from the seed, keeps its own chunks and
 takes its parameters by whole-model name, so a checkpoint of any split loads into any other. The
@@ -10,6 +12,8 @@ rules (the nccl backend, or `p2p_semantics="nccl"` over gloo) the runtime issues
 """
 
 from __future__ import annotations
+
+import socket
 
 import torch
 from torch import nn
@@ -69,18 +73,41 @@ class GenerationWorker:
         self.params = rank_parameters(self.chunks, self.model)
         self.plan = plan_for_model(self.cfg, self.partition, cache=True)
         self.runtime: GenerationRuntime | None = None
+        self.peers = None  # where thread ranks meet to run their actions in turns (`join_threads`)
 
-    def join_process_group(self, init_method: str, world_size: int) -> str:
-        backend, self.device = init_process_group(init_method, self.pp_rank, world_size, self.pipe.timeout_s,
-                                                  device=self.device_name)
-        self.model.to(self.device)
+    @property
+    def rank(self) -> int:
+        """The global rank: generation runs one replica, so its pipeline rank."""
+        return self.pp_rank
+
+    def join_process_group(self, init_method: str, world_size: int) -> dict:
+        """Join the process group (nccl on "cuda", gloo on "cpu"); returns `describe(backend)`."""
+        backend, device = init_process_group(init_method, self.pp_rank, world_size, self.pipe.timeout_s,
+                                             device=self.device_name)
         if self.pipe.resolved_p2p(backend) == "nccl":  # every rank resolves the same
-            transport = BatchedDistTransport(self.pp_rank, self.pipe.timeout_s, self.device)
+            transport = BatchedDistTransport(self.pp_rank, self.pipe.timeout_s, device)
         else:
-            transport = DistTransport(self.pp_rank, self.pipe.timeout_s, self.device)
+            transport = DistTransport(self.pp_rank, self.pipe.timeout_s, device)
+        self._attach(device, transport)
+        return self.describe(backend)
+
+    def join_threads(self, device: torch.device, transport, collectives, peers) -> dict:
+        """Run as one of the threads of a `ThreadRankGroup`, over its loopback `transport` (generation
+        needs no collectives)."""
+        self.peers = peers
+        self._attach(device, transport)
+        return self.describe("loopback")
+
+    def _attach(self, device: torch.device, transport) -> None:
+        self.device = device
+        self.model.to(device)
         self.runtime = GenerationRuntime(pp_rank=self.pp_rank, chunks=self.chunks, plan=self.plan, transport=transport,
                                          dtype=activation_dtype(self.precision))
-        return backend
+
+    def describe(self, backend: str) -> dict:
+        return {"backend": backend, "rank": self.pp_rank, "pp_rank": self.pp_rank, "dp_rank": 0,
+                "chunks": sorted(self.chunks), "params": sum(p.numel() for p in self.params.values()),
+                "host": socket.gethostname()}
 
     def load_parameters(self, named: dict[str, torch.Tensor]) -> None:
         load_parameters(self.params, named)
@@ -97,7 +124,12 @@ class GenerationWorker:
         tokens_by_piece = None
         if tokens_BT is not None:
             tokens_by_piece = list(tokens_BT.to(self.device).split([n for _start, n in pieces], dim=1))
-        logits = self.runtime.run_pass(batch_size, pieces, tokens_by_piece, all_logits)
+        if self.peers is None:
+            logits = self.runtime.run_pass(batch_size, pieces, tokens_by_piece, all_logits)
+        else:
+            self.runtime.start_pass(batch_size, pieces, tokens_by_piece, all_logits)
+            self.peers.run_together(self.pp_rank, self.runtime, "generation pass")
+            logits = self.runtime.finish_pass()
         return None if logits is None else logits.cpu()
 
     def close(self) -> None:

@@ -1,7 +1,8 @@
 """What the ray launcher checks before it starts or joins Ray, so that a missing package, an address
 nobody answers at or a placement no node can hold is one `error:` line (ValueError) instead of a
-traceback or a wait that only a timeout ends. Pure functions: they import no ray and take the
-cluster's node resources as plain dicts, so they are tested without a cluster."""
+traceback or a wait that only a timeout ends, and which GPUs each rank of a GPU cluster sees. Pure
+functions: they import no ray and take the cluster's node resources as plain dicts, so they are
+tested without a cluster."""
 
 from __future__ import annotations
 
@@ -92,6 +93,28 @@ def check_placement(bundles: list[dict[str, float]], strategy: str, nodes: list[
         fix = f"use --stages {placed} or fewer, or add nodes" if placed else "add nodes with these resources"
         raise ValueError(f"--placement {strategy} cannot place {asked}: the cluster's nodes hold only {placed} of "
                          f"them ({have}); {fix}")
+
+
+def node_gpu_views(rank_nodes: list[str], rank_gpus: list[list[str]]) -> list[tuple[str, int]]:
+    """What each global rank's process should see on a GPU cluster where Ray gave every rank one GPU
+    (`rank_gpus[r]`: the ids Ray assigned to rank r, `rank_nodes[r]`: its node): (the
+    CUDA_VISIBLE_DEVICES of every GPU assigned to a rank of its node, in id order; the index of its
+    own GPU among them, its LOCAL_RANK device). Ray alone shows each actor only its own GPU, which
+    hides the other GPUs of the node from NCCL and so rules out peer-to-peer copies between them.
+    ValueError when a rank has other than one GPU or two ranks of a node were given the same one."""
+    if len(rank_nodes) != len(rank_gpus):
+        raise ValueError(f"{len(rank_nodes)} nodes but {len(rank_gpus)} GPU lists: one of each per rank")
+    by_node: dict[str, list[str]] = {}
+    for rank, (node, gpus) in enumerate(zip(rank_nodes, rank_gpus, strict=True)):
+        if len(gpus) != 1:
+            raise ValueError(f"rank {rank} holds {len(gpus)} GPUs ({gpus}); each rank takes exactly one")
+        mine = by_node.setdefault(node, [])
+        if str(gpus[0]) in mine:
+            raise ValueError(f"rank {rank} was given GPU {gpus[0]} of node {node}, which another rank there holds")
+        mine.append(str(gpus[0]))
+    ordered = {node: sorted(ids, key=lambda i: (len(i), i)) for node, ids in by_node.items()}  # "10" after "9"
+    return [(",".join(ordered[node]), ordered[node].index(str(gpus[0])))
+            for node, gpus in zip(rank_nodes, rank_gpus, strict=True)]
 
 
 def _fits(need: dict[str, float], node: dict[str, float]) -> bool:

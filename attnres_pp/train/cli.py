@@ -1,6 +1,7 @@
 """`attnres-pp train`: build a RunConfig from defaults < `--config FILE` (TOML) < flags, pick the
-engine (this process, or the pipeline's `make_engine`) and run the shared training loop, with
-checkpoints, resume and recovery from lost workers (`attnres_pp.train.checkpoint`, `.recovery`).
+engine (`train.engines.make_engine`: this process, or a pipeline on the launcher's ranks) and run
+the shared training loop, with checkpoints, resume and recovery from lost workers
+(`attnres_pp.train.checkpoint`, `.recovery`).
 With `--resume DIR` the defaults are the checkpoint's own settings: its config and its checkpoint
 cadence and restart limit. One-off flags (`--inject-failure`, `--address`, `--quiet`, `--tensorboard`) are
 never saved."""
@@ -230,41 +231,17 @@ def flag_overrides(args: argparse.Namespace) -> dict:
 
 def make_run_engine(run_cfg: RunConfig, out_dir: Path, *, address: str | None = None,
                     fail_at: tuple[int, int] | None = None, corpus=None):
-    """LocalEngine for one chunk and one replica with the local launcher; otherwise the pipeline's
-    engine (which may write traces under `out_dir`). `address` is for the ray launcher; `fail_at` =
-    (global rank, 0-based step) makes that rank's worker exit (ray and local launchers only);
-    `corpus`, the loaded data, serves the engines that read it in this process."""
-    launcher = run_cfg.pipeline.launcher
-    if address is not None and launcher != "ray":
-        raise ConfigError(f"--address is for --launcher ray, not {launcher}")
+    """The engine `train.engines.make_engine` chooses for the run (which may write traces under
+    `out_dir`), imported only when a run starts. `address` is for the ray launcher; `fail_at` =
+    (global rank, 0-based step) makes that rank's worker exit; `corpus`, the loaded data, serves
+    the engines that read it in this process."""
     if run_cfg.train.device == "cpu":  # refuse Triton on cpu here, before a launcher starts Ray or ranks
         from attnres_pp.train.devices import resolve_train
 
         resolve_train(run_cfg.train, "cpu")
-    single = run_cfg.pipeline.is_single_process and launcher == "local"
-    if fail_at is not None and (single or launcher == "inprocess"):
-        raise ConfigError("--inject-failure needs rank workers to lose: use --launcher ray, or --launcher local "
-                          "with --stages/--virtual > 1")
-    if single:
-        from attnres_pp.train.local_engine import LocalEngine
+    from attnres_pp.train.engines import make_engine
 
-        return LocalEngine(run_cfg.model, run_cfg.train, corpus=corpus)
-    try:
-        from attnres_pp.train.engines import make_engine
-    except ModuleNotFoundError as error:
-        if error.name and error.name.startswith("attnres_pp"):
-            raise ConfigError(
-                f"--launcher {launcher} with --stages/--virtual > 1 needs the pipeline engine, "
-                "which is not installed yet (use --stages 1 --virtual 1 --launcher local)"
-            ) from None
-        raise ConfigError(
-            f"--launcher {launcher} needs the Python package {error.name!r}, which is missing: "
-            f"pip install {error.name} (or use --stages 1 --virtual 1 --launcher local)"
-        ) from None
-    options = {"address": address} if address is not None else {}
-    if fail_at is not None:
-        options["fail_at"] = fail_at
-    return make_engine(run_cfg, out_dir=out_dir, corpus=corpus, **options)
+    return make_engine(run_cfg, out_dir=out_dir, corpus=corpus, address=address, fail_at=fail_at)
 
 
 def main(args: argparse.Namespace) -> int:

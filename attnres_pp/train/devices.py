@@ -7,7 +7,7 @@ never decide for themselves.
                                       >= D x P GPUs (each rank its own GPU), else gloo on cpu
     ray launcher, D x P ranks         nccl and one GPU per actor when the cluster has >= D x P GPUs;
                                       the ranks of one node then see all of that node's GPUs, each
-                                      using its own (`node_gpu_views`), as Ray Train arranges, so
+                                      using its own (`ray_checks.node_gpu_views`), as Ray Train arranges, so
                                       NCCL can use peer-to-peer (NVLink) between them
 
 `--device cuda` where the ranks cannot each have a GPU is refused with the reason (nccl cannot
@@ -83,25 +83,3 @@ def backend_of(train: TrainConfig) -> str:
     if train.device == "auto":
         raise ValueError("TrainConfig.device is unresolved ('auto'): the driver resolves it (train.devices)")
     return "nccl" if train.device == "cuda" else "gloo"
-
-
-def node_gpu_views(rank_nodes: list[str], rank_gpus: list[list[str]]) -> list[tuple[str, int]]:
-    """What each global rank's process should see on a GPU cluster where Ray gave every rank one GPU
-    (`rank_gpus[r]`: the ids Ray assigned to rank r, `rank_nodes[r]`: its node): (the
-    CUDA_VISIBLE_DEVICES of every GPU assigned to a rank of its node, in id order; the index of its
-    own GPU among them, its LOCAL_RANK device). Ray alone shows each actor only its own GPU, which
-    hides the other GPUs of the node from NCCL and so rules out peer-to-peer copies between them.
-    ValueError when a rank has other than one GPU or two ranks of a node were given the same one."""
-    if len(rank_nodes) != len(rank_gpus):
-        raise ValueError(f"{len(rank_nodes)} nodes but {len(rank_gpus)} GPU lists: one of each per rank")
-    by_node: dict[str, list[str]] = {}
-    for rank, (node, gpus) in enumerate(zip(rank_nodes, rank_gpus, strict=True)):
-        if len(gpus) != 1:
-            raise ValueError(f"rank {rank} holds {len(gpus)} GPUs ({gpus}); each rank takes exactly one")
-        mine = by_node.setdefault(node, [])
-        if str(gpus[0]) in mine:
-            raise ValueError(f"rank {rank} was given GPU {gpus[0]} of node {node}, which another rank there holds")
-        mine.append(str(gpus[0]))
-    ordered = {node: sorted(ids, key=lambda i: (len(i), i)) for node, ids in by_node.items()}  # "10" after "9"
-    return [(",".join(ordered[node]), ordered[node].index(str(gpus[0])))
-            for node, gpus in zip(rank_nodes, rank_gpus, strict=True)]

@@ -1,29 +1,41 @@
-"""make_engine: the pipelined Engine a RunConfig asks for (launcher local, inprocess or ray)."""
+"""make_engine: the training Engine a RunConfig asks for. `--launcher local` with one chunk and one
+replica trains in this process (`SingleProcessEngine`); every other run is a `PipelineEngine` on
+the launcher's rank group: spawned processes (local), threads of this process (inprocess) or Ray
+actors (ray)."""
 
 from __future__ import annotations
 
+from attnres_pp.pipeline.rank_group import make_rank_group
 from attnres_pp.train.config import RunConfig
+from attnres_pp.train.pipeline_engine import PipelineEngine
+from attnres_pp.train.single_process_engine import SingleProcessEngine
 
 
-def make_engine(run_cfg: RunConfig, out_dir=None, *, corpus=None, **launcher_options):
-    """`corpus` (the loaded `train.data`) is shared by the in-process launcher's ranks; the others'
-    ranks load their own. `launcher_options`: `record_timelines` (every launcher), `fail_at`
-    (local and ray), `address` and `placement` (ray)."""
-    launcher = run_cfg.pipeline.launcher
-    if launcher == "local":
-        from attnres_pp.train.process_engine import ProcessEngine
+def make_engine(run_cfg: RunConfig, out_dir=None, *, corpus=None, address: str | None = None,
+                placement: str | None = None, fail_at: tuple[int, int] | None = None,
+                record_timelines: bool = False):
+    """`corpus` (the loaded `train.data`) serves the engines that read it in this process. `address`
+    and `placement` are for the ray launcher; `fail_at` = (global rank, 0-based step) makes that
+    rank's worker exit (ray and local launchers, with rank workers to lose); `record_timelines`
+    makes every step return every rank's timeline."""
+    pipe = run_cfg.pipeline
+    if address is not None and pipe.launcher != "ray":
+        raise ValueError(f"--address is for --launcher ray, not {pipe.launcher}")
+    single = pipe.is_single_process and pipe.launcher == "local"
+    if fail_at is not None and (single or pipe.launcher == "inprocess"):
+        raise ValueError("--inject-failure needs rank workers to lose: use --launcher ray, or --launcher local "
+                         "with --stages/--virtual > 1")
+    if single:
+        return SingleProcessEngine(run_cfg.model, run_cfg.train, corpus=corpus)
+    return make_pipeline_engine(run_cfg, out_dir, corpus=corpus, address=address, placement=placement,
+                                fail_at=fail_at, record_timelines=record_timelines)
 
-        return ProcessEngine(run_cfg, out_dir, **launcher_options)
-    if launcher == "inprocess":
-        from attnres_pp.train.inprocess_engine import InProcessEngine
 
-        return InProcessEngine(run_cfg, out_dir, corpus=corpus, **launcher_options)
-    if launcher == "ray":
-        try:
-            from attnres_pp.train.ray_engine import RayEngine
-        except ModuleNotFoundError as error:
-            if error.name != "attnres_pp.train.ray_engine":
-                raise
-            raise ValueError("--launcher ray is not available in this build yet: use --launcher local") from None
-        return RayEngine(run_cfg, out_dir, **launcher_options)
-    raise ValueError(f"launcher={launcher!r} is unknown: choose local, inprocess or ray")
+def make_pipeline_engine(run_cfg: RunConfig, out_dir=None, *, address: str | None = None,
+                         placement: str | None = None, **options) -> PipelineEngine:
+    """A PipelineEngine on the launcher's rank group, even for one chunk (the benchmarks measure the
+    ranks themselves); `options` as PipelineEngine's."""
+    pipe = run_cfg.pipeline
+    return PipelineEngine(run_cfg, out_dir, **options,
+                          ranks=lambda: make_rank_group(pipe, pipe.world_size, name="attnres-pp", address=address,
+                                                        placement=placement))

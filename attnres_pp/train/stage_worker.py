@@ -1,6 +1,7 @@
 """StageWorker: one rank of a data-parallel x pipeline-parallel run (SPEC section 6), with its chunks,
-optimizer, data and runtimes. The local launcher's processes and the Ray actors are thin shells
-around it, and the in-process launcher runs D x P of them as threads of one process. It lives in
+optimizer, data and runtimes. A rank group (`pipeline.rank_group`) hosts one per rank: in a
+spawned process or a Ray actor, joined to a process group (`join_process_group`), or as a thread of
+the driver's process over the loopback transport (`join_threads`). It lives in
 the training layer because it owns the optimiser step and the checkpoint state; the pipeline below
 it provides the chunks, the schedules, the runtime, the transports and the mesh.
 
@@ -95,6 +96,7 @@ class StageWorker:
         self.eval_runtime: StageRuntime | None = None
         self.collectives: Collectives | None = None
         self.distributed = False  # in a torch.distributed process group (`connect`), or a thread rank
+        self.peers = None  # where thread ranks meet to run their actions in turns (`join_threads`)
 
     # ---- set-up ----
     def join_process_group(self, init_method: str, world_size: int) -> dict:
@@ -134,6 +136,13 @@ class StageWorker:
         self.distributed = True
         if pipe.dp_shard == "fsdp" and pipe.data_parallel > 1:
             self._shard(collectives.mesh["dp"])
+
+    def join_threads(self, device: torch.device, transport, collectives: Collectives, peers) -> dict:
+        """Run as one of the threads of a `ThreadRankGroup`: hops over the loopback `transport`,
+        collectives between threads, actions in turns with the others (`peers.run_together`)."""
+        self.peers = peers
+        self.attach(device, transport, collectives)
+        return self.describe("loopback")
 
     def _shard(self, dp_mesh) -> None:
         """FSDP2 units over the replicas (`train.fsdp`): the parameters become shards, so the parameter
@@ -194,7 +203,14 @@ class StageWorker:
             for _ in range(len(self.runtime.actions) // 2):
                 self.runtime.run_next()
             os._exit(17)
-        return self.runtime.run_to_end()
+        return self._run_to_end(self.runtime)
+
+    def _run_to_end(self, runtime: StageRuntime) -> StepRecord:
+        """A started runtime to its end: alone, or in turns with the other thread ranks."""
+        if self.peers is None:
+            return runtime.run_to_end()
+        self.peers.run_together(self.rank, runtime, "pipeline")
+        return runtime.finish_step()
 
     def sync_gradients(self) -> None:
         if self.fsdp is not None:  # the shards' reduce-scatter averages over the replicas
@@ -218,10 +234,13 @@ class StageWorker:
         reduce_sq = norm_reducer(self.tied, self.collectives, self.device)
         return optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip, reduce_sq)
 
-    def finish_step(self, record: StepRecord, lr: float, want_events: bool = False) -> StepReply:
+    def backward(self, step: int, batch: RankBatch | None = None) -> StepRecord:
+        """Forward and backward of step `step`, then the gradient sync: the synced gradients are left
+        in the parameters (tests read them there)."""
+        self.begin_step(step, batch)
+        record = self.run_step(step)
         self.sync_gradients()
-        grad_norm = self.optimizer_step(lr)
-        return self.reply(record, grad_norm, want_events)
+        return record
 
     def memory(self, record: StepRecord) -> dict:
         """This rank's `memory_per_rank` entry for the step of `record` (after its optimizer step)."""
@@ -231,8 +250,8 @@ class StageWorker:
 
     def train_step(self, step: int, lr: float, batch: RankBatch | None = None, want_events: bool = False) -> StepReply:
         """One optimiser step: forward/backward, gradient sync, global-norm clipping, AdamW."""
-        self.begin_step(step, batch)
-        return self.finish_step(self.run_step(step), lr, want_events)
+        record = self.backward(step, batch)
+        return self.reply(record, self.optimizer_step(lr), want_events)
 
     def _microbatches(self, lists: MicrobatchLists) -> MicrobatchLists:
         return tuple(None if mbs is None else [t.to(self.device) for t in mbs] for mbs in lists)
@@ -263,7 +282,7 @@ class StageWorker:
         total, count = 0.0, 0
         for index in range(self.run_cfg.train.eval_batches if batches is None else len(batches)):
             self.begin_eval(index, None if batches is None else batches[index])
-            record = self.eval_runtime.run_to_end()
+            record = self._run_to_end(self.eval_runtime)
             total, count = total + sum(record.losses.values()), count + len(record.losses)
         return total, count
 
@@ -283,16 +302,25 @@ class StageWorker:
     def routing_sums(self, index: int = 0) -> dict[int, tuple[float, float, int]]:
         self.begin_routing(index)
         try:
-            self.eval_runtime.run_to_end()
+            self._run_to_end(self.eval_runtime)
         finally:
             sums = self.finish_routing()
         return sums
 
     # ---- checkpoints and the run directory ----
     def save_shard(self, step_dir: str) -> None:
-        """Write this rank's part of checkpoint `step_dir` (DCP; every rank calls this together)."""
+        """Write this rank's part of checkpoint `step_dir` (DCP; every rank calls this together).
+        Thread ranks hand their states to rank 0, which writes them as one (replicas' equal copies once)."""
         state = shard_state(self.model, self.params, self.optimizer, self.rng_stream)
-        save_shard(step_dir, state, distributed=self.distributed)
+        if self.peers is None:
+            save_shard(step_dir, state, distributed=self.distributed)
+            return
+        states = self.peers.gather(self.rank, state)
+        if states is not None:
+            merged: dict = {}
+            for rank_state in states:
+                merged.update(rank_state)
+            save_shard(step_dir, merged, distributed=False)
 
     def load_shard(self, step_dir: str) -> str | None:
         """Load this rank's parameters, optimizer state and RNG state from checkpoint `step_dir`, whatever
@@ -308,6 +336,10 @@ class StageWorker:
     def rng_stream(self) -> str:
         """What this rank's RNG state belongs to: its replica and the layers of its chunks."""
         return rng_stream(self.dp_rank, [self.partition.layer_range(c) for c in self.partition.chunks_of(self.pp_rank)])
+
+    def transport_bytes(self) -> dict[str, int]:
+        """Bytes this rank sent in its last training step, by way ("shm", "gloo")."""
+        return self.runtime.transport.ledger.bytes_by_transport()
 
     def sees_file(self, path: str, token: str) -> tuple[bool, str]:
         """Whether `path` exists here and holds `token` (the driver's probe of a shared --out)."""

@@ -1,6 +1,7 @@
-"""LocalEngine: the whole model in this process. A global batch is split into microbatches along
-the batch axis and their gradients are accumulated, so `microbatches = m` computes the same step
-as a pipeline with m microbatches (and, up to float rounding, the same as m = 1)."""
+"""SingleProcessEngine: the whole model in this process (`--launcher local` with one chunk and one
+replica). A global batch is split into microbatches along the batch axis and their gradients are
+accumulated, so `microbatches = m` computes the same step as a pipeline with m microbatches (and,
+up to float rounding, the same as m = 1)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from attnres_pp.train.optim import build_optimizer, optimizer_step
 from attnres_pp.train.shards import load_shard, rng_stream, save_shard, shard_state
 
 
-class LocalEngine:
+class SingleProcessEngine:
     """Implements the `Engine` protocol of `attnres_pp.train.loop` in one process.
 
     Sets this process's torch thread count to `train_cfg.threads`; the initial weights are a function

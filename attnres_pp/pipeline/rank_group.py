@@ -1,0 +1,223 @@
+"""How a driver starts and talks to the ranks of a pipeline: the `RankGroup` interface, and its
+spawned-process implementation (`--launcher local`). The others are `thread_rank_group` (every
+rank a thread of this process, `--launcher inprocess`) and `ray_rank_group` (one Ray actor per
+rank, `--launcher ray`); training (`train.pipeline_engine`) and generation (`generate.engines`) use
+whichever the launcher names, through this interface alone.
+
+A group hosts one worker per rank: `start(worker_cls, rank_kwargs, device=...)` builds
+`worker_cls(**rank_kwargs[rank])` on every rank and joins them (`worker.join_process_group(
+init_method, world_size)` for processes and actors; the thread group wires loopback transports
+instead); what each rank's join returns is `setup_results`. Then `call(method, per_rank_args)` runs
+`worker.method(*per_rank_args[rank])` on every rank at once and returns the results in rank order.
+
+Every wait is bounded by the pipeline timeout (plus start-up slack): a rank that dies or stops
+answering becomes WorkerLost naming it, a rank whose set-up raises ValueError is one line
+(`rank R refused to start: ...`, a ValueError, so the CLI prints it as `error:`), any other
+failure a RuntimeError carrying the rank's traceback. `bytes_exchanged` counts what crossed between
+the driver and the ranks (pickled requests and replies), so engines can report it per step.
+
+The process group's ranks rendezvous through a file in a temporary folder (no port hunting) and
+ignore Ctrl-C: the driver, which receives it too, stops them.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from multiprocessing.reduction import ForkingPickler
+from typing import Protocol
+
+from attnres_pp.pipeline.config import PipelineConfig
+from attnres_pp.pipeline.errors import WorkerLost
+
+
+class RankGroup(Protocol):
+    """What engines and generators need of the ranks, whoever hosts them."""
+
+    world_size: int
+    one_process: bool  # every rank in the driver's process (the device rules for one process apply)
+    spans_nodes: bool  # ranks may run on several nodes: `rank_nodes` and `lost_nodes` are meaningful
+    where: str  # where `gpus()` counts, for the device decision's messages
+    setup_results: list  # each rank's join result, in rank order
+    bytes_exchanged: int  # driver <-> rank traffic so far, both directions
+    rank_nodes: list[tuple[str, str]]  # (node id, node address) per rank, where the group knows them
+    lost_nodes: list[dict]  # each rank lost so far: rank, node, address and what it was doing
+
+    def gpus(self) -> int | None:
+        """GPUs the ranks can have (None: this machine's, as the driver counts them)."""
+
+    def start(self, worker_cls: type, rank_kwargs: list[dict], *, device: str) -> list:
+        """Build and join one worker per rank on `device` ("cpu" or "cuda"); returns `setup_results`."""
+
+    def call(self, method: str, per_rank_args: list[tuple], what: str | None = None) -> list:
+        """`worker.method(*per_rank_args[rank])` on every rank; `what` names the call in errors."""
+
+    def call_all(self, method: str, *args, what: str | None = None) -> list:
+        """`worker.method(*args)` on every rank."""
+
+    def restart(self, rank_kwargs: list[dict] | None = None) -> None:
+        """Stop every rank (survivors may be blocked on a lost one) and start fresh workers, with
+        `rank_kwargs` or the last ones."""
+
+    def stop(self, graceful: bool) -> None:
+        """graceful: let each live worker close (leave its process group) first. Safe to call twice."""
+
+
+def _serve_rank(rank: int, init_method: str, world_size: int, conn, worker_cls: type, kwargs: dict) -> None:
+    """Rank-process body: build the worker and join the group (the setup result is the first reply;
+    a ValueError in the set-up is ("refused", its one-line message)), then answer requests with
+    ("ok", result) or ("error", traceback) until "close", which closes the worker."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        worker = worker_cls(**kwargs)
+        setup_result = worker.join_process_group(init_method, world_size)
+        conn.send(("ok", setup_result))
+    except ValueError as error:  # a setting or resource this rank refuses, said in one line (no room in /dev/shm)
+        conn.send(("refused", " ".join(str(error).split())))
+        return
+    except Exception:  # report any setup failure to the driver rather than dying silently
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        method, args = conn.recv()
+        if method == "close":
+            worker.close()
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", getattr(worker, method)(*args)))
+        except Exception:  # the driver raises it with the rank's traceback
+            conn.send(("error", traceback.format_exc()))
+
+
+class ProcessRankGroup:
+    """One spawned process per rank on this machine, answering requests over a pipe."""
+
+    one_process = False
+    spans_nodes = False
+    where = "on this node"
+
+    def __init__(self, world_size: int, timeout_s: float, *, name: str) -> None:
+        self.world_size, self.timeout_s, self.name = world_size, timeout_s, name
+        self.bytes_exchanged = 0
+        self.conns, self.procs, self.setup_results = [], [], []
+        self.rank_nodes: list[tuple[str, str]] = []
+        self.lost_nodes: list[dict] = []
+        self._rendezvous_dir: str | None = None
+        self._worker: tuple[type, list[dict]] | None = None
+
+    def gpus(self) -> int | None:
+        return None
+
+    def start(self, worker_cls: type, rank_kwargs: list[dict], *, device: str = "cpu") -> list:
+        self._worker = (worker_cls, rank_kwargs)
+        self._rendezvous_dir = tempfile.mkdtemp(prefix=f"{self.name}-rdzv-")
+        init_method = f"file://{self._rendezvous_dir}/rendezvous"
+        ctx = mp.get_context("spawn")
+        try:
+            for rank in range(self.world_size):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_serve_rank, name=f"{self.name}-rank{rank}", daemon=True,
+                                   args=(rank, init_method, self.world_size, child, worker_cls, rank_kwargs[rank]))
+                proc.start()
+                self.conns.append(parent)
+                self.procs.append(proc)
+            self.setup_results = self._gather("setup")
+        except BaseException:
+            self.stop(graceful=False)
+            raise
+        return self.setup_results
+
+    def _gather(self, what: str) -> list:
+        """Each rank's next reply, waiting at most timeout_s (+ start-up slack) for each."""
+        results = []
+        deadline = time.monotonic() + self.timeout_s + 30.0
+        for rank, conn in enumerate(self.conns):
+            while not conn.poll(0.2):
+                # Any dead rank ends the wait: the others may be blocked on it until their timeout.
+                self._raise_if_a_rank_died(what)
+                if time.monotonic() > deadline:
+                    raise WorkerLost(rank, f"rank {rank} did not answer {what} within {self.timeout_s:.0f} s")
+            try:
+                message = conn.recv_bytes()
+                self.bytes_exchanged += len(message)
+                status, value = ForkingPickler.loads(message)
+            except EOFError:
+                raise WorkerLost(rank, f"rank {rank} closed its pipe during {what}") from None
+            if status == "refused":  # a ValueError, so the CLI prints it as one `error:` line
+                raise ValueError(f"rank {rank} refused to start: {value}")
+            if status == "error":
+                # A peer's death often surfaces first as this rank's failed receive: name the cause.
+                time.sleep(0.5)
+                self._raise_if_a_rank_died(what, f"\nrank {rank} then failed with:\n{value}")
+                raise RuntimeError(f"rank {rank} failed during {what}:\n{value}")
+            results.append(value)
+        return results
+
+    def _raise_if_a_rank_died(self, what: str, detail: str = "") -> None:
+        for rank, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                raise WorkerLost(rank, f"rank {rank} exited (code {proc.exitcode}) during {what}{detail}")
+
+    def call(self, method: str, per_rank_args: list[tuple], what: str | None = None) -> list:
+        for conn, args in zip(self.conns, per_rank_args, strict=True):
+            # What conn.send does, with the bytes counted (`bytes_exchanged`).
+            message = ForkingPickler.dumps((method, args))
+            self.bytes_exchanged += len(message)
+            conn.send_bytes(message)
+        return self._gather(what or method)
+
+    def call_all(self, method: str, *args, what: str | None = None) -> list:
+        return self.call(method, [args] * self.world_size, what)
+
+    def restart(self, rank_kwargs: list[dict] | None = None) -> None:
+        worker_cls, last_kwargs = self._worker
+        self.stop(graceful=False)
+        self.start(worker_cls, rank_kwargs or last_kwargs)
+
+    def stop(self, graceful: bool) -> None:
+        if graceful:
+            for conn, proc in zip(self.conns, self.procs, strict=True):
+                if proc.is_alive():
+                    try:
+                        conn.send(("close", ()))
+                    except (BrokenPipeError, OSError):
+                        pass
+        for proc in self.procs:
+            if graceful:
+                proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.procs = [], []
+        if self._rendezvous_dir is not None:
+            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+            self._rendezvous_dir = None
+
+
+def make_rank_group(pipe: PipelineConfig, world_size: int, *, name: str, address: str | None = None,
+                    placement: str | None = None, ledger=None) -> RankGroup:
+    """The rank group of `pipe.launcher` for `world_size` ranks (not yet started). `name` prefixes
+    local rank processes; `address` and `placement` (default `pipe.placement`) are Ray's; `ledger`
+    records the in-process ranks' hops."""
+    if pipe.launcher == "local":
+        return ProcessRankGroup(world_size, pipe.timeout_s, name=name)
+    if pipe.launcher == "inprocess":
+        from attnres_pp.pipeline.thread_rank_group import ThreadRankGroup
+
+        return ThreadRankGroup(world_size, stages=pipe.stages, timeout_s=pipe.timeout_s,
+                               nccl_rules=pipe.resolved_p2p("loopback") == "nccl", ledger=ledger)
+    if pipe.launcher == "ray":
+        from attnres_pp.pipeline.ray_rank_group import RayRankGroup
+
+        return RayRankGroup(world_size, pipe.timeout_s, address=address, placement=placement or pipe.placement)
+    raise ValueError(f"launcher={pipe.launcher!r} is unknown: choose local, inprocess or ray")

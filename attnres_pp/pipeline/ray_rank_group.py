@@ -1,0 +1,345 @@
+"""`--launcher ray`: a `RankGroup` (see `rank_group`) of one Ray actor per rank, placed by a placement
+group of one bundle per rank; the only module that starts Ray, places actors or imports `ray`.
+
+Each actor is a thin shell (`RankActor`) around the worker the group is given (training's
+`StageWorker`, generation's `GenerationWorker`). Ray prefixes an actor's log lines with its repr,
+the worker's class named as an actor: `(StageActor rank=0 (dp 0, pp 0) ...)`.
+
+Where the actors run: `address` (or RAY_ADDRESS, which `ray job submit` sets for its driver) joins
+that cluster, after checking that something listens there (`ray_checks.check_reachable`);
+`address="auto"` joins the `ray start` cluster of this machine; otherwise a private local instance
+is started (and stopped by `stop`), never an unrelated cluster found by accident. A placement no
+node can hold is refused before the placement group is made (`ray_checks.check_placement`).
+
+The process-group rendezvous follows Ray Train: rank 0 picks its node's address and a free port,
+every actor binds its sockets to its node's interface (`stage_setup.bind_to_address`: without it
+gloo may take a loopback address) and joins concurrently. A group that does not connect is
+RendezvousError, one line naming every rank's address; a rank whose set-up raises ValueError is
+`rank R refused to start: ...`. On GPUs each actor holds one, and the ranks of a node see all of
+that node's (`ray_checks.node_gpu_views`). The driver's ATTNRES_PP_* settings reach every rank.
+
+Every wait is bounded: results are collected as they arrive, so a dead actor is named (with its
+node, and recorded in `lost_nodes`) as soon as Ray reports it, and the whole wait is capped by the
+pipeline timeout. The surviving ranks, blocked on a lost one, are killed by `restart` or `stop`.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import time
+
+from attnres_pp.pipeline.config import PLACEMENTS
+from attnres_pp.pipeline.errors import WorkerLost
+from attnres_pp.pipeline.ray_checks import check_placement, check_reachable, node_gpu_views, require_ray
+from attnres_pp.pipeline.stage_setup import bind_to_address
+
+# After one rank's task fails, how long to wait for Ray to report a dead peer that caused it: a lost
+# host resets its TCP connections at once, but Ray declares its node dead only after missed health
+# checks (3 s under scripts/netns_cluster.py's settings, ~30 s under Ray's defaults).
+_DEATH_GRACE_S = 10.0
+
+
+class RendezvousError(ValueError):
+    """The ranks' process group did not connect: one line naming the ranks and their addresses (a
+    ValueError, so the CLI prints it as `error:` and exits 2)."""
+
+
+def ranks_by_node(bundle_nodes: dict, world_size: int) -> list[int]:
+    """Bundle index of each global rank such that ranks on one node are consecutive, nodes in the
+    order their first bundle comes (as Ray Train orders its workers): a replica's pipeline ranks
+    then share a node where the placement allows, and their hops stay in shared memory."""
+    order: dict = {}
+    for index in range(world_size):
+        order.setdefault(bundle_nodes.get(index, bundle_nodes.get(str(index))), []).append(index)
+    return [index for indices in order.values() for index in indices]
+
+
+class RankActor:
+    """One rank: `worker_cls(**kwargs)` plus what only the actor knows (its node, its GPUs)."""
+
+    def __init__(self, worker_cls: type, kwargs: dict) -> None:
+        import ray
+
+        self.name = worker_cls.__name__.replace("Worker", "Actor")
+        # Where this rank runs as Ray knows it: the node id decides shared memory vs the network
+        # (`comm.pair_transport`), the node's address carries the process group's sockets.
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.node_ip = ray.util.get_node_ip_address()
+        self.worker = worker_cls(**kwargs)
+        self.worker.node_id = self.node_id
+
+    def __repr__(self) -> str:
+        worker = getattr(self, "worker", None)
+        if worker is None:
+            return "RankActor"
+        coords = f" (dp {worker.dp_rank}, pp {worker.pp_rank})" if hasattr(worker, "dp_rank") else ""
+        return f"{self.name} rank={getattr(worker, 'rank', worker.pp_rank)}{coords}"
+
+    def call(self, method: str, *args):
+        return getattr(self.worker, method)(*args)
+
+    def node(self) -> tuple[str, str]:
+        """(Ray node id, node address) of this rank."""
+        return self.node_id, self.node_ip
+
+    def master_address(self) -> tuple[str, int]:
+        """This node's address and a free TCP port on it, for the tcp:// rendezvous (Ray Train's way)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((self.node_ip, 0))
+            return self.node_ip, probe.getsockname()[1]
+
+    def gpu_ids(self) -> list[str]:
+        import ray
+
+        return [str(g) for g in ray.get_gpu_ids()]
+
+    def see_node_gpus(self, visible: str, local_rank: int) -> None:
+        """Before CUDA starts here: see every GPU of this node's ranks, use the `local_rank`-th."""
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        os.environ["LOCAL_RANK"] = str(local_rank)
+
+    def join_process_group(self, init_method: str, world_size: int) -> dict:
+        """The worker's, with gloo's sockets on the interface of the node's address. A mesh that
+        cannot connect is RendezvousError (one line: this rank, its address, the cause)."""
+        interface = bind_to_address(self.node_ip)
+        try:
+            described = self.worker.join_process_group(init_method, world_size)
+        except RuntimeError as error:
+            cause = " ".join(str(error).split())[:300]
+            raise RendezvousError(f"rank {self.worker.rank} at {self.node_ip} ({interface}) could not join the "
+                                  f"process group at {init_method}: {cause}") from None
+        described.update(node=self.node_id, address=self.node_ip, interface=interface)
+        print(f"chunks {sorted(self.worker.chunks)} ({described['params']:,} parameters) on {self.worker.device} of "
+              f"{described['host']}, node {self.node_ip} ({self.node_id[:8]}, {interface}), {described['backend']} "
+              f"group of {world_size} via {init_method}", flush=True)
+        return described
+
+
+def join_results(refs: list, init_method: str, timeout_s: float, rank_nodes: list[tuple[str, str]]) -> list:
+    """The ranks' process-group set-up replies; RendezvousError naming every rank's address and the
+    first rank's failure when the group does not connect (a rank that dies is still WorkerLost). A
+    rank that refuses to start (a ValueError in its set-up, such as a /dev/shm without room for the
+    shared-memory slots) is one line, as under the local launcher: `rank R refused to start: ...`."""
+    import ray
+
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s + 30.0)
+    failures, refusals = [], []
+    for rank, ref in enumerate(refs):
+        if ref not in ready:
+            failures.append(f"rank {rank} did not finish within {timeout_s:.0f} s")
+            continue
+        try:
+            ray.get(ref, timeout=1.0)
+        except ray.exceptions.RayActorError as error:
+            raise WorkerLost(rank, f"{_where(rank_nodes, rank)} died during process-group setup: {error}") from None
+        except ray.exceptions.RayTaskError as error:
+            cause = getattr(error, "cause", None)
+            if isinstance(cause, ValueError) and not isinstance(cause, RendezvousError):
+                refusals.append(f"rank {rank} refused to start: {' '.join(str(cause).split())}")
+            else:
+                failures.append(str(cause) if isinstance(cause, RendezvousError)
+                                else f"rank {rank}: {' '.join(str(error).split())[-300:]}")
+    if refusals:  # the cause, which the others' failures (a peer that gave up) only follow from
+        raise ValueError(refusals[0])
+    if failures:
+        where = ", ".join(f"rank {r} at {ip}" for r, (_node, ip) in enumerate(rank_nodes))
+        raise RendezvousError(f"the process group of ranks 0-{len(refs) - 1} ({where}) did not connect at "
+                              f"{init_method}: {failures[0]}; check that every node reaches the others at "
+                              "these addresses (routes, firewalls) and that each node's --node-ip-address "
+                              "is its own")
+    return ray.get(refs)
+
+
+def _where(rank_nodes: list[tuple[str, str]], rank: int) -> str:
+    """`rank R on node IP (id prefix)`, as far as the group knows the rank's node."""
+    if not rank_nodes or rank < 0 or rank >= len(rank_nodes):
+        return f"rank {rank}"
+    node_id, ip = rank_nodes[rank]
+    return f"rank {rank} on node {ip} ({node_id[:8]})"
+
+
+class RayRankGroup:
+    """`world_size` actors placed with `placement` (STRICT_PACK, PACK, SPREAD, STRICT_SPREAD)."""
+
+    one_process = False
+    spans_nodes = True
+    where = "in the Ray cluster"
+
+    def __init__(self, world_size: int, timeout_s: float, *, address: str | None = None,
+                 placement: str = "STRICT_PACK") -> None:
+        require_ray()  # before `import ray`: a missing package is one line, not a traceback
+        import ray
+
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement={placement!r} is invalid: choose one of {', '.join(PLACEMENTS)}")
+        self._ray = ray
+        self.world_size, self.timeout_s, self.placement = world_size, timeout_s, placement
+        self.actors, self._pg, self.started_ray = [], None, False
+        self.setup_results: list = []
+        self.rank_nodes: list[tuple[str, str]] = []
+        self.lost_nodes: list[dict] = []
+        self.bytes_exchanged = 0
+        self._worker: tuple[type, list[dict], str] | None = None
+        if not ray.is_initialized():
+            source = "--address" if address else "RAY_ADDRESS"
+            address = address or os.environ.get("RAY_ADDRESS")
+            if address:
+                check_reachable(address, source)
+                try:
+                    ray.init(address=address, log_to_driver=True)
+                except ConnectionError as error:  # "auto" with no `ray start` cluster on this machine
+                    raise ValueError(f"{source} {address}: {error}") from None
+            else:
+                # One CPU per rank even on a smaller machine: the ranks mostly wait on each other.
+                ray.init(address="local", num_cpus=max(world_size, os.cpu_count() or 1), include_dashboard=False,
+                         log_to_driver=True)
+                self.started_ray = True
+
+    def gpus(self) -> int:
+        """The cluster's GPUs (0 with ATTNRES_PP_FORCE_CPU=1)."""
+        if os.environ.get("ATTNRES_PP_FORCE_CPU") == "1":
+            return 0
+        return int(self._ray.cluster_resources().get("GPU", 0))
+
+    def start(self, worker_cls: type, rank_kwargs: list[dict], *, device: str = "cpu") -> list:
+        """Placement group, one actor per rank in its bundle, GPU views, rendezvous and process group."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._worker = (worker_cls, rank_kwargs, device)
+        ray, world, use_gpu = self._ray, self.world_size, device == "cuda"
+        bundle = {"CPU": 1, **({"GPU": 1} if use_gpu else {})}
+        # A group no node can hold would wait out the whole timeout: refuse it now, saying why.
+        check_placement([bundle] * world, self.placement, [n["Resources"] for n in ray.nodes() if n["Alive"]])
+        self._pg = placement_group([bundle] * world, strategy=self.placement)
+        ready, _ = ray.wait([self._pg.ready()], timeout=self.timeout_s)
+        if not ready:
+            raise RuntimeError(
+                f"Ray could not place {world} bundles of {bundle} with {self.placement} within "
+                f"{self.timeout_s:.0f} s: the cluster has {ray.cluster_resources()}; add resources or use "
+                "--placement PACK/SPREAD for several nodes"
+            )
+        actor_cls = ray.remote(num_cpus=1, num_gpus=1 if use_gpu else 0, max_restarts=0)(RankActor)
+        bundles = ranks_by_node(ray.util.placement_group_table(self._pg)["bundles_to_node_id"], world)
+        # The driver's ATTNRES_PP_* settings (ATTNRES_PP_SHM, ATTNRES_PP_SOCKET_IFNAME, ...) hold for
+        # its ranks too, on whichever node they run.
+        env_vars = {k: v for k, v in os.environ.items() if k.startswith("ATTNRES_PP_")}
+        runtime_env = {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
+        self.actors = [
+            actor_cls.options(**runtime_env, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self._pg, placement_group_bundle_index=bundles[rank])).remote(
+                    worker_cls, rank_kwargs[rank])
+            for rank in range(world)
+        ]
+        self.rank_nodes = self._get([a.node.remote() for a in self.actors], "node lookup")
+        if use_gpu:  # each rank its own GPU, seeing its node's others
+            gpus = self._get([a.gpu_ids.remote() for a in self.actors], "GPU lookup")
+            views = node_gpu_views([node_id for node_id, _ip in self.rank_nodes], gpus)
+            self._get([a.see_node_gpus.remote(*view) for a, view in zip(self.actors, views, strict=True)],
+                      "GPU set-up")
+        host, port = self._get([self.actors[0].master_address.remote()], "rendezvous")[0]
+        init_method = f"tcp://{host}:{port}"
+        self.setup_results = join_results([a.join_process_group.remote(init_method, world) for a in self.actors],
+                                          init_method, self.timeout_s, self.rank_nodes)
+        return self.setup_results
+
+    def call(self, method: str, per_rank_args: list[tuple], what: str | None = None) -> list:
+        """Arguments shared by several ranks (the same object) go to the object store once."""
+        shared, refs, sent = {}, [], 0
+        for actor, args in zip(self.actors, per_rank_args, strict=True):
+            sent += len(pickle.dumps(args))
+            args = tuple(self._shared(arg, per_rank_args, shared) for arg in args)
+            refs.append(actor.call.remote(method, *args))
+        results = self._get(refs, what or method)
+        # What Ray serialises for these calls: their arguments and results, pickled.
+        self.bytes_exchanged += sent + sum(len(pickle.dumps(r)) for r in results)
+        return results
+
+    def _shared(self, arg, per_rank_args: list[tuple], shared: dict):
+        if isinstance(arg, dict) and arg and sum(any(a is arg for a in args) for args in per_rank_args) > 1:
+            if id(arg) not in shared:
+                shared[id(arg)] = self._ray.put(arg)
+            return shared[id(arg)]
+        return arg
+
+    def call_all(self, method: str, *args, what: str | None = None) -> list:
+        return self.call(method, [args] * self.world_size, what)
+
+    def _get(self, refs: list, what: str) -> list:
+        """The results of `refs` (one per rank, in rank order), waiting at most the pipeline timeout.
+        A dead actor becomes WorkerLost naming its rank as soon as Ray reports it."""
+        ray = self._ray
+        deadline = time.monotonic() + self.timeout_s + 30.0
+        pending = list(refs)
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise WorkerLost(-1, f"rank actors did not finish {what} within {self.timeout_s:.0f} s")
+            ready, pending = ray.wait(pending, num_returns=1, timeout=min(remaining, 1.0))
+            for ref in ready:
+                self._raise_if_failed(refs, refs.index(ref), what)
+        return ray.get(refs)
+
+    def _raise_if_failed(self, refs: list, rank: int, what: str) -> None:
+        ray = self._ray
+        try:
+            ray.get(refs[rank], timeout=self.timeout_s)
+        except ray.exceptions.RayActorError as error:
+            self._note_lost(rank, what)
+            raise WorkerLost(rank, f"{_where(self.rank_nodes, rank)} stopped answering (its actor died) during "
+                                   f"{what}: {error}") from error
+        except ray.exceptions.RayTaskError as error:
+            # A peer's death often shows first as this rank's failed receive: name the dead one.
+            others = [ref for r, ref in enumerate(refs) if r != rank]
+            ready, _ = ray.wait(others, num_returns=len(others), timeout=_DEATH_GRACE_S) if others else ([], [])
+            for ref in ready:
+                try:
+                    ray.get(ref, timeout=1.0)
+                except ray.exceptions.RayActorError:
+                    dead = refs.index(ref)
+                    self._note_lost(dead, what)
+                    raise WorkerLost(dead, f"{_where(self.rank_nodes, dead)} stopped answering (its actor died) "
+                                           f"during {what}") from error
+                except Exception:  # another rank's own failure: the first one is reported below
+                    pass
+            raise RuntimeError(f"rank {rank} failed during {what}:\n{error}") from error
+
+    def _note_lost(self, rank: int, what: str) -> None:
+        """Each lost rank, its node and when (summary.json's `lost_nodes`)."""
+        if 0 <= rank < len(self.rank_nodes):
+            node_id, ip = self.rank_nodes[rank]
+            self.lost_nodes.append({"rank": rank, "node": node_id, "address": ip, "during": what})
+
+    def _stop_actors(self) -> None:
+        """Kill every actor (a survivor may be blocked on a lost peer) and free the placement group."""
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in self.actors:
+            self._ray.kill(actor, no_restart=True)
+        self.actors = []
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None
+
+    def restart(self, rank_kwargs: list[dict] | None = None) -> None:
+        """Fresh actors and process group on the same Ray instance."""
+        worker_cls, last_kwargs, device = self._worker
+        self._stop_actors()
+        self.start(worker_cls, rank_kwargs or last_kwargs, device=device)
+
+    def stop(self, graceful: bool = True) -> None:
+        """Kill the actors, free the placement group and stop a Ray instance this group started.
+        Safe to call twice and after a failed start."""
+        ray = self._ray
+        try:
+            # A Ray instance this group started goes down whole with ray.shutdown(), actors included.
+            # Killing actors one by one first would need its GCS, which a Ctrl-C sent to the whole
+            # process group may already have stopped: those calls then retry for a minute.
+            if ray.is_initialized() and not self.started_ray:
+                self._stop_actors()
+        finally:
+            if self.started_ray and ray.is_initialized():
+                ray.shutdown()
+            self.started_ray = False
