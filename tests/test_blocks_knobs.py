@@ -1,4 +1,4 @@
-"""The papers' knobs (SPEC 1.2, issue 24): `blocks = N` places block boundaries at ceil(L i / N), the
+"""The papers' knobs (docs/spec.md section 1.2, issue 24): `blocks = N` places block boundaries at ceil(L i / N), the
 model, the payload planner and the simulator all follow those boundaries, and `key_norm_gain` adds a
 learned gain to the key norm that starts as the identity."""
 

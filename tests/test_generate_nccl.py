@@ -1,4 +1,4 @@
-"""Generation under NCCL's point-to-point rules (SPEC section 5): every pass's schedule is proven to
+"""Generation under NCCL's point-to-point rules (docs/spec.md section 5): every pass's schedule is proven to
 finish when issued in `lockstep_plan`'s groups, the old order (every receive of a pass posted up
 front) is rejected by the same NCCL model, and the in-process pipeline under the enforcing loopback
 (`NcclLoopbackTransport`) gives the single process's greedy tokens, and deadlocks when made to

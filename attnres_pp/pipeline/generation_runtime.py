@@ -1,4 +1,4 @@
-"""The forward-only runtime of generation (SPEC section 7): one rank's passes of incremental decoding.
+"""The forward-only runtime of generation (docs/spec.md section 7): one rank's passes of incremental decoding.
 
 A pass (the prompt's prefill pieces, or one new token) runs the rank's lowered forward-only schedule
 (`forward_schedule`) as a dispatch on action kind, over the same chunks, payload plan, per-rank block
@@ -14,7 +14,7 @@ from pass to pass (so receive shapes come from the pass, not from a fixed microb
 
 Message tags number the pieces of a whole session (`message_tag` of the training runtime with a
 running piece id), so no tag is reused while a rank lives. How messages are issued depends on the
-transport's point-to-point rules (SPEC section 5):
+transport's point-to-point rules (docs/spec.md section 5):
 - gloo (tags match, sends are buffered): every receive of a pass is posted before its first action,
   so the sender's isend writes at once (see comm.transport);
 - nccl (issue order matches, sends wait for their receive): the sends and receives go out in the

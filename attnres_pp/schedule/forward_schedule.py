@@ -1,4 +1,4 @@
-"""Forward-only schedules for generation (SPEC section 7): a training schedule's F actions, no B.
+"""Forward-only schedules for generation (docs/spec.md section 7): a training schedule's F actions, no B.
 
 One generation pass sends m pieces of tokens (the prompt's prefill pieces, or m = 1 new token)
 through every chunk. A rank runs each of its chunks over every piece before its next chunk (GPipe's

@@ -1,4 +1,4 @@
-"""StageWorker: one rank of a data-parallel x pipeline-parallel run (SPEC section 6), with its chunks,
+"""StageWorker: one rank of a data-parallel x pipeline-parallel run (docs/spec.md section 6), with its chunks,
 optimizer, data and runtimes. The local launcher's processes and the Ray actors are thin shells
 around it, and the in-process launcher runs D x P of them as threads of one process. It lives in
 the training layer because it owns the optimiser step and the checkpoint state; the pipeline below
