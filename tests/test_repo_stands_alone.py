@@ -112,7 +112,7 @@ def tracked_text_files() -> list[Path]:
 def test_the_scanner_finds_planted_references():
     planted = "\n".join([
         "ok line",
-        f"see ../shared/{_SPEC}.md for the math",
+        "see ../" + f"shared/{_SPEC}.md for the math",
         f"the cached rule ({_SPEC} section 4)",
         f"    # {_SPEC} 8's optimizer_bytes",
         f"Dispatch on action kind ({_DESIGN} rule 3).",
