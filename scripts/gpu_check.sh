@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (DESIGN rule 7), ready for a lent CUDA GPU: in under 8 minutes on one GPU it runs
+# The GPU check (docs/architecture.md rule 7), ready for a lent CUDA GPU: in under 8 minutes on one GPU it runs
 #   1. the kernel tests on CUDA (tests/kernels: every Triton kernel vs its torch twin, outputs and
 #      gradients, fp32 and bf16), the fused MSAR stream kernel's (test_triton_msar_streams.py: outputs
 #      and the gradients of sources, taps and queries vs phase1_conv_streams_torch) as a row of its own,

@@ -1,4 +1,4 @@
-"""A deliberately naive float64 evaluation of SPEC section 1, written from the spec's formulas
+"""A deliberately naive float64 evaluation of docs/spec.md section 1, written from the spec's formulas
 (one explicit softmax over all sources per read, no two-phase split), used as the oracle for the
 model's own forward."""
 
@@ -21,7 +21,7 @@ def _conv(v_BTD, taps_KD):
 
 
 def _emit(cfg, out, normalize_keys):
-    """SPEC 1.3: a projected key is RMS-normalised (no gain) when emitted, before any block sum."""
+    """docs/spec.md section 1.3: a projected key is RMS-normalised (no gain) when emitted, before any block sum."""
     if not (normalize_keys and cfg.residual == "lr_attnres" and cfg.key_mode == "projected"):
         return out
     d = cfg.d_model
@@ -61,7 +61,7 @@ def reference_logits(model, idx_BT, *, normalize_emitted_keys=True):
     """Float64 logits of `model` (a Transformer, converted to float64 by the caller).
 
     `normalize_emitted_keys=False` sums raw projected keys and normalises only at the read: the
-    rule SPEC 1.3 says the emitted-key rule reduces to when block_size = 1.
+    rule that docs/spec.md section 1.3 says the emitted-key rule reduces to when block_size = 1.
     """
     cfg = model.cfg
     o_emb = model.embed(idx_BT)

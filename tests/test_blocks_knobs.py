@@ -1,4 +1,4 @@
-"""The papers' knobs (SPEC 1.2, issue 24): `blocks = N` places block boundaries at ceil(L i / N), the
+"""The papers' knobs (docs/spec.md section 1.2): `blocks = N` places block boundaries at ceil(L i / N), the
 model, the payload planner and the simulator all follow those boundaries, and `key_norm_gain` adds a
 learned gain to the key norm that starts as the identity."""
 
@@ -126,7 +126,7 @@ def test_key_norm_gain_starts_as_the_identity_and_folds_into_the_query():
     plain, gained = build_model(plain_cfg), build_model(gain_cfg)
     extra = sorted(set(dict(gained.named_parameters())) - set(dict(plain.named_parameters())))
     assert all(name.endswith("read.key_gain") for name in extra) and len(extra) == plain_cfg.n_sublayers + 1
-    # Default off is today's model; on, every gain starts at 1, the same function (init rule: ones).
+    # Off (the default) is the model without gains; on, every gain starts at 1, the same function (init rule: ones).
     fresh = Transformer(gain_cfg, backend="torch")
     assert all(torch.equal(p, torch.ones_like(p)) for n, p in fresh.named_parameters() if n.endswith("key_gain"))
     gained.load_state_dict({**plain.state_dict(), **{n: torch.ones_like(p) for n, p in gained.named_parameters()

@@ -106,7 +106,7 @@ def test_the_guarded_unpickler_refuses_every_gadget(tmp_path, marker, name):
 
 
 def test_the_prefix_rule_would_have_run_the_reported_gadget(tmp_path, marker):
-    """The old rule (any name under a `torch.distributed.checkpoint.` module) resolves `os.system`;
+    """A prefix rule (any name under a `torch.distributed.checkpoint.` module) resolves `os.system`;
     the exact list does not hold it."""
     class PrefixRule(pickle.Unpickler):
         def find_class(self, module, name):

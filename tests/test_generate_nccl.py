@@ -1,8 +1,8 @@
-"""Generation under NCCL's point-to-point rules (SPEC section 5): every pass's schedule is proven to
-finish when issued in `lockstep_plan`'s groups, the old order (every receive of a pass posted up
+"""Generation under NCCL's point-to-point rules (docs/spec.md section 5): every pass's schedule is proven to
+finish when issued in `lockstep_plan`'s groups, the post-everything order (every receive of a pass posted up
 front) is rejected by the same NCCL model, and the in-process pipeline under the enforcing loopback
 (`NcclLoopbackTransport`) gives the single process's greedy tokens, and deadlocks when made to
-issue the old order."""
+issue the post-everything order."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ GREEDY = GenerationConfig(max_new_tokens=10, prefill_chunk=3, temperature=0)
 
 
 def post_everything_plan(schedule):
-    """The gloo-era issue order: every wire receive of the pass posted alone before the first
+    """The post-everything issue order (enough under gloo): every wire receive of the pass posted alone before the first
     action, every send alone where it stands."""
     plan = [[[] for _ in range(len(actions) + 1)] for actions in schedule.rank_actions]
     for rank, actions in enumerate(schedule.rank_actions):
@@ -86,8 +86,8 @@ def test_bf16_under_the_nccl_loopback_gives_the_single_process_bf16_tokens():
 
 
 def test_the_nccl_loopback_rejects_the_post_everything_order(monkeypatch):
-    """The enforcing loopback catches a runtime issuing the old order (so the parity above means
-    something): the same pass, its executor's plan swapped for post_everything_plan, cannot finish."""
+    """The enforcing loopback catches a runtime issuing the post-everything order (so the parity
+    above means something): the same pass, its executor's plan swapped for post_everything_plan, cannot finish."""
     from attnres_pp.pipeline import executor
 
     cfg, named = _setup("block")

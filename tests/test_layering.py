@@ -1,4 +1,4 @@
-"""The import layering of DESIGN.md, checked on the source: every `import` (module level or inside a
+"""The import layering of docs/architecture.md, checked on the source: every `import` (module level or inside a
 function) of every module under attnres_pp must point down or sideways, never up.
 
     kernels, data, config_tables,    import nothing of the project (model: kernels and config_tables)

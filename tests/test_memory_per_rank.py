@@ -1,4 +1,4 @@
-"""Memory counted per rank (SPEC section 8): the saved-tensor meter's rules (each storage once,
+"""Memory counted per rank (docs/spec.md section 8): the saved-tensor meter's rules (each storage once,
 parameters never, released when autograd drops it), and `memory_per_rank` in summary.json from every
 launcher: one process, in-process, local processes and Ray, with equal counts where they must agree."""
 

@@ -1,4 +1,4 @@
-"""The model family against a float64 oracle written from SPEC section 1, plus its identities."""
+"""The model family against a float64 oracle written from docs/spec.md section 1, plus its identities."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""NCCL's point-to-point rules (SPEC section 5): the model (FIFO matching per rank pair that raises
+"""NCCL's point-to-point rules (docs/spec.md section 5): the model (FIFO matching per rank pair that raises
 on a mismatched message or size, rendezvous sends, one execution order per rank), the validator's
 proof that every schedule generator runs deadlock-free under them in the runtime's issue order,
 readable reports for crossed orders, and pipelined steps over the NCCL-semantics loopback that

@@ -161,7 +161,7 @@ def test_gloo_data_parallel_pipeline_equals_single_process(tmp_path):
 
 
 def test_gloo_measured_hop_counts_equal_spec_table(tmp_path):
-    # SPEC 4.1 row 1 (L=16, S=4, P=4, V=2): naive 2,2,3,3,4,4,5 and cached 2,2,3,2,2,2,2
+    # docs/spec.md section 4.1 row 1 (L=16, S=4, P=4, V=2): naive 2,2,3,3,4,4,5 and cached 2,2,3,2,2,2,2
     cfg = model_config("block", 8, block_size=4, d_model=8)
     run_dicts = [run_dict(cfg, "interleaved_1f1b", 4, 2, 4, cache) for cache in (False, True)]
     out = run_group(4, run_dicts, tmp_path)

@@ -101,7 +101,7 @@ def test_one_rank_with_virtual_stages_equals_single_process(variant, layout, cac
 
 
 def _spec_rule_hops(n_layers: int, block_size: int, partition) -> list[list[str]]:
-    """SPEC section 4's cached rule restated on its own: hop c -> c+1 sends the open partial plus the
+    """docs/spec.md section 4's cached rule restated on its own: hop c -> c+1 sends the open partial plus the
     completed blocks its receiving rank does not hold (what it made or received earlier); a hop
     between two chunks of one rank sends nothing over the wire."""
     held: dict[int, set[int]] = {}
@@ -180,7 +180,7 @@ def test_vshape_placement_runs_with_single_process_parity(variant, cache):
 @pytest.mark.parametrize("P", [2, 3])
 @pytest.mark.parametrize("block_size", [1, 2, 3])
 def test_zbv_hop_counts_follow_the_spec_rule(P, block_size):
-    """ZB-V: the transport counts, per forward hop, what the SPEC 4 rule says for the V placement
+    """ZB-V: the transport counts, per forward hop, what the docs/spec.md section 4 rule says for the V placement
     (the middle hop, between the two chunks of rank P - 1, moves nothing over the wire)."""
     n_layers = 2 * P
     cfg = model_config("block", n_layers, block_size=block_size)
@@ -192,7 +192,7 @@ def test_zbv_hop_counts_follow_the_spec_rule(P, block_size):
     assert want[P - 1] == 0 and sum(want) > 0
 
 
-GOLDEN = [  # SPEC section 4.1: (L, S, P, V, naive per hop, cached per hop)
+GOLDEN = [  # docs/spec.md section 4.1: (L, S, P, V, naive per hop, cached per hop)
     (16, 4, 4, 2, [2, 2, 3, 3, 4, 4, 5], [2, 2, 3, 2, 2, 2, 2]),
     (16, 2, 4, 2, [2, 3, 4, 5, 6, 7, 8], [2, 3, 4, 3, 3, 3, 3]),
     (32, 4, 4, 4, [2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9], [2, 2, 3] + [2] * 12),

@@ -1,4 +1,4 @@
-"""Projected low-rank keys under blocks (SPEC 1.3): every emitted key is RMS-normalised before it is
+"""Projected low-rank keys under blocks (docs/spec.md section 1.3): every emitted key is RMS-normalised before it is
 summed, so a block's key is the sum of its sublayers' normalised keys and the partial's the sum so
 far. Checked on the block summaries the model actually builds, against the sublayers' raw outputs."""
 

@@ -75,7 +75,7 @@ def test_plane_fit_recovers_a_plane():
 def test_unit_cost_calibration_transfers_to_the_closed_forms(schedule, virtual, m):
     """Layers only, F = 1 and B = 2 per rank and microbatch, free links: calibrated on 1f1b V = 1 m = 4
     from a probe that is off by a factor (the fit must undo it), every other schedule's makespan is
-    SPEC 5's 3 (m + (P - 1) / V), and the split schedules' (I = W = 1: the share the fused run
+    docs/spec.md section 5's 3 (m + (P - 1) / V), and the split schedules' (I = W = 1: the share the fused run
     cannot measure is taken as halves) 3 m + (P - 1) / V."""
     n_stages, layers = 2, 8
     truth = _probe(layer=(n_stages / layers, 2 * n_stages / layers))

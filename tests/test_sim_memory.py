@@ -54,7 +54,7 @@ def test_state_bytes_equal_a_real_rank_and_adamw(residual, key_mode, placement):
         for p in params:
             p.grad = torch.ones_like(p)
         optimizer.step()
-        # SPEC 8: the two moments (AdamW's 0-d `step` tensors are not optimizer_bytes)
+        # docs/spec.md section 8: the two moments (AdamW's 0-d `step` tensors are not optimizer_bytes)
         state = [t for per_param in optimizer.state.values() for key, t in per_param.items()
                  if key in ("exp_avg", "exp_avg_sq")]
         predicted = state_bytes(shapes, data_parallel=1, dp_shard="replicate")
@@ -124,7 +124,7 @@ def test_walk_counts_in_flight_forwards_and_split_backward():
 
 
 def test_cache_peak_within_the_entry_count_bound():
-    """Values and deposits never outnumber SPEC 4's entries alive from put to collection."""
+    """Values and deposits never outnumber docs/spec.md section 4's entries alive from put to collection."""
     cfg = ModelConfig(n_layers=16, d_model=32, n_heads=1, seq_len=16, block_size=4)
     for name, virtual in (("interleaved_1f1b", 2), ("interleaved_zb", 4), ("zbv", 2)):
         setup = MemorySetup(schedule=name, n_stages=4, n_virtual=virtual, n_microbatches=8, tokens=16, dtype="fp32")

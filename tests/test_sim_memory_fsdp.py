@@ -43,7 +43,7 @@ def _worker(rank: int, rendezvous: str, out: str) -> None:
 
         local = [p.to_local() for p in params]
         state = [v.to_local() if hasattr(v, "to_local") else v for s in optimizer.state.values()
-                 for key, v in s.items() if key in ("exp_avg", "exp_avg_sq")]  # SPEC 8: the two moments
+                 for key, v in s.items() if key in ("exp_avg", "exp_avg_sq")]  # docs/spec.md section 8: the two moments
         counted = {"param_bytes": storages(local), "grad_bytes": storages(p.grad.to_local() for p in params),
                    "optimizer_bytes": sum(t.untyped_storage().nbytes() for t in state)}
         with open(f"{out}.{rank}", "w") as handle:

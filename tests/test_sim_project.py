@@ -52,7 +52,7 @@ def test_cache_memory_bytes_and_overheads():
     tensor = T * D * BF16
     assert rows["cached"]["peak_cache_bytes_per_rank"] == 2 * 3 * tensor
     assert rows["naive"]["peak_cache_bytes_per_rank"] == 0
-    # Forward tensors per hop (SPEC 4): naive 2, 3, 4; cached 2, 1, 1 (only what the receiver lacks);
+    # Forward tensors per hop (docs/spec.md section 4): naive 2, 3, 4; cached 2, 1, 1 (only what the receiver lacks);
     # Full AttnRes naive 3, 5, 7. Both directions, m = 2.
     assert rows["naive"]["bytes_per_step_all_links"] == 2 * 9 * tensor * 2
     assert rows["cached"]["bytes_per_step_all_links"] == 2 * 4 * tensor * 2

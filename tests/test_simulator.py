@@ -1,5 +1,5 @@
-"""The simulator against closed forms: SPEC 4.1 golden counts, SPEC 4.2 formulas, SPEC 5 bubbles;
-plus the engine's timing rules, metrics, trace export and calibration."""
+"""The simulator against closed forms (docs/spec.md): section 4.1 golden counts, section 4.2 formulas,
+section 5 bubbles; plus the engine's timing rules, metrics, trace export and calibration."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def simulate_cli(monkeypatch):
     return cli.main
 
 
-# SPEC 4.1: (L sublayers, S, P, V, naive per hop, cached per hop)
+# docs/spec.md section 4.1: (L sublayers, S, P, V, naive per hop, cached per hop)
 GOLDEN = [
     (16, 4, 4, 2, [2, 2, 3, 3, 4, 4, 5], [2, 2, 3, 2, 2, 2, 2]),
     (16, 2, 4, 2, [2, 3, 4, 5, 6, 7, 8], [2, 3, 4, 3, 3, 3, 3]),

@@ -1,5 +1,5 @@
 """`attnres-pp bench bubbles`: the real pipeline's bubble per schedule, next to the closed form and
-the calibrated simulator, and the simulator's step-time validation (issue 5, item 5).
+the calibrated simulator, and the simulator's step-time validation.
 
 For each schedule (gpipe, 1f1b, interleaved 1F1B with V = 2 and 4, and the split-backward ones:
 zb_h1, interleaved_zb with V = 2, zbv) and m, the local launcher runs

@@ -108,7 +108,7 @@ def median_sample(samples: list[StepSample], n_ranks: int) -> StepSample:
 
 
 def analytic_bubble(schedule: str, n_stages: int, n_virtual: int, n_microbatches: int) -> dict[str, float]:
-    """SPEC 5 with equal chunk times: idle over the ideal (P-1)/(k V m) and as a fraction of the
+    """docs/spec.md section 5 with equal chunk times: idle over the ideal (P-1)/(k V m) and as a fraction of the
     step (P-1)/(k V m + P-1), k = 3 for the split-backward schedules (ZB-H1's published figure and
     its interleaved and V-shaped kin), 1 otherwise. GPipe with V > 1 runs breadth first, so V
     divides its bubble too."""

@@ -1,4 +1,4 @@
-"""`attnres-pp bench memory`: peak resident memory of each pipeline rank, now that a rank builds only
+"""`attnres-pp bench memory`: peak resident memory of each pipeline rank, where a rank builds only
 its own chunks (the rest of the model stays on the meta device), and the counted `memory_per_rank`
 table over D x dp_shard x activation checkpointing x schedule (`bench.memory_sweep`).
 
@@ -9,7 +9,7 @@ exist. Per rank: the parameters it holds, what its training state needs in theor
 gradient and two AdamW moments, 4 x 4 bytes per parameter), its peak RSS once built (before any
 step) and its peak RSS after the two steps (`ru_maxrss`). For comparison, two single processes:
 one that only imports torch and this package (every rank's floor), and one that builds the whole
-model, which is what every rank allocated before ranks became rank-local.
+model, which is what every rank would allocate if it built the whole model.
 """
 
 from __future__ import annotations

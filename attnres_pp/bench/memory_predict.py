@@ -149,7 +149,7 @@ def hook_count(flags: dict, cfg) -> list[dict]:
             p.grad = torch.zeros_like(p)
         optimizer.step()
         param = sum(p.numel() * p.element_size() for p in named.values())
-        # SPEC 8's optimizer_bytes: AdamW's two moments (its 0-d `step` tensors are not counted)
+        # docs/spec.md section 8's optimizer_bytes: AdamW's two moments (its 0-d `step` tensors are not counted)
         state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for key, t in s.items()
                     if key in ("exp_avg", "exp_avg_sq"))
         ranks.append({"param_bytes": param, "grad_bytes": param, "optimizer_bytes": state,

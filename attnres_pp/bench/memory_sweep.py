@@ -1,4 +1,4 @@
-"""The counted-memory table of `attnres-pp bench memory` (SPEC section 8's `memory_per_rank`): a
+"""The counted-memory table of `attnres-pp bench memory` (docs/spec.md section 8's `memory_per_rank`): a
 32-layer, narrow (d = 64) Block AttnRes model over P = 2 local rank processes, swept over D replicas
 x dp_shard x activation checkpointing x schedule, with the counted bytes per rank, the peak RSS and
 the step time, and the ratios the memory work targets (fsdp / replicate parameter + gradient +

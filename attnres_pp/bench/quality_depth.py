@@ -7,7 +7,7 @@ split, cut into consecutive windows, the same for every seed and variant. Seeds 
 initialises and feeds every variant alike, so each variant's delta to the standard residual is taken
 per seed, and the table gives the mean paired delta and how many seeds it beats standard on.
 
-Variants: standard; Block AttnRes (N = 8 blocks, `blocks`, SPEC 1.2); S-LR-AttnRes (N = 8, r = 8);
+Variants: standard; Block AttnRes (N = 8 blocks, `blocks`, docs/spec.md section 1.2); S-LR-AttnRes (N = 8, r = 8);
 Full AttnRes (S = 1, `--no-full` drops it); controls: AttnRes with one block over all sublayers (b_0
 plus one running partial: should track standard) and MSAR with one block (its token mixing without
 depth routing). The Block run of seed 0 is diagnosed as `attnres-pp analyze` does (model.routing):

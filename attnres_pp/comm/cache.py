@@ -1,4 +1,4 @@
-"""The per-rank cross-stage block cache (SPEC section 4).
+"""The per-rank cross-stage block cache (docs/spec.md section 4).
 
 Forward: holds the block summaries a rank produced or received, per microbatch, and serves later
 chunks on the same rank with fresh autograd leaves (so no chunk's graph reaches into another's).
@@ -23,7 +23,7 @@ class BlockCache:
         self._values: dict[tuple[int, Source], torch.Tensor] = {}
         self._deposits: dict[tuple[int, Source], torch.Tensor] = {}
         self.peak_bytes = 0  # entries alone
-        self.peak_held_bytes = 0  # entries plus deposits (SPEC 8's cache_peak_bytes)
+        self.peak_held_bytes = 0  # entries plus deposits (docs/spec.md section 8's cache_peak_bytes)
 
     def put(self, microbatch_index: int, source: Source, value: torch.Tensor) -> None:
         key = (microbatch_index, source)

@@ -1,4 +1,4 @@
-"""`BatchedDistTransport`: torch.distributed point-to-point issued the way NCCL needs (SPEC
+"""`BatchedDistTransport`: torch.distributed point-to-point issued the way NCCL needs (docs/spec.md
 section 5), for the nccl backend (and, to test the same code path on CPU, over gloo).
 
 NCCL ignores tags, matches the messages between two ranks in issue order and completes a send only

@@ -1,5 +1,5 @@
 """Partition of the model's transformer layers into C = P * V chunks, and the placement of chunks on
-ranks (SPEC section 3).
+ranks (docs/spec.md section 3).
 
 Pure standard library: the simulator and the payload planner use it without torch.
 Placements: "loop" (chunk c on rank c % P; GPipe, 1F1B, interleaved schedules) and "vshape" (V = 2;
@@ -25,7 +25,7 @@ def check_placement(placement: str, n_stages: int, n_virtual: int) -> None:
 
 
 def chunk_rank(chunk_index: int, n_stages: int, placement: str = "loop") -> int:
-    """The rank that runs chunk `chunk_index` under `placement` (SPEC section 3)."""
+    """The rank that runs chunk `chunk_index` under `placement` (docs/spec.md section 3)."""
     if placement == "loop":
         return chunk_index % n_stages
     return chunk_index if chunk_index < n_stages else 2 * n_stages - 1 - chunk_index

@@ -1,4 +1,4 @@
-"""The hop payload planner (SPEC section 4): the one place that decides which tensors each hop
+"""The hop payload planner (docs/spec.md section 4): the one place that decides which tensors each hop
 carries and which ones a rank serves from its cross-stage cache.
 
 The runtime, the simulator and the byte ledger all read this plan. Pure standard library.
@@ -72,7 +72,7 @@ class PayloadPlan:
 
     @property
     def fwd_hop_tensors(self) -> list[int]:
-        """Tensors over the wire per forward hop (SPEC section 4.1; a self-hop counts zero)."""
+        """Tensors over the wire per forward hop (docs/spec.md section 4.1; a self-hop counts zero)."""
         return [len(hop) for hop in self.wire_hops]
 
 

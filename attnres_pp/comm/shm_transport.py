@@ -17,7 +17,7 @@ Slots: one per message of a step (its tag: direction, sending chunk, microbatch)
 the step's message list, which every rank derives from the same schedule and plan. A slot is
 written again only when its message is sent again, in the next step, after every rank has
 finished this one (the optimiser step's all-reduce and the driver's step both wait for all ranks),
-so the receiver no longer holds views of it. A receive checks that the counter is exactly the
+so by then the receiver holds no views of it. A receive checks that the counter is exactly the
 one it expects: a sender one send ahead would have overwritten a slot not yet read, and that
 raises (MessageOutOfStep) naming the peer and the message rather than being read silently.
 

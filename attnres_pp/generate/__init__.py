@@ -1,2 +1,2 @@
-"""Generation (SPEC section 7): sampling, the generators (single process, in-process pipeline, one
+"""Generation (docs/spec.md section 7): sampling, the generators (single process, in-process pipeline, one
 process or Ray actor per rank), the decode loop and `attnres-pp generate`."""

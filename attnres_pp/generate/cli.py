@@ -1,5 +1,5 @@
 """`attnres-pp generate`: text from a checkpoint written by `attnres-pp train`, in one process or
-pipelined over the same stages (SPEC section 7), for one prompt or a batch of them.
+pipelined over the same stages (docs/spec.md section 7), for one prompt or a batch of them.
 
     attnres-pp generate --resume RUN (--prompt TEXT [--prompt TEXT ..] | --prompt-file F | --prompts-file F)
         --max-new-tokens N [--temperature T --top-k K --seed S --prefill-chunk N --stop S ..]

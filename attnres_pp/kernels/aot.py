@@ -46,7 +46,7 @@ class Case:
     rank: int = 0
     n_queries: int = 1
     n_sources: int = 1
-    kernel_sizes: tuple[int, ...] = (4, 8, 12)  # "streams" only: SPEC 1.4's default kappa
+    kernel_sizes: tuple[int, ...] = (4, 8, 12)  # "streams" only: docs/spec.md section 1.4's default kappa
 
     def label(self) -> str:
         if self.op == "streams":

@@ -1,4 +1,4 @@
-"""Pure-torch depth-attention ops (SPEC section 2): the slow twin of every fast kernel.
+"""Pure-torch depth-attention ops (docs/spec.md section 2): the slow twin of every fast kernel.
 
 Differentiable through ordinary autograd. All math runs in float32 (or float64 when given float64),
 outputs come back in the input dtype and the log-sum-exp in float32 (float64 for float64 inputs).

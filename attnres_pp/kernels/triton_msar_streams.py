@@ -1,4 +1,4 @@
-"""Triton fused MSAR phase 1 (SPEC sections 1.4 and 2), forward: the causal-conv streams of the
+"""Triton fused MSAR phase 1 (docs/spec.md sections 1.4 and 2), forward: the causal-conv streams of the
 completed sources and the batched depth read of every stream in one kernel, the streams never
 written to memory (as the MSAR paper does).
 

@@ -1,4 +1,4 @@
-"""Triton phase 1 (SPEC section 2): read N completed sources with S queries at once.
+"""Triton phase 1 (docs/spec.md section 2): read N completed sources with S queries at once.
 
 Forward: one program per (token tile, d-chunk) holds all S queries and loops over the N sources
 with an online softmax, so each value element is read once for every query. Scores need the whole

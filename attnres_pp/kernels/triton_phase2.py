@@ -1,4 +1,4 @@
-"""Triton phase 2 (SPEC section 2): merge the phase-1 read with the open partial,
+"""Triton phase 2 (docs/spec.md section 2): merge the phase-1 read with the open partial,
 h = o1 + g * (p - o1), g = sigmoid(s_p - lse1), s_p = q . RMSNorm(partial_key or partial).
 
 One program per (token tile, d-chunk); the gate needs the whole key row, which each d-chunk program

@@ -1,4 +1,4 @@
-"""The model family of SPEC section 1: config, layers, depth attention, the whole Transformer.
+"""The model family of docs/spec.md section 1: config, layers, depth attention, the whole Transformer.
 
 `attnres_pp.model.config` stays torch-free (the simulator reads ModelConfig without torch); the
 torch-backed parts load on first use.

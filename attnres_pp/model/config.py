@@ -1,4 +1,4 @@
-"""ModelConfig: the frozen, validated description of one model of the family (SPEC section 1).
+"""ModelConfig: the frozen, validated description of one model of the family (docs/spec.md section 1).
 
 Also owns the block bookkeeping every other part shares: which sources sublayer `l` reads, when a
 block completes, how many sources the final read sees.
@@ -31,7 +31,7 @@ def _is_real(value) -> bool:
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """One model of the family. `block_size` counts sublayers (two per transformer layer); `blocks` > 0
-    names the number of blocks N instead (SPEC 1.2: block i ends after sublayer ceil(L i / N)) and then
+    names the number of blocks N instead (docs/spec.md section 1.2: block i ends after sublayer ceil(L i / N)) and then
     decides the boundaries alone. `key_norm_gain` adds a learned gain (init 1) to the key RMSNorm."""
 
     vocab_size: int = 256
@@ -139,7 +139,7 @@ class ModelConfig:
 
 
 def block_ends_of(n_sublayers: int, *, block_size: int = 1, blocks: int = 0) -> tuple[int, ...]:
-    """Block boundaries of SPEC 1.2: with `blocks` = N > 0, block i (1-based) ends after sublayer
+    """Block boundaries of docs/spec.md section 1.2: with `blocks` = N > 0, block i (1-based) ends after sublayer
     ceil(L i / N), spreading the remainder; otherwise every `block_size` sublayers, the last block short."""
     if blocks:
         return tuple(-(-n_sublayers * i // blocks) for i in range(1, blocks + 1))

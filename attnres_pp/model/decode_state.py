@@ -1,4 +1,4 @@
-"""Incremental-decoding state of one batch of sequences on one process or pipeline rank (SPEC 7).
+"""Incremental-decoding state of one batch of sequences on one process or pipeline rank (docs/spec.md section 7).
 
 Two things carry over from one forward pass to the next, both indexed by token position so that a
 pass may cover any run of positions (a prefill piece, one new token) and a rank may run its chunks'
@@ -6,7 +6,7 @@ passes in any order that keeps each layer's own passes in position order:
 
 - per transformer layer, the attention keys and values of every earlier position (`KVSlot`);
 - under MSAR, every depth-attention source the process reads, at every earlier position: a
-  source's streams are causal convolutions over the sequence (SPEC 1.4), so the streams of new
+  source's streams are causal convolutions over the sequence (docs/spec.md section 1.4), so the streams of new
   tokens need the last (kappa - 1) positions of that source. A completed block b_j is keyed
   ("block", j) and its values are the same at every reading site; the open partial differs per
   reading sublayer l, so it is keyed ("partial", l).

@@ -1,5 +1,5 @@
 """Depth attention: the per-site pseudo-query parameters and the two-phase block read
-(SPEC sections 1.1-1.4 and 2) for every AttnRes variant.
+(docs/spec.md sections 1.1-1.4 and 2) for every AttnRes variant.
 
 Sources are stored packed as `[B, T, W]` with `W = d` (or `d + r` under projected keys: value
 columns first, key columns last, the keys being sums of keys normalised when emitted, see
@@ -143,7 +143,7 @@ def emit_source(cfg: ModelConfig, out_BTW: torch.Tensor) -> torch.Tensor:
     """A sublayer's or the embedding's packed output `[B, T, W]` as it enters the block sums.
 
     Under projected keys the r key columns are RMS-normalised (no gain) here, before any summing,
-    as the LR-AttnRes reference does (SPEC 1.3): each sublayer then weighs equally in its block's key
+    as the LR-AttnRes reference does (docs/spec.md section 1.3): each sublayer then weighs equally in its block's key
     whatever its raw scale. Values, and every other variant's output, pass through unchanged.
     """
     if not cfg.projected_key_rank:

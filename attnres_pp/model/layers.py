@@ -1,7 +1,7 @@
 """The sublayers of one transformer layer (PreNorm attention and MLP) and the RMSNorm they use.
 
 Each sublayer returns its output packed with its raw low-rank key when keys are projected:
-`[B, T, d + r]`, so that block sums of values and keys are one addition (SPEC section 1.3). The key
+`[B, T, d + r]`, so that block sums of values and keys are one addition (docs/spec.md section 1.3). The key
 is normalised where it is emitted into the depth state (`depth.emit_source`), not here, so these
 modules stay plain projections.
 """

@@ -1,5 +1,5 @@
 """Depth-routing statistics of the reads a forward pass makes, taken from the two-phase evaluation
-itself (SPEC section 2): phase 1's log-sum-exp `lse1` and phase 2's merge gate `sigmoid(s_p - lse1)`
+itself (docs/spec.md section 2): phase 1's log-sum-exp `lse1` and phase 2's merge gate `sigmoid(s_p - lse1)`
 give each source's exact weight, `a_i = exp(s_i - lse1) (1 - g)` for a completed source and `g` for
 the open partial, so the statistics describe the softmax the model ran, not a re-derivation of it.
 

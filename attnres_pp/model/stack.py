@@ -53,7 +53,7 @@ def forward_sublayers(cfg: ModelConfig, layers: Mapping[int, TransformerLayer], 
     block (or is the model's last) moves the partial into `blocks`. Each output passes `emit_source`
     before it is summed, here and nowhere else, so pipeline chunks inherit the same rule; under
     bf16 autocast every stored tensor is bf16 (`precision.to_activation`).
-    `decode`: incremental decoding, the state's tokens are one pass of a DecodeState (SPEC 7).
+    `decode`: incremental decoding, the state's tokens are one pass of a DecodeState (docs/spec.md section 7).
     """
     if cfg.residual == "standard":
         residual = state.residual

@@ -51,7 +51,7 @@ def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
 
 
 class Transformer(nn.Module):
-    """Decoder-only LM of SPEC section 1. `model(idx)` -> logits; `model(idx, targets)` -> mean loss.
+    """Decoder-only LM of docs/spec.md section 1. `model(idx)` -> logits; `model(idx, targets)` -> mean loss.
     `precision` "bf16" runs the forward under bf16 autocast (see `model.precision`).
 
     Parameters are initialised from `seed` and their whole-model names (`layers.init_weights`), not

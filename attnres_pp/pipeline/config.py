@@ -13,7 +13,7 @@ LAUNCHERS = ("local", "ray", "inprocess")  # inprocess: loopback transport, for 
 # Ray placement-group strategies: STRICT_PACK keeps every rank on one node (fastest links); PACK
 # and SPREAD let a pipeline span nodes (PACK fills a node before the next, SPREAD balances).
 PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD")
-# Point-to-point rules the runtime obeys (SPEC section 5): "gloo" matches by tag and buffers sends;
+# Point-to-point rules the runtime obeys (docs/spec.md section 5): "gloo" matches by tag and buffers sends;
 # "nccl" matches in issue order with rendezvous sends, so the runtime issues batched groups in the
 # order validate_nccl proves; "auto" follows the process group's backend (the loopback: gloo).
 P2P_SEMANTICS = ("auto", "gloo", "nccl")

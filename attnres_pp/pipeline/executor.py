@@ -1,4 +1,4 @@
-"""The one action executor (DESIGN rule 14): runs a rank's lowered action list, for training, for
+"""The one action executor (docs/architecture.md rule 14): runs a rank's lowered action list, for training, for
 pipelined evaluation and for generation alike. The runtimes (`runtime.StageRuntime`,
 `generation_runtime.GenerationRuntime`) supply the compute actions (F, B, I, W); this owns the rest:
 
@@ -9,7 +9,7 @@ pipelined evaluation and for generation alike. The runtimes (`runtime.StageRunti
 - self-hops (two consecutive chunks on this rank, any placement): the send parks the tensors in
   memory and the receive takes them (no copy, no bytes, no ledger entry), so the wire carries, and
   the ledger counts, only what crosses between ranks;
-- how messages are issued, from the transport's point-to-point rules (SPEC section 5):
+- how messages are issued, from the transport's point-to-point rules (docs/spec.md section 5):
   gloo (tags match, sends are buffered): receives are posted ahead (`recv_lookahead` of them, or
   all of a pass's), so the sender's isend writes at once (see comm.transport);
   nccl (issue order matches, sends wait for their receive): the sends and receives go out in the

@@ -1,4 +1,4 @@
-"""The forward-only runtime of generation (SPEC section 7): one rank's passes of incremental decoding.
+"""The forward-only runtime of generation (docs/spec.md section 7): one rank's passes of incremental decoding.
 
 A pass (the prompt's prefill pieces, or one new token) runs the rank's lowered forward-only schedule
 (`forward_schedule.generation_schedule`) through the one action executor (`pipeline.executor`), over

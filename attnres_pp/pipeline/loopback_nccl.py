@@ -1,4 +1,4 @@
-"""The in-process loopback transport under NCCL's point-to-point rules (SPEC section 5), for
+"""The in-process loopback transport under NCCL's point-to-point rules (docs/spec.md section 5), for
 `--launcher inprocess --p2p-semantics nccl` and the tests: every rank's transport shares one
 `validate_nccl.NcclP2P`, which matches the messages between two ranks in issue order (tags are
 ignored; a pair that NCCL would match wrongly, by message or by size, raises P2PMismatch) and

@@ -1,4 +1,4 @@
-"""Counting the bytes a rank keeps for its backward (SPEC section 8, `activation_peak_bytes`).
+"""Counting the bytes a rank keeps for its backward (docs/spec.md section 8, `activation_peak_bytes`).
 
 `ActivationMeter.saving()` is a `torch.autograd.graph.saved_tensors_hooks` context: every tensor an
 autograd node saves while it is active is packed into a `_Held` handle that keeps the tensor (so

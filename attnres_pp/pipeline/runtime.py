@@ -2,7 +2,7 @@
 chunks, run by the one action executor (`pipeline.executor`, which owns the cursor, the messages,
 self-hops, the block cache and how messages are issued), and a timestamp for every action.
 
-Dispatch on action kind (DESIGN rule 3). What each hop carries comes from the payload plan alone.
+Dispatch on action kind (docs/architecture.md rule 3). What each hop carries comes from the payload plan alone.
 Gradient bookkeeping per chunk and microbatch, in the backward (B, or I, which does all of this,
 then W, which adds the parameters' gradients later; see `split_backward`):
 - a tensor this chunk *produced* gets its outside gradient (from the next hop and/or from cache
@@ -56,7 +56,7 @@ class StepRecord:
     # microbatch -> loss (last chunk's rank); read from the device once, at the end of the step
     losses: dict[int, float] = field(default_factory=dict)
     events: list[ActionEvent] = field(default_factory=list)
-    cache_peak_bytes: int = 0  # cache entries plus deposits (SPEC 8)
+    cache_peak_bytes: int = 0  # cache entries plus deposits (docs/spec.md section 8)
     activation_peak_bytes: int = 0  # storages saved for backward (`memory_meter`)
 
 
@@ -79,7 +79,7 @@ class StageRuntime:
         device = next((p.device for chunk in chunks.values() for p in chunk.parameters()), torch.device("cpu"))
         self._clock = clock or make_clock(device)  # CUDA events on a GPU, perf_counter on CPU
         self.first_chunk = min(chunks)
-        self.memory = ActivationMeter()  # what the forwards save for backward (SPEC 8)
+        self.memory = ActivationMeter()  # what the forwards save for backward (docs/spec.md section 8)
         # Called around every compute action (`before(action)`, `after(action)`): FSDP2's unshard and
         # reshard of the action's chunk (`train.fsdp`); None: nothing to do.
         self.compute_hooks = compute_hooks

@@ -1,4 +1,4 @@
-"""A chunk's backward split in two (SPEC section 5): `backward_input` (I) computes the gradients of
+"""A chunk's backward split in two (docs/spec.md section 5): `backward_input` (I) computes the gradients of
 the chunk's inputs (what goes back over the hop and into cache deposits), `backward_weight` (W)
 later computes the parameters' gradients, without running any part of the input-gradient chain again.
 

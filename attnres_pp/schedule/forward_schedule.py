@@ -1,4 +1,4 @@
-"""Forward-only schedules (SPEC section 7): F actions and their hops, no backward and no deposits,
+"""Forward-only schedules (docs/spec.md section 7): F actions and their hops, no backward and no deposits,
 for pipelined evaluation (`forward_only_schedule`) and for one generation pass
 (`generation_schedule`); and `forward_only`, a compute schedule without its backward actions.
 

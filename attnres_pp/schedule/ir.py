@@ -1,4 +1,4 @@
-"""The schedule IR: actions, per-rank action lists, and their short text form (SPEC section 5).
+"""The schedule IR: actions, per-rank action lists, and their short text form (docs/spec.md section 5).
 
 A schedule is data. Generators (`schedules.py`) return compute-only schedules; `passes.insert_comm`
 adds the communication; `validate.validate` checks it; the runtime and the simulator execute the

@@ -1,4 +1,4 @@
-"""Schedule passes. `insert_comm` is the one place communication is placed (DESIGN rule 2).
+"""Schedule passes. `insert_comm` is the one place communication is placed (docs/architecture.md rule 2).
 
 Pure standard library.
 """

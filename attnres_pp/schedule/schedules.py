@@ -1,4 +1,4 @@
-"""Schedule generators: pure functions (P, V, m) -> compute-only `Schedule` (SPEC section 5).
+"""Schedule generators: pure functions (P, V, m) -> compute-only `Schedule` (docs/spec.md section 5).
 
 Each returns, per rank, the ordered F and B (or, for the zero-bubble schedules, I and W) actions of
 that rank's chunks under the placement it declares: loop (chunk c = v * P + rank) for all but zbv,
@@ -232,7 +232,7 @@ SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
 }
 
 
-# The chunk -> rank placement each schedule declares (SPEC section 3); the partition a run builds
+# The chunk -> rank placement each schedule declares (docs/spec.md section 3); the partition a run builds
 # for a schedule must use it, so that chunks live where the schedule runs them.
 PLACEMENT_OF = {name: "vshape" if name == "zbv" else "loop" for name in SCHEDULES}
 

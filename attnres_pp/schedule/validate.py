@@ -109,7 +109,7 @@ def _check_compute_once(schedule: Schedule) -> None:
 
 
 def _check_deposits_before_collection(schedule: Schedule) -> None:
-    """SPEC 5: a chunk's I (or B) runs only after every deposit into the cache entries it collects.
+    """docs/spec.md section 5: a chunk's I (or B) runs only after every deposit into the cache entries it collects.
 
     Entries a chunk puts in its rank's cache are read by the rank's later chunks, whose I (or B)
     deposits the gradients of those reads; so on every rank, per microbatch, the input-gradient

@@ -1,4 +1,4 @@
-"""NCCL's point-to-point rules (SPEC section 5) as an executable model, and the proof that a lowered
+"""NCCL's point-to-point rules (docs/spec.md section 5) as an executable model, and the proof that a lowered
 schedule, run the way the runtime runs it on NCCL, cannot deadlock under them. Pure standard library.
 
 The model (`NcclP2P`), shared by this validator and the in-process loopback that enforces it:

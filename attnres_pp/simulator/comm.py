@@ -1,7 +1,7 @@
-"""Communication per hop and per microbatch for the four modes (SPEC section 4).
+"""Communication per hop and per microbatch for the four modes (docs/spec.md section 4).
 
 The counts come from `attnres_pp.comm.plan.plan_payloads`, the planner the runtime uses;
-`closed_form_*` restate SPEC 4.2 so tests can hold the planner to it.
+`closed_form_*` restate docs/spec.md section 4.2 so tests can hold the planner to it.
 
 Modes:
     standard    one residual stream per hop (the baseline transformer)
@@ -25,7 +25,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 def plan_for_mode(mode: str, *, n_sublayers: int, block_size: int, partition: Partition,
                   blocks: int = 0) -> PayloadPlan:
     """The planner's answer for one of COMM_MODES (full_naive = naive with block_size 1); `blocks` > 0
-    places the block boundaries by the number of blocks instead (SPEC 1.2, ModelConfig.block_ends)."""
+    places the block boundaries by the number of blocks instead (docs/spec.md section 1.2, ModelConfig.block_ends)."""
     if mode not in COMM_MODES:
         raise ValueError(f"mode {mode!r} is unknown; choose one of {', '.join(COMM_MODES)}")
     if mode == "full_naive":
@@ -35,13 +35,13 @@ def plan_for_mode(mode: str, *, n_sublayers: int, block_size: int, partition: Pa
 
 
 def closed_form_naive(n_stages: int, n_virtual: int) -> list[int]:
-    """SPEC 4.2 (loop placement): with one block completing per chunk, naive hop c carries c + 2
-    tensors over the wire; with P = 1 every hop is a self-hop and carries none (SPEC 3)."""
+    """docs/spec.md section 4.2 (loop placement): with one block completing per chunk, naive hop c carries c + 2
+    tensors over the wire; with P = 1 every hop is a self-hop and carries none (docs/spec.md section 3)."""
     return [c + 2 if n_stages > 1 else 0 for c in range(n_stages * n_virtual - 1)]
 
 
 def closed_form_cached(n_stages: int, n_virtual: int) -> list[int]:
-    """SPEC 4.2: cached hops carry c + 2 while c + 1 < P, then P - 1 each (0 for P = 1: self-hops)."""
+    """docs/spec.md section 4.2: cached hops carry c + 2 while c + 1 < P, then P - 1 each (0 for P = 1: self-hops)."""
     return [c + 2 if c + 1 < n_stages else n_stages - 1 for c in range(n_stages * n_virtual - 1)]
 
 
@@ -62,7 +62,7 @@ class CommReport:
     source_width: int
     dtype: str
     fwd_hop_tensors: dict[str, list[int]]
-    blocks: int = 0  # > 0: the blocks are placed by their number (SPEC 1.2), block_size is not used
+    blocks: int = 0  # > 0: the blocks are placed by their number (docs/spec.md section 1.2), block_size is not used
 
     def width_of(self, mode: str) -> int:
         return self.d_model if mode == "standard" else self.source_width
@@ -97,7 +97,7 @@ class CommReport:
 def comm_report(*, n_layers: int, block_size: int, n_stages: int, n_virtual: int, tokens: int,
                 d_model: int, source_width: int, dtype: str = "bf16",
                 layer_counts: tuple[int, ...] | None = None, blocks: int = 0) -> CommReport:
-    """Plan all four modes for one model shape and partition (`blocks` > 0: N blocks, SPEC 1.2)."""
+    """Plan all four modes for one model shape and partition (`blocks` > 0: N blocks, docs/spec.md section 1.2)."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is unknown; choose one of {', '.join(DTYPE_BYTES)}")
     if tokens < 1:

@@ -1,11 +1,11 @@
 """Per-rank memory of a training step, predicted from shapes and the schedule's action order
-(SPEC section 8), with the keys a run counts in `summary.json`'s `memory_per_rank` (RSS excluded).
+(docs/spec.md section 8), with the keys a run counts in `summary.json`'s `memory_per_rank` (RSS excluded).
 
     param_bytes       fp32 master weights of the rank's chunks, by parameter shape (the module list
                       of `model.transformer` / `pipeline.chunk`; MSAR's stream convolutions on every
                       rank); under FSDP2 over D replicas ceil(dim0 / D) rows of each parameter
     grad_bytes        the same shapes (fp32 gradients, sharded alike)
-    optimizer_bytes   AdamW's two moments exp_avg and exp_avg_sq (fp32, sharded alike), as SPEC 8
+    optimizer_bytes   AdamW's two moments exp_avg and exp_avg_sq (fp32, sharded alike), as docs/spec.md section 8
                       and the runtime's count define it (its 0-d `step` tensors, 4 bytes each, left out)
     activation_peak   the peak over the rank's action order of the bytes saved for backward, as the
                       runtime's meter counts them (`pipeline.memory_meter`, the moments inside an

@@ -1,7 +1,7 @@
 """Metrics of a simulated step: makespan, bubbles in both conventions, in-flight microbatches,
 block-cache memory and bytes per step.
 
-Bubble conventions (SPEC section 5):
+Bubble conventions (docs/spec.md section 5):
     bubble_fraction = idle / (ranks x makespan)          -> (P-1)/(V m + P - 1) for unit costs
     bubble_ratio    = idle / compute (idle over ideal)   -> (P-1)/(V m)
 Idle is every second of the makespan a rank is not running F or B (or I and W: waiting, or

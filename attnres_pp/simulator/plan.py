@@ -6,7 +6,7 @@ dp_shard (replicate | fsdp) and activation checkpointing (none | full | selectiv
 it fast:
   1. every candidate is priced in closed form: the slowest rank's compute per microbatch (the
      `simulate project` chunk model, backward 2x forward, + one forward under full AC, + the
-     memory-bound part under selective AC) times m over (1 - SPEC 5's closed-form bubble), plus the
+     memory-bound part under selective AC) times m over (1 - docs/spec.md section 5's closed-form bubble), plus the
      data-parallel all-reduce (fsdp's reduce-scatter + all-gather move the same bytes); memory as
      the exact parameter/gradient/AdamW bytes + a closed-form count of in-flight chunk-microbatches;
   2. the fastest candidates that pass stage 1 with slack get the exact memory walk

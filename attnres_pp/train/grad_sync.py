@@ -1,4 +1,4 @@
-"""A rank's gradients after its backward, made into the whole run's (SPEC section 6, section 1.4):
+"""A rank's gradients after its backward, made into the whole run's (docs/spec.md section 6, section 1.4):
 
 - every parameter's gradient is averaged over the rank's D data-parallel replicas, in flat buckets
   (one all-reduce per bucket of up to BUCKET_BYTES, not one per parameter);

@@ -1,4 +1,4 @@
-"""What a rank holds, in bytes: summary.json's `memory_per_rank` entries (SPEC section 8).
+"""What a rank holds, in bytes: summary.json's `memory_per_rank` entries (docs/spec.md section 8).
 
 `param_bytes`, `grad_bytes` and `optimizer_bytes` are counted from the tensors the rank holds (their
 local tensors: a sharded parameter counts its shard); `optimizer_bytes` is AdamW's two moments

@@ -48,7 +48,7 @@ class SingleProcessEngine:
         if train_cfg.activation_checkpoint != "none":
             self._whole = PipelineChunk(self.model, make_partition(model_cfg.n_layers, 1, 1), 0,
                                         self.model.stream_convs, train_cfg.activation_checkpoint)
-        self.memory = ActivationMeter()  # what the forwards save for backward (SPEC 8)
+        self.memory = ActivationMeter()  # what the forwards save for backward (docs/spec.md section 8)
 
     @property
     def corpus(self) -> Corpus:

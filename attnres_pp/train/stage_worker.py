@@ -1,4 +1,4 @@
-"""StageWorker: one rank of a data-parallel x pipeline-parallel run (SPEC section 6), with its chunks,
+"""StageWorker: one rank of a data-parallel x pipeline-parallel run (docs/spec.md section 6), with its chunks,
 optimizer, data and runtimes. A rank group (`pipeline.rank_group`) hosts one per rank: in a
 spawned process or a Ray actor, joined to a process group (`join_process_group`), or as a thread of
 the driver's process over the loopback transport (`join_threads`). It lives in

@@ -267,7 +267,7 @@ def test_compiled_graph_calls_the_custom_ops():
 
 
 def test_phase2_zero_query_is_a_mean_merge():
-    """SPEC 1.1 identity: zero queries give plain means, so phase 2 merges with weight 1 / (n + 1)."""
+    """docs/spec.md section 1.1 identity: zero queries give plain means, so phase 2 merges with weight 1 / (n + 1)."""
     values = torch.randn(3, 4, 8)
     out1, lse1 = triton_ops.phase1(values, torch.zeros(1, 8))
     partial = torch.randn(4, 8)

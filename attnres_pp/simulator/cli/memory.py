@@ -20,7 +20,7 @@ def register(commands) -> None:
     parser = commands.add_parser(
         "memory", help="predict each rank's peak memory (params, grads, AdamW, activations, cache)",
         description="Per-rank memory of one training step predicted from shapes and the schedule's action "
-                    "order (SPEC section 8): the keys of summary.json's memory_per_rank and the peak's action.")
+                    "order (docs/spec.md section 8): the keys of summary.json's memory_per_rank and the peak's action.")
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), required=True)
     parser.add_argument("--stages", type=positive_int, required=True, help="P, pipeline ranks")
     parser.add_argument("--virtual", type=positive_int, default=1, help="V, chunks per rank (default 1)")
