@@ -220,3 +220,27 @@ class ActionExecutor:
                 ran = True
             self.transport.end_group()
         return ran
+
+
+class ExecutorView:
+    """What a runtime shows of its executor: the transport, the rank's lowered actions, the cursor
+    over them and the step's block cache. A runtime sets `self.executor`."""
+
+    executor: ActionExecutor
+
+    @property
+    def transport(self) -> Transport:
+        return self.executor.transport
+
+    @property
+    def actions(self) -> tuple[Action, ...]:
+        return self.executor.actions
+
+    @property
+    def cursor(self) -> int:
+        return self.executor.cursor
+
+    @property
+    def cache(self) -> BlockCache:
+        """The step's block cache (cache entries and gradient deposits)."""
+        return self.executor.cache

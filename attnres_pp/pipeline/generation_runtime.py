@@ -20,19 +20,18 @@ from __future__ import annotations
 
 import torch
 
-from attnres_pp.comm.cache import BlockCache
 from attnres_pp.comm.plan import PayloadPlan
 from attnres_pp.comm.transport_protocol import Transport
 from attnres_pp.model.decode_state import DecodeState
 from attnres_pp.pipeline.chunk import PipelineChunk
-from attnres_pp.pipeline.executor import ActionExecutor
+from attnres_pp.pipeline.executor import ActionExecutor, ExecutorView
 from attnres_pp.pipeline.loopback import run_in_turns
 from attnres_pp.pipeline.routes import hop_shapes
 from attnres_pp.schedule.forward_schedule import generation_schedule
 from attnres_pp.schedule.ir import Action
 
 
-class GenerationRuntime:
+class GenerationRuntime(ExecutorView):
     """Rank `pp_rank` of a generation pipeline. `start_pass` / `run_next` / `finish_pass`, or
     `run_pass` at once; `reset` starts a new batch of sequences (empty caches)."""
 
@@ -48,22 +47,6 @@ class GenerationRuntime:
                                        compute=self._forward, recv_lookahead=None, recv_leaves=False)
         self._next_piece_id = 0  # running piece count: message tags are never reused
         self.reset()
-
-    @property
-    def transport(self) -> Transport:
-        return self.executor.transport
-
-    @property
-    def actions(self) -> tuple[Action, ...]:
-        return self.executor.actions
-
-    @property
-    def cursor(self) -> int:
-        return self.executor.cursor
-
-    @property
-    def cache(self) -> BlockCache:
-        return self.executor.cache
 
     def reset(self) -> None:
         """Forget every earlier token: the next pass starts a new batch of sequences at position 0."""

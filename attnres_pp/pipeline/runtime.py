@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attnres_pp.comm.cache import BlockCache
 from attnres_pp.comm.plan import PayloadPlan, Source
 from attnres_pp.comm.transport_protocol import Transport
 from attnres_pp.pipeline.chunk import PipelineChunk
 from attnres_pp.pipeline.clock import make_clock
-from attnres_pp.pipeline.executor import ActionExecutor
+from attnres_pp.pipeline.executor import ActionExecutor, ExecutorView
 from attnres_pp.pipeline.graph_cut import CutCache
 from attnres_pp.pipeline.memory_meter import ActivationMeter
 from attnres_pp.pipeline.routes import hop_shapes, message_tag
@@ -63,7 +62,7 @@ class StepRecord:
 __all__ = ["ActionEvent", "StageRuntime", "StepRecord", "message_tag"]
 
 
-class StageRuntime:
+class StageRuntime(ExecutorView):
     """Rank `pp_rank` of a pipelined training run (or of its forward-only evaluation): `start_step`,
     then `run_next` until `finished` (or `run_to_end`), then `finish_step` for the step's record."""
 
@@ -90,23 +89,6 @@ class StageRuntime:
         self.executor.load(schedule, lambda _microbatch, source: self.shape_of(source))
         self._names = [str(a) for a in self.actions]
         self._categories = ["compute" if a.is_compute else "comm" for a in self.actions]
-
-    @property
-    def transport(self) -> Transport:
-        return self.executor.transport
-
-    @property
-    def actions(self) -> tuple[Action, ...]:
-        return self.executor.actions
-
-    @property
-    def cursor(self) -> int:
-        return self.executor.cursor
-
-    @property
-    def cache(self) -> BlockCache:
-        """The step's block cache (cache entries and gradient deposits)."""
-        return self.executor.cache
 
     # ---- one step ----
     def start_step(self, inputs_by_mb: list[torch.Tensor] | None, targets_by_mb: list[torch.Tensor] | None,
