@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import json
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +103,19 @@ def test_a_flag_that_picks_a_sibling_module_runs_it_under_its_name(argv, sibling
     assert payload["command"] == " ".join(["attnres-pp", "bench", argv[0], *argv[1:-1], "--out", str(tmp_path),
                                            argv[-1]])
     assert (tmp_path / f"{stem}.md").read_text().startswith(f"# {sibling}")
+
+
+def test_results_keep_no_path_of_this_checkout(tmp_path):
+    """Results are committed: a trace or picture path inside the checkout is written relative to it
+    (in the JSON, nested, and in the markdown); a path outside it is left as it is."""
+    from attnres_pp.bench import common
+
+    checkout = Path(common.__file__).resolve().parents[2]
+    inside = str(checkout / "benchmarks" / "results" / "bubbles_x" / "trace_1f1b.json")
+    payload = {"rows": [{"trace": inside, "other": "/elsewhere/trace.json"}], "n": 3}
+    json_path, md_path = common.write_results(tmp_path, "stem", payload, f"see {inside}\n")
+    written = json.loads(json_path.read_text())
+    assert written["rows"][0] == {"trace": "benchmarks/results/bubbles_x/trace_1f1b.json",
+                                  "other": "/elsewhere/trace.json"}
+    assert written["n"] == 3
+    assert md_path.read_text() == "see benchmarks/results/bubbles_x/trace_1f1b.json\n"

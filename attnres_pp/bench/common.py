@@ -29,7 +29,7 @@ MICROBATCH_SIZE = 4  # sequences per microbatch
 
 def default_out_dir() -> Path:
     """`benchmarks/results/` of the source checkout this package runs from, else of the cwd."""
-    checkout = Path(__file__).resolve().parents[2] / "benchmarks"
+    checkout = _checkout() / "benchmarks"
     return (checkout if checkout.is_dir() else Path.cwd() / "benchmarks") / "results"
 
 
@@ -153,15 +153,34 @@ def results_stem(name: str, quick: bool, suffix: str = "") -> str:
     return f"{name}{'_quick' if quick else ''}_{datetime.date.today().isoformat()}{suffix}"
 
 
+def _checkout() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def repo_relative(value):
+    """`value` (a payload: dicts, lists, strings) with every absolute path inside this checkout
+    written relative to it: results are committed, and a path of one machine's checkout means
+    nothing in another clone."""
+    prefix = f"{_checkout()}/"
+    if isinstance(value, str):
+        return value.replace(prefix, "")
+    if isinstance(value, dict):
+        return {key: repo_relative(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [repo_relative(item) for item in value]
+    return value
+
+
 def write_results(out_dir: str | Path, stem: str, payload: dict, markdown: str) -> list[Path]:
-    """Write STEM.json and STEM.md under `out_dir`; returns their paths."""
+    """Write STEM.json and STEM.md under `out_dir`, paths inside the checkout made relative to it
+    (`repo_relative`); returns their paths."""
     from attnres_pp.train.summary import write_json_atomic
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
-    write_json_atomic(json_path, payload)  # strict JSON: non-finite floats become null
-    md_path.write_text(markdown.rstrip() + "\n")
+    write_json_atomic(json_path, repo_relative(payload))  # strict JSON: non-finite floats become null
+    md_path.write_text(repo_relative(markdown).rstrip() + "\n")
     return [json_path, md_path]
 
 
