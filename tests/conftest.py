@@ -6,7 +6,10 @@
 - A test that starts a process (a subprocess, a multiprocessing child, a fork) must carry one of
   PROCESS_MARKERS: `make test-fast` deselects those, so it runs in one process only what needs no
   other. The check runs in every run, so an unmarked test fails the full suite too, naming the
-  command it started; the process itself is let run (the test's own result is unchanged).
+  command it started; the process itself is let run (the test's own result is unchanged). The
+  tools a JIT compiler or the standard library runs for itself (TOOLCHAIN: Triton's ptxas and
+  ldconfig on a GPU, a C compiler, `uname`) are not a test's processes: on a GPU every kernel
+  test compiles.
 - The long tests go first (see `pytest_collection_modifyitems`), so that under `--dist loadgroup`
   the two workers start on them and the short ones fill in at the end.
 """
@@ -28,6 +31,9 @@ torch.set_num_threads(1)
 # What `make test-fast` deselects; each names what a test starts (pyproject.toml has the texts).
 PROCESS_MARKERS = ("multihost", "ray", "distributed", "subprocess")
 
+TOOLCHAIN = frozenset({"ptxas", "nvdisasm", "cuobjdump", "nvlink", "fatbinary", "ldconfig", "gcc", "g++", "cc",
+                       "c++", "clang", "clang++", "uname"})
+
 _running: list[pytest.Item] = []  # the item whose setup, call or teardown is under way
 _started: list[str] = []  # processes that item started without a process marker, this phase
 
@@ -48,7 +54,9 @@ def _watch_process_starts() -> None:
     process_start = multiprocessing.process.BaseProcess.start
 
     def execute_child(self, args, *rest, **kwargs):
-        _unmarked_start(f"subprocess {_describe(args)[:200]}")
+        command = _describe(args)
+        if os.path.basename(command.split(" ", 1)[0]) not in TOOLCHAIN:
+            _unmarked_start(f"subprocess {command[:200]}")
         return popen_child(self, args, *rest, **kwargs)
 
     def start(self):

@@ -32,7 +32,6 @@ def test_no_timing_is_for_comm_only(tmp_path, capsys):
     assert "--no-timing applies to comm only" in capsys.readouterr().err
 
 
-@pytest.mark.subprocess
 def test_bench_comm_quick_json(tmp_path, capsys):
     assert main(["bench", "comm", "--quick", "--no-timing", "--json", "--out", str(tmp_path)]) == 0
     payload = json.loads(capsys.readouterr().out)

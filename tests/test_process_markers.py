@@ -62,5 +62,11 @@ def test_a_marked_phase_may_start_processes(marker):
     assert run_phase(FakeItem(marker), lambda: subprocess.run(["true"], check=True)) is None
 
 
+def test_a_tool_the_standard_library_or_a_jit_runs_is_not_the_tests_process():
+    # platform.processor() runs `uname -p`; Triton runs ptxas and ldconfig on a GPU, by full path.
+    assert run_phase(FakeItem(), lambda: subprocess.run(["uname", "-p"], capture_output=True)) is None
+    assert run_phase(FakeItem(), lambda: subprocess.run(["/usr/bin/uname"], capture_output=True)) is None
+
+
 def test_a_phase_that_starts_nothing_passes_unmarked():
     assert run_phase(FakeItem(), lambda: sum(range(10))) is None
