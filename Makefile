@@ -1,5 +1,5 @@
 # Set-up and the entry points of the README: `make demo` (train the default model), `make test` (the
-# CI suite) and `make test-fast` (the inner loop: the tests that start no process, in one process).
+# CI suite) and `make test-fast` (the inner loop: the tests that start no process of their own).
 # torch is pinned to the CPU build that these machines hold on disk; an unpinned torch would pull a
 # multi-GB CUDA build.
 PYTHON ?= python3
@@ -24,11 +24,11 @@ demo: install
 test: install
 	bash scripts/run_tests.sh -n $(PYTEST_WORKERS) --dist loadgroup
 
-# No install (an installed checkout), no second process: what tests/conftest.py's PROCESS_MARKERS
-# mark is deselected, and an unmarked test that starts a process fails.
+# No install (an installed checkout), and no test that starts a process: what tests/conftest.py's
+# PROCESS_MARKERS mark is deselected, and an unmarked test that starts a process fails.
 FAST_MARKERS := not multihost and not ray and not distributed and not subprocess
 test-fast:
-	bash scripts/run_tests.sh -q -m "$(FAST_MARKERS)"
+	bash scripts/run_tests.sh -q -n $(PYTEST_WORKERS) -m "$(FAST_MARKERS)"
 
 lint:
 	ruff check .
