@@ -1,12 +1,13 @@
-# Set-up and the two entry points of the README: `make demo` (train the default model) and
-# `make test` (the CI suite). torch is pinned to the CPU build that these machines hold on disk;
-# an unpinned torch would pull a multi-GB CUDA build.
+# Set-up and the entry points of the README: `make demo` (train the default model), `make test` (the
+# CI suite) and `make test-fast` (the inner loop: the tests that start no process of their own).
+# torch is pinned to the CPU build that these machines hold on disk; an unpinned torch would pull a
+# multi-GB CUDA build.
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 
-.PHONY: install demo test lint
+.PHONY: install demo test test-fast lint
 
 install:
 	$(PIP) install --quiet "$(TORCH_SPEC)"
@@ -18,8 +19,16 @@ demo: install
 	rm -rf runs/demo
 	attnres-pp train --out runs/demo
 
+# loadgroup: the tests sharing a several-host cluster (an xdist_group) run on one worker, the rest
+# one by one wherever a worker is free; tests/conftest.py hands the long ones out first.
 test: install
-	bash scripts/run_tests.sh -n $(PYTEST_WORKERS)
+	bash scripts/run_tests.sh -n $(PYTEST_WORKERS) --dist loadgroup
+
+# No install (an installed checkout), and no test that starts a process: what tests/conftest.py's
+# PROCESS_MARKERS mark is deselected, and an unmarked test that starts a process fails.
+FAST_MARKERS := not multihost and not ray and not distributed and not subprocess
+test-fast:
+	bash scripts/run_tests.sh -q -n $(PYTEST_WORKERS) -m "$(FAST_MARKERS)"
 
 lint:
 	ruff check .

@@ -5,8 +5,8 @@ bridge, each running a Ray node, with links that `tc` shapes and that can be cut
     netns_cluster.py up --hosts N [--cpus-per-host C] [--gbps X] [--latency-ms Y]
     netns_cluster.py shape HOST --gbps X [--latency-ms Y]     netns_cluster.py unshape HOST
     netns_cluster.py partition HOST                           netns_cluster.py heal HOST
-    netns_cluster.py kill HOST                                netns_cluster.py exec HOST -- CMD...
-    netns_cluster.py down                                     (safe to run twice)
+    netns_cluster.py kill HOST                                netns_cluster.py restart HOST
+    netns_cluster.py exec HOST -- CMD...                      netns_cluster.py down   (safe to run twice)
 
 `up` prints `{"head": "IP:6379", "dashboard": "http://IP:8265", "hosts": [{"name", "ip"}, ...],
 "auth_token_path": ...}`, host 0 (the Ray head) first; `name` is the namespace, for `ip netns exec`
@@ -27,9 +27,12 @@ a kernel without sch_netem refuses Y > 0 (one `error:` line saying so; `up` repo
 `"latency_shaping": false`) and shapes bandwidth only. `partition`
 detaches the host's link from the bridge: every packet to or from it is dropped, nothing is reset
 (as a cut cable); `heal` attaches it again. `kill` SIGKILLs every process in the namespace (a host
-that loses power). `down` ends every process started in the namespaces, then deletes the namespaces,
-the links and the bridge. State (names, pids, addresses) lives in `--state-dir` (default
-/tmp/attnres-netns-cluster; ATTNRES_NETNS_STATE overrides), so `down` works from any process.
+that loses power); `restart` brings a killed or cut-off worker host back as a repaired machine
+rejoins (its link attached again, whatever is left in it ended, a fresh Ray node at the same
+address), so that one cluster can serve several disruptive runs in turn. `down` ends every process
+started in the namespaces, then deletes the namespaces, the links and the bridge. State (names,
+pids, addresses) lives in `--state-dir` (default /tmp/attnres-netns-cluster; ATTNRES_NETNS_STATE
+overrides), so `down` works from any process.
 Bad input is one `error:` line and exit 2.
 """
 
@@ -352,6 +355,31 @@ def cmd_kill(args, store: State) -> dict:
     return {"host": host["name"], "killed_processes": kill_namespace(host["name"])}
 
 
+def cmd_restart(args, store: State) -> dict:
+    """A fresh Ray node in a worker host (a new node id, the same address), once Ray has given up
+    the old one: the caller waits for that (a run that recovered from the loss has). The head is
+    refused: its loss ends the cluster."""
+    state = store.require()
+    host = find_host(state, args.host)
+    index = state["hosts"].index(host)
+    if index == 0:
+        raise HarnessError(f"host {host['name']} is the head: a cluster cannot outlive it; run `down` and `up`")
+    if host["partitioned"]:
+        sh("ip", "link", "set", host["veth"], "master", state["bridge"])
+        sh("ip", "link", "set", host["veth"], "up")
+        host["partitioned"] = False
+    kill_namespace(host["name"])
+    if host.get("pid"):
+        try:  # reap the old node if this process started it
+            os.waitpid(host["pid"], os.WNOHANG)
+        except ChildProcessError:
+            pass
+    host["pid"] = start_node(state, index)
+    store.save(state)
+    wait_for_nodes(state, len(state["hosts"]), UP_TIMEOUT_S)
+    return {"host": host["name"], "restarted": True}
+
+
 def cmd_exec(args, store: State) -> int:
     state = store.require()
     host = find_host(state, args.host)
@@ -411,7 +439,8 @@ def parser() -> argparse.ArgumentParser:
     shape.add_argument("--gbps", type=float, required=True)
     shape.add_argument("--latency-ms", type=float, default=0.0)
     for name, what in (("unshape", "remove a host's shaping"), ("partition", "drop all of a host's traffic"),
-                       ("heal", "undo partition"), ("kill", "kill every process of a host")):
+                       ("heal", "undo partition"), ("kill", "kill every process of a host"),
+                       ("restart", "bring a killed or cut-off worker host back with a fresh Ray node")):
         sub.add_parser(name, help=what).add_argument("host")
     run = sub.add_parser("exec", help="run a command in a host's namespace (RAY_ADDRESS and the token set)")
     run.add_argument("host")
@@ -421,7 +450,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 COMMANDS = {"up": cmd_up, "shape": cmd_shape, "unshape": cmd_unshape, "partition": cmd_partition,
-            "heal": cmd_heal, "kill": cmd_kill, "exec": cmd_exec, "down": cmd_down}
+            "heal": cmd_heal, "kill": cmd_kill, "restart": cmd_restart, "exec": cmd_exec, "down": cmd_down}
 
 
 def main(argv: list[str] | None = None) -> int:

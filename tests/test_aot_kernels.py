@@ -44,6 +44,7 @@ def tools():
         pytest.skip(f"cannot build kernels ahead of time: {reason}")
 
 
+@pytest.mark.subprocess
 def test_small_grid_builds_every_kernel_for_hopper_without_spills(tools, tmp_path):
     out = tmp_path / "builds.json"
     result = _run("--grid", "small", "--arch", "90", "--json", str(out))
@@ -57,6 +58,7 @@ def test_small_grid_builds_every_kernel_for_hopper_without_spills(tools, tmp_pat
     assert "0 spill" in result.stdout
 
 
+@pytest.mark.subprocess
 def test_an_oversized_tile_budget_is_reported_as_a_spill(tools):
     result = _run("--grid", "small", "--arch", "90", "--tile-elems", "65536")
     assert result.returncode == 1, result.stdout + result.stderr

@@ -81,6 +81,7 @@ def marker(tmp_path) -> Path:
     return tmp_path / "pwned"
 
 
+@pytest.mark.subprocess
 def test_each_gadget_really_runs_under_plain_pickle(marker):
     """The gadgets are real attacks: plain pickle runs the ones that need no refused opcode."""
     live = gadgets(marker)
@@ -105,6 +106,7 @@ def test_the_guarded_unpickler_refuses_every_gadget(tmp_path, marker, name):
     assert not marker.exists()
 
 
+@pytest.mark.subprocess
 def test_the_prefix_rule_would_have_run_the_reported_gadget(tmp_path, marker):
     """A prefix rule (any name under a `torch.distributed.checkpoint.` module) resolves `os.system`;
     the exact list does not hold it."""
@@ -149,6 +151,7 @@ def _hostile_copy(trained_run: Path, tmp_path: Path, payload: bytes) -> Path:
 @pytest.mark.parametrize("name", ["attribute walk via an admitted module", "os.system by GLOBAL",
                                   "REDUCE on an admitted class"])
 @pytest.mark.parametrize("command", ["train", "generate"])
+@pytest.mark.subprocess
 def test_resume_from_a_hostile_checkpoint_is_one_error_line(trained_run, tmp_path, marker, name, command):
     run = _hostile_copy(trained_run, tmp_path, gadgets(marker)[name])
     argv = {"train": ["train", "--resume", str(run), "--steps", "3", "--launcher", "local", "--quiet"],

@@ -40,6 +40,7 @@ def generate_cli(*argv: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.subprocess
 def test_generate_from_a_trained_checkpoint_prints_the_json_contract(run_dir):
     done = generate_cli("--resume", str(run_dir), "--prompt", "def ", "--max-new-tokens", "8", "--temperature",
                         "0.9", "--top-k", "20", "--seed", "3", "--json")

@@ -32,7 +32,9 @@ def _train(model: Transformer, steps: int) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("variant,backend", [(v, "aot_eager") for v in sorted(VARIANTS)] + [("msar", "inductor")])
+# Inductor compiles C++ with the system compiler, in child processes.
+@pytest.mark.parametrize("variant,backend", [(v, "aot_eager") for v in sorted(VARIANTS)]
+                         + [pytest.param("msar", "inductor", marks=pytest.mark.subprocess)])
 def test_compiled_training_equals_eager_over_20_steps(variant, backend):
     torch._dynamo.reset()
     cfg = ModelConfig(**{**TINY, **VARIANTS[variant]})

@@ -283,6 +283,7 @@ def test_extraction_reads_blocks_continuations_and_inline_code(tmp_path):
     ]
 
 
+@pytest.mark.subprocess
 def test_building_the_parser_does_not_import_ray():
     code = ("import sys; from attnres_pp.cli import build_parser; build_parser(); "
             "sys.exit(1 if 'ray' in sys.modules else 0)")

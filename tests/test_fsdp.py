@@ -15,6 +15,8 @@ import pytest
 from attnres_pp.cli import main
 from tests.spawn_helpers import spawn_ranks
 
+pytestmark = pytest.mark.distributed
+
 TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "8", "--microbatches",
         "2", "--eval-every", "0", "--quiet", "--data-parallel", "2"]
 D2P2V2 = [*TINY, "--stages", "2", "--virtual", "2"]

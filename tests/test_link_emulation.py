@@ -82,6 +82,7 @@ def test_train_flags_exit_2_with_one_line(tmp_path, capsys, argv, needle):
     assert err.startswith("error: ") and needle in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.distributed
 def test_an_emulated_link_delays_steps_and_changes_neither_losses_nor_bytes(tmp_path):
     """Two gloo ranks, the same run with and without a 0.001 Gb/s link (125 kB/s): equal losses and
     counted bytes (the arrival stamp is not payload), and each step at least as long as the link needs
@@ -103,6 +104,7 @@ def test_an_emulated_link_delays_steps_and_changes_neither_losses_nor_bytes(tmp_
     assert slow["step_time_s"] >= one_direction_s
 
 
+@pytest.mark.distributed
 def test_an_emulated_link_under_the_nccl_issue_order(tmp_path):
     """`--p2p-semantics nccl` over gloo (the batched transport, NCCL's issue order) stamps and delays
     its messages as the plain transport does: the losses and counted bytes of the plain run, each step

@@ -77,6 +77,7 @@ def test_every_in_this_process_launcher_writes_memory_per_rank(tmp_path):
     assert entries[0] == {**entries[2], "peak_rss_bytes": entries[0]["peak_rss_bytes"]}  # replicas hold the same
 
 
+@pytest.mark.distributed
 def test_local_processes_count_what_the_in_process_ranks_count(tmp_path):
     layout = [*TINY, "--batch-size", "4", "--stages", "2", "--schedule", "zb_h1", "--activation-checkpoint", "full"]
     assert main(["train", *layout, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0

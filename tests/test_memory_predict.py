@@ -57,6 +57,7 @@ def test_prediction_matches_hook_counts_of_a_real_step(name):
         assert statistics.median(errors) <= 0.05 and max(errors) <= 0.10, (key, errors)
 
 
+@pytest.mark.subprocess
 def test_prediction_matches_a_real_run():
     rows = measure_case(*CASES[1], progress=lambda line: None)
     row = next(r for r in rows if r["counted_by"] == "run")

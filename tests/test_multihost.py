@@ -5,9 +5,14 @@ mid-run, or cut off mid-step, is named (rank and node) and the run recovers onto
 from its last checkpoint with the undisturbed run's losses; a shaped link slows the run as the
 simulator, calibrated on the unshaped link, predicts.
 
-Each test makes its own cluster (own names, own /24) and removes every namespace and process it made,
-also when it fails. They skip, saying why, only where a namespace cannot be made (not root, no
-`ip`); CI runs as root and runs them. Ray's node-death detection is lowered by the harness (~3 s).
+Two clusters serve the module (own names, own /24 each), each made once and shared by its tests in
+turn: two 3-CPU hosts for the runs that leave a cluster as they found it (each test's teardown
+checks that every CPU is free again and no link is shaped), three 1-CPU hosts for the runs that
+kill or cut off a host (the teardown brings the host back with a fresh Ray node). The tests of one
+cluster form one xdist group, so one worker runs them. Every namespace and process a cluster made is
+removed when the module ends, also when a test fails. The tests skip, saying why, only where a
+namespace cannot be made (not root, no `ip`); CI runs as root and runs them. Ray's node-death
+detection is lowered by the harness (~3 s).
 """
 
 from __future__ import annotations
@@ -22,9 +27,12 @@ from pathlib import Path
 
 import pytest
 
+from attnres_pp.bench.fidelity_hosts import HostBench
 from attnres_pp.cli import main
 
-pytestmark = [pytest.mark.ray]
+pytestmark = [pytest.mark.ray, pytest.mark.multihost]
+TWO_HOSTS = pytest.mark.xdist_group("multihost-two-hosts")
+THREE_HOSTS = pytest.mark.xdist_group("multihost-three-hosts")
 
 REPO = Path(__file__).resolve().parents[1]
 HARNESS = [sys.executable, str(REPO / "scripts" / "netns_cluster.py")]
@@ -56,17 +64,22 @@ if _WHY_NOT is not None:
 class Cluster:
     """One `netns_cluster.py` cluster with its own state directory, name prefix and address range."""
 
-    def __init__(self, tmp_path: Path, hosts: int, cpus_per_host: int) -> None:
+    def __init__(self, hosts: int, cpus_per_host: int) -> None:
         self.state_dir = Path("/tmp") / f"attnres-mh-{secrets.token_hex(3)}"  # short: Ray's socket paths
         self.prefix = f"t{secrets.token_hex(2)}"
         self.net = f"10.213.{100 + secrets.randbelow(150)}.0/24"
-        self.tmp_path = tmp_path
-        up = self.harness("up", "--hosts", str(hosts), "--cpus-per-host", str(cpus_per_host), "--net", self.net,
-                          "--prefix", self.prefix, timeout=300)
+        try:
+            up = self.harness("up", "--hosts", str(hosts), "--cpus-per-host", str(cpus_per_host), "--net", self.net,
+                              "--prefix", self.prefix, timeout=300)
+        except BaseException:
+            # `up` removes what it made when it fails; a timeout may still leave some: down again.
+            self.harness("down", timeout=120, check=False)
+            raise
         self.info = json.loads(up.stdout)
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
         self.env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=self.info["auth_token_path"], RAY_DEDUP_LOGS="0",
                         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+        self.hit: list[str] = []  # hosts killed or cut off, for `restore`
 
     def harness(self, *args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
         done = subprocess.run([*HARNESS, "--state-dir", str(self.state_dir), *args], capture_output=True, text=True,
@@ -79,11 +92,44 @@ class Cluster:
         return next(h["name"] for h in self.info["hosts"] if h["ip"] == address)
 
     def driver(self, argv: list[str], out: Path) -> subprocess.Popen:
-        """`attnres-pp train ARGV --launcher ray` as a driver process in the head's namespace."""
-        log = (self.tmp_path / "driver.log").open("w")
+        """`attnres-pp train ARGV --launcher ray` as a driver process in the head's namespace, its
+        output in driver.log beside `out`."""
+        log = (out.parent / "driver.log").open("w")
         return subprocess.Popen([*HARNESS, "--state-dir", str(self.state_dir), "exec", "0", "--", *CLI, "train",
                                  *argv, "--launcher", "ray", "--out", str(out)],
                                 env=self.env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+    def disturb(self, action: str, host: str) -> None:
+        """`kill` or `partition` a worker host; `restore` brings it back."""
+        self.hit.append(host)
+        self.harness(action, host)
+
+    def restore(self) -> None:
+        for host in self.hit:
+            self.harness("restart", host, timeout=300)
+        self.hit.clear()
+
+    def assert_as_found(self) -> None:
+        """What the next test sharing this cluster needs: no link shaped and, once Ray has freed what
+        the last run held, every node alive with all of its CPUs available."""
+        for host in json.loads((self.state_dir / "state.json").read_text())["hosts"]:
+            qdiscs = subprocess.run(["tc", "qdisc", "show", "dev", host["veth"]], capture_output=True,
+                                    text=True).stdout
+            assert "tbf" not in qdiscs and "netem" not in qdiscs, f"{host['name']} is left shaped: {qdiscs}"
+        probe = ("import ray, sys, time\n"
+                 "ray.init(address='auto', logging_level='ERROR')\n"
+                 "deadline = time.monotonic() + 60\n"
+                 "while True:\n"
+                 "    free, total = ray.available_resources().get('CPU', 0), ray.cluster_resources().get('CPU', 0)\n"
+                 "    alive = sum(1 for n in ray.nodes() if n['Alive'])\n"
+                 "    if (free == total and alive == int(sys.argv[1])) or time.monotonic() > deadline:\n"
+                 "        break\n"
+                 "    time.sleep(0.2)\n"
+                 "print(alive, free, total)")
+        done = self.harness("exec", "0", "--", sys.executable, "-c", probe, str(len(self.info["hosts"])),
+                            timeout=120)
+        alive, free, total = done.stdout.split()[-3:]
+        assert int(alive) == len(self.info["hosts"]) and float(free) == float(total) > 0, done.stdout
 
     def down(self) -> None:
         self.harness("down", timeout=120)
@@ -92,23 +138,48 @@ class Cluster:
         assert not self.state_dir.exists()
 
 
-@pytest.fixture
-def make_cluster(tmp_path):
-    made: list[Cluster] = []
+class SharedHostBench(HostBench):
+    """The host benchmark's runs on a shared cluster's first two hosts (one rank per host, SPREAD, as
+    on the benchmark's own 2-host cluster): no `up` of its own, and `down` leaves host 1 unshaped."""
 
-    def make(hosts: int, cpus_per_host: int = 1) -> Cluster:
-        try:
-            cluster = Cluster(tmp_path, hosts, cpus_per_host)
-        except BaseException:
-            # `up` removes what it made when it fails; a timeout may still leave some: down again.
-            subprocess.run([*HARNESS, "--state-dir", "/nonexistent", "down"], capture_output=True, timeout=60)
-            raise
-        made.append(cluster)
-        return cluster
+    def __init__(self, cluster: Cluster) -> None:
+        self.state_dir, self.info = str(cluster.state_dir), cluster.info
 
-    yield make
-    for cluster in made:
+    def down(self) -> None:
+        self._harness("unshape", "1")
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    """Two 3-CPU hosts, made once for the tests that leave a cluster as they found it."""
+    cluster = Cluster(2, cpus_per_host=3)
+    try:
+        yield cluster
+    finally:
         cluster.down()
+
+
+@pytest.fixture
+def two_host_cluster(two_hosts):
+    yield two_hosts
+    two_hosts.assert_as_found()
+
+
+@pytest.fixture(scope="module")
+def three_hosts():
+    """Three 1-CPU hosts, made once for the runs that kill or cut off a host."""
+    cluster = Cluster(3, cpus_per_host=1)
+    try:
+        yield cluster
+    finally:
+        cluster.down()
+
+
+@pytest.fixture
+def three_host_cluster(three_hosts):
+    yield three_hosts
+    three_hosts.restore()
+    three_hosts.assert_as_found()
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -142,13 +213,14 @@ def _rank_addresses(text: str, world: int) -> dict[int, str]:
     return found
 
 
-def test_job_submitted_from_the_root_namespace_runs_over_two_hosts(make_cluster, tmp_path):
+@TWO_HOSTS
+def test_job_submitted_from_the_root_namespace_runs_over_two_hosts(two_host_cluster, tmp_path):
     """`ray job submit` to the head's dashboard from the machine itself, token auth on: D = 2, P = 2
     with SPREAD gives the single process's losses; each replica's hops stay in one host's shared
     memory, the replicas' gradient all-reduce crosses the link."""
     steps = ["--steps", "3"]
     assert main(["train", *TINY, *steps, "--launcher", "local", "--out", str(tmp_path / "single"), "--quiet"]) == 0
-    cluster = make_cluster(2, cpus_per_host=2)
+    cluster = two_host_cluster
     out = tmp_path / "run"
     submit = ["ray", "job", "submit", "--address", cluster.info["dashboard"], "--", "env", f"PYTHONPATH={REPO}",
               *CLI, "train", *TINY, *steps, "--stages", "2", "--data-parallel", "2", "--launcher", "ray",
@@ -171,7 +243,8 @@ def test_job_submitted_from_the_root_namespace_runs_over_two_hosts(make_cluster,
     assert by_way["shm"] == summary["bytes_sent_per_step"] > 0 and by_way["gloo"] == 0
 
 
-def test_a_replica_spread_over_two_hosts_uses_gloo_while_the_other_keeps_shared_memory(make_cluster, tmp_path):
+@TWO_HOSTS
+def test_a_replica_spread_over_two_hosts_uses_gloo_while_the_other_keeps_shared_memory(two_host_cluster, tmp_path):
     """D = 2, P = 2 packed onto two 3-CPU hosts: three ranks on one host, one on the other, so
     replica 0's hop stays on one node and replica 1's crosses the link. Shared memory and gloo carry
     bytes in the same step (the pairs are chosen from the node map, not from host names, and a
@@ -179,7 +252,7 @@ def test_a_replica_spread_over_two_hosts_uses_gloo_while_the_other_keeps_shared_
     losses."""
     steps = ["--steps", "2"]
     assert main(["train", *TINY, *steps, "--launcher", "local", "--out", str(tmp_path / "single"), "--quiet"]) == 0
-    cluster = make_cluster(2, cpus_per_host=3)
+    cluster = two_host_cluster
     out = tmp_path / "run"
     proc = cluster.driver([*TINY, *steps, "--stages", "2", "--data-parallel", "2", "--placement", "PACK",
                            "--timeout", "60"], out)
@@ -201,11 +274,12 @@ def test_a_replica_spread_over_two_hosts_uses_gloo_while_the_other_keeps_shared_
     assert by_way["shm"] + by_way["gloo"] == summary["bytes_sent_per_step"]
 
 
-def test_a_rendezvous_that_cannot_connect_is_one_line_naming_ranks_and_addresses(make_cluster, tmp_path):
+@TWO_HOSTS
+def test_a_rendezvous_that_cannot_connect_is_one_line_naming_ranks_and_addresses(two_host_cluster, tmp_path):
     """Ranks on two hosts whose gloo sockets are bound to loopback (the address a host name resolves
     to in every namespace) cannot connect: one `error:` line naming the ranks and addresses, exit 2,
     no traceback, within the --timeout."""
-    cluster = make_cluster(2)
+    cluster = two_host_cluster
     argv = [*TINY, "--steps", "2", "--stages", "2", "--placement", "SPREAD", "--timeout", "20"]
     # Loopback is what binding to the host name's address gives in every namespace.
     done = subprocess.run([*HARNESS, "--state-dir", str(cluster.state_dir), "exec", "0", "--", *CLI, "train", *argv,
@@ -219,7 +293,8 @@ def test_a_rendezvous_that_cannot_connect_is_one_line_naming_ranks_and_addresses
     assert "rank 1 at 10.213." in errors[0]
 
 
-def test_a_delay_this_kernel_cannot_add_is_refused_in_one_line(make_cluster, tmp_path):
+@TWO_HOSTS
+def test_a_delay_this_kernel_cannot_add_is_refused_in_one_line(two_host_cluster, tmp_path):
     """Without sch_netem no delay can be put on a link (tbf and htb add none): `up` and `shape` with
     --latency-ms > 0 exit 2 with one `error:` line saying why and what to do instead, `up` before it
     makes anything and `shape` before it touches the link; bandwidth alone still shapes."""
@@ -240,76 +315,31 @@ def test_a_delay_this_kernel_cannot_add_is_refused_in_one_line(make_cluster, tmp
     assert prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not Path(state_dir).exists()
 
-    cluster = make_cluster(1)
-    veth = json.loads((cluster.state_dir / "state.json").read_text())["hosts"][0]["veth"]
-    refused = cluster.harness("shape", "0", "--gbps", "0.5", "--latency-ms", "2", check=False)
-    assert refused.returncode == 2 and refused.stderr.startswith("error: --latency-ms 2 needs sch_netem")
-    assert "tbf" not in subprocess.run(["tc", "qdisc", "show", "dev", veth], capture_output=True, text=True).stdout
-    assert json.loads(cluster.harness("shape", "0", "--gbps", "0.5").stdout)["shape"] == {"gbps": 0.5,
-                                                                                           "latency_ms": 0.0}
-    assert "tbf" in subprocess.run(["tc", "qdisc", "show", "dev", veth], capture_output=True, text=True).stdout
-
-
-def _disturbed_run(make_cluster, tmp_path, action: str) -> tuple[dict, str, str]:
-    """P = 2 over 3 one-CPU hosts, checkpoints every 2 steps; `action` ("kill" or "partition") hits
-    the host of a rank that is not on the head, right after step 3. Returns (summary, driver log,
-    the host's address)."""
-    # 20 ms of emulated latency per message slows the steps (~0.2 s) so that the hit lands mid-run.
-    steps = ["--steps", "12", "--checkpoint-every", "2", "--eval-every", "6"]
-    assert main(["train", *TINY, *steps, "--stages", "2", "--launcher", "inprocess", "--out",
-                 str(tmp_path / "undisturbed"), "--quiet"]) == 0
-    steps += ["--link-gbps", "100", "--link-latency-us", "20000"]  # the emulated link changes no number
-    cluster = make_cluster(3)
-    log = tmp_path / "driver.log"
-    proc = cluster.driver([*TINY, *steps, "--stages", "2", "--placement", "SPREAD", "--timeout", "20"],
-                          tmp_path / "run")
+    cluster = two_host_cluster
+    veth = json.loads((cluster.state_dir / "state.json").read_text())["hosts"][1]["veth"]
     try:
-        text = _wait_for_line(log, proc, "step  3/12", timeout=240)
-        head = cluster.info["hosts"][0]["ip"]
-        address = next(ip for ip in _rank_addresses(text, 2).values() if ip != head)
-        cluster.harness(action, cluster.host_of(address))
-        started = time.monotonic()
-        assert proc.wait(timeout=20 + 120) == 0, log.read_text()[-4000:]
-        elapsed = time.monotonic() - started
+        refused = cluster.harness("shape", "1", "--gbps", "0.5", "--latency-ms", "2", check=False)
+        assert refused.returncode == 2 and refused.stderr.startswith("error: --latency-ms 2 needs sch_netem")
+        assert "tbf" not in subprocess.run(["tc", "qdisc", "show", "dev", veth], capture_output=True, text=True).stdout
+        assert json.loads(cluster.harness("shape", "1", "--gbps", "0.5").stdout)["shape"] == {"gbps": 0.5,
+                                                                                               "latency_ms": 0.0}
+        assert "tbf" in subprocess.run(["tc", "qdisc", "show", "dev", veth], capture_output=True, text=True).stdout
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert elapsed < 20 + 90, f"the run took {elapsed:.0f} s to recover"
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert_same_losses(summary["losses"], losses(tmp_path / "undisturbed"))
-    assert len(set(summary["nodes"])) == 2  # one rank per host: every hop crosses a link, over gloo
-    assert summary["bytes_sent_per_step_by_transport"] == {"shm": 0, "gloo": summary["bytes_sent_per_step"]}
-    checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
-    assert all(name.startswith("step_") and name[5:].isdigit() for name in checkpoints), checkpoints  # no .tmp
-    return summary, log.read_text(), address
+        cluster.harness("unshape", "1")
 
 
-def test_a_host_lost_mid_run_is_named_and_the_run_recovers_on_the_others(make_cluster, tmp_path):
-    summary, text, address = _disturbed_run(make_cluster, tmp_path, "kill")
-    assert summary["restarts"] == 1
-    assert [lost["address"] for lost in summary["lost_nodes"]] == [address]
-    assert address not in summary["node_addresses"]  # the restarted ranks are on the surviving hosts
-    assert f"on node {address}" in text and "restarting from checkpoint step" in text
-
-
-def test_a_host_cut_off_mid_step_is_named_and_the_run_never_hangs(make_cluster, tmp_path):
-    summary, text, address = _disturbed_run(make_cluster, tmp_path, "partition")
-    assert summary["restarts"] == 1
-    assert [lost["address"] for lost in summary["lost_nodes"]] == [address]
-    assert f"on node {address}" in text and "stopped answering" in text
-
-
-def test_a_shaped_link_slows_naive_more_than_cached_as_the_simulator_predicts(tmp_path):
+@TWO_HOSTS
+def test_a_shaped_link_slows_naive_more_than_cached_as_the_simulator_predicts(two_host_cluster):
     """Host 1's link shaped to 0.2 Gb/s (and 1 ms where the kernel has sch_netem): Block AttnRes
     cached vs naive step times on the real link, and the simulator's predictions for both from a
     calibration on the unshaped link (out of sample for the link). The errors are printed."""
     from attnres_pp.bench.common import MICROBATCH_SIZE
-    from attnres_pp.bench.fidelity_hosts import CALIBRATION, HostBench, HostCase, evaluate
+    from attnres_pp.bench.fidelity_hosts import CALIBRATION, HostCase, evaluate
     from attnres_pp.bench.unit_probe import probe_units
     from attnres_pp.model.config import ModelConfig
 
     probe = probe_units(ModelConfig.from_dict(CALIBRATION.fidelity_case().model()), MICROBATCH_SIZE, rounds=5)
-    bench = HostBench(prefix=f"t{secrets.token_hex(2)}", net=f"10.213.{100 + secrets.randbelow(150)}.0/24")
+    bench = SharedHostBench(two_host_cluster)
     try:
         latency = 1.0 if bench.latency_shaping else 0.0
         cases = [HostCase("interleaved_1f1b", 2, mode, 0.2, latency) for mode in ("cached", "naive")]
@@ -325,3 +355,62 @@ def test_a_shaped_link_slows_naive_more_than_cached_as_the_simulator_predicts(tm
     assert naive["predicted_step_s"] > cached["predicted_step_s"]
     for row in (cached, naive):  # a loose bound (a factor of 2.5): the figures themselves are the report
         assert row["measured_step_s"] > 0 and 0.4 < row["predicted_step_s"] / row["measured_step_s"] < 2.5, row
+
+
+DISTURBED_STEPS = ["--steps", "12", "--checkpoint-every", "2", "--eval-every", "6"]
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory) -> list[float]:
+    """The in-process launcher's losses for the disturbed runs' arguments."""
+    out = tmp_path_factory.mktemp("undisturbed") / "run"
+    assert main(["train", *TINY, *DISTURBED_STEPS, "--stages", "2", "--launcher", "inprocess", "--out", str(out),
+                 "--quiet"]) == 0
+    return losses(out)
+
+
+def _disturbed_run(cluster: Cluster, undisturbed: list[float], tmp_path, action: str) -> tuple[dict, str, str]:
+    """P = 2 over 3 one-CPU hosts, checkpoints every 2 steps; `action` ("kill" or "partition") hits
+    the host of a rank that is not on the head, right after step 3. Returns (summary, driver log,
+    the host's address)."""
+    # 20 ms of emulated latency per message slows the steps (~0.2 s) so that the hit lands mid-run.
+    steps = [*DISTURBED_STEPS, "--link-gbps", "100", "--link-latency-us", "20000"]  # the link changes no number
+    log = tmp_path / "driver.log"
+    proc = cluster.driver([*TINY, *steps, "--stages", "2", "--placement", "SPREAD", "--timeout", "20"],
+                          tmp_path / "run")
+    try:
+        text = _wait_for_line(log, proc, "step  3/12", timeout=240)
+        head = cluster.info["hosts"][0]["ip"]
+        address = next(ip for ip in _rank_addresses(text, 2).values() if ip != head)
+        cluster.disturb(action, cluster.host_of(address))
+        started = time.monotonic()
+        assert proc.wait(timeout=20 + 120) == 0, log.read_text()[-4000:]
+        elapsed = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert elapsed < 20 + 90, f"the run took {elapsed:.0f} s to recover"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert_same_losses(summary["losses"], undisturbed)
+    assert len(set(summary["nodes"])) == 2  # one rank per host: every hop crosses a link, over gloo
+    assert summary["bytes_sent_per_step_by_transport"] == {"shm": 0, "gloo": summary["bytes_sent_per_step"]}
+    checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert all(name.startswith("step_") and name[5:].isdigit() for name in checkpoints), checkpoints  # no .tmp
+    return summary, log.read_text(), address
+
+
+@THREE_HOSTS
+def test_a_host_lost_mid_run_is_named_and_the_run_recovers_on_the_others(three_host_cluster, undisturbed, tmp_path):
+    summary, text, address = _disturbed_run(three_host_cluster, undisturbed, tmp_path, "kill")
+    assert summary["restarts"] == 1
+    assert [lost["address"] for lost in summary["lost_nodes"]] == [address]
+    assert address not in summary["node_addresses"]  # the restarted ranks are on the surviving hosts
+    assert f"on node {address}" in text and "restarting from checkpoint step" in text
+
+
+@THREE_HOSTS
+def test_a_host_cut_off_mid_step_is_named_and_the_run_never_hangs(three_host_cluster, undisturbed, tmp_path):
+    summary, text, address = _disturbed_run(three_host_cluster, undisturbed, tmp_path, "partition")
+    assert summary["restarts"] == 1
+    assert [lost["address"] for lost in summary["lost_nodes"]] == [address]
+    assert f"on node {address}" in text and "stopped answering" in text

@@ -47,6 +47,7 @@ def run_cli(argv: list[str], **env: str) -> subprocess.CompletedProcess:
         pytest.param(["--launcher", "inprocess", "--stages", "2", "--virtual", "1"], id="pipelined"),
     ],
 )
+@pytest.mark.subprocess
 def test_sigkill_during_a_checkpoint_then_resume_alone(tmp_path, split):
     clean, run = tmp_path / "clean", tmp_path / "run"
     assert main(["train", *split, *TINY, "--quiet", "--out", str(clean)]) == 0

@@ -21,7 +21,7 @@ SHAPES = (torch.Size((2, 3, 4)), torch.Size((2, 3, 4)))
 MESSAGES = [(0, 1, 5, SHAPES), (0, 1, 7, SHAPES[:1]), (1, 0, 6, SHAPES)]
 
 
-def _rank(pp_rank: int, init_method: str, scenario: str, results) -> None:
+def _rank(pp_rank: int, init_method: str, scenario: str, directory: str, results) -> None:
     import torch.distributed as dist
 
     from attnres_pp.comm.link import LinkModel
@@ -33,7 +33,8 @@ def _rank(pp_rank: int, init_method: str, scenario: str, results) -> None:
             os.environ["ATTNRES_PP_SHM"] = "0"
         dist.init_process_group("gloo", init_method=init_method, rank=pp_rank, world_size=2)
         link = LinkModel(gbps=100.0) if scenario == "link" else None
-        transport = connect_transport(pp_rank, 2, torch.device("cpu"), 30.0, MESSAGES, torch.float32, link=link)
+        transport = connect_transport(pp_rank, 2, torch.device("cpu"), 30.0, MESSAGES, torch.float32, link=link,
+                                      directory=directory)
         out = {"shm": isinstance(transport, SharedMemoryTransport), "link": transport.link_clock is not None}
         if scenario == "peer_exits":
             if pp_rank == 0:
@@ -71,8 +72,8 @@ def _rank(pp_rank: int, init_method: str, scenario: str, results) -> None:
         results.put((pp_rank, traceback.format_exc()))
 
 
-def _run(scenario: str, tmp_path, ranks: int = 2) -> dict:
-    return dict(spawn_ranks(_rank, 2, tmp_path, scenario, replies=ranks))
+def _run(scenario: str, tmp_path, ranks: int = 2, directory: str = "/dev/shm") -> dict:
+    return dict(spawn_ranks(_rank, 2, tmp_path, scenario, directory, replies=ranks))
 
 
 @pytest.mark.parametrize("scenario", ["shm", "gloo", "link"])
@@ -94,9 +95,16 @@ def test_messages_arrive_intact_step_after_step(tmp_path, scenario):
 
 
 def test_a_peer_that_exits_ends_the_wait(tmp_path):
-    out = _run("peer_exits", tmp_path, ranks=1)
-    assert out[1]["shm"] and "rank 0 closed its end before sending message 5" in out[1]["error"]
-    assert not [name for name in os.listdir("/dev/shm") if name.startswith("attnres-pp-")]
+    import tempfile
+
+    # A directory of its own in /dev/shm: other tests' ranks (the other xdist worker) use /dev/shm too.
+    directory = tempfile.mkdtemp(prefix="attnres-pp-test-", dir="/dev/shm")
+    try:
+        out = _run("peer_exits", tmp_path, ranks=1, directory=directory)
+        assert out[1]["shm"] and "rank 0 closed its end before sending message 5" in out[1]["error"]
+        assert os.listdir(directory) == []
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 # ---- guards, in this process: a hand-made pair (counters, one slot, a pipe) ----

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -52,6 +53,7 @@ def _worker(rank: int, rendezvous: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.distributed
 def test_fsdp_state_bytes_equal_real_shards(tmp_path):
     out = str(tmp_path / "counted")
     mp.start_processes(_worker, args=(str(tmp_path / "rendezvous"), out), nprocs=WORLD, join=True,

@@ -309,6 +309,7 @@ def test_cli_sweep_writes_tables_and_plots(simulate_cli, capsys, tmp_path):
     assert {"comm_vs_depth.png", "comm_vs_blocks.png", "bubble_vs_virtual.png", "sweeps.md"} <= names
 
 
+@pytest.mark.subprocess
 def test_simulator_imports_no_torch():
     """`attnres-pp simulate` must start fast and run where torch is absent: the whole command, through
     the top-level CLI, runs with torch, ray and matplotlib made unimportable."""

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.subprocess
+
 REPO = Path(__file__).resolve().parents[2]
 # The CLI as gpu_check.sh calls it, then a last line saying whether anything imported Ray.
 CLI = ("import runpy, sys\n"

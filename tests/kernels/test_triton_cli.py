@@ -40,6 +40,7 @@ def _train(tmp_path: Path, variant: str, kernels: str) -> dict:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, scripts/gpu_check.sh trains with the compiled "
                     "kernels instead (triton_vs_torch_loss)")
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.subprocess
 def test_interpreted_triton_kernels_train_to_the_torch_kernels_losses(tmp_path, variant):
     torch_run = _train(tmp_path, variant, "torch")
     triton_run = _train(tmp_path, variant, "triton")
