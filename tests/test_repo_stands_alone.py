@@ -163,6 +163,7 @@ def test_architecture_keeps_its_rule_numbers():
     assert rules == {str(n) for n in range(1, 16)}, sorted(rules, key=int)
 
 
+@pytest.mark.subprocess  # `git ls-files` names the tracked files
 def test_no_tracked_file_points_outside_the_repository():
     files = tracked_text_files()
     assert len(files) > 50, "the scan found almost no files: is this the repository?"
@@ -171,6 +172,7 @@ def test_no_tracked_file_points_outside_the_repository():
     assert not offenders, "references that leave the repository:\n" + "\n".join(offenders)
 
 
+@pytest.mark.subprocess  # `git ls-files` names the tracked files
 def test_every_section_and_rule_reference_exists():
     sections = spec_sections(SPEC_FILE.read_text())
     rules = architecture_rules(ARCHITECTURE_FILE.read_text())
