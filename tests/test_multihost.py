@@ -64,10 +64,12 @@ if _WHY_NOT is not None:
 class Cluster:
     """One `netns_cluster.py` cluster with its own state directory, name prefix and address range."""
 
-    def __init__(self, hosts: int, cpus_per_host: int) -> None:
+    def __init__(self, hosts: int, cpus_per_host: int, subnets: range) -> None:
+        """`subnets`: the third octets this cluster's /24 may take (the module's clusters are up at
+        once, on two workers: disjoint ranges keep their addresses apart)."""
         self.state_dir = Path("/tmp") / f"attnres-mh-{secrets.token_hex(3)}"  # short: Ray's socket paths
         self.prefix = f"t{secrets.token_hex(2)}"
-        self.net = f"10.213.{100 + secrets.randbelow(150)}.0/24"
+        self.net = f"10.213.{secrets.choice(subnets)}.0/24"
         try:
             up = self.harness("up", "--hosts", str(hosts), "--cpus-per-host", str(cpus_per_host), "--net", self.net,
                               "--prefix", self.prefix, timeout=300)
@@ -152,7 +154,7 @@ class SharedHostBench(HostBench):
 @pytest.fixture(scope="module")
 def two_hosts():
     """Two 3-CPU hosts, made once for the tests that leave a cluster as they found it."""
-    cluster = Cluster(2, cpus_per_host=3)
+    cluster = Cluster(2, cpus_per_host=3, subnets=range(100, 175))
     try:
         yield cluster
     finally:
@@ -168,7 +170,7 @@ def two_host_cluster(two_hosts):
 @pytest.fixture(scope="module")
 def three_hosts():
     """Three 1-CPU hosts, made once for the runs that kill or cut off a host."""
-    cluster = Cluster(3, cpus_per_host=1)
+    cluster = Cluster(3, cpus_per_host=1, subnets=range(175, 250))
     try:
         yield cluster
     finally:
