@@ -4,7 +4,8 @@ and the one harness that runs each of them.
 REGISTRY names every benchmark, its module (in this package) and its one-line help. `bench NAME` has a
 parser of its own: the common flags (`--quick` where the benchmark has a short version, `--json`,
 `--out DIR`) and what the module's `add_arguments(parser)` declares, so a flag exists only where it
-applies and argparse refuses it elsewhere. A benchmark module provides
+applies and argparse refuses it elsewhere. A `sibling` flag of the registry picks another module to
+run under the same name (`memory --predict` runs `memory_predict`). A benchmark module provides
 
     run(quick, pictures_dir, progress, **options) -> dict | None   (None: nothing to write)
     to_markdown(payload) -> str
@@ -15,7 +16,6 @@ and, where it needs them,
     run_options(args) -> dict      the keyword arguments of `run` that its flags give
     check(args) -> str | None      why the flags' values are refused, before anything runs
     results_stem(args) -> str      the stem of its results files (default MODULE[_quick]_<date>)
-    implementation(args) -> module the module that runs when a flag picks a sibling (`memory --predict`)
 
 Every benchmark prints its table (or, with --json, one JSON object on stdout; progress goes to
 stderr) and writes STEM.json and STEM.md under --out (default: the checkout's benchmarks/results/)
@@ -41,11 +41,19 @@ from attnres_pp.cli_flags import ArgumentParser, refuse
 
 
 @dataclass(frozen=True)
+class Sibling:
+    flag: str
+    module: str  # under attnres_pp.bench
+    help: str
+
+
+@dataclass(frozen=True)
 class Benchmark:
     module: str  # under attnres_pp.bench
     help: str
     quick: bool = True  # has a short version (--quick)
     out_aliases: tuple[str, ...] = ()  # older spellings of --out that the benchmark still takes
+    sibling: Sibling | None = None  # a flag that runs another module instead (its results under its name)
 
 
 REGISTRY = {
@@ -60,9 +68,13 @@ REGISTRY = {
     "inference": Benchmark("inference", "generation: prefill tokens/s and decode latency, Block AttnRes vs "
                                         "standard, 1 process and P=2 V=2"),
     "memory": Benchmark("memory", "peak resident memory per pipeline rank (rank-local chunks), 32 layers d = 512 "
-                                  "at P = 1, 2, 4"),
+                                  "at P = 1, 2, 4",
+                        sibling=Sibling("--predict", "memory_predict", "the simulator's per-rank prediction "
+                                        "against real runs' memory_per_rank (results memory_predict_<date>)")),
     "fidelity": Benchmark("fidelity", "the simulator, calibrated on one run, predicts held-out runs (schedule, V, "
-                                      "m, mode, layers, link)"),
+                                      "m, mode, layers, link)",
+                          sibling=Sibling("--hosts", "fidelity_hosts", "over real links between hosts (network "
+                                          "namespaces, tc; needs root; results fidelity_hosts_<date>)")),
     "variants": Benchmark("variants", "step time of every residual variant over the standard one, one process "
                                       "and P=2 V=2, two shapes"),
     "quality": Benchmark("quality", "validation loss of every residual variant at an equal token budget (single "
@@ -139,6 +151,8 @@ def register(subparsers) -> None:
         sub.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
         sub.add_argument("--out", *bench.out_aliases, metavar="DIR", default=None,
                          help="where results go (default: benchmarks/results/ of the checkout)")
+        if bench.sibling is not None:
+            sub.add_argument(bench.sibling.flag, action="store_true", help=bench.sibling.help)
         sub.set_defaults(func=run_benchmark, parser=sub, quick=False)
 
 
@@ -169,8 +183,9 @@ def run_benchmark(args: argparse.Namespace) -> int:
     from attnres_pp.out_paths import check_out_dir
 
     parser = args.parser
-    module = module_of(args.name)
-    module = module.implementation(args) if hasattr(module, "implementation") else module
+    sibling = REGISTRY[args.name].sibling
+    picked = sibling is not None and getattr(args, sibling.flag[2:].replace("-", "_"))
+    module = importlib.import_module(f"attnres_pp.bench.{sibling.module}") if picked else module_of(args.name)
     problem = module.check(args) if hasattr(module, "check") else None
     if problem:
         return refuse(problem)

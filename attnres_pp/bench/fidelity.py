@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -97,19 +96,6 @@ def _row(case: Case, engine: TimedEngine, calibration: TransferCalibration, warm
 def _calibrate(probe: dict, samples) -> TransferCalibration:
     return fit_transfer(probe, CALIBRATION.shape(), [s.events for s in samples])
 
-
-def add_arguments(parser) -> None:
-    parser.add_argument("--hosts", action="store_true",
-                        help="over real links between hosts (network namespaces, tc; needs root)")
-
-
-def implementation(args):
-    """`--hosts` runs `bench.fidelity_hosts` (results fidelity_hosts_<date>)."""
-    if not args.hosts:
-        return sys.modules[__name__]
-    from attnres_pp.bench import fidelity_hosts
-
-    return fidelity_hosts
 
 
 def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> dict:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -79,19 +78,6 @@ def _measure(model: dict, n_stages: int, progress: Callable[[str], None]) -> dic
              f"{row['elapsed_s']:.0f} s")
     return row
 
-
-def add_arguments(parser) -> None:
-    parser.add_argument("--predict", action="store_true",
-                        help="the simulator's per-rank prediction against real runs' memory_per_rank")
-
-
-def implementation(args):
-    """`--predict` runs `bench.memory_predict` (results memory_predict_<date>)."""
-    if not args.predict:
-        return sys.modules[__name__]
-    from attnres_pp.bench import memory_predict
-
-    return memory_predict
 
 
 def run(quick: bool, out_dir: Path, progress: Callable[[str], None]) -> dict:
