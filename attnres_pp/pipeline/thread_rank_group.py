@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 
 import torch
 
@@ -146,8 +147,9 @@ class ThreadRankGroup:
         threads = [threading.Thread(target=run, args=(rank,), daemon=True) for rank in range(len(self.workers))]
         for thread in threads:
             thread.start()
+        deadline = time.monotonic() + self.timeout_s + 30.0  # one bound for the call, not one per rank
         for thread in threads:
-            thread.join(self.timeout_s + 30.0)
+            thread.join(max(0.0, deadline - time.monotonic()))
         if errors:
             self.peers = self._fresh_peers()
             raise errors[0]
