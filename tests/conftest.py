@@ -8,8 +8,9 @@
   other. The check runs in every run, so an unmarked test fails the full suite too, naming the
   command it started; the process itself is let run (the test's own result is unchanged). The
   tools a JIT compiler or the standard library runs for itself (TOOLCHAIN: Triton's ptxas and
-  ldconfig on a GPU, a C compiler, `uname`) are not a test's processes: on a GPU every kernel
-  test compiles.
+  ldconfig on a GPU, a C compiler, `uname`, and `fc-list`, which matplotlib runs once per
+  machine to build its font cache) are not a test's processes: on a GPU every kernel test
+  compiles, and on a fresh machine whichever test plots first builds the cache.
 - The long tests go first (see `pytest_collection_modifyitems`), so that under `--dist loadgroup`
   the two workers start on them and the short ones fill in at the end.
 """
@@ -32,7 +33,7 @@ torch.set_num_threads(1)
 PROCESS_MARKERS = ("multihost", "ray", "distributed", "subprocess")
 
 TOOLCHAIN = frozenset({"ptxas", "nvdisasm", "cuobjdump", "nvlink", "fatbinary", "ldconfig", "gcc", "g++", "cc",
-                       "c++", "clang", "clang++", "uname"})
+                       "c++", "clang", "clang++", "uname", "fc-list"})
 
 _running: list[pytest.Item] = []  # the item whose setup, call or teardown is under way
 _started: list[str] = []  # processes that item started without a process marker, this phase
