@@ -71,6 +71,11 @@ CASES = [
     ("train-keep-checkpoints-negative", [*TRAIN, *OUT, "--keep-checkpoints", "-1"], None, "keep_checkpoints=-1"),
     ("train-keep-checkpoints-word", [*TRAIN, *OUT, "--keep-checkpoints", "x"], None, "--keep-checkpoints 'x'"),
     ("train-final-checkpoint-value", [*TRAIN, *OUT, "--final-checkpoint=no"], None, "ignored explicit argument"),
+    # 206e9 parameters: without the check the first layer's allocation fails deep in a rank.
+    ("train-model-larger-than-memory", [*TRAIN, *OUT, "--d-model", "65536"], None,
+     "GiB, more than this machine's"),
+    ("train-model-larger-than-memory-ray", [*RAY, *OUT, "--d-model", "65536"], None, "choose a smaller --d-model"),
+    ("train-toml-not-utf8", [*TRAIN, *OUT, "--config", "{tmp}/latin1.toml"], None, "latin1.toml' is not UTF-8"),
     ("train-triton-on-cpu-ray", [*RAY, *OUT, "--kernels", "triton", "--device", "cpu"], None,
      "need a CUDA device"),
     # train: paths
@@ -205,6 +210,7 @@ def _prepare(case_id: str, tmp: Path, monkeypatch) -> None:
     (tmp / "badrun").mkdir()
     (tmp / "badrun" / "summary.json").write_text("{")
     (tmp / "calibration.json").write_text(json.dumps({"calibration": CALIBRATION}))
+    (tmp / "latin1.toml").write_bytes('[train]\nseed = 1 # r\u00e9glage\n'.encode("latin-1"))  # not UTF-8
     if case_id == "train-data-unreadable":
         if not os.path.exists("/proc/self/mem"):
             pytest.skip("needs /proc/self/mem")

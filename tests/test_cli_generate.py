@@ -151,6 +151,9 @@ MISTAKES = [
     (["--resume", "{run}", "--prompt-file", "{missing}", "--max-new-tokens", "2"], "cannot read it"),
     (["--resume", "{run}", "--prompt", "caf\u00e9", "--max-new-tokens", "2"], "outside the model's vocabulary"),
     (["--resume", "{run}", "--prompt", "x" * 10, "--max-new-tokens", "8"], "--max-new-tokens 7 or less"),
+    # A lone surrogate no argv byte maps to (argv's own non-UTF-8 bytes are taken as the bytes they are).
+    (["--resume", "{run}", "--prompt", "x\ud800", "--max-new-tokens", "2"], "--prompt holds '\\ud800' at character 1"),
+    (["--resume", "{run}", "--prompt", "x", "--stop", "\udfff", "--max-new-tokens", "2"], "--stop holds"),
     (["--resume", "{run}", "--prompt", "x" * 17, "--max-new-tokens", "1"], "seq_len=16"),
     (["--resume", "{run}", "--prompt", "x"], "--max-new-tokens N is required"),
     (["--resume", "{run}", "--prompt", "x", "--max-new-tokens", "two"], "expected an integer"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 SOURCES = "--prompt TEXT (repeatable), --prompt-file FILE or --prompts-file FILE"
@@ -26,10 +27,26 @@ def read_prompts(args: argparse.Namespace) -> list[bytes]:
         both = f" (got {' and '.join(given)})" if given else ""
         raise ValueError(f"give the prompt with exactly one of {SOURCES}{both}")
     if args.prompt is not None:
-        return [text.encode("utf-8") for text in args.prompt]
+        return [argv_bytes("--prompt", text) for text in args.prompt]
     if args.prompt_file is not None:
         return [_read("--prompt-file", args.prompt_file)]
     return parse_prompts_file(args.prompts_file, _read("--prompts-file", args.prompts_file))
+
+
+def argv_bytes(flag: str, text: str) -> bytes:
+    """A flag's value as the bytes the user gave. Python decodes argv with surrogateescape, so bytes
+    that are not UTF-8 (e.g. `--prompt $'\\xff'`) arrive as lone surrogates that `encode("utf-8")`
+    refuses; `os.fsencode` gives those bytes back. A surrogate that no byte maps to is refused
+    naming the flag."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        pass
+    try:
+        return os.fsencode(text)
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{flag} holds {text[error.start]!r} at character {error.start}, a lone surrogate that is "
+                         f"no text: give {flag} as UTF-8 text or bytes") from None
 
 
 def _read(flag: str, path: str) -> bytes:
@@ -88,7 +105,7 @@ def stop_strings(values: list[str] | None) -> tuple[bytes, ...]:
     """The `--stop S` strings as UTF-8 bytes; ValueError for an empty one."""
     if any(value == "" for value in values or ()):
         raise ValueError("--stop needs a non-empty string: the text that ends a sequence")
-    return tuple(value.encode("utf-8") for value in values or ())
+    return tuple(argv_bytes("--stop", value) for value in values or ())
 
 
 def decode_text(tokens: list[int]) -> str:

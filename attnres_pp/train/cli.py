@@ -240,6 +240,9 @@ def make_run_engine(run_cfg: RunConfig, out_dir: Path, *, address: str | None = 
 
         resolve_train(run_cfg.train, "cpu")
     from attnres_pp.train.engines import make_engine
+    from attnres_pp.train.memory_fit import check_training_fits
+
+    check_training_fits(run_cfg, address=address)
 
     return make_engine(run_cfg, out_dir=out_dir, corpus=corpus, address=address, fail_at=fail_at)
 

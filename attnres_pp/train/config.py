@@ -197,6 +197,9 @@ def read_toml(path: str | Path) -> dict:
                          ".toml file to --config") from None
     except tomllib.TOMLDecodeError as error:
         raise ValueError(f"config file {str(path)!r} is not valid TOML: {error}") from None
+    except UnicodeDecodeError as error:  # TOML is UTF-8; tomllib's own message names neither file nor fix
+        raise ValueError(f"config file {str(path)!r} is not UTF-8 text (byte {error.object[error.start]:#04x} at "
+                         f"offset {error.start}): save it as UTF-8") from None
 
 
 def merge_tables(base: dict, overrides: dict) -> dict:
