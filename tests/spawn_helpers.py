@@ -7,7 +7,28 @@ timeout, and the processes are joined (then terminated) whatever happened.
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import os
+
+from attnres_pp.pipeline.rank_group import rank_context
+
+
+def in_environ(environ: dict[str, str], target, *args) -> None:
+    """A rank's body under the test's environment as it is now (a rank forked from the fork server
+    would otherwise have the server's, the worker's environment when the server started)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
+
+
+def start_ranks(target, args_of_rank: list[tuple]) -> list:
+    """One started process per entry, `target(*args)` each, forked from the preloaded fork server
+    as the local launcher's ranks are."""
+    ctx = rank_context(target.__module__)
+    procs = [ctx.Process(target=in_environ, args=(dict(os.environ), target, *args), daemon=True)
+             for args in args_of_rank]
+    for proc in procs:
+        proc.start()
+    return procs
 
 
 def spawn_ranks(target, world: int, tmp_path, *args, replies: int | None = None,
@@ -15,13 +36,9 @@ def spawn_ranks(target, world: int, tmp_path, *args, replies: int | None = None,
     """Run `world` spawned ranks of `target` over a file rendezvous in `tmp_path` and return the
     `replies` (default `world`) tuples they put, in arrival order; a failed rank fails the test with
     its traceback. Fewer replies than ranks is for tests where a rank is meant to die."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results = rank_context(target.__module__).Queue()
     init_method = f"file://{tmp_path}/rendezvous"
-    procs = [ctx.Process(target=target, args=(rank, init_method, *args, results), daemon=True)
-             for rank in range(world)]
-    for proc in procs:
-        proc.start()
+    procs = start_ranks(target, [(rank, init_method, *args, results) for rank in range(world)])
     try:
         out = [results.get(timeout=timeout_s) for _ in range(world if replies is None else replies)]
     finally:

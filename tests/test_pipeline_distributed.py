@@ -4,7 +4,6 @@ single-process model: loss and every gradient; measured hop counts; a lost rank'
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 import time
 import traceback
 
@@ -12,11 +11,13 @@ import pytest
 import torch
 
 from attnres_pp.pipeline.errors import WorkerLost
+from attnres_pp.pipeline.rank_group import rank_context
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.engines import make_engine
 from attnres_pp.train.single_process_engine import SingleProcessEngine
 from tests.pipeline_helpers import MICRO, assert_grads_match, batch, model_config, reference_step
 from tests.reference_model import VARIANTS
+from tests.spawn_helpers import start_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -64,13 +65,9 @@ def _rank_main(rank, world_size, init_method, run_dicts, results, env=None):
 
 
 def run_group(world_size, run_dicts, tmp_path, timeout_s=240, env=None):
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results = rank_context(__name__).Queue()
     init_method = f"file://{tmp_path}/rendezvous"
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, init_method, run_dicts, results, env), daemon=True)
-             for r in range(world_size)]
-    for proc in procs:
-        proc.start()
+    procs = start_ranks(_rank_main, [(r, world_size, init_method, run_dicts, results, env) for r in range(world_size)])
     out = {}
     try:
         for _ in range(world_size * len(run_dicts)):

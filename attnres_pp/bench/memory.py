@@ -14,7 +14,6 @@ model, which is what every rank would allocate if it built the whole model.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import statistics
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from attnres_pp.bench import memory_sweep
 from attnres_pp.bench.common import markdown_table, random_batch, run_config
+from attnres_pp.pipeline.rank_group import rank_context
 
 MODEL = {"vocab_size": 256, "n_layers": 32, "d_model": 512, "n_heads": 8, "seq_len": 64,
          "residual": "attnres", "block_size": 4}
@@ -43,7 +43,8 @@ def _probe(model: dict | None, queue) -> None:
 
 
 def _single_process_rss(model: dict | None) -> int:
-    ctx = mp.get_context("spawn")
+    # The ranks' own start (the fork server, torch preloaded), so the RSS figures compare like with like.
+    ctx = rank_context(__name__)
     queue = ctx.Queue()
     proc = ctx.Process(target=_probe, args=(model, queue), daemon=True)
     proc.start()

@@ -1,0 +1,51 @@
+"""How the local launcher starts ranks (pipeline/rank_group.py): forked from the fork server, which
+has torch imported, yet with the driver's environment as it is when each rank starts."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from attnres_pp.pipeline.rank_group import ProcessRankGroup
+
+pytestmark = pytest.mark.distributed
+
+
+class _EnvWorker:
+    """Reports what a rank process sees before it has imported anything of its own."""
+
+    def __init__(self, key: str) -> None:
+        self.key, self.torch_before = key, "torch" in sys.modules
+
+    def join_process_group(self, init_method: str, world_size: int) -> dict:
+        return {"value": os.environ.get(self.key), "torch_before": self.torch_before, "parent": os.getppid(),
+                "pid": os.getpid()}
+
+    def close(self) -> None:
+        pass
+
+
+def _start(key: str) -> list[dict]:
+    group = ProcessRankGroup(2, 30.0, name="env-test")
+    try:
+        return group.start(_EnvWorker, [{"key": key}] * 2)
+    finally:
+        group.stop(graceful=True)
+
+
+def test_each_rank_takes_the_drivers_environment_at_its_start(monkeypatch):
+    key = "ATTNRES_PP_TEST_RANK_ENV"
+    monkeypatch.delenv(key, raising=False)
+    first = _start(key)  # the fork server runs from here on, with the environment of this moment
+    assert [r["value"] for r in first] == [None, None]
+    monkeypatch.setenv(key, "set after the server started")
+    second = _start(key)
+    assert [r["value"] for r in second] == ["set after the server started"] * 2
+    monkeypatch.delenv(key)
+    assert [r["value"] for r in _start(key)] == [None, None]  # and an unset one is unset again
+    # Forked from the one server, with torch already imported: not spawned by the driver.
+    assert all(r["torch_before"] for r in first + second)
+    assert {r["parent"] for r in first + second} != {os.getpid()}
+    assert len({r["pid"] for r in first + second}) == 4
