@@ -640,7 +640,7 @@ def cmd_down(args, store: State) -> dict:
     removed = []
     nodes = []  # the pids that are the harness's Ray nodes: the only ones signalled by pid
     for index, host in enumerate(state["hosts"]):
-        if not host.get("pid"):
+        if not host.get("pid") or not _alive(host["pid"]):  # signal 0 only: exited (or a zombie) is nothing to do
             continue
         why = node_pid_problem(state, index, host["pid"])
         if why is None:
