@@ -30,9 +30,26 @@ detaches the host's link from the bridge: every packet to or from it is dropped,
 that loses power); `restart` brings a killed or cut-off worker host back as a repaired machine
 rejoins (its link attached again, whatever is left in it ended, a fresh Ray node at the same
 address), so that one cluster can serve several disruptive runs in turn. `down` ends every process
-started in the namespaces, then deletes the namespaces, the links and the bridge. State (names,
-pids, addresses) lives in `--state-dir` (default /tmp/attnres-netns-cluster; ATTNRES_NETNS_STATE
-overrides), so `down` works from any process.
+started in the namespaces, then deletes the namespaces, the links and the bridge.
+
+State (names, pids, addresses, the auth token, the nodes' logs and Ray temp dirs) lives in one
+directory, so that `down` works from any process: /run/attnres-netns/PREFIX by default (PREFIX is
+`--prefix`, arp; the top-level `--prefix` picks the cluster for the other commands), or
+`--state-dir` (ATTNRES_NETNS_STATE overrides the default). The harness runs as root and the Ray
+cluster runs jobs as root, so nothing in that directory is taken from anyone else:
+- the directory (and /run/attnres-netns) is made 0700 by the harness; before any use it is checked
+  by lstat: a directory, not a symlink, owned by this euid, no group or other access. Every
+  directory above it must be owned by root (or this euid) and not writable by group or others
+  unless sticky (/tmp is fine). Anything else is refused with one `error:` line.
+- every file the harness makes in it (auth_token, state.json's temp file, logs) is created with
+  O_CREAT|O_EXCL|O_NOFOLLOW, mode 0600; state.json is replaced by os.replace and read with
+  O_NOFOLLOW.
+- what state.json names is checked before anything is signalled or deleted: the prefix, namespace
+  (PREFIX-hI), link (PREFIXvI) and bridge (PREFIXbr) names must be exactly the ones `up` makes, and
+  its paths the directory's own; a pid is signalled only if it is above 1 and its /proc cmdline is
+  the harness's `ray start` of that host (its --temp-dir in this directory) and, while the
+  namespace exists, it runs in that namespace; `kill` and `down` signal only processes whose
+  network namespace is the host's (never the root namespace's).
 Bad input is one `error:` line and exit 2.
 """
 
@@ -45,12 +62,15 @@ import os
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-DEFAULT_STATE = os.environ.get("ATTNRES_NETNS_STATE", "/tmp/attnres-netns-cluster")
+STATE_ROOT = "/run/attnres-netns"  # default state: STATE_ROOT/<prefix>
+NETNS_DIR = "/run/netns"  # where `ip netns` keeps its namespaces
+DEFAULT_PREFIX = "arp"
 DEFAULT_NET = "10.213.0.0/24"
 HEAD_PORT, DASHBOARD_PORT = 6379, 8265
 OBJECT_STORE_BYTES = 100 * 1024**2  # Ray's default takes 30 % of RAM per node: far too much for several
@@ -72,28 +92,225 @@ def sh(*cmd: str, check: bool = True, timeout: float = 30.0) -> subprocess.Compl
     return done
 
 
+def _private_problem(st: os.stat_result) -> str | None:
+    """Why a directory, as lstat saw it, is not one only this euid can reach; None if it is."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symlink"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not {os.geteuid()}"
+    if st.st_mode & 0o077:
+        return f"has mode {stat.S_IMODE(st.st_mode):04o}: group or others can reach it (want 0700)"
+    return None
+
+
+def _check_ancestors(directory: Path) -> None:
+    """Every directory from / down to `directory` (a resolved path): a real directory, owned by root
+    or this euid, not writable by group or others unless sticky (as /tmp): no one else can swap a
+    component."""
+    for path in [*reversed(directory.parents), directory]:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise HarnessError(f"{path} does not exist: make it first (or use the default state dir)") from None
+        why = ("is a symlink" if stat.S_ISLNK(st.st_mode) else "is not a directory" if not stat.S_ISDIR(st.st_mode)
+               else f"is owned by uid {st.st_uid}" if st.st_uid not in (0, os.geteuid())
+               else f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}) and not sticky"
+               if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX else None)
+        if why:
+            raise HarnessError(f"state dir {directory}: {path} {why}: refusing it")
+
+
+def create_private(path: Path, text: str | None = None) -> int:
+    """A new file, 0600, never through a symlink nor over anything already there. With `text`:
+    written and closed (returns -1); without: its open fd, for the caller to close."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        raise HarnessError(f"{path} exists already (left over, or planted): refusing to write through it; "
+                           "run `down`, or remove it after looking") from None
+    if text is not None:
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+        return -1
+    return fd
+
+
+def read_private(path: Path) -> str:
+    """A file of the state dir, never through a symlink."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as error:
+        if isinstance(error, FileNotFoundError):
+            raise
+        raise HarnessError(f"{path}: {os.strerror(error.errno)} (a symlink?): refusing to read it") from None
+    with os.fdopen(fd) as file:
+        return file.read()
+
+
 class State:
-    def __init__(self, directory: str) -> None:
-        self.dir = Path(directory)
+    """The state dir: checked before every use (see the module's doc), made by `up` only.
+    `private_parent`: the parent is the harness's own (STATE_ROOT), made 0700 and held to the same
+    checks as the dir."""
+
+    def __init__(self, directory: str, private_parent: bool = False, prefix: str | None = None) -> None:
+        path = Path(os.path.abspath(directory))
+        if path.name in ("", ".", ".."):
+            raise HarnessError(f"--state-dir {directory!r} must name a directory")
+        # A symlink above it (as /var/run) is resolved once, so that it cannot be moved later; the
+        # harness's own parent (STATE_ROOT) is not resolved: it, too, is checked by lstat.
+        above = path.parent.parent if private_parent else path.parent
+        self.dir = Path(os.path.realpath(above)) / path.relative_to(above)
         self.file = self.dir / "state.json"
+        self.private_parent = private_parent
+        self.prefix = prefix  # the cluster's prefix when the command line says it, else None
+
+    def check(self, create: bool = False) -> bool:
+        """True if the dir exists and passes; False if it does not exist (made first when `create`);
+        HarnessError if it, or a directory above it, fails."""
+        parent = self.dir.parent
+        if self.private_parent:
+            _check_ancestors(parent.parent)
+            if create:
+                try:
+                    os.mkdir(parent, 0o700)
+                except FileExistsError:
+                    pass
+            try:
+                why = _private_problem(os.lstat(parent))
+            except FileNotFoundError:
+                return False
+            if why:
+                raise HarnessError(f"{parent} {why}: refusing it (remove it, or give --state-dir)")
+        else:
+            _check_ancestors(parent)
+        if create:
+            try:
+                os.mkdir(self.dir, 0o700)
+            except FileExistsError:
+                pass
+        try:
+            st = os.lstat(self.dir)
+        except FileNotFoundError:
+            return False
+        why = _private_problem(st)
+        if why:
+            raise HarnessError(f"state dir {self.dir} {why}: refusing it (remove it, or give another --state-dir)")
+        return True
 
     def load(self) -> dict | None:
+        if not self.check():
+            return None
         try:
-            return json.loads(self.file.read_text())
+            text = read_private(self.file)
         except FileNotFoundError:
             return None
+        try:
+            state = json.loads(text)
+        except ValueError as error:
+            raise HarnessError(f"{self.file} is not JSON ({error}): remove it after looking") from None
+        check_state(state, self)
+        return state
 
     def save(self, state: dict) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=2))
+        if not self.check():
+            raise HarnessError(f"state dir {self.dir} is gone")
+        tmp = self.dir / f"state.json.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        create_private(tmp, json.dumps(state, indent=2))
         os.replace(tmp, self.file)
 
     def require(self) -> dict:
         state = self.load()
         if state is None:
-            raise HarnessError(f"no cluster in {self.dir}: run `up` first (or give its --state-dir)")
+            raise HarnessError(f"no cluster in {self.dir}: run `up` first (or give its --prefix or --state-dir)")
         return state
+
+
+def check_state(state: dict, store: State) -> None:
+    """What state.json names must be exactly what `up` makes for its prefix, in this dir: else
+    nothing is acted on (a planted or damaged file could name eth0, or any path)."""
+    bad = []
+    prefix = state.get("prefix") if isinstance(state, dict) else None
+    if not isinstance(prefix, str) or not valid_prefix(prefix):
+        raise HarnessError(f"{store.file}: prefix {prefix!r} is not one `up` takes: refusing to act on it")
+    if store.prefix is not None and prefix != store.prefix:
+        bad.append(f"prefix {prefix!r} (this cluster's is {store.prefix!r})")
+    if state.get("dir") != str(store.dir):
+        bad.append(f"dir {state.get('dir')!r}")
+    if state.get("auth_token_path") != str(store.dir / "auth_token"):
+        bad.append(f"auth_token_path {state.get('auth_token_path')!r}")
+    if state.get("bridge") != f"{prefix}br":
+        bad.append(f"bridge {state.get('bridge')!r}")
+    hosts = state.get("hosts")
+    if not isinstance(hosts, list) or not 1 <= len(hosts) <= 50:
+        bad.append("hosts (not a list of 1-50)")
+        hosts = []
+    for index, host in enumerate(hosts):
+        if not isinstance(host, dict):
+            bad.append(f"host {index}")
+            continue
+        for key, want in (("name", host_name(prefix, index)), ("veth", veth_name(prefix, index))):
+            if host.get(key) != want:
+                bad.append(f"host {index}'s {key} {host.get(key)!r}")
+        pid = host.get("pid")
+        if pid is not None and (type(pid) is not int or pid <= 1):
+            bad.append(f"host {index}'s pid {pid!r}")
+        try:
+            ipaddress.ip_address(host.get("ip"))
+        except ValueError:
+            bad.append(f"host {index}'s ip {host.get('ip')!r}")
+    if bad:
+        raise HarnessError(f"{store.file} names what this harness does not make ({', '.join(bad)}): refusing to "
+                           f"act on it; look, then remove {store.dir} and what it made by hand")
+
+
+def valid_prefix(prefix: str) -> bool:
+    return prefix.isascii() and prefix.isalnum() and 1 <= len(prefix) <= 8
+
+
+def host_name(prefix: str, index: int) -> str:
+    return f"{prefix}-h{index}"
+
+
+def veth_name(prefix: str, index: int) -> str:
+    return f"{prefix}v{index}"
+
+
+def _netns_id(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def named_netns_id(name: str) -> tuple[int, int] | None:
+    """The network namespace `ip netns` calls `name`; None if there is none, or if it is the
+    namespace of pid 1 or of this process (which `kill` must never empty)."""
+    ns = _netns_id(f"{NETNS_DIR}/{name}")
+    if ns is None or ns in (_netns_id("/proc/1/ns/net"), _netns_id("/proc/self/ns/net")):
+        return None
+    return ns
+
+
+def node_pid_problem(state: dict, index: int, pid: int) -> str | None:
+    """Why `pid` is not host `index`'s `ray start` as `start_node` made it (None if it is): above 1,
+    not this process, its cmdline that node's (its --temp-dir in this state dir) and, while the
+    namespace exists, in that namespace. A reused pid, or a planted one, is not signalled."""
+    if type(pid) is not int or pid <= 1 or pid == os.getpid():
+        return f"pid {pid!r} is not one the harness starts"
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as file:
+            argv = file.read().decode(errors="replace").split("\0")
+    except OSError:
+        return f"pid {pid} is not running"
+    if f"--temp-dir={Path(state['dir']) / f'ray{index}'}" not in argv:
+        return f"pid {pid} is not host {index}'s Ray node (its cmdline is {' '.join(argv)[:120]!r})"
+    ns = _netns_id(f"{NETNS_DIR}/{state['hosts'][index]['name']}")
+    if ns is not None and _netns_id(f"/proc/{pid}/ns/net") != ns:
+        return f"pid {pid} does not run in namespace {state['hosts'][index]['name']}"
+    return None
 
 
 def netem_missing() -> str | None:
@@ -139,16 +356,35 @@ def start_node(state: dict, index: int) -> int:
     """`ray start --block` in host `index`'s namespace (head for 0); returns its pid."""
     host = state["hosts"][index]
     temp_dir = Path(state["dir"]) / f"ray{index}"  # short: Ray's socket paths live under it
-    temp_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(temp_dir, 0o700)
+    except FileExistsError:  # a restart: the node's earlier one
+        pass
+    if not stat.S_ISDIR(os.lstat(temp_dir).st_mode):
+        raise HarnessError(f"{temp_dir} is not a directory (a symlink?): refusing it")
     role = (["--head", f"--port={HEAD_PORT}", "--dashboard-host=0.0.0.0", f"--dashboard-port={DASHBOARD_PORT}"]
             if index == 0 else [f"--address={state['hosts'][0]['ip']}:{HEAD_PORT}"])
     cmd = ["ip", "netns", "exec", host["name"], *own_host_name(host), sys.executable, "-m", "ray.scripts.scripts",
            "start", "--block",
            *role, f"--node-ip-address={host['ip']}", f"--num-cpus={state['cpus_per_host']}", "--num-gpus=0",
            f"--object-store-memory={OBJECT_STORE_BYTES}", f"--temp-dir={temp_dir}", "--disable-usage-stats"]
-    log = open(Path(state["dir"]) / f"{host['name']}.log", "w")  # noqa: SIM115 (the child keeps it)
-    proc = subprocess.Popen(cmd, env=ray_env(state), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log = open_log(Path(state["dir"]), host["name"])
+    try:
+        proc = subprocess.Popen(cmd, env=ray_env(state), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        os.close(log)  # the child has its own
     return proc.pid
+
+
+def open_log(directory: Path, name: str) -> int:
+    """A fresh `name`.log in the state dir (an earlier one, of a restarted node, renamed to
+    .log.old: a rename moves a symlink itself, never what it points at); returns its fd."""
+    log = directory / f"{name}.log"
+    try:
+        os.replace(log, directory / f"{name}.log.old")
+    except FileNotFoundError:
+        pass
+    return create_private(log)
 
 
 def own_host_name(host: dict) -> list[str]:
@@ -170,7 +406,7 @@ def wait_for_nodes(state: dict, n_nodes: int, timeout_s: float) -> None:
         for index, host in enumerate(state["hosts"]):
             if host["pid"] and not _alive(host["pid"]):
                 log = Path(state["dir"]) / f"{host['name']}.log"
-                raise HarnessError(f"the Ray node of host {index} exited during start-up:\n{log.read_text()[-2000:]}")
+                raise HarnessError(f"the Ray node of host {index} exited during start-up:\n{read_private(log)[-2000:]}")
         env = ray_env(state) | {"RAY_ADDRESS": f"{state['hosts'][0]['ip']}:{HEAD_PORT}"}
         done = subprocess.run(["ip", "netns", "exec", state["hosts"][0]["name"], sys.executable, "-c", probe],
                               env=env, capture_output=True, text=True, timeout=60)
@@ -212,17 +448,14 @@ def cmd_up(args, store: State) -> dict:
     if args.latency_ms > 0 and missing:
         refuse_latency(args.latency_ms, missing)
     prefix = args.prefix
-    if not prefix.isalnum() or len(prefix) > 8:
-        raise HarnessError(f"--prefix {prefix!r} must be 1-8 letters or digits (interface names are short)")
     hosts_ip = list(net.hosts())
-    store.dir.mkdir(parents=True, exist_ok=True)
+    store.check(create=True)
     token_path = store.dir / "auth_token"
-    token_path.write_text(secrets.token_hex(32))
-    token_path.chmod(0o600)
+    create_private(token_path, secrets.token_hex(32))
     state = {"dir": str(store.dir), "prefix": prefix, "net": str(net), "bridge": f"{prefix}br",
              "bridge_ip": str(hosts_ip[0]), "cpus_per_host": args.cpus_per_host,
              "auth_token_path": str(token_path), "netem": missing is None, "netem_missing": missing, "hosts": []}
-    state["hosts"] = [{"name": f"{prefix}-h{i}", "ip": str(hosts_ip[9 + i]), "veth": f"{prefix}v{i}",
+    state["hosts"] = [{"name": host_name(prefix, i), "ip": str(hosts_ip[9 + i]), "veth": veth_name(prefix, i),
                        "pid": None, "shape": None, "partitioned": False} for i in range(args.hosts)]
     store.save(state)  # first: `down` can clean up whatever part of this gets made
     try:
@@ -333,10 +566,18 @@ def namespace_pids(name: str) -> list[int]:
 
 
 def kill_namespace(name: str) -> int:
-    """SIGKILL every process in namespace `name` until none is left; returns how many were killed."""
+    """SIGKILL every process in namespace `name` until none is left; returns how many were killed.
+    Only a process whose network namespace is that one is signalled (checked per pid, so a pid
+    reused meanwhile is left alone); a namespace that is pid 1's or this process's is refused."""
     killed = 0
+    ns = named_netns_id(name)
+    if ns is None:
+        if _netns_id(f"{NETNS_DIR}/{name}") is not None:
+            print(f"warning: namespace {name} is the machine's own: no process of it is signalled", file=sys.stderr)
+        return 0
     for _ in range(50):
-        pids = namespace_pids(name)
+        pids = [pid for pid in namespace_pids(name)
+                if pid > 1 and pid != os.getpid() and _netns_id(f"/proc/{pid}/ns/net") == ns]
         if not pids:
             break
         for pid in pids:
@@ -397,14 +638,22 @@ def cmd_down(args, store: State) -> dict:
     if state is None:
         return {"down": True, "removed": []}
     removed = []
-    for host in state["hosts"]:
-        if host.get("pid") and _alive(host["pid"]):
-            try:
-                os.kill(host["pid"], signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+    nodes = []  # the pids that are the harness's Ray nodes: the only ones signalled by pid
+    for index, host in enumerate(state["hosts"]):
+        if not host.get("pid") or not _alive(host["pid"]):  # signal 0 only: exited (or a zombie) is nothing to do
+            continue
+        why = node_pid_problem(state, index, host["pid"])
+        if why is None:
+            nodes.append(host["pid"])
+        elif "is not running" not in why:
+            print(f"warning: host {host['name']}: {why}: not signalled", file=sys.stderr)
+    for pid in nodes:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(h.get("pid") and _alive(h["pid"]) for h in state["hosts"]):
+    while time.monotonic() < deadline and any(_alive(pid) for pid in nodes):
         time.sleep(0.2)
     netns = sh("ip", "netns", "list", check=False).stdout.split()
     for host in state["hosts"]:
@@ -413,7 +662,7 @@ def cmd_down(args, store: State) -> dict:
             sh("ip", "netns", "del", host["name"], check=False)
             removed.append(host["name"])
         sh("ip", "link", "del", host["veth"], check=False)
-        if host.get("pid"):
+        if host.get("pid") in nodes:
             try:  # reap it if this process started it
                 os.waitpid(host["pid"], os.WNOHANG)
             except ChildProcessError:
@@ -425,7 +674,9 @@ def cmd_down(args, store: State) -> dict:
 
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    top.add_argument("--state-dir", default=DEFAULT_STATE, help=f"where the cluster's state lives ({DEFAULT_STATE})")
+    top.add_argument("--state-dir", default=os.environ.get("ATTNRES_NETNS_STATE"),
+                     help=f"where the cluster's state lives (default {STATE_ROOT}/PREFIX; ATTNRES_NETNS_STATE)")
+    top.add_argument("--prefix", default=None, help=f"the cluster, when --state-dir is not given ({DEFAULT_PREFIX})")
     sub = top.add_subparsers(dest="command_name", required=True)
     up = sub.add_parser("up", help="make N hosts, each with a Ray node")
     up.add_argument("--hosts", type=int, required=True)
@@ -433,7 +684,8 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--gbps", type=float, default=None, help="shape every host's link to this bandwidth")
     up.add_argument("--latency-ms", type=float, default=0.0)
     up.add_argument("--net", default=DEFAULT_NET, help=f"private range for the hosts ({DEFAULT_NET})")
-    up.add_argument("--prefix", default="arp", help="prefix of namespace and interface names (arp)")
+    up.add_argument("--prefix", dest="up_prefix", default=None,
+                    help=f"prefix of namespace and interface names ({DEFAULT_PREFIX})")
     shape = sub.add_parser("shape", help="limit a host's link (both directions)")
     shape.add_argument("host")
     shape.add_argument("--gbps", type=float, required=True)
@@ -453,13 +705,27 @@ COMMANDS = {"up": cmd_up, "shape": cmd_shape, "unshape": cmd_unshape, "partition
             "heal": cmd_heal, "kill": cmd_kill, "restart": cmd_restart, "exec": cmd_exec, "down": cmd_down}
 
 
+def state_store(args) -> State:
+    """The state dir the command line names; `args.prefix` set to the cluster's prefix."""
+    up_prefix = getattr(args, "up_prefix", None)
+    if up_prefix is not None and args.prefix is not None and up_prefix != args.prefix:
+        raise HarnessError(f"--prefix {args.prefix!r} and up --prefix {up_prefix!r} differ: give one")
+    given = up_prefix if up_prefix is not None else args.prefix
+    args.prefix = given if given is not None else DEFAULT_PREFIX
+    if not valid_prefix(args.prefix):
+        raise HarnessError(f"--prefix {args.prefix!r} must be 1-8 letters or digits (interface names are short)")
+    if args.state_dir:
+        return State(args.state_dir, prefix=given)
+    return State(os.path.join(STATE_ROOT, args.prefix), private_parent=True, prefix=args.prefix)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if os.geteuid() != 0:
         print("error: netns_cluster.py needs root (ip netns, tc)", file=sys.stderr)
         return 2
-    store = State(args.state_dir)
     try:
+        store = state_store(args)
         result = COMMANDS[args.command_name](args, store)
     except (HarnessError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -213,8 +213,8 @@ def _running(pid: int) -> bool:
 
 def test_data_parallel_pipeline_on_the_private_local_ray_instance(tmp_path):
     """D = 2 replicas x P = 2 ranks: four actors placed by one placement group on a 2-core machine (the
-    private instance offers a CPU per rank), ending with the in-process launcher's losses, with
-    scalars only between the driver and the actors."""
+    private instance offers a CPU per rank, and listens on 127.0.0.1 only), ending with the in-process
+    launcher's losses, with scalars only between the driver and the actors."""
     data = tmp_path / "corpus.txt"  # a small file: each end rank reads its own share of it
     data.write_text("".join(p.read_text() for p in sorted((REPO / "attnres_pp" / "train").glob("*.py"))))
     layout = [*TINY, "--virtual", "1", "--batch-size", "8", "--data-parallel", "2", "--steps", "3",
@@ -232,6 +232,8 @@ def test_data_parallel_pipeline_on_the_private_local_ray_instance(tmp_path):
     assert 0 < summary["driver_bytes_per_step"] < 4096
     assert len(summary["cache_peak_bytes_per_rank"]) == 4
     assert "StageActor rank=3 (dp 1, pp 1)" in run.stdout + run.stderr
+    # The private instance is the machine's alone: its node, and so the ranks' gloo, on loopback.
+    assert ", node 127.0.0.1 (" in run.stdout + run.stderr and ", lo)" in run.stdout + run.stderr
 
 
 def test_multinode_example_config_loads():

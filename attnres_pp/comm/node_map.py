@@ -30,6 +30,7 @@ class RankFacts:
     free: int
     incoming: dict[int, int]
     token: str = ""  # a random name prefix; rank 0's names the run's files
+    pid: int = 0  # the rank's process id: the files it makes as receiver carry it (stale ones are found by it)
 
     def __post_init__(self) -> None:
         if not isinstance(self.node, str) or not self.node:

@@ -27,6 +27,10 @@ first written mid-step. Each phase (allocate, then open the peers' files) ends i
 that tells every rank every rank's outcome, so all go on or all raise the same error. The files
 carry the run's random prefix and every rank removes all of them as soon as the set-up ends,
 whether it succeeded, failed, or a peer died in it: nothing is left behind, even after a crash.
+Should every rank of a run die inside its set-up (a SIGKILL of all), its files stay: each file's
+name carries its creator's pid (`attnres-pp-TOKEN-SRC-to-DST-pPID.data`), and every set-up first
+removes this project's files in the directory whose creator is no longer alive (`remove_stale`;
+ranks of one machine share a pid namespace, as under Ray and the netns harness).
 A doorbell rung at a receiver that has just closed its end (it saw the message and left) is no
 error; one whose receiver died inside its wait (its flag still up) is a PeerGone naming it.
 A message without a slot (not in the
@@ -43,6 +47,7 @@ import contextlib
 import errno
 import os
 import platform
+import re
 import secrets
 import select
 import shutil
@@ -57,6 +62,8 @@ from attnres_pp.comm.node_map import RankFacts, shm_pairs
 from attnres_pp.comm.transport import ByteLedger, DistTransport, TransportTimeout
 
 SHM_DIR = "/dev/shm"
+# A file of this project's set-up: the run's token, the pair's global ranks, its creator's pid.
+_FILE_NAME = re.compile(r"attnres-pp-[0-9a-f]{16}-\d+-to-\d+-p(\d+)\.(?:data|count|bell)")
 ALIGN_ELEMENTS = 64  # slots start on 256-byte boundaries (fp32)
 
 Message = tuple[int, int, int, tuple[torch.Size, ...]]  # (src, dst, tag, shapes), see pipeline.routes
@@ -246,8 +253,11 @@ def connect_transport(pp_rank: int, n_stages: int, device: torch.device, timeout
             and platform.machine() in ("x86_64", "AMD64") and os.path.isdir(directory))
     incoming = {global_rank(src): n * element for (src, dst), (n, _offsets) in _layout(messages).items()
                 if dst == pp_rank and src != pp_rank}
+    if able:
+        remove_stale(directory)
     mine_facts = RankFacts(node=node or socket.gethostname(), able=able, incoming=incoming,
-                           free=shutil.disk_usage(directory).free if able else 0, token=secrets.token_hex(8))
+                           free=shutil.disk_usage(directory).free if able else 0, token=secrets.token_hex(8),
+                           pid=os.getpid())
     facts = [None] * dist.get_world_size()
     dist.all_gather_object(facts, mine_facts)
     pairs = shm_pairs(facts)
@@ -256,7 +266,8 @@ def connect_transport(pp_rank: int, n_stages: int, device: torch.device, timeout
     layout = _layout([m for m in messages if (global_rank(m[0]), global_rank(m[1])) in pairs])
     base = os.path.join(directory, f"attnres-pp-{facts[0].token}")
     mine = [pair for pair in layout if pp_rank in pair]
-    stems = {(src, dst): f"{base}-{global_rank(src)}-to-{global_rank(dst)}" for src, dst in mine}
+    stems = {(src, dst): file_stem(base, global_rank(src), global_rank(dst), facts[global_rank(dst)].pid)
+             for src, dst in mine}
     arenas, fds = {}, {}
     try:
         # The receiver makes the files, allocated in full, and opens the pipe's reading end first.
@@ -338,6 +349,40 @@ def _open(pair: tuple[int, int], stem: str, n_elements: int, offsets: dict[int, 
     """The sender's side of `pair`: the receiver's files, and the pipe's writing end."""
     arenas[pair] = _map(stem, n_elements, offsets, dtype)
     fds[pair] = os.open(f"{stem}.bell", os.O_WRONLY | os.O_NONBLOCK)
+
+
+def file_stem(base: str, src: int, dst: int, creator_pid: int) -> str:
+    """The files of pair (src, dst) of the run `base`, made by the receiver, whose pid they carry."""
+    return f"{base}-{src}-to-{dst}-p{creator_pid}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_stale(directory: str) -> list[str]:
+    """Remove this project's set-up files in `directory` whose creator pid is not alive (a run
+    whose every rank died inside its set-up); returns their names. A live creator's, another
+    user's (the sticky /dev/shm refuses) and any other file are left alone."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        match = _FILE_NAME.fullmatch(name)
+        if match is None or int(match.group(1)) <= 0 or _alive(int(match.group(1))):
+            continue
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+    return removed
 
 
 def _unlink_run(base: str) -> None:

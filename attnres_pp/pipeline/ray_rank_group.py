@@ -25,6 +25,7 @@ pipeline timeout. The surviving ranks, blocked on a lost one, are killed by `res
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
@@ -160,6 +161,37 @@ def _where(rank_nodes: list[tuple[str, str]], rank: int) -> str:
     return f"rank {rank} on node {ip} ({node_id[:8]})"
 
 
+LOOPBACK = "127.0.0.1"
+# Ray's switch for clusters on one machine only (named for Windows and macOS, where it is the default):
+# off, a node's address is loopback.
+_CLUSTERS_OFF = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def _loopback_only(ray):
+    """A private local instance listens on 127.0.0.1 only, not on every interface of the machine.
+    Ray 2.x turns `_node_ip_address="127.0.0.1"` into the machine's own address
+    (services.resolve_ip_for_localhost) and its servers then listen on all interfaces, unless
+    clusters are off (ray_constants.ENABLE_RAY_CLUSTER, from RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0):
+    then the node's address is loopback and the GCS, raylet, workers and dashboard agent bind it.
+    Ray's processes read the variable when they start (they inherit it from this one, and the
+    workers from the raylet); this process has imported ray already, so its constant is set for the
+    init and both are put back afterwards, so that a later join of a real cluster is unaffected."""
+    from ray._private import ray_constants
+
+    before_env, before_flag = os.environ.get(_CLUSTERS_OFF), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_CLUSTERS_OFF] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before_flag
+        if before_env is None:
+            os.environ.pop(_CLUSTERS_OFF, None)
+        else:
+            os.environ[_CLUSTERS_OFF] = before_env
+
+
 class RayRankGroup:
     """`world_size` actors placed with `placement` (STRICT_PACK, PACK, SPREAD, STRICT_SPREAD)."""
 
@@ -193,8 +225,9 @@ class RayRankGroup:
                     raise ValueError(f"{source} {address}: {error}") from None
             else:
                 # One CPU per rank even on a smaller machine: the ranks mostly wait on each other.
-                ray.init(address="local", num_cpus=max(world_size, os.cpu_count() or 1), include_dashboard=False,
-                         log_to_driver=True)
+                with _loopback_only(ray):
+                    ray.init(address="local", num_cpus=max(world_size, os.cpu_count() or 1), include_dashboard=False,
+                             log_to_driver=True, _node_ip_address=LOOPBACK)
                 self.started_ray = True
 
     def gpus(self) -> int:
