@@ -217,12 +217,18 @@ def _rank_addresses(text: str, world: int) -> dict[int, str]:
 
 @TWO_HOSTS
 def test_job_submitted_from_the_root_namespace_runs_over_two_hosts(two_host_cluster, tmp_path):
-    """`ray job submit` to the head's dashboard from the machine itself, token auth on: D = 2, P = 2
+    """`ray job submit` to the head's dashboard (a `ray start --head` node) from the machine itself,
+    token auth on (a client without the token is refused), the actors' lines in the job's output: D = 2, P = 2
     with SPREAD gives the single process's losses; each replica's hops stay in one host's shared
     memory, the replicas' gradient all-reduce crosses the link."""
     steps = ["--steps", "3"]
     assert main(["train", *TINY, *steps, "--launcher", "local", "--out", str(tmp_path / "single"), "--quiet"]) == 0
     cluster = two_host_cluster
+    # Token authentication is on: a client without the token is refused.
+    no_auth = {k: v for k, v in cluster.env.items() if k != "RAY_AUTH_MODE"}
+    refused = subprocess.run(["ray", "job", "list", "--address", cluster.info["dashboard"]], env=no_auth,
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "Unauthorized" in refused.stdout + refused.stderr, refused.stderr[-2000:]
     out = tmp_path / "run"
     submit = ["ray", "job", "submit", "--address", cluster.info["dashboard"], "--", "env", f"PYTHONPATH={REPO}",
               *CLI, "train", *TINY, *steps, "--stages", "2", "--data-parallel", "2", "--launcher", "ray",
@@ -235,6 +241,7 @@ def test_job_submitted_from_the_root_namespace_runs_over_two_hosts(two_host_clus
             break
         time.sleep(1)
     assert done.returncode == 0, said[-4000:]
+    assert all(f"StageActor rank={rank} " in said for rank in range(4)), said[-4000:]  # the actors' lines, by rank
     summary = json.loads((out / "summary.json").read_text())
     assert_same_losses(summary["losses"], losses(tmp_path / "single"))
     hosts = {h["ip"] for h in cluster.info["hosts"]}

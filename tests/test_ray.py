@@ -1,28 +1,22 @@
 """The Ray launcher end to end: recovery from a lost actor ends with the undisturbed losses (and the
-other launchers'), the restart limit stops a run with a message, and a real cluster job: a head
-started with `ray start` (token authentication on), a job submitted with `ray job submit`.
+other launchers'), the restart limit stops a run with a message, a placement no node can hold, a
+rank's set-up refusal, Ctrl-C and the private local instance. A real cluster job (a head started
+with `ray start`, token authentication on, a job submitted with `ray job submit`, refused without
+the token) is test_multihost.py's first test, on two hosts.
 
 Recovery tests share one private local Ray instance (the Ray rank group joins an initialised Ray and
-leaves it running), so Ray's start-up is paid once. The cluster test's head lives in its own temp dir,
-so no other test's `ray.init()` can find it, and is stopped through its own `ray start --block`
-process, never with `ray stop` (which would stop every Ray instance on the machine).
+leaves it running), so Ray's start-up is paid once.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -242,107 +236,3 @@ def test_multinode_example_config_loads():
     example = RunConfig.from_toml(Path(__file__).parent.parent / "configs" / "multinode_example.toml")
     assert example.pipeline.launcher == "ray" and example.pipeline.placement in ("PACK", "SPREAD")
     assert example.pipeline.data_parallel == 2 and example.pipeline.world_size == 16  # D x P actors
-
-
-# ---- a real cluster: ray start --head, ray job submit ----
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _ray_cli(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run(["ray", *args], env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _wait_for_dashboard(url: str, head: subprocess.Popen, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert head.poll() is None, f"ray start exited early:\n{log.read_text()[-3000:]}"
-        try:
-            urllib.request.urlopen(f"{url}/api/version", timeout=2)
-            return
-        except urllib.error.HTTPError:  # it answers (401 without a token): it is up
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError(f"the dashboard at {url} did not come up within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
-
-
-def _stop_head(head: subprocess.Popen, temp_dir: str) -> list[str]:
-    """SIGTERM to `ray start --block` drains and stops every process of the head; then make sure
-    (by pid, all started by this test) and return what had to be killed."""
-    if head.poll() is None:
-        head.send_signal(signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait(timeout=10)
-    leftovers = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if temp_dir in cmdline:
-            leftovers.append(cmdline.replace("\0", " ")[:120])
-            os.kill(int(pid), signal.SIGKILL)
-    return leftovers
-
-
-def test_job_submission_to_a_ray_start_cluster_with_token_auth(tmp_path):
-    temp_dir = tempfile.mkdtemp(prefix="attnres-ray-")  # short: Ray's socket paths live under it
-    token = tmp_path / "auth_token"
-    token.write_text(secrets.token_hex(32))
-    # The documented recipe: RAY_AUTH_MODE=token plus the cluster's token (here a file) for the
-    # head and for every client; the head hands both to the job's driver.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
-    dash_port = _free_port()
-    url = f"http://127.0.0.1:{dash_port}"
-    # Every port is chosen: Ray's fixed defaults (job agent 52365, client server 10001) are taken
-    # by any other Ray instance on the machine, and a head without its job agent refuses jobs.
-    ports = {"--port": _free_port(), "--dashboard-port": dash_port, "--dashboard-agent-listen-port": _free_port(),
-             "--ray-client-server-port": _free_port()}
-    log = tmp_path / "head.log"
-    with log.open("w") as head_out:
-        head = subprocess.Popen(
-            ["ray", "start", "--head", "--block", *[str(x) for item in ports.items() for x in item],
-             "--dashboard-host", "127.0.0.1", "--num-cpus", "2", "--disable-usage-stats", "--temp-dir", temp_dir],
-            env=env, stdout=head_out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        _wait_for_dashboard(url, head, log, timeout=90)
-        no_auth = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}
-        refused = _ray_cli(["job", "list", "--address", url], no_auth, timeout=60)
-        assert refused.returncode != 0 and "Unauthorized" in refused.stdout + refused.stderr
-
-        out = tmp_path / "run"
-        job_id = f"attnres-{secrets.token_hex(4)}"
-        submit = ["job", "submit", "--address", url, "--submission-id", job_id, "--no-wait", "--",
-                  "env", f"PYTHONPATH={REPO}", *CLI, "train", *TINY, "--steps", "3", "--out", str(out)]
-        deadline = time.monotonic() + 30
-        while True:  # the dashboard answers a little before the head's job agent does (HTTP 500)
-            submitted = _ray_cli(submit, env, timeout=60)
-            said = submitted.stdout + submitted.stderr
-            if submitted.returncode == 0 or "No available agent" not in said or time.monotonic() > deadline:
-                break
-            time.sleep(1)
-        assert submitted.returncode == 0, said
-        deadline, status = time.monotonic() + 180, ""
-        while time.monotonic() < deadline:  # `ray job status` says "Job '<id>' succeeded" (or failed, stopped)
-            answer = _ray_cli(["job", "status", "--address", url, job_id], env, timeout=60)
-            status = (answer.stdout + answer.stderr).lower()
-            if any(f"' {word}" in status or f"was {word}" in status for word in ("succeeded", "failed", "stopped")):
-                break
-            time.sleep(2)
-        logs = _ray_cli(["job", "logs", "--address", url, job_id], env, timeout=60).stdout
-        assert f"job '{job_id}' succeeded" in status, f"{status}\n{logs[-4000:]}"
-        assert "StageActor rank=0" in logs and "StageActor rank=1" in logs  # actor lines, prefixed by rank
-        summary = json.loads((out / "summary.json").read_text())
-        assert len(summary["losses"]) == 3 and summary["config"]["pipeline"]["launcher"] == "ray"
-    finally:
-        leftovers = _stop_head(head, temp_dir)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-    assert not leftovers, f"processes outlived the head: {leftovers}"
