@@ -31,6 +31,7 @@ reading each from whichever shard has it. Loading unpickles nothing but tensors 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -257,10 +258,14 @@ def rehearse_rank_kill(step_dir: str | Path, rank: int) -> None:
 
 def fsync_path(path: str | Path) -> None:
     """fsync a file or a directory (a directory's fsync makes its entries, i.e. renames and new
-    files, durable)."""
+    files, durable). A filesystem that cannot fsync a directory (EINVAL, ENOTSUP: some network
+    ones) orders its entries itself, so that is let pass."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as error:
+        if not (os.path.isdir(path) and error.errno in (errno.EINVAL, errno.ENOTSUP)):
+            raise
     finally:
         os.close(fd)
 
