@@ -7,11 +7,17 @@ A run saves every `every` steps and, unless `final` is off, at its last step: th
 always on disk. Retention (`prune_checkpoints`) keeps the newest `keep_checkpoints` and never
 deletes a final checkpoint.
 
-meta.json is the commit marker: the driver writes it (atomically) only after every rank's save has
-returned, and a folder without it is not a checkpoint. Saves also go into `step_N.tmp/`, renamed
-once complete, so a crash mid-save leaves only a `.tmp` (or `.old`) folder, which resuming removes
-(`remove_interrupted_saves`). Since the ranks write directly, a run across several nodes needs
-`--out` on a filesystem every node sees (the engines check at start).
+A checkpoint becomes visible only complete (`save_checkpoint`): the ranks write their shards into
+`step_N.tmp/` and each fsyncs its files before it reports done (DCP's FileSystemWriter with
+`sync_files=True`); then the driver writes meta.json, the commit marker, fsyncs every file of the
+folder and the folder itself, renames it to `step_N` and fsyncs `checkpoints/`. A folder without
+meta.json is not a checkpoint, and a `.tmp` never is. Replacing an existing `step_N` takes two
+renames (`step_N` -> `step_N.old`, `step_N.tmp` -> `step_N`); a crash between them leaves the old
+complete checkpoint as `step_N.old`, which `latest_checkpoint` counts when there is no complete
+`step_N` and resuming renames back (`restore_replaced_checkpoints`). What else a crash leaves
+(`.tmp`, a superseded `.old`) resuming removes (`remove_interrupted_saves`). Since the ranks write
+directly, a run across several nodes needs `--out` on a filesystem every node sees (the engines
+check at start).
 
 meta.json also records the run's checkpoint settings (`CheckpointConfig.settings`), so a
 resumed run keeps saving at the same cadence: without them a second crash would lose every step
@@ -25,6 +31,7 @@ reading each from whichever shard has it. Loading unpickles nothing but tensors 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -38,10 +45,32 @@ from attnres_pp.train.summary import write_json_atomic
 FORMAT = 2  # 1: rank_*.pt files written by the driver (before DCP shards)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _INTERRUPTED_DIR = re.compile(r"^step_(\d+)\.(tmp|old)$")
-# Rehearsal hook, like `--inject-failure`: with ATTNRES_PP_KILL_DURING_CHECKPOINT=N set, the process
-# saving checkpoint step_N SIGKILLs itself after the ranks' shards are written and before meta.json and
-# the rename, the crash that atomic saves and resume must survive. For tests and drills only.
+_REPLACED_DIR = re.compile(r"^step_(\d+)\.old$")
+_STAGING_DIR = re.compile(r"^step_(\d+)\.tmp$")
+# Rehearsal hook, like `--inject-failure`: ATTNRES_PP_KILL_DURING_CHECKPOINT makes a process SIGKILL
+# itself at one point of the save of checkpoint step_N, the crashes that saves and resume must survive
+# (`kill_point`, KILL_POINTS). `N` alone is `N:before-meta`. For tests and drills only.
 KILL_DURING_CHECKPOINT = "ATTNRES_PP_KILL_DURING_CHECKPOINT"
+# The points of a save, in order: who dies there. `after-shard` takes the rank (`N:after-shard:R`).
+KILL_POINTS = {
+    "before-shards": "the driver, once step_N.tmp exists and before any rank writes its shard",
+    "after-shard": "rank R, right after it wrote its shard (with --launcher inprocess the ranks are threads "
+                   "of the driver, so the whole process)",
+    "before-meta": "the driver, after every rank's shard and before meta.json",
+    "before-rename": "the driver, after meta.json (fsynced) and before the rename to step_N",
+    "between-renames": "the driver, when step_N exists already: after step_N -> step_N.old and before "
+                       "step_N.tmp -> step_N",
+}
+
+
+@dataclass(frozen=True)
+class KillPoint:
+    """Where `ATTNRES_PP_KILL_DURING_CHECKPOINT` kills: the save of step_`step`, at `point` (one of
+    KILL_POINTS), by rank `rank` for `after-shard` (None for the driver's points)."""
+
+    step: int
+    point: str
+    rank: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,12 +127,24 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
 
 
 def _complete(out_dir: str | Path) -> list[tuple[int, Path]]:
+    """(steps, folder) of every complete checkpoint, oldest first: each `step_N` with a meta.json,
+    and a `step_N.old` with one where no complete `step_N` exists (a crash between the two renames
+    of a save that replaced step_N left it; `restore_replaced_checkpoints` renames it back)."""
     root = checkpoints_dir(out_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), path) for path in root.iterdir()
-             if (m := _STEP_DIR.match(path.name)) and (path / "meta.json").is_file()]
-    return sorted(found)
+    found: dict[int, Path] = {}
+    replaced: dict[int, Path] = {}
+    for path in root.iterdir():
+        if not (path / "meta.json").is_file():
+            continue
+        if m := _STEP_DIR.match(path.name):
+            found[int(m.group(1))] = path
+        elif m := _REPLACED_DIR.match(path.name):
+            replaced[int(m.group(1))] = path
+    for steps, path in replaced.items():
+        found.setdefault(steps, path)
+    return sorted(found.items())
 
 
 def read_meta(step_dir: str | Path) -> dict:
@@ -137,11 +178,36 @@ def check_run_dir(out_dir: str | Path, resume: bool) -> None:
         checkpoint_tensors(latest)
 
 
+def restore_replaced_checkpoints(out_dir: str | Path) -> list[str]:
+    """Rename each complete `step_N.old` back to `step_N` where no complete `step_N` exists (a crash
+    came between the two renames of a save that replaced it; an incomplete `step_N` in its way is
+    deleted); returns the restored names. Call it, like `remove_interrupted_saves` (and before it),
+    only while no save is under way."""
+    root = checkpoints_dir(out_dir)
+    if not root.is_dir():
+        return []
+    restored = []
+    for path in sorted(root.iterdir(), key=lambda p: p.name):
+        m = _REPLACED_DIR.match(path.name)
+        if not m or not (path / "meta.json").is_file():
+            continue
+        final = root / f"step_{m.group(1)}"
+        if (final / "meta.json").is_file():
+            continue
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(path, final)
+        fsync_path(root)
+        restored.append(final.name)
+    return restored
+
+
 def remove_interrupted_saves(out_dir: str | Path) -> list[str]:
     """Delete the `step_N.tmp` and `step_N.old` folders a crash during `save_checkpoint` left under
     `out_dir/checkpoints`; returns their names. Resuming never reads them (it loads the newest
-    complete `step_N`), and nothing else removes a `.tmp` of a step the run does not save again.
-    Call it only while no save is under way, i.e. before a resumed run starts."""
+    complete `step_N`; run `restore_replaced_checkpoints` first, so that a `.old` that is the only
+    complete copy of its step is renamed back instead), and nothing else removes a `.tmp` of a step
+    the run does not save again. Call it only while no save is under way, i.e. before a resumed run
+    starts."""
     root = checkpoints_dir(out_dir)
     if not root.is_dir():
         return []
@@ -151,41 +217,98 @@ def remove_interrupted_saves(out_dir: str | Path) -> list[str]:
     return [path.name for path in stale]
 
 
-def kill_during_checkpoint_step() -> int | None:
-    """The step N of `ATTNRES_PP_KILL_DURING_CHECKPOINT` (see KILL_DURING_CHECKPOINT), or None if unset."""
+def kill_point() -> KillPoint | None:
+    """The kill point `ATTNRES_PP_KILL_DURING_CHECKPOINT` asks for (see KILL_POINTS), or None if it
+    is unset: `N` (= `N:before-meta`, the hook's first form), `N:POINT` for the driver's points,
+    `N:after-shard:R` for rank R. Raises ValueError saying what to set otherwise."""
     raw = os.environ.get(KILL_DURING_CHECKPOINT, "")
     if not raw:
         return None
+    parts = raw.split(":")
+    point = parts[1] if len(parts) > 1 else "before-meta"
     try:
-        step = int(raw)
+        step = int(parts[0])
+        rank = int(parts[2]) if len(parts) == 3 else None
     except ValueError:
-        step = 0
-    if step < 1:
-        raise ValueError(f"{KILL_DURING_CHECKPOINT}={raw!r} is invalid: set it to the N of the checkpoint step_N "
-                         "whose save should be killed (an integer >= 1), or unset it")
-    return step
+        step, rank = 0, None
+    valid = (step >= 1 and point in KILL_POINTS and len(parts) <= 3
+             and (len(parts) == 3) == (point == "after-shard") and (rank is None or rank >= 0))
+    if not valid:
+        raise ValueError(f"{KILL_DURING_CHECKPOINT}={raw!r} is invalid: set it to N (the save of checkpoint step_N, "
+                         f"N >= 1, killed before meta.json), N:POINT with POINT one of "
+                         f"{', '.join(p for p in KILL_POINTS if p != 'after-shard')}, or N:after-shard:R (rank R "
+                         "killed after writing its shard), or unset it")
+    return KillPoint(step, point, rank)
+
+
+def rehearse_kill(point: str, steps_done: int, rank: int | None = None) -> None:
+    """SIGKILL this process if `ATTNRES_PP_KILL_DURING_CHECKPOINT` names this point of the save of
+    step_`steps_done` (and, for `after-shard`, this `rank`)."""
+    if kill_point() == KillPoint(steps_done, point, rank):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rehearse_rank_kill(step_dir: str | Path, rank: int) -> None:
+    """`rehearse_kill("after-shard", ...)` for a rank that has just written its shard into the
+    staging folder `step_dir` (`step_N.tmp`, which names the step)."""
+    m = _STAGING_DIR.match(Path(step_dir).name)
+    if m:
+        rehearse_kill("after-shard", int(m.group(1)), rank)
+
+
+def fsync_path(path: str | Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes its entries, i.e. renames and new
+    files, durable). A filesystem that cannot fsync a directory (EINVAL, ENOTSUP: some network
+    ones) orders its entries itself, so that is let pass."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as error:
+        if not (os.path.isdir(path) and error.errno in (errno.EINVAL, errno.ENOTSUP)):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """fsync every file under `folder`, then every folder under it, `folder` last."""
+    folders = []
+    for here, _dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            fsync_path(Path(here) / name)
+        folders.append(here)
+    for here in folders:
+        fsync_path(here)
 
 
 def save_checkpoint(out_dir: str | Path, steps_done: int, engine, meta: dict, *, keep: int) -> Path:
-    """Write checkpoint `step_{steps_done}` atomically: the ranks' shards (`engine.save_checkpoint`),
-    then meta.json, the commit marker, then the rename; then `prune_checkpoints(out_dir, keep)`.
-    Returns the final folder."""
+    """Write checkpoint `step_{steps_done}` so that it becomes visible only complete: the ranks'
+    shards into `step_N.tmp` (`engine.save_checkpoint`; each rank fsyncs its files), then meta.json,
+    the commit marker; every file and the folder are fsynced, the folder renamed to `step_N` and
+    `checkpoints/` fsynced. Then `prune_checkpoints(out_dir, keep)`. Returns the final folder."""
     root = checkpoints_dir(out_dir)
     final, tmp = root / f"step_{steps_done}", root / f"step_{steps_done}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    rehearse_kill("before-shards", steps_done)
     engine.save_checkpoint(tmp)
-    if kill_during_checkpoint_step() == steps_done:
-        os.kill(os.getpid(), signal.SIGKILL)
+    rehearse_kill("before-meta", steps_done)
     write_json_atomic(tmp / "meta.json", {"format": FORMAT, "steps_done": steps_done, **meta})
-    if final.exists():  # an earlier attempt at this step (before a restart): the new one wins
+    _fsync_tree(tmp)
+    rehearse_kill("before-rename", steps_done)
+    if final.exists():  # an earlier attempt at this step, or a leftover: the new one wins
+        # No rename replaces a non-empty folder, so this takes two. Between them the old checkpoint,
+        # if complete, is `step_N.old`, which latest_checkpoint counts while there is no step_N.
         old = root / f"step_{steps_done}.old"
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
+        rehearse_kill("between-renames", steps_done)
         os.replace(tmp, final)
+        fsync_path(root)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+        fsync_path(root)
     prune_checkpoints(out_dir, keep)
     return final
 

@@ -30,7 +30,7 @@ from attnres_pp.pipeline.config import (
 from attnres_pp.train.checkpoint import (
     CheckpointConfig,
     check_run_dir,
-    kill_during_checkpoint_step,
+    kill_point,
     latest_checkpoint,
     read_meta,
 )
@@ -254,7 +254,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         run_cfg = build_run_config(args)
         checkpoints = checkpoint_config(args)
-        kill_during_checkpoint_step()  # a bad rehearsal value fails here, not at the first save
+        kill_point()  # a bad rehearsal value fails here, not at the first save
         fail_at = parse_failure(args.inject_failure, run_cfg)
         # Load and check the data before starting any engine, so a bad --data fails in a second.
         corpus = load_corpus(run_cfg.train.data)

@@ -27,6 +27,7 @@ from attnres_pp.train.checkpoint import (
     latest_checkpoint,
     read_meta,
     remove_interrupted_saves,
+    restore_replaced_checkpoints,
     save_checkpoint,
 )
 from attnres_pp.train.config import RunConfig
@@ -107,6 +108,9 @@ def run_training(
 
     history, last_checkpoint, final_checkpoint = RunHistory(), None, None
     if ckpt.resume:
+        for name in restore_replaced_checkpoints(out_dir):
+            say(f"restored {name} from {name}.old: a crash came between the renames of a save that replaced it",
+                flush=True)
         for name in remove_interrupted_saves(out_dir):
             say(f"removed {name}: a checkpoint save that a crash interrupted", flush=True)
         last_checkpoint = latest_checkpoint(out_dir)

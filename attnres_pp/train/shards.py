@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -92,11 +92,14 @@ def shard_state(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], o
 
 def save_shard(step_dir: str | Path, state: dict, *, distributed: bool) -> None:
     """Write `state` into the checkpoint folder `step_dir`. `distributed`: every rank of the default
-    process group calls this together (DCP's collective save); otherwise this process writes alone."""
+    process group calls this together (DCP's collective save); otherwise this process writes alone.
+    `sync_files=True` (DCP's default, spelled out because crash-consistent saves rely on it): DCP
+    fsyncs each file it writes, this rank's `.distcp` and the coordinator's `.metadata`, before the
+    save returns, so a rank reports its shard done only once it is on disk."""
     with warnings.catch_warnings():
         # Without a process group DCP warns that it assumes one process: that is the intent here.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=str(step_dir), no_dist=not distributed)
+        dcp.save(state, storage_writer=FileSystemWriter(str(step_dir), sync_files=True), no_dist=not distributed)
 
 
 class SafeReader(FileSystemReader):

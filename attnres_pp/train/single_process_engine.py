@@ -15,6 +15,7 @@ from attnres_pp.model import ModelConfig, Transformer
 from attnres_pp.model.routing import RoutingProbe, attach_probe, routing_metrics
 from attnres_pp.pipeline.chunk import PipelineChunk
 from attnres_pp.pipeline.memory_meter import ActivationMeter
+from attnres_pp.train.checkpoint import rehearse_rank_kill
 from attnres_pp.train.config import TrainConfig
 from attnres_pp.train.devices import decide_device, resolve_train, visible_gpus
 from attnres_pp.train.loop import StepResult
@@ -117,6 +118,7 @@ class SingleProcessEngine:
         """The whole model as one shard, in the format every engine reads (see train.shards)."""
         state = shard_state(self.model, dict(self.model.named_parameters()), self.optimizer, self.rng_stream)
         save_shard(step_dir, state, distributed=False)
+        rehearse_rank_kill(step_dir, 0)  # this process is rank 0 (and the driver)
 
     def load_checkpoint(self, step_dir) -> None:
         note = load_shard(step_dir, self.model, dict(self.model.named_parameters()), self.optimizer, self.rng_stream,

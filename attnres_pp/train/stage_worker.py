@@ -44,6 +44,7 @@ from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
 from attnres_pp.pipeline.stage_setup import init_process_group, lowered_schedule, run_partition
 from attnres_pp.schedule.forward_schedule import forward_only_schedule
 from attnres_pp.schedule.validate_nccl import check_nccl
+from attnres_pp.train.checkpoint import rehearse_rank_kill
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.devices import resolve_train
 from attnres_pp.train.grad_sync import ensure_grads, norm_reducer, sync_gradients
@@ -310,17 +311,20 @@ class StageWorker:
     # ---- checkpoints and the run directory ----
     def save_shard(self, step_dir: str) -> None:
         """Write this rank's part of checkpoint `step_dir` (DCP; every rank calls this together).
-        Thread ranks hand their states to rank 0, which writes them as one (replicas' equal copies once)."""
+        Thread ranks hand their states to rank 0, which writes them as one (replicas' equal copies once).
+        The files are fsynced before this returns (`save_shard`), so a rank reports done only once
+        its part is on disk."""
         state = shard_state(self.model, self.params, self.optimizer, self.rng_stream)
         if self.peers is None:
             save_shard(step_dir, state, distributed=self.distributed)
-            return
-        states = self.peers.gather(self.rank, state)
-        if states is not None:
-            merged: dict = {}
-            for rank_state in states:
-                merged.update(rank_state)
-            save_shard(step_dir, merged, distributed=False)
+        else:
+            states = self.peers.gather(self.rank, state)
+            if states is not None:
+                merged: dict = {}
+                for rank_state in states:
+                    merged.update(rank_state)
+                save_shard(step_dir, merged, distributed=False)
+        rehearse_rank_kill(step_dir, self.rank)
 
     def load_shard(self, step_dir: str) -> str | None:
         """Load this rank's parameters, optimizer state and RNG state from checkpoint `step_dir`, whatever
