@@ -106,8 +106,26 @@ def _complete(out_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+# meta.json holds a run's records (a loss and a time per step): a million steps is tens of MB.
+MAX_META_BYTES = 256 << 20
+
+
 def read_meta(step_dir: str | Path) -> dict:
-    return json.loads((Path(step_dir) / "meta.json").read_text())
+    """The checkpoint's meta.json, refused (CheckpointRefused, a ValueError) unless it is a regular file
+    under MAX_META_BYTES holding a JSON object: a FIFO there, a huge file or a nesting deep enough to
+    exhaust the parser's recursion is one error line, not a hang or a traceback."""
+    from attnres_pp.train.metadata_pickle import CheckpointRefused, brief, read_regular_file
+
+    path = Path(step_dir) / "meta.json"
+    data = read_regular_file(path, MAX_META_BYTES, str(path))
+    try:
+        meta = json.loads(data)
+    except (ValueError, RecursionError, MemoryError) as error:
+        raise CheckpointRefused(f"{path} is not valid JSON ({type(error).__name__}: {brief(str(error))}); "
+                                "load an earlier checkpoint, or retrain") from None
+    if not isinstance(meta, dict):
+        raise CheckpointRefused(f"{path} does not hold a JSON object")
+    return meta
 
 
 def check_format(step_dir: str | Path) -> None:
@@ -132,9 +150,12 @@ def check_run_dir(out_dir: str | Path, resume: bool) -> None:
     if resume:
         # The driver reads the metadata first, under the same guarded unpickler the ranks use, so a
         # hostile or damaged file is one error line before any rank starts.
-        from attnres_pp.train.shards import checkpoint_tensors
+        # It also checks the tensors' names, shapes and dtypes against the model the config describes.
+        from attnres_pp.train.checkpoint_check import check_expected
+        from attnres_pp.train.shards import SafeReader, model_tensors
 
-        checkpoint_tensors(latest)
+        metadata = SafeReader(latest).read_metadata()
+        check_expected(metadata, model_tensors(latest, tensor_count=len(metadata.state_dict_metadata)), str(latest))
 
 
 def remove_interrupted_saves(out_dir: str | Path) -> list[str]:
