@@ -281,7 +281,7 @@ def read_regular_file(path: Path, limit: int, source: str) -> bytes:
         if info.st_size > limit:
             raise refusal(source, f"has {info.st_size} bytes, more than the {limit} this version reads")
         with os.fdopen(fd, "rb", closefd=False) as handle:
-            data = handle.read(limit + 1)
+            data = handle.read(info.st_size + 1)  # the size it has (one more byte shows it grew), not the cap
     finally:
         os.close(fd)
     if len(data) > limit:
