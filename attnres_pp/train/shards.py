@@ -20,7 +20,9 @@ layers); a rank whose stream the checkpoint lacks keeps the state its seed gave 
 Loading never unpickles arbitrary objects: tensors are read with torch.load(weights_only=True) by
 DCP itself, and the `.metadata` file, which DCP reads with plain pickle, is read here through
 `metadata_pickle`, which admits an exact list of DCP's metadata classes, torch's dtypes and sizes,
-and refuses every other name, every dotted name and every call to anything else.
+and refuses every other name, every dotted name and every call to anything else; then
+`checkpoint_check` checks the tree and the shard files, and every target is allocated from the model,
+never from the metadata's sizes (docs/checkpoints.md, "What loading guarantees").
 """
 
 from __future__ import annotations
