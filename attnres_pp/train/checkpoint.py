@@ -25,7 +25,6 @@ reading each from whichever shard has it. Loading unpickles nothing but tensors 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -33,7 +32,10 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from attnres_pp.train.checkpoint_meta import read_meta
 from attnres_pp.train.summary import write_json_atomic
+
+__all__ = ["read_meta"]  # re-exported: the loaders read meta.json through checkpoint_meta, beside this module
 
 FORMAT = 2  # 1: rank_*.pt files written by the driver (before DCP shards)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -104,28 +106,6 @@ def _complete(out_dir: str | Path) -> list[tuple[int, Path]]:
     found = [(int(m.group(1)), path) for path in root.iterdir()
              if (m := _STEP_DIR.match(path.name)) and (path / "meta.json").is_file()]
     return sorted(found)
-
-
-# meta.json holds a run's records (a loss and a time per step): a million steps is tens of MB.
-MAX_META_BYTES = 256 << 20
-
-
-def read_meta(step_dir: str | Path) -> dict:
-    """The checkpoint's meta.json, refused (CheckpointRefused, a ValueError) unless it is a regular file
-    under MAX_META_BYTES holding a JSON object: a FIFO there, a huge file or a nesting deep enough to
-    exhaust the parser's recursion is one error line, not a hang or a traceback."""
-    from attnres_pp.train.metadata_pickle import CheckpointRefused, brief, read_regular_file
-
-    path = Path(step_dir) / "meta.json"
-    data = read_regular_file(path, MAX_META_BYTES, str(path))
-    try:
-        meta = json.loads(data)
-    except (ValueError, RecursionError, MemoryError) as error:
-        raise CheckpointRefused(f"{path} is not valid JSON ({type(error).__name__}: {brief(str(error))}); "
-                                "load an earlier checkpoint, or retrain") from None
-    if not isinstance(meta, dict):
-        raise CheckpointRefused(f"{path} does not hold a JSON object")
-    return meta
 
 
 def check_format(step_dir: str | Path) -> None:

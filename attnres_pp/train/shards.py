@@ -178,7 +178,7 @@ def model_tensors(step_dir: str | Path, *, tensor_count: int) -> dict[str, tuple
     the layers the config may ask for, so a damaged config cannot make the build itself take long."""
     from attnres_pp.model import ModelConfig
     from attnres_pp.model.transformer import Transformer
-    from attnres_pp.train.checkpoint import read_meta
+    from attnres_pp.train.checkpoint_meta import read_meta
 
     try:
         cfg = ModelConfig.from_dict(read_meta(step_dir)["config"]["model"])
