@@ -268,12 +268,16 @@ def _cli(argv: list[str]) -> subprocess.CompletedProcess:
                           timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-@pytest.mark.parametrize("command", ["train", "generate", "analyze"])
+@pytest.mark.parametrize("command", ["train", "train (damaged shard)", "generate", "analyze"])
 @pytest.mark.subprocess
 def test_each_cli_refuses_with_one_error_line(trained_run, tmp_path, command):
     run, step = _copy(trained_run, tmp_path)
     if command == "train":
         (step / ".metadata").write_bytes(DUP_BOMB)
+        argv = ["train", "--resume", str(run), "--steps", "2", "--launcher", "local", "--quiet"]
+    elif command == "train (damaged shard)":  # refused in the engine's load, after the driver's check
+        shard = step / "__0_0.distcp"
+        shard.write_bytes(bytes(400) + shard.read_bytes()[400:])
         argv = ["train", "--resume", str(run), "--steps", "2", "--launcher", "local", "--quiet"]
     elif command == "generate":
         _stride_zero(step)
