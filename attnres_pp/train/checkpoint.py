@@ -32,7 +32,6 @@ reading each from whichever shard has it. Loading unpickles nothing but tensors 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import shutil
@@ -40,7 +39,10 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from attnres_pp.train.checkpoint_meta import read_meta
 from attnres_pp.train.summary import write_json_atomic
+
+__all__ = ["read_meta"]  # re-exported: the loaders read meta.json through checkpoint_meta, beside this module
 
 FORMAT = 2  # 1: rank_*.pt files written by the driver (before DCP shards)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -147,10 +149,6 @@ def _complete(out_dir: str | Path) -> list[tuple[int, Path]]:
     return sorted(found.items())
 
 
-def read_meta(step_dir: str | Path) -> dict:
-    return json.loads((Path(step_dir) / "meta.json").read_text())
-
-
 def check_format(step_dir: str | Path) -> None:
     """Raise ValueError if `step_dir` was written in another checkpoint format than this version's."""
     found = read_meta(step_dir).get("format")
@@ -173,9 +171,12 @@ def check_run_dir(out_dir: str | Path, resume: bool) -> None:
     if resume:
         # The driver reads the metadata first, under the same guarded unpickler the ranks use, so a
         # hostile or damaged file is one error line before any rank starts.
-        from attnres_pp.train.shards import checkpoint_tensors
+        # It also checks the tensors' names, shapes and dtypes against the model the config describes.
+        from attnres_pp.train.checkpoint_check import check_expected
+        from attnres_pp.train.shards import SafeReader, model_tensors
 
-        checkpoint_tensors(latest)
+        metadata = SafeReader(latest).read_metadata()
+        check_expected(metadata, model_tensors(latest, tensor_count=len(metadata.state_dict_metadata)), str(latest))
 
 
 def restore_replaced_checkpoints(out_dir: str | Path) -> list[str]:

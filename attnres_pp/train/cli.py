@@ -44,6 +44,7 @@ from attnres_pp.train.config import (
     read_toml,
 )
 from attnres_pp.train.loop import check_resume, nothing_to_do, run_training
+from attnres_pp.train.metadata_pickle import CheckpointRefused
 from attnres_pp.train.recovery import RunFailed
 from attnres_pp.train.tensorboard import check_tensorboard
 
@@ -286,6 +287,9 @@ def main(args: argparse.Namespace) -> int:
     except RunFailed as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except CheckpointRefused as error:  # a shard the driver's metadata check could not see into
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted: stopping the workers", file=sys.stderr)
         return 130

@@ -20,7 +20,9 @@ layers); a rank whose stream the checkpoint lacks keeps the state its seed gave 
 Loading never unpickles arbitrary objects: tensors are read with torch.load(weights_only=True) by
 DCP itself, and the `.metadata` file, which DCP reads with plain pickle, is read here through
 `metadata_pickle`, which admits an exact list of DCP's metadata classes, torch's dtypes and sizes,
-and refuses every other name, every dotted name and every call to anything else.
+and refuses every other name, every dotted name and every call to anything else; then
+`checkpoint_check` checks the tree and the shard files, and every target is allocated from the model,
+never from the metadata's sizes (docs/checkpoints.md, "What loading guarantees").
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -40,7 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from attnres_pp.train.metadata_pickle import load_metadata
+from attnres_pp.train.checkpoint_check import check_expected, check_metadata
+from attnres_pp.train.metadata_pickle import CheckpointRefused, brief, load_metadata
 
 
 def rng_stream(dp_rank: int, layer_ranges: list[range]) -> str:
@@ -103,34 +107,107 @@ def save_shard(step_dir: str | Path, state: dict, *, distributed: bool) -> None:
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader, with the metadata read by `metadata_pickle.load_metadata` (exact names, no
-    calls but the admitted ones) instead of plain pickle."""
+    """DCP's file reader for one checkpoint folder, which reads `.metadata` once, through
+    `metadata_pickle.load_metadata` (exact names, no calls but the admitted ones, bounded time and
+    memory) and `checkpoint_check.check_metadata` (types, sizes, chunks, shard files inside the folder),
+    and hands DCP that checked object every time it asks: a file swapped after the check is never read.
+    Byte entries never reach DCP's `torch.load(weights_only=False)`: the check refuses them, and
+    `read_data` refuses a plan that asks for one."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(str(path))
+        self._checked: Metadata | None = None
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        path = Path(self.path) / ".metadata"
-        if not path.is_file():
-            raise ValueError(f"checkpoint {self.path} has no .metadata: it is not a checkpoint of this format")
-        metadata = load_metadata(path)
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
-        return metadata
+        if self._checked is None:
+            folder = Path(self.path)
+            path = folder / ".metadata"
+            if not path.is_file():
+                raise ValueError(f"checkpoint {self.path} has no .metadata: it is not a checkpoint of this format")
+            metadata = load_metadata(path)
+            check_metadata(metadata, folder, str(path))
+            self._checked = metadata
+        if self._checked.storage_meta is not None:
+            self._checked.storage_meta.load_id = self.load_id
+        return self._checked
+
+    def read_data(self, plan, planner):
+        if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
+            raise CheckpointRefused(f"checkpoint {self.path}: the load asks for a byte entry, which this "
+                                    "program never writes; refusing to unpickle it")
+        return super().read_data(plan, planner)
 
 
 def checkpoint_tensors(step_dir: str | Path) -> dict[str, TensorStorageMetadata]:
-    """Every tensor a checkpoint holds: key -> its metadata (size, dtype)."""
-    return {key: md for key, md in SafeReader(str(step_dir)).read_metadata().state_dict_metadata.items()
-            if isinstance(md, TensorStorageMetadata)}
+    """Every tensor a checkpoint holds: key -> its metadata (size, dtype), checked (see SafeReader)."""
+    return dict(SafeReader(step_dir).read_metadata().state_dict_metadata)
+
+
+def _load(state: dict, reader: SafeReader, step_dir, *, distributed: bool) -> None:
+    """dcp.load into `state` (targets allocated from the model, already checked against the metadata).
+    What still fails inside DCP (a shard whose bytes are not a tensor of the size its entry says) is
+    one CheckpointRefused: DCP wraps it in CheckpointException, whose text holds whole tracebacks."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            warnings.filterwarnings("ignore", category=UserWarning)
+            dcp.load(state, storage_reader=reader, no_dist=not distributed)
+    except CheckpointRefused:
+        raise
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - every failure of a checked file is one line
+        detail = next(iter(_failures(error)), "")
+        raise CheckpointRefused(f"checkpoint {step_dir} cannot be read ({type(error).__name__}: {brief(detail)}); "
+                                "load an earlier checkpoint, or retrain") from None
+
+
+def _failures(error: BaseException):
+    """The innermost messages of a DCP failure (CheckpointException keeps each rank's exception)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict):
+        for failure in failures.values():
+            yield from _failures(failure[0] if isinstance(failure, tuple) else failure)
+    try:
+        lines = str(error).strip().splitlines()
+    except Exception:  # noqa: BLE001
+        lines = []
+    yield lines[-1] if lines else ""
+
+
+def model_tensors(step_dir: str | Path, *, tensor_count: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The parameters (name -> shape, dtype) of the model that the checkpoint's meta.json config
+    describes, built on the meta device (no memory). `tensor_count` (the checkpoint's tensors) bounds
+    the layers the config may ask for, so a damaged config cannot make the build itself take long."""
+    from attnres_pp.model import ModelConfig
+    from attnres_pp.model.transformer import Transformer
+    from attnres_pp.train.checkpoint_meta import read_meta
+
+    try:
+        cfg = ModelConfig.from_dict(read_meta(step_dir)["config"]["model"])
+    except CheckpointRefused:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise CheckpointRefused(f"checkpoint {step_dir}: meta.json has no valid model config "
+                                f"({type(error).__name__}: {brief(str(error))})") from None
+    if cfg.n_layers > tensor_count or len(cfg.stream_kernels) > tensor_count:
+        raise CheckpointRefused(f"checkpoint {step_dir}: meta.json describes a model of {cfg.n_layers} layers, "
+                                f"more than the checkpoint's {tensor_count} tensors could hold")
+    with torch.device("meta"):
+        model = Transformer(cfg, backend="torch")
+    return {name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
 
 
 def read_parameters(step_dir: str | Path) -> dict[str, torch.Tensor]:
     """Every parameter of a checkpoint by whole-model name, read in this process (for a consumer
-    that needs the whole model, such as `attnres-pp generate`); no optimizer or RNG state."""
-    saved = checkpoint_tensors(step_dir)
-    state = {key: torch.empty(md.size, dtype=md.properties.dtype) for key, md in saved.items()
-             if not key.startswith(("optim.", "rng."))}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=SafeReader(str(step_dir)), no_dist=True)
+    that needs the whole model, such as `attnres-pp generate`); no optimizer or RNG state. The tensors
+    are allocated from the model that meta.json's config describes, never from the metadata's sizes."""
+    reader = SafeReader(step_dir)
+    metadata = reader.read_metadata()
+    expected = model_tensors(step_dir, tensor_count=len(metadata.state_dict_metadata))
+    check_expected(metadata, expected, str(step_dir))
+    state = {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in expected.items()}
+    _load(state, reader, step_dir, distributed=False)
     return state
 
 
@@ -141,15 +218,11 @@ def load_shard(step_dir: str | Path, model: torch.nn.Module, params: dict[str, t
     state_dict helpers lay out (a DTensor shard reads just this rank's rows) and the helpers set them.
     Returns None when it restored the RNG state, otherwise a sentence saying that it kept the seeded
     one and why. `distributed` as for `save_shard`."""
-    saved = checkpoint_tensors(step_dir)
-    missing = sorted(set(params) - set(saved))
-    if missing:
-        raise ValueError(f"checkpoint {step_dir} has no values for parameters {missing[:5]}: it was written for "
-                         "another model; resume with the model config it was saved with")
-    for name, p in params.items():
-        if tuple(saved[name].size) != tuple(p.shape):
-            raise ValueError(f"checkpoint parameter {name} has shape {tuple(saved[name].size)}, the model "
-                             f"{tuple(p.shape)}: resume with the model config it was saved with")
+    cpu_key, cuda_key = rng_keys(stream)
+    reader = SafeReader(step_dir)
+    metadata = reader.read_metadata()
+    saved = metadata.state_dict_metadata
+    check_expected(metadata, {name: (tuple(p.shape), p.dtype) for name, p in params.items()}, str(step_dir))
     model_state = _model_state(model, params)
     # The targets of the moments: the optimizer's own state, laid out like each parameter (made by a
     # step at lr 0 if there is none yet; what the checkpoint lacks is dropped by the set below).
@@ -162,20 +235,24 @@ def load_shard(step_dir: str | Path, model: torch.nn.Module, params: dict[str, t
             if key in saved and torch.is_tensor(target):
                 optim_keys[key] = (name, field)
                 state[key] = target
-    rng = [key for key in rng_keys(stream) if key in saved]
+    check_expected(metadata, {key: (tuple(state[key].shape), state[key].dtype) for key in optim_keys}, str(step_dir))
+    # The RNG states are allocated from this process's own (a CUDA one only where CUDA is here to set it).
+    rng_targets = {cpu_key: torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng_targets[cuda_key] = torch.cuda.get_rng_state()
+    rng = [key for key in rng_targets if key in saved]
+    check_expected(metadata, {key: (tuple(rng_targets[key].shape), rng_targets[key].dtype) for key in rng},
+                   str(step_dir))
     for key in rng:
-        state[key] = torch.empty(saved[key].size, dtype=saved[key].properties.dtype)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=SafeReader(str(step_dir)), no_dist=not distributed)
+        state[key] = torch.empty_like(rng_targets[key])
+    _load(state, reader, step_dir, distributed=distributed)
     set_model_state_dict(model, {name: state[name] for name in model_state}, options=_OPTIONS)
     loaded: dict[str, dict[str, torch.Tensor]] = {}
     for key, (name, field) in optim_keys.items():
         loaded.setdefault(name, {})[field] = state[key]
     set_optimizer_state_dict(model, optimizer, {"state": loaded, "param_groups": live["param_groups"]},
                              options=_OPTIONS)
-    cpu_key, cuda_key = rng_keys(stream)
-    if cuda_key in rng and torch.cuda.is_available():
+    if cuda_key in rng:
         torch.cuda.set_rng_state(state[cuda_key])
     if cpu_key in rng:
         torch.set_rng_state(state[cpu_key])
