@@ -142,7 +142,7 @@ MISTAKES = [
     (["--resume", "{missing}", "--prompt", "x", "--max-new-tokens", "2"], "no such directory"),
     (["--resume", "{empty}", "--prompt", "x", "--max-new-tokens", "2"], "no complete checkpoint"),
     (["--resume", "{file}", "--prompt", "x", "--max-new-tokens", "2"], "is a file"),
-    (["--resume", "{broken}", "--prompt", "x", "--max-new-tokens", "2"], "cannot be read"),
+    (["--resume", "{broken}", "--prompt", "x", "--max-new-tokens", "2"], "the shard file is truncated"),
     (["--resume", "{run}", "--prompt-file", "{empty}", "--max-new-tokens", "2"], "cannot read it"),
     (["--prompt", "x", "--max-new-tokens", "2"], "--resume RUN is required"),
     (["--resume", "{run}", "--prompt", "", "--max-new-tokens", "2"], "the prompt is empty"),
