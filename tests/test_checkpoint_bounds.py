@@ -21,18 +21,12 @@ from attnres_pp.cli import main
 from attnres_pp.train.checkpoint import latest_checkpoint
 from attnres_pp.train.metadata_pickle import CheckpointRefused, load_metadata
 from attnres_pp.train.shards import SafeReader, read_parameters
+from tests.pickle_gadgets import stack_global, text
 
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "2",
         "--microbatches", "1", "--eval-every", "0", "--quiet"]
 
 
-def _text(value: str) -> bytes:
-    data = value.encode()
-    return b"\x8c" + bytes([len(data)]) + data  # SHORT_BINUNICODE
-
-
-def _global(module: str, name: str) -> bytes:
-    return _text(module) + _text(name) + b"\x93"  # STACK_GLOBAL
 
 
 def _program(body: bytes, proto: int = 4) -> bytes:
@@ -41,7 +35,7 @@ def _program(body: bytes, proto: int = 4) -> bytes:
 
 def _size_of(arg: bytes) -> bytes:
     """torch.Size(arg) through REDUCE: `arg` is one pickled value, put in a 1-tuple."""
-    return _program(_global("torch", "Size") + arg + b"\x85R")
+    return _program(stack_global("torch", "Size") + arg + b"\x85R")
 
 
 # 40 levels of DUP TUPLE2: a tuple whose tree has 2^40 leaves, 80 bytes of pickle.
@@ -49,9 +43,9 @@ DUP_BOMB = _size_of(b")" + b"2\x86" * 40)
 SELF_LIST = _size_of(b"]\x94h\x00a")  # EMPTY_LIST MEMOIZE BINGET 0 APPEND: a list holding itself
 DEEP_TUPLES = _size_of(b")" + b"\x85" * 100_000)
 BYTEARRAY8 = b"\x80\x05\x96" + (2 ** 31).to_bytes(8, "little") + b"."  # 12 bytes that ask for 2 GiB
-_NEW_METADATA = _global("torch.distributed.checkpoint.metadata", "Metadata") + b")\x81"  # NEWOBJ
-PLANTED_SETSTATE = _program(_NEW_METADATA + b"}" + _text("__setstate__") + _global("torch", "Size") + b"sb")
-PLANTED_EXTEND = _program(_NEW_METADATA + b"}" + _text("extend") + _global("torch", "Size") + b"sb")
+_NEW_METADATA = stack_global("torch.distributed.checkpoint.metadata", "Metadata") + b")\x81"  # NEWOBJ
+PLANTED_SETSTATE = _program(_NEW_METADATA + b"}" + text("__setstate__") + stack_global("torch", "Size") + b"sb")
+PLANTED_EXTEND = _program(_NEW_METADATA + b"}" + text("extend") + stack_global("torch", "Size") + b"sb")
 BUILT_TWICE = _program(_NEW_METADATA + b"}b}b")
 HASHED_DEEP_KEY = _program(b"}" + b")" + b"\x85" * 100_000 + b"Ns")  # {deep tuple: None}
 

@@ -17,18 +17,12 @@ import pytest
 from attnres_pp.cli import main
 from attnres_pp.train.checkpoint import latest_checkpoint
 from attnres_pp.train.metadata_pickle import ADMITTED, CheckpointRefused, load_metadata
+from tests.pickle_gadgets import stack_global, text
 
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "2",
         "--microbatches", "1", "--eval-every", "0", "--quiet"]
 
 
-def _text(value: str) -> bytes:
-    data = value.encode()
-    return b"\x8c" + bytes([len(data)]) + data  # SHORT_BINUNICODE
-
-
-def _stack_global(module: str, name: str) -> bytes:
-    return _text(module) + _text(name) + b"\x93"  # STACK_GLOBAL (protocol 4)
 
 
 def _call(func: bytes, *args: bytes) -> bytes:
@@ -43,34 +37,34 @@ def _program(body: bytes) -> bytes:
 def gadgets(marker: Path) -> dict[str, bytes]:
     """Pickles that create `marker` when unpickled by plain pickle (or by an unpickler that admits
     any name under `torch.distributed.checkpoint.`); each must be refused."""
-    shell = _text(f"touch {marker}")
-    code = _text(f"open({str(marker)!r}, 'w').close()")  # for eval
+    shell = text(f"touch {marker}")
+    code = text(f"open({str(marker)!r}, 'w').close()")  # for eval
     return {
         # The reported attack: protocol 4 walks `os.system` through an admitted module's namespace.
         "attribute walk via an admitted module":
-            _program(_call(_stack_global("torch.distributed.checkpoint.filesystem", "os.system"), shell)),
+            _program(_call(stack_global("torch.distributed.checkpoint.filesystem", "os.system"), shell)),
         "attribute walk via the metadata module":
-            _program(_call(_stack_global("torch.distributed.checkpoint.metadata", "os.system"), shell)),
+            _program(_call(stack_global("torch.distributed.checkpoint.metadata", "os.system"), shell)),
         "dotted walk to builtins through torch":
-            _program(_call(_stack_global("torch", "serialization.os.system"), shell)),
-        "builtins.eval by STACK_GLOBAL": _program(_call(_stack_global("builtins", "eval"), code)),
+            _program(_call(stack_global("torch", "serialization.os.system"), shell)),
+        "builtins.eval by STACK_GLOBAL": _program(_call(stack_global("builtins", "eval"), code)),
         "builtins.exec by GLOBAL": b"cbuiltins\nexec\n(V" + f"open({str(marker)!r}, 'w').close()".encode() + b"\ntR.",
         "os.system by GLOBAL": b"cos\nsystem\n(V" + f"touch {marker}".encode() + b"\ntR.",
         "getattr(os, 'system')": _program(_call(
-            _call(_stack_global("builtins", "getattr"), _call(_stack_global("builtins", "__import__"), _text("os")),
-                  _text("system")), shell)),
+            _call(stack_global("builtins", "getattr"), _call(stack_global("builtins", "__import__"), text("os")),
+                  text("system")), shell)),
         "INST opcode": b"(V" + f"touch {marker}".encode() + b"\nios\nsystem\n.",
         # Admitted names used as weapons: a dataclass REDUCEd with arguments, a factory with an object.
         "REDUCE on an admitted class": _program(_call(
-            _stack_global("torch.distributed.checkpoint.metadata", "Metadata"), shell)),
+            stack_global("torch.distributed.checkpoint.metadata", "Metadata"), shell)),
         "REDUCE of an admitted factory on an admitted object": _program(_call(
-            _stack_global("torch", "Size"),
-            _stack_global("torch.distributed.checkpoint.metadata", "Metadata") + b")\x81")),  # NEWOBJ
-        "REDUCE of a dtype": _program(_call(_stack_global("torch", "float32"), shell)),
+            stack_global("torch", "Size"),
+            stack_global("torch.distributed.checkpoint.metadata", "Metadata") + b")\x81")),  # NEWOBJ
+        "REDUCE of a dtype": _program(_call(stack_global("torch", "float32"), shell)),
         "BUILD on a factory's product": _program(
-            _call(_stack_global("pathlib", "PosixPath"), _text("/tmp"))
-            + b"}" + _text("_raw_paths") + shell + b"sb"),
-        "NEWOBJ of an unlisted class": _program(_stack_global("subprocess", "Popen") + b"(" + shell + b"\x85t\x81"),
+            _call(stack_global("pathlib", "PosixPath"), text("/tmp"))
+            + b"}" + text("_raw_paths") + shell + b"sb"),
+        "NEWOBJ of an unlisted class": _program(stack_global("subprocess", "Popen") + b"(" + shell + b"\x85t\x81"),
         "persistent id": _program(shell + b"Q"),
         "extension registry": _program(b"\x82\x01"),
     }
