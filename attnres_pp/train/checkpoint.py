@@ -9,8 +9,8 @@ deletes a final checkpoint.
 
 A checkpoint becomes visible only complete (`save_checkpoint`): the ranks write their shards into
 `step_N.tmp/` and each fsyncs its files before it reports done (DCP's FileSystemWriter with
-`sync_files=True`); then the driver writes meta.json, the commit marker, fsyncs every file of the
-folder and the folder itself, renames it to `step_N` and fsyncs `checkpoints/`. A folder without
+`sync_files=True`); then the driver writes meta.json, the commit marker, fsyncs it and the
+folder itself, renames it to `step_N` and fsyncs `checkpoints/`. A folder without
 meta.json is not a checkpoint, and a `.tmp` never is. Replacing an existing `step_N` takes two
 renames (`step_N` -> `step_N.old`, `step_N.tmp` -> `step_N`); a crash between them leaves the old
 complete checkpoint as `step_N.old`, which `latest_checkpoint` counts when there is no complete
@@ -271,21 +271,11 @@ def fsync_path(path: str | Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(folder: Path) -> None:
-    """fsync every file under `folder`, then every folder under it, `folder` last."""
-    folders = []
-    for here, _dirs, files in os.walk(folder, topdown=False):
-        for name in files:
-            fsync_path(Path(here) / name)
-        folders.append(here)
-    for here in folders:
-        fsync_path(here)
-
 
 def save_checkpoint(out_dir: str | Path, steps_done: int, engine, meta: dict, *, keep: int) -> Path:
     """Write checkpoint `step_{steps_done}` so that it becomes visible only complete: the ranks'
     shards into `step_N.tmp` (`engine.save_checkpoint`; each rank fsyncs its files), then meta.json,
-    the commit marker; every file and the folder are fsynced, the folder renamed to `step_N` and
+    the commit marker; meta.json and the folder are fsynced, the folder renamed to `step_N` and
     `checkpoints/` fsynced. Then `prune_checkpoints(out_dir, keep)`. Returns the final folder."""
     root = checkpoints_dir(out_dir)
     final, tmp = root / f"step_{steps_done}", root / f"step_{steps_done}.tmp"
@@ -295,7 +285,10 @@ def save_checkpoint(out_dir: str | Path, steps_done: int, engine, meta: dict, *,
     engine.save_checkpoint(tmp)
     rehearse_kill("before-meta", steps_done)
     write_json_atomic(tmp / "meta.json", {"format": FORMAT, "steps_done": steps_done, **meta})
-    _fsync_tree(tmp)
+    # The shards are durable already (each rank's DCP writer fsyncs them, `save_shard`): what the
+    # driver wrote, meta.json, and the folder's entries are what is left before the rename.
+    fsync_path(tmp / "meta.json")
+    fsync_path(tmp)
     rehearse_kill("before-rename", steps_done)
     if final.exists():  # an earlier attempt at this step, or a leftover: the new one wins
         # No rename replaces a non-empty folder, so this takes two. Between them the old checkpoint,
