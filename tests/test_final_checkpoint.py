@@ -89,8 +89,8 @@ def test_no_final_checkpoint_is_kept_at_resume_and_can_be_turned_back_on(tmp_pat
                  "--out", str(tmp_path / "periodic")]) == 0
     periodic = tmp_path / "periodic"
     assert step_dirs(periodic) == ["step_2"]
-    assert read_meta(periodic / "checkpoints" / "step_2")["checkpointing"] == {"every": 2, "final": False,
-                                                                                 "max_restarts": 3}
+    assert read_meta(periodic / "checkpoints" / "step_2")["checkpointing"] == {
+        "every": 2, "final": False, "async_save": False, "max_restarts": 3}
     assert main(["train", "--resume", str(periodic), "--steps", "5", "--quiet"]) == 0
     assert step_dirs(periodic) == ["step_2", "step_4"]  # the saved "no final" held: no step_5
     assert main(["train", "--resume", str(periodic), "--steps", "7", "--final-checkpoint", "--quiet"]) == 0

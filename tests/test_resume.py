@@ -67,7 +67,8 @@ def test_sigkill_during_a_checkpoint_then_resume_alone(tmp_path, split):
     # them), and nothing stale is left.
     assert sorted(p.name for p in root.iterdir()) == ["step_6", "step_8"]
     meta = json.loads((root / "step_8" / "meta.json").read_text())
-    assert meta["checkpointing"] == {"every": 2, "final": True, "max_restarts": 1} and meta["final"]
+    assert meta["checkpointing"] == {"every": 2, "final": True, "max_restarts": 1, "async_save": False}
+    assert meta["final"]
 
     got, want = summary(run), summary(clean)
     assert got["config"] == want["config"]  # model, train (eval cadence, data) and pipeline restored

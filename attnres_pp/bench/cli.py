@@ -64,6 +64,8 @@ REGISTRY = {
                                       "pipeline"),
     "peer": Benchmark("peer", "our runtime vs torch.distributed.pipelining (Schedule1F1B, ScheduleInterleaved1F1B, "
                               "ScheduleInterleavedZeroBubble)"),
+    "checkpoint": Benchmark("checkpoint", "what a checkpoint save costs the training loop: blocking against "
+                                          "--async-checkpoint (step time while a save runs, against none)"),
     "split": Benchmark("split", "the backward split in I and W against the fused backward B, per chunk"),
     "inference": Benchmark("inference", "generation: prefill tokens/s and decode latency, Block AttnRes vs "
                                         "standard, 1 process and P=2 V=2"),

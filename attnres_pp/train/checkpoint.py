@@ -31,6 +31,7 @@ reading each from whichever shard has it. Loading unpickles nothing but tensors 
 
 from __future__ import annotations
 
+import copy
 import errno
 import os
 import re
@@ -80,12 +81,15 @@ class CheckpointConfig:
     """every: save after every `every` steps (0 = only the final one). final: save after the run's
     last step too (`--no-final-checkpoint` turns it off). resume: continue from the newest complete
     checkpoint in the run directory. max_restarts: lost workers the run recovers from before it
-    stops. How many checkpoints stay is `TrainConfig.keep_checkpoints` (TOML `[train]`)."""
+    stops. async_save: the ranks write each checkpoint in the background while training goes on
+    (`--async-checkpoint`, `begin_checkpoint`). How many checkpoints stay is
+    `TrainConfig.keep_checkpoints` (TOML `[train]`)."""
 
     every: int = 0
     final: bool = True
     resume: bool = False
     max_restarts: int = 3
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         for name in ("every", "max_restarts"):
@@ -95,11 +99,15 @@ class CheckpointConfig:
         if not isinstance(self.final, bool):
             raise ValueError(f"CheckpointConfig.final={self.final!r} is invalid: must be true or false "
                              "(false: no checkpoint of the last step, as --no-final-checkpoint)")
+        if not isinstance(self.async_save, bool):
+            raise ValueError(f"CheckpointConfig.async_save={self.async_save!r} is invalid: must be true or false "
+                             "(true: ranks write checkpoints in the background, as --async-checkpoint)")
 
     def settings(self) -> dict:
         """The run's settings, which a checkpoint's meta.json keeps as its "checkpointing" table for
         `--resume`. Not `resume`: that says how this process started, not how the run goes on."""
-        return {"every": self.every, "final": self.final, "max_restarts": self.max_restarts}
+        return {"every": self.every, "final": self.final, "max_restarts": self.max_restarts,
+                "async_save": self.async_save}
 
     @classmethod
     def from_settings(cls, table: dict, *, resume: bool) -> CheckpointConfig:
@@ -115,7 +123,7 @@ class CheckpointConfig:
         return bool(self.every and steps_done % self.every == 0) or (self.final and steps_done == steps)
 
 
-SETTINGS = ("every", "final", "max_restarts")
+SETTINGS = ("every", "final", "max_restarts", "async_save")
 
 
 def checkpoints_dir(out_dir: str | Path) -> Path:
@@ -272,17 +280,24 @@ def fsync_path(path: str | Path) -> None:
 
 
 
-def save_checkpoint(out_dir: str | Path, steps_done: int, engine, meta: dict, *, keep: int) -> Path:
-    """Write checkpoint `step_{steps_done}` so that it becomes visible only complete: the ranks'
-    shards into `step_N.tmp` (`engine.save_checkpoint`; each rank fsyncs its files), then meta.json,
-    the commit marker; meta.json and the folder are fsynced, the folder renamed to `step_N` and
-    `checkpoints/` fsynced. Then `prune_checkpoints(out_dir, keep)`. Returns the final folder."""
-    root = checkpoints_dir(out_dir)
-    final, tmp = root / f"step_{steps_done}", root / f"step_{steps_done}.tmp"
+def stage_checkpoint(out_dir: str | Path, steps_done: int) -> Path:
+    """An empty staging folder `step_N.tmp` for the save of checkpoint `step_{steps_done}` (an earlier
+    attempt's leftover is removed). The ranks write their shards into it; `commit_checkpoint` makes
+    it visible."""
+    tmp = checkpoints_dir(out_dir) / f"step_{steps_done}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     rehearse_kill("before-shards", steps_done)
-    engine.save_checkpoint(tmp)
+    return tmp
+
+
+def commit_checkpoint(out_dir: str | Path, steps_done: int, meta: dict, *, keep: int) -> Path:
+    """Make the staged `step_N.tmp`, whose shards every rank has written and fsynced, the complete
+    checkpoint `step_N`: meta.json, the commit marker, is written and fsynced with the folder, the
+    folder renamed to `step_N` and `checkpoints/` fsynced. Then `prune_checkpoints(out_dir, keep)`.
+    Returns the final folder."""
+    root = checkpoints_dir(out_dir)
+    final, tmp = root / f"step_{steps_done}", root / f"step_{steps_done}.tmp"
     rehearse_kill("before-meta", steps_done)
     write_json_atomic(tmp / "meta.json", {"format": FORMAT, "steps_done": steps_done, **meta})
     # The shards are durable already (each rank's DCP writer fsyncs them, `save_shard`): what the
@@ -305,6 +320,48 @@ def save_checkpoint(out_dir: str | Path, steps_done: int, engine, meta: dict, *,
         fsync_path(root)
     prune_checkpoints(out_dir, keep)
     return final
+
+
+def save_checkpoint(out_dir: str | Path, steps_done: int, engine, meta: dict, *, keep: int) -> Path:
+    """Write checkpoint `step_{steps_done}` so that it becomes visible only complete: the ranks'
+    shards into `step_N.tmp` (`engine.save_checkpoint`; each rank fsyncs its files), then
+    `commit_checkpoint`. Returns the final folder."""
+    tmp = stage_checkpoint(out_dir, steps_done)
+    engine.save_checkpoint(tmp)
+    return commit_checkpoint(out_dir, steps_done, meta, keep=keep)
+
+
+@dataclass
+class PendingCheckpoint:
+    """An asynchronous save under way (`--async-checkpoint`): the ranks write `step_N.tmp` in the
+    background while training goes on; `meta` is the run's state when the save began (what the
+    shards hold), which `finish` commits once every rank's write is done."""
+
+    out_dir: Path
+    steps_done: int
+    meta: dict
+    keep: int
+
+    def written(self, engine) -> bool:
+        """Whether every rank has finished writing (and fsyncing) its shard."""
+        return engine.checkpoint_written()
+
+    def finish(self, engine) -> Path:
+        """Wait for every rank's write (bounded by the ranks' timeout; a failed write raises), then
+        commit. Returns the final folder."""
+        engine.finish_checkpoint()
+        return commit_checkpoint(self.out_dir, self.steps_done, self.meta, keep=self.keep)
+
+
+def begin_checkpoint(out_dir: str | Path, steps_done: int, engine, meta: dict, *, keep: int) -> PendingCheckpoint:
+    """Start saving checkpoint `step_{steps_done}` in the background: each rank copies its state
+    (DCP's staging, so training may change the parameters at once) and writes it into `step_N.tmp`
+    from a thread of its own. At most one save is in flight: a rank whose previous write is still
+    running waits for it first. Nothing is visible until `PendingCheckpoint.finish` commits."""
+    tmp = stage_checkpoint(out_dir, steps_done)
+    engine.begin_checkpoint(tmp)
+    # The run's lists (losses, step times) grow while the save runs: keep them as they are now.
+    return PendingCheckpoint(Path(out_dir), steps_done, copy.deepcopy(meta), keep)
 
 
 def prune_checkpoints(out_dir: str | Path, keep: int) -> list[str]:

@@ -136,6 +136,10 @@ def register(subparsers) -> None:
                              "--resume: as saved)")
     parser.add_argument("--final-checkpoint", action=argparse.BooleanOptionalAction, default=None,
                         help="save a checkpoint of the last step, the trained model (default; --resume: as saved)")
+    parser.add_argument("--async-checkpoint", action=argparse.BooleanOptionalAction, default=None,
+                        help="write checkpoints in the background while training goes on (DCP async_save; one "
+                             "save in flight, the next waits for it; each rank holds a copy of its state until "
+                             "its write is done; default off; --resume: as saved)")
     parser.add_argument("--resume", metavar="DIR",
                         help="continue the run in DIR from its newest complete checkpoint, with its saved config, "
                              "checkpoint cadence and restart limit (flags override them)")
@@ -188,6 +192,8 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
         settings["max_restarts"] = convert_flag("--max-restarts", args.max_restarts, int)
     if args.final_checkpoint is not None:
         settings["final"] = args.final_checkpoint
+    if args.async_checkpoint is not None:
+        settings["async_save"] = args.async_checkpoint
     return CheckpointConfig.from_settings(settings, resume=args.resume is not None)
 
 

@@ -22,6 +22,8 @@ import torch
 from attnres_pp.data import Corpus, load_corpus
 from attnres_pp.train.checkpoint import (
     CheckpointConfig,
+    PendingCheckpoint,
+    begin_checkpoint,
     check_format,
     check_run_dir,
     latest_checkpoint,
@@ -65,6 +67,16 @@ class Engine(Protocol):
 
     def save_checkpoint(self, step_dir: Path) -> None:
         """Write every rank's shard into `step_dir` (see attnres_pp.train.checkpoint and .shards)."""
+
+    def begin_checkpoint(self, step_dir: Path) -> float:
+        """`save_checkpoint` in the background (`--async-checkpoint`): returns once every rank has
+        copied its state, with the seconds that took (a rank first waits for its previous write)."""
+
+    def checkpoint_written(self) -> bool:
+        """Whether every rank's background write is done."""
+
+    def finish_checkpoint(self) -> None:
+        """Wait for every rank's background write; raises if one failed."""
 
     def load_checkpoint(self, step_dir: Path) -> None:
         """Load parameters, optimizer and RNG states from the shards in `step_dir`, whatever split wrote them."""
@@ -123,11 +135,16 @@ def run_training(
         log.write(record)
     tb = TensorBoardLog(tensorboard) if tensorboard else None
     start = time.perf_counter()
+    pending: PendingCheckpoint | None = None  # --async-checkpoint: the save in flight
     try:
         step = history.steps_done
         while step < train_cfg.steps:
             try:
                 record = _train_one_step(engine, run_cfg, step, history)
+                if pending is not None:
+                    record["checkpoint_in_flight"] = True  # this step ran beside a background write
+                    if pending.written(engine):
+                        last_checkpoint, pending = pending.finish(engine), None
                 log.write(record)
                 if tb is not None:
                     tb.write(record, history.extras)
@@ -135,10 +152,20 @@ def run_training(
                     + (f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""), flush=True)
                 if ckpt.saves_after(step + 1, train_cfg.steps):
                     meta = checkpoint_meta(run_cfg, ckpt, history)
-                    last_checkpoint = save_checkpoint(out_dir, step + 1, engine, meta, keep=train_cfg.keep_checkpoints)
-                    if step + 1 == train_cfg.steps:
+                    if ckpt.async_save:
+                        if pending is not None:  # at most one save in flight: the next waits for it
+                            last_checkpoint, pending = pending.finish(engine), None
+                        pending = begin_checkpoint(out_dir, step + 1, engine, meta, keep=train_cfg.keep_checkpoints)
+                    else:
+                        last_checkpoint = save_checkpoint(out_dir, step + 1, engine, meta,
+                                                          keep=train_cfg.keep_checkpoints)
+                if step + 1 == train_cfg.steps:
+                    if pending is not None:  # the run ends once its last save is complete
+                        last_checkpoint, pending = pending.finish(engine), None
+                    if ckpt.saves_after(step + 1, train_cfg.steps):
                         final_checkpoint = last_checkpoint
             except WorkerLost as lost:
+                pending = None  # the lost ranks' write is gone with them: its .tmp is never committed
                 _restart_or_fail(engine, lost, step, history, last_checkpoint, ckpt, train_cfg.steps, say)
                 log.close()
                 log = MetricsLog(out_dir / "metrics.jsonl")

@@ -185,6 +185,19 @@ class PipelineEngine:
         """Every rank writes its own shard into `step_dir` (DCP), on the filesystem all nodes share."""
         self.ranks.call_all("save_shard", _absolute(step_dir), what="checkpoint save")
 
+    def begin_checkpoint(self, step_dir) -> float:
+        """Every rank starts writing its shard into `step_dir` in the background (`--async-checkpoint`);
+        returns the longest time a rank blocked (its previous write, then copying its state)."""
+        return max(self.ranks.call_all("begin_save", _absolute(step_dir), what="checkpoint save"))
+
+    def checkpoint_written(self) -> bool:
+        """Whether every rank's background write is done."""
+        return all(self.ranks.call_all("save_written", what="checkpoint save"))
+
+    def finish_checkpoint(self) -> None:
+        """Wait for every rank's background write (a rank's failed write raises)."""
+        self.ranks.call_all("finish_save", what="checkpoint save")
+
     def load_checkpoint(self, step_dir) -> None:
         """Every rank loads the parameters it holds, whatever split saved them."""
         self.ranks.call_all("load_shard", _absolute(step_dir), what="checkpoint load")

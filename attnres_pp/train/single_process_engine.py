@@ -15,6 +15,7 @@ from attnres_pp.model import ModelConfig, Transformer
 from attnres_pp.model.routing import RoutingProbe, attach_probe, routing_metrics
 from attnres_pp.pipeline.chunk import PipelineChunk
 from attnres_pp.pipeline.memory_meter import ActivationMeter
+from attnres_pp.train.background_save import ONE_PROCESS_TIMEOUT_S, BackgroundSave
 from attnres_pp.train.checkpoint import rehearse_rank_kill
 from attnres_pp.train.config import TrainConfig
 from attnres_pp.train.devices import decide_device, resolve_train, visible_gpus
@@ -50,6 +51,7 @@ class SingleProcessEngine:
             self._whole = PipelineChunk(self.model, make_partition(model_cfg.n_layers, 1, 1), 0,
                                         self.model.stream_convs, train_cfg.activation_checkpoint)
         self.memory = ActivationMeter()  # what the forwards save for backward (docs/spec.md section 8)
+        self.background_save: BackgroundSave | None = None  # --async-checkpoint's write in flight
 
     @property
     def corpus(self) -> Corpus:
@@ -119,6 +121,21 @@ class SingleProcessEngine:
         state = shard_state(self.model, dict(self.model.named_parameters()), self.optimizer, self.rng_stream)
         save_shard(step_dir, state, distributed=False)
         rehearse_rank_kill(step_dir, 0)  # this process is rank 0 (and the driver)
+
+    def begin_checkpoint(self, step_dir) -> float:
+        """`save_checkpoint` in the background (`train.background_save`); returns the seconds it blocked."""
+        if self.background_save is None:
+            self.background_save = BackgroundSave(ONE_PROCESS_TIMEOUT_S)
+        state = shard_state(self.model, dict(self.model.named_parameters()), self.optimizer, self.rng_stream)
+        return self.background_save.begin(step_dir, state, distributed=False,
+                                          on_written=lambda: rehearse_rank_kill(step_dir, 0))
+
+    def checkpoint_written(self) -> bool:
+        return self.background_save is None or self.background_save.written()
+
+    def finish_checkpoint(self) -> None:
+        if self.background_save is not None:
+            self.background_save.wait()
 
     def load_checkpoint(self, step_dir) -> None:
         note = load_shard(step_dir, self.model, dict(self.model.named_parameters()), self.optimizer, self.rng_stream,

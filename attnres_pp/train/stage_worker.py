@@ -44,6 +44,7 @@ from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
 from attnres_pp.pipeline.stage_setup import init_process_group, lowered_schedule, run_partition
 from attnres_pp.schedule.forward_schedule import forward_only_schedule
 from attnres_pp.schedule.validate_nccl import check_nccl
+from attnres_pp.train.background_save import BackgroundSave
 from attnres_pp.train.checkpoint import rehearse_rank_kill
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.devices import resolve_train
@@ -98,6 +99,7 @@ class StageWorker:
         self.collectives: Collectives | None = None
         self.distributed = False  # in a torch.distributed process group (`connect`), or a thread rank
         self.peers = None  # where thread ranks meet to run their actions in turns (`join_threads`)
+        self.background_save: BackgroundSave | None = None  # --async-checkpoint's write in flight
 
     # ---- set-up ----
     def join_process_group(self, init_method: str, world_size: int) -> dict:
@@ -325,6 +327,30 @@ class StageWorker:
                     merged.update(rank_state)
                 save_shard(step_dir, merged, distributed=False)
         rehearse_rank_kill(step_dir, self.rank)
+
+    def begin_save(self, step_dir: str) -> float:
+        """`save_shard` in the background (`--async-checkpoint`, `train.background_save`): returns once
+        this rank's state is copied, with the seconds it blocked. Thread ranks hand their states to
+        rank 0, whose write carries them all."""
+        if self.background_save is None:
+            self.background_save = BackgroundSave(self.run_cfg.pipeline.timeout_s)
+        state = shard_state(self.model, self.params, self.optimizer, self.rng_stream)
+        if self.peers is not None:
+            states = self.peers.gather(self.rank, state)
+            if states is None:
+                return 0.0
+            state = {key: value for rank_state in states for key, value in rank_state.items()}
+        return self.background_save.begin(step_dir, state, distributed=self.distributed and self.peers is None,
+                                          on_written=lambda: rehearse_rank_kill(step_dir, self.rank))
+
+    def save_written(self) -> bool:
+        """Whether this rank has no checkpoint write in flight."""
+        return self.background_save is None or self.background_save.written()
+
+    def finish_save(self) -> None:
+        """Wait for this rank's checkpoint write in flight (bounded; a failed write raises)."""
+        if self.background_save is not None:
+            self.background_save.wait()
 
     def load_shard(self, step_dir: str) -> str | None:
         """Load this rank's parameters, optimizer state and RNG state from checkpoint `step_dir`, whatever
