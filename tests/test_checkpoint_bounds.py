@@ -284,3 +284,61 @@ def test_each_cli_refuses_with_one_error_line(trained_run, tmp_path, command):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr[-3000:]
     assert "Traceback" not in done.stderr
+
+
+@pytest.fixture(scope="module")
+def other_run(tmp_path_factory) -> Path:
+    """A checkpoint of the same model with other weights (another seed): the decoy of a swap."""
+    run = tmp_path_factory.mktemp("bounds_other") / "run"
+    assert main(["train", *TINY, "--launcher", "local", "--steps", "1", "--seed", "1", "--out", str(run)]) == 0
+    return latest_checkpoint(run)
+
+
+def _swap_in(kind: str, shard: Path, decoy: Path) -> None:
+    """Replace `shard` after the check and before DCP opens it."""
+    shard.unlink()
+    if kind == "symlink to another checkpoint's shard":
+        shard.symlink_to(decoy)
+    elif kind == "FIFO":
+        os.mkfifo(shard)
+    else:  # another file of the same size: the decoy's bytes, copied in
+        shutil.copyfile(decoy, shard)
+
+
+def _load_with_swap(step: Path, decoy_step: Path, kind: str, *, stock_files: bool = False) -> dict:
+    from attnres_pp.train import shards
+
+    original = SafeReader.read_data
+
+    def swap_then_read(self, plan, planner):
+        _swap_in(kind, step / "__0_0.distcp", decoy_step / "__0_0.distcp")
+        if stock_files:  # DCP's own file access, as before the loader pinned what it checked
+            from torch.distributed.checkpoint.filesystem import FileSystem
+            self.fs = FileSystem()
+        return original(self, plan, planner)
+
+    SafeReader.read_data = swap_then_read
+    try:
+        with _Deadline(5):
+            return shards.read_parameters(step)
+    finally:
+        SafeReader.read_data = original
+
+
+@pytest.mark.parametrize("kind", ["symlink to another checkpoint's shard", "FIFO", "same-size copy"])
+def test_a_shard_swapped_between_the_check_and_the_read_is_refused(trained_run, other_run, tmp_path, kind):
+    _, step = _copy(trained_run, tmp_path)
+    with pytest.raises(CheckpointRefused, match="__0_0.distcp") as refused:
+        _load_with_swap(step, other_run, kind)
+    _one_line(refused.value)
+
+
+def test_without_the_pinned_open_a_swapped_shard_loads_another_checkpoints_weights(trained_run, other_run, tmp_path):
+    """The harm the pinned open prevents: DCP's own file access follows the swapped-in symlink and
+    hands back the other checkpoint's tensors as if they were this one's."""
+    _, step = _copy(trained_run, tmp_path)
+    want_own = read_parameters(step)
+    decoy = read_parameters(other_run)
+    got = _load_with_swap(step, other_run, "symlink to another checkpoint's shard", stock_files=True)
+    name = next(k for k in got if not torch.equal(want_own[k], decoy[k]))
+    assert torch.equal(got[name], decoy[name]) and not torch.equal(got[name], want_own[name])

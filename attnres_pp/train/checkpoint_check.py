@@ -54,9 +54,10 @@ def _fields(obj, cls) -> bool:
     return type(obj) is cls and all(hasattr(obj, name) for name in cls.__dataclass_fields__)
 
 
-def check_metadata(metadata: Metadata, folder: Path, source: str) -> None:
+def check_metadata(metadata: Metadata, folder: Path, source: str) -> dict[str, os.stat_result]:
     """Refuse (CheckpointRefused) a metadata tree that this program could not have written, or whose
-    storage entries leave `folder` or name bytes that are not there. See the module docstring."""
+    storage entries leave `folder` or name bytes that are not there. See the module docstring.
+    Returns each shard file's stat as checked (its identity: the reader opens no other file)."""
     def refuse(why: str) -> CheckpointRefused:
         return refusal(source, why)
 
@@ -77,7 +78,7 @@ def check_metadata(metadata: Metadata, folder: Path, source: str) -> None:
     _check_storage_meta(metadata.storage_meta, refuse)
     if not _text(metadata.version, optional=True):
         raise refuse("has a version that is not a short string")
-    _check_storage(metadata.storage_data, chunk_keys, Path(folder), refuse)
+    return _check_storage(metadata.storage_data, chunk_keys, Path(folder), refuse)
 
 
 def _check_tensor(key: str, md: TensorStorageMetadata, chunk_keys: dict, refuse) -> None:
@@ -123,11 +124,11 @@ def _check_storage_meta(meta, refuse) -> None:
         raise refuse("has storage_meta fields of the wrong types")
 
 
-def _check_storage(storage, chunk_keys: dict, folder: Path, refuse) -> None:
+def _check_storage(storage, chunk_keys: dict, folder: Path, refuse) -> dict[str, os.stat_result]:
     if type(storage) is not dict:
         raise refuse("has storage_data that is not a dict")
     root = os.path.realpath(folder)
-    files: dict[str, int] = {}  # shard name -> its size on disk
+    files: dict[str, os.stat_result] = {}  # shard name -> its stat
     covered = set()
     for index, info in storage.items():
         if not (_fields(index, MetadataIndex) and _fields(info, _StorageInfo)):
@@ -140,12 +141,12 @@ def _check_storage(storage, chunk_keys: dict, folder: Path, refuse) -> None:
         if type(name) is not str or not SHARD_NAME.fullmatch(name):
             raise refuse("has a storage path that is not a shard file name (__R_I.distcp) of its own folder")
         if name not in files:
-            files[name] = _shard_size(folder, root, name, refuse)
+            files[name] = _shard_stat(folder, root, name, refuse)
         if not (type(info.offset) is int and type(info.length) is int and info.offset >= 0 and info.length >= 0):
             raise refuse(f"has a byte range for {index.fqn!r} that is not two non-negative ints")
-        if info.offset + info.length > files[name]:
+        if info.offset + info.length > files[name].st_size:
             raise refuse(f"places {index.fqn!r} at bytes {info.offset}+{info.length} of {name}, which has "
-                         f"{files[name]}: the shard file is truncated")
+                         f"{files[name].st_size}: the shard file is truncated")
         if info.length < chunk_keys[where]:
             raise refuse(f"stores {index.fqn!r} in {info.length} bytes, fewer than its {chunk_keys[where]} "
                          "bytes of elements")
@@ -154,9 +155,10 @@ def _check_storage(storage, chunk_keys: dict, folder: Path, refuse) -> None:
     if len(covered) != len(chunk_keys):
         missing = next(key for key, _ in sorted(set(chunk_keys) - covered))
         raise refuse(f"has no storage entry for a chunk of {missing!r}")
+    return files
 
 
-def _shard_size(folder: Path, root: str, name: str, refuse) -> int:
+def _shard_stat(folder: Path, root: str, name: str, refuse) -> os.stat_result:
     path = os.path.realpath(folder / name)
     if os.path.dirname(path) != root:
         raise refuse(f"has a shard {name} that resolves outside its folder")
@@ -166,7 +168,7 @@ def _shard_size(folder: Path, root: str, name: str, refuse) -> int:
         raise refuse(f"names a shard {name} that is not in the folder") from None
     if not stat.S_ISREG(info.st_mode):
         raise refuse(f"has a shard {name} that is not a regular file")
-    return info.st_size
+    return info
 
 
 def check_expected(metadata: Metadata, expected: dict[str, tuple[tuple[int, ...], torch.dtype]], source: str) -> None:

@@ -27,12 +27,16 @@ never from the metadata's sizes (docs/checkpoints.md, "What loading guarantees")
 
 from __future__ import annotations
 
+import contextlib
+import os
+import stat
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType
 from torch.distributed.checkpoint.state_dict import (
@@ -117,6 +121,7 @@ class SafeReader(FileSystemReader):
     def __init__(self, path: str | Path) -> None:
         super().__init__(str(path))
         self._checked: Metadata | None = None
+        self.fs = _PinnedFiles(str(path))  # DCP opens every shard through this
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         if self._checked is None:
@@ -125,7 +130,7 @@ class SafeReader(FileSystemReader):
             if not path.is_file():
                 raise ValueError(f"checkpoint {self.path} has no .metadata: it is not a checkpoint of this format")
             metadata = load_metadata(path)
-            check_metadata(metadata, folder, str(path))
+            self.fs.pinned = check_metadata(metadata, folder, str(path))
             self._checked = metadata
         if self._checked.storage_meta is not None:
             self._checked.storage_meta.load_id = self.load_id
@@ -136,6 +141,48 @@ class SafeReader(FileSystemReader):
             raise CheckpointRefused(f"checkpoint {self.path}: the load asks for a byte entry, which this "
                                     "program never writes; refusing to unpickle it")
         return super().read_data(plan, planner)
+
+
+def _identity(info: os.stat_result) -> tuple[int, ...]:
+    """What makes a file the one that was checked. The inode alone is not enough: a file created
+    after the checked one was deleted may get its number back; its change time differs."""
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns
+
+
+class _PinnedFiles(FileSystem):
+    """DCP's file access for SafeReader: a shard is opened only as the very file the check
+    examined. Opened without following a symlink and without blocking (a FIFO swapped in cannot
+    hang the read), it must be a regular file with the checked device, inode, size and times; anything
+    else, such as a shard replaced by a symlink or a FIFO between the check and the read, is
+    CheckpointRefused."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder = folder
+        self.pinned: dict[str, os.stat_result] = {}  # shard name -> its stat at the check
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if mode != "rb":
+            raise CheckpointRefused(f"checkpoint {self.folder}: the loader opens shards for reading only")
+        name = os.path.basename(str(path))
+        checked = self.pinned.get(name)
+        if checked is None or os.path.dirname(os.path.abspath(path)) != os.path.abspath(self.folder):
+            raise CheckpointRefused(f"checkpoint {self.folder}: the load asks for {name}, a file its checked "
+                                    "metadata does not name")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as error:
+            raise CheckpointRefused(f"checkpoint {self.folder}: shard {name} cannot be opened as the file that was "
+                                    f"checked ({error.strerror}): it was replaced during the load") from None
+        now = os.fstat(fd)
+        if not stat.S_ISREG(now.st_mode) or _identity(now) != _identity(checked):
+            os.close(fd)
+            raise CheckpointRefused(f"checkpoint {self.folder}: shard {name} is not the file that was checked "
+                                    "(replaced during the load); load it again once nothing writes the folder")
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb") as stream:
+            yield stream
 
 
 def checkpoint_tensors(step_dir: str | Path) -> dict[str, TensorStorageMetadata]:
