@@ -22,6 +22,7 @@ from attnres_pp.simulator.metrics import (
     closed_form_bubble_fraction,
     closed_form_bubble_ratio,
     closed_form_min_microbatches,
+    peak_in_flight,
     summarize,
 )
 
@@ -101,6 +102,16 @@ def test_unit_cost_bubble_is_the_closed_form(n_stages):
         assert report["bubble_fraction"] == pytest.approx((p - 1) / (6 * m + p - 1))
         assert report["bubble_fraction"] == pytest.approx(closed_form_bubble_fraction(p, 2, m, "dualpipev"))
         assert report["bubble_ratio"] == pytest.approx(closed_form_bubble_ratio(p, 2, m, "dualpipev"))
+
+
+@pytest.mark.parametrize(("n_stages", "n_microbatches"), SHAPES)
+def test_in_flight_activations_are_one_more_than_zbv_s(n_stages, n_microbatches):
+    """docs/spec.md section 5: 2P + 1 (chunk, microbatch) sets per rank (ZB-V: 2P), over 2P - r microbatches."""
+    ours = peak_in_flight(build_schedule("dualpipev", n_stages, 2, n_microbatches))
+    theirs = peak_in_flight(build_schedule("zbv", n_stages, 2, n_microbatches))
+    assert [x["chunk_microbatches"] for x in ours] == [2 * n_stages + 1] * n_stages
+    assert [x["chunk_microbatches"] for x in theirs] == [2 * n_stages] * n_stages
+    assert [x["microbatches"] for x in ours] == [2 * n_stages - r for r in range(n_stages)]
 
 
 @pytest.mark.parametrize("n_stages", [2, 3, 4])
