@@ -60,10 +60,11 @@ def test_bench_comm_quick_json(tmp_path, capsys):
 
 @pytest.mark.parametrize("name,p,v,m", [("gpipe", 2, 1, 4), ("1f1b", 4, 1, 8), ("interleaved_1f1b", 4, 2, 8),
                                         ("interleaved_1f1b", 2, 4, 8), ("interleaved_1f1b", 4, 2, 7),
-                                        ("zb_h1", 4, 1, 8), ("interleaved_zb", 2, 2, 5), ("zbv", 3, 2, 5)])
+                                        ("zb_h1", 4, 1, 8), ("interleaved_zb", 2, 2, 5), ("zbv", 3, 2, 5),
+                                        ("dualpipev", 3, 2, 6), ("dualpipev", 4, 2, 9)])
 def test_analytic_bubble_matches_the_unit_cost_simulator(name, p, v, m):
     analytic = analytic_bubble(name, p, v, m)
-    k = 3 if name in ("zb_h1", "interleaved_zb", "zbv") else 1  # the split's idle is a third of 1F1B's
+    k = 3 if name in ("zb_h1", "interleaved_zb", "zbv", "dualpipev") else 1  # the split's idle is a third of 1F1B's
     assert analytic["fraction"] == pytest.approx((p - 1) / (k * v * m + p - 1))
     assert analytic["ratio"] == pytest.approx((p - 1) / (k * v * m))
     simulated = summarize(simulate(build_schedule(name, p, v, m), unit_costs(p, v)))

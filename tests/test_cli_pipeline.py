@@ -83,3 +83,25 @@ def test_zero_bubble_schedules_train_like_the_single_process(tmp_path, launcher,
     names = {e["name"] for e in json.loads((tmp_path / "piped" / "trace.json").read_text())["traceEvents"]
              if e["ph"] == "X"}
     assert {"I0.0", "W0.0"} <= names and not any(n.startswith("B") for n in names)
+
+
+@pytest.mark.parametrize("launcher", ["local", "inprocess"])
+def test_dualpipev_trains_like_the_single_process(tmp_path, launcher):
+    """`--schedule dualpipev` from the command line (m = 2P): fused B in the paired steady state, I
+    and W in the drain, the single process's losses, and the V placement's hops (the middle one, two
+    chunks of rank 1, sends nothing)."""
+    model = ["--residual", "attnres", "--block-size", "3", "--microbatches", "4", *SMALL, "--batch-size", "8"]
+    assert main(["train", "--launcher", "local", "--stages", "1", "--virtual", "1", *model,
+                 "--out", str(tmp_path / "single")]) == 0
+    assert main(["train", "--launcher", launcher, "--stages", "2", "--virtual", "2", "--schedule", "dualpipev",
+                 *model, "--out", str(tmp_path / "piped")]) == 0
+    single = json.loads((tmp_path / "single" / "summary.json").read_text())
+    piped = json.loads((tmp_path / "piped" / "summary.json").read_text())
+    for got, want in zip(piped["losses"], single["losses"], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want)
+    plan = plan_payloads(n_sublayers=8, block_size=3, partition=make_partition(4, 2, 2, placement="vshape"),
+                         mode="cached")
+    assert piped["fwd_hop_tensors"] == plan.fwd_hop_tensors and plan.fwd_hop_tensors[1] == 0
+    names = {e["name"] for e in json.loads((tmp_path / "piped" / "trace.json").read_text())["traceEvents"]
+             if e["ph"] == "X"}
+    assert {"B3.1", "I0.3", "W0.3", "F0.3"} <= names

@@ -45,7 +45,8 @@ def _case(name: str) -> tuple[str, dict]:
                                   "bf16 interleaved_zb S=2", "D=2 replicate P=4 V=2", "AC full 1f1b",
                                   "AC selective zb_h1", "AC full interleaved_zb lr_attnres",
                                   "AC selective 1f1b msar", "AC full zbv standard bf16",
-                                  "AC selective interleaved full AttnRes"])
+                                  "AC selective interleaved full AttnRes", "dualpipev attnres S=2",
+                                  "AC selective dualpipev msar"])
 def test_prediction_matches_hook_counts_of_a_real_step(name):
     """The runtime's own step (loopback, every rank in this process, the case's checkpointing
     policy) counted by the runtime's meter."""

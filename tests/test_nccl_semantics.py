@@ -33,12 +33,14 @@ from tests.pipeline_helpers import MICRO, SEQ, assert_grads_match, batch, build_
 
 
 def _grid():
-    """(schedule, P, V, m) for every generator, P in 2..4, V in 1..3, m in {1, P, 2P + 1}, where valid."""
+    """(schedule, P, V, m) for every generator, P in 2..4, V in 1..3, m in {1, P, 2P + 1}, where valid;
+    dualpipev, which needs m >= 2P, at 2P and 3P too."""
     cases = []
     for name in SCHEDULES:
         for n_stages in (2, 3, 4):
             for n_virtual in (1, 2, 3):
-                for m in sorted({1, n_stages, 2 * n_stages + 1}):
+                extra = {2 * n_stages, 3 * n_stages} if name == "dualpipev" else set()
+                for m in sorted({1, n_stages, 2 * n_stages + 1} | extra):
                     try:
                         build_schedule(name, n_stages, n_virtual, m)
                     except ValueError:

@@ -101,10 +101,10 @@ CASES_P2 = [(v, s, 2, V, m, cache, 3) for v in sorted(VARIANTS)
 CASES_P3 = [(v, s, 3, V, m, True, 3) for v in sorted(VARIANTS)
             for s, V, m in (("interleaved_1f1b", 2, 3), ("1f1b", 1, 4))]
 # Split backward (I, W) over gloo: ZB-V (V placement, its middle hop in memory) cached and naive;
-# interleaved ZB with m not a multiple of P, and ZB-H1, cached.
+# interleaved ZB with m not a multiple of P, ZB-H1, and DualPipeV (fused B and I/W in one order), cached.
 CASES_ZB = [(v, s, 2, V, m, cache, 3) for v in sorted(VARIANTS)
             for s, V, m, caches in (("zbv", 2, 3, (True, False)), ("interleaved_zb", 2, 3, (True,)),
-                                    ("zb_h1", 1, 3, (True,)))
+                                    ("zb_h1", 1, 3, (True,)), ("dualpipev", 2, 5, (True,)))
             for cache in caches]
 
 

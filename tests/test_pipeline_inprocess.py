@@ -33,6 +33,8 @@ LAYOUTS = [
     ("interleaved_zb", 3, 2, 4, 6, 5),
     ("zbv", 2, 2, 3, 4, None),
     ("zbv", 3, 2, 5, 6, 3),
+    ("dualpipev", 2, 2, 4, 4, None),
+    ("dualpipev", 3, 2, 7, 6, 3),
 ]
 
 
@@ -65,11 +67,12 @@ def test_pipelined_step_equals_single_process_fp32(variant, layout, cache):
 
 
 @pytest.mark.parametrize("variant", ["block", "lr_projected", "msar"])
-@pytest.mark.parametrize("schedule_name", ["interleaved_1f1b", "interleaved_zb", "zbv"])
+@pytest.mark.parametrize("schedule_name", ["interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"])
 def test_pipelined_step_equals_single_process_float64(variant, schedule_name):
     cfg = model_config(variant, 6, block_size=5)
-    loss, grads = pipelined_step(cfg, schedule_name, 3, 2, 3, True, dtype=torch.float64)
-    want_loss, want_grads = reference_step(cfg, *batch(3), 3, dtype=torch.float64)
+    m = 6 if schedule_name == "dualpipev" else 3  # dualpipev runs m >= 2P
+    loss, grads = pipelined_step(cfg, schedule_name, 3, 2, m, True, dtype=torch.float64)
+    want_loss, want_grads = reference_step(cfg, *batch(m), m, dtype=torch.float64)
     assert abs(loss - want_loss) <= 1e-12
     assert_grads_match(grads, want_grads, rtol=1e-10)
 
@@ -177,15 +180,18 @@ def test_vshape_placement_runs_with_single_process_parity(variant, cache):
     assert measured == plan.fwd_hop_tensors and measured[P - 1] == 0
 
 
+@pytest.mark.parametrize("schedule_name", ["zbv", "dualpipev"])
 @pytest.mark.parametrize("P", [2, 3])
 @pytest.mark.parametrize("block_size", [1, 2, 3])
-def test_zbv_hop_counts_follow_the_spec_rule(P, block_size):
-    """ZB-V: the transport counts, per forward hop, what the docs/spec.md section 4 rule says for the V placement
-    (the middle hop, between the two chunks of rank P - 1, moves nothing over the wire)."""
+def test_v_placement_hop_counts_follow_the_spec_rule(schedule_name, P, block_size):
+    """ZB-V and DualPipeV: the transport counts, per forward hop, what the docs/spec.md section 4 rule
+    says for the V placement (the middle hop, between the two chunks of rank P - 1, moves nothing
+    over the wire); each at its fewest microbatches."""
     n_layers = 2 * P
     cfg = model_config("block", n_layers, block_size=block_size)
     ledger = ByteLedger()
-    pipelined_step(cfg, "zbv", P, 2, 2 * P - 1, True, ledger=ledger)
+    m = 2 * P - 1 if schedule_name == "zbv" else 2 * P
+    pipelined_step(cfg, schedule_name, P, 2, m, True, ledger=ledger)
     partition = make_partition(n_layers, P, 2, placement="vshape")
     want = [len(hop) for hop in _spec_rule_hops(n_layers, block_size, partition)]
     assert fwd_hop_tensors(ledger.records, 2 * P) == plan_for_model(cfg, partition, True).fwd_hop_tensors == want

@@ -21,10 +21,12 @@ def _grid():
     for name in sorted(SCHEDULES):
         for n_stages in (1, 2, 3, 4):
             for n_virtual in (1, 2, 3):
-                if (name in ("1f1b", "zb_h1") and n_virtual > 1) or (name == "zbv" and n_virtual != 2):
+                if (name in ("1f1b", "zb_h1") and n_virtual > 1) or (name in ("zbv", "dualpipev") and n_virtual != 2):
                     continue
                 for n_microbatches in (n_stages, 2 * n_stages, 3):
                     if name.startswith("interleaved") and n_virtual > 1 and n_microbatches < n_stages:
+                        continue
+                    if name == "dualpipev" and n_microbatches < 2 * n_stages:
                         continue
                     yield name, n_stages, n_virtual, n_microbatches
 

@@ -2,7 +2,7 @@
 the calibrated simulator, and the simulator's step-time validation.
 
 For each schedule (gpipe, 1f1b, interleaved 1F1B with V = 2 and 4, and the split-backward ones:
-zb_h1, interleaved_zb with V = 2, zbv) and m, the local launcher runs
+zb_h1, interleaved_zb with V = 2, zbv, dualpipev where m >= 2P) and m, the local launcher runs
 P ranks of one thread each. The schedules of one (P, m) are started together and stepped in
 rotation, so load from elsewhere on the machine falls on all of them alike; warm-up steps are
 dropped and every figure is a median over steps.
@@ -57,7 +57,7 @@ from attnres_pp.simulator.plot import plot_timeline
 # The project's model: Block AttnRes (blocks of 2 layers) with the cross-stage cache.
 MODEL = {**BENCH_MODEL, "residual": "attnres", "block_size": 4}
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("zb_h1", 1), ("interleaved_1f1b", 2), ("interleaved_1f1b", 4),
-             ("interleaved_zb", 2), ("zbv", 2))
+             ("interleaved_zb", 2), ("zbv", 2), ("dualpipev", 2))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +203,8 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> d
             run_cfgs = [run_config(MODEL, stages=n_stages, virtual=n_virtual, schedule=name,
                                    microbatches=n_microbatches)
                         for name, n_virtual in SCHEDULES
-                        if n_stages * n_virtual <= BENCH_MODEL["n_layers"] and n_microbatches >= n_stages]
+                        if n_stages * n_virtual <= BENCH_MODEL["n_layers"] and n_microbatches >= n_stages
+                        and (name != "dualpipev" or n_microbatches >= 2 * n_stages)]
             progress(f"  P={n_stages} m={n_microbatches}: {len(run_cfgs)} schedules in rotation")
             engines = run_in_rotation(run_cfgs, plan.warmup_steps, plan.steps)
             # Only the largest m gets timelines and traces (the smaller ones look alike).
@@ -214,7 +215,8 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> d
         "model": {**MODEL, "microbatch_size": MICROBATCH_SIZE, "cache": True},
         "warmup_steps": plan.warmup_steps, "steps": plan.steps,
         "bubble_convention": "fraction = idle / (ranks x step window); analytic (P-1)/(k V m + P-1), k = 3 for "
-                             "zb_h1, interleaved_zb and zbv (zbv: m >= 2P - 1), else 1",
+                             "zb_h1, interleaved_zb, zbv and dualpipev (zbv: m >= 2P - 1; dualpipev runs m >= 2P), "
+                             "else 1",
         "step_time_error_convention": "simulated makespan / measured pipeline window - 1",
     }
 
@@ -248,7 +250,7 @@ def to_markdown(payload: dict) -> str:
         "inside receives: posting, unpacking), send (packing and posting sends) and dispatch (gaps between "
         "actions). recv + send + dispatch is the runtime's overhead, idle the schedule's bubble. "
         "Analytic: (P-1)/(k V m + P-1), k = 3 for the split-backward schedules zb_h1 (ZB-H1's "
-        "(P-1)/(3m+P-1)), interleaved_zb and zbv (for m >= 2P - 1), 1 otherwise.", "",
+        "(P-1)/(3m+P-1)), interleaved_zb, zbv (for m >= 2P - 1) and dualpipev (m >= 2P), 1 otherwise.", "",
         bubbles, "",
         "## Simulator validation (step time)", "",
         "Measured: the pipeline window of a step (first action start to last action end on any rank). "

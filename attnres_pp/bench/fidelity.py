@@ -39,7 +39,7 @@ from attnres_pp.simulator.transfer import TransferCalibration, fit_transfer
 
 CALIBRATION = Case("1f1b", 1, 4, "cached", 8)
 # Rotation groups of held-out cases (each group is stepped together with the calibration run).
-# One line per case. The split-backward schedules (zb_h1, interleaved_zb, zbv) are priced from the
+# One line per case. The split-backward schedules (zb_h1, interleaved_zb, zbv, dualpipev) are priced from the
 # fused calibration run with W taken as half of each backward (`TransferCalibration.weight_share`).
 CASES = (
     (Case("gpipe", 1, 4, "cached", 8), Case("1f1b", 1, 8, "cached", 8), Case("1f1b", 1, 4, "standard", 8),
@@ -52,7 +52,8 @@ CASES = (
      Case("interleaved_1f1b", 4, 8, "naive", 8, SLOW_LINK_GBPS)),
     (Case("zb_h1", 1, 8, "cached", 8),
      Case("interleaved_zb", 2, 8, "cached", 8),
-     Case("zbv", 2, 8, "cached", 8)),
+     Case("zbv", 2, 8, "cached", 8),
+     Case("dualpipev", 2, 8, "cached", 8)),
 )
 QUICK_CASES = (
     (Case("gpipe", 1, 4, "cached", 8), Case("1f1b", 1, 8, "standard", 8), Case("interleaved_1f1b", 2, 4, "naive", 8),

@@ -1,10 +1,11 @@
 """`attnres-pp bench peer`: our pipeline runtime against torch.distributed.pipelining on the same
 work: the standard-residual benchmark model, identical chunks (our partition and chunk modules,
 same seed, so step 0's loss agrees), the same P, V, m and batches, gloo, one thread per rank, and
-the same optimiser step after the pipeline. Ours: `interleaved_1f1b` / `1f1b` / `interleaved_zb`
-through the local launcher; torch: `ScheduleInterleaved1F1B` / `Schedule1F1B` /
-`ScheduleInterleavedZeroBubble` (`bench.torch_pipe`). Each side runs its own runtime and transport:
-ours hands hops over in shared memory between the two ranks of this host, torch's sends them over gloo.
+the same optimiser step after the pipeline. Ours: `interleaved_1f1b` / `1f1b` / `interleaved_zb` /
+`dualpipev` through the local launcher; torch: `ScheduleInterleaved1F1B` / `Schedule1F1B` /
+`ScheduleInterleavedZeroBubble` / `ScheduleDualPipeV` (`bench.torch_pipe`). Each side runs its own
+runtime and transport: ours hands hops over in shared memory between the two ranks of this host,
+torch's sends them over gloo.
 
 Both engines are started, then stepped alternately (ours, torch, torch, ours, ...) on the same
 global batch, so drift in the machine's load cancels; warm-up steps are dropped. Reported:
@@ -31,7 +32,7 @@ from attnres_pp.bench.common import (
 )
 
 TORCH_SCHEDULES = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "1f1b": "Schedule1F1B",
-                   "interleaved_zb": "ScheduleInterleavedZeroBubble"}
+                   "interleaved_zb": "ScheduleInterleavedZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 MODEL = {**BENCH_MODEL, "residual": "standard", "block_size": 1}
 
 
@@ -97,7 +98,7 @@ def compare(schedule: str, n_virtual: int, n_microbatches: int, warmup: int, ste
 def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> dict:
     del out_dir  # tables only
     warmup, steps = (2, 20) if quick else (3, 30)
-    cases = [("interleaved_1f1b", 2, 8), ("1f1b", 1, 8), ("interleaved_zb", 2, 8)]
+    cases = [("interleaved_1f1b", 2, 8), ("1f1b", 1, 8), ("interleaved_zb", 2, 8), ("dualpipev", 2, 8)]
     if not quick:
         cases += [("interleaved_1f1b", 4, 8), ("interleaved_1f1b", 2, 16)]
     rows = [compare(name, v, m, warmup, steps, progress) for name, v, m in cases]
@@ -105,6 +106,7 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> d
         "ratio": rows[0]["ratio"],
         "ratio_1f1b": rows[1]["ratio"],
         "ratio_zb": rows[2]["ratio"],
+        "ratio_dualpipev": rows[3]["ratio"],
         "schedules": rows,
         "model": {**MODEL, "microbatch_size": MICROBATCH_SIZE},
         "warmup_steps": warmup, "steps": steps,
@@ -130,5 +132,6 @@ def to_markdown(payload: dict) -> str:
                         "ratio of medians", "ours pipeline (ms)", "torch pipeline (ms)", "ratio",
                         "step-0 loss equal"], rows), "",
         f"**ratio ours / torch = {payload['ratio']:.3f}** (interleaved 1F1B), {payload['ratio_1f1b']:.3f} (1F1B), "
-        f"{payload.get('ratio_zb', float('nan')):.3f} (interleaved zero bubble).",
+        f"{payload.get('ratio_zb', float('nan')):.3f} (interleaved zero bubble), "
+        f"{payload.get('ratio_dualpipev', float('nan')):.3f} (DualPipeV).",
     ])

@@ -1,7 +1,8 @@
 """The torch.distributed.pipelining side of `bench peer`: the same standard-residual model cut into
 the same chunks (our partition, our `PipelineChunk` modules, the same seed), driven by
 `Schedule1F1B` (V = 1), `ScheduleInterleaved1F1B` (V > 1) or, for our `interleaved_zb`,
-`ScheduleInterleavedZeroBubble` (its I/W split: `stage_backward_input` / `_weight`) over gloo, one
+`ScheduleInterleavedZeroBubble` (its I/W split: `stage_backward_input` / `_weight`), for our
+`dualpipev` `ScheduleDualPipeV` on the V placement, over gloo, one
 spawned process and one
 thread per rank, with the same optimiser step as our workers (global-norm clipping summed over
 ranks, AdamW), so a step does the same work on both sides.
@@ -63,6 +64,7 @@ class TorchPipeWorker:
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,
+            ScheduleDualPipeV,
             ScheduleInterleaved1F1B,
             ScheduleInterleavedZeroBubble,
         )
@@ -70,6 +72,7 @@ class TorchPipeWorker:
         from attnres_pp.comm.partition import make_partition
         from attnres_pp.model import Transformer
         from attnres_pp.pipeline.chunk import build_rank_chunks, rank_parameters
+        from attnres_pp.schedule.schedules import schedule_placement
         from attnres_pp.train.optim import build_optimizer
 
         pp_rank = self.pp_rank
@@ -80,7 +83,8 @@ class TorchPipeWorker:
                                 timeout=datetime.timedelta(seconds=pipe.timeout_s))
         torch.manual_seed(train.seed)
         model = Transformer(cfg, seed=train.seed)
-        partition = make_partition(cfg.n_layers, pipe.stages, pipe.virtual, pipe.layer_counts)
+        partition = make_partition(cfg.n_layers, pipe.stages, pipe.virtual, pipe.layer_counts,
+                                   placement=schedule_placement(pipe.schedule))
         chunks = build_rank_chunks(model, partition, pp_rank)
         self.params = rank_parameters(chunks, model)
         self.optimizer = build_optimizer(self.params.items(), train)
@@ -89,7 +93,9 @@ class TorchPipeWorker:
                        for c, chunk in sorted(chunks.items())]
         self.is_first = any(chunk.is_first for chunk in chunks.values())
         self.is_last = any(chunk.is_last for chunk in chunks.values())
-        if pipe.schedule == "interleaved_zb":
+        if pipe.schedule == "dualpipev":  # it maps stages to ranks in a V itself
+            self.schedule = ScheduleDualPipeV(self.stages, train.microbatches, loss_fn=lm_loss_fn)
+        elif pipe.schedule == "interleaved_zb":
             self.schedule = ScheduleInterleavedZeroBubble(self.stages, train.microbatches, loss_fn=lm_loss_fn)
         elif pipe.virtual == 1:
             self.schedule = Schedule1F1B(self.stages[0], train.microbatches, loss_fn=lm_loss_fn)
@@ -136,8 +142,11 @@ class TorchPipeEngine:
                                             for rank in range(pipe.stages)])
 
     def train_step(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor, lr: float) -> list[dict]:
+        from attnres_pp.comm.partition import chunk_rank
+        from attnres_pp.schedule.schedules import schedule_placement
+
         pipe = self.run_cfg.pipeline
-        last_rank = (pipe.n_chunks - 1) % pipe.stages
+        last_rank = chunk_rank(pipe.n_chunks - 1, pipe.stages, schedule_placement(pipe.schedule))
         return self._ranks.call("train_step", [(inputs_BT if rank == 0 else None,
                                                 targets_BT if rank == last_rank else None, lr)
                                                for rank in range(pipe.stages)])

@@ -1,8 +1,8 @@
 """Schedule generators: pure functions (P, V, m) -> compute-only `Schedule` (docs/spec.md section 5).
 
 Each returns, per rank, the ordered F and B (or, for the zero-bubble schedules, I and W) actions of
-that rank's chunks under the placement it declares: loop (chunk c = v * P + rank) for all but zbv,
-which places its two chunks per rank in a V. Communication is added later by
+that rank's chunks under the placement it declares: loop (chunk c = v * P + rank) for all but zbv
+and dualpipev (its own module), which place their two chunks per rank in a V. Communication is added later by
 `passes.insert_comm`. Pure standard library.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from attnres_pp.schedule.dualpipev import check_dualpipev_sizes, dualpipev
 from attnres_pp.schedule.ir import Action, B, F, I, Schedule, W
 
 
@@ -229,12 +230,18 @@ SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
     "zb_h1": zb_h1,
     "interleaved_zb": interleaved_zb,
     "zbv": zbv,
+    "dualpipev": dualpipev,
 }
 
 
 # The chunk -> rank placement each schedule declares (docs/spec.md section 3); the partition a run builds
 # for a schedule must use it, so that chunks live where the schedule runs them.
-PLACEMENT_OF = {name: "vshape" if name == "zbv" else "loop" for name in SCHEDULES}
+PLACEMENT_OF = {name: "vshape" if name in ("zbv", "dualpipev") else "loop" for name in SCHEDULES}
+
+
+# Size rules a run's config checks before any rank starts, for the schedules whose generator would
+# otherwise refuse only on the ranks (each raises the generator's own message).
+SIZE_CHECKS: dict[str, Callable[[int, int, int], None]] = {"dualpipev": check_dualpipev_sizes}
 
 
 def schedule_placement(name: str) -> str:

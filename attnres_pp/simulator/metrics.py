@@ -7,7 +7,10 @@ Bubble conventions (docs/spec.md section 5):
 Idle is every second of the makespan a rank is not running F or B (or I and W: waiting, or
 sending when communication is not overlapped). With unit costs a zero-bubble schedule leaves idle
 only P - 1 of 1F1B's 3 (P - 1) per rank: ZB-H1 (P-1)/(3m + P - 1) (the published figure),
-interleaved with the split (P-1)/(3 V m + P - 1) and ZB-V, V = 2, (P-1)/(6m + P - 1).
+interleaved with the split (P-1)/(3 V m + P - 1) and ZB-V, V = 2, (P-1)/(6m + P - 1). DualPipeV
+(V = 2, m >= 2P) leaves (P - 1)/2 idle per rank as ZB-V does, so the same (P-1)/(6m + P - 1): unit
+costs price its paired F&B slot as F + B, and the pairing gains only where the overlap makes F&B
+cheaper than that.
 """
 
 from __future__ import annotations
@@ -17,14 +20,15 @@ from attnres_pp.schedule.ir import INPUT_GRAD_KINDS, ActionKind, Schedule
 from attnres_pp.simulator.comm import format_bytes
 from attnres_pp.simulator.engine import SimResult
 
-# Schedules that split B into I and W: with unit costs their idle per rank is a third of 1F1B's.
-SPLIT_SCHEDULES = frozenset({"zb_h1", "interleaved_zb", "zbv"})
+# Schedules that split B into I and W (dualpipev in its drain): with unit costs their idle per rank
+# is a third of 1F1B's.
+SPLIT_SCHEDULES = frozenset({"zb_h1", "interleaved_zb", "zbv", "dualpipev"})
 
 
 def closed_form_bubble_fraction(n_stages: int, n_virtual: int, n_microbatches: int,
                                 schedule: str = "1f1b") -> float:
     """(P-1)/(k V m + P - 1) with k = 3 for the split schedules (they hold for m >= P; ZB-V for
-    m >= 2P - 1), k = 1 for GPipe, 1F1B and interleaved 1F1B."""
+    m >= 2P - 1, DualPipeV for every m it runs, m >= 2P), k = 1 for GPipe, 1F1B and interleaved 1F1B."""
     k = 3 if schedule in SPLIT_SCHEDULES else 1
     return (n_stages - 1) / (k * n_virtual * n_microbatches + n_stages - 1)
 
@@ -36,9 +40,12 @@ def closed_form_bubble_ratio(n_stages: int, n_virtual: int, n_microbatches: int,
 
 
 def closed_form_min_microbatches(schedule: str, n_stages: int) -> int:
-    """The fewest microbatches for which the closed forms are exact (ZB-V: 2P - 1; zb_h1: P)."""
+    """The fewest microbatches for which the closed forms are exact (ZB-V: 2P - 1; DualPipeV: 2P,
+    the fewest it runs; zb_h1: P)."""
     if schedule == "zbv":
         return 2 * n_stages - 1
+    if schedule == "dualpipev":
+        return 2 * n_stages
     return n_stages if schedule in SPLIT_SCHEDULES else 1
 
 

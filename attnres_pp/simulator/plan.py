@@ -1,7 +1,7 @@
 """`attnres-pp simulate plan`: the fastest training configuration that fits, for a model and a cluster.
 
 Searched: P (dividing the GPUs; D = GPUs / P), V, m (whole sequences per microbatch), the schedule
-(and with it the placement: loop, or V-shape for zbv), the block size (where the variant has one),
+(and with it the placement: loop, or V-shape for zbv and dualpipev), the block size (where the variant has one),
 dp_shard (replicate | fsdp) and activation checkpointing (none | full | selective). Two stages keep
 it fast:
   1. every candidate is priced in closed form: the slowest rank's compute per microbatch (the
@@ -39,7 +39,7 @@ from attnres_pp.simulator.metrics import closed_form_bubble_fraction
 from attnres_pp.simulator.project import Cluster, chunk_seconds
 
 GIB = 1024 ** 3
-SPLIT = frozenset({"zb_h1", "interleaved_zb", "zbv"})
+SPLIT = frozenset({"zb_h1", "interleaved_zb", "zbv", "dualpipev"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +106,7 @@ def schedules_for(n_stages: int, n_virtual: int) -> list[str]:
         return ["1f1b"] if n_virtual == 1 else []
     if n_virtual == 1:
         return ["1f1b", "zb_h1"]
-    return ["interleaved_1f1b", "interleaved_zb"] + (["zbv"] if n_virtual == 2 else [])
+    return ["interleaved_1f1b", "interleaved_zb"] + (["zbv", "dualpipev"] if n_virtual == 2 else [])
 
 
 def candidates(request: PlanRequest) -> list[Candidate]:
@@ -121,7 +121,8 @@ def candidates(request: PlanRequest) -> list[Candidate]:
                 continue
             for schedule in schedules_for(n_stages, n_virtual):
                 for m in _divisors(per_replica):
-                    if n_stages > 1 and m < n_stages or (schedule == "zbv" and m < 2 * n_stages - 1):
+                    if n_stages > 1 and m < n_stages or (schedule == "zbv" and m < 2 * n_stages - 1) or (
+                            schedule == "dualpipev" and m < 2 * n_stages):
                         continue
                     for size in block_sizes(request):
                         for shard in ("replicate", "fsdp") if replicas > 1 else ("replicate",):

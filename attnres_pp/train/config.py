@@ -11,6 +11,7 @@ from pathlib import Path
 from attnres_pp.config_tables import from_table, to_table
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
+from attnres_pp.schedule.schedules import SIZE_CHECKS
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
@@ -147,6 +148,9 @@ class RunConfig:
                 "and a split-backward schedule's W could not be cut apart from I inside a compiled region's one "
                 "backward node; drop --compile or train in one process"
             )
+        check_sizes = SIZE_CHECKS.get(self.pipeline.schedule)
+        if check_sizes is not None:  # one error line before any rank starts, not one per rank
+            check_sizes(self.pipeline.stages, self.pipeline.virtual, m)
         if self.pipeline.layer_counts is not None and sum(self.pipeline.layer_counts) != self.model.n_layers:
             raise ValueError(
                 f"PipelineConfig.layer_counts={list(self.pipeline.layer_counts)} is invalid: the counts must "
