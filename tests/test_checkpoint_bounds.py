@@ -342,3 +342,66 @@ def test_without_the_pinned_open_a_swapped_shard_loads_another_checkpoints_weigh
     got = _load_with_swap(step, other_run, "symlink to another checkpoint's shard", stock_files=True)
     name = next(k for k in got if not torch.equal(want_own[k], decoy[k]))
     assert torch.equal(got[name], decoy[name]) and not torch.equal(got[name], want_own[name])
+
+
+def _inflation_bomb(like: torch.Tensor, claimed: int = 2**28) -> bytes:
+    """torch.save(like) with its data record deflated and claiming `claimed` bytes of zeros: about
+    1/1000 of that on disk. torch.save writes every record stored; this one is hand-made."""
+    import io
+    import zipfile
+
+    saved = io.BytesIO()
+    torch.save(like.clone(), saved)
+    source = zipfile.ZipFile(io.BytesIO(saved.getvalue()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as bomb:
+        for record in source.infolist():
+            if record.filename.endswith("/data/0"):
+                bomb.writestr(record.filename, bytes(claimed), compress_type=zipfile.ZIP_DEFLATED)
+            else:
+                bomb.writestr(record, source.read(record.filename))
+    return out.getvalue()
+
+
+_INFLATE = """
+import io, os, resource, sys, torch
+bomb = open(sys.argv[1], "rb").read()
+resident = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # now, not the peak
+try:
+    torch.load(io.BytesIO(bomb), weights_only=True)
+except Exception:
+    pass
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - resident)
+"""
+
+
+@pytest.mark.subprocess
+def test_without_the_archive_check_a_compressed_record_allocates_what_it_claims(tmp_path):
+    """The harm: torch.load inflates a 256 KB record toward the 256 MiB it claims before it finds the
+    size wrong (in a process of its own, whose peak memory grows by at least half of that)."""
+    path = tmp_path / "bomb"
+    path.write_bytes(_inflation_bomb(torch.zeros(4)))
+    assert path.stat().st_size < 2**19
+    grew = int(subprocess.run([sys.executable, "-c", _INFLATE, str(path)], capture_output=True, text=True,
+                              timeout=60, check=True).stdout)
+    assert grew >= 2**27
+
+
+def test_a_shard_entry_that_is_an_inflation_bomb_is_refused_before_it_is_inflated(trained_run, tmp_path):
+    """One tensor's storage entry is pointed at a bomb appended to the shard: refused, in one line,
+    from the archive's directory alone (the bomb's data is never read)."""
+    from attnres_pp.train.metadata_pickle import load_metadata as load
+
+    _, step = _copy(trained_run, tmp_path)
+    shard = step / "__0_0.distcp"
+    metadata = load(step / ".metadata")
+    index, info = next((i, s) for i, s in metadata.storage_data.items() if s.relative_path == shard.name)
+    tensor = metadata.state_dict_metadata[index.fqn]
+    bomb = _inflation_bomb(torch.zeros(tuple(tensor.size), dtype=tensor.properties.dtype))
+    info.offset, info.length = shard.stat().st_size, len(bomb)
+    with shard.open("ab") as f:
+        f.write(bomb)
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    with _Deadline(5), pytest.raises(CheckpointRefused, match="holds a compressed record") as refused:
+        read_parameters(step)
+    _one_line(refused.value)

@@ -28,9 +28,11 @@ never from the metadata's sizes (docs/checkpoints.md, "What loading guarantees")
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import stat
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
@@ -110,6 +112,64 @@ def save_shard(step_dir: str | Path, state: dict, *, distributed: bool) -> None:
         dcp.save(state, storage_writer=FileSystemWriter(str(step_dir), sync_files=True), no_dist=not distributed)
 
 
+# A tensor's archive, as torch.save writes it: data.pkl, data/0, version and a few format records.
+MAX_ARCHIVE_RECORDS = 16
+
+
+def check_stored_archive(stream, offset: int, length: int, what: str) -> None:
+    """Refuse the torch.save archive at bytes [offset, offset + length) of `stream` unless every
+    record is stored uncompressed with its size inside the range. torch.load inflates a deflated
+    record to the size its header claims before checking anything (a 256 KB record of zeros became
+    256 MiB), so a compressed record is a memory bomb; torch.save never compresses. Reads only the
+    archive's directory, not its data."""
+    try:
+        with zipfile.ZipFile(_Slice(stream, offset, length)) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as error:
+        raise CheckpointRefused(f"{what} is not a tensor archive ({brief(str(error))})") from None
+    if len(records) > MAX_ARCHIVE_RECORDS:
+        raise CheckpointRefused(f"{what} is an archive of {len(records)} records, not one tensor's")
+    for record in records:
+        if record.compress_type != zipfile.ZIP_STORED or record.file_size != record.compress_size:
+            raise CheckpointRefused(f"{what} holds a compressed record ({brief(record.filename)}: "
+                                    f"{record.compress_size} bytes claiming {record.file_size}); torch.save "
+                                    "writes none, and inflating it would allocate what it claims")
+        if record.file_size > length:
+            raise CheckpointRefused(f"{what} has a record of {record.file_size} bytes in an archive of {length}")
+
+
+class _Slice(io.RawIOBase):
+    """Bytes [offset, offset + length) of a seekable binary stream, as a seekable file of its own."""
+
+    def __init__(self, stream, offset: int, length: int) -> None:
+        super().__init__()
+        self._stream, self._start, self._length, self._at = stream, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, where: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._length}[whence]
+        self._at = min(max(base + where, 0), self._length)
+        return self._at
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), self._length - self._at)
+        if n <= 0:
+            return 0
+        self._stream.seek(self._start + self._at)
+        data = self._stream.read(n)
+        buffer[:len(data)] = data
+        self._at += len(data)
+        return len(data)
+
+
 class SafeReader(FileSystemReader):
     """DCP's file reader for one checkpoint folder, which reads `.metadata` once, through
     `metadata_pickle.load_metadata` (exact names, no calls but the admitted ones, bounded time and
@@ -140,6 +200,11 @@ class SafeReader(FileSystemReader):
         if any(item.type == LoadItemType.BYTE_IO for item in plan.items):
             raise CheckpointRefused(f"checkpoint {self.path}: the load asks for a byte entry, which this "
                                     "program never writes; refusing to unpickle it")
+        for index in {item.storage_index for item in plan.items}:
+            info = self.storage_data[index]
+            with self.fs.create_stream(self.fs.concat_path(self.path, info.relative_path), "rb") as stream:
+                check_stored_archive(stream, info.offset, info.length, f"checkpoint {self.path}: {index.fqn!r} "
+                                     f"in {info.relative_path}")
         return super().read_data(plan, planner)
 
 
@@ -204,9 +269,20 @@ def _load(state: dict, reader: SafeReader, step_dir, *, distributed: bool) -> No
     except CheckpointRefused:
         raise
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - every failure of a checked file is one line
+        refusal = next((e for e in _failed_ranks(error) if isinstance(e, CheckpointRefused)), None)
+        if refusal is not None:  # the reader's own refusal, which DCP wrapped with tracebacks
+            raise CheckpointRefused(str(refusal)) from None
         detail = next(iter(_failures(error)), "")
         raise CheckpointRefused(f"checkpoint {step_dir} cannot be read ({type(error).__name__}: {brief(detail)}); "
                                 "load an earlier checkpoint, or retrain") from None
+
+
+def _failed_ranks(error: BaseException) -> list[BaseException]:
+    """The exceptions a CheckpointException carries, one per failed rank (stored with tracebacks)."""
+    failures = getattr(error, "failures", None)
+    if not isinstance(failures, dict):
+        return []
+    return [failure[0] if isinstance(failure, tuple) else failure for failure in failures.values()]
 
 
 def _failures(error: BaseException):
