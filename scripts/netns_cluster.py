@@ -631,6 +631,24 @@ def cmd_exec(args, store: State) -> int:
     return subprocess.run(["ip", "netns", "exec", host["name"], *own_host_name(host), *command], env=env).returncode
 
 
+def delete_link(name: str, kind: str) -> None:
+    """Delete link `name` only if it is of the `kind` the harness makes there (a veth, the bridge):
+    a name read back from state could be an interface the machine needs that happens to fit the
+    harness's pattern (someone else's `tqv0`, a renamed uplink). Gone already is nothing to do."""
+    shown = sh("ip", "-j", "-d", "link", "show", "dev", name, check=False)
+    if shown.returncode != 0:
+        return
+    try:
+        found = (json.loads(shown.stdout)[0].get("linkinfo") or {}).get("info_kind", "")
+    except (ValueError, IndexError, AttributeError):
+        found = "?"
+    if found != kind:
+        print(f"warning: link {name} is {'a ' + found if found else 'a device of no kind'}, not the {kind} the "
+              "harness makes: not deleted", file=sys.stderr)
+        return
+    sh("ip", "link", "del", name, check=False)
+
+
 def cmd_down(args, store: State) -> dict:
     """Stop the Ray nodes (SIGTERM lets `ray start --block` stop its node), SIGKILL what is left in
     each namespace, delete namespaces, links and bridge. Nothing to do is not an error."""
@@ -661,13 +679,13 @@ def cmd_down(args, store: State) -> dict:
             kill_namespace(host["name"])
             sh("ip", "netns", "del", host["name"], check=False)
             removed.append(host["name"])
-        sh("ip", "link", "del", host["veth"], check=False)
+        delete_link(host["veth"], "veth")
         if host.get("pid") in nodes:
             try:  # reap it if this process started it
                 os.waitpid(host["pid"], os.WNOHANG)
             except ChildProcessError:
                 pass
-    sh("ip", "link", "del", state["bridge"], check=False)
+    delete_link(state["bridge"], "bridge")
     shutil.rmtree(store.dir, ignore_errors=True)
     return {"down": True, "removed": removed}
 

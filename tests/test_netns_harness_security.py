@@ -40,9 +40,15 @@ class Recorder:
         self.commands: list[tuple[str, ...]] = []
         self.signals: list[tuple[int, int]] = []
         self.netns, self.pids = netns, pids
+        self.links: dict[str, str] = {}  # the machine's links: name -> kind ("" for a plain device)
 
     def sh(self, *cmd: str, check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
         self.commands.append(cmd)
+        if cmd[:6] == ("ip", "-j", "-d", "link", "show", "dev"):
+            if cmd[6] not in self.links:
+                return subprocess.CompletedProcess(cmd, 1, stdout="", stderr=f'Device "{cmd[6]}" does not exist.')
+            info = {"ifname": cmd[6], **({"linkinfo": {"info_kind": self.links[cmd[6]]}} if self.links[cmd[6]] else {})}
+            return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps([info]), stderr="")
         out = self.netns if cmd[:3] == ("ip", "netns", "list") else self.pids if cmd[:3] == ("ip", "netns",
                                                                                                "pids") else ""
         return subprocess.CompletedProcess(cmd, 0, stdout=out, stderr="")
@@ -216,6 +222,7 @@ def test_down_signals_no_pid_that_is_not_its_ray_node(harness, recorder, tmp_pat
     plant(directory, state)
     recorder.netns = "tq-h0 tq-h1"
     recorder.pids = f"1 {os.getppid()} {os.getpid()}"
+    recorder.links = {"tqv0": "veth", "tqv1": "veth", "tqbr": "bridge"}
     assert harness.main(["--state-dir", str(directory), "down"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out) == {"down": True, "removed": ["tq-h0", "tq-h1"]}
@@ -298,3 +305,18 @@ def test_logs_and_state_files_are_not_written_through_symlinks(harness, tmp_path
     assert stat.S_ISREG(saved.st_mode) and stat.S_IMODE(saved.st_mode) == 0o600 and target.read_text() == "theirs"
     assert store.load()["hosts"][0]["name"] == "tq-h0"
     assert not [n for n in os.listdir(directory) if n.startswith("state.json.") and n != "state.json.1.tmp"]
+
+
+@ROOT
+def test_down_deletes_no_link_that_is_not_of_the_kind_it_makes(harness, recorder, tmp_path, capsys):
+    """Names that fit the harness's pattern but are the machine's own devices (a plain NIC renamed
+    tqv0, another bridge where a veth should be, a veth where the bridge should be) are left, with
+    a warning each; a link that is gone already is nothing to do."""
+    directory = private_dir(tmp_path / "st")
+    plant(directory, up_state(directory, hosts=3))
+    recorder.links = {"tqv0": "", "tqv1": "bridge", "tqbr": "veth"}  # tqv2: gone
+    assert harness.main(["--state-dir", str(directory), "down"]) == 0
+    err = capsys.readouterr().err
+    assert "link tqv0 is a device of no kind, not the veth the harness makes: not deleted" in err
+    assert "link tqv1 is a bridge, not the veth" in err and "link tqbr is a veth, not the bridge" in err
+    assert not [cmd for cmd in recorder.commands if cmd[:3] == ("ip", "link", "del")]
