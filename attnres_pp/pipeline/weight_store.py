@@ -143,8 +143,11 @@ def drain_weight_store(store: WeightStore) -> None:
             if not accumulate_along(f, flow, weight_ids):
                 edges.append(GradientEdge(f, nr))
                 flows.append(flow)
-    edges += store.flow_edges
-    flows += [store.value(flow) for flow in store.flows]
+    for edge, held in zip(store.flow_edges, store.flows, strict=True):
+        flow = store.value(held)
+        if not accumulate_along(edge.node, flow, weight_ids):  # a stack of pseudo-queries: no engine
+            edges.append(edge)
+            flows.append(flow)
     for root, grad in store.outside_roots:
         edges.append(root)
         flows.append(grad)
