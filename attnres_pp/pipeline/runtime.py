@@ -178,9 +178,11 @@ class StageRuntime(ExecutorView):
         fused_backward(roots, root_grads)
         self._emit_input_grads(action, ctx, outside)
 
-    # I frees the chunk's graph and leaves W a weight store (`weight_store`); True: I keeps the whole
-    # graph for W (`split_backward`, the store's slow twin).
-    split_retains_graph = False
+    # True: I keeps the chunk's whole graph for W (`split_backward`); False: I frees it and leaves W a
+    # weight store (`weight_store`, the same gradients, a fraction of the memory between I and W).
+    # Stays True until the simulator's memory model (`simulator.memory`) predicts the store's peak,
+    # which `tests/test_memory_predict.py` checks against this runtime's counts.
+    split_retains_graph = True
 
     def _backward_input(self, action: Action) -> None:
         """I: what B sends and deposits, and none of the parameters' gradients but the cheap ones."""
