@@ -2,7 +2,8 @@
 
 The benchmark model (Block AttnRes with the cache, and the standard residual), cut into P = 2,
 V = 2 chunks; one process, one thread. Per chunk and round: a forward, then B; a forward, then I
-and W (the runtime's own functions, with its per-chunk cut cache warm), in alternating order.
+and W (the runtime's own functions, with its per-chunk cut cache warm: the weight store, and the
+retained-graph twin beside it), in alternating order.
 Both the thread's CPU time (what the split costs in work, little disturbed by other load) and wall
 time are recorded; medians over rounds. Target: I + W within 10% of B.
 """
@@ -56,9 +57,14 @@ def _chunk_runs(model_dict: dict, seed: int = 0):
     return model, runs
 
 
-def measure(model_dict: dict, rounds: int, warmup: int) -> list[dict]:
+def measure(model_dict: dict, rounds: int, warmup: int, *, retain: bool = False) -> list[dict]:
+    """`retain`: the split's slow twin (I keeps the graph until W) instead of the weight store."""
     from attnres_pp.pipeline.graph_cut import CutCache
     from attnres_pp.pipeline.split_backward import backward_input, backward_weight, fused_backward
+    from attnres_pp.pipeline.weight_store import drain_weight_store, stash_backward_input
+
+    split_input, split_weight = ((backward_input, backward_weight) if retain
+                                 else (stash_backward_input, drain_weight_store))
 
     model, runs = _chunk_runs(model_dict)
     cuts = CutCache()
@@ -77,9 +83,10 @@ def measure(model_dict: dict, rounds: int, warmup: int) -> list[dict]:
                         samples["B"].append(cpu_b)
                         samples["B_wall"].append(wall_b)
                     continue
-                work = backward_input(roots, grads, inputs, cuts, c)
+                work = split_input(roots, grads, inputs, cuts, c)
+                del roots, grads  # as the runtime does: the store's I lets the rest of the graph go
                 cpu_i = time.thread_time() - cpu
-                backward_weight(work)
+                split_weight(work)
                 cpu_w, wall_iw = time.thread_time() - cpu - cpu_i, time.perf_counter() - wall
                 if r >= warmup:
                     samples["I"].append(cpu_i)
@@ -98,12 +105,14 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> d
     rounds, warmup = (20, 3) if quick else (60, 5)
     results = {}
     for name, model_dict in MODELS.items():
-        rows = measure(model_dict, rounds, warmup)
-        total_b = sum(r["B_ms"] for r in rows)
-        total = sum(r["I_ms"] + r["W_ms"] for r in rows) / total_b
-        results[name] = {"chunks": rows, "ratio": total}
-        progress(f"  {name}: I + W = {total:.3f} x B (CPU time, all chunks); per chunk "
-                 + ", ".join(f"{r['ratio']:.3f}" for r in rows))
+        for retain in (False, True):
+            rows = measure(model_dict, rounds, warmup, retain=retain)
+            total_b = sum(r["B_ms"] for r in rows)
+            total = sum(r["I_ms"] + r["W_ms"] for r in rows) / total_b
+            key = f"{name}_retained_graph" if retain else name
+            results[key] = {"chunks": rows, "ratio": total}
+            progress(f"  {key}: I + W = {total:.3f} x B (CPU time, all chunks); per chunk "
+                     + ", ".join(f"{r['ratio']:.3f}" for r in rows))
     return {"models": results, "ratio": results["block_cached"]["ratio"], "rounds": rounds, "warmup": warmup,
             "layout": {"P": N_STAGES, "V": N_VIRTUAL, "microbatch_size": MICROBATCH_SIZE},
             "note": "ratio = (I + W) / B in thread CPU time, medians per chunk, summed over the chunks"}

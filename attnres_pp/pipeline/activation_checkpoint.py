@@ -17,7 +17,9 @@ forward again (one recomputation per read: a 12-layer chunk's W recomputed its l
 times). Here a layer's forward is one `_Frame`: the first unpack of a recomputed tensor, in any
 graph task or none, recomputes the whole layer and keeps the results until autograd drops the
 frame's last handle (B: when the layer's backward is done; I/W: when W is done), so W never
-recomputes what I did and never finds a tensor I consumed. Cached reads and received tensors stay
+recomputes what I did and never finds a tensor I consumed. Each result dies with the handle of the
+node that saved it: a backward that frees its graph (B; I with the weight store, which keeps only
+the stashed operands) frees a recomputed tensor as soon as its node has run. Cached reads and received tensors stay
 the leaves they are (they are the frame's inputs, saved as they are); deposits are untouched.
 
 Recomputation reproduces the forward exactly: the same inputs (detached, requiring grad as
@@ -68,10 +70,17 @@ class _Direct:
 
 
 class _Recompute:
+    """A recomputed tensor's place in its frame. Autograd drops it with the node that saved it (after
+    the node ran, unless the graph is retained): its result is then dropped too, so what a freeing
+    backward (B, or I with a weight store) has consumed dies while the rest of the layer runs."""
+
     __slots__ = ("frame", "index")
 
     def __init__(self, frame: _Frame, index: int) -> None:
         self.frame, self.index = frame, index
+
+    def __del__(self) -> None:
+        self.frame.release(self.index)
 
 
 class _Frame:
@@ -86,6 +95,7 @@ class _Frame:
         self.held_inputs = None if meter is None else [meter.pack(a) for a in self.args if isinstance(a, torch.Tensor)]
         self.n_packed = 0
         self.direct: set[int] = set()
+        self.dropped: set[int] = set()  # packed, then dropped by autograd before the recomputation
         self.recomputed: list | None = None
         self.cached: list | None = None
         self.device_type = next(a.device.type for a in args if isinstance(a, torch.Tensor))
@@ -114,11 +124,18 @@ class _Frame:
             self._recompute()
         return self._unwrap(self.recomputed[packed.index])
 
+    def release(self, index: int) -> None:
+        if self.recomputed is None:
+            self.dropped.add(index)
+        else:
+            self.recomputed[index] = None
+
     def _recompute(self) -> None:
         saved: list = []
+        unwanted = self.direct | self.dropped
 
         def collect(t: torch.Tensor):
-            saved.append(None if len(saved) in self.direct else self._wrap(t.detach()))
+            saved.append(None if len(saved) in unwanted else self._wrap(t.detach()))
             return None
 
         enabled, dtype = self.autocast

@@ -9,8 +9,9 @@ simulator's prediction follows:
   nodes, or several views of one buffer (a received message's flat buffer, the q/k/v of one
   projection), count once, for as long as any handle to the storage lives;
 - a storage is alive from the first save until autograd drops the last handle: a fused backward
-  (B) drops a node's handles as the node runs; the split backward's I keeps the whole graph
-  (`retain_graph`), so the chunk's saved storages live until its W drops them;
+  (B) drops a node's handles as the node runs; so does the split backward's I, which packs the
+  weight store's operands through the meter (`weight_store`: they live until W drains them); its
+  slow twin keeps the whole graph (`retain_graph`), so the chunk's saved storages live until W;
 - parameters' own storages are not activations (they are `param_bytes`), so they are never
   counted; a copy of a parameter (the bf16 cast under autocast, FSDP2's all-gathered unsharded
   parameter) is a new storage and is counted;

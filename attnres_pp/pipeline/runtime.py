@@ -28,6 +28,7 @@ from attnres_pp.pipeline.graph_cut import CutCache
 from attnres_pp.pipeline.memory_meter import ActivationMeter
 from attnres_pp.pipeline.routes import hop_shapes, message_tag
 from attnres_pp.pipeline.split_backward import WeightWork, backward_input, backward_weight, fused_backward
+from attnres_pp.pipeline.weight_store import WeightStore, drain_weight_store, stash_backward_input
 from attnres_pp.schedule.ir import Action, ActionKind, Schedule
 
 
@@ -98,7 +99,7 @@ class StageRuntime(ExecutorView):
         self._inputs_by_mb, self._targets_by_mb, self._loss_scale = inputs_by_mb, targets_by_mb, loss_scale
         self._forward_only = forward_only
         self._contexts: dict[tuple[int, int], _ChunkContext] = {}
-        self._weight_work: dict[tuple[int, int], WeightWork] = {}  # I done, W to come
+        self._weight_work: dict[tuple[int, int], WeightWork | WeightStore] = {}  # I done, W to come
         self.memory.set_excluded(p for chunk in self.chunks.values() for p in chunk.parameters())
         self.memory.reset_peak()
         self.record = StepRecord()
@@ -177,16 +178,29 @@ class StageRuntime(ExecutorView):
         fused_backward(roots, root_grads)
         self._emit_input_grads(action, ctx, outside)
 
+    # True: I keeps the chunk's whole graph for W (`split_backward`); False: I frees it and leaves W a
+    # weight store (`weight_store`, the same gradients, a fraction of the memory between I and W).
+    # Stays True until the simulator's memory model (`simulator.memory`) predicts the store's peak,
+    # which `tests/test_memory_predict.py` checks against this runtime's counts.
+    split_retains_graph = True
+
     def _backward_input(self, action: Action) -> None:
         """I: what B sends and deposits, and none of the parameters' gradients but the cheap ones."""
         ctx, outside, roots, root_grads = self._backward_roots(action)
         leaves = [t for t in ctx.inputs.values() if t.requires_grad]
-        self._weight_work[(action.chunk_index, action.microbatch_index)] = backward_input(
-            roots, root_grads, leaves, self._cuts, action.chunk_index)
+        if self.split_retains_graph:
+            work = backward_input(roots, root_grads, leaves, self._cuts, action.chunk_index)
+        else:
+            work = stash_backward_input(roots, root_grads, leaves, self._cuts, action.chunk_index, self.memory)
+        self._weight_work[(action.chunk_index, action.microbatch_index)] = work
         self._emit_input_grads(action, ctx, outside)
 
     def _backward_weight(self, action: Action) -> None:
-        backward_weight(self._weight_work.pop((action.chunk_index, action.microbatch_index)))
+        work = self._weight_work.pop((action.chunk_index, action.microbatch_index))
+        if isinstance(work, WeightStore):
+            drain_weight_store(work)
+        else:
+            backward_weight(work)
 
     def _backward_roots(self, action: Action):
         """The chunk's context, its outside gradients (next hop and collected deposits) and the

@@ -56,19 +56,8 @@ def backward_input(roots: list[torch.Tensor], root_grads: list[torch.Tensor], in
     wanted = list(inputs) + cut.input_params
     grads = torch.autograd.grad([r for r, _ in pairs], wanted + slots,
                                 grad_outputs=[g for _, g in pairs], retain_graph=True, allow_unused=True)
-    n_inputs = len(inputs)
     # grads holds the wanted tensors' gradients, then the owners' slots (read below).
-    for position, (tensor, grad) in enumerate(zip(wanted, grads[:len(wanted)], strict=True)):
-        if grad is None:
-            continue
-        if tensor.grad is not None:
-            tensor.grad += grad
-        elif position >= n_inputs and grad._base is not None:
-            # A parameter's .grad is added to in place later: never let it be a view of another
-            # tensor (a gradient passed through unchanged could be a received message's slot).
-            tensor.grad = grad.clone()
-        else:
-            tensor.grad = grad
+    accumulate_leaf_grads(wanted, grads[:len(wanted)], len(inputs))
     owners, first = [], len(wanted)
     for owner, edges, n_out in cut.owners:
         owners.append((owner, edges, grads[first:first + n_out]))
@@ -87,12 +76,12 @@ def backward_weight(work: WeightWork, *, known_flows: bool = True) -> None:
     for owner, weight_edges, kept in work.owners:
         if all(g is None for g in kept):  # no gradient reached the owner in I
             continue
-        if known_flows and owner.name() in _PRODUCTS and kept[0] is not None:
+        if known_flows and owner.name() in PRODUCTS and kept[0] is not None:
             for k, f, nr in weight_edges:
                 if _accumulate_linear_weight(owner, kept[0], k, f):
                     continue
                 flow = _product_flow(owner, kept[0], k)
-                if not _accumulate_along(f, flow, weight_ids):
+                if not accumulate_along(f, flow, weight_ids):
                     edges.append(GradientEdge(f, nr))
                     flows.append(flow)
             continue
@@ -108,6 +97,22 @@ def backward_weight(work: WeightWork, *, known_flows: bool = True) -> None:
     work.outside_roots.clear()
 
 
+def accumulate_leaf_grads(tensors: list[torch.Tensor], grads, n_inputs: int) -> None:
+    """Add `grads` to the `.grad` of `tensors`: the first `n_inputs` are the chunk's inputs, the rest
+    parameters."""
+    for position, (tensor, grad) in enumerate(zip(tensors, grads, strict=True)):
+        if grad is None:
+            continue
+        if tensor.grad is not None:
+            tensor.grad += grad
+        elif position >= n_inputs and grad._base is not None:
+            # A parameter's .grad is added to in place later: never let it be a view of another
+            # tensor (a gradient passed through unchanged could be a received message's slot).
+            tensor.grad = grad.clone()
+        else:
+            tensor.grad = grad
+
+
 def _engine_flows(owner: Node, kept: tuple, weight_edges: list[tuple[int, Node, int]]):
     """The flows along `owner`'s weight edges, by the engine. Each edge's target has no other way
     in, so only `owner` runs; but the engine walks the whole graph below it first."""
@@ -119,21 +124,30 @@ def _engine_flows(owner: Node, kept: tuple, weight_edges: list[tuple[int, Node, 
     return [t for t, _ in pairs], [g for _, g in pairs]
 
 
-_PRODUCTS = frozenset({"MmBackward0", "MvBackward0", "BmmBackward0"})
+PRODUCTS = frozenset({"MmBackward0", "MvBackward0", "BmmBackward0"})
+
+
+# The saved operand each edge's flow needs, per matrix product (out = self @ other).
+PRODUCT_OPERANDS = {"MvBackward0": ("_saved_vec", "_saved_self"), "MmBackward0": ("_saved_mat2", "_saved_self"),
+                    "BmmBackward0": ("_saved_mat2", "_saved_self")}
 
 
 def _product_flow(owner: Node, grad: torch.Tensor, k: int) -> torch.Tensor:
     """The flow along edge k of a matrix product (out = self @ other), from its saved operands."""
     name = owner.name()
+    return product_flow(name, grad, getattr(owner, PRODUCT_OPERANDS[name][k]), k)
+
+
+def product_flow(name: str, grad: torch.Tensor, operand: torch.Tensor, k: int) -> torch.Tensor:
+    """The flow along edge k of the matrix product `name`, from the operand `PRODUCT_OPERANDS` names."""
     if name == "MvBackward0":
-        return torch.outer(grad, owner._saved_vec) if k == 0 else owner._saved_self.t().mv(grad)
+        return torch.outer(grad, operand) if k == 0 else operand.t().mv(grad)
     if name == "MmBackward0":
-        return grad.mm(owner._saved_mat2.t()) if k == 0 else owner._saved_self.t().mm(grad)
-    return (grad.bmm(owner._saved_mat2.transpose(1, 2)) if k == 0
-            else owner._saved_self.transpose(1, 2).bmm(grad))
+        return grad.mm(operand.t()) if k == 0 else operand.t().mm(grad)
+    return grad.bmm(operand.transpose(1, 2)) if k == 0 else operand.transpose(1, 2).bmm(grad)
 
 
-def _accumulate_along(node: Node, flow: torch.Tensor, weight_ids: set[int] | None) -> bool:
+def accumulate_along(node: Node, flow: torch.Tensor, weight_ids: set[int] | None) -> bool:
     """Carry `flow`, entering `node`, down transposes, stacks and multiplications by a scalar that
     needs no gradient (pseudo-queries stacked for a batched read, times the logit scale) to the
     parameters at the ends, and add it to their .grad (not to I parameters: I has their gradients).
@@ -186,13 +200,20 @@ def _flows_to_leaves(node: Node, flow: torch.Tensor, depth: int = 0) -> list[tup
 def _accumulate_linear_weight(owner: Node, grad_2d: torch.Tensor, k: int, target: Node) -> bool:
     """A linear layer's weight W, out = x @ W.t(): add grad.t() @ x to W.grad in W's own layout
     (one matmul, no transposed copy). False if edge k is not that pattern."""
-    if k != 1 or owner.name() != "MmBackward0" or target.name() != "TBackward0":
+    if k != 1 or owner.name() != "MmBackward0":
+        return False
+    return accumulate_linear_weight(grad_2d, owner._saved_self, target)
+
+
+def accumulate_linear_weight(grad_2d: torch.Tensor, x_2d: torch.Tensor, target: Node) -> bool:
+    """Edge 1 of out = x @ W.t() (an MmBackward0) entering `target`: if `target` is the transpose of a
+    leaf W, add grad.t() @ x to W.grad and return True; False, having changed nothing, otherwise."""
+    if target.name() != "TBackward0":
         return False
     ((leaf, _nr),) = target.next_functions
     weight = getattr(leaf, "variable", None)
     if weight is None:
         return False
-    x_2d = owner._saved_self
     if weight.grad is None:
         weight.grad = grad_2d.t().mm(x_2d)
     else:

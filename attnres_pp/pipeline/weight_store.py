@@ -1,0 +1,160 @@
+"""The split backward with a weight-gradient store (docs/spec.md section 8: between I and W a chunk
+keeps only its W store), as the zero-bubble paper's WeightGradStore and Transformer Engine's
+delayed weight-gradient computation do it.
+
+`stash_backward_input` (I) runs the engine once, for the chunk's inputs and the I parameters, with
+the graph freed as it goes (no retain_graph): every node of the input-gradient chain drops what it
+saved once it has run, and so does every layer activation checkpointing recomputed. Before an owner
+of weight edges (`graph_cut`) runs, a pre-hook on it stashes what W needs of it:
+- a linear layer's weight (out = x @ W.t(), an MmBackward0 whose edge 1 enters W's transpose): the
+  gradient it receives and x, read from its saved tensors (out + in features per token: 16 d a
+  transformer layer at ff = 4 d, about half of what the layer saves without checkpointing);
+- any other weight edge (pseudo-queries' and key projections' products, MSAR's taps and gates):
+  nothing; the edge is an output of I's engine call, so its flow, weight-sized and small, is stored
+  instead (stashing a depth-attention product's operand, the stacked keys, would cost far more).
+`drain_weight_store` (W) computes the linear weights' gradients from the stash in a fixed order (the
+cut's) straight into their `.grad`, and carries the other flows, and the roots outside the chain,
+down the weight branches (never run in I, so still whole) by one engine call.
+
+The stashed tensors are held through the activation meter, so the counted peak sees the store.
+`split_backward.backward_input` / `backward_weight` (I keeps the graph until W) are its slow twin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+from attnres_pp.pipeline.graph_cut import CutCache
+from attnres_pp.pipeline.memory_meter import ActivationMeter
+from attnres_pp.pipeline.split_backward import (
+    PRODUCT_OPERANDS,
+    PRODUCTS,
+    accumulate_along,
+    accumulate_leaf_grads,
+    accumulate_linear_weight,
+    product_flow,
+)
+
+
+@dataclass
+class _ProductStash:
+    """One linear owner's share of the store: its name, weight edges (k, target f, f's input
+    slot), and, once I reached it, the gradient it received and the operand of each edge by k."""
+
+    name: str
+    edges: list[tuple[int, Node, int]]
+    grad: object = None
+    operands: dict[int, object] = field(default_factory=dict)
+
+
+@dataclass
+class WeightStore:
+    """What I leaves for W: the products' stashes, the flows into other weight branches, the roots
+    outside the input-gradient chain with their gradients, and the parameters W accumulates into."""
+
+    meter: ActivationMeter | None = None
+    products: list[_ProductStash] = field(default_factory=list)
+    flow_edges: list[GradientEdge] = field(default_factory=list)
+    flows: list[object] = field(default_factory=list)
+    outside_roots: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    params: list[torch.Tensor] | None = field(default_factory=list)  # None: every leaf of the graph
+
+    def hold(self, t: torch.Tensor):
+        return t.detach() if self.meter is None else self.meter.pack(t)
+
+    def value(self, held) -> torch.Tensor:
+        return held if self.meter is None else self.meter.unpack(held)
+
+
+def stash_backward_input(roots: list[torch.Tensor], root_grads: list[torch.Tensor], inputs: list[torch.Tensor],
+                         cuts: CutCache | None = None, key: object = None,
+                         meter: ActivationMeter | None = None) -> WeightStore:
+    """I: accumulate the gradients of `inputs` and of the I parameters in their `.grad`, free the
+    graph but the weight branches, and return the store W drains."""
+    pairs = [(r, g) for r, g in zip(roots, root_grads, strict=True) if r.grad_fn is not None]
+    if not pairs:
+        return WeightStore(meter)
+    if not inputs:  # chunk 0: nothing goes back, all of it is W
+        return WeightStore(meter, outside_roots=pairs, params=None)
+    cut = (cuts or CutCache()).cut(key, [r.grad_fn for r, _ in pairs], inputs)
+    store = WeightStore(meter, outside_roots=[pairs[r] for r in cut.outside_roots], params=cut.weight_params)
+    handles, flow_targets = [], []
+    for owner, edges, _n_out in cut.owners:
+        linear = [(k, f, nr) for k, f, nr in edges if _is_linear_weight(owner, k, f)] if owner.name() == "MmBackward0" else []
+        if linear:
+            stash = _ProductStash("MmBackward0", linear)
+            store.products.append(stash)
+            handles.append(owner.register_prehook(_stasher(store, stash, owner)))
+        flow_targets += [GradientEdge(f, nr) for k, f, nr in edges if (k, f, nr) not in linear]
+    wanted = list(inputs) + cut.input_params
+    try:
+        grads = torch.autograd.grad([r for r, _ in pairs], wanted + flow_targets,
+                                    grad_outputs=[g for _, g in pairs], allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    accumulate_leaf_grads(wanted, grads[:len(wanted)], len(inputs))
+    for target, flow in zip(flow_targets, grads[len(wanted):], strict=True):
+        if flow is not None:
+            store.flow_edges.append(target)
+            store.flows.append(store.hold(flow))
+    return store
+
+
+def _is_linear_weight(owner: Node, k: int, target: Node) -> bool:
+    """Edge 1 of out = x @ W.t() into the transpose of a leaf W: a linear layer's weight."""
+    if k != 1 or target.name() != "TBackward0":
+        return False
+    ((leaf, _nr),) = target.next_functions
+    return getattr(leaf, "variable", None) is not None
+
+
+def _stasher(store: WeightStore, stash: _ProductStash, owner: Node):
+    operand_names = PRODUCT_OPERANDS[stash.name]
+
+    def prehook(grad_outputs):
+        # Runs just before the owner does, while its saved tensors are still there (under activation
+        # checkpointing: recomputed by now or by this read).
+        if grad_outputs[0] is not None:
+            stash.grad = store.hold(grad_outputs[0])
+            stash.operands = {k: store.hold(getattr(owner, operand_names[k])) for k, _f, _nr in stash.edges}
+        return None
+
+    return prehook
+
+
+@torch.no_grad()  # the stashed operands are activations: build no graph on them
+def drain_weight_store(store: WeightStore) -> None:
+    """W: the parameters' gradients from the store, accumulated in their `.grad`; empties the store."""
+    edges, flows = [], []
+    weight_ids = None if store.params is None else {id(p) for p in store.params}
+    for stash in store.products:
+        if stash.grad is None:  # no gradient reached the owner in I
+            continue
+        grad, operands = store.value(stash.grad), {k: store.value(h) for k, h in stash.operands.items()}
+        stash.grad, stash.operands = None, {}  # the handles go as the flows are computed
+        for k, f, nr in stash.edges:
+            operand = operands.pop(k)
+            if k == 1 and stash.name == "MmBackward0" and accumulate_linear_weight(grad, operand, f):
+                continue
+            flow = product_flow(stash.name, grad, operand, k)
+            if not accumulate_along(f, flow, weight_ids):
+                edges.append(GradientEdge(f, nr))
+                flows.append(flow)
+    for edge, held in zip(store.flow_edges, store.flows, strict=True):
+        flow = store.value(held)
+        if not accumulate_along(edge.node, flow, weight_ids):  # a stack of pseudo-queries: no engine
+            edges.append(edge)
+            flows.append(flow)
+    for root, grad in store.outside_roots:
+        edges.append(root)
+        flows.append(grad)
+    store.products.clear()
+    store.flow_edges.clear()
+    store.flows.clear()
+    store.outside_roots.clear()
+    if edges and (store.params is None or store.params):
+        torch.autograd.backward(edges, flows, inputs=store.params)
