@@ -142,18 +142,27 @@ def _hostile_copy(trained_run: Path, tmp_path: Path, payload: bytes) -> Path:
     return run
 
 
-@pytest.mark.parametrize("name", ["attribute walk via an admitted module", "os.system by GLOBAL",
-                                  "REDUCE on an admitted class"])
+# The reported attack goes through the CLI in a fresh interpreter (the exit status and stderr of
+# `python -m attnres_pp.cli`); the other gadgets through the same `main` in this process.
+@pytest.mark.parametrize(("name", "fresh"), [
+    pytest.param("attribute walk via an admitted module", True, marks=pytest.mark.subprocess),
+    ("os.system by GLOBAL", False), ("REDUCE on an admitted class", False)])
 @pytest.mark.parametrize("command", ["train", "generate"])
-@pytest.mark.subprocess
-def test_resume_from_a_hostile_checkpoint_is_one_error_line(trained_run, tmp_path, marker, name, command):
+def test_resume_from_a_hostile_checkpoint_is_one_error_line(trained_run, tmp_path, marker, name, fresh, command,
+                                                            capsys):
     run = _hostile_copy(trained_run, tmp_path, gadgets(marker)[name])
     argv = {"train": ["train", "--resume", str(run), "--steps", "3", "--launcher", "local", "--quiet"],
             "generate": ["generate", "--resume", str(run), "--prompt", "def ", "--max-new-tokens", "2"]}[command]
-    done = subprocess.run([sys.executable, "-m", "attnres_pp.cli", *argv], capture_output=True, text=True,
-                          timeout=240)
-    assert done.returncode == 2, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "refusing to load" in lines[0], done.stderr
-    assert "Traceback" not in done.stderr
+    if fresh:
+        done = subprocess.run([sys.executable, "-m", "attnres_pp.cli", *argv], capture_output=True, text=True,
+                              timeout=240)
+        status, stderr = done.returncode, done.stderr
+    else:
+        capsys.readouterr()
+        status = main(argv)
+        stderr = capsys.readouterr().err
+    assert status == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "refusing to load" in lines[0], stderr
+    assert "Traceback" not in stderr
     assert not marker.exists()

@@ -38,32 +38,43 @@ def _assert_losses(got: list[float], want: list[float]) -> None:
 
 # The upper bound of a rank's sharded state over its whole state: MSAR's tied convolutions and gate
 # scales stay whole, a larger share of this tiny model than of a real one.
-@pytest.mark.parametrize(("model", "schedule", "extra", "at_most"), [
-    (["--residual", "attnres", "--block-size", "3"], "interleaved_1f1b", [], 0.51),
-    (["--residual", "msar", "--block-size", "3"], "zbv",
-     ["--fsdp-reshard-after-forward", "always", "--activation-checkpoint", "selective"], 0.56),
-], ids=["block-interleaved", "msar-zbv"])
-def test_fsdp_over_gloo_equals_the_replicated_run(tmp_path, model, schedule, extra, at_most):
-    layout = [*D2P2V2, *model, "--schedule", schedule, "--steps", "3"]
-    assert main(["train", *layout, "--launcher", "inprocess", "--out", str(tmp_path / "replicate")]) == 0
-    assert main(["train", *layout, "--launcher", "local", "--dp-shard", "fsdp", *extra,
-                 "--out", str(tmp_path / "fsdp")]) == 0
-    want, got = _summary(tmp_path / "replicate"), _summary(tmp_path / "fsdp")
-    _assert_losses(got["losses"], want["losses"])
-    for whole, shard in zip(want["memory_per_rank"], got["memory_per_rank"], strict=True):
-        # Half of every sharded tensor (FSDP2 pads dim 0 to a multiple of D).
+def _assert_sharded(whole_run: dict, fsdp_run: dict, at_most: float) -> None:
+    """Each fsdp rank holds half of every sharded tensor (FSDP2 pads dim 0 to a multiple of D) of
+    what the replicated rank holds."""
+    for whole, shard in zip(whole_run["memory_per_rank"], fsdp_run["memory_per_rank"], strict=True):
         assert 0.5 * _state_bytes(whole) <= _state_bytes(shard) <= at_most * _state_bytes(whole)
 
 
+def test_fsdp_over_gloo_equals_the_replicated_run(tmp_path):
+    """MSAR under ZB-V with the I/W split, resharding after every forward and selective
+    checkpointing. Block AttnRes under a loop schedule is the first run of
+    test_checkpoints_move_between_fsdp_and_replicate_at_another_split, checked the same way."""
+    layout = [*D2P2V2, "--residual", "msar", "--block-size", "3", "--schedule", "zbv", "--steps", "3"]
+    assert main(["train", *layout, "--launcher", "inprocess", "--out", str(tmp_path / "replicate")]) == 0
+    assert main(["train", *layout, "--launcher", "local", "--dp-shard", "fsdp", "--fsdp-reshard-after-forward",
+                 "always", "--activation-checkpoint", "selective", "--out", str(tmp_path / "fsdp")]) == 0
+    want, got = _summary(tmp_path / "replicate"), _summary(tmp_path / "fsdp")
+    _assert_losses(got["losses"], want["losses"])
+    _assert_sharded(want, got, 0.56)
+
+
 def test_checkpoints_move_between_fsdp_and_replicate_at_another_split(tmp_path):
+    """Block AttnRes under interleaved 1F1B at D = 2, P = 2, V = 2: the fsdp run equals the
+    replicated one (losses, and half the state per rank) and resumes at P = 1 under replicate; the
+    replicated run resumes at P = 1 under fsdp; both to the uninterrupted losses."""
     layout = [*D2P2V2, "--residual", "attnres", "--block-size", "3", "--schedule", "interleaved_1f1b", "--steps", "3"]
     assert main(["train", *layout, "--launcher", "inprocess", "--out", str(tmp_path / "whole")]) == 0
-    want = _summary(tmp_path / "whole")["losses"]
+    whole = _summary(tmp_path / "whole")
+    want = whole["losses"]
     for name, first, then in (("from_fsdp", ["--dp-shard", "fsdp"], []), ("to_fsdp", [], ["--dp-shard", "fsdp"])):
         run = tmp_path / name
         # No final checkpoint: the resume continues from step_2 (with step_3 saved it would have nothing to do).
         assert main(["train", *layout, "--launcher", "local", *first, "--checkpoint-every", "2",
                      "--no-final-checkpoint", "--out", str(run)]) == 0
+        first_run = _summary(run)
+        _assert_losses(first_run["losses"], want)  # the uninterrupted run, local launcher, equals replicate's
+        if first:
+            _assert_sharded(whole, first_run, 0.51)
         (run / "summary.json").unlink()
         assert main(["train", "--resume", str(run), "--launcher", "local", "--stages", "1", "--virtual", "1",
                      "--schedule", "1f1b", "--dp-shard", "replicate" if not then else "fsdp", "--quiet"]) == 0

@@ -48,7 +48,9 @@ def run_cli(argv: list[str], **env: str) -> subprocess.CompletedProcess:
     ],
 )
 @pytest.mark.subprocess
-def test_sigkill_during_a_checkpoint_then_resume_alone(tmp_path, split):
+def test_sigkill_during_a_checkpoint_then_resume_alone(tmp_path, split, capsys):
+    """The crash is a child process SIGKILLed mid-save; the resume, from what it left on disk and
+    `--resume` alone, runs the CLI's main in this process."""
     clean, run = tmp_path / "clean", tmp_path / "run"
     assert main(["train", *split, *TINY, "--quiet", "--out", str(clean)]) == 0
 
@@ -58,11 +60,13 @@ def test_sigkill_during_a_checkpoint_then_resume_alone(tmp_path, split):
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4.tmp"]
     assert list((root / "step_4.tmp").glob("*.distcp")) and not (root / "step_4.tmp" / "meta.json").exists()
 
-    resumed = run_cli(["--resume", str(run)])
-    assert resumed.returncode == 0, resumed.stderr
-    assert "removed step_4.tmp" in resumed.stdout
+    capsys.readouterr()
+    status = main(["train", "--resume", str(run)])
+    resumed = capsys.readouterr()
+    assert status == 0, resumed.err
+    assert "removed step_4.tmp" in resumed.out
     assert (f"resuming from {root / 'step_2'} (continuing at step 3; checkpoint every 2 steps and at the end, "
-            "keep 2, max restarts 1, eval every 3 steps, data builtin)") in resumed.stdout
+            "keep 2, max restarts 1, eval every 3 steps, data builtin)") in resumed.out
     # Saving went on after the crash (--keep-checkpoints 2 leaves the newest two, the final step_8 among
     # them), and nothing stale is left.
     assert sorted(p.name for p in root.iterdir()) == ["step_6", "step_8"]
