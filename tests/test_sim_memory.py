@@ -118,9 +118,13 @@ def test_walk_counts_in_flight_forwards_and_split_backward():
     saved = [ChunkActivation(saved=10), ChunkActivation(saved=100)]
     actions = [_A(a) for a in ("F0.0", "F0.1", "B0.0", "F0.2", "B0.1", "B0.2")]
     assert walk_rank(actions, saved_by_chunk=saved, plan=None, tensor_bytes=1) == (20, 0, 20, "F0.1")
-    # I frees nothing (the graph is kept for W); W frees the chunk's saved bytes.
+    # Chunk 0's I has no inputs and frees nothing; its W is the whole backward.
     actions = [_A(a) for a in ("F0.0", "I0.0", "F0.1", "W0.0", "I0.1", "W0.1")]
     assert walk_rank(actions, saved_by_chunk=saved, plan=None, tensor_bytes=1)[:2] == (20, 0)
+    # Another chunk's I frees what F saved and leaves the W store, which W frees.
+    stored = [ChunkActivation(saved=10), ChunkActivation(saved=100, stored=30)]
+    actions = [_A(a) for a in ("F1.0", "I1.0", "F1.1", "W1.0", "I1.1", "W1.1")]
+    assert walk_rank(actions, saved_by_chunk=stored, plan=None, tensor_bytes=1)[:2] == (130, 0)
 
 
 def test_cache_peak_within_the_entry_count_bound():

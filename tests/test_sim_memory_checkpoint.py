@@ -69,15 +69,20 @@ def test_checkpoint_units_predict_unseen_chunks(residual, key_mode, policy):
     assert statistics.median(errors) <= 0.05 and max(errors) <= 0.10, errors
 
 
-def test_walk_counts_recomputation_inside_b_and_i_kept_until_w():
+def test_walk_counts_recomputation_inside_b_and_i_and_the_store_until_w():
     chunks = [ChunkActivation(saved=10, transient=50), ChunkActivation(saved=10, transient=40, input_transient=70,
-                                                                      input_kept=60)]
+                                                                      input_kept=60, stored=60)]
     # Fused backward: the recomputation is alive inside B only, and the activation peak includes it.
     actions = [_A(a) for a in ("F1.0", "F1.1", "B1.0", "B1.1")]
     assert walk_rank(actions, saved_by_chunk=chunks, plan=None, tensor_bytes=1) == (60, 0, 60, "B1.0")
-    # Split: I's peak, then what it recomputed stays until W; chunk 0's W is its whole backward.
+    # Split: I peaks early as B does (the recomputation, 40) or late once the store (60) replaced
+    # what F saved (10), plus what it exceeds both by (70): 20 + 50 + 70 inside I1.0, which leaves
+    # 20 - 10 + 60; I1.1 peaks at 70 + 50 + 70.
     actions = [_A(a) for a in ("F1.0", "F1.1", "I1.0", "I1.1", "W1.0", "W1.1")]
-    assert walk_rank(actions, saved_by_chunk=chunks, plan=None, tensor_bytes=1) == (150, 0, 150, "I1.1")
+    assert walk_rank(actions, saved_by_chunk=chunks, plan=None, tensor_bytes=1) == (190, 0, 190, "I1.1")
+    # The early peak where it is the larger.
+    early = [chunks[0], ChunkActivation(saved=10, transient=90, input_transient=0, stored=5)]
+    assert walk_rank(actions, saved_by_chunk=early, plan=None, tensor_bytes=1)[0] == 20 + 90
     actions = [_A(a) for a in ("F0.0", "I0.0", "W0.0")]
     assert walk_rank(actions, saved_by_chunk=chunks, plan=None, tensor_bytes=1) == (60, 0, 60, "W0.0")
 

@@ -7,9 +7,9 @@ standard residual without AC; the step-time cost of each policy).
 
 Rows (each a fresh local-launcher run, three optimiser steps on random batches, step time = median
 of the last two): D = 1 with AC none / full / selective under 1F1B (16 layers per chunk) and ZB-V
-(8 layers per chunk); D = 2 and 4 under 1F1B without AC, replicate and fsdp (D = 4 x P = 2 is 8
-processes on this machine); the standard residual at D = 1, 1F1B, no AC (the reference of the Block
-AttnRes under selective target).
+(8 layers per chunk), AC none / full under ZB-H1 (16) and interleaved ZB (V = 2, 8); D = 2 and 4
+under 1F1B without AC, replicate and fsdp (D = 4 x P = 2 is 8 processes on this machine); the
+standard residual at D = 1, 1F1B, no AC (the reference of the Block AttnRes under selective target).
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ MICROBATCHES, MICROBATCH_SIZE, STAGES = 4, 2, 2
 KiB = 2**10
 # (residual overrides, D, dp_shard, AC, schedule)
 RUNS = [({}, 1, "replicate", ac, schedule) for schedule in ("1f1b", "zbv") for ac in ("none", "full", "selective")]
+# The other split-backward schedules, whose W store frees the graph at I like zbv's.
+RUNS += [({}, 1, "replicate", ac, schedule) for schedule in ("zb_h1", "interleaved_zb") for ac in ("none", "full")]
+VIRTUAL = {"zbv": 2, "interleaved_zb": 2}
 RUNS += [({}, d, shard, "none", "1f1b") for d in (2, 4) for shard in ("replicate", "fsdp")]
 RUNS += [(STANDARD, 1, "replicate", "none", "1f1b")]
 QUICK_RUNS = [r for r in RUNS if r[1] <= 2]
@@ -37,7 +40,7 @@ QUICK_RUNS = [r for r in RUNS if r[1] <= 2]
 def _one(model: dict, data_parallel: int, dp_shard: str, ac: str, schedule: str) -> dict:
     from attnres_pp.train.engines import make_engine
 
-    run_cfg = run_config(model, stages=STAGES, virtual=2 if schedule == "zbv" else 1, schedule=schedule,
+    run_cfg = run_config(model, stages=STAGES, virtual=VIRTUAL.get(schedule, 1), schedule=schedule,
                          microbatches=MICROBATCHES, microbatch_size=MICROBATCH_SIZE)
     run_cfg = dataclasses.replace(
         run_cfg, train=dataclasses.replace(run_cfg.train, activation_checkpoint=ac,
@@ -83,7 +86,7 @@ def ratios(rows: list) -> dict:
     """AC full / none activation peak and the step-time cost of each policy per schedule; Block AttnRes
     under selective over the standard residual without AC (largest rank each)."""
     out: dict = {}
-    for schedule in ("1f1b", "zbv"):
+    for schedule in ("1f1b", "zbv", "zb_h1", "interleaved_zb"):
         none = _find(rows, residual="attnres", activation_checkpoint="none", schedule=schedule, data_parallel=1)
         for ac in ("full", "selective"):
             row = _find(rows, residual="attnres", activation_checkpoint=ac, schedule=schedule, data_parallel=1)

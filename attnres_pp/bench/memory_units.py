@@ -79,10 +79,12 @@ def checkpoint_bytes(cfg: ModelConfig, partition, chunk_index: int, *, n_sequenc
     """One microbatch of chunk `chunk_index` under activation checkpointing `policy`, as the runtime
     runs it (`PipelineChunk` with the policy, the rank's `ActivationMeter`, the B / I / W of
     `pipeline.split_backward` on the loss or the produced tensors it sends or caches), counted by the
-    meter: {"saved": live after F, "transient": peak inside B above that, "input_transient": peak
-    inside I above it, "input_kept": live after I above it (0, 0 for chunk 0, whose I has no inputs)}."""
+    meter: {"saved": live after F, "transient": peak inside B above that, "input_transient": what the
+    peak inside I exceeds both saved + transient and the store by, "input_kept": live after I, the
+    W store (`pipeline.weight_store`: I frees the graph; 0, 0 for chunk 0, whose I has no inputs)}."""
     from attnres_pp.pipeline.memory_meter import ActivationMeter
-    from attnres_pp.pipeline.split_backward import backward_input, backward_weight, fused_backward
+    from attnres_pp.pipeline.split_backward import fused_backward
+    from attnres_pp.pipeline.weight_store import drain_weight_store, stash_backward_input
 
     plan = plan_for_model(cfg, partition, cache)
     precision = "bf16" if dtype == "bf16" else "fp32"
@@ -118,11 +120,16 @@ def checkpoint_bytes(cfg: ModelConfig, partition, chunk_index: int, *, n_sequenc
             del roots, grads
             continue
         leaves = [t for t in inputs.values() if t.requires_grad]
-        work = backward_input(roots, grads, leaves, None, chunk_index)
+        store = stash_backward_input(roots, grads, leaves, None, chunk_index, meter)
         del roots, grads
-        result.update(input_transient=meter.peak_bytes - saved, input_kept=meter.live_bytes - saved)
-        backward_weight(work)
-        del work
+        # I peaks early (as B: saved + transient), late (the whole store) or in between (the store
+        # partly built beside a layer's depth-read gradients): `input_transient` is what the peak
+        # exceeds the larger of the first two by, so each of the three is a linear form of its own.
+        kept = meter.live_bytes
+        result.update(input_transient=max(0, meter.peak_bytes - max(saved + result["transient"], kept)),
+                      input_kept=kept)
+        drain_weight_store(store)
+        del store
     return result
 
 
@@ -225,9 +232,12 @@ def fit_checkpoint(residual: str, key_mode: str, dtype: str, policy: str, *, n_c
     coefficients, errors = {}, {}
     for target in CHECKPOINT_TARGETS:
         use = [i for i, (chunk, _m) in enumerate(measured) if chunk > 0 or not target.startswith("input")]
-        # A B recomputes one layer at a time (the last first); F keeps, and I recomputes and keeps,
+        # A B recomputes one layer at a time (the last first); F keeps, and I leaves in the W store,
         # something of every layer: each target gets only the columns of its own structure.
-        names = [n for n in CHECKPOINT_FEATURES if n.startswith(("out_", "last_" if target == "transient" else "all_"))]
+        # I's excess over B's peak and the store mixes the last layer's recomputation with the part
+        # of the store built by then: both forms.
+        prefixes = {"transient": ("out_", "last_"), "input_transient": ("out_", "all_", "last_")}
+        names = [n for n in CHECKPOINT_FEATURES if n.startswith(prefixes.get(target, ("out_", "all_")))]
         columns = [CHECKPOINT_FEATURES.index(n) for n in names]
         # Errors relative to the most the chunk's microbatch holds (what the step's peak is made of):
         # a few bytes kept by a checkpointed forward are no error worth a percentage of their own.

@@ -178,11 +178,10 @@ class StageRuntime(ExecutorView):
         fused_backward(roots, root_grads)
         self._emit_input_grads(action, ctx, outside)
 
-    # True: I keeps the chunk's whole graph for W (`split_backward`); False: I frees it and leaves W a
-    # weight store (`weight_store`, the same gradients, a fraction of the memory between I and W).
-    # Stays True until the simulator's memory model (`simulator.memory`) predicts the store's peak,
-    # which `tests/test_memory_predict.py` checks against this runtime's counts.
-    split_retains_graph = True
+    # False: I frees the chunk's graph and leaves W a weight store (`weight_store`: the same gradients,
+    # a fraction of the memory between I and W; `simulator.memory` predicts it). True: I keeps the
+    # whole graph for W (`split_backward`), the slow twin the store is tested against.
+    split_retains_graph = False
 
     def _backward_input(self, action: Action) -> None:
         """I: what B sends and deposits, and none of the parameters' gradients but the cheap ones."""

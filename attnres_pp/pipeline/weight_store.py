@@ -31,7 +31,6 @@ from attnres_pp.pipeline.graph_cut import CutCache
 from attnres_pp.pipeline.memory_meter import ActivationMeter
 from attnres_pp.pipeline.split_backward import (
     PRODUCT_OPERANDS,
-    PRODUCTS,
     accumulate_along,
     accumulate_leaf_grads,
     accumulate_linear_weight,
@@ -83,7 +82,8 @@ def stash_backward_input(roots: list[torch.Tensor], root_grads: list[torch.Tenso
     store = WeightStore(meter, outside_roots=[pairs[r] for r in cut.outside_roots], params=cut.weight_params)
     handles, flow_targets = [], []
     for owner, edges, _n_out in cut.owners:
-        linear = [(k, f, nr) for k, f, nr in edges if _is_linear_weight(owner, k, f)] if owner.name() == "MmBackward0" else []
+        linear = ([(k, f, nr) for k, f, nr in edges if _is_linear_weight(owner, k, f)]
+                  if owner.name() == "MmBackward0" else [])
         if linear:
             stash = _ProductStash("MmBackward0", linear)
             store.products.append(stash)

@@ -10,9 +10,10 @@
     activation_peak   the peak over the rank's action order of the bytes saved for backward, as the
                       runtime's meter counts them (`pipeline.memory_meter`, the moments inside an
                       action included): F(c, mb) adds chunk c's saved bytes, B frees them; I frees
-                      nothing (the split backward's I keeps the graph for W, retain_graph) and W frees
-                      all of it. Under activation checkpointing a backward recomputes layers (a
-                      transient inside B; I's recomputation stays until W). Under FSDP2 the
+                      them too but leaves the W store (each linear layer's input and output
+                      gradient, `stored_bytes`), which W frees (chunk 0's I has no inputs: its W is
+                      the whole backward). Under activation checkpointing a backward recomputes
+                      layers (a transient inside B or I, gone with it). Under FSDP2 the
                       all-gathered parameters that the forwards save count from the chunk's first F to
                       its last backward (one storage each, whatever the microbatch)
     cache_peak        entries put by F(c) live until the rank's last chunk's forward frees them; a
@@ -135,13 +136,31 @@ class ChunkActivation:
     """Bytes one chunk's microbatch holds for backward: `saved` from F until B (or W); `transient`
     the extra bytes alive at the peak inside its B (a checkpointed layer's recomputation; under a
     split backward inside the W of chunk 0, whose I has no inputs and leaves all of it to W);
-    `input_transient` the extra at the peak inside its I, and `input_kept` what I recomputed and
-    keeps until W (the frames of `pipeline.activation_checkpoint` live as long as the graph)."""
+    `input_transient` what the peak inside its I exceeds both B's peak and the W store by, and
+    `input_kept` (checkpointing units) and `stored` what I leaves for W: the W store, fitted under
+    checkpointing, else `stored_bytes`."""
 
     saved: int
     transient: int = 0
     input_transient: int = 0
     input_kept: int = 0
+    stored: int = 0  # the W store I leaves (a split backward frees the graph at I): until W
+
+
+def stored_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype: str) -> int:
+    """What I leaves in the W store of one chunk and microbatch (`pipeline.weight_store`): each
+    linear layer's input and output gradient, per token and layer (d + 3d) for qkv, (d + width)
+    for the output projection, (d + ff) and (ff + width) for the MLP, plus (d + vocab) for the last
+    chunk's head; the small weights' gradients (norm gains, queries) that I computes are left out.
+    Chunk 0 keeps none: its I has no inputs and leaves the whole backward to W."""
+    if chunk_index == 0:
+        return 0
+    d, f, width = cfg.d_model, cfg.ff_dim, cfg.source_width
+    per_layer = (d + 3 * d) + (d + width) + (d + f) + (f + width)
+    elements = partition.layers_per_chunk[chunk_index] * per_layer
+    if chunk_index == partition.n_chunks - 1:
+        elements += d + cfg.vocab_size
+    return tokens * elements * DTYPE_BYTES[dtype]
 
 
 def activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype: str,
@@ -157,7 +176,8 @@ def activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *
         if not weight_copies:
             features["matmul_params"] = 0
         units = load_units()["units"][units_key(cfg, dtype)]["coefficients"]
-        return ChunkActivation(saved=round(max(0.0, _linear(features, units))))
+        return ChunkActivation(saved=round(max(0.0, _linear(features, units))),
+                               stored=stored_bytes(cfg, partition, chunk_index, tokens=tokens, dtype=dtype))
     features = checkpoint_features(cfg, partition, chunk_index, tokens=tokens, n_sequences=n_sequences, dtype=dtype)
     if not weight_copies:
         features = {name: 0 if name.endswith("matmul_params") else value for name, value in features.items()}
@@ -165,7 +185,10 @@ def activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *
     values = {target: max(0.0, _linear(features, units[target])) for target in CHECKPOINT_TARGETS}
     if chunk_index == 0:  # its I has no inputs: nothing runs there, W is the whole backward
         values["input_transient"] = values["input_kept"] = 0.0
-    return ChunkActivation(**{target: round(value) for target, value in values.items()})
+    # Under checkpointing the store is what the fitted units say I leaves (`input_kept`): the
+    # linear layers' inputs there are recomputed tensors, some shared with what F kept.
+    return ChunkActivation(**{target: round(value) for target, value in values.items()},
+                           stored=round(values["input_kept"]))
 
 
 def saved_parameter_shapes(cfg: ModelConfig, partition: Partition, chunk_index: int) -> list[tuple[int, ...]]:
@@ -236,7 +259,11 @@ def walk_rank(actions, *, saved_by_chunk: list[ChunkActivation], plan: PayloadPl
                 cache_live += len(ios[c].cache_puts) * tensor_bytes
             cache_peak = max(cache_peak, cache_live)
         elif kind in ("B", "I"):
-            extra = unit.transient if kind == "B" else unit.input_transient
+            # I's peak comes early, as B's (the last layer recomputed, the head's gradients), late,
+            # once the W store is whole and what F saved is gone, or in between, by `input_transient`
+            # above the larger of those (`bench.memory_units` measures it so).
+            extra = (unit.transient if kind == "B" else 0 if c == 0  # chunk 0's I runs nothing
+                     else max(unit.transient, unit.stored - unit.saved) + unit.input_transient)
             moment = act + cache_live + extra  # before this backward's deposits change the cache
             if ios is not None:
                 # Collect the deposits into the entries this chunk put, then deposit its cache reads
@@ -259,10 +286,10 @@ def walk_rank(actions, *, saved_by_chunk: list[ChunkActivation], plan: PayloadPl
             cache_live -= len(ios[c].frees) * tensor_bytes
         elif kind == "B":
             act -= unit.saved
-        elif kind == "I":
-            act += unit.input_kept
+        elif kind == "I" and c != 0:  # the graph dies with I; what W needs stays in the store
+            act += unit.stored - unit.saved
         elif kind == "W":
-            act -= unit.saved + unit.input_kept
+            act -= unit.saved if c == 0 else unit.stored
         if resident_by_chunk is not None and last_backward.get(c) == position:
             resident -= resident_by_chunk[c]
     return act_peak, cache_peak, total_peak, peak_action

@@ -231,10 +231,10 @@ class Planner:
         chunks0 = partition.chunks_of(0)
         in_flight = min(candidate.n_microbatches * len(chunks0),
                         candidate.n_stages * (len(chunks0) + 1 if len(chunks0) > 1 else 1))
-        # One recomputation at a time; under a split schedule what I recomputed (checkpointing) stays
-        # until W, for up to P chunk-microbatches.
-        recomputed = max(max(s.transient, s.input_transient) for s in saved)
-        kept_until_w = candidate.n_stages * max(s.input_kept for s in saved) if candidate.schedule in SPLIT else 0
+        # One recomputation at a time; under a split schedule the W store that I leaves stays until
+        # W, for up to P chunk-microbatches.
+        recomputed = max(s.transient + (s.input_transient if candidate.schedule in SPLIT else 0) for s in saved)
+        kept_until_w = candidate.n_stages * max(s.stored for s in saved) if candidate.schedule in SPLIT else 0
         tensor = tokens * cfg.source_width * self.element
         cache = 2 * cfg.n_blocks * tensor * min(candidate.n_microbatches, candidate.n_stages) if len(chunks0) > 1 else 0
         # The last chunk (the head's logits) runs its backward right after its forward: one in flight.
