@@ -5,7 +5,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 TORCH_SPEC ?= torch==2.13.0
-PYTEST_WORKERS ?= 3
+PYTEST_WORKERS ?= 2
 
 .PHONY: install demo test test-fast lint
 

@@ -30,6 +30,7 @@ def checkpointed_step(cfg, schedule_name, P, V, m, cache, policy, dtype=torch.fl
     schedule = insert_comm(build_schedule(schedule_name, P, V, m))
     runtimes = make_loopback_runtimes(cfg, rank_chunks, plan_for_model(cfg, partition, cache), schedule,
                                       (MICRO, SEQ))
+    assert not any(r.split_retains_graph for r in runtimes)  # split schedules run through the W store
     inputs, targets = batch(m)
     records = run_loopback_step(runtimes, list(inputs.chunk(m)), list(targets.chunk(m)), 1.0 / m)
     losses = {mb: loss for r in records for mb, loss in r.losses.items()}

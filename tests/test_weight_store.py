@@ -44,7 +44,9 @@ def split_step(cfg, schedule_name, P, V, m, cache, policy, *, retain=False, dtyp
     return sum(losses.values()) / m, {n: p.grad for n, p in model.named_parameters()}, records
 
 
-@pytest.mark.parametrize("policy", ["none", "full", "selective"])
+# Under full and selective checkpointing the same matrix runs in tests/test_activation_checkpoint.py,
+# through the store (the runtime's default): here, without checkpointing.
+@pytest.mark.parametrize("policy", ["none"])
 @pytest.mark.parametrize("cache", [True, False], ids=["cached", "naive"])
 @pytest.mark.parametrize("layout", SPLIT_SCHEDULES, ids=lambda x: x[0])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
