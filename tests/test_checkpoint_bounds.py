@@ -405,3 +405,24 @@ def test_a_shard_entry_that_is_an_inflation_bomb_is_refused_before_it_is_inflate
     with _Deadline(5), pytest.raises(CheckpointRefused, match="holds a compressed record") as refused:
         read_parameters(step)
     _one_line(refused.value)
+
+
+@pytest.mark.parametrize("path", ["relative", "absolute"])
+def test_without_the_folder_check_a_storage_path_loads_another_checkpoints_weights(trained_run, other_run, tmp_path,
+                                                                                    path):
+    """The harm of a storage path that leaves the folder, under DCP's own reader: the tensors come
+    from the other checkpoint, and nothing says so."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    _, step = _copy(trained_run, tmp_path)
+    decoy = other_run / "__0_0.distcp"
+    target = str(decoy) if path == "absolute" else os.path.relpath(decoy, step)
+    _rewrite(step, _paths(target))
+    own, theirs = read_parameters(trained_run / "checkpoints" / step.name), read_parameters(other_run)
+    state = {name: torch.empty_like(tensor) for name, tensor in own.items()}
+    dcp.load(state, storage_reader=FileSystemReader(str(step)), no_dist=True)
+    name = next(k for k in own if not torch.equal(own[k], theirs[k]))
+    assert torch.equal(state[name], theirs[name]) and not torch.equal(state[name], own[name])
+    with pytest.raises(CheckpointRefused, match="resolves outside its folder|not a shard file name"):
+        read_parameters(step)

@@ -8,8 +8,7 @@ the worker's class named as an actor: `(StageActor rank=0 (dp 0, pp 0) ...)`.
 Where the actors run: `address` (or RAY_ADDRESS, which `ray job submit` sets for its driver) joins
 that cluster, after checking that something listens there (`ray_checks.check_reachable`);
 `address="auto"` joins the `ray start` cluster of this machine; otherwise a private local instance
-is started (and stopped by `stop`), never an unrelated cluster found by accident. The private
-instance listens on 127.0.0.1 only and accepts only a token of its own (`_PrivateToken`). A placement no
+is started (and stopped by `stop`), never an unrelated cluster found by accident. A placement no
 node can hold is refused before the placement group is made (`ray_checks.check_placement`).
 
 The process-group rendezvous follows Ray Train: rank 0 picks its node's address and a free port,
@@ -193,52 +192,6 @@ def _loopback_only(ray):
             os.environ[_CLUSTERS_OFF] = before_env
 
 
-class _PrivateToken:
-    """Token authentication of a private local instance with a token of its own, not the user's
-    shared ~/.ray/auth_token (which every `ray start` cluster of this user accepts) and whatever
-    RAY_AUTH_MODE this process was given: a random token in a file only this user can read
-    (mode 0600, created with O_EXCL|O_NOFOLLOW in a fresh 0700 folder). Ray's servers, started by
-    the init, and the workers they start take RAY_AUTH_MODE and RAY_AUTH_TOKEN_PATH from this
-    process's environment; this process caches both (RayConfig, the C++ token loader), so they
-    are refreshed on entry and again when `restore` puts the old values back after the instance
-    is down: a later init in this process (a test, a joined cluster) sees its own settings."""
-
-    _VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")
-
-    def __init__(self) -> None:
-        import secrets
-        import tempfile
-
-        self.folder = tempfile.mkdtemp(prefix="attnres-ray-auth-")  # 0700
-        self.path = os.path.join(self.folder, "auth_token")
-        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(32))
-        self._before = {name: os.environ.get(name) for name in self._VARIABLES}
-        os.environ.pop("RAY_AUTH_TOKEN", None)  # a token given inline would win over the file
-        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=self.path)
-        _refresh_auth_caches()
-
-    def restore(self) -> None:
-        import shutil
-
-        for name, value in self._before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        _refresh_auth_caches()
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def _refresh_auth_caches() -> None:
-    """Make this process read RAY_AUTH_MODE and the token again (Ray reads them once and caches)."""
-    from ray._raylet import AuthenticationTokenLoader, Config
-
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
-
-
 class RayRankGroup:
     """`world_size` actors placed with `placement` (STRICT_PACK, PACK, SPREAD, STRICT_SPREAD)."""
 
@@ -256,7 +209,6 @@ class RayRankGroup:
         self._ray = ray
         self.world_size, self.timeout_s, self.placement = world_size, timeout_s, placement
         self.actors, self._pg, self.started_ray = [], None, False
-        self._token: _PrivateToken | None = None  # the private instance's own token
         self.setup_results: list = []
         self.rank_nodes: list[tuple[str, str]] = []
         self.lost_nodes: list[dict] = []
@@ -273,15 +225,9 @@ class RayRankGroup:
                     raise ValueError(f"{source} {address}: {error}") from None
             else:
                 # One CPU per rank even on a smaller machine: the ranks mostly wait on each other.
-                self._token = _PrivateToken()
-                try:
-                    with _loopback_only(ray):
-                        ray.init(address="local", num_cpus=max(world_size, os.cpu_count() or 1),
-                                 include_dashboard=False, log_to_driver=True, _node_ip_address=LOOPBACK)
-                except BaseException:
-                    self._token.restore()
-                    self._token = None
-                    raise
+                with _loopback_only(ray):
+                    ray.init(address="local", num_cpus=max(world_size, os.cpu_count() or 1), include_dashboard=False,
+                             log_to_driver=True, _node_ip_address=LOOPBACK)
                 self.started_ray = True
 
     def gpus(self) -> int:
@@ -430,6 +376,3 @@ class RayRankGroup:
             if self.started_ray and ray.is_initialized():
                 ray.shutdown()
             self.started_ray = False
-            if self._token is not None:
-                self._token.restore()
-                self._token = None
