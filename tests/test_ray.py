@@ -169,7 +169,13 @@ def test_ctrl_c_stops_the_actors_and_the_local_ray_instance(tmp_path):
         started = _descendants(proc.pid)
         assert len(started) >= 3, started  # Ray's own processes and the two actors
         os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=60) == 130, "".join(lines)[-3000:]
+        # A hang guard, not a timing check: on a loaded machine Ray's own processes, interrupted at
+        # once, can take their time to go down under the driver's shutdown.
+        try:
+            code = proc.wait(timeout=150)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the interrupted command did not exit:\n" + "".join(lines)[-3000:]) from None
+        assert code == 130, "".join(lines)[-3000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
