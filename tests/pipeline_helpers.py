@@ -17,10 +17,10 @@ def model_config(variant: str, n_layers: int, **overrides) -> ModelConfig:
                           **VARIANTS[variant], **overrides})
 
 
-def build_model(cfg: ModelConfig, dtype=torch.float32) -> Transformer:
+def build_model(cfg: ModelConfig, dtype=torch.float32, backend: str = "torch") -> Transformer:
     """Seeded model whose pseudo-queries and gates are non-zero, so every read is a real softmax."""
     torch.manual_seed(0)
-    model = Transformer(cfg, backend="torch").to(dtype)
+    model = Transformer(cfg, backend=backend).to(dtype)
     randomize_depth_params(model, torch.Generator().manual_seed(1))
     return model
 

@@ -27,10 +27,10 @@ SPLIT_SCHEDULES = [("zb_h1", 2, 1, 2), ("interleaved_zb", 2, 2, 2), ("zbv", 2, 2
 
 
 def split_step(cfg, schedule_name, P, V, m, cache, policy, *, retain=False, dtype=torch.float32, micro=MICRO,
-               seq=SEQ, inputs=None):
+               seq=SEQ, inputs=None, backend="torch"):
     """One pipelined step in process: (mean loss, parameter gradients, step records). `retain`: the
-    slow twin, I keeps the graph until W."""
-    model = build_model(cfg, dtype)
+    slow twin, I keeps the graph until W. `backend`: the depth-attention kernels' (torch, triton)."""
+    model = build_model(cfg, dtype, backend)
     partition = make_partition(cfg.n_layers, P, V, placement=schedule_placement(schedule_name))
     rank_chunks = [build_rank_chunks(model, partition, r, activation_checkpoint=policy) for r in range(P)]
     schedule = insert_comm(build_schedule(schedule_name, P, V, m))

@@ -1,0 +1,51 @@
+"""The Triton depth-attention kernels under the split backward's weight-gradient store (I frees the
+graph, W drains the stash): a pipelined step with `backend="triton"` (interpreted on CPU without a
+GPU) gives the single-process torch model's loss and every gradient, for each variant family, a
+split schedule with and without the cache, and activation checkpointing none and full. The kernels'
+autograd Functions own weight edges (the pseudo-queries, the key projections' products, MSAR's
+taps) that the store leaves to I's engine call; this checks that those flows reach W intact."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # before any kernel module is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from attnres_pp.kernels import dispatch  # noqa: E402
+from tests.pipeline_helpers import assert_grads_match, batch, model_config, reference_step  # noqa: E402
+from tests.test_weight_store import split_step  # noqa: E402
+
+
+def _refuse(name):
+    def refused(*args, **kwargs):
+        raise AssertionError(f"{name} ran: the torch twin, not the Triton kernel")
+    return refused
+
+
+CASES = [  # (variant, schedule, P, V, m, cache, activation checkpointing)
+    ("block", "zbv", 2, 2, 2, True, "none"),
+    ("block", "zbv", 2, 2, 2, True, "full"),
+    ("lr_projected", "interleaved_zb", 2, 2, 2, True, "full"),
+    ("lr_sliced", "zb_h1", 2, 1, 2, False, "none"),
+    ("msar", "zbv", 2, 2, 2, False, "full"),
+]
+
+
+def _case_id(case) -> str:
+    return "-".join((case[0], case[1], "cached" if case[5] else "naive", case[6]))
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_triton_kernels_under_the_weight_store_equal_single_process(case, kernel_device, monkeypatch):
+    variant, schedule_name, P, V, m, cache, policy = case
+    cfg = model_config(variant, 4)
+    for name in ("phase1_torch", "phase2_torch", "phase1_conv_streams_torch"):  # the step runs Triton only
+        monkeypatch.setattr(dispatch, name, _refuse(name))
+    loss, grads, _ = split_step(cfg, schedule_name, P, V, m, cache, policy, backend="triton")
+    monkeypatch.undo()
+    want_loss, want_grads = reference_step(cfg, *batch(m), m)
+    assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
+    assert_grads_match(grads, want_grads, rtol=1e-4)
