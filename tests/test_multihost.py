@@ -295,7 +295,7 @@ def test_a_rendezvous_that_cannot_connect_is_one_line_naming_ranks_and_addresses
     to in every namespace) cannot connect: one `error:` line naming the ranks and addresses, exit 2,
     no traceback, within the --timeout."""
     cluster = two_host_cluster
-    argv = [*TINY, "--steps", "2", "--stages", "2", "--placement", "SPREAD", "--timeout", "20"]
+    argv = [*TINY, "--steps", "2", "--stages", "2", "--placement", "SPREAD", "--timeout", "6"]
     # Loopback is what binding to the host name's address gives in every namespace.
     done = subprocess.run([*HARNESS, "--state-dir", str(cluster.state_dir), "exec", "0", "--", *CLI, "train", *argv,
                            "--launcher", "ray", "--out", str(tmp_path / "bad")],
@@ -373,6 +373,8 @@ def test_a_shaped_link_slows_naive_more_than_cached_as_the_simulator_predicts(tw
 
 
 DISTURBED_STEPS = ["--steps", "12", "--checkpoint-every", "2", "--eval-every", "6"]
+# The pipeline timeout of the disturbed runs: a host cut off is noticed after it (a step takes ~0.2 s).
+DISTURBED_TIMEOUT_S = 12
 
 
 @pytest.fixture(scope="module")
@@ -391,7 +393,8 @@ def _disturbed_run(cluster: Cluster, undisturbed: list[float], tmp_path, action:
     # 20 ms of emulated latency per message slows the steps (~0.2 s) so that the hit lands mid-run.
     steps = [*DISTURBED_STEPS, "--link-gbps", "100", "--link-latency-us", "20000"]  # the link changes no number
     log = tmp_path / "driver.log"
-    proc = cluster.driver([*TINY, *steps, "--stages", "2", "--placement", "SPREAD", "--timeout", "20"],
+    proc = cluster.driver([*TINY, *steps, "--stages", "2", "--placement", "SPREAD",
+                           "--timeout", str(DISTURBED_TIMEOUT_S)],
                           tmp_path / "run")
     try:
         text = _wait_for_line(log, proc, "step  3/12", timeout=240)
@@ -399,12 +402,12 @@ def _disturbed_run(cluster: Cluster, undisturbed: list[float], tmp_path, action:
         address = next(ip for ip in _rank_addresses(text, 2).values() if ip != head)
         cluster.disturb(action, cluster.host_of(address))
         started = time.monotonic()
-        assert proc.wait(timeout=20 + 120) == 0, log.read_text()[-4000:]
+        assert proc.wait(timeout=DISTURBED_TIMEOUT_S + 120) == 0, log.read_text()[-4000:]
         elapsed = time.monotonic() - started
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert elapsed < 20 + 90, f"the run took {elapsed:.0f} s to recover"
+    assert elapsed < DISTURBED_TIMEOUT_S + 90, f"the run took {elapsed:.0f} s to recover"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert_same_losses(summary["losses"], undisturbed)
     assert len(set(summary["nodes"])) == 2  # one rank per host: every hop crosses a link, over gloo

@@ -28,6 +28,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from attnres_pp.train.shards import rank_failures
+
 # One process has no peer to wait for: only the filesystem can stall its write, bounded by this.
 ONE_PROCESS_TIMEOUT_S = 600.0
 
@@ -95,9 +97,8 @@ class BackgroundSave:
 def _first_failure(error: BaseException) -> str:
     """One line for a failed save: DCP's CheckpointException (a BaseException, not an Exception)
     carries each failed rank's exception with its whole traceback; the first rank's error is the line."""
-    failures = getattr(error, "failures", None)
-    if isinstance(error, CheckpointException) and failures:
-        rank, wrapped = sorted(failures.items())[0]
-        cause = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    failures = rank_failures(error) if isinstance(error, CheckpointException) else []
+    if failures:
+        rank, cause = failures[0]
         return f"rank {rank}: {type(cause).__name__}: {cause}"
     return f"{type(error).__name__}: {error}"

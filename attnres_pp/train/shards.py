@@ -277,20 +277,24 @@ def _load(state: dict, reader: SafeReader, step_dir, *, distributed: bool) -> No
                                 "load an earlier checkpoint, or retrain") from None
 
 
-def _failed_ranks(error: BaseException) -> list[BaseException]:
-    """The exceptions a CheckpointException carries, one per failed rank (stored with tracebacks)."""
+def rank_failures(error: BaseException) -> list[tuple[int, BaseException]]:
+    """(rank, exception) for each rank a DCP CheckpointException says failed, by rank; DCP keeps
+    each as (exception, traceback). Empty for any other error."""
     failures = getattr(error, "failures", None)
     if not isinstance(failures, dict):
         return []
-    return [failure[0] if isinstance(failure, tuple) else failure for failure in failures.values()]
+    return [(rank, failure[0] if isinstance(failure, tuple) else failure)
+            for rank, failure in sorted(failures.items())]
+
+
+def _failed_ranks(error: BaseException) -> list[BaseException]:
+    return [failure for _rank, failure in rank_failures(error)]
 
 
 def _failures(error: BaseException):
     """The innermost messages of a DCP failure (CheckpointException keeps each rank's exception)."""
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict):
-        for failure in failures.values():
-            yield from _failures(failure[0] if isinstance(failure, tuple) else failure)
+    for failure in _failed_ranks(error):
+        yield from _failures(failure)
     try:
         lines = str(error).strip().splitlines()
     except Exception:  # noqa: BLE001
