@@ -42,6 +42,40 @@ def reference_step(cfg: ModelConfig, inputs, targets, n_microbatches: int, dtype
     return total / n_microbatches, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def loopback_step(cfg: ModelConfig, schedule_name: str, P: int, V: int, m: int, cache: bool, policy: str = "none", *,
+                  retain: bool | None = None, dtype=torch.float32, micro: int = MICRO, seq: int = SEQ, inputs=None,
+                  backend: str = "torch", ledger=None):
+    """One pipelined step in this process (every rank's runtime over loopback hops): (mean loss,
+    parameter gradients, step records). `policy`: activation checkpointing; `retain`: True for the
+    split backward's slow twin (I keeps the graph until W), None for the runtime's default (the
+    weight store, asserted); `backend`: the
+    depth-attention kernels'. The schedule passes `validate` first."""
+    from attnres_pp.comm.partition import make_partition
+    from attnres_pp.comm.plan import plan_for_model
+    from attnres_pp.pipeline.chunk import build_rank_chunks
+    from attnres_pp.pipeline.loopback import make_loopback_runtimes, run_loopback_step
+    from attnres_pp.schedule.passes import insert_comm
+    from attnres_pp.schedule.schedules import build_schedule, schedule_placement
+    from attnres_pp.schedule.validate import validate
+
+    model = build_model(cfg, dtype, backend)
+    partition = make_partition(cfg.n_layers, P, V, placement=schedule_placement(schedule_name))
+    rank_chunks = [build_rank_chunks(model, partition, r, activation_checkpoint=policy) for r in range(P)]
+    schedule = insert_comm(build_schedule(schedule_name, P, V, m))
+    validate(schedule)
+    runtimes = make_loopback_runtimes(cfg, rank_chunks, plan_for_model(cfg, partition, cache), schedule, (micro, seq),
+                                      ledger)
+    if retain is None:
+        assert not any(r.split_retains_graph for r in runtimes)  # split schedules run through the W store
+    for runtime in runtimes:
+        runtime.split_retains_graph = bool(retain)
+    inputs, targets = inputs if inputs is not None else batch(m)
+    records = run_loopback_step(runtimes, list(inputs.chunk(m)), list(targets.chunk(m)), 1.0 / m)
+    losses = {mb: loss for r in records for mb, loss in r.losses.items()}
+    assert sorted(losses) == list(range(m))
+    return sum(losses.values()) / m, {n: p.grad for n, p in model.named_parameters()}, records
+
+
 def assert_grads_match(got: dict, want: dict, rtol: float) -> None:
     """Per tensor: max |got - want| <= rtol * max |want| (+ a floor for gradients that cancel to ~0)."""
     assert set(got) == set(want), sorted(set(got) ^ set(want))

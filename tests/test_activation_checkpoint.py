@@ -8,34 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnres_pp.comm.partition import make_partition
-from attnres_pp.comm.plan import plan_for_model
 from attnres_pp.pipeline import activation_checkpoint
-from attnres_pp.pipeline.chunk import build_rank_chunks
-from attnres_pp.pipeline.loopback import make_loopback_runtimes, run_loopback_step
-from attnres_pp.schedule.passes import insert_comm
-from attnres_pp.schedule.schedules import build_schedule, schedule_placement
-from tests.pipeline_helpers import MICRO, SEQ, assert_grads_match, batch, build_model, model_config, reference_step
+from tests.pipeline_helpers import (
+    assert_grads_match,
+    batch,
+    loopback_step,
+    model_config,
+    reference_step,
+)
 from tests.reference_model import VARIANTS
 
 # (schedule, P, V, m): the loop schedules with and without the split, and the V schedule.
 SCHEDULES = [("1f1b", 2, 1, 2), ("interleaved_1f1b", 2, 2, 2), ("zb_h1", 2, 1, 2), ("interleaved_zb", 2, 2, 2),
              ("zbv", 2, 2, 2)]
-
-
-def checkpointed_step(cfg, schedule_name, P, V, m, cache, policy, dtype=torch.float32):
-    model = build_model(cfg, dtype)
-    partition = make_partition(cfg.n_layers, P, V, placement=schedule_placement(schedule_name))
-    rank_chunks = [build_rank_chunks(model, partition, r, activation_checkpoint=policy) for r in range(P)]
-    schedule = insert_comm(build_schedule(schedule_name, P, V, m))
-    runtimes = make_loopback_runtimes(cfg, rank_chunks, plan_for_model(cfg, partition, cache), schedule,
-                                      (MICRO, SEQ))
-    assert not any(r.split_retains_graph for r in runtimes)  # split schedules run through the W store
-    inputs, targets = batch(m)
-    records = run_loopback_step(runtimes, list(inputs.chunk(m)), list(targets.chunk(m)), 1.0 / m)
-    losses = {mb: loss for r in records for mb, loss in r.losses.items()}
-    assert sorted(losses) == list(range(m))
-    return sum(losses.values()) / m, {n: p.grad for n, p in model.named_parameters()}, records
 
 
 @pytest.mark.parametrize("policy", ["full", "selective"])
@@ -45,7 +30,7 @@ def checkpointed_step(cfg, schedule_name, P, V, m, cache, policy, dtype=torch.fl
 def test_checkpointed_step_equals_single_process_fp32(variant, layout, cache, policy):
     schedule_name, P, V, m = layout
     cfg = model_config(variant, 4)
-    loss, grads, _ = checkpointed_step(cfg, schedule_name, P, V, m, cache, policy)
+    loss, grads, _ = loopback_step(cfg, schedule_name, P, V, m, cache, policy)
     want_loss, want_grads = reference_step(cfg, *batch(m), m)
     assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
     assert_grads_match(grads, want_grads, rtol=1e-5)
@@ -57,7 +42,7 @@ def test_checkpointed_step_equals_single_process_fp32(variant, layout, cache, po
 def test_checkpointed_step_equals_single_process_float64(variant, schedule_name, policy):
     layout = next(s for s in SCHEDULES if s[0] == schedule_name)
     cfg = model_config(variant, 4)
-    loss, grads, _ = checkpointed_step(cfg, *layout, True, policy, dtype=torch.float64)
+    loss, grads, _ = loopback_step(cfg, *layout, True, policy, dtype=torch.float64)
     want_loss, want_grads = reference_step(cfg, *batch(layout[3]), layout[3], dtype=torch.float64)
     assert abs(loss - want_loss) <= 1e-12
     assert_grads_match(grads, want_grads, rtol=1e-10)
@@ -76,7 +61,7 @@ def test_each_layer_is_recomputed_once_per_microbatch_also_under_the_split(monke
     monkeypatch.setattr(activation_checkpoint._Frame, "_recompute", counting)
     layout = next(s for s in SCHEDULES if s[0] == schedule_name)
     cfg = model_config("block", 4)
-    checkpointed_step(cfg, *layout, True, policy)
+    loopback_step(cfg, *layout, True, policy)
     assert len(calls) == cfg.n_layers * layout[3]  # every layer, every microbatch, once (I and W share it)
 
 
@@ -84,7 +69,7 @@ def test_full_checkpointing_lowers_the_counted_activation_peak():
     cfg = model_config("block", 8)
     peaks = {}
     for policy in ("none", "selective", "full"):
-        *_, records = checkpointed_step(cfg, "1f1b", 2, 1, 4, True, policy)
+        *_, records = loopback_step(cfg, "1f1b", 2, 1, 4, True, policy)
         peaks[policy] = max(r.activation_peak_bytes for r in records)
     assert peaks["full"] < peaks["selective"] < peaks["none"], peaks
     assert peaks["full"] <= 0.5 * peaks["none"], peaks

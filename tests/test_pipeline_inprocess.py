@@ -13,10 +13,18 @@ from attnres_pp.comm.transport import ByteLedger
 from attnres_pp.pipeline.chunk import build_rank_chunks
 from attnres_pp.pipeline.loopback import make_loopback_runtimes, run_loopback_step
 from attnres_pp.schedule.passes import insert_comm
-from attnres_pp.schedule.schedules import build_schedule, schedule_placement
 from attnres_pp.schedule.validate import validate
 from attnres_pp.train.step_stats import fwd_hop_tensors
-from tests.pipeline_helpers import MICRO, SEQ, assert_grads_match, batch, build_model, model_config, reference_step
+from tests.pipeline_helpers import (
+    MICRO,
+    SEQ,
+    assert_grads_match,
+    batch,
+    build_model,
+    loopback_step,
+    model_config,
+    reference_step,
+)
 from tests.reference_model import VARIANTS
 
 # (schedule, P, V, m, n_layers, block-size override): P = 3, uneven splits, and blocks whose edges
@@ -39,18 +47,8 @@ LAYOUTS = [
 
 
 def pipelined_step(cfg, schedule_name, P, V, m, cache, dtype=torch.float32, ledger=None):
-    model = build_model(cfg, dtype)
-    partition = make_partition(cfg.n_layers, P, V, placement=schedule_placement(schedule_name))
-    rank_chunks = [build_rank_chunks(model, partition, r) for r in range(P)]
-    schedule = insert_comm(build_schedule(schedule_name, P, V, m))
-    validate(schedule)
-    runtimes = make_loopback_runtimes(cfg, rank_chunks, plan_for_model(cfg, partition, cache), schedule,
-                                      (MICRO, SEQ), ledger)
-    inputs, targets = batch(m)
-    records = run_loopback_step(runtimes, list(inputs.chunk(m)), list(targets.chunk(m)), 1.0 / m)
-    losses = {mb: loss for r in records for mb, loss in r.losses.items()}
-    assert sorted(losses) == list(range(m))
-    return sum(losses.values()) / m, {n: p.grad for n, p in model.named_parameters()}
+    loss, grads, _ = loopback_step(cfg, schedule_name, P, V, m, cache, dtype=dtype, ledger=ledger)
+    return loss, grads
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

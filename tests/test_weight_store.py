@@ -10,38 +10,25 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnres_pp.comm.partition import make_partition
 from attnres_pp.comm.plan import plan_for_model
 from attnres_pp.pipeline.chunk import build_rank_chunks
-from attnres_pp.pipeline.loopback import make_loopback_runtimes, run_loopback_step
 from attnres_pp.pipeline.memory_meter import ActivationMeter
 from attnres_pp.pipeline.split_backward import backward_input, backward_weight
 from attnres_pp.pipeline.weight_store import drain_weight_store, stash_backward_input
-from attnres_pp.schedule.passes import insert_comm
-from attnres_pp.schedule.schedules import build_schedule, schedule_placement
-from tests.pipeline_helpers import MICRO, SEQ, assert_grads_match, batch, build_model, model_config, reference_step
+from tests.pipeline_helpers import (
+    MICRO,
+    SEQ,
+    assert_grads_match,
+    batch,
+    build_model,
+    loopback_step,
+    model_config,
+    reference_step,
+)
 from tests.reference_model import VARIANTS
 from tests.test_split_backward import P, V, _chunk_graph, _grads
 
 SPLIT_SCHEDULES = [("zb_h1", 2, 1, 2), ("interleaved_zb", 2, 2, 2), ("zbv", 2, 2, 2)]
-
-
-def split_step(cfg, schedule_name, P, V, m, cache, policy, *, retain=False, dtype=torch.float32, micro=MICRO,
-               seq=SEQ, inputs=None, backend="torch"):
-    """One pipelined step in process: (mean loss, parameter gradients, step records). `retain`: the
-    slow twin, I keeps the graph until W. `backend`: the depth-attention kernels' (torch, triton)."""
-    model = build_model(cfg, dtype, backend)
-    partition = make_partition(cfg.n_layers, P, V, placement=schedule_placement(schedule_name))
-    rank_chunks = [build_rank_chunks(model, partition, r, activation_checkpoint=policy) for r in range(P)]
-    schedule = insert_comm(build_schedule(schedule_name, P, V, m))
-    runtimes = make_loopback_runtimes(cfg, rank_chunks, plan_for_model(cfg, partition, cache), schedule, (micro, seq))
-    for runtime in runtimes:
-        runtime.split_retains_graph = retain
-    inputs, targets = inputs if inputs is not None else batch(m)
-    records = run_loopback_step(runtimes, list(inputs.chunk(m)), list(targets.chunk(m)), 1.0 / m)
-    losses = {mb: loss for r in records for mb, loss in r.losses.items()}
-    assert sorted(losses) == list(range(m))
-    return sum(losses.values()) / m, {n: p.grad for n, p in model.named_parameters()}, records
 
 
 # Under full and selective checkpointing the same matrix runs in tests/test_activation_checkpoint.py,
@@ -53,7 +40,7 @@ def split_step(cfg, schedule_name, P, V, m, cache, policy, *, retain=False, dtyp
 def test_stored_split_step_equals_single_process_fp32(variant, layout, cache, policy):
     schedule_name, P_, V_, m = layout
     cfg = model_config(variant, 4)
-    loss, grads, records = split_step(cfg, schedule_name, P_, V_, m, cache, policy)
+    loss, grads, records = loopback_step(cfg, schedule_name, P_, V_, m, cache, policy)
     want_loss, want_grads = reference_step(cfg, *batch(m), m)
     assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
     assert_grads_match(grads, want_grads, rtol=1e-5)
@@ -65,7 +52,7 @@ def test_stored_split_step_equals_single_process_fp32(variant, layout, cache, po
 def test_stored_split_step_equals_single_process_float64(variant, schedule_name, policy):
     layout = next(s for s in SPLIT_SCHEDULES if s[0] == schedule_name)
     cfg = model_config(variant, 4)
-    loss, grads, _ = split_step(cfg, *layout, True, policy, dtype=torch.float64)
+    loss, grads, _ = loopback_step(cfg, *layout, True, policy, dtype=torch.float64)
     want_loss, want_grads = reference_step(cfg, *batch(layout[3]), layout[3], dtype=torch.float64)
     assert abs(loss - want_loss) <= 1e-12
     assert_grads_match(grads, want_grads, rtol=1e-10)
@@ -77,8 +64,8 @@ def test_store_equals_its_retained_graph_twin(variant, policy):
     """Linear weights: the same products in the same order, to the last bit; the small weights the
     store leaves to I (pseudo-queries, taps) add their flows in another order, to rounding."""
     cfg = model_config(variant, 4)
-    _, stored, _ = split_step(cfg, "zbv", 2, 2, 2, True, policy)
-    _, retained, _ = split_step(cfg, "zbv", 2, 2, 2, True, policy, retain=True)
+    _, stored, _ = loopback_step(cfg, "zbv", 2, 2, 2, True, policy)
+    _, retained, _ = loopback_step(cfg, "zbv", 2, 2, 2, True, policy, retain=True)
     assert_grads_match(stored, retained, rtol=1e-6)
     linear = [n for n in retained if n.endswith(("qkv.weight", "proj.weight", "up.weight", "down.weight"))]
     assert linear and all(torch.equal(stored[n], retained[n]) for n in linear)
@@ -159,7 +146,7 @@ def test_the_store_lowers_the_checkpointed_split_peak(schedule_name):
     cfg = model_config("block", 8)
     peaks = {}
     for retain, policy in ((True, "full"), (False, "full"), (False, "none")):
-        *_, records = split_step(cfg, *layout, True, policy, retain=retain)
+        *_, records = loopback_step(cfg, *layout, True, policy, retain=retain)
         peaks[(retain, policy)] = max(r.activation_peak_bytes for r in records)
     assert peaks[(False, "full")] < 0.8 * peaks[(True, "full")], peaks
     assert peaks[(False, "full")] < peaks[(False, "none")], peaks

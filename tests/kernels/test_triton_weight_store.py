@@ -15,8 +15,7 @@ if not torch.cuda.is_available():  # before any kernel module is imported
 import pytest  # noqa: E402
 
 from attnres_pp.kernels import dispatch  # noqa: E402
-from tests.pipeline_helpers import assert_grads_match, batch, model_config, reference_step  # noqa: E402
-from tests.test_weight_store import split_step  # noqa: E402
+from tests.pipeline_helpers import assert_grads_match, batch, loopback_step, model_config, reference_step  # noqa: E402
 
 
 def _refuse(name):
@@ -44,7 +43,7 @@ def test_triton_kernels_under_the_weight_store_equal_single_process(case, kernel
     cfg = model_config(variant, 4)
     for name in ("phase1_torch", "phase2_torch", "phase1_conv_streams_torch"):  # the step runs Triton only
         monkeypatch.setattr(dispatch, name, _refuse(name))
-    loss, grads, _ = split_step(cfg, schedule_name, P, V, m, cache, policy, backend="triton")
+    loss, grads, _ = loopback_step(cfg, schedule_name, P, V, m, cache, policy, backend="triton")
     monkeypatch.undo()
     want_loss, want_grads = reference_step(cfg, *batch(m), m)
     assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
