@@ -85,7 +85,8 @@ def activation_features(cfg: ModelConfig, partition: Partition, chunk_index: int
 _PASS = ("layer_td", "layer_th", "layer_tf", "sub_tw", "sub_t", "sub_tr", "sub_1", "seg_ntw", "seg_nkt",
          "seg_ktd", "seg_ntr", "seg_nbd", "seg_kq", "merge_td", "merge_tr", "merge_bd", "buf_tw", "buf_tk",
          "matmul_params", "in_partial_tw")
-_OUTSIDE = ("out_single_tw", "out_head_tv", "out_head_td", "out_head_t", "out_embed_t", "out_embed_td", "out_final_ntw",
+_OUTSIDE = ("out_single_tw", "out_held_blocks_tw",
+            "out_head_tv", "out_head_td", "out_head_t", "out_embed_t", "out_embed_td", "out_final_ntw",
             "out_final_buf", "out_matmul_params")
 CHECKPOINT_FEATURES = tuple(f"all_{n}" for n in _PASS) + tuple(f"last_{n}" for n in _PASS) + _OUTSIDE
 
@@ -136,8 +137,14 @@ def checkpoint_features(cfg: ModelConfig, partition: Partition, chunk_index: int
     # A pass that starts with one completed source (inside block 0) normalises that source's view of
     # its own storage (more sources are stacked into a copy): the chunk keeps b_0 itself, once.
     single = cfg.uses_depth_attention and cfg.residual != "msar" and sublayers.start < cfg.block_size
+    last_start = sublayers.start + 2 * ((len(sublayers) - 1) // 2)
+    held_blocks = (1 + last_start // cfg.block_size) if cfg.uses_depth_attention else 0
     features |= {
         "out_single_tw": single * t * width,
+        # Each layer's frame holds its input blocks as they are (one storage each, shared by the
+        # passes that read them): every block completed before the last pass starts, not a sum
+        # over passes, so no per-pass column can stand for it once a chunk has several layers.
+        "out_held_blocks_tw": held_blocks * t * width,
         "out_head_tv": is_last * t * cfg.vocab_size, "out_head_td": is_last * t * d, "out_head_t": is_last * t,
         "out_embed_t": is_first * t, "out_embed_td": is_first * t * d,
         "out_final_ntw": is_last * rows * t * width, "out_final_buf": is_last * rows * t * width * streams,
