@@ -12,7 +12,7 @@ from attnres_pp.cli_flags import refuse
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.model.flags import add_layer_counts_flag, add_model_flags, layer_counts_flag, model_from_flags
 from attnres_pp.schedule.schedules import SCHEDULES
-from attnres_pp.simulator.cli.flags import non_negative_int, positive_int
+from attnres_pp.simulator.cli.flags import UNPRICED, non_negative_int, positive_int, refuse_unpriced
 from attnres_pp.simulator.comm import DTYPE_BYTES, format_bytes
 from attnres_pp.simulator.memory import AC_POLICIES, DP_SHARDS, MEMORY_KEYS, MemorySetup, predict_memory
 
@@ -27,7 +27,7 @@ def register(commands) -> None:
     parser.add_argument("--virtual", type=positive_int, default=1, help="V, chunks per rank (default 1)")
     parser.add_argument("--microbatches", type=positive_int, required=True, help="m, microbatches per step and replica")
     # The model flags are train's own (same names, defaults and meaning); the simulator adds these.
-    add_model_flags(parser)
+    add_model_flags(parser, notes={flag: f"refused by simulate memory: {why}" for flag, why in UNPRICED.items()})
     parser.add_argument("--d-ff", type=non_negative_int, default=0, help="MLP width (0 = 4 x d-model)")
     parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per microbatch")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
@@ -42,6 +42,7 @@ def register(commands) -> None:
 
 
 def build(args: argparse.Namespace) -> tuple[ModelConfig, MemorySetup]:
+    refuse_unpriced(args, "memory")
     cfg = model_from_flags(args, d_ff=args.d_ff)
     setup = MemorySetup(schedule=args.schedule, n_stages=args.stages, n_virtual=args.virtual,
                         n_microbatches=args.microbatches, tokens=args.tokens, dtype=args.dtype,

@@ -12,6 +12,7 @@ import time
 
 from attnres_pp.cli_flags import add_number_flags, parse_number_flags, refuse
 from attnres_pp.model.flags import add_layer_counts_flag, add_model_flags, model_from_flags
+from attnres_pp.simulator.cli.flags import UNPRICED, refuse_unpriced
 from attnres_pp.simulator.comm import format_bytes
 from attnres_pp.simulator.memory import DTYPE_BYTES
 from attnres_pp.simulator.plan import GIB, PlanRequest, plan
@@ -44,7 +45,8 @@ def register(commands) -> None:
     add_model_flags(parser, notes={"--block-size": "simulate plan: given, it is fixed; left out, the plan "
                                                    "searches 4, 8 and 16 blocks",
                                    "--blocks": "simulate plan searches the blocks: refused, fix them with "
-                                               "--block-size"})
+                                               "--block-size",
+                                   "--key-norm-gain": f"refused by simulate plan: {UNPRICED['--key-norm-gain']}"})
     add_layer_counts_flag(parser, note="simulate plan searches the split: refused")
     add_number_flags(parser, _NUMBERS, _REQUIRED)
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
@@ -57,6 +59,7 @@ def build(args: argparse.Namespace) -> PlanRequest:
         if getattr(args, flag[2:].replace("-", "_")) is not None:
             raise ValueError(f"{flag}: simulate plan searches over it; drop it"
                              + (" or fix the block size with --block-size S" if flag == "--blocks" else ""))
+    refuse_unpriced(args, "plan")
     values = parse_number_flags(args, _NUMBERS, _REQUIRED, non_negative=("--d-ff",),
                                 positive=tuple(row[0] for row in _NUMBERS if row[0] != "--d-ff"))
     cfg = model_from_flags(args, d_ff=values["d_ff"])
