@@ -177,7 +177,7 @@ CASES = [
     ("predict-virtual-word", [*PREDICT, "--virtual", "x"], None, "--virtual 'x' is invalid: expected an integer"),
     ("predict-stages-zero", [*PREDICT, "--stages", "0"], None, "--stages '0' is invalid: expected an integer > 0"),
     ("predict-calibration-missing", ["simulate", "predict"], None, "the following arguments are required"),
-    ("plan-layers-missing", ["simulate", "plan", "--d-model", "64"], None, "--layers is required"),
+    ("plan-global-batch-missing", ["simulate", "plan", "--d-model", "64"], None, "--global-batch is required"),
     ("plan-gpus-zero", [*PLAN, "--gpus", "0"], None, "--gpus '0' is invalid: expected an integer > 0"),
     ("project-tflops-word", [*PROJECT, "--tflops", "fast"], None, "--tflops 'fast' is invalid: expected a number"),
     ("simulate-unknown-command", ["simulate", "commm"], None, "argument simulate_command: invalid choice"),

@@ -63,7 +63,8 @@ def test_infeasible_says_what_is_short():
 
 def test_cli_json_and_errors(capsys):
     argv = ["simulate", "plan", "--layers", "8", "--d-model", "1024", "--heads", "8", "--seq-len", "2048",
-            "--global-batch", "32", "--gpus", "8", "--gpu-memory-gib", "12", "--top", "3", "--json"]
+            "--vocab-size", "32000", "--global-batch", "32", "--gpus", "8", "--gpu-memory-gib", "12", "--top", "3",
+            "--json"]
     assert main(argv) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert 1 <= len(rows) <= 3
@@ -71,13 +72,13 @@ def test_cli_json_and_errors(capsys):
     assert main(argv[:-1] + ["--gpu-memory-gib", "0.5"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "error: needs" in err
-    assert main(argv[:2] + argv[4:]) == 2  # --layers missing
-    assert "--layers is required" in capsys.readouterr().err
+    assert main(argv[:12] + argv[14:]) == 2  # --global-batch missing
+    assert "--global-batch is required" in capsys.readouterr().err
 
 
 def test_plans_the_48_layer_model_within_10_s(capsys):
     argv = ["simulate", "plan", "--layers", "48", "--d-model", "7168", "--heads", "56", "--seq-len", "4096",
-            "--global-batch", "512", "--gpus", "64", "--gpu-memory-gib", "80"]
+            "--vocab-size", "32000", "--global-batch", "512", "--gpus", "64", "--gpu-memory-gib", "80"]
     started = time.process_time()
     assert main(argv) == 0
     assert time.process_time() - started < 10.0

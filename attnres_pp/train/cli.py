@@ -15,9 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-from attnres_pp.cli_flags import convert_flag, layer_counts
+from attnres_pp.cli_flags import convert_flag
 from attnres_pp.data import load_corpus
-from attnres_pp.model.config import KEY_MODES, RESIDUALS, ModelConfig
+from attnres_pp.model.config import ModelConfig
+from attnres_pp.model.flags import add_layer_counts_flag, add_model_flags, layer_counts_flag, model_overrides
 from attnres_pp.out_paths import check_out_dir
 from attnres_pp.pipeline.config import (
     DP_SHARDS,
@@ -48,19 +49,9 @@ from attnres_pp.train.metadata_pickle import CheckpointRefused
 from attnres_pp.train.recovery import RunFailed
 from attnres_pp.train.tensorboard import check_tensorboard
 
-# (flag, table, key, type, help); a flag left unset keeps the TOML or default value.
+# (flag, table, key, type, help); a flag left unset keeps the TOML or default value. The model's flags are
+# `model.flags`' (shared with `simulate memory` and `simulate plan`).
 _FLAGS = (
-    ("--residual", "model", "residual", str, f"residual variant: {' | '.join(RESIDUALS)}"),
-    ("--block-size", "model", "block_size", int, "sublayers per AttnRes block (1 = Full AttnRes)"),
-    ("--blocks", "model", "blocks", int, "number of AttnRes blocks N instead of --block-size: block i ends after "
-     "sublayer ceil(L i / N), L = 2 x layers (0 = use --block-size)"),
-    ("--key-mode", "model", "key_mode", str, f"low-rank key mode: {' | '.join(KEY_MODES)}"),
-    ("--key-rank", "model", "key_rank", int, "low-rank key dimension r"),
-    ("--layers", "model", "n_layers", int, "transformer layers (two sublayers each)"),
-    ("--d-model", "model", "d_model", int, "model width d"),
-    ("--heads", "model", "n_heads", int, "attention heads"),
-    ("--seq-len", "model", "seq_len", int, "tokens per sequence"),
-    ("--vocab-size", "model", "vocab_size", int, "vocabulary size (256 for byte corpora)"),
     ("--batch-size", "train", "batch_size", int, "global sequences per step"),
     ("--microbatches", "train", "microbatches", int, "microbatches per step (gradient accumulation)"),
     ("--steps", "train", "steps", int, "optimiser steps"),
@@ -115,15 +106,14 @@ def register(subparsers) -> None:
         description="Train an Attention-Residual transformer. Flags override --config, which overrides defaults.",
     )
     parser.add_argument("--config", metavar="FILE", help="TOML file with [model], [train], [pipeline] tables")
+    add_model_flags(parser)
     for flag, _table, _key, _kind, help_text in _FLAGS:
         # Parsed as strings and converted here, so a bad value is one clear `error:` line.
         parser.add_argument(flag, metavar=_key.upper(), help=help_text)
     parser.add_argument("--cache", choices=("on", "off"), help="cross-stage block cache")
-    parser.add_argument("--key-norm-gain", action="store_true", default=None,
-                        help="a learned gain (init 1) on the depth-attention key RMSNorm (default off)")
     parser.add_argument("--compile", action="store_true", default=None,
                         help="torch.compile each sublayer and its depth read (single-process runs only)")
-    parser.add_argument("--layer-counts", metavar="N,N,..", help="transformer layers per chunk, comma separated")
+    add_layer_counts_flag(parser)
     parser.add_argument("--out", metavar="DIR", help="run directory (default runs/<timestamp>)")
     parser.add_argument("--quiet", action="store_true", help="no per-step progress lines")
     parser.add_argument("--tensorboard", metavar="DIR",
@@ -218,21 +208,17 @@ def parse_failure(text: str | None, run_cfg: RunConfig) -> tuple[int, int] | Non
 
 
 def flag_overrides(args: argparse.Namespace) -> dict:
-    overrides: dict[str, dict] = {"model": {}, "train": {}, "pipeline": {}}
+    overrides: dict[str, dict] = {"model": model_overrides(args), "train": {}, "pipeline": {}}
     for flag, table, key, kind, _help in _FLAGS:
         raw = getattr(args, flag[2:].replace("-", "_"))
         if raw is not None:
             overrides[table][key] = convert_flag(flag, raw, kind)
     if args.cache is not None:
         overrides["pipeline"]["cache"] = args.cache == "on"
-    if args.key_norm_gain:
-        overrides["model"]["key_norm_gain"] = True
-    if {"block_size", "blocks"} <= set(overrides["model"]):
-        raise ConfigError("give one of --block-size S (sublayers per block) and --blocks N (number of blocks)")
     if getattr(args, "compile", None):
         overrides["train"]["compile"] = True
     if args.layer_counts is not None:
-        overrides["pipeline"]["layer_counts"] = list(layer_counts(args.layer_counts))
+        overrides["pipeline"]["layer_counts"] = list(layer_counts_flag(args))
     return {table: values for table, values in overrides.items() if values}
 
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 
-from attnres_pp.cli_flags import layer_counts, refuse
+from attnres_pp.cli_flags import refuse
 from attnres_pp.model.config import ModelConfig
+from attnres_pp.model.flags import add_layer_counts_flag, add_model_flags, layer_counts_flag, model_from_flags
 from attnres_pp.schedule.schedules import SCHEDULES
-from attnres_pp.simulator.cli.flags import model_flags, positive_int
-from attnres_pp.simulator.comm import format_bytes
+from attnres_pp.simulator.cli.flags import UNPRICED, non_negative_int, positive_int, refuse_unpriced
+from attnres_pp.simulator.comm import DTYPE_BYTES, format_bytes
 from attnres_pp.simulator.memory import AC_POLICIES, DP_SHARDS, MEMORY_KEYS, MemorySetup, predict_memory
 
 
@@ -25,10 +26,12 @@ def register(commands) -> None:
     parser.add_argument("--stages", type=positive_int, required=True, help="P, pipeline ranks")
     parser.add_argument("--virtual", type=positive_int, default=1, help="V, chunks per rank (default 1)")
     parser.add_argument("--microbatches", type=positive_int, required=True, help="m, microbatches per step and replica")
-    model_flags(parser, required=True)
-    parser.add_argument("--heads", type=positive_int, default=None,
-                        help="attention heads (default: d-model / 128, >= 1)")
-    parser.add_argument("--layer-counts", default=None, help="layers per chunk, comma separated")
+    # The model flags are train's own (same names, defaults and meaning); the simulator adds these.
+    add_model_flags(parser, notes={flag: f"refused by simulate memory: {why}" for flag, why in UNPRICED.items()})
+    parser.add_argument("--d-ff", type=non_negative_int, default=0, help="MLP width (0 = 4 x d-model)")
+    parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per microbatch")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
+    add_layer_counts_flag(parser)
     parser.add_argument("--no-cache", action="store_true", help="AttnRes without the cross-stage cache")
     parser.add_argument("--data-parallel", type=positive_int, default=1, help="D, replicas of the pipeline")
     parser.add_argument("--dp-shard", choices=DP_SHARDS, default="replicate",
@@ -39,15 +42,13 @@ def register(commands) -> None:
 
 
 def build(args: argparse.Namespace) -> tuple[ModelConfig, MemorySetup]:
-    heads = args.heads or max(1, args.d_model // 128)
-    cfg = ModelConfig(vocab_size=args.vocab_size, n_layers=args.layers, d_model=args.d_model, n_heads=heads,
-                      d_ff=args.d_ff, seq_len=args.seq_len, residual=args.residual, block_size=args.block_size,
-                      key_mode=args.key_mode, key_rank=args.key_rank)
+    refuse_unpriced(args, "memory")
+    cfg = model_from_flags(args, d_ff=args.d_ff)
     setup = MemorySetup(schedule=args.schedule, n_stages=args.stages, n_virtual=args.virtual,
                         n_microbatches=args.microbatches, tokens=args.tokens, dtype=args.dtype,
                         cache=not args.no_cache, data_parallel=args.data_parallel, dp_shard=args.dp_shard,
                         activation_checkpoint=args.activation_checkpoint,
-                        layer_counts=layer_counts(args.layer_counts))
+                        layer_counts=layer_counts_flag(args))
     return cfg, setup
 
 

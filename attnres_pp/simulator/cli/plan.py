@@ -11,24 +11,19 @@ import json
 import time
 
 from attnres_pp.cli_flags import add_number_flags, parse_number_flags, refuse
-from attnres_pp.model.config import KEY_MODES, RESIDUALS, ModelConfig
+from attnres_pp.model.flags import add_layer_counts_flag, add_model_flags, model_from_flags
+from attnres_pp.simulator.cli.flags import UNPRICED, refuse_unpriced
 from attnres_pp.simulator.comm import format_bytes
 from attnres_pp.simulator.memory import DTYPE_BYTES
 from attnres_pp.simulator.plan import GIB, PlanRequest, plan
 
+# The planner's own numbers (the model's flags are train's, `model.flags`).
 # (flag, dest, type, default, help); default None = required
 _NUMBERS = (
-    ("--layers", "layers", int, None, "transformer layers"),
-    ("--d-model", "d_model", int, None, "model width d"),
-    ("--heads", "heads", int, None, "attention heads"),
-    ("--seq-len", "seq_len", int, None, "tokens per sequence"),
     ("--global-batch", "global_batch", int, None, "sequences per optimiser step (all replicas)"),
     ("--gpus", "gpus", int, None, "GPUs in all"),
     ("--gpu-memory-gib", "gpu_memory_gib", float, None, "memory per GPU, GiB"),
     ("--d-ff", "d_ff", int, 0, "MLP width (0 = 4 d)"),
-    ("--vocab-size", "vocab_size", int, 32000, "vocabulary"),
-    ("--key-rank", "key_rank", int, 8, "r of low-rank keys (lr_attnres)"),
-    ("--block-size", "block_size", int, 0, "fix the block size in sublayers (0 = search 4, 8, 16 blocks)"),
     ("--gpus-per-node", "gpus_per_node", int, 8, "GPUs per node"),
     ("--intra-node-gbps", "intra_node_gbps", float, 3600.0, "link inside a node, Gb/s (NVLink)"),
     ("--inter-node-gbps", "inter_node_gbps", float, 400.0, "link between nodes, Gb/s (InfiniBand)"),
@@ -47,26 +42,34 @@ def register(commands) -> None:
         description="Search pipeline and data-parallel layouts, schedules, block sizes, dp_shard and "
                     "activation checkpointing; keep those whose predicted per-rank peak fits --gpu-memory-gib "
                     "and rank them by predicted step time (docs/simulator.md).")
+    add_model_flags(parser, notes={"--block-size": "simulate plan: given, it is fixed; left out, the plan "
+                                                   "searches 4, 8 and 16 blocks",
+                                   "--blocks": "simulate plan searches the blocks: refused, fix them with "
+                                               "--block-size",
+                                   "--key-norm-gain": f"refused by simulate plan: {UNPRICED['--key-norm-gain']}"})
+    add_layer_counts_flag(parser, note="simulate plan searches the split: refused")
     add_number_flags(parser, _NUMBERS, _REQUIRED)
-    parser.add_argument("--residual", choices=RESIDUALS, default="attnres")
-    parser.add_argument("--key-mode", choices=KEY_MODES, default="projected")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     parser.add_argument("--json", action="store_true", help='print {"rows": [...]}, fastest first')
     parser.set_defaults(func=run)
 
 
 def build(args: argparse.Namespace) -> PlanRequest:
-    values = parse_number_flags(args, _NUMBERS, _REQUIRED, non_negative=("--d-ff", "--block-size"),
-                                positive=tuple(row[0] for row in _NUMBERS if row[0] not in ("--d-ff", "--block-size")))
-    heads = values["heads"]
-    cfg = ModelConfig(vocab_size=values["vocab_size"], n_layers=values["layers"], d_model=values["d_model"],
-                      n_heads=heads, d_ff=values["d_ff"], seq_len=values["seq_len"], residual=args.residual,
-                      block_size=values["block_size"] or 1, key_mode=args.key_mode, key_rank=values["key_rank"])
+    for flag in ("--blocks", "--layer-counts"):
+        if getattr(args, flag[2:].replace("-", "_")) is not None:
+            raise ValueError(f"{flag}: simulate plan searches over it; drop it"
+                             + (" or fix the block size with --block-size S" if flag == "--blocks" else ""))
+    refuse_unpriced(args, "plan")
+    values = parse_number_flags(args, _NUMBERS, _REQUIRED, non_negative=("--d-ff",),
+                                positive=tuple(row[0] for row in _NUMBERS if row[0] != "--d-ff"))
+    cfg = model_from_flags(args, d_ff=values["d_ff"])
+    fixed_block_size = args.block_size is not None
     return PlanRequest(model=cfg, global_batch=values["global_batch"], gpus=values["gpus"],
                        gpu_memory_gib=values["gpu_memory_gib"], gpus_per_node=values["gpus_per_node"],
                        intra_node_gbps=values["intra_node_gbps"], inter_node_gbps=values["inter_node_gbps"],
                        latency_us=values["latency_us"], tflops=values["tflops"], peak_tflops=values["peak_tflops"],
-                       hbm_tbs=values["hbm_tbs"], dtype=args.dtype, block_size=values["block_size"] or None,
+                       hbm_tbs=values["hbm_tbs"], dtype=args.dtype,
+                       block_size=cfg.block_size if fixed_block_size else None,
                        top=values["top"])
 
 

@@ -1,0 +1,82 @@
+"""The model's command-line flags, declared once for every command that builds a ModelConfig from
+them (`attnres-pp train`, `simulate memory`, `simulate plan`), so each flag has one name, default and
+meaning everywhere.
+
+Every flag is read as text and left None when not given: the value then comes from the layer below
+(train's `--config` TOML or checkpoint, else ModelConfig's default), and a bad value is one
+`error:` line naming the flag (`cli_flags.convert_flag`); ModelConfig checks the ranges. Pure
+standard library: the simulator reads it where torch is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from attnres_pp.cli_flags import convert_flag, layer_counts
+from attnres_pp.model.config import KEY_MODES, RESIDUALS, ModelConfig
+
+# (flag, ModelConfig field, type, help)
+MODEL_FLAGS = (
+    ("--residual", "residual", str, f"residual variant: {' | '.join(RESIDUALS)}"),
+    ("--block-size", "block_size", int, "sublayers per AttnRes block (1 = Full AttnRes)"),
+    ("--blocks", "blocks", int, "number of AttnRes blocks N instead of --block-size: block i ends after "
+     "sublayer ceil(L i / N), L = 2 x layers (0 = use --block-size)"),
+    ("--key-mode", "key_mode", str, f"low-rank key mode: {' | '.join(KEY_MODES)}"),
+    ("--key-rank", "key_rank", int, "low-rank key dimension r"),
+    ("--layers", "n_layers", int, "transformer layers (two sublayers each)"),
+    ("--d-model", "d_model", int, "model width d"),
+    ("--heads", "n_heads", int, "attention heads"),
+    ("--seq-len", "seq_len", int, "tokens per sequence"),
+    ("--vocab-size", "vocab_size", int, "vocabulary size (256 for byte corpora)"),
+)
+KEY_NORM_GAIN = "--key-norm-gain"
+LAYER_COUNTS = "--layer-counts"
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def add_model_flags(parser: argparse.ArgumentParser, *, notes: dict[str, str] | None = None) -> None:
+    """The flags of MODEL_FLAGS and --key-norm-gain; `notes` appends a command's own remark to a flag's
+    help (what the flag means there, e.g. that a planner searches over it when it is left out)."""
+    notes = notes or {}
+    for flag, field, _kind, help_text in MODEL_FLAGS:
+        parser.add_argument(flag, metavar=field.upper(), help=_noted(help_text, notes.get(flag)))
+    parser.add_argument(KEY_NORM_GAIN, action="store_true", default=None,
+                        help=_noted("a learned gain (init 1) on the depth-attention key RMSNorm (default off)",
+                                    notes.get(KEY_NORM_GAIN)))
+
+
+def add_layer_counts_flag(parser: argparse.ArgumentParser, *, note: str | None = None) -> None:
+    """--layer-counts N,N,..: transformer layers per chunk (a pipeline setting, read by `layer_counts`)."""
+    parser.add_argument(LAYER_COUNTS, metavar="N,N,..",
+                        help=_noted("transformer layers per chunk, comma separated", note))
+
+
+def _noted(help_text: str, note: str | None) -> str:
+    return f"{help_text}; {note}" if note else help_text
+
+
+def model_overrides(args: argparse.Namespace) -> dict:
+    """{ModelConfig field: value} of the model flags given; ValueError naming the flag to fix."""
+    overrides = {}
+    for flag, field, kind, _help in MODEL_FLAGS:
+        raw = getattr(args, _dest(flag))
+        if raw is not None:
+            overrides[field] = convert_flag(flag, raw, kind)
+    if getattr(args, _dest(KEY_NORM_GAIN)):
+        overrides["key_norm_gain"] = True
+    if {"block_size", "blocks"} <= set(overrides):
+        raise ValueError("give one of --block-size S (sublayers per block) and --blocks N (number of blocks)")
+    return overrides
+
+
+def model_from_flags(args: argparse.Namespace, base: dict | None = None, **fixed) -> ModelConfig:
+    """ModelConfig of `base` (a [model] table) < the model flags < `fixed` fields, as `train` reads it
+    without --config; ValueError naming what to fix."""
+    return ModelConfig.from_dict({**(base or {}), **model_overrides(args), **fixed})
+
+
+def layer_counts_flag(args: argparse.Namespace) -> tuple[int, ...] | None:
+    return layer_counts(getattr(args, _dest(LAYER_COUNTS)))
