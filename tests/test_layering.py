@@ -29,20 +29,22 @@ ALLOWED = {
     "config_tables": set(),
     "out_paths": set(),
     "cli_flags": set(),  # the error style and shared flag parsers of every command
+    "model_flags": {"cli_flags", "model", "config_tables"},  # the model's flags, for train and simulate
     "kernels": set(),
     "data": set(),
     "model": {"kernels", "config_tables"},
     "comm": {"model", "kernels", "config_tables"},
     "schedule": {"comm"},
     "pipeline": {"schedule", "comm", "model", "kernels", "config_tables", "out_paths"},
-    "train": {"pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths", "cli_flags"},
-    "simulator": {"schedule", "comm", "model", "config_tables", "out_paths", "cli_flags"},
+    "train": {"pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths", "cli_flags",
+              "model_flags"},
+    "simulator": {"schedule", "comm", "model", "config_tables", "out_paths", "cli_flags", "model_flags"},
     "generate": {"train", "pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths",
-                "cli_flags"},
+                "cli_flags", "model_flags"},
     "analysis": {"train", "pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths",
-                "cli_flags"},
+                "cli_flags", "model_flags"},
     "bench": {"analysis", "generate", "train", "simulator", "pipeline", "schedule", "comm", "model", "kernels", "data",
-              "config_tables", "out_paths", "cli_flags"},
+              "config_tables", "out_paths", "cli_flags", "model_flags"},
     "cli": {"cli_flags"},  # imports the subcommands by name, at run time
     "root": set(),  # attnres_pp/__init__.py
 }
@@ -51,6 +53,7 @@ ALLOWED = {
 SIMULATOR_MAY_READ = {
     "attnres_pp.comm.plan", "attnres_pp.comm.partition", "attnres_pp.comm.link",
     "attnres_pp.model.config", "attnres_pp.config_tables", "attnres_pp.out_paths", "attnres_pp.cli_flags",
+    "attnres_pp.model_flags",
 }
 # The only comm module a schedule may read: where a chunk runs.
 SCHEDULE_MAY_READ = {"attnres_pp.comm.partition"}

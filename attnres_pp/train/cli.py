@@ -18,7 +18,7 @@ from pathlib import Path
 from attnres_pp.cli_flags import convert_flag
 from attnres_pp.data import load_corpus
 from attnres_pp.model.config import ModelConfig
-from attnres_pp.model.flags import add_layer_counts_flag, add_model_flags, layer_counts_flag, model_overrides
+from attnres_pp.model_flags import add_layer_counts_flag, add_model_flags, layer_counts_flag, model_overrides
 from attnres_pp.out_paths import check_out_dir
 from attnres_pp.pipeline.config import (
     DP_SHARDS,
@@ -50,7 +50,7 @@ from attnres_pp.train.recovery import RunFailed
 from attnres_pp.train.tensorboard import check_tensorboard
 
 # (flag, table, key, type, help); a flag left unset keeps the TOML or default value. The model's flags are
-# `model.flags`' (shared with `simulate memory` and `simulate plan`).
+# `model_flags`' (shared with `simulate memory` and `simulate plan`).
 _FLAGS = (
     ("--batch-size", "train", "batch_size", int, "global sequences per step"),
     ("--microbatches", "train", "microbatches", int, "microbatches per step (gradient accumulation)"),

@@ -1,7 +1,7 @@
 """The flags several `attnres-pp simulate` commands share: the argparse types of their counts and
 rates (built on `attnres_pp.cli_flags`, so a bad value reads as every command's), the model's
 shape flags of `comm` and `schedule` and the ModelConfig those flags describe, and the model flags of
-train's (`model.flags`) that `memory` and `plan` refuse."""
+train's (`model_flags`) that `memory` and `plan` refuse."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
                        key_rank=args.key_rank)
 
 
-# Model flags of train's (`model.flags`) that the memory model does not price yet: its activation
+# Model flags of train's (`model_flags`) that the memory model does not price yet: its activation
 # features place blocks by block_size alone, and it counts no key-norm gain among the parameters.
 UNPRICED = {
     "--blocks": "the memory model places blocks every --block-size sublayers; give --block-size S",

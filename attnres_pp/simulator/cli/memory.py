@@ -10,7 +10,7 @@ import json
 
 from attnres_pp.cli_flags import refuse
 from attnres_pp.model.config import ModelConfig
-from attnres_pp.model.flags import add_layer_counts_flag, add_model_flags, layer_counts_flag, model_from_flags
+from attnres_pp.model_flags import add_layer_counts_flag, add_model_flags, layer_counts_flag, model_from_flags
 from attnres_pp.schedule.schedules import SCHEDULES
 from attnres_pp.simulator.cli.flags import UNPRICED, non_negative_int, positive_int, refuse_unpriced
 from attnres_pp.simulator.comm import DTYPE_BYTES, format_bytes

@@ -11,13 +11,13 @@ import json
 import time
 
 from attnres_pp.cli_flags import add_number_flags, parse_number_flags, refuse
-from attnres_pp.model.flags import add_layer_counts_flag, add_model_flags, model_from_flags
+from attnres_pp.model_flags import add_layer_counts_flag, add_model_flags, model_from_flags
 from attnres_pp.simulator.cli.flags import UNPRICED, refuse_unpriced
 from attnres_pp.simulator.comm import format_bytes
 from attnres_pp.simulator.memory import DTYPE_BYTES
 from attnres_pp.simulator.plan import GIB, PlanRequest, plan
 
-# The planner's own numbers (the model's flags are train's, `model.flags`).
+# The planner's own numbers (the model's flags are train's, `model_flags`).
 # (flag, dest, type, default, help); default None = required
 _NUMBERS = (
     ("--global-batch", "global_batch", int, None, "sequences per optimiser step (all replicas)"),
