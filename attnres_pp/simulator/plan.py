@@ -394,7 +394,7 @@ class Planner:
                                    hop_bwd_s=(0.0,) * len(costs.hop_bwd_s), wire_fwd_s=(), wire_bwd_s=())
         without_hops = simulate(schedule, free).makespan
         compute = max(result.compute_s)
-        time_terms = [("compute (busiest rank)", compute), ("bubble", without_hops - compute),
+        time_terms = [("compute (busiest rank)", compute), ("bubble (its idle, free hops)", without_hops - compute),
                       ("pipeline hops", result.makespan - without_hops),
                       ("data-parallel all-reduce", collectives["all_reduce_s"]),
                       (f"data-parallel all-gather (x{collectives['all_gathers']})", collectives["all_gather_s"]),
@@ -409,7 +409,10 @@ class Planner:
                         ("optimizer state (AdamW)", terms["optimizer_bytes"]),
                         ("gathered parameters (fsdp)", gathered),
                         ("activation peak", terms["activation_peak_bytes"]), ("cache peak", terms["cache_peak_bytes"])]
-        memory_terms.append(("peaks not at one moment", fullest.peak_bytes - sum(v for _k, v in memory_terms)))
+        # The two peaks need not fall on one moment, and under fsdp the activation peak counts the
+        # saved gathered parameters that the gathered term holds already.
+        memory_terms.append(("counted twice (peaks apart, fsdp saved)",
+                             fullest.peak_bytes - sum(v for _k, v in memory_terms)))
         return {"row": row, "pp_rank": pp_rank, "memory": memory_terms, "time": time_terms}
 
 
