@@ -1,14 +1,17 @@
 """`attnres-pp simulate plan`: the fastest training configuration that fits, for a model and a cluster.
 
 Searched: P (dividing the GPUs; D = GPUs / P), V, m (whole sequences per microbatch), the schedule
-(and with it the placement: loop, or V-shape for zbv and dualpipev), the block size (where the variant has one),
-dp_shard (replicate | fsdp) and activation checkpointing (none | full | selective). Two stages keep
-it fast:
+(gpipe, 1f1b and zb_h1 at V = 1, the interleaved ones, zbv and dualpipev; with it the placement: loop,
+or V-shape for zbv and dualpipev), the block size (where the variant has one), the cross-stage cache
+(on, or off: train's `--cache off`, the naive payloads; searched where the model has depth attention
+and more than one chunk), dp_shard (replicate | fsdp, with fsdp's reshard after forward never | always)
+and activation checkpointing (none | full | selective). Two stages keep it fast:
   1. every candidate is priced in closed form: the slowest rank's compute per microbatch (the
      `simulate project` chunk model, backward 2x forward, + one forward under full AC, + the
-     memory-bound part under selective AC) times m over (1 - docs/spec.md section 5's closed-form bubble), plus the
-     data-parallel all-reduce (fsdp's reduce-scatter + all-gather move the same bytes); memory as
-     the exact parameter/gradient/AdamW bytes + a closed-form count of in-flight chunk-microbatches;
+     memory-bound part under selective AC) times m over (1 - docs/spec.md section 5's closed-form bubble),
+     plus one microbatch's hops there and back (the payload planner's tensors for the cache mode), plus
+     the data-parallel collectives (`dp_collectives`); memory as the exact parameter/gradient/AdamW
+     bytes + a closed-form count of in-flight chunk-microbatches;
   2. the fastest candidates that pass stage 1 with slack get the exact memory walk
      (`simulator.memory`) and the event-engine simulation of their schedule with per-hop links
      (NVLink inside a node, the network between nodes: global rank = dp_rank x P + pp_rank, G per
@@ -18,6 +21,7 @@ it fast:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -25,7 +29,13 @@ from attnres_pp.comm.partition import make_partition
 from attnres_pp.comm.plan import plan_for_model
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.schedule.schedules import build_schedule, schedule_placement
-from attnres_pp.simulator.costs import CostModel, sublayer_forward_flops
+from attnres_pp.simulator.costs import (
+    CostModel,
+    ring_all_gather_s,
+    ring_all_reduce_s,
+    ring_reduce_scatter_s,
+    sublayer_forward_flops,
+)
 from attnres_pp.simulator.engine import simulate
 from attnres_pp.simulator.memory import (
     DTYPE_BYTES,
@@ -33,6 +43,7 @@ from attnres_pp.simulator.memory import (
     activation_bytes,
     predict_ranks,
     rank_parameter_shapes,
+    shard_numel,
     state_bytes,
 )
 from attnres_pp.simulator.metrics import closed_form_bubble_fraction
@@ -84,6 +95,8 @@ class Candidate:
     block_size: int
     dp_shard: str
     activation_checkpoint: str
+    cache: bool = True
+    reshard_after_forward: str = "never"  # fsdp only: train's --fsdp-reshard-after-forward
 
 
 def _divisors(n: int) -> list[int]:
@@ -105,7 +118,8 @@ def schedules_for(n_stages: int, n_virtual: int) -> list[str]:
     if n_stages == 1:
         return ["1f1b"] if n_virtual == 1 else []
     if n_virtual == 1:
-        return ["1f1b", "zb_h1"]
+        # GPipe only at V = 1: interleaved it has interleaved 1F1B's bubble and holds all m microbatches.
+        return ["gpipe", "1f1b", "zb_h1"]
     return ["interleaved_1f1b", "interleaved_zb"] + (["zbv", "dualpipev"] if n_virtual == 2 else [])
 
 
@@ -116,18 +130,21 @@ def candidates(request: PlanRequest) -> list[Candidate]:
         if n_stages > cfg.n_layers or request.global_batch % replicas:
             continue
         per_replica = request.global_batch // replicas
+        shards = [("replicate", "never")] + ([("fsdp", "never"), ("fsdp", "always")] if replicas > 1 else [])
         for n_virtual in (1, 2, 3, 4, 6, 8):
             if n_stages * n_virtual > cfg.n_layers:
                 continue
+            # With one chunk nothing is sent or cached; the standard residual has no cache to turn off.
+            caches = (True, False) if cfg.uses_depth_attention and n_stages * n_virtual > 1 else (True,)
             for schedule in schedules_for(n_stages, n_virtual):
                 for m in _divisors(per_replica):
                     if n_stages > 1 and m < n_stages or (schedule == "zbv" and m < 2 * n_stages - 1) or (
                             schedule == "dualpipev" and m < 2 * n_stages):
                         continue
-                    for size in block_sizes(request):
-                        for shard in ("replicate", "fsdp") if replicas > 1 else ("replicate",):
-                            for ac in ("none", "selective", "full"):
-                                found.append(Candidate(schedule, n_stages, n_virtual, m, replicas, size, shard, ac))
+                    for size, cache, (shard, reshard), ac in itertools.product(
+                            block_sizes(request), caches, shards, ("none", "selective", "full")):
+                        found.append(Candidate(schedule, n_stages, n_virtual, m, replicas, size, shard, ac,
+                                               cache, reshard))
     return found
 
 
@@ -141,7 +158,8 @@ class Planner:
         self._chunks: dict = {}
         self._state: dict = {}
         self._saved: dict = {}
-        self._grads: dict = {}
+        self._plans: dict = {}
+        self._numels: dict = {}
 
     def model_for(self, candidate: Candidate) -> ModelConfig:
         return dataclasses.replace(self.request.model, block_size=candidate.block_size)
@@ -198,21 +216,84 @@ class Planner:
                                                  weight_copies=copies) for c in range(partition.n_chunks)]
         return self._saved[key]
 
-    def allreduce_s(self, candidate: Candidate, partition) -> float:
+    def payloads(self, candidate: Candidate, partition):
+        """The payload plan the runtime uses for the candidate's split and cache mode."""
+        key = (candidate.n_stages, candidate.n_virtual, candidate.block_size, partition.placement, candidate.cache)
+        if key not in self._plans:
+            self._plans[key] = plan_for_model(self.model_for(candidate), partition, candidate.cache)
+        return self._plans[key]
+
+    def hop_seconds(self, candidate: Candidate, partition, plan) -> tuple[list[float], list[float], int]:
+        """(wire seconds, hop seconds with latency, bytes of one tensor) per forward hop; a self-hop is free."""
+        request, cfg = self.request, self.model_for(candidate)
+        width = cfg.d_model if plan.mode == "standard" else cfg.source_width
+        tensor_bytes = self.tokens(candidate) * width * self.element
+        wire, hops = [], []
+        for c, n_tensors in enumerate(plan.fwd_hop_tensors):
+            src, dst = partition.rank_of(c), partition.rank_of(c + 1)
+            same_node = src // request.gpus_per_node == dst // request.gpus_per_node
+            bandwidth = (request.intra_node_gbps if same_node else request.inter_node_gbps) * 1e9 / 8
+            seconds = n_tensors * tensor_bytes / bandwidth
+            wire.append(seconds)
+            hops.append(0.0 if partition.is_self_hop(c) else seconds + request.latency_us * 1e-6)
+        return wire, hops, tensor_bytes
+
+    def chunk_numels(self, candidate: Candidate, partition) -> list[tuple[int, int]]:
+        """Per chunk (elements, FSDP2's padded elements over D): what its units all-gather and reduce-scatter.
+        MSAR's tied stream convolutions are left out: they stay whole on every rank (`train.fsdp`)."""
+        key = (candidate.n_stages, candidate.n_virtual, candidate.block_size, partition.placement,
+               candidate.data_parallel)
+        if key not in self._numels:
+            cfg, result = self.model_for(candidate), []
+            tied = (cfg.n_blocks + 1) * len(cfg.stream_kernels) if cfg.residual == "msar" else 0
+            for c in range(partition.n_chunks):
+                shapes = rank_parameter_shapes(cfg, _OneChunk(partition, c), 0)
+                shapes = shapes[:len(shapes) - tied]
+                result.append((sum(math.prod(s) for s in shapes),
+                               sum(shard_numel(s, candidate.data_parallel, "fsdp") for s in shapes)
+                               * candidate.data_parallel))
+            self._numels[key] = result
+        return self._numels[key]
+
+    def dp_collectives(self, candidate: Candidate, partition, gathers: list[int] | None = None) -> dict:
+        """Seconds of the data-parallel collectives of the rank whose total is largest, by kind.
+
+        replicate: one ring all-reduce of the rank's fp32 gradients (`train.grad_sync`). fsdp: per
+        chunk, an all-gather of its parameters in the compute dtype (padded to D shards) each time an
+        action finds them resharded (`gathers[c]`: once a step under reshard never; under always
+        after every F, so about once per forward and once per backward; without `gathers` m + 1),
+        and one reduce-scatter of its fp32 gradients. Not overlapped with compute."""
+        zero = {"all_reduce_s": 0.0, "all_gather_s": 0.0, "reduce_scatter_s": 0.0, "all_gathers": 0}
         replicas = candidate.data_parallel
         if replicas == 1:
-            return 0.0
+            return zero | {"total_s": 0.0}
         request = self.request
         same_node = candidate.n_stages * replicas <= request.gpus_per_node
         bandwidth = (request.intra_node_gbps if same_node else request.inter_node_gbps) * 1e9 / 8
-        key = (candidate.n_stages, candidate.n_virtual, candidate.block_size, partition.placement)
-        if key not in self._grads:
-            cfg = self.model_for(candidate)
-            self._grads[key] = max(sum(math.prod(s) for s in rank_parameter_shapes(cfg, partition, r))
-                                   for r in range(candidate.n_stages))
-        grads = self._grads[key]
-        latency = 2 * (replicas - 1) * request.latency_us * 1e-6
-        return 2 * (replicas - 1) / replicas * grads * self.element / bandwidth + latency
+        latency = request.latency_us * 1e-6
+        numels = self.chunk_numels(candidate, partition)
+        if gathers is None:
+            gathers = [1 if candidate.reshard_after_forward == "never" else candidate.n_microbatches + 1] * len(numels)
+        cfg = self.model_for(candidate)
+        tied = (cfg.n_blocks + 1) * sum(cfg.stream_kernels) * cfg.d_model if cfg.residual == "msar" else 0
+        per_rank = []
+        for rank in range(candidate.n_stages):
+            chunks = partition.chunks_of(rank)
+            if candidate.dp_shard == "replicate":
+                grads = sum(numels[c][0] for c in chunks) + tied
+                terms = zero | {"all_reduce_s": ring_all_reduce_s(4 * grads, replicas, bandwidth, latency)}
+            else:
+                terms = zero | {
+                    "all_gather_s": sum(gathers[c] * ring_all_gather_s(numels[c][1] * self.element, replicas,
+                                                                       bandwidth, latency) for c in chunks),
+                    "reduce_scatter_s": sum(ring_reduce_scatter_s(4 * numels[c][1], replicas, bandwidth, latency)
+                                            for c in chunks),
+                    "all_gathers": sum(gathers[c] for c in chunks)}
+                if tied:  # MSAR's tied convolutions: all-reduced whole, as under replicate
+                    terms["all_reduce_s"] = ring_all_reduce_s(4 * tied, replicas, bandwidth, latency)
+            terms["total_s"] = terms["all_reduce_s"] + terms["all_gather_s"] + terms["reduce_scatter_s"]
+            per_rank.append(terms)
+        return max(per_rank, key=lambda t: t["total_s"])
 
     def estimate(self, candidate: Candidate) -> tuple[float, float]:
         """(closed-form step seconds, estimated peak bytes of the fullest rank)."""
@@ -222,21 +303,27 @@ class Planner:
             per_rank[partition.rank_of(c)] += f + self.backward_factor(candidate, f, bound[c])
         bubble = closed_form_bubble_fraction(candidate.n_stages, candidate.n_virtual, candidate.n_microbatches,
                                              candidate.schedule)
-        step = max(per_rank) * candidate.n_microbatches / (1 - bubble) + self.allreduce_s(candidate, partition)
+        # One microbatch's way through every hop and back is on the critical path (fill and drain).
+        _wire, hops, _tensor = self.hop_seconds(candidate, partition, self.payloads(candidate, partition))
+        step = (max(per_rank) * candidate.n_microbatches / (1 - bubble) + 2 * sum(hops)
+                + self.dp_collectives(candidate, partition)["total_s"])
         cfg = self.model_for(candidate)
         tokens = self.tokens(candidate)
         saved = self.saved(candidate, partition)
         # Rank 0 holds the most microbatches in flight: P (1F1B-like), about (V + 1) P chunk-microbatches
-        # interleaved, 2P chunk passes under ZB-V; a split schedule's W can keep up to P more.
+        # interleaved, 2P chunk passes under ZB-V; a split schedule's W can keep up to P more; GPipe all m.
         chunks0 = partition.chunks_of(0)
         in_flight = min(candidate.n_microbatches * len(chunks0),
                         candidate.n_stages * (len(chunks0) + 1 if len(chunks0) > 1 else 1))
+        if candidate.schedule == "gpipe":
+            in_flight = candidate.n_microbatches * len(chunks0)
         # One recomputation at a time; under a split schedule the W store that I leaves stays until
         # W, for up to P chunk-microbatches.
         recomputed = max(s.transient + (s.input_transient if candidate.schedule in SPLIT else 0) for s in saved)
         kept_until_w = candidate.n_stages * max(s.stored for s in saved) if candidate.schedule in SPLIT else 0
         tensor = tokens * cfg.source_width * self.element
-        cache = 2 * cfg.n_blocks * tensor * min(candidate.n_microbatches, candidate.n_stages) if len(chunks0) > 1 else 0
+        cache = 2 * cfg.n_blocks * tensor * min(candidate.n_microbatches, candidate.n_stages) \
+            if len(chunks0) > 1 and candidate.cache else 0
         # The last chunk (the head's logits) runs its backward right after its forward: one in flight.
         last = partition.n_chunks - 1
         held = max(in_flight * max((saved[c].saved for c in partition.chunks_of(r) if c != last), default=0)
@@ -244,44 +331,43 @@ class Planner:
         peak = max(self.fixed_bytes(candidate, partition)) + held + recomputed + kept_until_w + cache
         return step, peak
 
-    def evaluate(self, candidate: Candidate) -> dict:
-        """The exact memory walk and the simulated step of one candidate: a row of the plan."""
+    def _walk(self, candidate: Candidate):
+        """Everything a row is made of: (row, the fullest rank's RankMemory, its pp rank, the simulation,
+        the cost model, the schedule, the data-parallel collectives)."""
         request = self.request
         partition, forward, bound = self.chunk_costs(candidate)
         cfg, tokens = self.model_for(candidate), self.tokens(candidate)
         schedule = build_schedule(candidate.schedule, candidate.n_stages, candidate.n_virtual, candidate.n_microbatches)
-        plan = plan_for_model(cfg, partition, True)
+        plan = self.payloads(candidate, partition)
         setup = MemorySetup(schedule=candidate.schedule, n_stages=candidate.n_stages, n_virtual=candidate.n_virtual,
                             n_microbatches=candidate.n_microbatches, tokens=tokens, dtype=request.dtype,
-                            data_parallel=candidate.data_parallel, dp_shard=candidate.dp_shard,
-                            activation_checkpoint=candidate.activation_checkpoint)
+                            cache=candidate.cache, data_parallel=candidate.data_parallel,
+                            dp_shard=candidate.dp_shard, activation_checkpoint=candidate.activation_checkpoint)
+        # The memory model has no term for reshard after forward (it keeps the parameters gathered
+        # all step), so `always` is priced at never's memory: an upper bound.
         ranks = predict_ranks(cfg, setup, schedule, partition, plan, dp_ranks=range(1))
-        width = cfg.d_model if plan.mode == "standard" else cfg.source_width
-        tensor_bytes = tokens * width * self.element
-        wire, hops = [], []
-        for c, n_tensors in enumerate(plan.fwd_hop_tensors):
-            src, dst = partition.rank_of(c), partition.rank_of(c + 1)
-            same_node = src // request.gpus_per_node == dst // request.gpus_per_node
-            bandwidth = (request.intra_node_gbps if same_node else request.inter_node_gbps) * 1e9 / 8
-            seconds = n_tensors * tensor_bytes / bandwidth
-            wire.append(seconds)
-            hops.append(0.0 if partition.is_self_hop(c) else seconds + request.latency_us * 1e-6)
+        wire, hops, tensor_bytes = self.hop_seconds(candidate, partition, plan)
         backward = [self.backward_factor(candidate, f, b) for f, b in zip(forward, bound, strict=True)]
         costs = CostModel(forward_s=tuple(forward), backward_s=tuple(backward), hop_fwd_s=tuple(hops),
                           hop_bwd_s=tuple(hops), wire_fwd_s=tuple(wire), wire_bwd_s=tuple(wire), label="plan")
         result = simulate(schedule, costs)
-        step = result.makespan + self.allreduce_s(candidate, partition)
+        collectives = self.dp_collectives(candidate, partition, fsdp_gathers(schedule, candidate))
+        step = result.makespan + collectives["total_s"]
         flops = 3 * request.global_batch * sum(sublayer_forward_flops(cfg, s, cfg.seq_len)
                                                for s in range(cfg.n_sublayers))
         flops += 3 * 2.0 * request.global_batch * cfg.seq_len * cfg.d_model * cfg.vocab_size
-        fullest = max(ranks, key=lambda r: r.peak_bytes)
-        return {
+        fullest_rank = max(range(len(ranks)), key=lambda r: ranks[r].peak_bytes)
+        fullest = ranks[fullest_rank]
+        row = {
             "config": dataclasses.asdict(candidate) | {"placement": partition.placement,
-                                                       "tokens_per_microbatch": tokens, "cache": True},
+                                                       "tokens_per_microbatch": tokens},
             "step_time_s": step,
+            "pipeline_s": result.makespan,
+            "dp_collectives": collectives,
             "tokens_per_s_per_gpu": request.global_batch * cfg.seq_len / step / request.gpus,
             "mfu": flops / (step * request.gpus * request.peak_tflops * 1e12),
             "bubble_fraction": 1 - sum(result.compute_s) / (candidate.n_stages * result.makespan),
+            "payload_mode": plan.mode,
             "bytes_per_hop": max(plan.fwd_hop_tensors, default=0) * tensor_bytes,
             "peak_memory_bytes": fullest.peak_bytes,
             "peak_memory_per_rank": [r.peak_bytes for r in ranks],
@@ -289,6 +375,73 @@ class Planner:
             "peak_action": fullest.peak_action,
             "command": train_command(request, candidate),
         }
+        return row, fullest, fullest_rank, result, costs, schedule, collectives
+
+    def evaluate(self, candidate: Candidate) -> dict:
+        """The exact memory walk and the simulated step of one candidate: a row of the plan."""
+        return self._walk(candidate)[0]
+
+    def explain(self, candidate: Candidate) -> dict:
+        """The row of `candidate` and the terms of its estimate: `memory` (label, bytes) summing to
+        peak_memory_bytes, `time` (label, seconds) summing to step_time_s.
+
+        Time: the busiest rank's compute, the idle time the schedule adds with free hops (bubble), what
+        the hops add over that (a second simulation with free hops), and the collectives. Memory: the
+        fullest rank's fp32 state, fsdp's gathered parameters, the activation and cache peaks, less what
+        those two peaks overcount by not falling on one moment (and the saved gathered parameters)."""
+        row, fullest, pp_rank, result, costs, schedule, collectives = self._walk(candidate)
+        free = dataclasses.replace(costs, hop_fwd_s=(0.0,) * len(costs.hop_fwd_s),
+                                   hop_bwd_s=(0.0,) * len(costs.hop_bwd_s), wire_fwd_s=(), wire_bwd_s=())
+        without_hops = simulate(schedule, free).makespan
+        compute = max(result.compute_s)
+        time_terms = [("compute (busiest rank)", compute), ("bubble (its idle, free hops)", without_hops - compute),
+                      ("pipeline hops", result.makespan - without_hops),
+                      ("data-parallel all-reduce", collectives["all_reduce_s"]),
+                      (f"data-parallel all-gather (x{collectives['all_gathers']})", collectives["all_gather_s"]),
+                      ("data-parallel reduce-scatter", collectives["reduce_scatter_s"])]
+        terms = fullest.terms
+        gathered = 0
+        if candidate.dp_shard == "fsdp" and candidate.data_parallel > 1:
+            partition = self.chunk_costs(candidate)[0]
+            shapes = rank_parameter_shapes(self.model_for(candidate), partition, pp_rank)
+            gathered = sum(math.prod(s) for s in shapes) * self.element
+        memory_terms = [("parameters (fp32)", terms["param_bytes"]), ("gradients (fp32)", terms["grad_bytes"]),
+                        ("optimizer state (AdamW)", terms["optimizer_bytes"]),
+                        ("gathered parameters (fsdp)", gathered),
+                        ("activation peak", terms["activation_peak_bytes"]), ("cache peak", terms["cache_peak_bytes"])]
+        # The two peaks need not fall on one moment, and under fsdp the activation peak counts the
+        # saved gathered parameters that the gathered term holds already.
+        memory_terms.append(("counted twice (peaks apart, fsdp saved)",
+                             fullest.peak_bytes - sum(v for _k, v in memory_terms)))
+        return {"row": row, "pp_rank": pp_rank, "memory": memory_terms, "time": time_terms}
+
+
+class _OneChunk:
+    """A partition's view of one chunk as if it were rank 0's only one (`rank_parameter_shapes` per chunk)."""
+
+    def __init__(self, partition, chunk_index: int) -> None:
+        self.n_chunks, self.layers_per_chunk, self._chunk = partition.n_chunks, partition.layers_per_chunk, chunk_index
+
+    def chunks_of(self, _pp_rank: int) -> list[int]:
+        return [self._chunk]
+
+
+def fsdp_gathers(schedule, candidate: Candidate) -> list[int] | None:
+    """All-gathers per chunk in one step under fsdp (`train.fsdp`): every compute action unshards its
+    chunk if it is sharded; the step starts sharded; reshard always reshards after each F."""
+    if candidate.dp_shard != "fsdp" or candidate.data_parallel == 1:
+        return None
+    counts = [0] * (schedule.n_stages * schedule.n_virtual)
+    for actions in schedule.rank_actions:
+        gathered: set[int] = set()
+        for action in actions:
+            c = action.chunk_index
+            if c not in gathered:
+                counts[c] += 1
+                gathered.add(c)
+            if candidate.reshard_after_forward == "always" and action.kind.value == "F":
+                gathered.discard(c)
+    return counts
 
 
 def train_command(request: PlanRequest, candidate: Candidate) -> str:
@@ -302,9 +455,12 @@ def train_command(request: PlanRequest, candidate: Candidate) -> str:
         parts += [f"--key-mode {cfg.key_mode}", f"--key-rank {cfg.key_rank}"]
     parts += [f"--batch-size {request.global_batch}", f"--microbatches {candidate.n_microbatches}",
               f"--stages {candidate.n_stages}", f"--virtual {candidate.n_virtual}",
-              f"--data-parallel {candidate.data_parallel}", f"--schedule {candidate.schedule}", "--cache on",
+              f"--data-parallel {candidate.data_parallel}", f"--schedule {candidate.schedule}",
+              f"--cache {'on' if candidate.cache else 'off'}",
               f"--dtype {request.dtype}", "--device cuda", f"--dp-shard {candidate.dp_shard}",
               f"--activation-checkpoint {candidate.activation_checkpoint}"]
+    if candidate.dp_shard == "fsdp" and candidate.reshard_after_forward != "never":
+        parts.append(f"--fsdp-reshard-after-forward {candidate.reshard_after_forward}")
     return " ".join(parts)
 
 

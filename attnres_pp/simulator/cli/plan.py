@@ -7,6 +7,7 @@ Numbers are parsed by `attnres_pp.cli_flags`' flag tables, so a bad value is one
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -15,7 +16,7 @@ from attnres_pp.model_flags import add_layer_counts_flag, add_model_flags, model
 from attnres_pp.simulator.cli.flags import UNPRICED, refuse_unpriced
 from attnres_pp.simulator.comm import format_bytes
 from attnres_pp.simulator.memory import DTYPE_BYTES
-from attnres_pp.simulator.plan import GIB, PlanRequest, plan
+from attnres_pp.simulator.plan import GIB, Candidate, Planner, PlanRequest, plan
 
 # The planner's own numbers (the model's flags are train's, `model_flags`).
 # (flag, dest, type, default, help); default None = required
@@ -32,16 +33,18 @@ _NUMBERS = (
     ("--peak-tflops", "peak_tflops", float, 989.0, "peak TFLOP/s per GPU, for MFU (H100 dense bf16)"),
     ("--hbm-tbs", "hbm_tbs", float, 3.0, "achieved memory bandwidth, TB/s"),
     ("--top", "top", int, 5, "rows to print"),
+    ("--why", "why", int, 0, "print the memory and time terms of this row of the table (1-based; 0 = none)"),
 )
 _REQUIRED = tuple(flag for flag, _dest, _kind, default, _help in _NUMBERS if default is None)
 
 
 def register(commands) -> None:
     parser = commands.add_parser(
-        "plan", help="the fastest P, V, D, m, schedule, block size, FSDP and AC that fit in memory",
-        description="Search pipeline and data-parallel layouts, schedules, block sizes, dp_shard and "
-                    "activation checkpointing; keep those whose predicted per-rank peak fits --gpu-memory-gib "
-                    "and rank them by predicted step time (docs/simulator.md).")
+        "plan", help="the fastest P, V, D, m, schedule, block size, cache, FSDP and AC that fit in memory",
+        description="Search pipeline and data-parallel layouts, schedules (GPipe included), block sizes, the "
+                    "cross-stage cache on and off, dp_shard (fsdp with reshard after forward never and always) "
+                    "and activation checkpointing; keep those whose predicted per-rank peak fits --gpu-memory-gib "
+                    "and rank them by predicted step time (docs/simulator.md). --why N prints row N's terms.")
     add_model_flags(parser, notes={"--block-size": "simulate plan: given, it is fixed; left out, the plan "
                                                    "searches 4, 8 and 16 blocks",
                                    "--blocks": "simulate plan searches the blocks: refused, fix them with "
@@ -54,14 +57,21 @@ def register(commands) -> None:
     parser.set_defaults(func=run)
 
 
+_NON_NEGATIVE = ("--d-ff", "--why")
+
+
+def _values(args: argparse.Namespace) -> dict:
+    return parse_number_flags(args, _NUMBERS, _REQUIRED, non_negative=_NON_NEGATIVE,
+                              positive=tuple(row[0] for row in _NUMBERS if row[0] not in _NON_NEGATIVE))
+
+
 def build(args: argparse.Namespace) -> PlanRequest:
     for flag in ("--blocks", "--layer-counts"):
         if getattr(args, flag[2:].replace("-", "_")) is not None:
             raise ValueError(f"{flag}: simulate plan searches over it; drop it"
                              + (" or fix the block size with --block-size S" if flag == "--blocks" else ""))
     refuse_unpriced(args, "plan")
-    values = parse_number_flags(args, _NUMBERS, _REQUIRED, non_negative=("--d-ff",),
-                                positive=tuple(row[0] for row in _NUMBERS if row[0] != "--d-ff"))
+    values = _values(args)
     cfg = model_from_flags(args, d_ff=values["d_ff"])
     fixed_block_size = args.block_size is not None
     return PlanRequest(model=cfg, global_batch=values["global_batch"], gpus=values["gpus"],
@@ -78,23 +88,60 @@ def run(args: argparse.Namespace) -> int:
     try:
         request = build(args)
         rows = plan(request)
+        why = _values(args)["why"]
+        if why and why > len(rows):
+            raise ValueError(f"--why {why}: the plan has {len(rows)} row{'s' if len(rows) > 1 else ''} "
+                             f"(give 1..{len(rows)}, or raise --top)")
+        terms = explain_row(request, rows[why - 1]) if why else None
     except ValueError as error:
         return refuse(error)
     if args.json:
-        print(json.dumps({"rows": rows}))
+        out = {"rows": rows}
+        if terms is not None:
+            out["why"] = {"row": why, "pp_rank": terms["pp_rank"], "memory_bytes": dict(terms["memory"]),
+                          "time_s": dict(terms["time"])}
+        print(json.dumps(out))
         return 0
     print(format_table(request, rows, time.perf_counter() - started))
+    if terms is not None:
+        print(format_why(why, rows[why - 1], terms))
     return 0
 
 
+def explain_row(request: PlanRequest, row: dict) -> dict:
+    """The terms of one row of `plan(request)` (Planner.explain of the candidate its config names)."""
+    names = {f.name for f in dataclasses.fields(Candidate)}
+    candidate = Candidate(**{k: v for k, v in row["config"].items() if k in names})
+    return Planner(request).explain(candidate)
+
+
+def format_why(index: int, row: dict, terms: dict) -> str:
+    """One line per term: memory in GiB (exact bytes after), then time in seconds; each block ends in its sum."""
+    c = row["config"]
+    lines = [f"why row {index} ({c['schedule']} P={c['n_stages']} V={c['n_virtual']} D={c['data_parallel']} "
+             f"m={c['n_microbatches']}): memory of the fullest rank, pp rank {terms['pp_rank']}"]
+    width = max(len(label) for label, _ in terms["memory"] + terms["time"]) + 2
+    for label, value in terms["memory"]:
+        lines.append(f"  {label + ':':<{width}}{value / GIB:10.3f} GiB  ({value} B)")
+    peak = row["peak_memory_bytes"]
+    lines.append(f"  {'per rank max:':<{width}}{peak / GIB:10.3f} GiB  ({peak} B)")
+    lines.append("time per step:")
+    for label, value in terms["time"]:
+        lines.append(f"  {label + ':':<{width}}{value:10.4f} s")
+    lines.append(f"  {'per step:':<{width}}{row['step_time_s']:10.4f} s")
+    return "\n".join(lines)
+
+
 def format_table(request: PlanRequest, rows: list[dict], seconds: float) -> str:
-    header = ["#", "schedule", "P", "V", "D", "m", "S", "shard", "AC", "step", "tok/s/GPU", "MFU", "bubble",
+    header = ["#", "schedule", "P", "V", "D", "m", "S", "cache", "shard", "AC", "step", "tok/s/GPU", "MFU", "bubble",
               "bytes/hop", "peak/rank", "dominated by"]
     table = [header]
     for i, row in enumerate(rows, 1):
         c = row["config"]
         table.append([str(i), c["schedule"], str(c["n_stages"]), str(c["n_virtual"]), str(c["data_parallel"]),
-                      str(c["n_microbatches"]), str(c["block_size"]), c["dp_shard"], c["activation_checkpoint"],
+                      str(c["n_microbatches"]), str(c["block_size"]), "on" if c["cache"] else "off",
+                      c["dp_shard"] + ("/reshard" if c["reshard_after_forward"] == "always" else ""),
+                      c["activation_checkpoint"],
                       f"{row['step_time_s']:.2f} s", f"{row['tokens_per_s_per_gpu']:.0f}", f"{row['mfu']:.1%}",
                       f"{row['bubble_fraction']:.3f}", format_bytes(row["bytes_per_hop"]),
                       f"{row['peak_memory_bytes'] / GIB:.1f} GiB", row["dominated_by"]])
@@ -106,7 +153,8 @@ def format_table(request: PlanRequest, rows: list[dict], seconds: float) -> str:
         f"{request.gpus} GPUs x {request.gpu_memory_gib:g} GiB ({request.gpus_per_node} per node), "
         f"{request.tflops:g} TFLOP/s achieved; planned in {seconds:.1f} s",
         *lines,
-        "peak/rank: the fullest rank's predicted peak (params + grads + AdamW + activations + cache at its peak)",
+        "peak/rank: the fullest rank's predicted peak (params + grads + AdamW + activations + cache at its peak); "
+        "fsdp/reshard: --fsdp-reshard-after-forward always (its memory priced as never's)",
         "run the top row:",
         "  " + rows[0]["command"],
     ])
