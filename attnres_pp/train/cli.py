@@ -157,7 +157,8 @@ def register(subparsers) -> None:
 def build_run_config(args: argparse.Namespace) -> RunConfig:
     """defaults (or the resumed checkpoint's config) < TOML (`args.config`) < flags. Raises
     ValueError naming the field to fix."""
-    saved = _resumed_meta(args.resume)["config"] if getattr(args, "resume", None) else {}
+    resumed = _resumed_meta(args.resume) if getattr(args, "resume", None) else {}
+    saved = resumed.get("config", {})
     overrides = flag_overrides(args)
     if saved and ({"stages", "virtual"} & set(overrides.get("pipeline", {}))) and args.layer_counts is None:
         # A resumed run may change the split (the shards load into any); the saved per-chunk layer
@@ -167,7 +168,7 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
     base = merge_tables(saved, toml) if args.config else saved
     merged = merge_tables(base, overrides)
     given_vocab = {**toml.get("model", {}), **overrides.get("model", {})}.get("vocab_size")
-    run_cfg = RunConfig.from_dict(_vocab_from_data_folder(merged, given_vocab))
+    run_cfg = RunConfig.from_dict(_vocab_from_data_folder(merged, given_vocab, resumed))
     if run_cfg.train.log_routing_every and not run_cfg.model.uses_depth_attention:
         raise ConfigError("--log-routing-every needs a depth-attention residual (the standard one has no "
                           "routing): drop it or choose --residual attnres, lr_attnres or msar")
@@ -180,13 +181,17 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
     return run_cfg
 
 
-def _vocab_from_data_folder(tables: dict, given_vocab) -> dict:
+def _vocab_from_data_folder(tables: dict, given_vocab, resumed: dict) -> dict:
     """`tables` with [model] vocab_size set to the data folder's (its meta.json) when --data names
-    one; a --vocab-size (or TOML vocab_size) the user gave must be that one."""
+    one; a --vocab-size (or TOML vocab_size) the user gave must be that one. A resumed run's folder
+    must have the checkpoint's tokenizer (checked first: another one has another vocabulary too)."""
     data = tables.get("train", {}).get("data", TrainConfig.data)
     if not isinstance(data, str) or data == "builtin" or not is_token_folder(data):
         return tables
-    vocab = read_folder_meta(data)["vocab_size"]
+    meta = read_folder_meta(data)
+    vocab = meta["vocab_size"]
+    if resumed:
+        check_resume(resumed, RunConfig(), tokenizer_sha256=meta["tokenizer_sha256"], data=data, seed=False)
     if given_vocab is not None and given_vocab != vocab:
         raise ConfigError(f"--vocab-size {given_vocab} differs from the data folder's vocab_size {vocab} "
                           f"({Path(data) / 'meta.json'}): drop --vocab-size (the folder sets it)")

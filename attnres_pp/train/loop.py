@@ -324,19 +324,24 @@ def checkpoint_meta(run_cfg: RunConfig, ckpt: CheckpointConfig, history: RunHist
             "data_position": position, **history.to_meta()}
 
 
-def check_resume(meta: dict, run_cfg: RunConfig, corpus: Corpus | None = None) -> None:
+def check_resume(meta: dict, run_cfg: RunConfig, corpus: Corpus | None = None, *,
+                 tokenizer_sha256: str | None = None, data: str | None = None, seed: bool = True) -> None:
     """Raise ValueError if `run_cfg` cannot continue the checkpoint with `meta`: batches are keyed by
     the seed, so another seed would read another data stream (and other validation batches); a data
     folder with another tokenizer holds other tokens; and the recorded replica positions must be
-    those of one step of the recorded batch (any D then resumes: each reads its rows of that step)."""
+    those of one step of the recorded batch (any D then resumes: each reads its rows of that step).
+    `tokenizer_sha256` and `data` stand for `corpus` where it is not loaded yet; `seed=False` skips
+    the seed (the caller's config is not the run's yet)."""
     position = meta.get("data_position", {})
     saved = position.get("seed", meta.get("config", {}).get("train", {}).get("seed"))
-    if saved is not None and saved != run_cfg.train.seed:
+    if seed and saved is not None and saved != run_cfg.train.seed:
         raise ValueError(f"--seed {run_cfg.train.seed} differs from the checkpoint's seed {saved}: the run's batches "
                          f"are drawn from the stream of seed {saved}, so resume with --seed {saved} (or drop --seed)")
     sha = position.get("tokenizer_sha256")
-    if corpus is not None and sha is not None and corpus.tokenizer_sha256 != sha:
-        raise ValueError(f"--data {corpus.name} has tokenizer {_short(corpus.tokenizer_sha256)}, the checkpoint's "
+    if corpus is not None:
+        tokenizer_sha256, data = corpus.tokenizer_sha256, corpus.name
+    if data is not None and sha is not None and tokenizer_sha256 != sha:
+        raise ValueError(f"--data {data} has tokenizer {_short(tokenizer_sha256)}, the checkpoint's "
                          f"run used tokenizer {_short(sha)} (data {position.get('folder', position.get('data'))}): "
                          "the tokens would mean other text; resume with that run's data folder")
     replicas = position.get("replicas")
