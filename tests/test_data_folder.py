@@ -231,3 +231,44 @@ def test_byte_folder_reads_like_text(tmp_path):
     write_folder(tmp_path / "bytes", kind="bytes")
     corpus = load_corpus(str(tmp_path / "bytes"))
     assert corpus.vocab_size == 256 and corpus.tokenizer_sha256 == "bytes" and corpus.folder
+
+
+def _json_lines(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def test_generate_reads_and_writes_text_with_the_runs_tokenizer(tmp_path, bpe_folder, capsys):
+    """A run on a BPE folder generates after the folder is gone (the run keeps the tokenizer): the
+    text is the decoding of its token ids, the prompt is encoded, `--stop` cuts on the decoded text,
+    and a run tokenizer that is not the recorded one is refused."""
+    folder = tmp_path / "moved"
+    shutil.copytree(bpe_folder[0], folder)
+    run = tmp_path / "run"
+    assert main(["train", *TINY, "--steps", "2", "--data", str(folder), "--out", str(run)]) == 0
+    shutil.rmtree(folder)
+    tokenizer = Tokenizer.load(run / "tokenizer.json")
+    common = ["generate", "--resume", str(run), "--prompt", "def ", "--max-new-tokens", "10", "--temperature", "0",
+              "--json"]
+    assert main(common) == 0
+    full = _json_lines(capsys.readouterr().out)[0]
+    assert full["tokenizer"] == "bpe" and full["prompt_ids"] == tokenizer.encode("def ")
+    assert full["prompt_tokens"] == len(full["prompt_ids"]) and len(full["tokens"]) == 10
+    assert full["text"] == tokenizer.decode(full["tokens"])
+
+    stop = full["text"][3:5]
+    assert stop
+    cut = full["text"].index(stop)
+    assert main([*common, "--stop", stop]) == 0
+    captured = capsys.readouterr()
+    stopped = _json_lines(captured.out)[0]
+    assert stopped["text"] == full["text"][:cut] and "stopped at" in captured.err
+    assert stopped["tokens"] == full["tokens"][:len(stopped["tokens"])]
+    assert stopped["text"].startswith(tokenizer.decode(stopped["tokens"]))
+
+    assert main([*common[:-1]]) == 0  # plain text output: the decoded text
+    assert capsys.readouterr().out == full["text"] + "\n"
+
+    (run / "tokenizer.json").write_bytes((run / "tokenizer.json").read_bytes() + b" ")
+    assert main(common) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "not the" in err and len(err.strip().splitlines()) == 1, err
