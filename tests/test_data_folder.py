@@ -272,3 +272,17 @@ def test_generate_reads_and_writes_text_with_the_runs_tokenizer(tmp_path, bpe_fo
     assert main(common) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "not the" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.distributed
+def test_local_rank_processes_at_d2_read_the_folder(tmp_path, bpe_folder):
+    """Two rank processes (D = 2, P = 1) each open the folder and read their rows of every batch; the
+    run equals the single-process one on the same global batch."""
+    folder = bpe_folder[0]
+    assert main(["train", *TINY, "--steps", "3", "--data", str(folder), "--out", str(tmp_path / "one")]) == 0
+    assert main(["train", *TINY, "--steps", "3", "--data", str(folder), "--data-parallel", "2", "--stages", "1",
+                 "--out", str(tmp_path / "d2")]) == 0
+    got = summary(tmp_path / "d2")
+    assert got["config"]["pipeline"]["data_parallel"] == 2 and got["config"]["pipeline"]["launcher"] == "local"
+    assert_same_losses(got["losses"], summary(tmp_path / "one")["losses"])
+    assert got["data"]["tokenizer_sha256"] == Tokenizer.load(folder).sha256
