@@ -136,8 +136,8 @@ def read_folder_meta(path: str | Path) -> dict:
     path = Path(path).expanduser()
     meta_path = path / META_FILE
     if not meta_path.is_file():
-        _fail(path, f"no {meta_path}", "write the folder with `attnres-pp prepare`, or give --data a .txt or "
-                                       ".bin file")
+        _fail(path, f"no {meta_path} (it is a directory, but not a data folder)",
+              "write the folder with `attnres-pp prepare`, or give --data a .txt or .bin file")
     try:
         size = meta_path.stat().st_size
     except OSError as error:
