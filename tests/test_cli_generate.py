@@ -19,8 +19,8 @@ from attnres_pp.cli import main
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--layers", "4", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--vocab-size", "128",
         "--batch-size", "4", "--microbatches", "2", "--residual", "msar", "--block-size", "3"]
-JSON_KEYS = {"text", "tokens", "prefill_s", "decode_s_per_token", "prompt_tokens", "checkpoint", "stages",
-             "virtual", "launcher"}
+JSON_KEYS = {"text", "tokens", "prompt_ids", "tokenizer", "prefill_s", "decode_s_per_token", "prompt_tokens",
+             "checkpoint", "stages", "virtual", "launcher"}
 
 
 @pytest.fixture(scope="module")

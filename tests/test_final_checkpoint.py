@@ -61,7 +61,9 @@ def test_generate_reads_the_weights_of_the_last_step(tmp_path, captured_engines,
     assert any(not torch.equal(earlier[name], value) for name, value in trained.items())
     meta = read_meta(run / "checkpoints" / "step_3")
     assert meta["final"] and meta["steps_done"] == 3
-    assert meta["data_position"] == {"next_step": 3, "seed": 0, "sequences_seen": 12, "tokens_seen": 192}
+    assert meta["data_position"] == {"next_step": 3, "seed": 0, "sequences_seen": 12, "tokens_seen": 192,
+                                     "data": "builtin", "tokenizer": "bytes", "tokenizer_sha256": "bytes",
+                                     "batch_size": 4, "replicas": [{"dp_rank": 0, "rows": [0, 4], "next_step": 3}]}
 
     assert main(["generate", "--resume", str(run), "--prompt", "def ", "--max-new-tokens", "6",
                  "--temperature", "0", "--json"]) == 0

@@ -157,7 +157,10 @@ def test_another_batch_size_at_resume_continues_at_the_step_and_counts_its_token
     records = [json.loads(line) for line in (again / "metrics.jsonl").read_text().splitlines()]
     assert [r["tokens_seen"] for r in records] == [64, 128, 256, 384]
     position = json.loads((again / "checkpoints" / "step_4" / "meta.json").read_text())["data_position"]
-    assert position == {"next_step": 4, "seed": 0, "sequences_seen": 24, "tokens_seen": 384}
+    assert {k: position[k] for k in ("next_step", "seed", "sequences_seen", "tokens_seen")} == {
+        "next_step": 4, "seed": 0, "sequences_seen": 24, "tokens_seen": 384}
+    # Each replica's position is recorded for the batch the resumed run reads.
+    assert position["batch_size"] == 8 and position["replicas"] == [{"dp_rank": 0, "rows": [0, 8], "next_step": 4}]
 
     run_cfg = RunConfig.from_dict(json.loads((again / "checkpoints" / "step_4" / "meta.json").read_text())["config"])
     assert run_cfg.train.batch_size == 8

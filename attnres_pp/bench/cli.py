@@ -67,6 +67,8 @@ REGISTRY = {
     "checkpoint": Benchmark("checkpoint", "what a checkpoint save costs the training loop: blocking against "
                                           "--async-checkpoint (step time while a save runs, against none)"),
     "split": Benchmark("split", "the backward split in I and W against the fused backward B, per chunk"),
+    "data": Benchmark("data", "what reading batches from a data folder's memory-mapped shards adds to a training "
+                              "step, against an in-memory array"),
     "inference": Benchmark("inference", "generation: prefill tokens/s and decode latency, Block AttnRes vs "
                                         "standard, 1 process and P=2 V=2"),
     "memory": Benchmark("memory", "peak resident memory per pipeline rank (rank-local chunks), 32 layers d = 512 "

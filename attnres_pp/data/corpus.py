@@ -7,8 +7,12 @@ Three sources, chosen by one string (`TrainConfig.data`):
   needs no download. The text depends on the Python version, so compare runs on one interpreter.
 - a path ending in ``.txt``: the file's UTF-8 bytes (vocabulary 256).
 - a path ending in ``.bin``: a flat array of uint16 token ids (the nanoGPT layout), memory-mapped.
+- a directory: a data folder of `attnres-pp prepare` (`data.token_folder`): its train and val shards,
+  memory-mapped and read as one stream per split without being concatenated; its meta.json names
+  the vocabulary size and the tokenizer.
 
-The split is deterministic: the last `VAL_FRACTION` of the token stream is validation.
+For the files the split is deterministic: the last `VAL_FRACTION` of the token stream is validation;
+a data folder has its own.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from attnres_pp.data.token_folder import ShardedTokens, open_token_folder
+from attnres_pp.data.tokenizer import BYTES
+
 BUILTIN_MAX_BYTES = 6 * 1024 * 1024
 VAL_FRACTION = 0.1
 # Folders of the stdlib that are not the standard library's own source (or are huge test data).
@@ -29,12 +36,19 @@ _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "tes
 @dataclass(frozen=True)
 class Corpus:
     """A token stream split in two. `train_tokens_N` / `val_tokens_N` are 1-D numpy arrays
-    (uint8 for byte sources, uint16 for `.bin` files); `max_token` is the largest id present."""
+    (uint8 for byte sources, uint16 for `.bin` files) or, for a data folder, `ShardedTokens` views
+    that index like them; `max_token` is the largest id present (for a folder, the largest its
+    vocabulary allows: its shards are not scanned). A data folder also sets `folder`, `vocab_size`
+    and its tokenizer's kind and sha256; text sources are raw bytes, a `.bin` file names none."""
 
     name: str
-    train_tokens_N: np.ndarray
-    val_tokens_N: np.ndarray
+    train_tokens_N: np.ndarray | ShardedTokens
+    val_tokens_N: np.ndarray | ShardedTokens
     max_token: int
+    folder: str | None = None
+    vocab_size: int | None = None
+    tokenizer_kind: str | None = None
+    tokenizer_sha256: str | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -56,17 +70,20 @@ class Corpus:
 
 
 def load_corpus(spec: str) -> Corpus:
-    """Load the corpus named by `spec`: "builtin", or a path to a `.txt` or `.bin` file."""
+    """Load the corpus named by `spec`: "builtin", a path to a `.txt` or `.bin` file, or a data folder."""
     if spec == "builtin":
-        return _split("builtin", np.frombuffer(builtin_corpus_bytes(), dtype=np.uint8))
+        return _split("builtin", np.frombuffer(builtin_corpus_bytes(), dtype=np.uint8), bytes_source=True)
     path = Path(spec).expanduser()
     if path.is_dir():
-        raise ValueError(f"TrainConfig.data={spec!r} is invalid: it is a directory; give the path of a .txt or "
-                         ".bin file")
+        folder = open_token_folder(path)
+        return Corpus(name=str(path), train_tokens_N=folder.train, val_tokens_N=folder.val,
+                      max_token=folder.vocab_size - 1, folder=str(path), vocab_size=folder.vocab_size,
+                      tokenizer_kind=folder.tokenizer_kind, tokenizer_sha256=folder.tokenizer_sha256)
     suffix = path.suffix.lower()
     if suffix not in (".txt", ".bin"):
         raise ValueError(
-            f"TrainConfig.data={spec!r} is invalid: use 'builtin', a UTF-8 '.txt' file or a uint16 '.bin' file"
+            f"TrainConfig.data={spec!r} is invalid: use 'builtin', a UTF-8 '.txt' file, a uint16 '.bin' file or "
+            "a data folder of `attnres-pp prepare`"
         )
     if not path.is_file():
         raise ValueError(f"TrainConfig.data={spec!r} is invalid: no such file; check the path")
@@ -81,7 +98,7 @@ def load_corpus(spec: str) -> Corpus:
 
 def _read(spec: str, path: Path, suffix: str) -> Corpus:
     if suffix == ".txt":
-        return _split(str(path), np.frombuffer(path.read_bytes(), dtype=np.uint8))
+        return _split(str(path), np.frombuffer(path.read_bytes(), dtype=np.uint8), bytes_source=True)
     if path.stat().st_size % 2:
         raise ValueError(
             f"TrainConfig.data={spec!r} is invalid: a '.bin' file holds uint16 tokens, so its size must be "
@@ -120,7 +137,7 @@ def _stdlib_sources(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _split(name: str, tokens_N: np.ndarray) -> Corpus:
+def _split(name: str, tokens_N: np.ndarray, bytes_source: bool = False) -> Corpus:
     n_val = max(1, int(len(tokens_N) * VAL_FRACTION))
     if len(tokens_N) < 2 * n_val or len(tokens_N) < 4:
         raise ValueError(f"TrainConfig.data={name!r} is invalid: only {len(tokens_N)} tokens; use a larger file")
@@ -130,4 +147,6 @@ def _split(name: str, tokens_N: np.ndarray) -> Corpus:
         train_tokens_N=tokens_N[:-n_val],
         val_tokens_N=tokens_N[-n_val:],
         max_token=max_token,
+        tokenizer_kind=BYTES if bytes_source else None,
+        tokenizer_sha256=BYTES if bytes_source else None,
     )

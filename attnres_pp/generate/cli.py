@@ -7,9 +7,12 @@ pipelined over the same stages (docs/spec.md section 7), for one prompt or a bat
         [--stages P --virtual V --launcher local|inprocess|ray --p2p-semantics auto|gloo|nccl
          --layer-counts .. --timeout S] [--json]
 
-Tokens are bytes (the training corpora's vocabulary). Several prompts run as one batch
-(`generate.loop`). `--json` prints one object per prompt, one per line, in prompt order:
-`{"text", "tokens", "prefill_s", "decode_s_per_token", ...}`; progress goes to stderr. A mistake in
+Tokens are bytes, or, for a run trained on a BPE data folder, the ids of the run's tokenizer (its
+copy of tokenizer.json, checked against the sha256 the checkpoint records), which encodes the
+prompts and decodes the output; `--stop` then matches the decoded text. Several prompts run as one
+batch (`generate.loop`). `--json` prints one object per prompt, one per line, in prompt order:
+`{"text", "tokens", "prompt_ids", "tokenizer", "prefill_s", "decode_s_per_token", ...}`; progress
+goes to stderr. A mistake in
 the input (no checkpoint, an empty prompt, a bad prompts file, a byte outside the vocabulary, too
 long a request, a device that is not there) is one `error:` line and exit code 2.
 """
@@ -25,7 +28,14 @@ from pathlib import Path
 
 from attnres_pp.cli_flags import convert_flag, layer_counts
 from attnres_pp.generate.config import GenerationConfig
-from attnres_pp.generate.prompts import decode_text, prompt_tokens, read_prompts, stop_strings
+from attnres_pp.generate.prompts import (
+    decode_text,
+    encode_prompt,
+    read_prompts,
+    run_tokenizer,
+    stop_strings,
+    text_stops,
+)
 from attnres_pp.pipeline.config import LAUNCHERS, P2P_SEMANTICS
 from attnres_pp.train.config import DEVICES, DTYPES
 
@@ -181,9 +191,16 @@ def main(args: argparse.Namespace) -> int:
         prompts = read_prompts(args)
         import torch
 
+        from attnres_pp.train.checkpoint import read_meta
+
+        tokenizer = run_tokenizer(step_dir, read_meta(step_dir))
+        decode = None if tokenizer.kind == "bytes" else tokenizer.decode
+        if decode is not None:
+            text_stops(gen_cfg.stop)
         model_cfg, named = load_checkpoint(step_dir)
         which = (lambda n: f"prompt {n}: ") if len(prompts) > 1 else (lambda n: "")
-        ids = [prompt_tokens(prompt, model_cfg.vocab_size, which(n)) for n, prompt in enumerate(prompts, start=1)]
+        ids = [encode_prompt(prompt, tokenizer, model_cfg.vocab_size, which(n))
+               for n, prompt in enumerate(prompts, start=1)]
         _fits(model_cfg, ids, gen_cfg.max_new_tokens)
         pipeline_partition(model_cfg, pipe)  # a split that does not fit the model fails here, in one line
         torch.set_num_threads(threads)
@@ -206,7 +223,7 @@ def main(args: argparse.Namespace) -> int:
         size = f"prompt {lengths[0]} tokens" if len(ids) == 1 else \
             f"{len(ids)} prompts of {lengths[0]}..{lengths[-1]} tokens"
         progress(f"  ready in {time.perf_counter() - started:.1f} s; {size}, {gen_cfg.max_new_tokens} new")
-        results = generate_batch(generator, ids, gen_cfg, progress)
+        results = generate_batch(generator, ids, gen_cfg, progress, decode)
     except KeyboardInterrupt:
         print("interrupted: stopping the workers", file=sys.stderr)
         return 130
@@ -221,9 +238,13 @@ def main(args: argparse.Namespace) -> int:
         progress(f"{label} prefill {len(prompt)} tokens in {1e3 * result.prefill_s:.1f} ms; "
                  f"{len(result.decode_s)} more tokens at {1e3 * result.decode_s_per_token:.2f} ms/token{stopped}")
     for prompt, result in zip(ids, results, strict=True):
-        text = decode_text(result.tokens)
+        if decode is None:
+            text = decode_text(result.tokens)
+        else:
+            text = result.text if result.text is not None else decode(result.tokens)
         if args.json:
-            print(json.dumps({"text": text, "tokens": result.tokens, "prefill_s": result.prefill_s,
+            print(json.dumps({"text": text, "tokens": result.tokens, "prompt_ids": prompt,
+                              "tokenizer": tokenizer.kind, "prefill_s": result.prefill_s,
                               "decode_s_per_token": result.decode_s_per_token, "prompt_tokens": len(prompt),
                               "checkpoint": str(step_dir), "stages": pipe.stages, "virtual": pipe.virtual,
                               "launcher": pipe.launcher}))

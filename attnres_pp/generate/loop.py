@@ -13,6 +13,11 @@ sequence that is done (max_new_tokens, or a stop string) leaves the batch: every
 rows from its caches (`keep_rows`) before the next pass.
 Each sequence samples with its own generator seeded by `seed`, so its sampled tokens, too, are
 those it gets alone (up to the rounding of a batched forward).
+
+Stop strings match the new tokens as bytes (a byte run), or, given a `decode` (a run with a BPE
+tokenizer, whose tokens are not bytes), the decoded text of the new tokens: a sequence stops once
+its text contains a stop string; its `text` is cut before it and its `tokens` are those whose text
+lies wholly before it.
 """
 
 from __future__ import annotations
@@ -36,12 +41,14 @@ PROGRESS_EVERY = 64
 class GenerationResult:
     """tokens: the new token ids (a stop string and what follows left out); prefill_s: the start to
     the first new token (the prefill, and the passes feeding the rest of a longer prompt);
-    decode_s: each later token's pass; stopped_at: the stop string that ended it, or None."""
+    decode_s: each later token's pass; stopped_at: the stop string that ended it, or None;
+    text: with a text stop, the decoded text cut before the stop string (else None: decode `tokens`)."""
 
     tokens: list[int]
     prefill_s: float
     decode_s: list[float] = field(default_factory=list)
     stopped_at: bytes | None = None
+    text: str | None = None
 
     @property
     def decode_s_per_token(self) -> float:
@@ -73,9 +80,27 @@ def check_fits(cfg: ModelConfig, n_prompt: int, max_new_tokens: int) -> None:
 
 
 def generate(generator, prompt_ids: list[int], gen_cfg: GenerationConfig,
-             progress: Callable[[str], None] | None = None) -> GenerationResult:
+             progress: Callable[[str], None] | None = None,
+             decode: Callable[[list[int]], str] | None = None) -> GenerationResult:
     """Generate up to `gen_cfg.max_new_tokens` tokens after `prompt_ids` (one sequence)."""
-    return generate_batch(generator, [prompt_ids], gen_cfg, progress)[0]
+    return generate_batch(generator, [prompt_ids], gen_cfg, progress, decode)[0]
+
+
+def _hit_text_stop(result: GenerationResult, stops: tuple[bytes, ...], decode: Callable[[list[int]], str]) -> bool:
+    """If the decoded new text contains a stop string, cut the text before its first one, and the
+    tokens to those whose text is wholly before it."""
+    text = decode(result.tokens)
+    found = [(text.find(s.decode("utf-8", errors="replace")), s) for s in stops]
+    found = [(at, s) for at, s in found if at >= 0]
+    if not found:
+        return False
+    at, result.stopped_at = min(found, key=lambda f: (f[0], -len(f[1])))
+    result.text = text[:at]
+    keep = len(result.tokens)
+    while keep and not result.text.startswith(decode(result.tokens[:keep])):
+        keep -= 1
+    del result.tokens[keep:]
+    return True
 
 
 def _hit_stop(result: GenerationResult, stops: tuple[bytes, ...]) -> bool:
@@ -89,9 +114,11 @@ def _hit_stop(result: GenerationResult, stops: tuple[bytes, ...]) -> bool:
 
 
 def generate_batch(generator, prompts: list[list[int]], gen_cfg: GenerationConfig,
-                   progress: Callable[[str], None] | None = None) -> list[GenerationResult]:
+                   progress: Callable[[str], None] | None = None,
+                   decode: Callable[[list[int]], str] | None = None) -> list[GenerationResult]:
     """Generate up to `gen_cfg.max_new_tokens` tokens after each prompt, all in one batch; one
-    result per prompt, in order."""
+    result per prompt, in order. `decode` (token ids to text): stop strings match the decoded text
+    rather than the token bytes."""
     if not prompts:
         raise ValueError("no prompts: give at least one")
     for ids in prompts:
@@ -122,7 +149,9 @@ def generate_batch(generator, prompts: list[list[int]], gen_cfg: GenerationConfi
             else:
                 result.prefill_s = now - started
             result.tokens.append(fed[row])
-            if _hit_stop(result, gen_cfg.stop) or len(result.tokens) == gen_cfg.max_new_tokens:
+            stopped = (_hit_stop(result, gen_cfg.stop) if decode is None
+                       else bool(gen_cfg.stop) and _hit_text_stop(result, gen_cfg.stop, decode))
+            if stopped or len(result.tokens) == gen_cfg.max_new_tokens:
                 active[row] = False
         if not any(active):
             return results

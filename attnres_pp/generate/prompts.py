@@ -6,7 +6,10 @@ Exactly one source gives them:
 - `--prompts-file FILE`: one prompt per line (the line's bytes, without its line ending), or, for a
   file named `*.jsonl`, one JSON object `{"prompt": "..."}` per line (UTF-8), for prompts that hold
   newlines. A blank line is a mistake in either form (it would be an empty prompt).
-Tokens are bytes (the training corpora's vocabulary). Every mistake is a ValueError saying what to fix.
+Tokens are bytes unless the run trained on a BPE data folder: then the prompt (UTF-8 text) is
+encoded, and new tokens decoded, with the run's tokenizer (`run_tokenizer`: the copy of
+tokenizer.json in the run directory, checked against the sha256 its checkpoint records). Every
+mistake is a ValueError saying what to fix.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import argparse
 import json
 import os
 from pathlib import Path
+
+from attnres_pp.data.tokenizer import BYTES, TOKENIZER_FILE, Tokenizer
 
 SOURCES = "--prompt TEXT (repeatable), --prompt-file FILE or --prompts-file FILE"
 
@@ -111,3 +116,53 @@ def stop_strings(values: list[str] | None) -> tuple[bytes, ...]:
 def decode_text(tokens: list[int]) -> str:
     """Bytes to text (invalid UTF-8, or ids past 255 from a non-byte vocabulary, become U+FFFD)."""
     return b"".join(bytes([t]) if t < 256 else b"\xef\xbf\xbd" for t in tokens).decode("utf-8", errors="replace")
+
+
+def run_tokenizer(step_dir: Path, meta: dict) -> Tokenizer:
+    """The tokenizer of the run that wrote checkpoint `step_dir` (with meta.json `meta`): raw bytes
+    unless its data position names a BPE tokenizer's sha256, which the run directory's copy of
+    tokenizer.json must have (a checkpoint folder on its own is looked for beside it too)."""
+    sha = meta.get("data_position", {}).get("tokenizer_sha256")
+    if sha is None or sha == BYTES:
+        return Tokenizer.raw_bytes()
+    step_dir = Path(step_dir)
+    candidates = [step_dir.parent.parent / TOKENIZER_FILE, step_dir / TOKENIZER_FILE]
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        raise ValueError(f"checkpoint {step_dir} was trained with a BPE tokenizer (sha256 {sha[:12]}..) but there "
+                         f"is no {candidates[0]}: copy its data folder's tokenizer.json there")
+    tokenizer = Tokenizer.load(found)
+    if tokenizer.sha256 != sha:
+        raise ValueError(f"{found} has sha256 {tokenizer.sha256[:12]}.., not the {sha[:12]}.. the checkpoint was "
+                         "trained with: put that run's tokenizer.json there")
+    return tokenizer
+
+
+def encode_prompt(prompt: bytes, tokenizer: Tokenizer, vocab_size: int, which: str = "") -> list[int]:
+    """The prompt's token ids: its bytes for a byte run (`prompt_tokens`), its UTF-8 text encoded by a
+    BPE `tokenizer`; ValueError if it is empty, not UTF-8 (BPE) or an id is outside the vocabulary."""
+    if tokenizer.kind == BYTES:
+        return prompt_tokens(prompt, vocab_size, which)
+    if not prompt:
+        raise ValueError(f"{which}the prompt is empty: give at least one character with {SOURCES}")
+    try:
+        text = prompt.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{which}the prompt is not UTF-8 (byte {prompt[error.start]:#04x} at offset {error.start}): "
+                         "this run's tokenizer reads text; give the prompt as UTF-8") from None
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise ValueError(f"{which}the prompt encodes to no tokens: give some text with {SOURCES}")
+    if max(ids) >= vocab_size:
+        raise ValueError(f"{which}the prompt encodes to token {max(ids)}, outside the model's vocabulary of "
+                         f"{vocab_size}: the run's tokenizer.json is not the model's")
+    return ids
+
+
+def text_stops(stops: tuple[bytes, ...], which: str = "--stop") -> tuple[str, ...]:
+    """The stop strings as text, for a run whose tokens are not bytes (stops match its decoded text)."""
+    try:
+        return tuple(s.decode("utf-8") for s in stops)
+    except UnicodeDecodeError:
+        raise ValueError(f"{which} must be UTF-8 text for a run with a BPE tokenizer (it stops on the decoded "
+                         "text)") from None

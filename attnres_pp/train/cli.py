@@ -17,6 +17,7 @@ from pathlib import Path
 
 from attnres_pp.cli_flags import convert_flag
 from attnres_pp.data import load_corpus
+from attnres_pp.data.token_folder import is_token_folder, read_folder_meta
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.model_flags import add_layer_counts_flag, add_model_flags, layer_counts_flag, model_overrides
 from attnres_pp.out_paths import check_out_dir
@@ -41,6 +42,7 @@ from attnres_pp.train.config import (
     DTYPES,
     KERNELS,
     RunConfig,
+    TrainConfig,
     merge_tables,
     read_toml,
 )
@@ -58,7 +60,8 @@ _FLAGS = (
     ("--lr", "train", "lr", float, "peak learning rate"),
     ("--warmup-steps", "train", "warmup_steps", int, "linear warmup steps"),
     ("--seed", "train", "seed", int, "seed for init and data"),
-    ("--data", "train", "data", str, "'builtin' (stdlib source bytes), FILE.txt or FILE.bin (uint16 tokens)"),
+    ("--data", "train", "data", str, "'builtin' (stdlib source bytes), FILE.txt, FILE.bin "
+     "(uint16 tokens) or a data folder of `attnres-pp prepare` (DIR with meta.json; sets --vocab-size)"),
     ("--eval-every", "train", "eval_every", int, "evaluate every k steps (0 = only at the end)"),
     ("--log-routing-every", "train", "log_routing_every", int,
      "every k steps add routing entropy and embedding weight per reading site to metrics.jsonl (0 = never)"),
@@ -144,14 +147,18 @@ def register(subparsers) -> None:
 def build_run_config(args: argparse.Namespace) -> RunConfig:
     """defaults (or the resumed checkpoint's config) < TOML (`args.config`) < flags. Raises
     ValueError naming the field to fix."""
-    saved = _resumed_meta(args.resume)["config"] if getattr(args, "resume", None) else {}
+    resumed = _resumed_meta(args.resume) if getattr(args, "resume", None) else {}
+    saved = resumed.get("config", {})
     overrides = flag_overrides(args)
     if saved and ({"stages", "virtual"} & set(overrides.get("pipeline", {}))) and args.layer_counts is None:
         # A resumed run may change the split (the shards load into any); the saved per-chunk layer
         # counts belong to the old split, so without new ones the layers split evenly.
         saved = {**saved, "pipeline": {k: v for k, v in saved.get("pipeline", {}).items() if k != "layer_counts"}}
-    base = merge_tables(saved, read_toml(args.config)) if args.config else saved
-    run_cfg = RunConfig.from_dict(merge_tables(base, overrides))
+    toml = read_toml(args.config) if args.config else {}
+    base = merge_tables(saved, toml) if args.config else saved
+    merged = merge_tables(base, overrides)
+    given_vocab = {**toml.get("model", {}), **overrides.get("model", {})}.get("vocab_size")
+    run_cfg = RunConfig.from_dict(_vocab_from_data_folder(merged, given_vocab, resumed))
     if run_cfg.train.log_routing_every and not run_cfg.model.uses_depth_attention:
         raise ConfigError("--log-routing-every needs a depth-attention residual (the standard one has no "
                           "routing): drop it or choose --residual attnres, lr_attnres or msar")
@@ -162,6 +169,23 @@ def build_run_config(args: argparse.Namespace) -> RunConfig:
         raise ConfigError(f"--resume {args.resume}: the checkpoint holds another model (model {changed} differ); "
                           "drop the flags or TOML keys that change the model")
     return run_cfg
+
+
+def _vocab_from_data_folder(tables: dict, given_vocab, resumed: dict) -> dict:
+    """`tables` with [model] vocab_size set to the data folder's (its meta.json) when --data names
+    one; a --vocab-size (or TOML vocab_size) the user gave must be that one. A resumed run's folder
+    must have the checkpoint's tokenizer (checked first: another one has another vocabulary too)."""
+    data = tables.get("train", {}).get("data", TrainConfig.data)
+    if not isinstance(data, str) or data == "builtin" or not is_token_folder(data):
+        return tables
+    meta = read_folder_meta(data)
+    vocab = meta["vocab_size"]
+    if resumed:
+        check_resume(resumed, RunConfig(), tokenizer_sha256=meta["tokenizer_sha256"], data=data, seed=False)
+    if given_vocab is not None and given_vocab != vocab:
+        raise ConfigError(f"--vocab-size {given_vocab} differs from the data folder's vocab_size {vocab} "
+                          f"({Path(data) / 'meta.json'}): drop --vocab-size (the folder sets it)")
+    return merge_tables(tables, {"model": {"vocab_size": vocab}})
 
 
 def _resumed_meta(run_dir: str) -> dict:
@@ -266,7 +290,7 @@ def main(args: argparse.Namespace) -> int:
             if idle is not None:
                 print(idle[0])
                 return 0
-            check_resume(read_meta(latest_checkpoint(out_dir)), run_cfg)
+            check_resume(read_meta(latest_checkpoint(out_dir)), run_cfg, corpus)
         engine = make_run_engine(run_cfg, out_dir, address=args.address, fail_at=fail_at, corpus=corpus)
     except ValueError as error:  # config mistakes: one line, no traceback
         print(f"error: {error}", file=sys.stderr)

@@ -105,7 +105,7 @@ class TrainConfig:
         if not isinstance(self.compile, bool):
             _fail("compile", self.compile, "must be true or false")
         if not isinstance(self.data, str) or not self.data:
-            _fail("data", self.data, "use 'builtin' or a path to a .txt or .bin file")
+            _fail("data", self.data, "use 'builtin', a path to a .txt or .bin file, or a data folder")
 
     @property
     def microbatch_size(self) -> int:

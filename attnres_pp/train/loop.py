@@ -7,11 +7,16 @@ The data position of a run is its step: batch `step` is a pure function of (seed
 So a resume continues at the checkpoint's step whatever `--batch-size` or `--data-parallel` it
 is given (the global batch is split over the replicas by rows); each step's token count is
 recorded, so `tokens_seen` stays exact across such a change. Another `--seed` would read another
-stream and is refused."""
+stream and is refused, and so is a data folder whose tokenizer is another (its sha256 is recorded).
+
+A run on a data folder keeps a copy of the folder's tokenizer.json in its run directory, so that
+`attnres-pp generate` reads and writes text with it wherever the data folder has gone."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +25,7 @@ from typing import Protocol
 import torch
 
 from attnres_pp.data import Corpus, load_corpus
+from attnres_pp.data.tokenizer import TOKENIZER_FILE
 from attnres_pp.train.checkpoint import (
     CheckpointConfig,
     PendingCheckpoint,
@@ -34,6 +40,7 @@ from attnres_pp.train.checkpoint import (
 )
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.optim import lr_at
+from attnres_pp.train.rank_data import replica_rows
 from attnres_pp.train.recovery import RunFailed, RunHistory, WorkerLost, describe_rank
 from attnres_pp.train.summary import MetricsLog, describe_summary, median, progress_line, write_json_atomic
 from attnres_pp.train.tensorboard import TensorBoardLog
@@ -114,6 +121,7 @@ def run_training(
         if idle is not None:
             say(idle[0], flush=True)
             return idle[1]
+    keep_tokenizer(corpus, out_dir)
     params = engine.param_count()
     say(f"training {params:,} parameters on {corpus.name} ({corpus.n_tokens:,} tokens) for "
         f"{train_cfg.steps} steps of {tokens_per_step:,} tokens", flush=True)
@@ -126,7 +134,7 @@ def run_training(
         for name in remove_interrupted_saves(out_dir):
             say(f"removed {name}: a checkpoint save that a crash interrupted", flush=True)
         last_checkpoint = latest_checkpoint(out_dir)
-        check_resume(read_meta(last_checkpoint), run_cfg)
+        check_resume(read_meta(last_checkpoint), run_cfg, corpus)
         history = _restore(engine, last_checkpoint, _read_records(out_dir / "metrics.jsonl"))
         say(f"resuming from {last_checkpoint} (continuing at step {history.steps_done + 1}; "
             f"{_describe_settings(run_cfg, ckpt)})", flush=True)
@@ -151,7 +159,7 @@ def run_training(
                 say(progress_line(step, train_cfg.steps, record["loss"], record["lr"], record["tokens_per_s"])
                     + (f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""), flush=True)
                 if ckpt.saves_after(step + 1, train_cfg.steps):
-                    meta = checkpoint_meta(run_cfg, ckpt, history)
+                    meta = checkpoint_meta(run_cfg, ckpt, history, corpus)
                     if ckpt.async_save:
                         if pending is not None:  # at most one save in flight: the next waits for it
                             last_checkpoint, pending = pending.finish(engine), None
@@ -192,7 +200,7 @@ def run_training(
         "params": params,
         "restarts": history.restarts,
         "data": {"name": corpus.name, "train_tokens": len(corpus.train_tokens_N),
-                 "val_tokens": len(corpus.val_tokens_N)},
+                 "val_tokens": len(corpus.val_tokens_N), **data_record(corpus)},
         "config": run_cfg.to_dict(),
         **history.extras,
     }
@@ -270,24 +278,88 @@ def _restore(engine: Engine, step_dir: Path, records: list[dict]) -> RunHistory:
     return history
 
 
-def checkpoint_meta(run_cfg: RunConfig, ckpt: CheckpointConfig, history: RunHistory) -> dict:
+def data_record(corpus: Corpus | None) -> dict:
+    """What a run records of its data beside the name: the data folder (absolute) and its tokenizer."""
+    if corpus is None:
+        return {}
+    record = {"tokenizer": corpus.tokenizer_kind, "tokenizer_sha256": corpus.tokenizer_sha256}
+    if corpus.folder is not None:
+        record["folder"] = str(Path(corpus.folder).expanduser().resolve())
+    return record
+
+
+def keep_tokenizer(corpus: Corpus, out_dir: Path) -> None:
+    """Copy the data folder's tokenizer.json into the run directory (BPE folders only), so that text
+    in and out of the model needs only the run; a copy already there must be the same tokenizer."""
+    if corpus.folder is None or corpus.tokenizer_kind != "bpe":
+        return
+    source, kept = Path(corpus.folder) / TOKENIZER_FILE, out_dir / TOKENIZER_FILE
+    data = source.read_bytes()
+    if hashlib.sha256(data).hexdigest() != corpus.tokenizer_sha256:
+        raise ValueError(f"{source} has sha256 {hashlib.sha256(data).hexdigest()[:12]}.., not the "
+                         f"{corpus.tokenizer_sha256[:12]}.. its meta.json names: the folder was changed; "
+                         "prepare it again")
+    if kept.is_file() and hashlib.sha256(kept.read_bytes()).hexdigest() == corpus.tokenizer_sha256:
+        return
+    tmp = kept.with_name(f".{kept.name}.tmp")
+    shutil.copyfile(source, tmp)
+    tmp.replace(kept)
+
+
+def checkpoint_meta(run_cfg: RunConfig, ckpt: CheckpointConfig, history: RunHistory,
+                    corpus: Corpus | None = None) -> dict:
     """What a checkpoint's meta.json holds besides its format and step: the config, the checkpoint
     settings, whether it is the run's last step ("final", which retention never deletes), the data
-    position (the next step's batch, the stream's seed, what the run has read) and the history."""
+    position and the history. The data position: the next step's batch, the stream's seed, what the
+    run has read, the data and its tokenizer, and the rows of each global batch every replica reads
+    (a batch is a function of (seed, step), so these are where each replica stands)."""
     steps_done, tokens_seen = history.steps_done, history.tokens_seen
-    position = {"next_step": steps_done, "seed": run_cfg.train.seed,
-                "sequences_seen": tokens_seen // run_cfg.model.seq_len, "tokens_seen": tokens_seen}
+    train, replicas = run_cfg.train, run_cfg.pipeline.data_parallel
+    position = {"next_step": steps_done, "seed": train.seed,
+                "sequences_seen": tokens_seen // run_cfg.model.seq_len, "tokens_seen": tokens_seen,
+                "data": train.data, **data_record(corpus), "batch_size": train.batch_size,
+                "replicas": [{"dp_rank": r, "rows": [rows.start, rows.stop], "next_step": steps_done}
+                             for r in range(replicas) for rows in [replica_rows(train.batch_size, replicas, r)]]}
     return {"config": run_cfg.to_dict(), "checkpointing": ckpt.settings(), "final": steps_done == run_cfg.train.steps,
             "data_position": position, **history.to_meta()}
 
 
-def check_resume(meta: dict, run_cfg: RunConfig) -> None:
+def check_resume(meta: dict, run_cfg: RunConfig, corpus: Corpus | None = None, *,
+                 tokenizer_sha256: str | None = None, data: str | None = None, seed: bool = True) -> None:
     """Raise ValueError if `run_cfg` cannot continue the checkpoint with `meta`: batches are keyed by
-    the seed, so another seed would read another data stream (and other validation batches)."""
-    saved = meta.get("data_position", {}).get("seed", meta.get("config", {}).get("train", {}).get("seed"))
-    if saved is not None and saved != run_cfg.train.seed:
+    the seed, so another seed would read another data stream (and other validation batches); a data
+    folder with another tokenizer holds other tokens; and the recorded replica positions must be
+    those of one step of the recorded batch (any D then resumes: each reads its rows of that step).
+    `tokenizer_sha256` and `data` stand for `corpus` where it is not loaded yet; `seed=False` skips
+    the seed (the caller's config is not the run's yet)."""
+    position = meta.get("data_position", {})
+    saved = position.get("seed", meta.get("config", {}).get("train", {}).get("seed"))
+    if seed and saved is not None and saved != run_cfg.train.seed:
         raise ValueError(f"--seed {run_cfg.train.seed} differs from the checkpoint's seed {saved}: the run's batches "
                          f"are drawn from the stream of seed {saved}, so resume with --seed {saved} (or drop --seed)")
+    sha = position.get("tokenizer_sha256")
+    if corpus is not None:
+        tokenizer_sha256, data = corpus.tokenizer_sha256, corpus.name
+    if data is not None and sha is not None and tokenizer_sha256 != sha:
+        raise ValueError(f"--data {data} has tokenizer {_short(tokenizer_sha256)}, the checkpoint's "
+                         f"run used tokenizer {_short(sha)} (data {position.get('folder', position.get('data'))}): "
+                         "the tokens would mean other text; resume with that run's data folder")
+    replicas = position.get("replicas")
+    if replicas is not None:
+        batch = position.get("batch_size")
+        ok = isinstance(replicas, list) and all(isinstance(r, dict) for r in replicas) and isinstance(batch, int)
+        spans = [r.get("rows") for r in replicas] if ok else []
+        covered = ok and spans and all(isinstance(x, list) and len(x) == 2 for x in spans) and \
+            spans[0][0] == 0 and spans[-1][1] == batch and \
+            all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+        same_step = ok and all(r.get("next_step") == position.get("next_step") for r in replicas)
+        if not (covered and same_step):
+            raise ValueError(f"the checkpoint's data position is inconsistent: its replicas {replicas} do not read "
+                             f"one step's batch of {batch} rows; load an earlier checkpoint")
+
+
+def _short(sha: str | None) -> str:
+    return "none" if sha is None else sha if len(sha) <= 16 else sha[:12] + ".."
 
 
 def nothing_to_do(out_dir: Path, step_dir: Path | None, steps: int) -> tuple[str, dict] | None:

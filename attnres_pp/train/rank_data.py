@@ -24,6 +24,12 @@ def resolve_data_path(spec: str) -> str:
     return spec if spec == "builtin" else str(Path(spec).expanduser().resolve())
 
 
+def replica_rows(batch_size: int, data_parallel: int, dp_rank: int) -> range:
+    """The rows of each global batch of `batch_size` rows that replica `dp_rank` of D reads."""
+    share = batch_size // data_parallel
+    return range(dp_rank * share, (dp_rank + 1) * share)
+
+
 class RankData:
     """Replica `dp_rank`'s rows of every batch: rows [dp_rank * B / D, (dp_rank + 1) * B / D) of the
     global batch of B sequences, cut into m equal microbatches of consecutive rows."""
@@ -33,8 +39,7 @@ class RankData:
         train = run_cfg.train
         self.run_cfg = run_cfg
         self.needs_inputs, self.needs_targets = needs_inputs, needs_targets
-        share = train.batch_size // run_cfg.pipeline.data_parallel
-        self.rows = range(dp_rank * share, (dp_rank + 1) * share)
+        self.rows = replica_rows(train.batch_size, run_cfg.pipeline.data_parallel, dp_rank)
         self._corpus = corpus
         self._data_path = data_path or train.data
 
