@@ -103,3 +103,22 @@ def test_json_names_the_kernel(capsys):
             "--block-size", "2", "--d-model", "64", "--seq-len", "64", "--tokens", "64", "--json"]
     assert json.loads(_cli(capsys, *base)[1])["attention_kernel"] == "flash"
     assert json.loads(_cli(capsys, *base, "--attention-kernel", "math")[1])["attention_kernel"] == "math"
+
+
+@pytest.mark.parametrize("residual", ["standard", "attnres"])
+def test_math_correction_matches_the_cpu_math_kernel_bf16(residual):
+    # The CPU runs both kernels: the derived difference is what the saved-tensor count sees.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from attnres_pp.bench.memory_units import saved_bytes
+    from attnres_pp.simulator.memory import attention_correction
+
+    cfg = ModelConfig(vocab_size=48, n_layers=2, d_model=32, n_heads=4, d_ff=64, seq_len=16, residual=residual,
+                      block_size=2)
+    partition = make_partition(2, 1, 1, None)
+    flash = saved_bytes(cfg, partition, 0, n_sequences=2, dtype="bf16")
+    with sdpa_kernel([SDPBackend.MATH]):
+        math_ = saved_bytes(cfg, partition, 0, n_sequences=2, dtype="bf16")
+    derived = attention_correction(cfg, partition, 0, tokens=32, dtype="bf16", activation_checkpoint="none",
+                                   attention_kernel="math")
+    assert math_ - flash == derived["saved"]
