@@ -52,6 +52,7 @@ from attnres_pp.simulator.memory_features import (  # noqa: F401 (re-exported: b
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 AC_POLICIES = ("none", "full", "selective")
 DP_SHARDS = ("replicate", "fsdp")
+ATTENTION_KERNELS = ("flash", "math")
 MEMORY_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_peak_bytes", "cache_peak_bytes")
 UNITS_PATH = Path(__file__).with_name("memory_units.json")
 # What the checkpointing units predict per chunk and microbatch (the fields of ChunkActivation).
@@ -163,26 +164,87 @@ def stored_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, to
     return tokens * elements * DTYPE_BYTES[dtype]
 
 
+# ---- the attention kernel: measured (flash) and derived (math) ----
+#
+# The units are fitted on CPU runs, where torch's scaled_dot_product_attention runs its CPU flash
+# kernel (`_scaled_dot_product_flash_attention_for_cpu`, as the CUDA flash / efficient kernels): it
+# saves q, k, v (views of the qkv projection's one storage), its output (a view whose storage the
+# output projection saves too) and the log-sum-exp, fp32 H x T per sequence (the `layer_th` column).
+# So the fitted units are flash's. The math path (`SDPBackend.MATH`) is derived from shapes, not
+# fitted: it saves sqrt(scale) q and k as new tensors, the softmax probabilities H x T x T per
+# sequence and v, all fp32 (it upcasts bf16 inputs unless `allow_fp16_bf16_reduction_math_sdp`),
+# and no log-sum-exp.
+
+def flash_attention_saved(cfg: ModelConfig, *, seq_len: int, dtype: str) -> int:
+    """Bytes one layer's flash attention saves per sequence beyond the output projection's input:
+    q, k, v (one qkv storage, compute dtype) and the fp32 log-sum-exp."""
+    t, d = seq_len, cfg.d_model
+    return 3 * t * d * DTYPE_BYTES[dtype] + 4 * cfg.n_heads * t
+
+
+def math_attention_saved(cfg: ModelConfig, *, seq_len: int, dtype: str) -> int:
+    """Bytes one layer's math attention saves per sequence beyond the output projection's input:
+    scaled q and k, fp32 copies; the fp32 probabilities H x T x T; v, an fp32 copy under bf16, else a
+    view that keeps the qkv storage (fp32) alive."""
+    t, d = seq_len, cfg.d_model
+    v = 4 * t * d if dtype == "bf16" else 3 * t * d * DTYPE_BYTES[dtype]
+    return 4 * t * d + 4 * t * d + v + 4 * cfg.n_heads * t * t
+
+
+def attention_correction(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype: str,
+                         activation_checkpoint: str, attention_kernel: str) -> dict[str, int]:
+    """Bytes to add to each fitted target (`saved`, and under checkpointing `transient`) for
+    `attention_kernel`: 0 under flash (the units measure it), math's saves minus flash's under math.
+
+    Per policy, where a layer's attention saves live: `none`, in what F saves, every layer; `full`,
+    in B's recomputation of one layer (the `transient`, `last_layer_th`'s target); `selective`, F
+    keeps flash's outputs (the SAC policy names the fused kernel) but no piece of math's (batched
+    products and softmax are recomputed), so `saved` loses the log-sum-exp of every layer and the
+    recomputation holds math's saves beside the kept qkv. I's targets are left as fitted: its
+    recomputation is B's, and what it keeps for W are the linear layers' operands."""
+    if attention_kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"--attention-kernel {attention_kernel!r} is invalid: choose one of "
+                         f"{', '.join(ATTENTION_KERNELS)}")
+    if attention_kernel == "flash":
+        return {}
+    n_sequences = max(1, tokens // cfg.seq_len)
+    layers = partition.layers_per_chunk[chunk_index]
+    flash = flash_attention_saved(cfg, seq_len=cfg.seq_len, dtype=dtype)
+    math_ = math_attention_saved(cfg, seq_len=cfg.seq_len, dtype=dtype)
+    if activation_checkpoint == "none":
+        return {"saved": layers * n_sequences * (math_ - flash)}
+    if activation_checkpoint == "full":
+        return {"transient": n_sequences * (math_ - flash)}
+    lse = 4 * cfg.n_heads * cfg.seq_len
+    qkv_view = 0 if dtype == "bf16" else 3 * cfg.seq_len * cfg.d_model * DTYPE_BYTES[dtype]
+    return {"saved": -layers * n_sequences * lse, "transient": n_sequences * (math_ - qkv_view)}
+
+
 def activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype: str,
-                     activation_checkpoint: str = "none", weight_copies: bool = True) -> ChunkActivation:
+                     activation_checkpoint: str = "none", weight_copies: bool = True,
+                     attention_kernel: str = "flash") -> ChunkActivation:
     """What F(chunk_index, mb) saves for backward, in bytes (see the module docstring).
 
     `weight_copies`: bf16 autocast casts the fp32 weights in every forward and the backward keeps
-    each microbatch's copy; False under FSDP2's bf16 parameters (all-gathered once, no casts)."""
+    each microbatch's copy; False under FSDP2's bf16 parameters (all-gathered once, no casts).
+    `attention_kernel`: flash (measured) or math (derived: `attention_correction`)."""
     n_sequences = max(1, tokens // cfg.seq_len)
+    correction = attention_correction(cfg, partition, chunk_index, tokens=tokens, dtype=dtype,
+                                      activation_checkpoint=activation_checkpoint, attention_kernel=attention_kernel)
     if activation_checkpoint == "none":
         features = activation_features(cfg, partition, chunk_index, tokens=tokens, n_sequences=n_sequences,
                                        dtype=dtype)
         if not weight_copies:
             features["matmul_params"] = 0
         units = load_units()["units"][units_key(cfg, dtype)]["coefficients"]
-        return ChunkActivation(saved=round(max(0.0, _linear(features, units))),
+        return ChunkActivation(saved=round(max(0.0, _linear(features, units))) + correction.get("saved", 0),
                                stored=stored_bytes(cfg, partition, chunk_index, tokens=tokens, dtype=dtype))
     features = checkpoint_features(cfg, partition, chunk_index, tokens=tokens, n_sequences=n_sequences, dtype=dtype)
     if not weight_copies:
         features = {name: 0 if name.endswith("matmul_params") else value for name, value in features.items()}
     units = load_units()["checkpoint_units"][f"{activation_checkpoint}/{units_key(cfg, dtype)}"]["coefficients"]
-    values = {target: max(0.0, _linear(features, units[target])) for target in CHECKPOINT_TARGETS}
+    values = {target: max(0.0, max(0.0, _linear(features, units[target])) + correction.get(target, 0))
+              for target in CHECKPOINT_TARGETS}
     if chunk_index == 0:  # its I has no inputs: nothing runs there, W is the whole backward
         values["input_transient"] = values["input_kept"] = 0.0
     # Under checkpointing the store is what the fitted units say I leaves (`input_kept`): the
@@ -310,6 +372,7 @@ class MemorySetup:
     dp_shard: str = "replicate"
     activation_checkpoint: str = "none"
     layer_counts: tuple[int, ...] | None = None
+    attention_kernel: str = "flash"
 
     def __post_init__(self) -> None:
         for name in ("n_stages", "n_virtual", "n_microbatches", "tokens", "data_parallel"):
@@ -317,7 +380,7 @@ class MemorySetup:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MemorySetup.{name}={value!r} is invalid: must be an integer >= 1")
         for name, allowed in (("dtype", tuple(DTYPE_BYTES)), ("dp_shard", DP_SHARDS),
-                              ("activation_checkpoint", AC_POLICIES)):
+                              ("activation_checkpoint", AC_POLICIES), ("attention_kernel", ATTENTION_KERNELS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"MemorySetup.{name}={getattr(self, name)!r} is invalid: choose one of "
                                  f"{', '.join(allowed)}")
@@ -336,7 +399,8 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
     the replicas `dp_ranks` if given (replica 0 holds the most: FSDP2's first shards are full)."""
     copies = not (setup.dp_shard == "fsdp" and setup.data_parallel > 1)
     saved = [activation_bytes(cfg, partition, c, tokens=setup.tokens, dtype=setup.dtype,
-                              activation_checkpoint=setup.activation_checkpoint, weight_copies=copies)
+                              activation_checkpoint=setup.activation_checkpoint, weight_copies=copies,
+                              attention_kernel=setup.attention_kernel)
              for c in range(partition.n_chunks)]
     uses_cache = plan is not None and plan.mode == "cached"
     tensor_bytes = setup.tokens * cfg.source_width * DTYPE_BYTES[setup.dtype]

@@ -38,6 +38,7 @@ from attnres_pp.simulator.costs import (
 )
 from attnres_pp.simulator.engine import simulate
 from attnres_pp.simulator.memory import (
+    ATTENTION_KERNELS,
     DTYPE_BYTES,
     MemorySetup,
     activation_bytes,
@@ -71,6 +72,7 @@ class PlanRequest:
     dtype: str = "bf16"
     block_size: int | None = None
     top: int = 5
+    attention_kernel: str = "flash"  # GPUs run the flash / efficient kernels (memory.attention_correction)
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "gpus", "gpus_per_node", "top"):
@@ -83,6 +85,9 @@ class PlanRequest:
                 raise ValueError(f"--{name.replace('_', '-')} {value!r} is invalid: give a finite number > 0")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"--dtype {self.dtype!r} is invalid: choose one of {', '.join(DTYPE_BYTES)}")
+        if self.attention_kernel not in ATTENTION_KERNELS:
+            raise ValueError(f"--attention-kernel {self.attention_kernel!r} is invalid: choose one of "
+                             f"{', '.join(ATTENTION_KERNELS)}")
 
 
 @dataclass(frozen=True)
@@ -208,12 +213,14 @@ class Planner:
     def saved(self, candidate: Candidate, partition) -> list:
         copies = not (candidate.dp_shard == "fsdp" and candidate.data_parallel > 1)
         key = (candidate.n_stages, candidate.n_virtual, candidate.block_size, self.tokens(candidate),
-               partition.placement, candidate.activation_checkpoint, copies)
+               partition.placement, candidate.activation_checkpoint, copies, self.request.attention_kernel)
         if key not in self._saved:
             cfg, tokens = self.model_for(candidate), self.tokens(candidate)
             self._saved[key] = [activation_bytes(cfg, partition, c, tokens=tokens, dtype=self.request.dtype,
                                                  activation_checkpoint=candidate.activation_checkpoint,
-                                                 weight_copies=copies) for c in range(partition.n_chunks)]
+                                                 weight_copies=copies,
+                                                 attention_kernel=self.request.attention_kernel)
+                                for c in range(partition.n_chunks)]
         return self._saved[key]
 
     def payloads(self, candidate: Candidate, partition):
@@ -342,7 +349,8 @@ class Planner:
         setup = MemorySetup(schedule=candidate.schedule, n_stages=candidate.n_stages, n_virtual=candidate.n_virtual,
                             n_microbatches=candidate.n_microbatches, tokens=tokens, dtype=request.dtype,
                             cache=candidate.cache, data_parallel=candidate.data_parallel,
-                            dp_shard=candidate.dp_shard, activation_checkpoint=candidate.activation_checkpoint)
+                            dp_shard=candidate.dp_shard, activation_checkpoint=candidate.activation_checkpoint,
+                            attention_kernel=request.attention_kernel)
         # The memory model has no term for reshard after forward (it keeps the parameters gathered
         # all step), so `always` is priced at never's memory: an upper bound.
         ranks = predict_ranks(cfg, setup, schedule, partition, plan, dp_ranks=range(1))

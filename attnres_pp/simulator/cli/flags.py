@@ -64,3 +64,12 @@ def refuse_unpriced(args: argparse.Namespace, command: str) -> None:
     for flag, why in UNPRICED.items():
         if getattr(args, flag[2:].replace("-", "_")) is not None:
             raise ValueError(f"{flag}: simulate {command} cannot price it: {why}")
+
+
+def add_attention_kernel_flag(parser: argparse.ArgumentParser, *, default: str) -> None:
+    """--attention-kernel: which saved tensors the activation term prices for attention."""
+    from attnres_pp.simulator.memory import ATTENTION_KERNELS
+
+    parser.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default=default,
+                        help=f"flash (default {default}; what torch's fused kernels save, CPU and CUDA: the "
+                             "fitted units) or math (SDPBackend.MATH: its fp32 H x T x T probabilities, derived)")

@@ -12,7 +12,13 @@ from attnres_pp.cli_flags import refuse
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.model_flags import add_layer_counts_flag, add_model_flags, layer_counts_flag, model_from_flags
 from attnres_pp.schedule.schedules import SCHEDULES
-from attnres_pp.simulator.cli.flags import UNPRICED, non_negative_int, positive_int, refuse_unpriced
+from attnres_pp.simulator.cli.flags import (
+    UNPRICED,
+    add_attention_kernel_flag,
+    non_negative_int,
+    positive_int,
+    refuse_unpriced,
+)
 from attnres_pp.simulator.comm import DTYPE_BYTES, format_bytes
 from attnres_pp.simulator.memory import AC_POLICIES, DP_SHARDS, MEMORY_KEYS, MemorySetup, predict_memory
 
@@ -37,6 +43,7 @@ def register(commands) -> None:
     parser.add_argument("--dp-shard", choices=DP_SHARDS, default="replicate",
                         help="replicate: every replica holds everything; fsdp: FSDP2 shards 1/D")
     parser.add_argument("--activation-checkpoint", choices=AC_POLICIES, default="none")
+    add_attention_kernel_flag(parser, default="flash")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -48,7 +55,7 @@ def build(args: argparse.Namespace) -> tuple[ModelConfig, MemorySetup]:
                         n_microbatches=args.microbatches, tokens=args.tokens, dtype=args.dtype,
                         cache=not args.no_cache, data_parallel=args.data_parallel, dp_shard=args.dp_shard,
                         activation_checkpoint=args.activation_checkpoint,
-                        layer_counts=layer_counts_flag(args))
+                        layer_counts=layer_counts_flag(args), attention_kernel=args.attention_kernel)
     return cfg, setup
 
 
@@ -59,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         return refuse(error)
     if args.json:
-        print(json.dumps({"memory_per_rank": [r.terms for r in ranks],
+        print(json.dumps({"attention_kernel": setup.attention_kernel, "memory_per_rank": [r.terms for r in ranks],
                           "peak_action_per_rank": [r.peak_action for r in ranks],
                           "peak_bytes_per_rank": [r.peak_bytes for r in ranks]}))
         return 0
@@ -78,7 +85,7 @@ def format_table(setup: MemorySetup, ranks) -> str:
     return "\n".join([
         f"{setup.schedule} P={setup.n_stages} V={setup.n_virtual} m={setup.n_microbatches} D={setup.data_parallel} "
         f"({setup.dp_shard}), AC {setup.activation_checkpoint}, {setup.tokens} tokens/mb, {setup.dtype}, "
-        f"cache {'on' if setup.cache else 'off'}",
+        f"cache {'on' if setup.cache else 'off'}, {setup.attention_kernel} attention",
         *lines,
         *([f"ranks {setup.n_stages}..{len(ranks) - 1} (replicas 1..{setup.data_parallel - 1}) hold the same as "
            f"ranks 0..{setup.n_stages - 1}" + (" (AdamW moments up to their unpadded shards)"

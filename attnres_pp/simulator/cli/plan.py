@@ -13,7 +13,7 @@ import time
 
 from attnres_pp.cli_flags import add_number_flags, parse_number_flags, refuse
 from attnres_pp.model_flags import add_layer_counts_flag, add_model_flags, model_from_flags
-from attnres_pp.simulator.cli.flags import UNPRICED, refuse_unpriced
+from attnres_pp.simulator.cli.flags import UNPRICED, add_attention_kernel_flag, refuse_unpriced
 from attnres_pp.simulator.comm import format_bytes
 from attnres_pp.simulator.memory import DTYPE_BYTES
 from attnres_pp.simulator.plan import GIB, Candidate, Planner, PlanRequest, plan
@@ -53,6 +53,7 @@ def register(commands) -> None:
     add_layer_counts_flag(parser, note="simulate plan searches the split: refused")
     add_number_flags(parser, _NUMBERS, _REQUIRED)
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
+    add_attention_kernel_flag(parser, default="flash")
     parser.add_argument("--json", action="store_true", help='print {"rows": [...]}, fastest first')
     parser.set_defaults(func=run)
 
@@ -80,7 +81,7 @@ def build(args: argparse.Namespace) -> PlanRequest:
                        latency_us=values["latency_us"], tflops=values["tflops"], peak_tflops=values["peak_tflops"],
                        hbm_tbs=values["hbm_tbs"], dtype=args.dtype,
                        block_size=cfg.block_size if fixed_block_size else None,
-                       top=values["top"])
+                       top=values["top"], attention_kernel=args.attention_kernel)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         return refuse(error)
     if args.json:
-        out = {"rows": rows}
+        out = {"attention_kernel": request.attention_kernel, "rows": rows}
         if terms is not None:
             out["why"] = {"row": why, "pp_rank": terms["pp_rank"], "memory_bytes": dict(terms["memory"]),
                           "time_s": dict(terms["time"])}
