@@ -1,4 +1,4 @@
-"""`attnres-pp` command line: `train`, `simulate`, `generate`, `analyze`, `plot`, `bench`. Each subcommand
+"""`attnres-pp` command line: `prepare`, `train`, `simulate`, `generate`, `analyze`, `plot`, `bench`. Each subcommand
 lives beside its owner and registers itself here, so this file only wires them together.
 
 Only the module of the subcommand being run is imported: `simulate` must start fast and run where
@@ -15,6 +15,7 @@ from attnres_pp.cli_flags import ArgumentParser
 
 # (subcommand, module that defines `register(subparsers)`, one-line help for the top-level listing)
 SUBCOMMANDS = (
+    ("prepare", "attnres_pp.data.prepare", "tokenize text files, folders or .jsonl into a data folder"),
     ("train", "attnres_pp.train.cli", "train a model (single process or pipelined)"),
     ("simulate", "attnres_pp.simulator.cli", "simulate communication volumes and pipeline schedules (no torch needed)"),
     ("generate", "attnres_pp.generate.cli", "generate text from a trained checkpoint (single process or pipelined)"),

@@ -87,6 +87,8 @@ REGISTRY = {
                                                 "the Block run's routing", quick=False, out_aliases=("--out-dir",)),
     "cli-parity": Benchmark("cli_parity", "through the CLI, pipelined training (P=2, V=2) against the "
                                           "single-process losses, every variant", quick=False),
+    "prepare": Benchmark("prepare", "attnres-pp prepare's throughput: BPE training and encode MB/s on a synthetic "
+                                    "corpus"),
     "kernels": Benchmark("kernels", "the Triton depth-attention kernels against the torch backend and "
                                     "torch.compile of it (one CUDA GPU)"),
     "kernel-streams": Benchmark("kernel_streams", "the fused MSAR stream kernel alone against its torch twin "

@@ -1,0 +1,174 @@
+"""`attnres-pp prepare`: the data folder it writes (meta.json agrees with the shards, the shards
+decode back to each split's documents, the split is by document and seeded) and its refusals (one
+`error:` line, exit 2, no DATA_DIR and no .tmp folder left)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attnres_pp.cli import main
+from attnres_pp.data.prepare import token_dtype
+from attnres_pp.data.tokenizer import Tokenizer
+
+WORDS = ["alpha", "beta", "gamma", "délta", "ε", "zeta\n", "eta,"]
+
+
+def _corpus(root: Path) -> list[Path]:
+    """Text files in nested folders and a .jsonl; the inputs to give."""
+    rng = np.random.default_rng(0)
+    for i in range(6):
+        folder = root / "txt" / f"d{i % 2}" / ("deep" if i % 3 == 0 else "")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"doc{i}.txt").write_text(" ".join(rng.choice(WORDS, 40 + 10 * i)), encoding="utf-8")
+    (root / "txt" / "skip.md").write_text("not matched by --glob")
+    lines = [{"text": " ".join(rng.choice(WORDS, 30)), "id": j} for j in range(4)]
+    (root / "more.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n", encoding="utf-8")
+    return [root / "txt", root / "more.jsonl"]
+
+
+def _documents(root: Path) -> list[str]:
+    files = sorted(p for p in (root / "txt").rglob("*.txt"))
+    docs = [p.read_text(encoding="utf-8") for p in files]
+    return docs + [json.loads(line)["text"] for line in (root / "more.jsonl").read_text().splitlines()]
+
+
+def _run(inputs, out, *flags) -> int:
+    return main(["prepare", "--input", *map(str, inputs), "--out", str(out), *flags])
+
+
+def _split_ids(out: Path, meta: dict, split: str) -> np.ndarray:
+    parts = [np.fromfile(out / s["file"], dtype=np.dtype(meta["dtype"]).newbyteorder("<"))
+             for s in meta["shards"][split]]
+    for part, shard in zip(parts, meta["shards"][split], strict=True):
+        assert len(part) == shard["tokens"] <= meta["shard_tokens"]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    inputs = _corpus(root)
+    out = root / "data"
+    assert _run(inputs, out, "--vocab-size", "300", "--shard-tokens", "97", "--val-fraction", "0.3") == 0
+    return root, inputs, out
+
+
+def test_meta_agrees_with_the_shards_and_they_decode_to_the_split_documents(prepared):
+    root, _, out = prepared
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["format"] == "attnres-pp-tokens" and meta["version"] == 1 and meta["tokenizer"] == "bpe"
+    tok = Tokenizer.load(out)
+    assert (tok.sha256, tok.vocab_size, tok.eot_id) == (meta["tokenizer_sha256"], meta["vocab_size"], meta["eot_id"])
+    assert meta["dtype"] == "uint16" and meta["documents"] == {"train": 7, "val": 3}
+    docs = _documents(root)
+    assert meta["input_bytes"] == sum(len(d.encode()) for d in docs)
+    seen = []
+    for split in ("train", "val"):
+        ids = _split_ids(out, meta, split)
+        assert len(ids) == meta["tokens"][split] and len(meta["shards"][split]) >= 1
+        cuts = np.flatnonzero(ids == meta["eot_id"])
+        pieces = np.split(ids, cuts)
+        texts = [tok.decode([int(i) for i in p if i != meta["eot_id"]]) for p in pieces]
+        assert len(texts) == meta["documents"][split]
+        seen += texts
+    assert sorted(seen) == sorted(docs)  # every document in exactly one split, whole
+
+
+def test_same_seed_same_bytes_another_seed_another_split(prepared, tmp_path):
+    _, inputs, out = prepared
+    flags = ["--vocab-size", "300", "--shard-tokens", "97", "--val-fraction", "0.3"]
+    assert _run(inputs, tmp_path / "again", *flags) == 0
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == {p.name: p.read_bytes()
+                                                               for p in (tmp_path / "again").iterdir()}
+    assert _run(inputs, tmp_path / "other", *flags, "--seed", "5") == 0
+    val = (out / "val_00000.bin").read_bytes()
+    assert (tmp_path / "other" / "val_00000.bin").read_bytes() != val
+
+
+def test_bytes_tokenizer_writes_the_utf8_bytes_as_uint16(prepared, tmp_path):
+    root, inputs, _ = prepared
+    out = tmp_path / "bytes"
+    assert _run(inputs, out, "--tokenizer", "bytes", "--shard-tokens", "500") == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert (meta["tokenizer"], meta["dtype"], meta["vocab_size"], meta["eot_id"]) == ("bytes", "uint16", 256, None)
+    assert not (out / "tokenizer.json").exists()
+    assert (out / "train_00000.bin").stat().st_size == 2 * 500
+    # The documents hold newlines too: compare the byte counts, separators (one fewer than documents) included.
+    written = np.concatenate([_split_ids(out, meta, s) for s in ("train", "val")])
+    expected = np.frombuffer("".join(_documents(root)).encode() + b"\n" * (len(_documents(root)) - 2), np.uint8)
+    assert written.max() < 256
+    assert np.array_equal(np.bincount(written, minlength=256), np.bincount(expected, minlength=256))
+
+
+def test_dtype_choice():
+    assert token_dtype(256) == token_dtype(65536) == "uint16"
+    assert token_dtype(65537) == token_dtype(2**32) == "uint32"
+    with pytest.raises(ValueError):
+        token_dtype(2**32 + 1)
+
+
+def _bad(tmp_path: Path) -> dict[str, tuple[list, list]]:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "blank").mkdir()
+    (tmp_path / "blank" / "a.txt").write_text("")
+    (tmp_path / "latin.txt").write_bytes(b"ok \xe9t\xe9")
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\nnot json\n')
+    (tmp_path / "nokey.jsonl").write_text('{"text": "a"}\n{"body": "b"}\n')
+    (tmp_path / "x.parquet").write_bytes(b"")
+    good = tmp_path / "good.txt"
+    good.write_text("hello world")
+    cases = {
+        "empty folder": ([tmp_path / "empty"], []),
+        "no matching file": ([tmp_path / "blank"], ["--glob", "*.md"]),
+        "only empty documents": ([tmp_path / "blank"], []),
+        "not UTF-8": ([tmp_path / "latin.txt"], []),
+        "vocab too small": ([good], ["--vocab-size", "256"]),
+        "vocab above uint32": ([good], ["--vocab-size", str(2**32 + 1)]),
+        "val fraction 0": ([good], ["--val-fraction", "0"]),
+        "val fraction 1": ([good], ["--val-fraction", "1"]),
+        "shard tokens 0": ([good], ["--shard-tokens", "0"]),
+        "missing input": ([tmp_path / "nowhere.txt"], []),
+        "jsonl not JSON": ([tmp_path / "bad.jsonl"], []),
+        "jsonl lacks key": ([tmp_path / "nokey.jsonl"], []),
+    }
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        cases["parquet without pyarrow"] = ([tmp_path / "x.parquet"], [])
+    return cases
+
+
+EXPECTED = {"not UTF-8": "byte offset 3", "jsonl not JSON": "line 2", "jsonl lacks key": "line 2",
+            "missing input": "does not exist", "parquet without pyarrow": "pip install pyarrow"}
+
+
+CASES = [*EXPECTED, "empty folder", "no matching file", "only empty documents", "vocab too small",
+         "vocab above uint32", "val fraction 0", "val fraction 1", "shard tokens 0"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_error_line_and_writes_nothing(case, tmp_path, capsys):
+    cases = _bad(tmp_path)
+    if case not in cases:
+        pytest.skip("pyarrow is installed")
+    inputs, flags = cases[case]
+    out = tmp_path / "out" / "data"
+    before = set(tmp_path.rglob("*"))
+    assert _run(inputs, out, *flags) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert EXPECTED.get(case, "") in err[0]
+    assert set(tmp_path.rglob("*")) == before  # no DATA_DIR, no .tmp, no parent made
+
+
+def test_a_non_empty_out_is_refused(tmp_path, capsys):
+    (tmp_path / "good.txt").write_text("hello")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "keep").write_text("x")
+    assert _run([tmp_path / "good.txt"], tmp_path / "data", "--tokenizer", "bytes") == 2
+    assert "choose another --out or remove it" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "good.txt"]
