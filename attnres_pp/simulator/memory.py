@@ -3,7 +3,8 @@
 
     param_bytes       fp32 master weights of the rank's chunks, by parameter shape (the module list
                       of `model.transformer` / `pipeline.chunk`; MSAR's stream convolutions on every
-                      rank); under FSDP2 over D replicas ceil(dim0 / D) rows of each parameter
+                      rank); under FSDP2 over D replicas ceil(dim0 / D) rows of each parameter but
+                      those convolutions and 0-d scalars, which stay whole
     grad_bytes        the same shapes (fp32 gradients, sharded alike)
     optimizer_bytes   AdamW's two moments exp_avg and exp_avg_sq (fp32, sharded alike), as docs/spec.md section 8
                       and the runtime's count define it (its 0-d `step` tensors, 4 bytes each, left out)
@@ -84,9 +85,15 @@ def rank_parameter_shapes(cfg: ModelConfig, partition: Partition, pp_rank: int) 
         shapes += layer * partition.layers_per_chunk[c]
     if partition.n_chunks - 1 in chunks:
         shapes += [*_read_shapes(cfg), (d,), (cfg.vocab_size, d)]
-    if cfg.residual == "msar":
-        shapes += [(k, d) for _source in range(cfg.n_blocks + 1) for k in cfg.stream_kernels]
-    return shapes
+    return shapes + tied_parameter_shapes(cfg)
+
+
+def tied_parameter_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
+    """MSAR's stream convolutions (`model.depth.StreamConvs`), on every rank: FSDP2 leaves them whole
+    (`train.fsdp` shards only the layers, embedding and head), so they are never split over D."""
+    if cfg.residual != "msar":
+        return []
+    return [(k, cfg.d_model) for _source in range(cfg.n_blocks + 1) for k in cfg.stream_kernels]
 
 
 def shard_numel(shape: tuple[int, ...], data_parallel: int, dp_shard: str) -> int:
@@ -105,15 +112,19 @@ def local_numel(shape: tuple[int, ...], data_parallel: int, dp_shard: str, dp_ra
     return max(0, min(rows, shape[0] - dp_rank * rows)) * (math.prod(shape) // shape[0])
 
 
-def state_bytes(shapes: list[tuple[int, ...]], *, data_parallel: int, dp_shard: str, dp_rank: int = 0
-                ) -> dict[str, int]:
+def state_bytes(shapes: list[tuple[int, ...]], *, data_parallel: int, dp_shard: str, dp_rank: int = 0,
+                whole: list[tuple[int, ...]] = ()) -> dict[str, int]:
     """param/grad/optimizer bytes of one rank (fp32 throughout; optimizer: AdamW's two moments).
+    `whole`: parameters among `shapes` that stay unsharded under FSDP2 (`tied_parameter_shapes`).
 
     Under FSDP2 a parameter's shard storage and the reduce-scattered gradient buffer are padded to
     ceil(dim0 / D) rows on every replica, while AdamW's moments are made like the unpadded local
     shard (`zeros_like`), so replica `dp_rank`'s optimizer state can be smaller than its parameters."""
-    numel = sum(shard_numel(s, data_parallel, dp_shard) for s in shapes)
-    local = sum(local_numel(s, data_parallel, dp_shard, dp_rank) for s in shapes)
+    sharded = list(shapes)
+    for shape in whole:
+        sharded.remove(shape)
+    numel = sum(shard_numel(s, data_parallel, dp_shard) for s in sharded) + sum(math.prod(s) for s in whole)
+    local = sum(local_numel(s, data_parallel, dp_shard, dp_rank) for s in sharded) + sum(math.prod(s) for s in whole)
     return {"param_bytes": 4 * numel, "grad_bytes": 4 * numel, "optimizer_bytes": 8 * local}
 
 
@@ -413,7 +424,8 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
     for dp_rank in dp_ranks if dp_ranks is not None else range(setup.data_parallel):
         for pp_rank, (act_peak, cache_peak, peak, action) in enumerate(walks):
             shapes = rank_parameter_shapes(cfg, partition, pp_rank)
-            terms = state_bytes(shapes, data_parallel=setup.data_parallel, dp_shard=setup.dp_shard, dp_rank=dp_rank)
+            terms = state_bytes(shapes, data_parallel=setup.data_parallel, dp_shard=setup.dp_shard, dp_rank=dp_rank,
+                                whole=tied_parameter_shapes(cfg))
             terms.update(activation_peak_bytes=act_peak, cache_peak_bytes=cache_peak)
             fixed = terms["param_bytes"] + terms["grad_bytes"] + terms["optimizer_bytes"]
             if fsdp:

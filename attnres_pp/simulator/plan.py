@@ -46,6 +46,7 @@ from attnres_pp.simulator.memory import (
     rank_parameter_shapes,
     shard_numel,
     state_bytes,
+    tied_parameter_shapes,
 )
 from attnres_pp.simulator.metrics import closed_form_bubble_fraction
 from attnres_pp.simulator.project import Cluster, chunk_seconds
@@ -202,7 +203,8 @@ class Planner:
             cfg, result = self.model_for(candidate), []
             for pp_rank in range(candidate.n_stages):
                 shapes = rank_parameter_shapes(cfg, partition, pp_rank)
-                terms = state_bytes(shapes, data_parallel=candidate.data_parallel, dp_shard=candidate.dp_shard)
+                terms = state_bytes(shapes, data_parallel=candidate.data_parallel, dp_shard=candidate.dp_shard,
+                                    whole=tied_parameter_shapes(cfg))
                 total = sum(terms.values())
                 if candidate.dp_shard == "fsdp" and candidate.data_parallel > 1:
                     total += sum(math.prod(s) for s in shapes) * self.element
