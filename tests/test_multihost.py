@@ -295,7 +295,7 @@ def test_a_rendezvous_that_cannot_connect_is_one_line_naming_ranks_and_addresses
     to in every namespace) cannot connect: one `error:` line naming the ranks and addresses, exit 2,
     no traceback, within the --timeout."""
     cluster = two_host_cluster
-    argv = [*TINY, "--steps", "2", "--stages", "2", "--placement", "SPREAD", "--timeout", "6"]
+    argv = [*TINY, "--steps", "2", "--stages", "2", "--placement", "SPREAD", "--timeout", "20"]
     # Loopback is what binding to the host name's address gives in every namespace.
     done = subprocess.run([*HARNESS, "--state-dir", str(cluster.state_dir), "exec", "0", "--", *CLI, "train", *argv,
                            "--launcher", "ray", "--out", str(tmp_path / "bad")],
