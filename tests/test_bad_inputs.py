@@ -276,7 +276,8 @@ def test_a_usage_error_of_the_top_level_command_is_one_error_line(capsys):
         main(["simulat", "comm"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err == ("error: argument command: invalid choice: 'simulat' (choose from 'prepare', "
-                                       "'train', 'simulate', 'generate', 'analyze', 'plot', 'bench'); see attnres-pp --help\n")
+                                       "'train', 'simulate', 'generate', 'analyze', 'plot', 'bench'); "
+                                       "see attnres-pp --help\n")
 
 
 def test_the_table_covers_at_least_45_inputs_across_the_three_commands():
