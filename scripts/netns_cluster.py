@@ -17,7 +17,11 @@ http://IP:8265`, with RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH set to the pri
 
 Each host's Ray node (and every `exec`) has its own host name, the namespace's (a UTS namespace,
 where util-linux's `unshare` exists), its own `--temp-dir`, `--node-ip-address` and `--num-cpus`,
-token authentication on, and runs from the Python environment of this script. Ray's node-death detection
+token authentication on, and runs from the Python environment of this script. Every host resolves
+every host's name to its address and has no name server (`/etc/netns/NAME/hosts` and `resolv.conf`,
+which `ip netns exec` shows as /etc/hosts and /etc/resolv.conf): the machine's own resolver is out of
+reach from a namespace, so each lookup would wait out its timeout (10 s), and Ray's start-up makes
+several (the head took ~33 s to answer, each worker ~16 s). Ray's node-death detection
 is lowered (health checks every 1 s, dead after 3 misses) so that a lost host is noticed in seconds.
 Ports are per namespace, so Ray's defaults never collide with another Ray instance of the machine.
 
@@ -62,6 +66,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -78,6 +83,8 @@ OBJECT_STORE_BYTES = 100 * 1024**2  # Ray's default takes 30 % of RAM per node: 
 RAY_HEALTH = {"RAY_health_check_initial_delay_ms": "1000", "RAY_health_check_period_ms": "1000",
               "RAY_health_check_timeout_ms": "1000", "RAY_health_check_failure_threshold": "3"}
 UP_TIMEOUT_S = 120.0
+NETNS_ETC = Path("/etc/netns")  # `ip netns exec NAME` bind-mounts /etc/netns/NAME/FILE over /etc/FILE
+NAME_FILES = ("hosts", "resolv.conf")
 BURST_BYTES = 16 * 1024  # tbf's bucket at low rates
 
 
@@ -396,25 +403,116 @@ def own_host_name(host: dict) -> list[str]:
     return ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host["name"]]
 
 
+def _check_nodes_alive(state: dict) -> None:
+    for index, host in enumerate(state["hosts"]):
+        if host["pid"] and not _alive(host["pid"]):
+            log = Path(state["dir"]) / f"{host['name']}.log"
+            raise HarnessError(f"the Ray node of host {index} exited during start-up:\n{read_private(log)[-2000:]}")
+
+
+def wait_for_head_port(state: dict, deadline: float) -> None:
+    """Until the head's GCS port takes a TCP connection (the bridge reaches it from here). Asking
+    Ray before that costs ~30 s: `ray.init` backs off between its connection attempts."""
+    address = (state["hosts"][0]["ip"], HEAD_PORT)
+    while time.monotonic() < deadline:
+        _check_nodes_alive(state)
+        try:
+            with socket.create_connection(address, timeout=1.0):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise HarnessError(f"the head's port {address[0]}:{address[1]} did not open within {UP_TIMEOUT_S:.0f} s")
+
+
+# One process asks the head until it reports the nodes (an import of ray and a connection cost ~2 s
+# on two cores: once, not once a poll).
+NODES_PROBE = """
+import ray, sys, time
+ray.init(address='auto', logging_level='ERROR')
+want, deadline, alive = int(sys.argv[1]), time.monotonic() + float(sys.argv[2]), 0
+while time.monotonic() < deadline:
+    alive = sum(1 for n in ray.nodes() if n['Alive'])
+    if alive >= want:
+        break
+    time.sleep(0.2)
+print(alive)
+"""
+
+
 def wait_for_nodes(state: dict, n_nodes: int, timeout_s: float) -> None:
     """Until the head reports `n_nodes` alive nodes (asked from the head's namespace)."""
-    probe = ("import ray,sys; ray.init(address='auto', logging_level='ERROR'); "
-             "print(sum(1 for n in ray.nodes() if n['Alive']))")
     deadline = time.monotonic() + timeout_s
+    wait_for_head_port(state, deadline)
+    env = ray_env(state) | {"RAY_ADDRESS": f"{state['hosts'][0]['ip']}:{HEAD_PORT}"}
     last = ""
     while time.monotonic() < deadline:
-        for index, host in enumerate(state["hosts"]):
-            if host["pid"] and not _alive(host["pid"]):
-                log = Path(state["dir"]) / f"{host['name']}.log"
-                raise HarnessError(f"the Ray node of host {index} exited during start-up:\n{read_private(log)[-2000:]}")
-        env = ray_env(state) | {"RAY_ADDRESS": f"{state['hosts'][0]['ip']}:{HEAD_PORT}"}
-        done = subprocess.run(["ip", "netns", "exec", state["hosts"][0]["name"], sys.executable, "-c", probe],
-                              env=env, capture_output=True, text=True, timeout=60)
-        last = (done.stdout.strip().splitlines() or [""])[-1]
-        if done.returncode == 0 and last.isdigit() and int(last) >= n_nodes:
+        left = deadline - time.monotonic()
+        probe = subprocess.Popen(["ip", "netns", "exec", state["hosts"][0]["name"], sys.executable, "-c",
+                                  NODES_PROBE, str(n_nodes), f"{left:.1f}"], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, text=True)
+        try:
+            while probe.poll() is None:
+                if time.monotonic() > deadline + 30:
+                    break
+                _check_nodes_alive(state)
+                time.sleep(0.2)
+        finally:
+            if probe.poll() is None:
+                probe.kill()
+            out = probe.communicate()[0]
+        last = (out.strip().splitlines() or [""])[-1]
+        if probe.returncode == 0 and last.isdigit() and int(last) >= n_nodes:
             return
         time.sleep(1.0)
     raise HarnessError(f"the cluster did not show {n_nodes} nodes within {timeout_s:.0f} s (last count: {last!r})")
+
+
+def _etc_dir(name: str, create: bool) -> Path | None:
+    """/etc/netns/NAME, checked by lstat (a directory, not a symlink, owned by root); None if absent."""
+    directory = NETNS_ETC / name
+    for path in (NETNS_ETC, directory):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            if not create:
+                return None
+            os.mkdir(path, 0o755)
+            st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+            raise HarnessError(f"{path} is not a root-owned directory that only root can write: refusing it")
+    return directory
+
+
+def write_name_files(state: dict, host: dict) -> None:
+    """The host's hosts file (localhost and every host of the cluster) and an empty resolver list."""
+    directory = _etc_dir(host["name"], create=True)
+    lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost",
+             *(f"{h['ip']} {h['name']}" for h in state["hosts"])]
+    texts = {"hosts": "\n".join(lines) + "\n",
+             "resolv.conf": "# no name server: every host of this cluster is in /etc/hosts\n"}
+    for file_name in NAME_FILES:
+        path = directory / file_name
+        try:  # a file left by a `down` that never ran: replaced, never followed
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        create_private(path, texts[file_name])
+        os.chmod(path, 0o644)  # Ray's processes read them as any process does
+
+
+def remove_name_files(name: str) -> None:
+    directory = _etc_dir(name, create=False)
+    if directory is None:
+        return
+    for file_name in NAME_FILES:
+        try:
+            os.unlink(directory / file_name)
+        except FileNotFoundError:
+            pass
+    try:
+        os.rmdir(directory)
+    except OSError as error:
+        print(f"warning: {directory} is not empty ({error.strerror}): left as it is", file=sys.stderr)
 
 
 def _alive(pid: int) -> bool:
@@ -466,6 +564,7 @@ def cmd_up(args, store: State) -> dict:
         for host in state["hosts"]:
             name, veth = host["name"], host["veth"]
             sh("ip", "netns", "add", name)
+            write_name_files(state, host)
             sh("ip", "link", "add", veth, "type", "veth", "peer", "name", f"{veth}p")
             sh("ip", "link", "set", f"{veth}p", "netns", name)
             sh("ip", "link", "set", veth, "master", bridge)
@@ -679,6 +778,7 @@ def cmd_down(args, store: State) -> dict:
             kill_namespace(host["name"])
             sh("ip", "netns", "del", host["name"], check=False)
             removed.append(host["name"])
+        remove_name_files(host["name"])
         delete_link(host["veth"], "veth")
         if host.get("pid") in nodes:
             try:  # reap it if this process started it
