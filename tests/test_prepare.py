@@ -235,3 +235,27 @@ def test_the_fast_path_writes_the_bytes_of_the_slow_one(tmp_path):
         assert sorted(p.name for p in outs[name].iterdir()) == files
         for file in files:
             assert (outs[name] / file).read_bytes() == (outs["slow"] / file).read_bytes(), (name, file)
+
+
+@pytest.mark.subprocess
+def test_two_worker_processes_write_the_bytes_of_one(tmp_path):
+    from attnres_pp.data import prepare as prepare_module
+
+    root = tmp_path / "txt"
+    root.mkdir()
+    for i, text in enumerate(HARD_DOCUMENTS + _fuzz_documents(80, seed=2)):
+        (root / f"doc{i:03d}.txt").write_text(text * 30, encoding="utf-8")
+    outs = {}
+    for workers in (1, 2):
+        outs[workers] = tmp_path / f"w{workers}"
+        old = prepare_module.WORKER_JOB_BYTES
+        prepare_module.WORKER_JOB_BYTES = 4096  # many jobs: order across them is what is tested
+        try:
+            prepare_module.prepare([str(root)], outs[workers], vocab_size=300, shard_tokens=997, val_fraction=0.3,
+                                   log=lambda line: None, workers=workers)
+        finally:
+            prepare_module.WORKER_JOB_BYTES = old
+    files = sorted(p.name for p in outs[1].iterdir())
+    assert sorted(p.name for p in outs[2].iterdir()) == files
+    for file in files:
+        assert (outs[2] / file).read_bytes() == (outs[1] / file).read_bytes(), file

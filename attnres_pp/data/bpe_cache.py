@@ -26,7 +26,9 @@ ByteLevel pre-tokenizer with its regex, a BPE model without dropout, added token
 
 from __future__ import annotations
 
+import collections
 import itertools
+import os
 
 import numpy as np
 
@@ -176,3 +178,65 @@ class FastEncoder:
         if run:
             pieces.append(self._gather(run, dtype))
         return np.concatenate(pieces) if pieces else np.zeros(0, dtype)
+
+
+# Worker processes: each holds its own tokenizer and cache and encodes whole jobs (a run of documents),
+# returned in submission order, so the shards are those of one process.
+_worker: FastEncoder | None = None
+
+
+def _init_worker(tokenizer_json: str) -> None:
+    global _worker
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core a worker: the workers are the parallelism
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    from tokenizers import Tokenizer
+
+    _worker = FastEncoder(Tokenizer.from_str(tokenizer_json))
+
+
+def _encode_job(job: tuple[list[str], list[bool], int, str]) -> dict[str, np.ndarray]:
+    """Per split ("train", "val") the ids of the job's documents of it, joined by the separator."""
+    texts, is_val, separator, dtype = job
+    parts = _worker.encode_batch(texts, dtype)
+    by_split: dict[str, list] = {"train": [], "val": []}
+    for part, val in zip(parts, is_val, strict=True):
+        by_split["val" if val else "train"].append(part)
+    return {split: _worker.assemble(p, separator, False, dtype) for split, p in by_split.items() if p}
+
+
+class WorkerPool:
+    """`processes` forked workers; `submit` a job, `results` yields them in order, at most `ahead`
+    waiting at a time so memory stays bounded."""
+
+    def __init__(self, bpe, processes: int, ahead: int = 4) -> None:
+        import multiprocessing
+
+        saved = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # read at the fork: no fork warning, no threads
+        try:
+            self.pool = multiprocessing.get_context("fork").Pool(processes, _init_worker, (bpe.to_str(),))
+        finally:
+            if saved is None:
+                del os.environ["TOKENIZERS_PARALLELISM"]
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = saved
+        self.ahead = ahead
+        self.waiting: collections.deque = collections.deque()
+
+    def submit(self, job) -> list:
+        """Queue `job`; the results (with their tags) that are due, oldest first."""
+        self.waiting.append((job[-1], self.pool.apply_async(_encode_job, (job[:-1],))))
+        done = []
+        while len(self.waiting) > self.ahead:
+            tag, result = self.waiting.popleft()
+            done.append((tag, result.get()))
+        return done
+
+    def drain(self) -> list:
+        done = [(tag, result.get()) for tag, result in self.waiting]
+        self.waiting.clear()
+        return done
+
+    def close(self) -> None:
+        self.pool.terminate()
+        self.pool.join()
