@@ -172,3 +172,90 @@ def test_a_non_empty_out_is_refused(tmp_path, capsys):
     assert _run([tmp_path / "good.txt"], tmp_path / "data", "--tokenizer", "bytes") == 2
     assert "choose another --out or remove it" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "good.txt"]
+
+
+HARD_DOCUMENTS = [
+    "", " ", "  ", "x", " leading space", "  two leading spaces", "trailing space ", "trailing spaces  \n",
+    "don't won't it's we're they've I'm you'll he'd 'S 'tis ' s", "DON'T Don't",
+    "naïve café Ünïcödé 日本語のテキスト 中文 한국어 ελληνικά русский", "digits 123 4567 ١٢٣ ５６ 1.5e10 3,000",
+    "emoji 😀😃 👩‍👩‍👧 🇫🇷 a😀b", "tabs\there\t\tand\t \tmixed", "new\nlines\n\n\nand \n spaces\n \n",
+    "\r\nwindows\r\n lines\r\n", "punctuation!!! ??? ... --- ;;; (([[{{}}]])) \"quoted\" «guillemets»",
+    "a" * 3000, " " + "averyveryverylongword" * 200, "mixed\u00a0nbsp \u3000ideographic \u2009thin \u180emongolian",
+    "x \x1cfile \x1dsep \x85nel", "<|endoftext|>", "before <|endoftext|> after", "a<|endoftext|>b c",
+    "zero\u200bwidth \u200bjoiner", "end with newline\n", " \t ", "\n", "a b  c   d    e",
+]
+
+
+def _trained(texts: list[str], vocab_size: int = 400):
+    from attnres_pp.data.prepare import train_bpe
+
+    return Tokenizer.from_json_bytes(train_bpe(texts, vocab_size))
+
+
+def _fuzz_documents(n: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    alphabet = list("ab cd  e\t\n'sS9é日😀!.,-") + ["\u00a0", "\u3000", "\x1c", "\u180e", "\r\n", "don't", " the",
+                                                   "<|endoftext|>"]
+    return ["".join(rng.choice(alphabet, rng.integers(0, 60))) for _ in range(n)]
+
+
+def test_the_chunk_cache_gives_the_library_ids_on_hard_documents():
+    from attnres_pp.data.bpe_cache import FastEncoder
+
+    docs = HARD_DOCUMENTS + _fuzz_documents(400)
+    tok = _trained(docs + [" ".join(WORDS) * 20])
+    assert FastEncoder.usable(tok._bpe)
+    expected = [tok._bpe.encode(text, add_special_tokens=False).ids for text in docs]
+    encoder = FastEncoder(tok._bpe)
+    for _ in range(2):  # cold (every chunk a miss) and warm (every chunk cached)
+        parts = encoder.encode_batch(docs, np.uint32)
+        assert [encoder.assemble([part], tok.eot_id, False, np.uint32).tolist() for part in parts] == expected
+        joined = encoder.assemble(parts, tok.eot_id, True, np.uint32).tolist()
+        assert joined == [i for ids in expected for i in (tok.eot_id, *ids)]
+    encoder = FastEncoder(tok._bpe)  # one document at a time: other batches, other misses
+    assert [encoder.assemble(encoder.encode_batch([text], np.uint32), tok.eot_id, False, np.uint32).tolist()
+            for text in docs] == expected
+
+
+def test_the_fast_path_writes_the_bytes_of_the_slow_one(tmp_path):
+    root = tmp_path / "corpus"
+    (root / "txt").mkdir(parents=True)
+    for i, text in enumerate(HARD_DOCUMENTS + _fuzz_documents(60, seed=1)):
+        (root / "txt" / f"doc{i:03d}.txt").write_text(text, encoding="utf-8")
+    from attnres_pp.data.prepare import prepare
+
+    outs = {}
+    for name, fast in (("fast", True), ("slow", False), ("fast_again", True)):
+        outs[name] = tmp_path / name
+        prepare([str(root / "txt")], outs[name], vocab_size=300, shard_tokens=101, val_fraction=0.3,
+                log=lambda line: None, fast=fast)
+    files = sorted(p.name for p in outs["slow"].iterdir())
+    assert len(files) > 4
+    for name in ("fast", "fast_again"):
+        assert sorted(p.name for p in outs[name].iterdir()) == files
+        for file in files:
+            assert (outs[name] / file).read_bytes() == (outs["slow"] / file).read_bytes(), (name, file)
+
+
+@pytest.mark.subprocess
+def test_two_worker_processes_write_the_bytes_of_one(tmp_path):
+    from attnres_pp.data import prepare as prepare_module
+
+    root = tmp_path / "txt"
+    root.mkdir()
+    for i, text in enumerate(HARD_DOCUMENTS + _fuzz_documents(80, seed=2)):
+        (root / f"doc{i:03d}.txt").write_text(text * 30, encoding="utf-8")
+    outs = {}
+    for workers in (1, 2):
+        outs[workers] = tmp_path / f"w{workers}"
+        old = prepare_module.WORKER_JOB_BYTES
+        prepare_module.WORKER_JOB_BYTES = 4096  # many jobs: order across them is what is tested
+        try:
+            prepare_module.prepare([str(root)], outs[workers], vocab_size=300, shard_tokens=997, val_fraction=0.3,
+                                   log=lambda line: None, workers=workers)
+        finally:
+            prepare_module.WORKER_JOB_BYTES = old
+    files = sorted(p.name for p in outs[1].iterdir())
+    assert sorted(p.name for p in outs[2].iterdir()) == files
+    for file in files:
+        assert (outs[2] / file).read_bytes() == (outs[1] / file).read_bytes(), file
