@@ -67,8 +67,8 @@ def test_prediction_matches_hook_counts_of_a_real_step(name):
 
 @pytest.mark.subprocess
 def test_prediction_matches_a_real_run():
-    rows = measure_case(*CASES[1], progress=lambda line: None)
-    row = next(r for r in rows if r["counted_by"] == "run")
+    rows = measure_case(*CASES[1], progress=lambda line: None, launchers=("inprocess",))
+    row = next(r for r in rows if r["counted_by"] == "run inprocess")
     if "skipped" in row:
         pytest.skip(row["skipped"] + ": run `attnres-pp bench memory --predict` once runs write it")
     assert row["mismatches"] == []
@@ -82,7 +82,7 @@ def test_prediction_matches_a_real_fsdp_run_with_checkpointing():
     term holds the all-gathered parameters the forwards save."""
     rows = measure_case(*_case("D=2 fsdp AC full 1f1b"), progress=lambda line: None)
     (row,) = rows
-    assert row["counted_by"] == "run" and "skipped" not in row, row.get("skipped")
+    assert row["counted_by"] == "run local" and "skipped" not in row, row.get("skipped")
     assert row["mismatches"] == []
     for key, errors in row["errors"].items():
         assert statistics.median(errors) <= 0.05 and max(errors) <= 0.10, (key, errors)

@@ -7,9 +7,15 @@ block sizes and variants). Two counts, each a row of the table:
   `bench.memory_count` (saved tensors alive per rank, cache entries + deposits) and, for
   param/grad/optimizer, each rank's real modules and an AdamW after one step (fp32 and bf16; not
   for AC or fsdp, which this count does not run);
-- `run`: `attnres-pp train ... --steps 2` (in-process launcher, local for fsdp; fp32, CPU) and its `summary.json`'s
-  `memory_per_rank`; a summary without it (a tree whose runs do not count memory) is listed as
-  skipped with the reason.
+- `run inprocess` and `run local`: `attnres-pp train ... --steps 2` (fp32, CPU) under each launcher
+  users run on one host (the in-process ranks share a loopback mailbox; the local launcher's
+  processes hand hops over through shared memory, `comm.shm_transport`), and its `summary.json`'s
+  `memory_per_rank`; fsdp only under `local` (FSDP2 needs a process group per rank). A summary
+  without it (a tree whose runs do not count memory) is listed as skipped with the reason.
+
+Fitted vs validated: the activation units are fitted on single chunks of tiny models
+(`memory_units.json`'s `in_sample`, d_model <= 48); every case here is validation only, and
+`fitted_overlap` checks that none of them is a fitted shape (the table says so).
 
 param/grad/optimizer bytes must be equal; activation and cache peaks are compared as relative
 errors (target: median <= 5%, max <= 10%).
@@ -72,6 +78,10 @@ CASES = (
     ("D=2 fsdp AC full 1f1b", {"schedule": "1f1b", "stages": 2, "microbatches": 2, "data_parallel": 2,
                                "dp_shard": "fsdp", "residual": "attnres", "block_size": 4,
                                "activation_checkpoint": "full"}),
+    # The local launcher's received hops are views of a shared-memory arena: full AC keeps them (issue 31).
+    ("AC full 1f1b S=2 seq 64", {"schedule": "1f1b", "stages": 2, "microbatches": 4, "residual": "attnres",
+                                 "block_size": 2, "activation_checkpoint": "full", "seq_len": 64,
+                                 "batch_size": 16}),
 )
 QUICK = CASES[:3]
 
@@ -83,9 +93,17 @@ def case_flags(case: dict) -> dict:
     return flags
 
 
-def train_argv(flags: dict, out_dir: Path) -> list[str]:
-    # FSDP2 needs a process group per rank, which in-process ranks (threads of one process) lack.
-    launcher = "local" if flags.get("dp_shard") == "fsdp" else "inprocess"
+LAUNCHERS = ("inprocess", "local")
+
+
+def launchers_of(flags: dict, launchers: tuple[str, ...] = LAUNCHERS) -> tuple[str, ...]:
+    """The launchers a case runs under: FSDP2 needs a process group per rank, which in-process
+    ranks (threads of one process) lack, so fsdp runs only under `local`."""
+    return tuple(x for x in launchers if x == "local" or flags.get("dp_shard") != "fsdp")
+
+
+def train_argv(flags: dict, out_dir: Path, launcher: str | None = None) -> list[str]:
+    launcher = launcher or launchers_of(flags)[0]
     argv = ["train", "--steps", "2", "--launcher", launcher, "--device", "cpu", "--threads", "1", "--quiet",
             "--out", str(out_dir), "--cache", "on"]
     for key, value in {"dtype": "fp32", **flags}.items():
@@ -184,8 +202,10 @@ def compare(predicted: list[dict], measured: list[dict]) -> dict:
     return {"mismatches": mismatches, "errors": errors}
 
 
-def measure_case(name: str, case: dict, progress: Callable[[str], None], *, runs: bool = True) -> list[dict]:
-    """The case's rows: `hooks` (where this process can count it) and `run` (a training run's summary)."""
+def measure_case(name: str, case: dict, progress: Callable[[str], None], *, runs: bool = True,
+                 launchers: tuple[str, ...] = LAUNCHERS) -> list[dict]:
+    """The case's rows: `hooks` (where this process can count it) and `run <launcher>` (a training
+    run's summary) for each of `launchers` the case can run under."""
     flags = case_flags(case)
     prediction = predict(flags)
     base = {"name": name, "flags": flags, "predicted": prediction["memory_per_rank"],
@@ -193,11 +213,11 @@ def measure_case(name: str, case: dict, progress: Callable[[str], None], *, runs
     rows = []
     if flags.get("dp_shard", "replicate") == "replicate":
         rows.append(_compared(base | {"counted_by": "hooks"}, hook_count(flags, prediction["model"]), progress))
-    if runs:
-        row = base | {"counted_by": "run"}
+    for launcher in launchers_of(flags, launchers) if runs else ():
+        row = base | {"counted_by": f"run {launcher}"}
         try:
             with tempfile.TemporaryDirectory() as tmp:
-                _cli(train_argv(flags, Path(tmp) / "run"), 900)
+                _cli(train_argv(flags, Path(tmp) / "run", launcher), 900)
                 summary = json.loads((Path(tmp) / "run" / "summary.json").read_text())
         except RuntimeError as error:  # a flag this tree lacks (AC, fsdp) or a failed run: say so, go on
             summary = {"error": str(error)}
@@ -206,7 +226,7 @@ def measure_case(name: str, case: dict, progress: Callable[[str], None], *, runs
         else:
             row["skipped"] = summary.get("error", "summary.json has no memory_per_rank (this tree does not count "
                                                   "memory)")
-            progress(f"{name} (run): {row['skipped']}")
+            progress(f"{name} ({row['counted_by']}): {row['skipped']}")
             rows.append(row)
     return rows
 
@@ -231,7 +251,7 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
     """(median and max error per counted_by/key, and the same per counted_by/group for the activation peak)."""
     compared = [r for r in rows if "errors" in r]
     summary, by_group = {}, {}
-    for counted_by in ("hooks", "run"):
+    for counted_by in ("hooks", *(f"run {launcher}" for launcher in LAUNCHERS)):
         mine = [r for r in compared if r["counted_by"] == counted_by]
         for key in PEAK_KEYS:
             values = [e for r in mine for e in r["errors"][key]]
@@ -245,13 +265,36 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
     return summary, by_group
 
 
+def fitted_overlap(cases=CASES) -> list[str]:
+    """The cases whose model is among the fitted ones (`memory_units.json`'s `in_sample`, by
+    d_model, layers and tokens per sequence): none may be, so every row here is validation."""
+    import re
+
+    units = json.loads((Path(__file__).resolve().parents[1] / "simulator" / "memory_units.json").read_text())
+    fitted = set()
+    for entry in units["in_sample"]:
+        found = {k: int(v) for k, v in re.findall(r"\b(L|d|T)=(\d+)", entry)}
+        fitted.add((found.get("L"), found.get("d"), found.get("T")))
+    return [name for name, case in cases
+            if ((flags := case_flags(case))["layers"], flags["d_model"], flags["seq_len"]) in fitted]
+
+
+def fitted_count() -> int:
+    units = json.loads((Path(__file__).resolve().parents[1] / "simulator" / "memory_units.json").read_text())
+    return len(units["in_sample"])
+
+
 def run(quick: bool, out_dir: Path, progress: Callable[[str], None]) -> dict:
     del out_dir  # no pictures or traces
+    overlap = fitted_overlap()
+    if overlap:
+        raise ValueError(f"cases {overlap} are fitted shapes (memory_units.json in_sample): they cannot validate")
     rows = [row for name, case in (QUICK if quick else CASES) for row in measure_case(name, case, progress)]
     compared = [r for r in rows if "errors" in r]
     summary, by_group = summarize(rows)
     return {"rows": rows, "summary": summary, "activation_by_group": by_group,
-            "exact_mismatches": sum(len(r["mismatches"]) for r in compared), "compared": len(compared)}
+            "exact_mismatches": sum(len(r["mismatches"]) for r in compared), "compared": len(compared),
+            "fitted_cases": fitted_count(), "fitted_overlap": overlap}
 
 
 def to_markdown(payload: dict) -> str:
@@ -261,21 +304,24 @@ def to_markdown(payload: dict) -> str:
     table = []
     for r in payload["rows"]:
         if "errors" not in r:
-            table.append([r["name"], r["counted_by"], "-", "-", "-", r["skipped"]])
+            table.append([r["name"], "validated", r["counted_by"], "-", "-", "-", r["skipped"]])
             continue
-        table.append([r["name"], r["counted_by"], "equal" if not r["mismatches"] else f"{len(r['mismatches'])} differ",
+        exact = "equal" if not r["mismatches"] else f"{len(r['mismatches'])} differ"
+        table.append([r["name"], "validated", r["counted_by"], exact,
                       pct(r["errors"]["activation_peak_bytes"]), pct(r["errors"]["cache_peak_bytes"]),
                       ", ".join(r["peak_action_per_rank"])])
     lines = ["## Predicted vs counted memory per rank (out of sample)", "",
              "`attnres-pp simulate memory` against one real step per case, counted by saved-tensor hooks in "
              "this process (`hooks`: loopback runtime, every rank) or by a training run's `memory_per_rank` "
-             "(`run`: 2 steps, in-process launcher (local for fsdp), fp32). "
+             "(`run inprocess` / `run local`: 2 steps under that launcher, fp32; fsdp only local). "
              f"Model {BASE} (dtype fp32 unless the case says bf16). "
              "Errors: median / max over ranks. Out of sample: the activation units "
              "(`attnres_pp/simulator/memory_units.json`) are fitted by `python -m attnres_pp.bench.memory_units` "
              "on single chunks of tiny models (d_model <= 48, seq_len <= 24, vocab <= 80, <= 6 layers; every fitted "
-             "case is listed in the JSON's `in_sample`); none of these cases is among them.", "",
-             markdown_table(["case", "counted by", "param/grad/optimizer", "activation peak", "cache peak",
+             f"case is listed in the JSON's `in_sample`: {payload.get('fitted_cases', '?')} fitted cases). "
+             "Every row below is **validated** (out of sample), none **fitted**: the fitted and validated sets "
+             f"do not overlap (fitted shapes among these cases: {payload.get('fitted_overlap') or 'none'}).", "",
+             markdown_table(["case", "set", "counted by", "param/grad/optimizer", "activation peak", "cache peak",
                              "predicted peak's action per rank"], table)]
     for key, stats in payload["summary"].items():
         lines.append(f"\n{key}: median {stats['median']:.2%}, max {stats['max']:.2%} over every rank compared "

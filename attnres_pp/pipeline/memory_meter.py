@@ -8,6 +8,11 @@ simulator's prediction follows:
 - the unit is the **storage** (`untyped_storage()`, its whole `nbytes()`): a tensor saved by several
   nodes, or several views of one buffer (a received message's flat buffer, the q/k/v of one
   projection), count once, for as long as any handle to the storage lives;
+- a storage that holds many messages at once (the shared-memory transport's arena of one peer's
+  messages, `comm.shm_transport`: a received tensor is a view of its message's slot) is counted by
+  the slot, not the whole storage: a saved view counts its message's bytes, as the message's own
+  flat buffer counts under the loopback and gloo transports, so the count does not depend on the
+  launcher (the transport names its slots, `set_slots`);
 - a storage is alive from the first save until autograd drops the last handle: a fused backward
   (B) drops a node's handles as the node runs; so does the split backward's I, which packs the
   weight store's operands through the meter (`weight_store`: they live until W drains them); its
@@ -28,6 +33,7 @@ the peak over the action order including the moments inside an action.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 
 import torch
@@ -62,12 +68,30 @@ class ActivationMeter:
 
     def __init__(self, exclude: set | None = None) -> None:
         self._exclude = set(exclude or ())
-        self._refs: dict[tuple[str, int], list[int]] = {}  # key -> [handles alive, storage bytes]
+        self._slots: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+        self._refs: dict[tuple, list[int]] = {}  # key -> [handles alive, storage bytes]
         self.live_bytes = 0
         self.peak_bytes = 0
 
     def set_excluded(self, params) -> None:
         self._exclude = {storage_key(p) for p in params if not p.is_meta}
+
+    def set_slots(self, slots: dict[tuple[str, int], list[tuple[int, int]]]) -> None:
+        """Storages (by `storage_key`) that hold several messages, each as (first byte, bytes) per
+        message slot: a saved view of one counts its slot alone, keyed by the slot."""
+        self._slots = {key: ([start for start, _n in sorted(ranges)], [n for _s, n in sorted(ranges)])
+                       for key, ranges in slots.items()}
+
+    def _unit(self, t: torch.Tensor, key: tuple[str, int]) -> tuple[tuple, int]:
+        """(the counting unit's key, its bytes): the storage, or the message slot a view lies in."""
+        slots = self._slots.get(key)
+        if slots is not None:
+            starts, sizes = slots
+            first = t.storage_offset() * t.element_size()
+            i = bisect.bisect_right(starts, first) - 1
+            if i >= 0 and first < starts[i] + sizes[i]:
+                return (*key, starts[i]), sizes[i]
+        return key, t.untyped_storage().nbytes()
 
     def reset_peak(self) -> None:
         """Start a step: the peak restarts from what is alive now (nothing, after a whole step)."""
@@ -82,9 +106,9 @@ class ActivationMeter:
         key = storage_key(t)
         if key in self._exclude:
             return _Held(t, None, None)
+        key, n_bytes = self._unit(t, key)
         entry = self._refs.get(key)
         if entry is None:
-            n_bytes = t.untyped_storage().nbytes()
             self._refs[key] = [1, n_bytes]
             self.live_bytes += n_bytes
             if self.live_bytes > self.peak_bytes:

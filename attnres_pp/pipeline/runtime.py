@@ -80,6 +80,9 @@ class StageRuntime(ExecutorView):
         self._clock = clock or make_clock(device)  # CUDA events on a GPU, perf_counter on CPU
         self.first_chunk = min(chunks)
         self.memory = ActivationMeter()  # what the forwards save for backward (docs/spec.md section 8)
+        # A transport whose received tensors are views of one arena per peer (shared memory) names
+        # its message slots, so that a kept view counts its message alone (`memory_meter`).
+        self.memory.set_slots(getattr(transport, "message_slots", dict)())
         # Called around every compute action (`before(action)`, `after(action)`): FSDP2's unshard and
         # reshard of the action's chunk (`train.fsdp`); None: nothing to do.
         self.compute_hooks = compute_hooks
