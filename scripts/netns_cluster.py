@@ -759,6 +759,8 @@ def cmd_down(args, store: State) -> dict:
     for index, host in enumerate(state["hosts"]):
         if not host.get("pid") or not _alive(host["pid"]):  # signal 0 only: exited (or a zombie) is nothing to do
             continue
+        if host.get("partitioned"):  # a node cut off cannot stop in order (it waits for the head): killed below
+            continue
         why = node_pid_problem(state, index, host["pid"])
         if why is None:
             nodes.append(host["pid"])

@@ -125,11 +125,12 @@ def join_results(refs: list, init_method: str, timeout_s: float, rank_nodes: lis
     shared-memory slots) is one line, as under the local launcher: `rank R refused to start: ...`."""
     import ray
 
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s + 30.0)
-    failures, refusals = [], []
+    ready, cut_short = _wait_for_setup(refs, timeout_s + 30.0)
+    failures, refusals, still_waiting = [], [], []
     for rank, ref in enumerate(refs):
         if ref not in ready:
-            failures.append(f"rank {rank} did not finish within {timeout_s:.0f} s")
+            still_waiting.append(f"rank {rank} was still waiting for its peers" if cut_short
+                                 else f"rank {rank} did not finish within {timeout_s:.0f} s")
             continue
         try:
             ray.get(ref, timeout=1.0)
@@ -144,6 +145,7 @@ def join_results(refs: list, init_method: str, timeout_s: float, rank_nodes: lis
                                 else f"rank {rank}: {' '.join(str(error).split())[-300:]}")
     if refusals:  # the cause, which the others' failures (a peer that gave up) only follow from
         raise ValueError(refusals[0])
+    failures += still_waiting  # a rank's own failure names the cause; a peer left waiting only follows from it
     if failures:
         where = ", ".join(f"rank {r} at {ip}" for r, (_node, ip) in enumerate(rank_nodes))
         raise RendezvousError(f"the process group of ranks 0-{len(refs) - 1} ({where}) did not connect at "
@@ -151,6 +153,33 @@ def join_results(refs: list, init_method: str, timeout_s: float, rank_nodes: lis
                               "these addresses (routes, firewalls) and that each node's --node-ip-address "
                               "is its own")
     return ray.get(refs)
+
+
+# Once a rank's set-up has failed, how long the others get to report theirs: a peer of a mesh that
+# cannot connect would otherwise wait out its whole timeout for a rank that has given up.
+SETUP_GRACE_S = 3.0
+
+
+def _wait_for_setup(refs: list, timeout_s: float) -> tuple[list, bool]:
+    """(the replies in, whether the wait was cut short by a failed rank): every reply, or what came
+    within `timeout_s`, or within SETUP_GRACE_S of the first failure."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    pending, ready, cut_short = list(refs), [], False
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        ready += done
+        for ref in done:
+            try:
+                ray.get(ref, timeout=1.0)
+            except Exception:  # its kind is sorted out by the caller
+                if not cut_short:
+                    cut_short, deadline = True, min(deadline, time.monotonic() + SETUP_GRACE_S)
+    return ready, cut_short and bool(pending)
 
 
 def _where(rank_nodes: list[tuple[str, str]], rank: int) -> str:
