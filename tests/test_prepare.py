@@ -265,19 +265,23 @@ def test_two_worker_processes_write_the_bytes_of_one(tmp_path):
     for i, text in enumerate(HARD_DOCUMENTS + _fuzz_documents(80, seed=2)):
         (root / f"doc{i:03d}.txt").write_text(text * 30, encoding="utf-8")
     outs = {}
-    for workers in (1, 2):
-        outs[workers] = tmp_path / f"w{workers}"
-        old = prepare_module.WORKER_JOB_BYTES
+    for workers, warm in ((1, False), (2, False), (2, True)):
+        outs[workers, warm] = tmp_path / f"w{workers}{warm}"
+        saved = prepare_module.WORKER_JOB_BYTES, prepare_module.ENCODE_BATCH_BYTES, prepare_module.WARM_BEFORE_FORK
         prepare_module.WORKER_JOB_BYTES = 4096  # many jobs: order across them is what is tested
+        prepare_module.ENCODE_BATCH_BYTES = 20_000  # the batch warmed before the fork: a part of the input
+        prepare_module.WARM_BEFORE_FORK = warm
         try:
-            prepare_module.prepare([str(root)], outs[workers], vocab_size=300, shard_tokens=997, val_fraction=0.3,
-                                   log=lambda line: None, workers=workers)
+            prepare_module.prepare([str(root)], outs[workers, warm], vocab_size=300, shard_tokens=997,
+                                   val_fraction=0.3, log=lambda line: None, workers=workers)
         finally:
-            prepare_module.WORKER_JOB_BYTES = old
-    files = sorted(p.name for p in outs[1].iterdir())
-    assert sorted(p.name for p in outs[2].iterdir()) == files
-    for file in files:
-        assert (outs[2] / file).read_bytes() == (outs[1] / file).read_bytes(), file
+            (prepare_module.WORKER_JOB_BYTES, prepare_module.ENCODE_BATCH_BYTES,
+             prepare_module.WARM_BEFORE_FORK) = saved
+    files = sorted(p.name for p in outs[1, False].iterdir())
+    for key in ((2, False), (2, True)):
+        assert sorted(p.name for p in outs[key].iterdir()) == files
+        for file in files:
+            assert (outs[key] / file).read_bytes() == (outs[1, False] / file).read_bytes(), (key, file)
 
 
 # Parquet inputs: pyarrow is in the data and dev extras, so CI runs these; the guard only spares a
