@@ -5,6 +5,7 @@ decode back to each split's documents, the split is by document and seeded) and 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -135,15 +136,30 @@ def _bad(tmp_path: Path) -> dict[str, tuple[list, list]]:
         "jsonl not JSON": ([tmp_path / "bad.jsonl"], []),
         "jsonl lacks key": ([tmp_path / "nokey.jsonl"], []),
     }
+    cases["parquet without pyarrow"] = ([good, tmp_path / "x.parquet"], [])
     try:
-        import pyarrow  # noqa: F401
+        import pyarrow as pa
+        import pyarrow.parquet as pq
     except ImportError:
-        cases["parquet without pyarrow"] = ([tmp_path / "x.parquet"], [])
+        return cases
+    pq.write_table(pa.table({"body": ["a", "b"]}), tmp_path / "nocol.parquet")
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "ints.parquet")
+    latin = pa.array([b"ok", b"ok \xe9t\xe9"], pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"text": latin}), tmp_path / "latin.parquet")
+    cases.update({
+        "parquet not parquet": ([tmp_path / "x.parquet"], []),
+        "parquet lacks column": ([tmp_path / "nocol.parquet"], []),
+        "parquet int column": ([tmp_path / "ints.parquet"], []),
+        "parquet not UTF-8": ([tmp_path / "latin.parquet"], []),
+    })
     return cases
 
 
 EXPECTED = {"not UTF-8": "byte offset 3", "jsonl not JSON": "line 2", "jsonl lacks key": "line 2",
-            "missing input": "does not exist", "parquet without pyarrow": "pip install pyarrow"}
+            "missing input": "does not exist", "parquet without pyarrow": "pip install pyarrow",
+            "parquet not parquet": "not a parquet file", "parquet lacks column": "no column 'text' (--text-key",
+            "parquet int column": "the column 'text' is int64, not a string column",
+            "parquet not UTF-8": "row 2 is not UTF-8 at byte offset 3"}
 
 
 CASES = [*EXPECTED, "empty folder", "no matching file", "only empty documents", "vocab too small",
@@ -151,10 +167,13 @@ CASES = [*EXPECTED, "empty folder", "no matching file", "only empty documents", 
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_bad_input_is_one_error_line_and_writes_nothing(case, tmp_path, capsys):
+def test_bad_input_is_one_error_line_and_writes_nothing(case, tmp_path, capsys, monkeypatch):
     cases = _bad(tmp_path)
     if case not in cases:
-        pytest.skip("pyarrow is installed")
+        pytest.skip("needs pyarrow")
+    if case == "parquet without pyarrow":  # whether or not it is installed here
+        for name in ("pyarrow", "pyarrow.parquet"):
+            monkeypatch.setitem(sys.modules, name, None)
     inputs, flags = cases[case]
     out = tmp_path / "out" / "data"
     before = set(tmp_path.rglob("*"))
@@ -246,16 +265,111 @@ def test_two_worker_processes_write_the_bytes_of_one(tmp_path):
     for i, text in enumerate(HARD_DOCUMENTS + _fuzz_documents(80, seed=2)):
         (root / f"doc{i:03d}.txt").write_text(text * 30, encoding="utf-8")
     outs = {}
-    for workers in (1, 2):
-        outs[workers] = tmp_path / f"w{workers}"
-        old = prepare_module.WORKER_JOB_BYTES
+    for workers, warm in ((1, False), (2, False), (2, True)):
+        outs[workers, warm] = tmp_path / f"w{workers}{warm}"
+        saved = prepare_module.WORKER_JOB_BYTES, prepare_module.ENCODE_BATCH_BYTES, prepare_module.WARM_BEFORE_FORK
         prepare_module.WORKER_JOB_BYTES = 4096  # many jobs: order across them is what is tested
+        prepare_module.ENCODE_BATCH_BYTES = 20_000  # the batch warmed before the fork: a part of the input
+        prepare_module.WARM_BEFORE_FORK = warm
         try:
-            prepare_module.prepare([str(root)], outs[workers], vocab_size=300, shard_tokens=997, val_fraction=0.3,
-                                   log=lambda line: None, workers=workers)
+            prepare_module.prepare([str(root)], outs[workers, warm], vocab_size=300, shard_tokens=997,
+                                   val_fraction=0.3, log=lambda line: None, workers=workers)
         finally:
-            prepare_module.WORKER_JOB_BYTES = old
-    files = sorted(p.name for p in outs[1].iterdir())
-    assert sorted(p.name for p in outs[2].iterdir()) == files
+            (prepare_module.WORKER_JOB_BYTES, prepare_module.ENCODE_BATCH_BYTES,
+             prepare_module.WARM_BEFORE_FORK) = saved
+    files = sorted(p.name for p in outs[1, False].iterdir())
+    for key in ((2, False), (2, True)):
+        assert sorted(p.name for p in outs[key].iterdir()) == files
+        for file in files:
+            assert (outs[key] / file).read_bytes() == (outs[1, False] / file).read_bytes(), (key, file)
+
+
+# Parquet inputs: pyarrow is in the data and dev extras, so CI runs these; the guard only spares a
+# bare install.
+PARQUET_TEXTS = ["first row", "", None, "naïve café 日本語 😀 👩‍👩‍👧", " leading space", "tabs\tand\nlines\n",
+                 "<|endoftext|> inside", "ελληνικά русский", *(f"row {i} " + "word " * (i % 7) for i in range(23))]
+
+
+def _write_parquet(path: Path, texts: list, arrow_type=None, row_group_size: int = 4) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    column = pa.array(texts, arrow_type or pa.string())
+    table = pa.table({"id": list(range(len(texts))), "body": column})
+    pq.write_table(table, path, row_group_size=row_group_size)
+    assert pq.ParquetFile(path).metadata.num_row_groups == -(-len(texts) // row_group_size) > 1
+
+
+def _write_jsonl(path: Path, texts: list) -> None:
+    lines = [json.dumps({"body": text}) for text in texts if text is not None]  # a null row: no document
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def _same_folders(a: Path, b: Path) -> None:
+    files = sorted(p.name for p in a.iterdir())
+    assert files == sorted(p.name for p in b.iterdir()) and "meta.json" in files
     for file in files:
-        assert (outs[2] / file).read_bytes() == (outs[1] / file).read_bytes(), file
+        assert (a / file).read_bytes() == (b / file).read_bytes(), file
+
+
+@pytest.mark.parametrize("tokenizer", ["bpe", "bytes"])
+def test_parquet_gives_the_tokens_of_the_same_texts_as_jsonl(tokenizer, tmp_path):
+    pytest.importorskip("pyarrow")
+    _write_parquet(tmp_path / "a.parquet", PARQUET_TEXTS)
+    _write_parquet(tmp_path / "b.parquet", PARQUET_TEXTS[::-1], row_group_size=5)
+    _write_jsonl(tmp_path / "a.jsonl", PARQUET_TEXTS)
+    _write_jsonl(tmp_path / "b.jsonl", PARQUET_TEXTS[::-1])
+    flags = ["--text-key", "body", "--tokenizer", tokenizer, "--shard-tokens", "173", "--val-fraction", "0.2",
+             *(["--vocab-size", "300"] if tokenizer == "bpe" else [])]
+    assert _run([tmp_path / "a.parquet", tmp_path / "b.parquet"], tmp_path / "from_parquet", *flags) == 0
+    assert _run([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], tmp_path / "from_jsonl", *flags) == 0
+    _same_folders(tmp_path / "from_parquet", tmp_path / "from_jsonl")
+    meta = json.loads((tmp_path / "from_parquet" / "meta.json").read_text())
+    n_docs = sum(1 for text in PARQUET_TEXTS if text)  # the null row and the empty one are skipped
+    assert sum(meta["documents"].values()) == 2 * n_docs
+
+
+@pytest.mark.parametrize("kind", ["large_string", "dictionary"])
+def test_parquet_large_and_dictionary_string_columns_read_as_text(kind, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    from attnres_pp.data.prepare_inputs import documents, find_sources
+
+    arrow_type = pa.large_string() if kind == "large_string" else pa.dictionary(pa.int32(), pa.string())
+    _write_parquet(tmp_path / "a.parquet", PARQUET_TEXTS, arrow_type)
+    got = list(documents(find_sources([str(tmp_path / "a.parquet")], "*.txt"), "body", "strict"))
+    assert got == [text for text in PARQUET_TEXTS if text]
+
+
+def test_parquet_is_read_a_batch_at_a_time_in_order(tmp_path, monkeypatch):
+    pq = pytest.importorskip("pyarrow.parquet")
+    from attnres_pp.data import prepare_inputs
+
+    monkeypatch.setattr(prepare_inputs, "PARQUET_BATCH_ROWS", 3)
+    texts = [f"document {i} é" for i in range(40)]
+    _write_parquet(tmp_path / "a.parquet", texts, row_group_size=8)
+    pulled = []
+    iter_batches = pq.ParquetFile.iter_batches
+
+    def counted(self, *args, **kwargs):
+        for batch in iter_batches(self, *args, **kwargs):
+            pulled.append(batch.num_rows)
+            yield batch
+
+    monkeypatch.setattr(pq.ParquetFile, "iter_batches", counted)
+    monkeypatch.setattr(pq.ParquetFile, "read", lambda *a, **k: pytest.fail("the whole file was read"))
+    stream = prepare_inputs.documents(prepare_inputs.find_sources([str(tmp_path / "a.parquet")], "*"), "body",
+                                      "strict")
+    assert next(stream) == texts[0] and pulled == [3]  # one batch pulled for the first document
+    assert [texts[0], *stream] == texts and sum(pulled) == 40 and max(pulled) <= 3
+
+
+def test_parquet_not_utf8_is_replaced_with_errors_replace(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from attnres_pp.data.prepare_inputs import documents, find_sources
+
+    raw = pa.array([b"ok", None, b"ok \xe9t\xe9"], pa.binary()).view(pa.string())
+    pq.write_table(pa.table({"text": raw}), tmp_path / "latin.parquet")
+    got = list(documents(find_sources([str(tmp_path / "latin.parquet")], "*"), "text", "replace"))
+    assert got == ["ok", "ok \ufffdt\ufffd"]

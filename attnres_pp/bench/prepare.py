@@ -3,7 +3,9 @@
 A deterministic synthetic corpus (documents of words drawn, Zipf-like, from a fixed made-up
 vocabulary by a seeded RNG; 64 MB, quick 8 MB) in .txt files; per round, BPE training at vocab
 8,192 on a sample of it and the encoding of all of it, timed apart (the encoding's figure covers
-reading, encoding and writing the shards). Medians over rounds. Target: >= 20 MB/s of encode.
+reading, encoding and writing the shards; the encoding is `prepare`'s own: the chunk cache of
+`data.bpe_cache.FastEncoder` in front of the library, which sees each distinct space-led chunk once,
+in batches of misses). Medians over rounds. Target: >= 20 MB/s of encode.
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ def to_markdown(payload: dict) -> str:
         "## prepare: BPE training and encoding throughput", "",
         f"Synthetic corpus of {payload['corpus_bytes'] / 1e6:.1f} MB; BPE vocab {payload['vocab_size']:,} trained on "
         f"a {payload['sample_bytes'] / 1e6:.1f} MB sample (and, inside `prepare`, on all of it); encoding covers "
-        f"reading, encode_batch and writing shards. TOKENIZERS_PARALLELISM {payload['tokenizers_parallelism']}.", "",
+        f"reading, the encode (bpe_cache's chunk cache in front of the library, which encodes each distinct "
+        f"space-led chunk once) and writing shards. TOKENIZERS_PARALLELISM {payload['tokenizers_parallelism']}.", "",
         f"Median encode **{median['encode_mb_s']:.1f} MB/s** (target {payload['target_mb_s']:.0f}: "
         f"{'met' if payload['meets_target'] else 'not met'}); sample training {median['sample_train_s']:.1f} s.", "",
         markdown_table(["round", "train sample (s)", "train all (s)", "encode (s)", "encode MB/s", "bytes/token",

@@ -183,6 +183,7 @@ class FastEncoder:
 # Worker processes: each holds its own tokenizer and cache and encodes whole jobs (a run of documents),
 # returned in submission order, so the shards are those of one process.
 _worker: FastEncoder | None = None
+_warm: FastEncoder | None = None  # the parent's encoder at the fork: its cache, shared copy-on-write
 
 
 def _init_worker(tokenizer_json: str) -> None:
@@ -192,6 +193,9 @@ def _init_worker(tokenizer_json: str) -> None:
     from tokenizers import Tokenizer
 
     _worker = FastEncoder(Tokenizer.from_str(tokenizer_json))
+    if _warm is not None:  # the parent's chunks, already encoded: a warm start (same ids, same library)
+        for name in ("spaced", "plain", "bad", "separators", "entries", "_tables"):
+            setattr(_worker, name, getattr(_warm, name))
 
 
 def _encode_job(job: tuple[list[str], list[bool], int, str]) -> dict[str, np.ndarray]:
@@ -208,14 +212,18 @@ class WorkerPool:
     """`processes` forked workers; `submit` a job, `results` yields them in order, at most `ahead`
     waiting at a time so memory stays bounded."""
 
-    def __init__(self, bpe, processes: int, ahead: int = 4) -> None:
+    def __init__(self, bpe, processes: int, ahead: int = 4, warm: FastEncoder | None = None) -> None:
         import multiprocessing
+
+        global _warm
 
         saved = os.environ.get("TOKENIZERS_PARALLELISM")
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # read at the fork: no fork warning, no threads
+        _warm = warm
         try:
             self.pool = multiprocessing.get_context("fork").Pool(processes, _init_worker, (bpe.to_str(),))
         finally:
+            _warm = None
             if saved is None:
                 del os.environ["TOKENIZERS_PARALLELISM"]
             else:

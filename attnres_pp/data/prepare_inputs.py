@@ -1,7 +1,8 @@
 """The documents of `attnres-pp prepare`'s inputs, streamed one at a time in a fixed order.
 
 An input is a text file (one document), a `.jsonl` file (one document per line, the `text_key`
-field), a `.parquet` file (one document per row of the `text_key` column; needs pyarrow) or a
+field), a `.parquet` file (one document per row of the string column `text_key`, read a batch of
+rows at a time; a null row is an empty document; needs pyarrow) or a
 folder, read recursively for the files whose name matches `glob` (sorted by path, so that the
 order, and so the split, does not depend on the file system). Empty documents are skipped.
 
@@ -55,11 +56,17 @@ def find_sources(inputs: list[str], glob: str) -> list[Source]:
     return sources
 
 
+PYARROW_HINT = "pip install pyarrow (or pip install 'attnres-pp[data]')"
+# Rows handed over at a time: pyarrow reads the file a row group at a time, so memory stays at a
+# row group's column chunk and one batch of Python strings, whatever the file's size.
+PARQUET_BATCH_ROWS = 1024
+
+
 def _pyarrow_parquet():
     try:
         import pyarrow.parquet
     except ImportError:
-        raise InputError("a .parquet input needs pyarrow: pip install pyarrow") from None
+        raise InputError(f"a .parquet input needs pyarrow: {PYARROW_HINT}") from None
     return pyarrow.parquet
 
 
@@ -108,21 +115,62 @@ def _jsonl_documents(path: Path, key: str, errors: str) -> Iterator[str]:
             yield _checked(text, errors, where)
 
 
+def _is_text(arrow_type) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(arrow_type):
+        arrow_type = arrow_type.value_type
+    return (pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type)
+            or getattr(pa.types, "is_string_view", lambda t: False)(arrow_type))
+
+
+def _column_texts(column, errors: str, path: Path, row: int) -> list[str | None]:
+    """A batch's strings; a parquet string column may hold bytes that are not UTF-8 (pyarrow does
+    not check them on reading): refused naming the row, or decoded with U+FFFD (`--errors replace`)."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        import pyarrow as pa
+
+        if pa.types.is_dictionary(column.type):
+            column = column.dictionary_decode()
+        raw = column.cast(pa.large_binary()).to_pylist()
+        return [None if data is None else _decode(data, errors, f"{path} row {row + i + 1}")
+                for i, data in enumerate(raw)]
+
+
 def _parquet_documents(path: Path, key: str, errors: str) -> Iterator[str]:
+    """The `key` column's rows, in file order, a batch of rows at a time (never the whole file); a
+    null row is an empty document (skipped)."""
     parquet = _pyarrow_parquet()
     try:
-        table = parquet.ParquetFile(path)
+        file = parquet.ParquetFile(path)
     except Exception as error:  # noqa: BLE001 - pyarrow raises its own exception types
         raise InputError(f"{path} is not a parquet file pyarrow reads: {error}") from None
-    if key not in table.schema_arrow.names:
-        raise InputError(f"{path} has no column {key!r} (--text-key names it)")
-    row = 0
-    for batch in table.iter_batches(columns=[key], batch_size=1024):
-        for text in batch.column(0).to_pylist():
-            row += 1
-            if not isinstance(text, str):
-                raise InputError(f"{path} row {row}: the {key!r} column is {type(text).__name__}, not a string")
-            yield _checked(text, errors, f"{path} row {row}")
+    try:
+        schema = file.schema_arrow
+        if key not in schema.names:
+            raise InputError(f"{path} has no column {key!r} (--text-key names it; its columns: "
+                             f"{', '.join(schema.names) or 'none'})")
+        column_type = schema.field(key).type
+        if not _is_text(column_type):
+            raise InputError(f"{path}: the column {key!r} is {column_type}, not a string column")
+        row = 0
+        batches = file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[key], use_threads=False)
+        while True:
+            try:
+                batch = next(batches, None)
+            except Exception as error:  # noqa: BLE001 - a damaged row group, a bad page
+                raise InputError(f"{path} after row {row}: pyarrow cannot read it: {error}") from None
+            if batch is None:
+                return
+            texts = _column_texts(batch.column(0), errors, path, row)
+            for text in texts:
+                row += 1
+                if text is not None:
+                    yield _checked(text, errors, f"{path} row {row}")
+    finally:
+        file.close()
 
 
 def documents(sources: list[Source], text_key: str, errors: str) -> Iterator[str]:
