@@ -65,9 +65,9 @@ class PairTransport:
     def way_to(self, peer: int, tag: int) -> str:
         return "shm" if isinstance(self.inner, SharedMemoryTransport) and self.inner.has_slot(peer, tag) else "gloo"
 
-    def message_slots(self) -> dict:
+    def message_slots(self) -> list:
         """The inner transport's message slots (`SharedMemoryTransport.message_slots`; none over gloo)."""
-        return self.inner.message_slots() if isinstance(self.inner, SharedMemoryTransport) else {}
+        return self.inner.message_slots()
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int, label: tuple[str, int, int]) -> None:
         self.ledger.next_way = self.way_to(dst, tag)

@@ -118,19 +118,17 @@ class SharedMemoryTransport(DistTransport):
         """The pipeline ranks this rank exchanges messages with through shared memory."""
         return set(self._in) | set(self._out)
 
-    def message_slots(self) -> dict[tuple[str, int], list[tuple[int, int]]]:
-        """Per inbox arena (by `pipeline.memory_meter.storage_key`): (first byte, bytes) of each
-        message's slot. A received tensor is a view of its slot, so the activation meter counts a
-        saved one by its message, not by the arena of every message from that peer."""
-        from attnres_pp.pipeline.memory_meter import storage_key
-
-        slots: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    def message_slots(self) -> list[tuple[torch.Tensor, list[tuple[int, int]]]]:
+        """Per inbox arena (one per peer): (first byte, bytes) of each message's slot. A received
+        tensor is a view of its slot, so the activation meter counts a saved one by its message, not
+        by the arena of every message from that peer."""
+        slots = []
         for pair in self._in.values():
-            for views in pair.views.values():
-                if views:
-                    first = views[0].storage_offset() * views[0].element_size()
-                    n_bytes = sum(v.numel() * v.element_size() for v in views)
-                    slots.setdefault(storage_key(views[0]), []).append((first, n_bytes))
+            ranges = [(views[0].storage_offset() * views[0].element_size(),
+                       sum(v.numel() * v.element_size() for v in views)) for views in pair.views.values() if views]
+            arena = next((views[0] for views in pair.views.values() if views), None)
+            if arena is not None:
+                slots.append((arena, ranges))
         return slots
 
     def has_slot(self, dst: int, tag: int) -> bool:

@@ -78,6 +78,10 @@ class LoopbackTransport:
         self.mailbox = mailbox
         self.ledger = ledger or ByteLedger()
 
+    def message_slots(self) -> list:
+        """None: every received message is a buffer of its own (`Transport.message_slots`)."""
+        return []
+
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int, label: tuple[str, int, int]) -> None:
         refuse_self_hop(self.pp_rank, dst)
         self.ledger.record(*label, tensors)
@@ -129,6 +133,11 @@ class DistTransport:
         self._pending: list = []
         self._posted: dict[tuple[int, int], tuple] = {}  # (src, tag) -> (work, flat buffer)
         self.can_prepost = device.type == "cpu"  # gloo; see the module docstring
+
+    def message_slots(self) -> list:
+        """None: every received message is a buffer of its own (`Transport.message_slots`); the
+        shared-memory transport overrides this."""
+        return []
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int, label: tuple[str, int, int]) -> None:
         import torch.distributed as dist

@@ -71,3 +71,10 @@ class Transport(Protocol):
     def close(self) -> None:
         """Release what the transport holds beyond the process group (shared-memory doorbells)."""
         ...
+
+    def message_slots(self) -> list[tuple[torch.Tensor, list[tuple[int, int]]]]:
+        """Each buffer that holds several received messages (a shared-memory arena, one per peer),
+        with (first byte, bytes) of every message's slot in it: a received tensor is a view of its
+        slot, so the activation meter counts a kept one by its message. Empty where every received
+        message is a buffer of its own (loopback, gloo, NCCL)."""
+        ...

@@ -33,6 +33,10 @@ class NcclLoopbackTransport:
         self.fabric = fabric
         self.ledger = ledger or ByteLedger()
         self._open: list[Op] | None = None
+
+    def message_slots(self) -> list:
+        """None: every received message is a buffer of its own (`Transport.message_slots`)."""
+        return []
         self._posted: dict[tuple[int, int], Op] = {}
 
     def begin_group(self) -> None:

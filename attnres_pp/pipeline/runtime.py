@@ -25,7 +25,7 @@ from attnres_pp.pipeline.chunk import PipelineChunk
 from attnres_pp.pipeline.clock import make_clock
 from attnres_pp.pipeline.executor import ActionExecutor, ExecutorView
 from attnres_pp.pipeline.graph_cut import CutCache
-from attnres_pp.pipeline.memory_meter import ActivationMeter
+from attnres_pp.pipeline.memory_meter import ActivationMeter, storage_key
 from attnres_pp.pipeline.routes import hop_shapes, message_tag
 from attnres_pp.pipeline.split_backward import WeightWork, backward_input, backward_weight, fused_backward
 from attnres_pp.pipeline.weight_store import WeightStore, drain_weight_store, stash_backward_input
@@ -82,7 +82,7 @@ class StageRuntime(ExecutorView):
         self.memory = ActivationMeter()  # what the forwards save for backward (docs/spec.md section 8)
         # A transport whose received tensors are views of one arena per peer (shared memory) names
         # its message slots, so that a kept view counts its message alone (`memory_meter`).
-        self.memory.set_slots(getattr(transport, "message_slots", dict)())
+        self.memory.set_slots({storage_key(arena): ranges for arena, ranges in transport.message_slots()})
         # Called around every compute action (`before(action)`, `after(action)`): FSDP2's unshard and
         # reshard of the action's chunk (`train.fsdp`); None: nothing to do.
         self.compute_hooks = compute_hooks
