@@ -213,6 +213,16 @@ class Planner:
         self._saved: dict = {}
         self._plans: dict = {}
         self._numels: dict = {}
+        self._tp: dict = {}
+        self._layout: dict = {}
+
+    def layout(self, partition) -> tuple[list[int], list[list[int]]]:
+        """(rank of each chunk, chunks of each rank) of a cached partition, computed once."""
+        key = id(partition)
+        if key not in self._layout:
+            self._layout[key] = ([partition.rank_of(c) for c in range(partition.n_chunks)],
+                                 [partition.chunks_of(r) for r in range(partition.n_stages)], partition)
+        return self._layout[key][:2]
 
     def model_for(self, candidate: Candidate) -> ModelConfig:
         return dataclasses.replace(self.request.model, block_size=candidate.block_size)
@@ -245,20 +255,30 @@ class Planner:
         full AC's recomputation repeats the forward's."""
         if candidate.tensor_parallel == 1:
             return [0.0] * partition.n_chunks
+        key = ("seconds", candidate.n_stages, candidate.n_virtual, candidate.block_size, self.tokens(candidate),
+               candidate.tensor_parallel, candidate.sp, partition.placement)
+        if key in self._tp:
+            return self._tp[key]
         request, cfg = self.request, self.model_for(candidate)
-        return [chunk_tp_seconds(cfg, partition.sublayer_range(c), tokens=self.tokens(candidate),
+        self._tp[key] = [chunk_tp_seconds(cfg, partition.sublayer_range(c), tokens=self.tokens(candidate),
                                  element_bytes=self.element, tp=candidate.tp,
                                  bytes_per_s=request.intra_node_gbps * 1e9 / 8,
                                  latency_s=request.intra_node_latency_us * 1e-6) for c in range(partition.n_chunks)]
+        return self._tp[key]
 
     def chunk_times(self, candidate: Candidate) -> tuple[list[float], list[float]]:
         """(forward, backward) seconds per chunk and microbatch, tp collectives included."""
-        partition, forward, bound = self.chunk_costs(candidate)
-        tp = self.tp_seconds(candidate, partition)
-        recompute = 2 if candidate.activation_checkpoint == "full" else 1
-        return ([f + x for f, x in zip(forward, tp, strict=True)],
-                [self.backward_factor(candidate, f, b) + recompute * x
-                 for f, b, x in zip(forward, bound, tp, strict=True)])
+        key = ("times", candidate.n_stages, candidate.n_virtual, candidate.block_size, self.tokens(candidate),
+               candidate.tensor_parallel, candidate.sp, schedule_placement(candidate.schedule),
+               candidate.activation_checkpoint)
+        if key not in self._tp:
+            partition, forward, bound = self.chunk_costs(candidate)
+            tp = self.tp_seconds(candidate, partition)
+            recompute = 2 if candidate.activation_checkpoint == "full" else 1
+            self._tp[key] = ([f + x for f, x in zip(forward, tp, strict=True)],
+                             [self.backward_factor(candidate, f, b) + recompute * x
+                              for f, b, x in zip(forward, bound, tp, strict=True)])
+        return self._tp[key]
 
     def backward_factor(self, candidate: Candidate, forward: float, bound: float) -> float:
         """Backward seconds of a chunk: 2 F, + F recomputed (full AC), + its memory-bound part (selective)."""
@@ -308,6 +328,13 @@ class Planner:
         """(wire seconds, hop seconds with latency, bytes of one tensor) per forward hop of one tp rank's
         pair (d, p, t) -> (d, p + 1, t) (`comm.plan.shard_tokens`: 1/T of the bytes under SP); a self-hop
         is free. Global rank (dp x P + pp) x T + t: tp innermost, G per node."""
+        key = ("hops", candidate.n_stages, candidate.n_virtual, candidate.block_size, self.tokens(candidate),
+               candidate.tensor_parallel, candidate.sp, partition.placement, plan.mode)
+        if key not in self._tp:
+            self._tp[key] = self._hop_seconds(candidate, partition, plan)
+        return self._tp[key]
+
+    def _hop_seconds(self, candidate: Candidate, partition, plan) -> tuple[list[float], list[float], int]:
         request, cfg = self.request, self.model_for(candidate)
         width = cfg.d_model if plan.mode == "standard" else cfg.source_width
         t = candidate.tensor_parallel
@@ -389,7 +416,13 @@ class Planner:
         t = candidate.tensor_parallel
         if t == 1 or not candidate.sp:
             return {"tp_all_reduce_s": 0.0, "tp_replicated_params": 0}
-        cfg = self.model_for(candidate)
+        key = ("grads", candidate.n_stages, candidate.n_virtual, candidate.block_size, t, partition.placement)
+        if key not in self._tp:
+            self._tp[key] = self._tp_grad_all_reduce(candidate, partition)
+        return self._tp[key]
+
+    def _tp_grad_all_reduce(self, candidate: Candidate, partition) -> dict:
+        t, cfg = candidate.tensor_parallel, self.model_for(candidate)
         split = (3 * cfg.d_model ** 2 + cfg.source_width * cfg.d_model + cfg.ff_dim * cfg.d_model
                  + cfg.source_width * cfg.ff_dim) // t
         replicated = max(sum(math.prod(s) for s in rank_parameter_shapes(cfg, partition, r, t))
@@ -403,9 +436,10 @@ class Planner:
         """(closed-form step seconds, estimated peak bytes of the fullest rank)."""
         partition = self.chunk_costs(candidate)[0]
         forward, backward = self.chunk_times(candidate)
+        owners, rank_chunks = self.layout(partition)
         per_rank = [0.0] * candidate.n_stages
         for c, (f, b) in enumerate(zip(forward, backward, strict=True)):
-            per_rank[partition.rank_of(c)] += f + b
+            per_rank[owners[c]] += f + b
         bubble = closed_form_bubble_fraction(candidate.n_stages, candidate.n_virtual, candidate.n_microbatches,
                                              candidate.schedule)
         # One microbatch's way through every hop and back is on the critical path (fill and drain).
@@ -417,7 +451,7 @@ class Planner:
         saved = self.saved(candidate, partition)
         # Rank 0 holds the most microbatches in flight: P (1F1B-like), about (V + 1) P chunk-microbatches
         # interleaved, 2P chunk passes under ZB-V; a split schedule's W can keep up to P more; GPipe all m.
-        chunks0 = partition.chunks_of(0)
+        chunks0 = rank_chunks[0]
         in_flight = min(candidate.n_microbatches * len(chunks0),
                         candidate.n_stages * (len(chunks0) + 1 if len(chunks0) > 1 else 1))
         if candidate.schedule == "gpipe":
@@ -431,8 +465,8 @@ class Planner:
             if len(chunks0) > 1 and candidate.cache else 0
         # The last chunk (the head's logits) runs its backward right after its forward: one in flight.
         last = partition.n_chunks - 1
-        held = max(in_flight * max((saved[c].saved for c in partition.chunks_of(r) if c != last), default=0)
-                   + (saved[last].saved if last in partition.chunks_of(r) else 0) for r in range(candidate.n_stages))
+        held = max(in_flight * max((saved[c].saved for c in chunks if c != last), default=0)
+                   + (saved[last].saved if last in chunks else 0) for chunks in rank_chunks)
         peak = max(self.fixed_bytes(candidate, partition)) + held + recomputed + kept_until_w + cache
         return step, peak
 
