@@ -236,3 +236,13 @@ def test_bad_input_is_one_error_line(capsys, argv, rule):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and rule in err, err
+
+
+def test_bench_comm_shows_hop_bytes_per_tp_rank():
+    from attnres_pp.bench.comm import tp_hop_rows
+
+    rows = tp_hop_rows(quick=True)
+    assert {r["mode"] for r in rows} == set(COMM_MODES)
+    for row in rows:
+        per_rank = row["bytes_per_step_per_tp_rank"]
+        assert per_rank["1"] == 2 * per_rank["2"] == 4 * per_rank["4"] > 0
