@@ -246,3 +246,37 @@ def test_bench_comm_shows_hop_bytes_per_tp_rank():
     for row in rows:
         per_rank = row["bytes_per_step_per_tp_rank"]
         assert per_rank["1"] == 2 * per_rank["2"] == 4 * per_rank["4"] > 0
+
+
+def test_comm_schedule_and_memory_cli_take_the_tp_flags(capsys):
+    assert main(_COMM + ["--tensor-parallel", "2", "--json"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert main(_COMM + ["--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert two["tensor_parallel"] == 2 and two["sequence_parallel"] and two["tokens_per_rank"] == 64
+    assert {m: 2 * b for m, b in two["bytes_per_microbatch"].items()} == one["bytes_per_microbatch"]
+    assert [c["kind"] for c in two["tp_collectives_per_layer"]] == ["all_gather", "reduce_scatter"]
+    assert two["tp_collective_s_per_layer"] > 0 and one["tp_collectives_per_layer"] == []
+    schedule = ["simulate", "schedule", "--schedule", "1f1b", "--stages", "2", "--microbatches", "4", "--layers", "4",
+                "--block-size", "2", "--d-model", "64", "--tokens", "128", "--costs", "model", "--json"]
+    assert main(schedule) == 0
+    base = json.loads(capsys.readouterr().out)
+    assert main(schedule + ["--tensor-parallel", "2"]) == 0
+    tp = json.loads(capsys.readouterr().out)
+    assert tp["tensor_parallel"] == 2 and tp["makespan"] != base["makespan"]
+    assert main(schedule[:-3] + ["--tensor-parallel", "2", "--no-sequence-parallel", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sequence_parallel"] is False
+    assert main(_MEMORY + ["--tensor-parallel", "2", "--ranks", "4", "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)
+    assert memory["tensor_parallel"] == 2 and len(memory["memory_per_rank"]) == 2
+
+
+def test_plan_without_sequence_parallelism():
+    request = _request(tensor_parallel_sizes=(4,), sequence_parallel=False, top=4)
+    rows = plan(request)
+    assert rows and all(r["config"]["tensor_parallel"] == 4 and not r["config"]["sequence_parallel"] for r in rows)
+    assert all(r["dp_collectives"]["tp_all_reduce_s"] == 0 for r in rows)
+    # A tp rank's hop pair carries the whole tensor without SP.
+    c = rows[0]["config"]
+    tensor = c["tokens_per_microbatch"] * request.model.source_width * 2
+    assert rows[0]["bytes_per_hop"] % tensor == 0
