@@ -280,3 +280,18 @@ def test_plan_without_sequence_parallelism():
     c = rows[0]["config"]
     tensor = c["tokens_per_microbatch"] * request.model.source_width * 2
     assert rows[0]["bytes_per_hop"] % tensor == 0
+
+
+def test_msar_halo_under_sequence_parallelism_only():
+    from attnres_pp.simulator.tensor_parallel import chunk_tp_seconds, halo_bytes
+
+    cfg = _model("msar")
+    # Sublayer 0 reads b_0; sublayer 1 reads b_0 and the open partial: three sources, (12 - 1) tokens each.
+    expected = 3 * (max(cfg.stream_kernels) - 1) * 2 * cfg.d_model * 2
+    assert halo_bytes(cfg, range(0, 2), n_sequences=2, element_bytes=2, tp=TensorParallel(2)) == expected
+    assert halo_bytes(cfg, range(0, 2), n_sequences=2, element_bytes=2, tp=TensorParallel(2, False)) == 0
+    assert halo_bytes(_model("block"), range(0, 2), n_sequences=2, element_bytes=2, tp=TensorParallel(2)) == 0
+    link = dict(tokens=128, element_bytes=2, bytes_per_s=1e9, latency_s=1e-6)
+    with_halo = chunk_tp_seconds(cfg, range(0, 2), tp=TensorParallel(2), **link)
+    without = chunk_tp_seconds(_model("block"), range(0, 2), tp=TensorParallel(2), **link)
+    assert with_halo == pytest.approx(without + 2 * 1e-6 + expected / 1e9)

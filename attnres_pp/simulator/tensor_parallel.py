@@ -23,7 +23,6 @@ The projected keys' r columns (r << d) of the row-parallel outputs are left out 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from attnres_pp.model.config import ModelConfig, block_of, has_partial_before
@@ -120,7 +119,7 @@ def halo_bytes(cfg: ModelConfig, sublayers: range, *, n_sequences: int, element_
     if cfg.residual != "msar" or not tp.sp:
         return 0
     ends, halo = cfg.block_ends, max(cfg.stream_kernels) - 1
-    sources = sum(block_of(s, ends) + 1 + (1 if has_partial_before(s, ends) else 0) for s in sublayers)
+    sources = sum(block_of(s, ends) + (1 if has_partial_before(s, ends) else 0) for s in sublayers)
     return sources * halo * n_sequences * cfg.d_model * element_bytes
 
 
@@ -137,19 +136,3 @@ def chunk_tp_seconds(cfg: ModelConfig, sublayers: range, *, tokens: int, element
     if halo:
         seconds += len(sublayers) * latency_s + halo / bytes_per_s
     return seconds
-
-
-def split_shape(shape: tuple[int, ...], axis: int, t: int) -> tuple[int, ...]:
-    """A matrix's local shape on one of `t` tp ranks: `axis` divided by t (column-parallel: dim 0 of
-    the [out, in] weight; row-parallel: dim 1)."""
-    if t == 1:
-        return shape
-    return tuple(n // t if i == axis else n for i, n in enumerate(shape))
-
-
-def replicated_numel(shapes: list[tuple[int, ...]], split: list[tuple[int, ...]]) -> int:
-    """Elements of `shapes` that are not among `split` (each split one removed once)."""
-    rest = list(shapes)
-    for s in split:
-        rest.remove(s)
-    return sum(math.prod(s) for s in rest)
