@@ -72,8 +72,8 @@ def activation_features(cfg: ModelConfig, partition: Partition, chunk_index: int
     streams = cfg.n_streams if cfg.residual == "msar" else 1
     key_width = cfg.key_rank if cfg.residual == "lr_attnres" else d
     return {
-        "layer_td": n_layers * t * d, "layer_th": n_layers * t * cfg.n_heads / split,
-        "layer_tf": n_layers * t * f / split,
+        "layer_td": n_layers * t * d, "layer_th": n_layers * t * cfg.n_heads // split,
+        "layer_tf": n_layers * t * f // split,
         "sub_tw": n_sub * t * width, "sub_t": n_sub * t, "sub_tr": n_sub * t * r,
         "seg_ntw": sum(n * t * width for n, _k in segments), "seg_nkt": sum(n * k * t for n, k in segments),
         "seg_ktd": sum(k * t * d for _n, k in segments), "seg_nt": sum(n * t for n, _k in segments),
@@ -121,7 +121,7 @@ def _layer_pass(cfg: ModelConfig, sublayers: range, *, tokens: int, n_sequences:
     streams = cfg.n_streams if cfg.residual == "msar" else 1
     key_width = cfg.key_rank if cfg.residual == "lr_attnres" else d
     return {
-        "layer_td": t * d, "layer_th": t * cfg.n_heads / split, "layer_tf": t * f / split,
+        "layer_td": t * d, "layer_th": t * cfg.n_heads // split, "layer_tf": t * f // split,
         "sub_tw": n_sub * t * width, "sub_t": n_sub * t, "sub_tr": n_sub * t * r, "sub_1": n_sub,
         "seg_ntw": sum(n * t * width for n, _k in segments), "seg_nkt": sum(n * k * t for n, k in segments),
         "seg_ktd": sum(k * t * d for _n, k in segments), "seg_ntr": sum(n * t * r for n, _k in segments),
