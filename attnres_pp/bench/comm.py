@@ -12,6 +12,9 @@ predicted by the simulator.
    simulator's alpha-beta prediction of wire time ("cpu" link profile), and the simulated step on
    costs calibrated from the run.
 3. A PNG of bytes per step against depth (planner lines, counted points).
+4. Hop bytes per tensor-parallel rank at T = 1, 2, 4 with sequence parallelism (docs/spec.md
+   section 10): predicted only, from the same planner (`comm.plan.shard_tokens`); no tp runtime
+   exists yet to count them.
 """
 
 from __future__ import annotations
@@ -86,6 +89,29 @@ def grid(quick: bool) -> list[tuple[int, int, int, int]]:
     blocks = (2, 4) if quick else (2, 4, 8)
     virtuals = (1, 2) if quick else (1, 2, 4)
     return [(n, s, p, v) for n in layers for s in blocks for p in (2, 4) for v in virtuals if p * v <= n]
+
+
+TP_SIZES_SHOWN = (1, 2, 4)
+
+
+def tp_hop_rows(quick: bool) -> list[dict]:
+    """Predicted forward + backward hop bytes per step of one tp rank's pair (d, p, t) -> (d, p + 1, t),
+    at T = 1, 2, 4 with sequence parallelism, for the counted grid's layouts at its largest block size."""
+    largest = max(s for _n, s, _p, _v in grid(quick))
+    rows = []
+    for n_layers, block_size, n_stages, n_virtual in grid(quick):
+        if block_size != largest:
+            continue
+        tokens = TINY_MICROBATCH * TINY_MODEL["seq_len"]
+        reports = {t: comm_report(n_layers=n_layers, block_size=block_size, n_stages=n_stages, n_virtual=n_virtual,
+                                  tokens=tokens, d_model=TINY_MODEL["d_model"], source_width=TINY_MODEL["d_model"],
+                                  dtype="fp32", tensor_parallel=t, sequence_parallel=True) for t in TP_SIZES_SHOWN}
+        for mode in COMM_MODES:
+            rows.append({"mode": mode, "layers": n_layers, "block_size": block_size, "P": n_stages, "V": n_virtual,
+                         "m": n_stages, "bytes_per_step_per_tp_rank": {
+                             str(t): r.bytes_per_microbatch_both_directions[mode] * n_stages
+                             for t, r in reports.items()}})
+    return rows
 
 
 def counted_grid(quick: bool, progress: Callable[[str], None]) -> list[dict]:
@@ -220,6 +246,7 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None], *, t
     payload = {
         "counted": rows,
         "all_counted_match_predicted": all(r["match"] for r in rows),
+        "tp_hop_bytes": tp_hop_rows(quick),
         "gloo": timed,
         "gloo_counted_match_predicted": all(r["counted_bytes_per_step"] == r["predicted_bytes_per_step"]
                                             for r in timed),
@@ -246,6 +273,19 @@ def to_markdown(payload: dict) -> str:
         f"{'yes' if payload['all_counted_match_predicted'] else 'NO'}.", "",
         grid_table, "",
     ]
+    if payload.get("tp_hop_bytes"):
+        sizes = list(payload["tp_hop_bytes"][0]["bytes_per_step_per_tp_rank"])
+        lines += [
+            "## Hop bytes per tensor-parallel rank (predicted)", "",
+            "Forward + backward bytes per step of one tp rank's hop pair (d, p, t) -> (d, p + 1, t) with sequence "
+            "parallelism, same tiny model and m = P (docs/spec.md section 10: 1/T of the T = 1 bytes). Predicted by "
+            "the payload planner only: there is no tensor-parallel runtime to count them yet.", "",
+            markdown_table(["layers", "block size", "P", "V", "mode", *(f"T = {t} B/step" for t in sizes)],
+                           [[r["layers"], r["block_size"] if r["mode"] in ("naive", "cached") else "-", r["P"], r["V"],
+                             MODE_LABELS[r["mode"]], *(r["bytes_per_step_per_tp_rank"][t] for t in sizes)]
+                            for r in payload["tp_hop_bytes"]]),
+            "",
+        ]
     if payload["gloo"]:
         timed = payload["gloo"]
         lines += [

@@ -172,3 +172,29 @@ def plan_for_model(cfg, partition: Partition, cache: bool) -> PayloadPlan:
     """The plan a run of `cfg` (a ModelConfig) uses: standard, or naive/cached AttnRes."""
     mode = "standard" if cfg.residual == "standard" else ("cached" if cache else "naive")
     return plan_payloads(n_sublayers=cfg.n_sublayers, block_ends=cfg.block_ends, partition=partition, mode=mode)
+
+
+def shard_tokens(tokens: int, tensor_parallel: int = 1, sequence_parallel: bool = False) -> int:
+    """Tokens of a microbatch that one tensor-parallel rank holds of every tensor between layers, and so
+    of every hop tensor, cache entry and deposit (docs/spec.md section 10): `tokens / T` under sequence
+    parallelism (its sequence shard), all of them without it (each tp rank holds the whole tensor).
+
+    The one rule for the bytes of a hop pair (d, p, t) -> (d, p + 1, t): the plan's tensor count x
+    `shard_tokens(...)` x width x element size. The simulator reads it; the runtime's tp axis is to read
+    it too (not built yet). ValueError unless T divides the tokens under sequence parallelism."""
+    if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+        raise ValueError(f"tensor_parallel={tensor_parallel!r} is invalid: must be an integer >= 1")
+    if not sequence_parallel or tensor_parallel == 1:
+        return tokens
+    if tokens % tensor_parallel:
+        raise ValueError(f"{tokens} tokens per microbatch are not divisible by --tensor-parallel "
+                         f"{tensor_parallel}: sequence parallelism splits every sequence into T equal shards")
+    return tokens // tensor_parallel
+
+
+def hop_bytes_per_rank(plan: PayloadPlan, *, tokens: int, width: int, element_bytes: int, tensor_parallel: int = 1,
+                       sequence_parallel: bool = False) -> list[int]:
+    """Bytes each forward hop sends from one tp rank to its peer (d, p + 1, t), one microbatch (the
+    backward sends the same again): tensors x `shard_tokens` x width x element size."""
+    per_tensor = shard_tokens(tokens, tensor_parallel, sequence_parallel) * width * element_bytes
+    return [n * per_tensor for n in plan.fwd_hop_tensors]

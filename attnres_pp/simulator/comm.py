@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attnres_pp.comm.partition import Partition, make_partition
-from attnres_pp.comm.plan import PayloadPlan, plan_payloads
+from attnres_pp.comm.plan import PayloadPlan, plan_payloads, shard_tokens
 from attnres_pp.model.config import block_ends_of
 
 COMM_MODES = ("standard", "full_naive", "naive", "cached")
@@ -51,6 +51,9 @@ class CommReport:
 
     `source_width` is d, or d + r under projected low-rank keys; the standard residual always
     sends width d_model. The backward carries the same bytes again (one gradient per tensor).
+    With `tensor_parallel` T > 1 the bytes are those of one tp rank's hop pair (d, p, t) -> (d, p + 1, t):
+    1/T of them under sequence parallelism (`comm.plan.shard_tokens`), all of them without it;
+    `tp_collectives` lists one layer's tp collectives per direction (`simulator.tensor_parallel`).
     """
 
     n_layers: int
@@ -63,12 +66,20 @@ class CommReport:
     dtype: str
     fwd_hop_tensors: dict[str, list[int]]
     blocks: int = 0  # > 0: the blocks are placed by their number (docs/spec.md section 1.2), block_size is not used
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False
+    tp_collectives: tuple[dict, ...] = ()
+    tp_collective_s_per_layer: float = 0.0  # one direction, on the intra-node link
 
     def width_of(self, mode: str) -> int:
         return self.d_model if mode == "standard" else self.source_width
 
+    @property
+    def tokens_per_rank(self) -> int:
+        return shard_tokens(self.tokens, self.tensor_parallel, self.sequence_parallel)
+
     def tensor_bytes(self, mode: str) -> int:
-        return self.tokens * self.width_of(mode) * DTYPE_BYTES[self.dtype]
+        return self.tokens_per_rank * self.width_of(mode) * DTYPE_BYTES[self.dtype]
 
     @property
     def bytes_per_microbatch(self) -> dict[str, int]:
@@ -91,13 +102,24 @@ class CommReport:
             "bytes_per_microbatch": self.bytes_per_microbatch,
             "bytes_per_microbatch_both_directions": self.bytes_per_microbatch_both_directions,
             "note": "bytes_per_microbatch counts the forward hops; the backward sends the same again",
+            "tensor_parallel": self.tensor_parallel, "sequence_parallel": self.sequence_parallel,
+            "tokens_per_rank": self.tokens_per_rank,
+            "tp_collectives_per_layer": list(self.tp_collectives),
+            "tp_collective_s_per_layer": self.tp_collective_s_per_layer,
+            "tp_note": "with T > 1 the bytes are one tp rank's hop pair; tp collectives per layer and direction "
+                       "(the backward has the same); derived, not measured",
         }
 
 
 def comm_report(*, n_layers: int, block_size: int, n_stages: int, n_virtual: int, tokens: int,
                 d_model: int, source_width: int, dtype: str = "bf16",
-                layer_counts: tuple[int, ...] | None = None, blocks: int = 0) -> CommReport:
-    """Plan all four modes for one model shape and partition (`blocks` > 0: N blocks, docs/spec.md section 1.2)."""
+                layer_counts: tuple[int, ...] | None = None, blocks: int = 0, tensor_parallel: int = 1,
+                sequence_parallel: bool = False, tp_bytes_per_s: float | None = None,
+                tp_latency_s: float = 0.0) -> CommReport:
+    """Plan all four modes for one model shape and partition (`blocks` > 0: N blocks, docs/spec.md section 1.2);
+    with `tensor_parallel` T, one tp rank's bytes and one layer's tp collectives (priced on
+    `tp_bytes_per_s` when given)."""
+    from attnres_pp.simulator.tensor_parallel import TensorParallel, layer_collective_s, layer_collectives
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r} is unknown; choose one of {', '.join(DTYPE_BYTES)}")
     if tokens < 1:
@@ -109,9 +131,15 @@ def comm_report(*, n_layers: int, block_size: int, n_stages: int, n_virtual: int
         raise ValueError(f"blocks={blocks} is invalid: the number of blocks must be in 1..{2 * n_layers}, or 0")
     counts = {mode: plan_for_mode(mode, n_sublayers=2 * n_layers, block_size=block_size, partition=partition,
                                   blocks=blocks).fwd_hop_tensors for mode in COMM_MODES}
+    tp = TensorParallel(tensor_parallel, sequence_parallel)
+    shard_tokens(tokens, tp.size, tp.sp)  # T must divide the tokens under SP
+    collectives = tuple(layer_collectives(tokens, d_model, DTYPE_BYTES[dtype], tp))
+    seconds = layer_collective_s(tokens, d_model, DTYPE_BYTES[dtype], tp, bytes_per_s=tp_bytes_per_s,
+                                 latency_s=tp_latency_s) if tp_bytes_per_s else 0.0
     return CommReport(n_layers=n_layers, block_size=block_size, n_stages=n_stages, n_virtual=n_virtual,
                       tokens=tokens, d_model=d_model, source_width=source_width, dtype=dtype,
-                      fwd_hop_tensors=counts, blocks=blocks)
+                      fwd_hop_tensors=counts, blocks=blocks, tensor_parallel=tp.size, sequence_parallel=tp.sp,
+                      tp_collectives=collectives, tp_collective_s_per_layer=seconds)
 
 
 def format_bytes(n_bytes: float) -> str:
@@ -126,7 +154,8 @@ def format_comm_table(report: CommReport) -> str:
     """A readable per-hop table: one row per mode, one column per hop, then totals."""
     n_hops = report.n_stages * report.n_virtual - 1
     hop_names = [f"{c}->{c + 1}" for c in range(n_hops)]
-    header = ["mode"] + hop_names + ["sum", "bytes/mb (fwd)"]
+    per_rank = report.tensor_parallel > 1
+    header = ["mode"] + hop_names + ["sum", "bytes/mb (fwd)" + (" per tp rank" if per_rank else "")]
     rows = [header]
     for mode, hops in report.fwd_hop_tensors.items():
         rows.append([mode] + [str(n) for n in hops] + [str(sum(hops)),
@@ -142,4 +171,20 @@ def format_comm_table(report: CommReport) -> str:
         "tensors per forward hop c -> c+1:",
         *lines,
         "the backward carries the same bytes again (one gradient per forwarded tensor)",
+        *_tp_lines(report),
     ])
+
+
+def _tp_lines(report: CommReport) -> list[str]:
+    if report.tensor_parallel == 1:
+        return []
+    lines = [f"tensor parallel T={report.tensor_parallel}, sequence parallel "
+             f"{'on' if report.sequence_parallel else 'off'}: each tp rank's hop pair carries "
+             f"{report.tokens_per_rank} of the {report.tokens} tokens; per layer and direction (derived):"]
+    for c in report.tp_collectives:
+        lines.append(f"  {c['count']} x {c['kind']} of {format_bytes(c['buffer_bytes'])}, each rank sending "
+                     f"{format_bytes(c['sent_bytes_per_rank'])}")
+    if report.tp_collective_s_per_layer:
+        lines.append(f"  {1e3 * report.tp_collective_s_per_layer:.3f} ms per layer and direction on the "
+                     "intra-node link")
+    return lines

@@ -157,23 +157,53 @@ def chunk_forward_flops(cfg: ModelConfig, partition: Partition, chunk_index: int
     return flops
 
 
+def tp_chunk_forward_flops(cfg: ModelConfig, partition: Partition, chunk_index: int, tokens: int,
+                           tensor_parallel: int = 1, sequence_parallel: bool = False) -> float:
+    """`chunk_forward_flops` on one of T tp ranks (docs/spec.md section 10, derived): the layers'
+    matmuls and attention 1/T; the depth reads and the replicated head on the rank's tokens (1/T of
+    them under sequence parallelism, all of them without it)."""
+    full = chunk_forward_flops(cfg, partition, chunk_index, tokens)
+    if tensor_parallel == 1:
+        return full
+    import dataclasses
+
+    plain = dataclasses.replace(cfg, residual="standard")
+    sublayers = partition.sublayer_range(chunk_index)
+    matmul = sum(sublayer_forward_flops(plain, s, tokens) for s in sublayers)
+    rest = full - matmul  # depth reads, final read, head
+    return matmul / tensor_parallel + rest / (tensor_parallel if sequence_parallel else 1)
+
+
 def model_costs(cfg: ModelConfig, partition: Partition, plan: PayloadPlan, *, tokens: int,
-                profile: DeviceProfile, dtype_bytes: int = 2, overlap_comm: bool = True) -> CostModel:
+                profile: DeviceProfile, dtype_bytes: int = 2, overlap_comm: bool = True, tp=None,
+                tp_bytes_per_s: float = 0.0, tp_latency_s: float = 0.0) -> CostModel:
     """Costs of `cfg` split by `partition` on `profile`; backward = 2 x forward FLOPs.
 
-    Hops between two chunks of the same rank (P == 1) are local and cost nothing.
+    Hops between two chunks of the same rank (P == 1) are local and cost nothing. `tp` (a
+    `tensor_parallel.TensorParallel`): one tp rank's FLOPs (`tp_chunk_forward_flops`), its layers' tp
+    collectives on the intra-node link in each direction, and its hop pair's bytes (1/T under SP).
     """
-    forward = tuple(chunk_forward_flops(cfg, partition, c, tokens) / profile.flops_per_s
+    from attnres_pp.comm.plan import shard_tokens
+    from attnres_pp.simulator.tensor_parallel import TensorParallel, chunk_tp_seconds
+
+    tp = tp or TensorParallel()
+    forward = tuple(tp_chunk_forward_flops(cfg, partition, c, tokens, tp.size, tp.sp) / profile.flops_per_s
                     for c in range(partition.n_chunks))
+    collectives = tuple(chunk_tp_seconds(cfg, partition.sublayer_range(c), tokens=tokens, element_bytes=dtype_bytes,
+                                         tp=tp, bytes_per_s=tp_bytes_per_s, latency_s=tp_latency_s)
+                        if tp.size > 1 else 0.0 for c in range(partition.n_chunks))
     width = cfg.d_model if plan.mode == "standard" else cfg.source_width
+    rank_tokens = shard_tokens(tokens, tp.size, tp.sp)
     hops = []
     for c, tensors in enumerate(plan.fwd_hop_tensors):
         if partition.rank_of(c) == partition.rank_of(c + 1):
             hops.append(0.0)
             continue
-        hops.append(profile.link_latency_s + tensors * tokens * width * dtype_bytes / profile.link_bytes_per_s)
-    return CostModel(forward_s=forward, backward_s=tuple(2 * f for f in forward), hop_fwd_s=tuple(hops),
-                     hop_bwd_s=tuple(hops), overlap_comm=overlap_comm, label=f"model on {profile.name}")
+        hops.append(profile.link_latency_s + tensors * rank_tokens * width * dtype_bytes / profile.link_bytes_per_s)
+    return CostModel(forward_s=tuple(f + x for f, x in zip(forward, collectives, strict=True)),
+                     backward_s=tuple(2 * f + x for f, x in zip(forward, collectives, strict=True)),
+                     hop_fwd_s=tuple(hops), hop_bwd_s=tuple(hops), overlap_comm=overlap_comm,
+                     label=f"model on {profile.name}" + (f", T={tp.size}" if tp.size > 1 else ""))
 
 
 # ---- data-parallel collectives (ring algorithms, no contention, no overlap with compute) ----

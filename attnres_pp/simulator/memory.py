@@ -71,16 +71,22 @@ def _read_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
     return [(cfg.query_dim,)]
 
 
-def rank_parameter_shapes(cfg: ModelConfig, partition: Partition, pp_rank: int) -> list[tuple[int, ...]]:
-    """Shapes of every parameter rank `pp_rank` holds (`pipeline.chunk.rank_parameters`)."""
-    d, f, width = cfg.d_model, cfg.ff_dim, cfg.source_width
+def rank_parameter_shapes(cfg: ModelConfig, partition: Partition, pp_rank: int,
+                          tensor_parallel: int = 1) -> list[tuple[int, ...]]:
+    """Shapes of every parameter rank `pp_rank` holds (`pipeline.chunk.rank_parameters`); on one of
+    `tensor_parallel` tp ranks (docs/spec.md section 10) the local shards of the split matrices (q, k, v
+    and the MLP's first projection column-parallel, dim 0 / T; the attention output and the MLP's
+    second projection row-parallel, dim 1 / T) and every other parameter whole (replicated over tp:
+    norms, depth-attention parameters, embedding, positions, key projection, head)."""
+    d, f, width, t = cfg.d_model, cfg.ff_dim, cfg.source_width, tensor_parallel
     shapes: list[tuple[int, ...]] = []
     chunks = partition.chunks_of(pp_rank)
     if 0 in chunks:
         shapes += [(cfg.vocab_size, d), (cfg.seq_len, d)]
         if cfg.projected_key_rank:
             shapes.append((cfg.projected_key_rank, d))
-    layer = [(d,), (3 * d, d), (width, d), *_read_shapes(cfg), (d,), (f, d), (width, f), *_read_shapes(cfg)]
+    layer = [(d,), (3 * d // t, d), (width, d // t), *_read_shapes(cfg), (d,), (f // t, d), (width, f // t),
+             *_read_shapes(cfg)]
     for c in chunks:
         shapes += layer * partition.layers_per_chunk[c]
     if partition.n_chunks - 1 in chunks:
@@ -159,16 +165,25 @@ class ChunkActivation:
     stored: int = 0  # the W store I leaves (a split backward frees the graph at I): until W
 
 
-def stored_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype: str) -> int:
+def stored_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype: str,
+                 tensor_parallel: int = 1, sequence_parallel: bool = False) -> int:
     """What I leaves in the W store of one chunk and microbatch (`pipeline.weight_store`): each
     linear layer's input and output gradient, per token and layer (d + 3d) for qkv, (d + width)
     for the output projection, (d + ff) and (ff + width) for the MLP, plus (d + vocab) for the last
     chunk's head; the small weights' gradients (norm gains, queries) that I computes are left out.
-    Chunk 0 keeps none: its I has no inputs and leaves the whole backward to W."""
+    Chunk 0 keeps none: its I has no inputs and leaves the whole backward to W.
+
+    On a tp rank (derived): under sequence parallelism all of it for the rank's tokens / T (the
+    all-gathered inputs are gathered again for W, as Megatron does); without it the split operands
+    1/T: (d + 3d/T), (d/T + width), (d + f/T), (f/T + width) per token and layer."""
     if chunk_index == 0:
         return 0
-    d, f, width = cfg.d_model, cfg.ff_dim, cfg.source_width
-    per_layer = (d + 3 * d) + (d + width) + (d + f) + (f + width)
+    d, f, width, t = cfg.d_model, cfg.ff_dim, cfg.source_width, tensor_parallel
+    if sequence_parallel and t > 1:
+        tokens //= t
+        per_layer = (d + 3 * d) + (d + width) + (d + f) + (f + width)
+    else:
+        per_layer = (d + 3 * d // t) + (d // t + width) + (d + f // t) + (f // t + width)
     elements = partition.layers_per_chunk[chunk_index] * per_layer
     if chunk_index == partition.n_chunks - 1:
         elements += d + cfg.vocab_size
@@ -233,24 +248,30 @@ def attention_correction(cfg: ModelConfig, partition: Partition, chunk_index: in
 
 def activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype: str,
                      activation_checkpoint: str = "none", weight_copies: bool = True,
-                     attention_kernel: str = "flash") -> ChunkActivation:
+                     attention_kernel: str = "flash", tensor_parallel: int = 1,
+                     sequence_parallel: bool = False) -> ChunkActivation:
     """What F(chunk_index, mb) saves for backward, in bytes (see the module docstring).
 
     `weight_copies`: bf16 autocast casts the fp32 weights in every forward and the backward keeps
     each microbatch's copy; False under FSDP2's bf16 parameters (all-gathered once, no casts).
-    `attention_kernel`: flash (measured) or math (derived: `attention_correction`)."""
+    `attention_kernel`: flash (measured) or math (derived: `attention_correction`).
+    `tensor_parallel`, `sequence_parallel`: one tp rank's share (derived, docs/spec.md section 10:
+    `memory_features.activation_features` says which features scale; math's correction, per head, 1/T)."""
     n_sequences = max(1, tokens // cfg.seq_len)
+    tp = {"tensor_parallel": tensor_parallel, "sequence_parallel": sequence_parallel}
     correction = attention_correction(cfg, partition, chunk_index, tokens=tokens, dtype=dtype,
                                       activation_checkpoint=activation_checkpoint, attention_kernel=attention_kernel)
+    correction = {k: v // tensor_parallel for k, v in correction.items()}
     if activation_checkpoint == "none":
         features = activation_features(cfg, partition, chunk_index, tokens=tokens, n_sequences=n_sequences,
-                                       dtype=dtype)
+                                       dtype=dtype, **tp)
         if not weight_copies:
             features["matmul_params"] = 0
         units = load_units()["units"][units_key(cfg, dtype)]["coefficients"]
         return ChunkActivation(saved=round(max(0.0, _linear(features, units))) + correction.get("saved", 0),
-                               stored=stored_bytes(cfg, partition, chunk_index, tokens=tokens, dtype=dtype))
-    features = checkpoint_features(cfg, partition, chunk_index, tokens=tokens, n_sequences=n_sequences, dtype=dtype)
+                               stored=stored_bytes(cfg, partition, chunk_index, tokens=tokens, dtype=dtype, **tp))
+    features = checkpoint_features(cfg, partition, chunk_index, tokens=tokens, n_sequences=n_sequences, dtype=dtype,
+                                   **tp)
     if not weight_copies:
         features = {name: 0 if name.endswith("matmul_params") else value for name, value in features.items()}
     units = load_units()["checkpoint_units"][f"{activation_checkpoint}/{units_key(cfg, dtype)}"]["coefficients"]
@@ -264,14 +285,15 @@ def activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *
                            stored=round(values["input_kept"]))
 
 
-def saved_parameter_shapes(cfg: ModelConfig, partition: Partition, chunk_index: int) -> list[tuple[int, ...]]:
+def saved_parameter_shapes(cfg: ModelConfig, partition: Partition, chunk_index: int,
+                           tensor_parallel: int = 1) -> list[tuple[int, ...]]:
     """Shapes of chunk `chunk_index`'s parameters that its autograd nodes save (a matrix product's
     weight, a norm's gain, MSAR's gate weights): all but the embedding tables (a lookup saves the
     indices), the AttnRes / LR-AttnRes pseudo-queries (their reads save the stacked queries, a copy)
     and MSAR's gate scalars; MSAR's per-stream queries, a few d-vectors, are counted."""
-    d, f, width = cfg.d_model, cfg.ff_dim, cfg.source_width
+    d, f, width, t = cfg.d_model, cfg.ff_dim, cfg.source_width, tensor_parallel
     read = [(cfg.n_streams, d), (cfg.n_streams * d, cfg.n_streams)] if cfg.residual == "msar" else []
-    shapes = [(d,), (3 * d, d), (width, d), *read, (d,), (f, d), (width, f), *read] * \
+    shapes = [(d,), (3 * d // t, d), (width, d // t), *read, (d,), (f // t, d), (width, f // t), *read] * \
         partition.layers_per_chunk[chunk_index]
     if chunk_index == 0 and cfg.projected_key_rank:
         shapes.append((cfg.projected_key_rank, d))
@@ -281,11 +303,11 @@ def saved_parameter_shapes(cfg: ModelConfig, partition: Partition, chunk_index: 
 
 
 def gathered_parameter_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, data_parallel: int,
-                             dtype: str) -> int:
+                             dtype: str, tensor_parallel: int = 1) -> int:
     """Bytes of the FSDP2 all-gathered (unsharded) parameters chunk `chunk_index`'s nodes save: each
     is a view of its all-gather buffer, whose storage holds D padded shards (ceil(dim0 / D) x D rows)."""
     return sum(shard_numel(s, data_parallel, "fsdp") * data_parallel for s in
-               saved_parameter_shapes(cfg, partition, chunk_index)) * DTYPE_BYTES[dtype]
+               saved_parameter_shapes(cfg, partition, chunk_index, tensor_parallel)) * DTYPE_BYTES[dtype]
 
 
 # ---- the walk over the action order ----
@@ -384,9 +406,15 @@ class MemorySetup:
     activation_checkpoint: str = "none"
     layer_counts: tuple[int, ...] | None = None
     attention_kernel: str = "flash"
+    tensor_parallel: int = 1  # T, docs/spec.md section 10 (derived)
+    sequence_parallel: bool | None = None  # None: on when T > 1
+
+    @property
+    def sp(self) -> bool:
+        return self.tensor_parallel > 1 and self.sequence_parallel is not False
 
     def __post_init__(self) -> None:
-        for name in ("n_stages", "n_virtual", "n_microbatches", "tokens", "data_parallel"):
+        for name in ("n_stages", "n_virtual", "n_microbatches", "tokens", "data_parallel", "tensor_parallel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MemorySetup.{name}={value!r} is invalid: must be an integer >= 1")
@@ -408,22 +436,28 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
                   plan: PayloadPlan | None, *, dp_ranks: range | None = None) -> list[RankMemory]:
     """One RankMemory per global rank (dp_rank * P + pp_rank) for a built schedule and plan; only
     the replicas `dp_ranks` if given (replica 0 holds the most: FSDP2's first shards are full)."""
+    from attnres_pp.comm.plan import shard_tokens
+
     copies = not (setup.dp_shard == "fsdp" and setup.data_parallel > 1)
+    t = setup.tensor_parallel
     saved = [activation_bytes(cfg, partition, c, tokens=setup.tokens, dtype=setup.dtype,
                               activation_checkpoint=setup.activation_checkpoint, weight_copies=copies,
-                              attention_kernel=setup.attention_kernel)
+                              attention_kernel=setup.attention_kernel, tensor_parallel=t,
+                              sequence_parallel=setup.sp)
              for c in range(partition.n_chunks)]
     uses_cache = plan is not None and plan.mode == "cached"
-    tensor_bytes = setup.tokens * cfg.source_width * DTYPE_BYTES[setup.dtype]
+    # A cache entry or deposit is the rank's sequence shard under SP (docs/spec.md section 10).
+    tensor_bytes = shard_tokens(setup.tokens, t, setup.sp) * cfg.source_width * DTYPE_BYTES[setup.dtype]
     fsdp = setup.dp_shard == "fsdp" and setup.data_parallel > 1
-    resident = [gathered_parameter_bytes(cfg, partition, c, data_parallel=setup.data_parallel, dtype=setup.dtype)
+    resident = [gathered_parameter_bytes(cfg, partition, c, data_parallel=setup.data_parallel, dtype=setup.dtype,
+                                         tensor_parallel=t)
                 for c in range(partition.n_chunks)] if fsdp else None
     walks = [walk_rank(schedule.rank_actions[pp_rank], saved_by_chunk=saved, plan=plan if uses_cache else None,
                        tensor_bytes=tensor_bytes, resident_by_chunk=resident) for pp_rank in range(setup.n_stages)]
     ranks = []
     for dp_rank in dp_ranks if dp_ranks is not None else range(setup.data_parallel):
         for pp_rank, (act_peak, cache_peak, peak, action) in enumerate(walks):
-            shapes = rank_parameter_shapes(cfg, partition, pp_rank)
+            shapes = rank_parameter_shapes(cfg, partition, pp_rank, t)
             terms = state_bytes(shapes, data_parallel=setup.data_parallel, dp_shard=setup.dp_shard, dp_rank=dp_rank,
                                 whole=tied_parameter_shapes(cfg))
             terms.update(activation_peak_bytes=act_peak, cache_peak_bytes=cache_peak)

@@ -22,10 +22,11 @@ FEATURES = ("layer_td", "layer_th", "layer_tf", "sub_tw", "sub_t", "sub_tr", "se
             "buf_tw", "buf_tk")
 
 
-def matmul_parameters(cfg: ModelConfig, partition: Partition, chunk_index: int) -> int:
-    """Elements of the weights a chunk multiplies with (bf16 autocast keeps a bf16 copy of each)."""
+def matmul_parameters(cfg: ModelConfig, partition: Partition, chunk_index: int, tensor_parallel: int = 1) -> int:
+    """Elements of the weights a chunk multiplies with (bf16 autocast keeps a bf16 copy of each); a
+    tp rank holds 1/T of each layer's split matrices and the whole (replicated) key projection and head."""
     d, f, width = cfg.d_model, cfg.ff_dim, cfg.source_width
-    count = partition.layers_per_chunk[chunk_index] * (3 * d * d + width * d + f * d + width * f)
+    count = partition.layers_per_chunk[chunk_index] * (3 * d * d + width * d + f * d + width * f) // tensor_parallel
     if chunk_index == 0:
         count += cfg.projected_key_rank * d
     if chunk_index == partition.n_chunks - 1:
@@ -50,9 +51,18 @@ def depth_segments(cfg: ModelConfig, partition: Partition, chunk_index: int) -> 
 
 
 def activation_features(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int,
-                        n_sequences: int, dtype: str) -> dict[str, float]:
-    """The shape features of `FEATURES` of one chunk and microbatch (`tokens` = n_sequences x seq)."""
-    t, d, f, width = tokens, cfg.d_model, cfg.ff_dim, cfg.source_width
+                        n_sequences: int, dtype: str, tensor_parallel: int = 1,
+                        sequence_parallel: bool = False) -> dict[str, float]:
+    """The shape features of `FEATURES` of one chunk and microbatch (`tokens` = n_sequences x seq).
+
+    On one of T tensor-parallel ranks (docs/spec.md section 10; derived, not fitted): under sequence
+    parallelism every per-token feature counts the rank's tokens / T (inside a layer the heads and
+    hidden units are split instead: t H / T and t f / T either way); without it only the split parts
+    scale, `layer_th` and `layer_tf` by 1/T, and `layer_td` (the norms' inputs with the q, k, v) is
+    kept whole, an upper bound. `matmul_params` counts 1/T of the split matrices."""
+    sp = sequence_parallel and tensor_parallel > 1
+    t, d, f, width = (tokens // tensor_parallel if sp else tokens), cfg.d_model, cfg.ff_dim, cfg.source_width
+    split = 1 if sp else tensor_parallel
     r = cfg.key_rank if cfg.residual == "lr_attnres" else 0
     n_layers = partition.layers_per_chunk[chunk_index]
     n_sub = 2 * n_layers
@@ -62,7 +72,8 @@ def activation_features(cfg: ModelConfig, partition: Partition, chunk_index: int
     streams = cfg.n_streams if cfg.residual == "msar" else 1
     key_width = cfg.key_rank if cfg.residual == "lr_attnres" else d
     return {
-        "layer_td": n_layers * t * d, "layer_th": n_layers * t * cfg.n_heads, "layer_tf": n_layers * t * f,
+        "layer_td": n_layers * t * d, "layer_th": n_layers * t * cfg.n_heads // split,
+        "layer_tf": n_layers * t * f // split,
         "sub_tw": n_sub * t * width, "sub_t": n_sub * t, "sub_tr": n_sub * t * r,
         "seg_ntw": sum(n * t * width for n, _k in segments), "seg_nkt": sum(n * k * t for n, k in segments),
         "seg_ktd": sum(k * t * d for _n, k in segments), "seg_nt": sum(n * t for n, _k in segments),
@@ -72,7 +83,7 @@ def activation_features(cfg: ModelConfig, partition: Partition, chunk_index: int
         "merge_bd": n_merges * n_sequences * d,
         "head_tv": is_last * t * cfg.vocab_size, "head_td": is_last * t * d, "head_t": is_last * t,
         "embed_t": is_first * t, "embed_td": is_first * t * d,
-        "matmul_params": matmul_parameters(cfg, partition, chunk_index) if dtype == "bf16" else 0,
+        "matmul_params": matmul_parameters(cfg, partition, chunk_index, tensor_parallel) if dtype == "bf16" else 0,
         "sub_1": n_sub, "seg_1": len(segments),
         "seg_kq": sum(k * cfg.query_dim * cfg.n_streams for _n, k in segments), "sub_d": n_sub * d,
         # A pass's sources live in preallocated buffers of n_blocks + 1 rows (model.depth.DepthSources)
@@ -91,8 +102,10 @@ _OUTSIDE = ("out_single_tw", "out_held_blocks_tw",
 CHECKPOINT_FEATURES = tuple(f"all_{n}" for n in _PASS) + tuple(f"last_{n}" for n in _PASS) + _OUTSIDE
 
 
-def _layer_pass(cfg: ModelConfig, sublayers: range, *, tokens: int, n_sequences: int, dtype: str) -> dict[str, float]:
-    """The `_PASS` features of one transformer layer run as its own pass (sublayers 2i, 2i + 1)."""
+def _layer_pass(cfg: ModelConfig, sublayers: range, *, tokens: int, n_sequences: int, dtype: str,
+                split: int = 1, tensor_parallel: int = 1) -> dict[str, float]:
+    """The `_PASS` features of one transformer layer run as its own pass (sublayers 2i, 2i + 1);
+    `tokens` are the rank's, `split` divides the heads' and hidden units' features (tp without SP)."""
     t, d, f, width = tokens, cfg.d_model, cfg.ff_dim, cfg.source_width
     r = cfg.key_rank if cfg.residual == "lr_attnres" else 0
     n_sub = len(sublayers)
@@ -108,7 +121,7 @@ def _layer_pass(cfg: ModelConfig, sublayers: range, *, tokens: int, n_sequences:
     streams = cfg.n_streams if cfg.residual == "msar" else 1
     key_width = cfg.key_rank if cfg.residual == "lr_attnres" else d
     return {
-        "layer_td": t * d, "layer_th": t * cfg.n_heads, "layer_tf": t * f,
+        "layer_td": t * d, "layer_th": t * cfg.n_heads // split, "layer_tf": t * f // split,
         "sub_tw": n_sub * t * width, "sub_t": n_sub * t, "sub_tr": n_sub * t * r, "sub_1": n_sub,
         "seg_ntw": sum(n * t * width for n, _k in segments), "seg_nkt": sum(n * k * t for n, k in segments),
         "seg_ktd": sum(k * t * d for _n, k in segments), "seg_ntr": sum(n * t * r for n, _k in segments),
@@ -116,18 +129,23 @@ def _layer_pass(cfg: ModelConfig, sublayers: range, *, tokens: int, n_sequences:
         "seg_kq": sum(k * cfg.query_dim * cfg.n_streams for _n, k in segments),
         "merge_td": merges * t * d, "merge_tr": merges * t * r, "merge_bd": merges * n_sequences * d,
         "buf_tw": rows * t * width * streams, "buf_tk": rows * t * key_width * streams,
-        "matmul_params": (3 * d * d + width * d + f * d + width * f) if dtype == "bf16" else 0,
+        "matmul_params": (3 * d * d + width * d + f * d + width * f) // tensor_parallel if dtype == "bf16" else 0,
         # The pass's input partial (or residual) is saved as it is, by the norm and merge that read it.
         "in_partial_tw": t * width if cfg.residual == "standard" or sublayers.start % cfg.block_size else 0,
     }
 
 
 def checkpoint_features(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int,
-                        n_sequences: int, dtype: str) -> dict[str, float]:
-    """The `CHECKPOINT_FEATURES` of one chunk and microbatch under full or selective checkpointing."""
-    t, d, width = tokens, cfg.d_model, cfg.source_width
+                        n_sequences: int, dtype: str, tensor_parallel: int = 1,
+                        sequence_parallel: bool = False) -> dict[str, float]:
+    """The `CHECKPOINT_FEATURES` of one chunk and microbatch under full or selective checkpointing
+    (on a tp rank as `activation_features` says)."""
+    sp = sequence_parallel and tensor_parallel > 1
+    t, d, width = (tokens // tensor_parallel if sp else tokens), cfg.d_model, cfg.source_width
+    split = 1 if sp else tensor_parallel
     sublayers = partition.sublayer_range(chunk_index)
-    passes = [_layer_pass(cfg, range(s, min(sublayers.stop, s + 2)), tokens=t, n_sequences=n_sequences, dtype=dtype)
+    passes = [_layer_pass(cfg, range(s, min(sublayers.stop, s + 2)), tokens=t, n_sequences=n_sequences, dtype=dtype,
+                          split=split, tensor_parallel=tensor_parallel)
               for s in range(sublayers.start, sublayers.stop, 2)]
     features = {f"all_{n}": float(sum(p[n] for p in passes)) for n in _PASS}
     features |= {f"last_{n}": float(passes[-1][n]) for n in _PASS}

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 from attnres_pp.comm.partition import make_partition
-from attnres_pp.comm.plan import plan_for_model
+from attnres_pp.comm.plan import plan_for_model, shard_tokens
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.schedule.schedules import build_schedule, schedule_placement
 from attnres_pp.simulator.costs import (
@@ -50,6 +50,12 @@ from attnres_pp.simulator.memory import (
 )
 from attnres_pp.simulator.metrics import closed_form_bubble_fraction
 from attnres_pp.simulator.project import Cluster, chunk_seconds
+from attnres_pp.simulator.tensor_parallel import (
+    INTRA_NODE_LATENCY_US,
+    TensorParallel,
+    check_tensor_parallel,
+    chunk_tp_seconds,
+)
 
 GIB = 1024 ** 3
 SPLIT = frozenset({"zb_h1", "interleaved_zb", "zbv", "dualpipev"})
@@ -74,12 +80,41 @@ class PlanRequest:
     block_size: int | None = None
     top: int = 5
     attention_kernel: str = "flash"  # GPUs run the flash / efficient kernels (memory.attention_correction)
+    # T to search (docs/spec.md section 10; the CLI searches TP_SIZES unless --tensor-parallel fixes one);
+    # sizes the model or the node does not allow are skipped, unless the one size is fixed: then refused.
+    tensor_parallel_sizes: tuple[int, ...] = (1,)
+    sequence_parallel: bool = True  # under T > 1 (train's tp is not built: derived terms)
+    intra_node_latency_us: float = INTRA_NODE_LATENCY_US  # per ring step of a tp collective
+
+    def legal_tp_sizes(self) -> list[int]:
+        """The T of `tensor_parallel_sizes` this model and cluster allow; ValueError naming the rule when
+        one size is fixed and breaks it."""
+        legal = []
+        for t in self.tensor_parallel_sizes:
+            tp = TensorParallel(t, self.sequence_parallel)
+            try:
+                check_tensor_parallel(self.model, tp, gpus_per_node=self.gpus_per_node)
+                if self.gpus % t:
+                    raise ValueError(f"--tensor-parallel {t} does not divide --gpus {self.gpus}: T x P x D "
+                                     "must equal the GPUs")
+            except ValueError:
+                if len(self.tensor_parallel_sizes) == 1:
+                    raise
+                continue
+            legal.append(t)
+        return legal
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "gpus", "gpus_per_node", "top"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {value!r} is invalid: give an integer >= 1")
+        if not self.tensor_parallel_sizes or any(isinstance(t, bool) or not isinstance(t, int) or t < 1
+                                                 for t in self.tensor_parallel_sizes):
+            raise ValueError(f"--tensor-parallel {self.tensor_parallel_sizes!r} is invalid: give integers >= 1")
+        if not math.isfinite(self.intra_node_latency_us) or self.intra_node_latency_us < 0:
+            raise ValueError(f"intra_node_latency_us {self.intra_node_latency_us!r} is invalid: give a finite "
+                             "number >= 0")
         for name in ("gpu_memory_gib", "intra_node_gbps", "inter_node_gbps", "tflops", "peak_tflops", "hbm_tbs"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
@@ -103,6 +138,16 @@ class Candidate:
     activation_checkpoint: str
     cache: bool = True
     reshard_after_forward: str = "never"  # fsdp only: train's --fsdp-reshard-after-forward
+    tensor_parallel: int = 1  # T (docs/spec.md section 10); the GPUs are T x P x D
+    sequence_parallel: bool = False  # in effect only when T > 1
+
+    @property
+    def tp(self) -> TensorParallel:
+        return TensorParallel(self.tensor_parallel, self.sequence_parallel)
+
+    @property
+    def sp(self) -> bool:
+        return self.tp.sp
 
 
 def _divisors(n: int) -> list[int]:
@@ -131,8 +176,10 @@ def schedules_for(n_stages: int, n_virtual: int) -> list[str]:
 
 def candidates(request: PlanRequest) -> list[Candidate]:
     cfg, found = request.model, []
-    for n_stages in _divisors(request.gpus):
-        replicas = request.gpus // n_stages
+    layouts = [(t, p) for t in request.legal_tp_sizes() for p in _divisors(request.gpus // t)]
+    for t, n_stages in layouts:
+        replicas = request.gpus // (t * n_stages)
+        sp = request.sequence_parallel and t > 1
         if n_stages > cfg.n_layers or request.global_batch % replicas:
             continue
         per_replica = request.global_batch // replicas
@@ -150,7 +197,7 @@ def candidates(request: PlanRequest) -> list[Candidate]:
                     for size, cache, (shard, reshard), ac in itertools.product(
                             block_sizes(request), caches, shards, ("none", "selective", "full")):
                         found.append(Candidate(schedule, n_stages, n_virtual, m, replicas, size, shard, ac,
-                                               cache, reshard))
+                                               cache, reshard, t, sp))
     return found
 
 
@@ -166,6 +213,16 @@ class Planner:
         self._saved: dict = {}
         self._plans: dict = {}
         self._numels: dict = {}
+        self._tp: dict = {}
+        self._layout: dict = {}
+
+    def layout(self, partition) -> tuple[list[int], list[list[int]]]:
+        """(rank of each chunk, chunks of each rank) of a cached partition, computed once."""
+        key = id(partition)
+        if key not in self._layout:
+            self._layout[key] = ([partition.rank_of(c) for c in range(partition.n_chunks)],
+                                 [partition.chunks_of(r) for r in range(partition.n_stages)], partition)
+        return self._layout[key][:2]
 
     def model_for(self, candidate: Candidate) -> ModelConfig:
         return dataclasses.replace(self.request.model, block_size=candidate.block_size)
@@ -177,19 +234,51 @@ class Planner:
     def chunk_costs(self, candidate: Candidate):
         """(partition, forward seconds per chunk, the memory-bound part of each) for the candidate's split."""
         key = (candidate.n_stages, candidate.n_virtual, candidate.block_size, self.tokens(candidate),
-               schedule_placement(candidate.schedule))
+               candidate.tensor_parallel, candidate.sp, schedule_placement(candidate.schedule))
         if key not in self._chunks:
             cfg = self.model_for(candidate)
             partition = make_partition(cfg.n_layers, candidate.n_stages, candidate.n_virtual, placement=key[-1])
             tokens = key[3]
-            forward = [chunk_seconds(cfg, partition, c, tokens=tokens, dtype_bytes=self.element, cluster=self.cluster)
-                       for c in range(partition.n_chunks)]
+            tp = {"tensor_parallel": candidate.tensor_parallel, "sequence_parallel": candidate.sp}
+            forward = [chunk_seconds(cfg, partition, c, tokens=tokens, dtype_bytes=self.element, cluster=self.cluster,
+                                     **tp) for c in range(partition.n_chunks)]
             plain = dataclasses.replace(cfg, residual="standard")
             matmul = [chunk_seconds(plain, partition, c, tokens=tokens, dtype_bytes=self.element,
-                                    cluster=self.cluster) for c in range(partition.n_chunks)]
+                                    cluster=self.cluster, **tp) for c in range(partition.n_chunks)]
             bound = [max(0.0, f - mm) for f, mm in zip(forward, matmul, strict=True)]
             self._chunks[key] = (partition, forward, bound)
         return self._chunks[key]
+
+    def tp_seconds(self, candidate: Candidate, partition) -> list[float]:
+        """Seconds of each chunk's tp collectives (and MSAR halos) per microbatch in one direction, on
+        the intra-node link (`tensor_parallel.chunk_tp_seconds`); the backward has the same again, and
+        full AC's recomputation repeats the forward's."""
+        if candidate.tensor_parallel == 1:
+            return [0.0] * partition.n_chunks
+        key = ("seconds", candidate.n_stages, candidate.n_virtual, candidate.block_size, self.tokens(candidate),
+               candidate.tensor_parallel, candidate.sp, partition.placement)
+        if key in self._tp:
+            return self._tp[key]
+        request, cfg = self.request, self.model_for(candidate)
+        self._tp[key] = [chunk_tp_seconds(cfg, partition.sublayer_range(c), tokens=self.tokens(candidate),
+                                 element_bytes=self.element, tp=candidate.tp,
+                                 bytes_per_s=request.intra_node_gbps * 1e9 / 8,
+                                 latency_s=request.intra_node_latency_us * 1e-6) for c in range(partition.n_chunks)]
+        return self._tp[key]
+
+    def chunk_times(self, candidate: Candidate) -> tuple[list[float], list[float]]:
+        """(forward, backward) seconds per chunk and microbatch, tp collectives included."""
+        key = ("times", candidate.n_stages, candidate.n_virtual, candidate.block_size, self.tokens(candidate),
+               candidate.tensor_parallel, candidate.sp, schedule_placement(candidate.schedule),
+               candidate.activation_checkpoint)
+        if key not in self._tp:
+            partition, forward, bound = self.chunk_costs(candidate)
+            tp = self.tp_seconds(candidate, partition)
+            recompute = 2 if candidate.activation_checkpoint == "full" else 1
+            self._tp[key] = ([f + x for f, x in zip(forward, tp, strict=True)],
+                             [self.backward_factor(candidate, f, b) + recompute * x
+                              for f, b, x in zip(forward, bound, tp, strict=True)])
+        return self._tp[key]
 
     def backward_factor(self, candidate: Candidate, forward: float, bound: float) -> float:
         """Backward seconds of a chunk: 2 F, + F recomputed (full AC), + its memory-bound part (selective)."""
@@ -198,11 +287,11 @@ class Planner:
 
     def fixed_bytes(self, candidate: Candidate, partition) -> list[int]:
         key = (candidate.n_stages, candidate.n_virtual, candidate.block_size, candidate.data_parallel,
-               candidate.dp_shard, partition.placement)
+               candidate.dp_shard, partition.placement, candidate.tensor_parallel)
         if key not in self._state:
             cfg, result = self.model_for(candidate), []
             for pp_rank in range(candidate.n_stages):
-                shapes = rank_parameter_shapes(cfg, partition, pp_rank)
+                shapes = rank_parameter_shapes(cfg, partition, pp_rank, candidate.tensor_parallel)
                 terms = state_bytes(shapes, data_parallel=candidate.data_parallel, dp_shard=candidate.dp_shard,
                                     whole=tied_parameter_shapes(cfg))
                 total = sum(terms.values())
@@ -215,13 +304,16 @@ class Planner:
     def saved(self, candidate: Candidate, partition) -> list:
         copies = not (candidate.dp_shard == "fsdp" and candidate.data_parallel > 1)
         key = (candidate.n_stages, candidate.n_virtual, candidate.block_size, self.tokens(candidate),
-               partition.placement, candidate.activation_checkpoint, copies, self.request.attention_kernel)
+               partition.placement, candidate.activation_checkpoint, copies, self.request.attention_kernel,
+               candidate.tensor_parallel, candidate.sp)
         if key not in self._saved:
             cfg, tokens = self.model_for(candidate), self.tokens(candidate)
             self._saved[key] = [activation_bytes(cfg, partition, c, tokens=tokens, dtype=self.request.dtype,
                                                  activation_checkpoint=candidate.activation_checkpoint,
                                                  weight_copies=copies,
-                                                 attention_kernel=self.request.attention_kernel)
+                                                 attention_kernel=self.request.attention_kernel,
+                                                 tensor_parallel=candidate.tensor_parallel,
+                                                 sequence_parallel=candidate.sp)
                                 for c in range(partition.n_chunks)]
         return self._saved[key]
 
@@ -233,13 +325,23 @@ class Planner:
         return self._plans[key]
 
     def hop_seconds(self, candidate: Candidate, partition, plan) -> tuple[list[float], list[float], int]:
-        """(wire seconds, hop seconds with latency, bytes of one tensor) per forward hop; a self-hop is free."""
+        """(wire seconds, hop seconds with latency, bytes of one tensor) per forward hop of one tp rank's
+        pair (d, p, t) -> (d, p + 1, t) (`comm.plan.shard_tokens`: 1/T of the bytes under SP); a self-hop
+        is free. Global rank (dp x P + pp) x T + t: tp innermost, G per node."""
+        key = ("hops", candidate.n_stages, candidate.n_virtual, candidate.block_size, self.tokens(candidate),
+               candidate.tensor_parallel, candidate.sp, partition.placement, plan.mode)
+        if key not in self._tp:
+            self._tp[key] = self._hop_seconds(candidate, partition, plan)
+        return self._tp[key]
+
+    def _hop_seconds(self, candidate: Candidate, partition, plan) -> tuple[list[float], list[float], int]:
         request, cfg = self.request, self.model_for(candidate)
         width = cfg.d_model if plan.mode == "standard" else cfg.source_width
-        tensor_bytes = self.tokens(candidate) * width * self.element
+        t = candidate.tensor_parallel
+        tensor_bytes = shard_tokens(self.tokens(candidate), t, candidate.sp) * width * self.element
         wire, hops = [], []
         for c, n_tensors in enumerate(plan.fwd_hop_tensors):
-            src, dst = partition.rank_of(c), partition.rank_of(c + 1)
+            src, dst = partition.rank_of(c) * t, partition.rank_of(c + 1) * t
             same_node = src // request.gpus_per_node == dst // request.gpus_per_node
             bandwidth = (request.intra_node_gbps if same_node else request.inter_node_gbps) * 1e9 / 8
             seconds = n_tensors * tensor_bytes / bandwidth
@@ -251,12 +353,12 @@ class Planner:
         """Per chunk (elements, FSDP2's padded elements over D): what its units all-gather and reduce-scatter.
         MSAR's tied stream convolutions are left out: they stay whole on every rank (`train.fsdp`)."""
         key = (candidate.n_stages, candidate.n_virtual, candidate.block_size, partition.placement,
-               candidate.data_parallel)
+               candidate.data_parallel, candidate.tensor_parallel)
         if key not in self._numels:
             cfg, result = self.model_for(candidate), []
             tied = (cfg.n_blocks + 1) * len(cfg.stream_kernels) if cfg.residual == "msar" else 0
             for c in range(partition.n_chunks):
-                shapes = rank_parameter_shapes(cfg, _OneChunk(partition, c), 0)
+                shapes = rank_parameter_shapes(cfg, _OneChunk(partition, c), 0, candidate.tensor_parallel)
                 shapes = shapes[:len(shapes) - tied]
                 result.append((sum(math.prod(s) for s in shapes),
                                sum(shard_numel(s, candidate.data_parallel, "fsdp") for s in shapes)
@@ -274,10 +376,11 @@ class Planner:
         and one reduce-scatter of its fp32 gradients. Not overlapped with compute."""
         zero = {"all_reduce_s": 0.0, "all_gather_s": 0.0, "reduce_scatter_s": 0.0, "all_gathers": 0}
         replicas = candidate.data_parallel
+        tp_terms = self.tp_grad_all_reduce(candidate, partition)
         if replicas == 1:
-            return zero | {"total_s": 0.0}
+            return zero | tp_terms | {"total_s": tp_terms["tp_all_reduce_s"]}
         request = self.request
-        same_node = candidate.n_stages * replicas <= request.gpus_per_node
+        same_node = candidate.n_stages * replicas * candidate.tensor_parallel <= request.gpus_per_node
         bandwidth = (request.intra_node_gbps if same_node else request.inter_node_gbps) * 1e9 / 8
         latency = request.latency_us * 1e-6
         numels = self.chunk_numels(candidate, partition)
@@ -302,14 +405,41 @@ class Planner:
                     terms["all_reduce_s"] = ring_all_reduce_s(4 * tied, replicas, bandwidth, latency)
             terms["total_s"] = terms["all_reduce_s"] + terms["all_gather_s"] + terms["reduce_scatter_s"]
             per_rank.append(terms)
-        return max(per_rank, key=lambda t: t["total_s"])
+        worst = max(per_rank, key=lambda t: t["total_s"])
+        return worst | tp_terms | {"total_s": worst["total_s"] + tp_terms["tp_all_reduce_s"]}
+
+    def tp_grad_all_reduce(self, candidate: Candidate, partition) -> dict:
+        """Under SP, the once-a-step sum over the T tp ranks of the gradients of the parameters replicated
+        over tp (each rank computed them on its own sequence shard): a ring all-reduce of their fp32
+        gradients on the intra-node link, for the rank that holds the most of them (the embedding's or
+        the head's). Without SP every tp rank computed them on the same tokens: nothing to sum."""
+        t = candidate.tensor_parallel
+        if t == 1 or not candidate.sp:
+            return {"tp_all_reduce_s": 0.0, "tp_replicated_params": 0}
+        key = ("grads", candidate.n_stages, candidate.n_virtual, candidate.block_size, t, partition.placement)
+        if key not in self._tp:
+            self._tp[key] = self._tp_grad_all_reduce(candidate, partition)
+        return self._tp[key]
+
+    def _tp_grad_all_reduce(self, candidate: Candidate, partition) -> dict:
+        t, cfg = candidate.tensor_parallel, self.model_for(candidate)
+        split = (3 * cfg.d_model ** 2 + cfg.source_width * cfg.d_model + cfg.ff_dim * cfg.d_model
+                 + cfg.source_width * cfg.ff_dim) // t
+        replicated = max(sum(math.prod(s) for s in rank_parameter_shapes(cfg, partition, r, t))
+                         - split * sum(partition.layers_per_chunk[c] for c in partition.chunks_of(r))
+                         for r in range(candidate.n_stages))
+        seconds = ring_all_reduce_s(4 * replicated, t, self.request.intra_node_gbps * 1e9 / 8,
+                                    self.request.intra_node_latency_us * 1e-6)
+        return {"tp_all_reduce_s": seconds, "tp_replicated_params": replicated}
 
     def estimate(self, candidate: Candidate) -> tuple[float, float]:
         """(closed-form step seconds, estimated peak bytes of the fullest rank)."""
-        partition, forward, bound = self.chunk_costs(candidate)
+        partition = self.chunk_costs(candidate)[0]
+        forward, backward = self.chunk_times(candidate)
+        owners, rank_chunks = self.layout(partition)
         per_rank = [0.0] * candidate.n_stages
-        for c, f in enumerate(forward):
-            per_rank[partition.rank_of(c)] += f + self.backward_factor(candidate, f, bound[c])
+        for c, (f, b) in enumerate(zip(forward, backward, strict=True)):
+            per_rank[owners[c]] += f + b
         bubble = closed_form_bubble_fraction(candidate.n_stages, candidate.n_virtual, candidate.n_microbatches,
                                              candidate.schedule)
         # One microbatch's way through every hop and back is on the critical path (fill and drain).
@@ -321,7 +451,7 @@ class Planner:
         saved = self.saved(candidate, partition)
         # Rank 0 holds the most microbatches in flight: P (1F1B-like), about (V + 1) P chunk-microbatches
         # interleaved, 2P chunk passes under ZB-V; a split schedule's W can keep up to P more; GPipe all m.
-        chunks0 = partition.chunks_of(0)
+        chunks0 = rank_chunks[0]
         in_flight = min(candidate.n_microbatches * len(chunks0),
                         candidate.n_stages * (len(chunks0) + 1 if len(chunks0) > 1 else 1))
         if candidate.schedule == "gpipe":
@@ -330,13 +460,13 @@ class Planner:
         # W, for up to P chunk-microbatches.
         recomputed = max(s.transient + (s.input_transient if candidate.schedule in SPLIT else 0) for s in saved)
         kept_until_w = candidate.n_stages * max(s.stored for s in saved) if candidate.schedule in SPLIT else 0
-        tensor = tokens * cfg.source_width * self.element
+        tensor = shard_tokens(tokens, candidate.tensor_parallel, candidate.sp) * cfg.source_width * self.element
         cache = 2 * cfg.n_blocks * tensor * min(candidate.n_microbatches, candidate.n_stages) \
             if len(chunks0) > 1 and candidate.cache else 0
         # The last chunk (the head's logits) runs its backward right after its forward: one in flight.
         last = partition.n_chunks - 1
-        held = max(in_flight * max((saved[c].saved for c in partition.chunks_of(r) if c != last), default=0)
-                   + (saved[last].saved if last in partition.chunks_of(r) else 0) for r in range(candidate.n_stages))
+        held = max(in_flight * max((saved[c].saved for c in chunks if c != last), default=0)
+                   + (saved[last].saved if last in chunks else 0) for chunks in rank_chunks)
         peak = max(self.fixed_bytes(candidate, partition)) + held + recomputed + kept_until_w + cache
         return step, peak
 
@@ -344,7 +474,8 @@ class Planner:
         """Everything a row is made of: (row, the fullest rank's RankMemory, its pp rank, the simulation,
         the cost model, the schedule, the data-parallel collectives)."""
         request = self.request
-        partition, forward, bound = self.chunk_costs(candidate)
+        partition = self.chunk_costs(candidate)[0]
+        forward, backward = self.chunk_times(candidate)
         cfg, tokens = self.model_for(candidate), self.tokens(candidate)
         schedule = build_schedule(candidate.schedule, candidate.n_stages, candidate.n_virtual, candidate.n_microbatches)
         plan = self.payloads(candidate, partition)
@@ -352,12 +483,12 @@ class Planner:
                             n_microbatches=candidate.n_microbatches, tokens=tokens, dtype=request.dtype,
                             cache=candidate.cache, data_parallel=candidate.data_parallel,
                             dp_shard=candidate.dp_shard, activation_checkpoint=candidate.activation_checkpoint,
-                            attention_kernel=request.attention_kernel)
+                            attention_kernel=request.attention_kernel, tensor_parallel=candidate.tensor_parallel,
+                            sequence_parallel=candidate.sp)
         # The memory model has no term for reshard after forward (it keeps the parameters gathered
         # all step), so `always` is priced at never's memory: an upper bound.
         ranks = predict_ranks(cfg, setup, schedule, partition, plan, dp_ranks=range(1))
         wire, hops, tensor_bytes = self.hop_seconds(candidate, partition, plan)
-        backward = [self.backward_factor(candidate, f, b) for f, b in zip(forward, bound, strict=True)]
         costs = CostModel(forward_s=tuple(forward), backward_s=tuple(backward), hop_fwd_s=tuple(hops),
                           hop_bwd_s=tuple(hops), wire_fwd_s=tuple(wire), wire_bwd_s=tuple(wire), label="plan")
         result = simulate(schedule, costs)
@@ -378,7 +509,7 @@ class Planner:
             "mfu": flops / (step * request.gpus * request.peak_tflops * 1e12),
             "bubble_fraction": 1 - sum(result.compute_s) / (candidate.n_stages * result.makespan),
             "payload_mode": plan.mode,
-            "bytes_per_hop": max(plan.fwd_hop_tensors, default=0) * tensor_bytes,
+            "bytes_per_hop": max(plan.fwd_hop_tensors, default=0) * tensor_bytes,  # per tp rank's pair
             "peak_memory_bytes": fullest.peak_bytes,
             "peak_memory_per_rank": [r.peak_bytes for r in ranks],
             "dominated_by": fullest.dominant,
@@ -403,17 +534,28 @@ class Planner:
         free = dataclasses.replace(costs, hop_fwd_s=(0.0,) * len(costs.hop_fwd_s),
                                    hop_bwd_s=(0.0,) * len(costs.hop_bwd_s), wire_fwd_s=(), wire_bwd_s=())
         without_hops = simulate(schedule, free).makespan
-        compute = max(result.compute_s)
-        time_terms = [("compute (busiest rank)", compute), ("bubble (its idle, free hops)", without_hops - compute),
+        busiest = max(range(candidate.n_stages), key=lambda r: result.compute_s[r])
+        compute = result.compute_s[busiest]
+        partition = self.chunk_costs(candidate)[0]
+        tp = self.tp_seconds(candidate, partition)
+        recompute = 2 if candidate.activation_checkpoint == "full" else 1
+        tp_s = candidate.n_microbatches * sum((1 + recompute) * tp[c] for c in partition.chunks_of(busiest))
+        # The tp terms appear on rows with T > 1 only (at T = 1 they are zero).
+        tp_terms = [(f"tp collectives (T={candidate.tensor_parallel}, SP {'on' if candidate.sp else 'off'}, "
+                     "busiest rank)", tp_s)] if candidate.tensor_parallel > 1 else []
+        time_terms = [("compute (busiest rank" + (", tp collectives apart)" if tp_terms else ")"), compute - tp_s),
+                      *tp_terms,
+                      ("bubble (its idle, free hops)", without_hops - compute),
                       ("pipeline hops", result.makespan - without_hops),
                       ("data-parallel all-reduce", collectives["all_reduce_s"]),
                       (f"data-parallel all-gather (x{collectives['all_gathers']})", collectives["all_gather_s"]),
                       ("data-parallel reduce-scatter", collectives["reduce_scatter_s"])]
+        if tp_terms:
+            time_terms.append(("tp all-reduce of replicated gradients (SP)", collectives["tp_all_reduce_s"]))
         terms = fullest.terms
         gathered = 0
         if candidate.dp_shard == "fsdp" and candidate.data_parallel > 1:
-            partition = self.chunk_costs(candidate)[0]
-            shapes = rank_parameter_shapes(self.model_for(candidate), partition, pp_rank)
+            shapes = rank_parameter_shapes(self.model_for(candidate), partition, pp_rank, candidate.tensor_parallel)
             gathered = sum(math.prod(s) for s in shapes) * self.element
         memory_terms = [("parameters (fp32)", terms["param_bytes"]), ("gradients (fp32)", terms["grad_bytes"]),
                         ("optimizer state (AdamW)", terms["optimizer_bytes"]),
@@ -471,6 +613,9 @@ def train_command(request: PlanRequest, candidate: Candidate) -> str:
               f"--activation-checkpoint {candidate.activation_checkpoint}"]
     if candidate.dp_shard == "fsdp" and candidate.reshard_after_forward != "never":
         parts.append(f"--fsdp-reshard-after-forward {candidate.reshard_after_forward}")
+    if candidate.tensor_parallel > 1:  # train has no tp axis yet: the flags it will take (docs/spec.md section 10)
+        parts.append(f"--tensor-parallel {candidate.tensor_parallel}"
+                     + ("" if candidate.sp else " --no-sequence-parallel"))
     return " ".join(parts)
 
 
@@ -516,7 +661,8 @@ def plan(request: PlanRequest, *, evaluate_at_most: int = 32) -> list[dict]:
         c = best["config"]
         shard = "" if any(p[2].dp_shard == "fsdp" for p in priced) else " or enable fsdp (it needs D > 1)"
         raise Infeasible(
-            f"needs {_gib(best['peak_memory_bytes'])} GiB per rank at best ({c['schedule']} P={c['n_stages']} "
+            f"needs {_gib(best['peak_memory_bytes'])} GiB per rank at best ({c['schedule']} "
+            f"{'T=' + str(c['tensor_parallel']) + ' ' if c['tensor_parallel'] > 1 else ''}P={c['n_stages']} "
             f"V={c['n_virtual']} D={c['data_parallel']} {c['dp_shard']}, AC {c['activation_checkpoint']}, "
             f"{c['tokens_per_microbatch']} tokens per microbatch), over the {request.gpu_memory_gib:g} GiB given: "
             f"add GPUs{shard}")

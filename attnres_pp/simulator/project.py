@@ -93,15 +93,22 @@ def mode_model(cfg: ModelConfig, mode: str) -> tuple[ModelConfig, bool]:
 
 
 def chunk_seconds(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype_bytes: int,
-                  cluster: Cluster) -> float:
-    """Forward seconds of one microbatch through a chunk (matmuls + memory-bound reads and adds)."""
+                  cluster: Cluster, tensor_parallel: int = 1, sequence_parallel: bool = False) -> float:
+    """Forward seconds of one microbatch through a chunk (matmuls + memory-bound reads and adds).
+
+    On one of T tp ranks (docs/spec.md section 10, derived): the layers' matmuls and attention 1/T
+    (split heads and hidden units); the depth reads, residual adds and the (replicated) head run on the
+    rank's tokens: 1/T of them under sequence parallelism, all of them without it. The tp collectives
+    are `tensor_parallel.chunk_tp_seconds`, priced apart."""
+    shard = tensor_parallel if sequence_parallel else 1
     plain = dataclasses.replace(cfg, residual="standard", block_size=1)
     flops = sum(sublayer_forward_flops(plain, s, tokens) for s in partition.sublayer_range(chunk_index))
+    flops /= tensor_parallel
     work = chunk_work(dataclasses.replace(cfg, residual="attnres") if cfg.uses_depth_attention else cfg,
                       partition, chunk_index)
     if work.has_head:
-        flops += 2.0 * tokens * cfg.d_model * cfg.vocab_size
-    tensor = tokens * cfg.source_width * dtype_bytes
+        flops += 2.0 * tokens * cfg.d_model * cfg.vocab_size / shard
+    tensor = tokens * cfg.source_width * dtype_bytes / shard
     traffic = sum((n + k) * tensor for n, k in work.segments) + 3 * tensor * (work.n_merges + work.n_adds)
     return flops / (cluster.tflops * 1e12) + traffic / (cluster.hbm_tbs * 1e12)
 

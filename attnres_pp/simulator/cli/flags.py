@@ -6,6 +6,7 @@ train's (`model_flags`) that `memory` and `plan` refuse."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from attnres_pp.cli_flags import number_type
 from attnres_pp.model.config import KEY_MODES, RESIDUALS, ModelConfig
@@ -34,6 +35,9 @@ def model_flags(parser: argparse.ArgumentParser, *, required: bool) -> None:
     parser.add_argument("--key-rank", type=positive_int, default=8, help="r of low-rank keys (lr_attnres)")
     parser.add_argument("--d-model", type=positive_int, default=4096)
     parser.add_argument("--d-ff", type=non_negative_int, default=0, help="MLP width (0 = 4 x d-model)")
+    parser.add_argument("--heads", type=positive_int, default=None,
+                        help="attention heads (only --tensor-parallel reads them: T must divide them; default "
+                             "unchecked)")
     parser.add_argument("--seq-len", type=positive_int, default=4096)
     parser.add_argument("--vocab-size", type=positive_int, default=32000)
     parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per microbatch")
@@ -44,8 +48,10 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
     """The ModelConfig of `model_flags`; ValueError unless exactly one of --block-size and --blocks is given."""
     if (args.block_size is None) == (args.blocks is None):
         raise ValueError("give exactly one of --block-size S and --blocks N to place the blocks")
-    # Heads do not change FLOPs or bytes here, and one head divides every width.
-    return ModelConfig(vocab_size=args.vocab_size, n_layers=args.layers, d_model=args.d_model, n_heads=1,
+    # Heads do not change FLOPs or bytes here, and one head divides every width; given, they are kept
+    # for --tensor-parallel's check (T must divide them).
+    heads = getattr(args, "heads", None) or 1
+    return ModelConfig(vocab_size=args.vocab_size, n_layers=args.layers, d_model=args.d_model, n_heads=heads,
                        d_ff=args.d_ff, seq_len=args.seq_len, residual=args.residual,
                        block_size=args.block_size or 1, blocks=args.blocks or 0, key_mode=args.key_mode,
                        key_rank=args.key_rank)
@@ -73,3 +79,45 @@ def add_attention_kernel_flag(parser: argparse.ArgumentParser, *, default: str) 
     parser.add_argument("--attention-kernel", choices=ATTENTION_KERNELS, default=default,
                         help=f"flash (default {default}; what torch's fused kernels save, CPU and CUDA: the "
                              "fitted units) or math (SDPBackend.MATH: its fp32 H x T x T probabilities, derived)")
+
+
+def add_tensor_parallel_flags(parser: argparse.ArgumentParser, *, link: bool = True, ranks: bool = False,
+                              search: bool = False) -> None:
+    """--tensor-parallel T, --sequence-parallel / --no-sequence-parallel (docs/spec.md section 10) and,
+    with `link`, the intra-node link that prices the tp collectives and the node size that bounds T;
+    with `ranks`, --ranks (checked to equal T x P x D). `search`: T left out is searched (simulate plan)."""
+    from attnres_pp.simulator.tensor_parallel import INTRA_NODE_GBPS, INTRA_NODE_LATENCY_US, TP_SIZES
+
+    parser.add_argument("--tensor-parallel", type=positive_int, default=None if search else 1, metavar="T",
+                        help="T, tensor-parallel ranks per chunk, tp innermost in the (dp, pp, tp) mesh "
+                             + (f"(default: search {', '.join(map(str, TP_SIZES))} within a node)" if search
+                                else "(default 1)") + "; derived terms, no tp runtime yet")
+    parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                        help="shard the activations between layers along the sequence over tp (default on when "
+                             "T > 1)")
+    if link:
+        parser.add_argument("--intra-node-gbps", type=real(positive=True, example="3600"), default=INTRA_NODE_GBPS,
+                            help=f"link inside a node for the tp collectives, Gb/s per direction (default "
+                                 f"{INTRA_NODE_GBPS:g} = 450 GB/s, NVLink 4 on H100 / H200)")
+        parser.add_argument("--gpus-per-node", type=positive_int, default=8, help="GPUs per node (default 8)")
+    parser.add_argument("--intra-node-latency-us", type=real(positive=False, example="2"),
+                        default=INTRA_NODE_LATENCY_US,
+                        help=f"latency of one ring step of a tp collective (default {INTRA_NODE_LATENCY_US:g})")
+    if ranks:
+        parser.add_argument("--ranks", type=positive_int, default=None,
+                            help="all ranks, if given checked to equal T x P x D")
+
+
+def tensor_parallel_from(args: argparse.Namespace, cfg: ModelConfig, *, tokens: int | None = None,
+                         n_stages: int = 1, data_parallel: int = 1, gpus_per_node: int | None = None):
+    """The TensorParallel the flags give, checked against the model, the node and the ranks (ValueError
+    naming the rule broken)."""
+    from attnres_pp.simulator.tensor_parallel import TensorParallel, check_tensor_parallel
+
+    tp = TensorParallel(args.tensor_parallel, args.sequence_parallel)
+    if getattr(args, "heads", 0) is None and tp.size > 1:  # simulate comm / schedule without --heads
+        cfg = dataclasses.replace(cfg, n_heads=tp.size)
+    node = gpus_per_node if gpus_per_node is not None else getattr(args, "gpus_per_node", None)
+    check_tensor_parallel(cfg, tp, gpus_per_node=node, tokens=tokens, ranks=getattr(args, "ranks", None),
+                          n_stages=n_stages, data_parallel=data_parallel)
+    return tp

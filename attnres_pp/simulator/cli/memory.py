@@ -15,9 +15,11 @@ from attnres_pp.schedule.schedules import SCHEDULES
 from attnres_pp.simulator.cli.flags import (
     UNPRICED,
     add_attention_kernel_flag,
+    add_tensor_parallel_flags,
     non_negative_int,
     positive_int,
     refuse_unpriced,
+    tensor_parallel_from,
 )
 from attnres_pp.simulator.comm import DTYPE_BYTES, format_bytes
 from attnres_pp.simulator.memory import AC_POLICIES, DP_SHARDS, MEMORY_KEYS, MemorySetup, predict_memory
@@ -44,6 +46,7 @@ def register(commands) -> None:
                         help="replicate: every replica holds everything; fsdp: FSDP2 shards 1/D")
     parser.add_argument("--activation-checkpoint", choices=AC_POLICIES, default="none")
     add_attention_kernel_flag(parser, default="flash")
+    add_tensor_parallel_flags(parser, ranks=True)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -51,11 +54,13 @@ def register(commands) -> None:
 def build(args: argparse.Namespace) -> tuple[ModelConfig, MemorySetup]:
     refuse_unpriced(args, "memory")
     cfg = model_from_flags(args, d_ff=args.d_ff)
+    tp = tensor_parallel_from(args, cfg, tokens=args.tokens, n_stages=args.stages, data_parallel=args.data_parallel)
     setup = MemorySetup(schedule=args.schedule, n_stages=args.stages, n_virtual=args.virtual,
                         n_microbatches=args.microbatches, tokens=args.tokens, dtype=args.dtype,
                         cache=not args.no_cache, data_parallel=args.data_parallel, dp_shard=args.dp_shard,
                         activation_checkpoint=args.activation_checkpoint,
-                        layer_counts=layer_counts_flag(args), attention_kernel=args.attention_kernel)
+                        layer_counts=layer_counts_flag(args), attention_kernel=args.attention_kernel,
+                        tensor_parallel=tp.size, sequence_parallel=tp.sp)
     return cfg, setup
 
 
@@ -66,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         return refuse(error)
     if args.json:
-        print(json.dumps({"attention_kernel": setup.attention_kernel, "memory_per_rank": [r.terms for r in ranks],
+        print(json.dumps({"attention_kernel": setup.attention_kernel, "tensor_parallel": setup.tensor_parallel,
+                          "sequence_parallel": setup.sp, "memory_per_rank": [r.terms for r in ranks],
                           "peak_action_per_rank": [r.peak_action for r in ranks],
                           "peak_bytes_per_rank": [r.peak_bytes for r in ranks]}))
         return 0
@@ -85,7 +91,9 @@ def format_table(setup: MemorySetup, ranks) -> str:
     return "\n".join([
         f"{setup.schedule} P={setup.n_stages} V={setup.n_virtual} m={setup.n_microbatches} D={setup.data_parallel} "
         f"({setup.dp_shard}), AC {setup.activation_checkpoint}, {setup.tokens} tokens/mb, {setup.dtype}, "
-        f"cache {'on' if setup.cache else 'off'}, {setup.attention_kernel} attention",
+        f"cache {'on' if setup.cache else 'off'}, {setup.attention_kernel} attention"
+        + (f", T={setup.tensor_parallel} (SP {'on' if setup.sp else 'off'}; one row per (dp, pp): each of its "
+           "T tp ranks holds the same, derived)" if setup.tensor_parallel > 1 else ""),
         *lines,
         *([f"ranks {setup.n_stages}..{len(ranks) - 1} (replicas 1..{setup.data_parallel - 1}) hold the same as "
            f"ranks 0..{setup.n_stages - 1}" + (" (AdamW moments up to their unpadded shards)"

@@ -13,10 +13,16 @@ import time
 
 from attnres_pp.cli_flags import add_number_flags, parse_number_flags, refuse
 from attnres_pp.model_flags import add_layer_counts_flag, add_model_flags, model_from_flags
-from attnres_pp.simulator.cli.flags import UNPRICED, add_attention_kernel_flag, refuse_unpriced
+from attnres_pp.simulator.cli.flags import (
+    UNPRICED,
+    add_attention_kernel_flag,
+    add_tensor_parallel_flags,
+    refuse_unpriced,
+)
 from attnres_pp.simulator.comm import format_bytes
 from attnres_pp.simulator.memory import DTYPE_BYTES
 from attnres_pp.simulator.plan import GIB, Candidate, Planner, PlanRequest, plan
+from attnres_pp.simulator.tensor_parallel import INTRA_NODE_GBPS, TP_SIZES
 
 # The planner's own numbers (the model's flags are train's, `model_flags`).
 # (flag, dest, type, default, help); default None = required
@@ -26,7 +32,8 @@ _NUMBERS = (
     ("--gpu-memory-gib", "gpu_memory_gib", float, None, "memory per GPU, GiB"),
     ("--d-ff", "d_ff", int, 0, "MLP width (0 = 4 d)"),
     ("--gpus-per-node", "gpus_per_node", int, 8, "GPUs per node"),
-    ("--intra-node-gbps", "intra_node_gbps", float, 3600.0, "link inside a node, Gb/s (NVLink)"),
+    ("--intra-node-gbps", "intra_node_gbps", float, INTRA_NODE_GBPS,
+     "link inside a node, Gb/s per direction (NVLink 4: 450 GB/s); hops and the tp collectives"),
     ("--inter-node-gbps", "inter_node_gbps", float, 400.0, "link between nodes, Gb/s (InfiniBand)"),
     ("--latency-us", "latency_us", float, 10.0, "link latency, microseconds"),
     ("--tflops", "tflops", float, 400.0, "achieved TFLOP/s per GPU"),
@@ -54,6 +61,7 @@ def register(commands) -> None:
     add_number_flags(parser, _NUMBERS, _REQUIRED)
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     add_attention_kernel_flag(parser, default="flash")
+    add_tensor_parallel_flags(parser, link=False, search=True)
     parser.add_argument("--json", action="store_true", help='print {"rows": [...]}, fastest first')
     parser.set_defaults(func=run)
 
@@ -81,7 +89,10 @@ def build(args: argparse.Namespace) -> PlanRequest:
                        latency_us=values["latency_us"], tflops=values["tflops"], peak_tflops=values["peak_tflops"],
                        hbm_tbs=values["hbm_tbs"], dtype=args.dtype,
                        block_size=cfg.block_size if fixed_block_size else None,
-                       top=values["top"], attention_kernel=args.attention_kernel)
+                       top=values["top"], attention_kernel=args.attention_kernel,
+                       tensor_parallel_sizes=TP_SIZES if args.tensor_parallel is None else (args.tensor_parallel,),
+                       sequence_parallel=args.sequence_parallel is not False,
+                       intra_node_latency_us=args.intra_node_latency_us)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,7 +130,8 @@ def explain_row(request: PlanRequest, row: dict) -> dict:
 def format_why(index: int, row: dict, terms: dict) -> str:
     """One line per term: memory in GiB (exact bytes after), then time in seconds; each block ends in its sum."""
     c = row["config"]
-    lines = [f"why row {index} ({c['schedule']} P={c['n_stages']} V={c['n_virtual']} D={c['data_parallel']} "
+    lines = [f"why row {index} ({c['schedule']} T={c['tensor_parallel']} P={c['n_stages']} V={c['n_virtual']} "
+             f"D={c['data_parallel']} "
              f"m={c['n_microbatches']}): memory of the fullest rank, pp rank {terms['pp_rank']}"]
     width = max(len(label) for label, _ in terms["memory"] + terms["time"]) + 2
     for label, value in terms["memory"]:
@@ -134,12 +146,14 @@ def format_why(index: int, row: dict, terms: dict) -> str:
 
 
 def format_table(request: PlanRequest, rows: list[dict], seconds: float) -> str:
-    header = ["#", "schedule", "P", "V", "D", "m", "S", "cache", "shard", "AC", "step", "tok/s/GPU", "MFU", "bubble",
-              "bytes/hop", "peak/rank", "dominated by"]
+    header = ["#", "schedule", "T", "P", "V", "D", "m", "S", "cache", "shard", "AC", "step", "tok/s/GPU", "MFU",
+              "bubble", "bytes/hop", "peak/rank", "dominated by"]
     table = [header]
     for i, row in enumerate(rows, 1):
         c = row["config"]
-        table.append([str(i), c["schedule"], str(c["n_stages"]), str(c["n_virtual"]), str(c["data_parallel"]),
+        table.append([str(i), c["schedule"], str(c["tensor_parallel"]) + ("" if c["sequence_parallel"] or
+                                                                            c["tensor_parallel"] == 1 else "/noSP"),
+                      str(c["n_stages"]), str(c["n_virtual"]), str(c["data_parallel"]),
                       str(c["n_microbatches"]), str(c["block_size"]), "on" if c["cache"] else "off",
                       c["dp_shard"] + ("/reshard" if c["reshard_after_forward"] == "always" else ""),
                       c["activation_checkpoint"],
@@ -155,7 +169,9 @@ def format_table(request: PlanRequest, rows: list[dict], seconds: float) -> str:
         f"{request.tflops:g} TFLOP/s achieved; planned in {seconds:.1f} s",
         *lines,
         "peak/rank: the fullest rank's predicted peak (params + grads + AdamW + activations + cache at its peak); "
-        "fsdp/reshard: --fsdp-reshard-after-forward always (its memory priced as never's)",
+        "fsdp/reshard: --fsdp-reshard-after-forward always (its memory priced as never's); T: tensor-parallel "
+        "ranks (GPUs = T x P x D; SP on unless /noSP; bytes/hop per tp rank; tp terms derived, and train has no "
+        "--tensor-parallel yet)",
         "run the top row:",
         "  " + rows[0]["command"],
     ])

@@ -9,12 +9,19 @@ import json
 
 from attnres_pp.cli_flags import refuse
 from attnres_pp.comm.partition import make_partition
-from attnres_pp.comm.plan import plan_for_model
+from attnres_pp.comm.plan import plan_for_model, shard_tokens
 from attnres_pp.out_paths import check_out_file
 from attnres_pp.schedule.schedules import SCHEDULES, build_schedule
 from attnres_pp.schedule.trace import write_chrome_trace
 from attnres_pp.simulator.calibrate import calibrate_from
-from attnres_pp.simulator.cli.flags import model_config, model_flags, positive_int, real
+from attnres_pp.simulator.cli.flags import (
+    add_tensor_parallel_flags,
+    model_config,
+    model_flags,
+    positive_int,
+    real,
+    tensor_parallel_from,
+)
 from attnres_pp.simulator.comm import DTYPE_BYTES
 from attnres_pp.simulator.costs import PROFILES, DeviceProfile, model_costs, unit_costs
 from attnres_pp.simulator.engine import paused_gc, simulate
@@ -41,6 +48,7 @@ def register(commands) -> None:
     parser.add_argument("--latency-us", type=real(positive=False, example="10"), default=None,
                         help="link latency (overrides profile)")
     parser.add_argument("--no-overlap", action="store_true", help="a sender is busy for the link time")
+    add_tensor_parallel_flags(parser)
     parser.add_argument("--calibrate-from", metavar="RUN_DIR", default=None,
                         help="costs and schedule from a measured run's trace.json and summary.json")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -105,13 +113,17 @@ def _simulate_schedule(args: argparse.Namespace):
     elif args.costs == "model":
         raise ValueError("--costs model needs the model: give --layers and --block-size")
 
-    plan = tensor_bytes = None
+    plan = tensor_bytes = tp = None
+    if args.tensor_parallel > 1 and (cfg is None or calibration is not None):
+        raise ValueError("--tensor-parallel needs the model (--layers and --block-size) and no --calibrate-from: "
+                         "a measured run has no tp axis")
     if cfg is not None:
+        tp = tensor_parallel_from(args, cfg, tokens=tokens, n_stages=n_stages)
         partition = make_partition(cfg.n_layers, n_stages, n_virtual, placement=schedule.placement)
         plan = plan_for_model(cfg, partition, cache)
         width = cfg.d_model if plan.mode == "standard" else cfg.source_width
         if tokens is not None:
-            tensor_bytes = tokens * width * DTYPE_BYTES[args.dtype]
+            tensor_bytes = shard_tokens(tokens, tp.size, tp.sp) * width * DTYPE_BYTES[args.dtype]
 
     if calibration is not None:
         costs = calibration.costs
@@ -124,12 +136,16 @@ def _simulate_schedule(args: argparse.Namespace):
             link_bytes_per_s=args.bandwidth_gbs * 1e9 if args.bandwidth_gbs is not None else base.link_bytes_per_s,
             link_latency_s=args.latency_us * 1e-6 if args.latency_us is not None else base.link_latency_s)
         costs = model_costs(cfg, partition, plan, tokens=tokens, profile=profile,
-                            dtype_bytes=DTYPE_BYTES[args.dtype], overlap_comm=not args.no_overlap)
+                            dtype_bytes=DTYPE_BYTES[args.dtype], overlap_comm=not args.no_overlap, tp=tp,
+                            tp_bytes_per_s=args.intra_node_gbps * 1e9 / 8,
+                            tp_latency_s=args.intra_node_latency_us * 1e-6)
     else:
         costs = unit_costs(n_stages, n_virtual)
 
     result = simulate(schedule, costs)
     report = summarize(result, plan=plan, tensor_bytes=tensor_bytes)
+    if tp is not None and tp.size > 1:
+        report["tensor_parallel"], report["sequence_parallel"] = tp.size, tp.sp
     if calibration is not None:
         report["measured_makespan_s"] = calibration.measured_makespan_s
         report["measured_bubble_fraction"] = calibration.measured_bubble_fraction
