@@ -19,6 +19,9 @@ from attnres_pp.comm.partition import Partition
 from attnres_pp.comm.plan import PayloadPlan
 from attnres_pp.model.config import ModelConfig, block_of, has_partial_before
 
+# The ring collectives' prices, used here and by the tensor-parallel terms (`tensor_parallel`).
+from attnres_pp.simulator.collectives import ring_all_gather_s, ring_all_reduce_s, ring_reduce_scatter_s  # noqa: F401
+
 
 @dataclass(frozen=True, kw_only=True)
 class CostModel:
@@ -204,25 +207,3 @@ def model_costs(cfg: ModelConfig, partition: Partition, plan: PayloadPlan, *, to
                      backward_s=tuple(2 * f + x for f, x in zip(forward, collectives, strict=True)),
                      hop_fwd_s=tuple(hops), hop_bwd_s=tuple(hops), overlap_comm=overlap_comm,
                      label=f"model on {profile.name}" + (f", T={tp.size}" if tp.size > 1 else ""))
-
-
-# ---- data-parallel collectives (ring algorithms, no contention, no overlap with compute) ----
-# `n_bytes` is the whole buffer: what an all-gather leaves on every member, what a reduce-scatter
-# starts from; each of the `group` members sends and receives (group - 1) / group of it in group - 1 steps.
-
-def ring_all_gather_s(n_bytes: float, group: int, bytes_per_s: float, latency_s: float) -> float:
-    """Ring all-gather of an `n_bytes` buffer over `group` members (0 for a group of one)."""
-    if group <= 1:
-        return 0.0
-    return (group - 1) / group * n_bytes / bytes_per_s + (group - 1) * latency_s
-
-
-def ring_reduce_scatter_s(n_bytes: float, group: int, bytes_per_s: float, latency_s: float) -> float:
-    """Ring reduce-scatter of an `n_bytes` buffer over `group` members: the all-gather's traffic reversed."""
-    return ring_all_gather_s(n_bytes, group, bytes_per_s, latency_s)
-
-
-def ring_all_reduce_s(n_bytes: float, group: int, bytes_per_s: float, latency_s: float) -> float:
-    """Ring all-reduce = reduce-scatter + all-gather of the same buffer: 2 (g - 1) / g x bytes / bandwidth."""
-    return (ring_reduce_scatter_s(n_bytes, group, bytes_per_s, latency_s)
-            + ring_all_gather_s(n_bytes, group, bytes_per_s, latency_s))

@@ -10,7 +10,7 @@ second projection row-parallel. What this module prices per layer and microbatch
   forward (after each row-parallel projection) and two in the backward (before each column-parallel one);
 - with SP: an all-gather before each column-parallel projection and a reduce-scatter after each
   row-parallel one, two of each in the forward, the same in the backward; each of the full [tokens, d]
-  buffer, each rank sending (T - 1) / T of it (`costs.ring_all_gather_s`, `ring_reduce_scatter_s`);
+  buffer, each rank sending (T - 1) / T of it (`collectives.ring_all_gather_s`, `ring_reduce_scatter_s`);
 - MSAR under SP: each source's causal convolutions need the (kappa_max - 1) tokens before the shard from
   the previous tp rank (a halo per source read, and its gradient back);
 - once a step, the gradients of the parameters replicated over tp (norm gains, depth-attention
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from attnres_pp.model.config import ModelConfig, block_of, has_partial_before
-from attnres_pp.simulator.costs import ring_all_gather_s, ring_all_reduce_s, ring_reduce_scatter_s
+from attnres_pp.simulator.collectives import ring_all_gather_s, ring_all_reduce_s, ring_reduce_scatter_s
 
 TP_SIZES = (1, 2, 4, 8)  # what `simulate plan` searches, within a node
 # NVLink 4 (H100 / H200 SXM): 18 links x 25 GB/s per direction = 450 GB/s per GPU per direction
