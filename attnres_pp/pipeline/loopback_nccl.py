@@ -33,11 +33,11 @@ class NcclLoopbackTransport:
         self.fabric = fabric
         self.ledger = ledger or ByteLedger()
         self._open: list[Op] | None = None
+        self._posted: dict[tuple[int, int], Op] = {}
 
     def message_slots(self) -> list:
         """None: every received message is a buffer of its own (`Transport.message_slots`)."""
         return []
-        self._posted: dict[tuple[int, int], Op] = {}
 
     def begin_group(self) -> None:
         if self._open is not None:
