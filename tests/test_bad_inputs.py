@@ -199,6 +199,20 @@ CASES = [
      "choose one of never, always"),
     ("train-fsdp-inprocess", [*TRAIN, *OUT, "--dp-shard", "fsdp", "--launcher", "inprocess"], None,
      "use --launcher local or ray"),
+    # tensor and sequence parallelism (docs/spec.md section 10): TRAIN has 2 heads, d_ff 128, seq_len 16
+    ("train-tp-zero", [*TRAIN, *OUT, "--tensor-parallel", "0"], None, "tensor_parallel=0 is invalid"),
+    ("toml-tp-quoted", [*TRAIN, *OUT, "--config", "{toml}"], '[pipeline]\ntensor_parallel = "2"\n',
+     "tensor_parallel"),
+    ("train-tp-heads", [*TRAIN, *OUT, "--tensor-parallel", "4"], None, "does not divide the 2 heads"),
+    ("toml-tp-d-ff", [*TRAIN, *OUT, "--tensor-parallel", "2", "--config", "{toml}"], "[model]\nd_ff = 33\n",
+     "does not divide d_ff = 33"),
+    ("train-tp-seq-len", [*TRAIN, *OUT, "--tensor-parallel", "2", "--seq-len", "15"], None,
+     "does not divide --seq-len 15: sequence parallelism"),
+    ("train-tp-node", [*TRAIN, *OUT, "--tensor-parallel", "2", "--device", "cuda"], None,
+     "larger than a node's 1 ranks (GPUs visible on this node)"),
+    ("train-tp-not-yet", [*TRAIN, *OUT, "--tensor-parallel", "2"], None, "is not supported yet"),
+    ("train-tp-no-sp-not-yet", [*TRAIN, *OUT, "--tensor-parallel", "2", "--seq-len", "15",
+                                "--no-sequence-parallel"], None, "is not supported yet"),
 ]
 
 # Every refusal, argparse's included, is one line starting `error: `.
@@ -242,6 +256,8 @@ def _prepare(case_id: str, tmp: Path, monkeypatch) -> None:
                 pytest.skip("a Ray instance is already running in this process: the address is not used")
     if case_id == "train-triton-on-cpu-ray":  # refused before Ray starts, unless the interpreter is asked for
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if case_id == "train-tp-node":  # one GPU on this node, whatever the machine has
+        monkeypatch.setattr("attnres_pp.train.devices.visible_gpus", lambda: 1)
     if case_id == "ray-env-address-unreachable":
         monkeypatch.setenv("RAY_ADDRESS", UNREACHABLE)
     else:

@@ -29,7 +29,9 @@ def _is_int(value) -> bool:
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig:
     """stages = P physical ranks, virtual = V chunks per rank, data_parallel = D replicas of the
-    pipeline (D x P ranks in all), cache = the cross-stage block cache, placement = how the ray
+    pipeline, tensor_parallel = T ranks sharing each chunk (D x P x T ranks in all; docs/spec.md
+    section 10), sequence_parallel = whether those T ranks also split every sequence between layers
+    (None: on when T > 1), cache = the cross-stage block cache, placement = how the ray
     launcher places the ranks' bundles on nodes. link_gbps (Gb/s) and link_latency_us emulate a
     slow link on one host (`comm.link`; off when link_gbps is None)."""
 
@@ -49,6 +51,8 @@ class PipelineConfig:
     # None: "never" under fsdp; only fsdp may set it. With data_parallel = 1 fsdp is a no-op sharding
     # (each rank keeps whole tensors, as under replicate).
     fsdp_reshard_after_forward: str | None = None
+    tensor_parallel: int = 1
+    sequence_parallel: bool | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.stages) or self.stages < 1:
@@ -88,6 +92,7 @@ class PipelineConfig:
                              "needs an integer number of layers >= 1")
         self._check_link()
         self._check_dp_shard()
+        self._check_tensor_parallel()
         if self.layer_counts is not None and len(self.layer_counts) != self.stages * self.virtual:
             raise ValueError(
                 f"PipelineConfig.layer_counts={list(self.layer_counts)} is invalid: give one layer count per "
@@ -127,6 +132,27 @@ class PipelineConfig:
             raise ValueError("PipelineConfig.dp_shard='fsdp' needs a torch.distributed process group per rank: use "
                              "--launcher local or ray (inprocess ranks are threads of one process)")
 
+    def _check_tensor_parallel(self) -> None:
+        if not _is_int(self.tensor_parallel) or self.tensor_parallel < 1:
+            raise ValueError(f"PipelineConfig.tensor_parallel={self.tensor_parallel!r} is invalid: must be an integer "
+                             ">= 1 (the ranks that share each chunk; 1 = no tensor parallelism)")
+        if self.sequence_parallel is not None and not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"PipelineConfig.sequence_parallel={self.sequence_parallel!r} is invalid: must be true "
+                             "or false (or left out: on when tensor_parallel > 1)")
+
+    def check_tensor_parallel_fits_node(self, ranks_per_node: int, what: str) -> None:
+        """ValueError unless a tp group of T ranks fits on one node of `ranks_per_node` ranks (`what`
+        names them, e.g. "GPUs visible on this node"): its collectives run on the intra-node link."""
+        if self.tensor_parallel > ranks_per_node:
+            raise ValueError(f"--tensor-parallel {self.tensor_parallel} is larger than a node's {ranks_per_node} "
+                             f"ranks ({what}): a tp group must sit on one node; use --tensor-parallel "
+                             f"{max(1, ranks_per_node)} or fewer")
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism in effect: asked for (or left to its default) with T > 1."""
+        return self.tensor_parallel > 1 and self.sequence_parallel is not False
+
     @property
     def link(self) -> LinkModel | None:
         """The emulated link, or None (no emulation)."""
@@ -140,12 +166,12 @@ class PipelineConfig:
 
     @property
     def world_size(self) -> int:
-        """Ranks in all: D replicas x P stages."""
-        return self.data_parallel * self.stages
+        """Ranks in all: D replicas x P stages x T tensor-parallel ranks."""
+        return self.data_parallel * self.stages * self.tensor_parallel
 
     @property
     def is_single_process(self) -> bool:
-        return self.n_chunks == 1 and self.data_parallel == 1
+        return self.n_chunks == 1 and self.data_parallel == 1 and self.tensor_parallel == 1
 
     def resolved_p2p(self, backend: str) -> str:
         """The rules the runtime obeys over `backend` ("gloo", "nccl", or "loopback")."""

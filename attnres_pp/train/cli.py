@@ -94,6 +94,8 @@ _FLAGS = (
     ("--link-latency-us", "pipeline", "link_latency_us", float, "the emulated link's latency in microseconds"),
     ("--dp-shard", "pipeline", "dp_shard", str,
      f"{' | '.join(DP_SHARDS)}: how the D replicas hold parameters, gradients and optimizer state"),
+    ("--tensor-parallel", "pipeline", "tensor_parallel", int,
+     "tensor-parallel ranks T per chunk, on one node (D x P x T ranks; default 1)"),
     ("--fsdp-reshard-after-forward", "pipeline", "fsdp_reshard_after_forward", str,
      f"{' | '.join(RESHARD_AFTER_FORWARD)} (--dp-shard fsdp only; default never)"),
 )
@@ -114,6 +116,9 @@ def register(subparsers) -> None:
         # Parsed as strings and converted here, so a bad value is one clear `error:` line.
         parser.add_argument(flag, metavar=_key.upper(), help=help_text)
     parser.add_argument("--cache", choices=("on", "off"), help="cross-stage block cache")
+    parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
+                        help="with --tensor-parallel > 1, split every sequence over the tp ranks between layers "
+                             "(default on when T > 1)")
     parser.add_argument("--compile", action="store_true", default=None,
                         help="torch.compile each sublayer and its depth read (single-process runs only)")
     add_layer_counts_flag(parser)
@@ -239,6 +244,8 @@ def flag_overrides(args: argparse.Namespace) -> dict:
             overrides[table][key] = convert_flag(flag, raw, kind)
     if args.cache is not None:
         overrides["pipeline"]["cache"] = args.cache == "on"
+    if getattr(args, "sequence_parallel", None) is not None:
+        overrides["pipeline"]["sequence_parallel"] = args.sequence_parallel
     if getattr(args, "compile", None):
         overrides["train"]["compile"] = True
     if args.layer_counts is not None:

@@ -151,6 +151,7 @@ class RunConfig:
         check_sizes = SIZE_CHECKS.get(self.pipeline.schedule)
         if check_sizes is not None:  # one error line before any rank starts, not one per rank
             check_sizes(self.pipeline.stages, self.pipeline.virtual, m)
+        check_tensor_parallel_split(self.model, self.pipeline)
         if self.pipeline.layer_counts is not None and sum(self.pipeline.layer_counts) != self.model.n_layers:
             raise ValueError(
                 f"PipelineConfig.layer_counts={list(self.pipeline.layer_counts)} is invalid: the counts must "
@@ -186,6 +187,25 @@ class RunConfig:
         """Load a TOML file with tables [model], [train], [pipeline]; `overrides` (same shape)
         wins over the file, the file wins over the defaults."""
         return cls.from_dict(merge_tables(read_toml(path), overrides or {}))
+
+
+def check_tensor_parallel_split(model: ModelConfig, pipe: PipelineConfig) -> None:
+    """ValueError naming the first rule of docs/spec.md section 10 that T ranks per chunk break for
+    `model`: each takes 1/T of the heads and of the MLP's hidden units, and under sequence
+    parallelism 1/T of every sequence."""
+    t = pipe.tensor_parallel
+    if t == 1:
+        return
+    if model.n_heads % t:
+        raise ValueError(f"--tensor-parallel {t} does not divide the {model.n_heads} heads (--heads): each tp rank "
+                         "runs 1/T of the heads; choose T dividing the head count")
+    if model.ff_dim % t:
+        raise ValueError(f"--tensor-parallel {t} does not divide d_ff = {model.ff_dim} ([model] d_ff, 4 x d_model when "
+                         "0): each tp rank holds 1/T of the MLP's hidden units; choose T dividing d_ff")
+    if pipe.sp and model.seq_len % t:
+        raise ValueError(f"--tensor-parallel {t} does not divide --seq-len {model.seq_len}: sequence parallelism "
+                         "gives each tp rank 1/T of every sequence; choose T dividing it, or give "
+                         "--no-sequence-parallel")
 
 
 def read_toml(path: str | Path) -> dict:
