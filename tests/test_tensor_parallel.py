@@ -46,3 +46,45 @@ def test_a_tp_group_must_fit_on_one_node():
     pipe.check_tensor_parallel_fits_node(8, "GPUs")
     with pytest.raises(ValueError, match="larger than a node's 2 ranks"):
         pipe.check_tensor_parallel_fits_node(2, "GPUs")
+
+
+def test_rank_coords_put_tp_innermost():
+    from attnres_pp.pipeline.mesh import RankCoords
+
+    # (D, P, T) = (2, 3, 2): rank = (dp * 3 + pp) * 2 + tp
+    coords = RankCoords(9, data_parallel=2, stages=3, tensor_parallel=2)
+    assert (coords.dp_rank, coords.pp_rank, coords.tp_rank) == (1, 1, 1)
+    assert coords.axis_members("tp") == [8, 9]
+    assert coords.axis_members("pp") == [7, 9, 11]  # a hop pairs (d, p, t) with (d, p + 1, t)
+    assert coords.axis_members("dp") == [3, 9]
+    assert coords.axis_members("world") == list(range(12))
+    every = {(c.dp_rank, c.pp_rank, c.tp_rank) for c in (RankCoords(r, 2, 3, 2) for r in range(12))}
+    assert len(every) == 12
+    # T = 1 is the (dp, pp) layout, axis by axis.
+    flat, plain = RankCoords(5, 2, 3, 1), RankCoords(5, 2, 3)
+    assert flat == plain and plain.axis_members("tp") == [5] and plain.axis_members("dp") == [2, 5]
+    with pytest.raises(ValueError, match="x tensor_parallel 2"):
+        RankCoords(12, 2, 3, 2)
+
+
+def test_thread_collectives_sum_over_the_tp_group_only():
+    import threading
+
+    import torch
+
+    from attnres_pp.pipeline.mesh import thread_collectives
+
+    collectives = thread_collectives(1, 2, timeout_s=10.0, tensor_parallel=2)  # ranks (pp, tp): 0 0, 0 1, 1 0, 1 1
+    results = {}
+
+    def run(rank):
+        tensor = torch.tensor([float(rank + 1)])
+        collectives[rank].all_reduce(tensor, "tp")
+        results[rank] = tensor.item()
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10.0)
+    assert results == {0: 3.0, 1: 3.0, 2: 7.0, 3: 7.0}

@@ -1,16 +1,21 @@
-"""The 2-D rank layout of a data-parallel x pipeline-parallel run and the collectives over its axes.
+"""The 3-D rank layout of a data-parallel x pipeline-parallel x tensor-parallel run and the
+collectives over its axes.
 
-`D` replicas of a `P`-rank pipeline: global rank `rank = dp_rank * P + pp_rank`, the row-major
-layout of a `(D, P)` mesh with dimensions ("dp", "pp"). Three axes carry collectives:
-    "dp"     the D ranks with the same pp_rank (they hold the same chunks): gradient averaging
-    "pp"     the P ranks of one replica: the global gradient norm
+`D` replicas of a `P`-rank pipeline whose chunks are each shared by `T` tensor-parallel ranks:
+global rank `rank = (dp_rank * P + pp_rank) * T + tp_rank`, the row-major layout of a `(D, P, T)`
+mesh with dimensions ("dp", "pp", "tp"). tp is innermost, so a tp group is T consecutive ranks (one
+node's, as the launchers place them; docs/spec.md section 10). At T = 1 it is the (D, P) layout
+`rank = dp_rank * P + pp_rank`. Four axes carry collectives:
+    "dp"     the D ranks with the same pp_rank and tp_rank (they hold the same shards): gradient averaging
+    "pp"     the P ranks of one replica with the same tp_rank: the global gradient norm
+    "tp"     the T ranks sharing one chunk: the partial gradients of what they hold replicated
     "world"  every rank: MSAR's tied stream convolutions, which every rank holds
 
 Two implementations of `Collectives`, both explicit objects (no global state):
 - `MeshCollectives`: torch.distributed over a DeviceMesh. DeviceMesh rather than hand-made groups
-  because it is torch's own N-D layout (the one torchtitan and DCP understand): named dimensions, one
-  call that creates every subgroup on every rank in the order the backend requires, and the layout
-  convention (row-major) in one place.
+  because it is torch's own N-D layout (the one torchtitan, DCP and the DTensor tensor-parallel API
+  understand): named dimensions, one call that creates every subgroup on every rank in the order the
+  backend requires, and the layout convention (row-major) in one place.
 - `ThreadCollectives`: ranks that are threads of one process (the in-process launcher). Sums run in
   member order and every member copies the same result, so replicas stay bitwise identical, as
   gloo's ring all-reduce keeps them.
@@ -24,44 +29,58 @@ from typing import Protocol
 
 import torch
 
-AXES = ("dp", "pp", "world")
+AXES = ("dp", "pp", "tp", "world")
 
 
 @dataclass(frozen=True)
 class RankCoords:
-    """Where global rank `rank` sits in a run of `data_parallel` replicas of `stages` ranks."""
+    """Where global rank `rank` sits in a run of `data_parallel` replicas of `stages` ranks, each
+    chunk shared by `tensor_parallel` ranks."""
 
     rank: int
     data_parallel: int
     stages: int
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside 0..{self.world_size - 1} "
-                             f"(data_parallel {self.data_parallel} x stages {self.stages})")
+            layout = f"data_parallel {self.data_parallel} x stages {self.stages}"
+            if self.tensor_parallel > 1:
+                layout += f" x tensor_parallel {self.tensor_parallel}"
+            raise ValueError(f"rank {self.rank} is outside 0..{self.world_size - 1} ({layout})")
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel * self.stages
+        return self.data_parallel * self.stages * self.tensor_parallel
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.stages
+        return self.rank // (self.stages * self.tensor_parallel)
 
     @property
     def pp_rank(self) -> int:
-        return self.rank % self.stages
+        return self.rank // self.tensor_parallel % self.stages
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tensor_parallel
+
+    def _rank_at(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
+        return (dp_rank * self.stages + pp_rank) * self.tensor_parallel + tp_rank
 
     def global_rank(self, pp_rank: int) -> int:
-        """The global rank of `pp_rank` in this rank's replica (its pipeline peers)."""
-        return self.dp_rank * self.stages + pp_rank
+        """The global rank of `pp_rank` in this rank's replica with this rank's tp_rank (its pipeline
+        peers: a hop pairs (d, p, t) with (d, p + 1, t))."""
+        return self._rank_at(self.dp_rank, pp_rank, self.tp_rank)
 
     def axis_members(self, axis: str) -> list[int]:
         """Global ranks of this rank's group along `axis`, in group order."""
         if axis == "dp":
-            return [d * self.stages + self.pp_rank for d in range(self.data_parallel)]
+            return [self._rank_at(d, self.pp_rank, self.tp_rank) for d in range(self.data_parallel)]
         if axis == "pp":
             return [self.global_rank(p) for p in range(self.stages)]
+        if axis == "tp":
+            return [self._rank_at(self.dp_rank, self.pp_rank, t) for t in range(self.tensor_parallel)]
         if axis == "world":
             return list(range(self.world_size))
         raise ValueError(f"axis {axis!r} is unknown: choose one of {', '.join(AXES)}")
@@ -69,20 +88,32 @@ class RankCoords:
 
 class Collectives(Protocol):
     def all_reduce(self, tensor: torch.Tensor, axis: str) -> None:
-        """Sum `tensor` in place over this rank's group along `axis` ("dp", "pp" or "world")."""
+        """Sum `tensor` in place over this rank's group along `axis` ("dp", "pp", "tp" or "world")."""
 
 
 class MeshCollectives:
-    """Collectives over a ("dp", "pp") DeviceMesh of the default process group (initialised first)."""
+    """Collectives over a ("dp", "pp") DeviceMesh of the default process group (initialised first),
+    or a ("dp", "pp", "tp") one when `coords.tensor_parallel` > 1; `mesh["tp"]` is then the 1-D mesh
+    the DTensor tensor-parallel API shards each layer over (`pipeline.tensor_parallel`)."""
 
     def __init__(self, coords: RankCoords, device_type: str) -> None:
+        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         self.coords = coords
-        self.mesh = init_device_mesh(device_type, (coords.data_parallel, coords.stages), mesh_dim_names=("dp", "pp"))
-        if tuple(self.mesh.get_coordinate() or ()) != (coords.dp_rank, coords.pp_rank):
+        if dist.get_world_size() != coords.world_size:
+            raise ValueError(f"T x P x D = {coords.tensor_parallel} x {coords.stages} x {coords.data_parallel} = "
+                             f"{coords.world_size} is not the {dist.get_world_size()} ranks of the process group: "
+                             "the mesh (dp, pp, tp) must use every rank")
+        shape, names = (coords.data_parallel, coords.stages), ("dp", "pp")
+        expected = (coords.dp_rank, coords.pp_rank)
+        if coords.tensor_parallel > 1:  # at T = 1 the mesh stays 2-D, as DCP's and FSDP2's plans expect it
+            shape, names = (*shape, coords.tensor_parallel), (*names, "tp")
+            expected = (*expected, coords.tp_rank)
+        self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        if tuple(self.mesh.get_coordinate() or ()) != expected:
             raise RuntimeError(f"rank {coords.rank}: the device mesh puts it at {self.mesh.get_coordinate()}, "
-                               f"expected (dp, pp) = ({coords.dp_rank}, {coords.pp_rank})")
+                               f"expected {names} = {expected}")
 
     def all_reduce(self, tensor: torch.Tensor, axis: str) -> None:
         import torch.distributed as dist
@@ -124,10 +155,13 @@ class ThreadCollectives:
             group.all_reduce(index, tensor)
 
 
-def thread_collectives(data_parallel: int, stages: int, timeout_s: float) -> list[ThreadCollectives]:
-    """One `ThreadCollectives` per global rank of a (data_parallel, stages) layout, wired together.
-    A member that never arrives makes the others raise threading.BrokenBarrierError after timeout_s."""
-    coords = [RankCoords(rank, data_parallel, stages) for rank in range(data_parallel * stages)]
+def thread_collectives(data_parallel: int, stages: int, timeout_s: float,
+                       tensor_parallel: int = 1) -> list[ThreadCollectives]:
+    """One `ThreadCollectives` per global rank of a (data_parallel, stages, tensor_parallel) layout,
+    wired together. A member that never arrives makes the others raise threading.BrokenBarrierError
+    after timeout_s."""
+    world = data_parallel * stages * tensor_parallel
+    coords = [RankCoords(rank, data_parallel, stages, tensor_parallel) for rank in range(world)]
     shared: dict[tuple[str, tuple[int, ...]], _ThreadGroup] = {}
     out = []
     for c in coords:

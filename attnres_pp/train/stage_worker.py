@@ -70,7 +70,7 @@ class StageWorker:
             run_cfg = dataclasses.replace(run_cfg, train=resolve_train(run_cfg.train, "cpu"))
         self.run_cfg = run_cfg
         cfg, train, pipe = self.run_cfg.model, self.run_cfg.train, self.run_cfg.pipeline
-        self.coords = RankCoords(rank, pipe.data_parallel, pipe.stages)
+        self.coords = RankCoords(rank, pipe.data_parallel, pipe.stages, pipe.tensor_parallel)
         self.rank, self.pp_rank, self.dp_rank = rank, self.coords.pp_rank, self.coords.dp_rank
         torch.set_num_threads(train.threads)
         self.partition = run_partition(cfg.n_layers, pipe)
