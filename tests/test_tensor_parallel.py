@@ -88,3 +88,14 @@ def test_thread_collectives_sum_over_the_tp_group_only():
     for thread in threads:
         thread.join(timeout=10.0)
     assert results == {0: 3.0, 1: 3.0, 2: 7.0, 3: 7.0}
+
+
+def test_the_layer_split_refuses_what_it_cannot_split():
+    from attnres_pp.pipeline.tensor_parallel import check_layer_split, sequence_shard
+
+    check_layer_split(ModelConfig(residual="msar", stream_kernels=(2, 3)), 2, sequence_parallel=False)
+    with pytest.raises(ValueError, match="halo exchange"):
+        check_layer_split(ModelConfig(residual="msar", stream_kernels=(2, 3)), 2, sequence_parallel=True)
+    with pytest.raises(ValueError, match="must divide the 4 heads"):
+        check_layer_split(ModelConfig(), 8, sequence_parallel=False)
+    assert [sequence_shard(16, t, 4) for t in range(4)] == [slice(0, 4), slice(4, 8), slice(8, 12), slice(12, 16)]

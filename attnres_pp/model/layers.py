@@ -46,16 +46,23 @@ class Attention(nn.Module):
         self.read = DepthRead(cfg)
 
     def forward(self, h_BTD: torch.Tensor, kv: KVSlot | None = None) -> torch.Tensor:
-        """`kv` (incremental decoding): this layer's cache; the T tokens of h sit at its pass's positions."""
-        batch, seq, width = h_BTD.shape
-        qkv = self.qkv(self.norm(h_BTD)).view(batch, seq, 3, self.n_heads, width // self.n_heads)
+        """`kv` (incremental decoding): this layer's cache; the T tokens of h sit at its pass's positions.
+
+        Split over tensor-parallel ranks (`pipeline.tensor_parallel`) the projection returns this
+        rank's heads' q, k and v (n_heads / T of them) and, under sequence parallelism, the whole
+        sequence gathered from the rank's shard `h_BTD`: both are read off its output's shape."""
+        batch, _, width = h_BTD.shape
+        head_dim = width // self.n_heads
+        qkv_BTC = self.qkv(self.norm(h_BTD))
+        seq, heads = qkv_BTC.shape[1], qkv_BTC.shape[2] // (3 * head_dim)
+        qkv = qkv_BTC.view(batch, seq, 3, heads, head_dim)
         q_BHTE, k_BHTE, v_BHTE = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         if kv is None:
             y_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTE, is_causal=True)
         else:
             k_BHSE, v_BHSE = kv.append(k_BHTE, v_BHTE)
             y_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSE, **kv.sdpa_mask(h_BTD.device))
-        return self.proj(y_BHTE.transpose(1, 2).reshape(batch, seq, width))
+        return self.proj(y_BHTE.transpose(1, 2).reshape(batch, seq, heads * head_dim))
 
 
 class MLP(nn.Module):

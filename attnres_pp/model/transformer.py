@@ -47,7 +47,10 @@ def embed_state(cfg: ModelConfig, embedding: Embedding, idx_BT: torch.Tensor, st
 
 
 def lm_loss(logits_BTV: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits_BTV.float().flatten(0, 1), targets_BT.flatten())
+    # At least fp32 (bf16 logits under autocast), float64 kept: a float64 model's loss is then exact
+    # enough to compare sums of per-shard means (sequence parallelism) with the whole mean.
+    math_dtype = torch.promote_types(logits_BTV.dtype, torch.float32)
+    return F.cross_entropy(logits_BTV.to(math_dtype).flatten(0, 1), targets_BT.flatten())
 
 
 class Transformer(nn.Module):

@@ -145,7 +145,8 @@ class StageRuntime(ExecutorView):
         self.record.events.append(ActionEvent(self.pp_rank, "flush", start, self._clock.mark(), "comm"))
         self._clock.resolve(self.record.events)
         if self._losses_on_device:  # one transfer for the whole step
-            values = torch.stack(list(self._losses_on_device.values())).float().cpu().tolist()
+            # double: Python's float, so a float64 model's losses are not rounded to fp32 on the way
+            values = torch.stack(list(self._losses_on_device.values())).double().cpu().tolist()
             self.record.losses = dict(zip(self._losses_on_device, values, strict=True))
         leftover = sorted(self._contexts)
         if leftover:

@@ -1,0 +1,144 @@
+"""Tensor and sequence parallelism of the transformer layers (docs/spec.md section 10): each layer
+split over the T ranks of a tp mesh with torch's DTensor tensor-parallel API, and what every rank
+then does with the rest of the model on its sequence shard.
+
+The plan per layer (`layer_plan`), as Megatron-LM and torchtitan split a layer:
+    attn.qkv, mlp.up      column-parallel: each rank 1/T of the heads or of the hidden units
+    attn.proj, mlp.down   row-parallel: each rank's partial output, summed over tp
+    attn.norm, mlp.norm   under sequence parallelism, sequence-parallel (run on the rank's shard)
+Without sequence parallelism a row-parallel output is all-reduced and every rank holds the whole
+`[B, T_seq, d]` between layers; with it the output is reduce-scattered along the sequence and the
+next column-parallel input all-gathered, so between the two rank t holds tokens
+`[t T_seq / T, (t + 1) T_seq / T)` of every tensor. That is where depth attention runs: it is per
+token, so it needs no communication, and the embedding and the head run on the shard too.
+
+The fused qkv weight `[3 d, d]` is not split into T contiguous row blocks (rank 0 would get all the
+queries): `_StridedShard(0, split_factor=3)` splits each of its q, k and v thirds over tp, so rank t
+holds the rows of its heads' q, k and v and the projection's output is `[q_t | k_t | v_t]`, which
+`Attention.forward` views as `n_heads / T` heads.
+
+Under sequence parallelism the parameters every tp rank holds whole (embedding, positions, depth
+attention's pseudo-queries and key norms, the head) get from each rank the gradient of its own
+tokens only; `sum_replicated_grads` adds the T partial gradients. The sequence-parallel norms'
+gains are DTensors, whose gradients DTensor sums itself. MSAR's causal convolutions would read the
+tokens before the shard (a halo from the previous tp rank), which this module does not exchange:
+`check_layer_split` refuses MSAR under sequence parallelism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from attnres_pp.model.config import ModelConfig
+from attnres_pp.model.layers import TransformerLayer
+from attnres_pp.model.precision import compute_context
+from attnres_pp.model.stack import forward_sublayers
+from attnres_pp.model.transformer import Transformer, embed_state, lm_loss
+from attnres_pp.pipeline.mesh import Collectives
+
+QKV_PARTS = 3  # the fused projection's q, k and v row blocks
+
+
+class HeadwiseColwiseParallel(ColwiseParallel):
+    """Column-parallel for the fused qkv projection: each rank holds the q, k and v rows of its
+    heads (`_StridedShard` over the three thirds), and its output is those heads' q, k and v."""
+
+    def __init__(self, *, input_layouts=None) -> None:
+        super().__init__(input_layouts=input_layouts, output_layouts=_StridedShard(-1, split_factor=QKV_PARTS))
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        for param_name, param in module.named_parameters():
+            placements = [_StridedShard(0, split_factor=QKV_PARTS)]
+            sharded = distribute_tensor(param, device_mesh, placements, src_data_rank=self.src_data_rank)
+            module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+def layer_plan(sequence_parallel: bool) -> dict:
+    """The `parallelize_module` plan of one `TransformerLayer` (module name -> ParallelStyle)."""
+    if not sequence_parallel:
+        return {"attn.qkv": HeadwiseColwiseParallel(), "attn.proj": RowwiseParallel(),
+                "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()}
+    sequence = Shard(1)
+    return {
+        "attn.norm": SequenceParallel(),
+        "attn.qkv": HeadwiseColwiseParallel(input_layouts=sequence),
+        "attn.proj": RowwiseParallel(output_layouts=sequence),
+        "mlp.norm": SequenceParallel(),
+        "mlp.up": ColwiseParallel(input_layouts=sequence),
+        "mlp.down": RowwiseParallel(output_layouts=sequence),
+    }
+
+
+def check_layer_split(cfg: ModelConfig, tensor_parallel: int, sequence_parallel: bool) -> None:
+    """ValueError naming the rule a split of `cfg`'s layers over `tensor_parallel` ranks breaks."""
+    if cfg.n_heads % tensor_parallel or cfg.ff_dim % tensor_parallel:
+        raise ValueError(f"tensor_parallel={tensor_parallel} must divide the {cfg.n_heads} heads and "
+                         f"d_ff = {cfg.ff_dim}: each tp rank takes 1/T of both")
+    if sequence_parallel and cfg.seq_len % tensor_parallel:
+        raise ValueError(f"tensor_parallel={tensor_parallel} must divide seq_len = {cfg.seq_len} under sequence "
+                         "parallelism")
+    if sequence_parallel and tensor_parallel > 1 and cfg.residual == "msar":
+        raise ValueError("MSAR under sequence parallelism needs the causal convolutions' halo exchange between tp "
+                         "ranks, which is not built: split MSAR without sequence parallelism")
+
+
+def parallelize_layers(cfg: ModelConfig, layers: Iterable[TransformerLayer], tp_mesh, *,
+                       sequence_parallel: bool) -> None:
+    """Split every layer of `layers` over the 1-D `tp_mesh` in place (its parameters become DTensors).
+    Every tp rank must hold the same values first (`layers.init_weights` from the same seed)."""
+    check_layer_split(cfg, tp_mesh.size(), sequence_parallel)
+    for layer in layers:
+        parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel))
+
+
+def sequence_shard(seq_len: int, tp_rank: int, tensor_parallel: int) -> slice:
+    """The tokens tp rank `tp_rank` holds under sequence parallelism."""
+    width = seq_len // tensor_parallel
+    return slice(tp_rank * width, (tp_rank + 1) * width)
+
+
+def rank_loss(model: Transformer, idx_BT: torch.Tensor, targets_BT: torch.Tensor, *, tp_rank: int,
+              tensor_parallel: int, sequence_parallel: bool) -> torch.Tensor:
+    """This tp rank's share of the whole model's mean loss on `idx_BT` (`[B, T_seq]`, every rank the
+    same batch), its layers split by `parallelize_layers`: the T shares sum to the loss, and their
+    backward passes together give every gradient of it. Under sequence parallelism the rank embeds,
+    reads and scores its own tokens (its share: their mean loss / T); without it each rank computes
+    the whole loss, and its share is all of it (the tp collectives make every rank's backward
+    complete, so it is not divided)."""
+    cfg = model.cfg
+    start = 0
+    if sequence_parallel and tensor_parallel > 1:
+        shard = sequence_shard(idx_BT.shape[1], tp_rank, tensor_parallel)
+        idx_BT, targets_BT, start = idx_BT[:, shard], targets_BT[:, shard], shard.start
+    with compute_context(model.precision, idx_BT.device.type):
+        state = embed_state(cfg, model.embed, idx_BT, start)
+        state = forward_sublayers(cfg, dict(enumerate(model.layers)), model.stream_convs, state,
+                                  range(cfg.n_sublayers), model.backend)
+        loss = lm_loss(model.head(state, model.stream_convs, model.backend), targets_BT)
+    if sequence_parallel and tensor_parallel > 1:
+        return loss / tensor_parallel
+    return loss
+
+
+def sum_replicated_grads(module: nn.Module, collectives: Collectives) -> None:
+    """Under sequence parallelism: add the tp ranks' partial gradients of every parameter they hold
+    whole (plain tensors, not DTensors), in place, so each rank holds the gradient of every token."""
+    for param in module.parameters():
+        if param.grad is not None and not isinstance(param, DTensor):
+            collectives.all_reduce(param.grad, "tp")
+
+
+def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient as the whole tensor (a DTensor's gathered over tp), by name."""
+    out = {}
+    for name, param in module.named_parameters():
+        if param.grad is None:
+            continue
+        out[name] = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+    return out
