@@ -43,7 +43,7 @@ def _rank_main(rank, init_method, cases, results):
             loss = rank_loss(model, inputs, targets, tp_rank=coords.tp_rank, tensor_parallel=T, sequence_parallel=sp)
             loss.backward()
             if sp:
-                sum_replicated_grads(model, collectives)
+                sum_replicated_grads(model.parameters(), collectives)
             share = loss.detach().clone()
             if sp:
                 collectives.all_reduce(share, "tp")
@@ -71,3 +71,97 @@ def test_two_tp_ranks_give_the_single_process_loss_and_gradients(tmp_path):
             # Rank t holds its heads' rows of q, k and v, not a contiguous third of the fused weight.
             rows = [part * d + rank * half + i for part in range(3) for i in range(half)]
             assert torch.equal(torch.from_numpy(local_qkv), whole_qkv[rows]), (variant, rank)
+
+
+# ---- the pipeline runtime's ranks (StageWorker) with T = 2: P = 1 (2 processes) and P = 2 (4) ----
+# (variant, schedule, P, V, m, cache, sequence parallel); block size 3 puts block edges inside chunks.
+RUNTIME_P1 = [("block", "interleaved_1f1b", 1, 2, 2, True, True), ("block", "gpipe", 1, 1, 2, True, False)]
+RUNTIME_P2 = [("block", "1f1b", 2, 1, 3, True, True), ("block", "interleaved_1f1b", 2, 2, 4, False, True),
+              ("block", "interleaved_1f1b", 2, 2, 2, True, False), ("lr_projected", "1f1b", 2, 1, 2, True, True)]
+
+
+def _run_dict(case):
+    from attnres_pp.train.config import RunConfig
+
+    variant, schedule, P, V, m, cache, sp = case
+    cfg = model_config(variant, 4, block_size=3)
+    return RunConfig.from_dict({
+        "model": cfg.to_dict(),
+        "train": {"steps": 2, "batch_size": MICRO * m, "microbatches": m, "seed": 0, "warmup_steps": 1},
+        "pipeline": {"stages": P, "virtual": V, "schedule": schedule, "cache": cache, "launcher": "local",
+                     "timeout_s": 60.0, "tensor_parallel": T, "sequence_parallel": sp},
+    }).to_dict()
+
+
+def _worker_main(rank, init_method, run_dicts, results):
+    try:
+        from torch.distributed.tensor import DTensor
+
+        from attnres_pp.pipeline.stage_setup import init_process_group
+        from attnres_pp.train.stage_worker import StageWorker
+        from tests.reference_model import randomize_depth_params
+
+        torch.set_num_threads(1)
+        world = run_dicts[0]["pipeline"]["stages"] * T
+        _backend, device = init_process_group(init_method, rank, world, 60.0)
+        out = []
+        for run_cfg in run_dicts:
+            worker = StageWorker(run_cfg, rank)
+            randomize_depth_params(worker.model, torch.Generator().manual_seed(1))
+            worker.connect(device)
+            m = run_cfg["train"]["microbatches"]
+            worker.begin_step(0, batch(m))
+            record = worker.run_step(0)
+            worker.sync_gradients()
+            grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).numpy().copy()
+                     for n, p in worker.params.items() if p.grad is not None}
+            fwd_bytes = sum(r[4] for r in worker.runtime.transport.ledger.records if r[0] == "fwd")
+            out.append((record.losses, grads, fwd_bytes, worker.coords.tp_rank))
+            getattr(worker.runtime.transport, "close", lambda: None)()
+        results.put((rank, out))
+    except Exception:
+        results.put((rank, traceback.format_exc()))
+
+
+def _check_runtime(cases, tmp_path):
+    from attnres_pp.comm.plan import hop_bytes_per_rank, plan_for_model
+    from attnres_pp.pipeline.stage_setup import run_partition
+    from attnres_pp.train.config import RunConfig
+
+    run_dicts = [_run_dict(case) for case in cases]
+    world = cases[0][2] * T
+    replies = dict(spawn_ranks(_worker_main, world, tmp_path, run_dicts, timeout_s=240.0))
+    for index, case in enumerate(cases):
+        run_cfg = RunConfig.from_dict(run_dicts[index])
+        cfg, m, sp = run_cfg.model, case[4], case[6]
+        want_loss, want_grads = reference_step(cfg, *batch(m), m)
+        per_rank = [replies[rank][index] for rank in range(world)]
+        # Every tp rank of the last stage scores its own shard (under SP) or the whole (without):
+        # the mean of their losses is the microbatches' mean loss.
+        losses = [loss for losses, *_ in per_rank for loss in losses.values()]
+        assert len(losses) == m * T, case
+        loss = sum(losses) / len(losses)
+        assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (case, loss, want_loss)
+        merged: dict = {}
+        for _losses, grads, _bytes, _tp in per_rank:
+            for name, grad in grads.items():
+                # the tp ranks of one stage hold the very same whole gradient
+                kept = merged.setdefault(name, torch.from_numpy(grad))
+                assert torch.allclose(kept, torch.from_numpy(grad), rtol=1e-6, atol=1e-9), (case, name)
+        assert_grads_match(merged, want_grads, rtol=1e-5)
+        # Each hop pair (d, p, t) -> (d, p + 1, t) carries its shard: comm.plan's count, per rank.
+        partition = run_partition(cfg.n_layers, run_cfg.pipeline)
+        plan = plan_for_model(cfg, partition, run_cfg.pipeline.cache)
+        per_hop = hop_bytes_per_rank(plan, tokens=MICRO * cfg.seq_len, width=cfg.source_width, element_bytes=4,
+                                     tensor_parallel=T, sequence_parallel=sp)
+        sent_by_pair = sum(per_hop[h] for h in range(len(per_hop)) if partition.rank_of(h) != partition.rank_of(h + 1))
+        total_fwd = sum(b for _losses, _grads, b, _tp in per_rank)
+        assert total_fwd == T * m * sent_by_pair, (case, total_fwd, T * m * sent_by_pair)
+
+
+def test_two_tp_ranks_of_the_runtime_equal_the_single_process(tmp_path):
+    _check_runtime(RUNTIME_P1, tmp_path)
+
+
+def test_a_two_stage_pipeline_of_two_tp_ranks_each_equals_the_single_process(tmp_path):
+    _check_runtime(RUNTIME_P2, tmp_path)

@@ -52,6 +52,9 @@ class PipelineChunk(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in partition.layer_range(chunk_index)})
         self.head = model.head if self.is_last else None
         self._stream_convs = [stream_convs]  # a list so the module is not registered twice per rank
+        # The position of the first token the chunk's inputs hold: under sequence parallelism a tp
+        # rank embeds its own shard of every sequence (docs/spec.md section 10), else 0.
+        self.position_start = 0
 
     def forward(self, sources: dict[Source, torch.Tensor], idx_BT: torch.Tensor | None = None,
                 targets_BT: torch.Tensor | None = None, *, meter: ActivationMeter | None = None
@@ -78,7 +81,7 @@ class PipelineChunk(nn.Module):
              decode: DecodeStep | None) -> tuple[dict[Source, torch.Tensor], torch.Tensor | None]:
         cfg, convs = self.cfg, self._stream_convs[0]
         if self.is_first:
-            state = embed_state(cfg, self.embed, idx_BT, 0 if decode is None else decode.start)
+            state = embed_state(cfg, self.embed, idx_BT, self.position_start if decode is None else decode.start)
         else:
             state = _state_from_sources(sources)
         n_before = len(state.blocks)

@@ -40,9 +40,13 @@ import torch
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    """(device type, storage address); a DTensor (an FSDP2 shard) is keyed by its local tensor."""
+    """(device type, storage address); a DTensor (an FSDP2 shard, a tensor-parallel weight) is keyed
+    by its local tensor, and the output of an async collective (the tensor-parallel layers'
+    redistributions) by its result's, once it has arrived (a wrapper holds no storage of its own)."""
     if hasattr(t, "to_local"):
         t = t.to_local()
+    if hasattr(t, "trigger_wait"):
+        t = t.trigger_wait()
     storage = t.untyped_storage()
     return (t.device.type, storage.data_ptr())
 

@@ -126,10 +126,11 @@ def rank_loss(model: Transformer, idx_BT: torch.Tensor, targets_BT: torch.Tensor
     return loss
 
 
-def sum_replicated_grads(module: nn.Module, collectives: Collectives) -> None:
-    """Under sequence parallelism: add the tp ranks' partial gradients of every parameter they hold
-    whole (plain tensors, not DTensors), in place, so each rank holds the gradient of every token."""
-    for param in module.parameters():
+def sum_replicated_grads(params: Iterable[nn.Parameter], collectives: Collectives) -> None:
+    """Under sequence parallelism: add the tp ranks' partial gradients of every parameter of `params`
+    they hold whole (plain tensors, not DTensors), in place, so each rank holds the gradient of every
+    token."""
+    for param in params:
         if param.grad is not None and not isinstance(param, DTensor):
             collectives.all_reduce(param.grad, "tp")
 

@@ -88,13 +88,21 @@ def clip_grad_norm_(
     to the sum over all pipeline ranks (an all-reduce);
     every rank then applies the same scale. Tied parameters replicated on several ranks must be
     counted once by the caller's choice of `params`."""
-    grads = [p.grad.detach() for p in params if p.grad is not None]
+    grads = [_local(p.grad.detach()) for p in params if p.grad is not None]
     local_sq = sum_of_squares(grads)
     total_sq = reduce_sq(local_sq) if reduce_sq is not None else local_sq
     total_norm = float(total_sq.sqrt())  # the one host synchronisation of the step's clipping
     if max_norm > 0 and total_norm > max_norm and grads:
         torch._foreach_mul_(grads, max_norm / (total_norm + 1e-6))
     return total_norm
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel weight's gradient as this rank's shard (the storage it scales in place); a
+    plain gradient as it is. The caller's `reduce_sq` sums the shards' squares over tp."""
+    from torch.distributed.tensor import DTensor
+
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:

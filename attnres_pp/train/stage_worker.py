@@ -5,7 +5,8 @@ the driver's process over the loopback transport (`join_threads`). It lives in
 the training layer because it owns the optimiser step and the checkpoint state; the pipeline below
 it provides the chunks, the schedules, the runtime, the transports and the mesh.
 
-Global rank `rank = dp_rank * P + pp_rank`. A rank builds only its own chunks (the rest of the model
+Global rank `rank = (dp_rank * P + pp_rank) * T + tp_rank` (`pipeline.mesh`; T = 1 without tensor
+parallelism, `train.tp_rank`). A rank builds only its own chunks (the rest of the model
 stays on the meta device, with no storage), initialised by whole-model name and the run's seed, so
 its weights equal the single-process model's. It reads its own microbatches by (step, dp_rank)
 (`rank_data`), averages its gradients over its replicas (`grad_sync`), and answers the driver with
@@ -54,6 +55,7 @@ from attnres_pp.train.optim import build_optimizer, optimizer_step
 from attnres_pp.train.rank_data import MicrobatchLists, RankData
 from attnres_pp.train.shards import load_shard, rng_stream, save_shard, shard_state
 from attnres_pp.train.step_stats import StepReply
+from attnres_pp.train.tp_rank import RankTensorParallel
 
 # A driver-fed batch for one rank: its replica's rows of (inputs, targets), either half None when
 # the rank does not need it. Only tests and benchmarks feed batches; training runs read their own.
@@ -72,6 +74,7 @@ class StageWorker:
         cfg, train, pipe = self.run_cfg.model, self.run_cfg.train, self.run_cfg.pipeline
         self.coords = RankCoords(rank, pipe.data_parallel, pipe.stages, pipe.tensor_parallel)
         self.rank, self.pp_rank, self.dp_rank = rank, self.coords.pp_rank, self.coords.dp_rank
+        self.tp = RankTensorParallel(cfg, pipe, self.coords.tp_rank)
         torch.set_num_threads(train.threads)
         self.partition = run_partition(cfg.n_layers, pipe)
         self.model, self.chunks = build_rank_model(cfg, self.partition, self.pp_rank, seed=train.seed,
@@ -123,7 +126,7 @@ class StageWorker:
         if pipe.resolved_p2p(backend) == "nccl":  # every rank resolves the same: none takes the collective
             transport = BatchedDistTransport(self.pp_rank, pipe.timeout_s, device, peer_ranks=peers, link=pipe.link)
         else:
-            shape_of = hop_shapes((self.run_cfg.microbatch_size, cfg.seq_len), cfg.source_width, cfg.d_model)
+            shape_of = hop_shapes((self.run_cfg.microbatch_size, self.tp.seq_len), cfg.source_width, cfg.d_model)
             transport = connect_pair_transport(self.pp_rank, pipe.stages, device, pipe.timeout_s,
                                                wire_messages(self.schedule, self.plan, shape_of), hop_dtype,
                                                node=self.node_id or socket.gethostname(), peer_ranks=peers,
@@ -137,6 +140,8 @@ class StageWorker:
         collectives = MeshCollectives(self.coords, device.type)
         self.attach(device, transport, collectives, eval_transport=eval_transport)
         self.distributed = True
+        if self.tp.active:
+            self._split_layers(collectives.mesh["tp"])
         if pipe.dp_shard == "fsdp" and pipe.data_parallel > 1:
             self._shard(collectives.mesh["dp"])
 
@@ -146,6 +151,15 @@ class StageWorker:
         self.peers = peers
         self.attach(device, transport, collectives)
         return self.describe("loopback")
+
+    def _split_layers(self, tp_mesh) -> None:
+        """Tensor parallelism (`train.tp_rank`): the chunks' layers split over the tp ranks, so the
+        parameter list and the optimizer are built again over the DTensor weights."""
+        self.tp.split(self.chunks, tp_mesh)
+        self.params = rank_parameters(self.chunks, self.model)
+        self.tied = [p for name, p in self.params.items() if name.startswith("stream_convs.")]
+        self.untied = [p for name, p in self.params.items() if not name.startswith("stream_convs.")]
+        self.optimizer = build_optimizer(self.params.items(), self.run_cfg.train, fused=self.device.type == "cuda")
 
     def _shard(self, dp_mesh) -> None:
         """FSDP2 units over the replicas (`train.fsdp`): the parameters become shards, so the parameter
@@ -181,7 +195,7 @@ class StageWorker:
 
         def runtime(schedule, transport) -> StageRuntime:
             return StageRuntime(pp_rank=self.pp_rank, chunks=self.chunks, plan=self.plan, schedule=schedule,
-                                transport=transport, microbatch_shape=(self.run_cfg.microbatch_size, cfg.seq_len),
+                                transport=transport, microbatch_shape=(self.run_cfg.microbatch_size, self.tp.seq_len),
                                 source_width=cfg.source_width, residual_width=cfg.d_model, dtype=hop_dtype)
 
         self.runtime = runtime(self.schedule, transport)
@@ -198,7 +212,8 @@ class StageWorker:
         inputs, targets = self._microbatches(self.data.train_microbatches(step) if batch is None
                                              else self.data.split(*batch))
         self.runtime.transport.ledger.clear()
-        self.runtime.start_step(inputs, targets, 1.0 / self.run_cfg.train.microbatches)
+        self.runtime.start_step(self.tp.shard(inputs), self.tp.shard(targets),
+                                self.tp.loss_scale(self.run_cfg.train.microbatches))
 
     def run_step(self, step: int) -> StepRecord:
         """This rank's action list to the end; gradients accumulate in the parameters."""
@@ -221,6 +236,8 @@ class StageWorker:
             ensure_grads(self.untied)
             sync_gradients(self.fsdp.replicated, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel)
         else:
+            if self.tp.active:
+                self.tp.sum_partial_grads(self.untied, self.collectives)
             sync_gradients(self.untied, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel)
         self._grad_bytes = grad_bytes(self.params.values())  # before the optimizer step drops them
 
@@ -234,7 +251,10 @@ class StageWorker:
             reduce_sq = fsdp.norm_reducer(sharded, self.fsdp.replicated, self.tied, self.collectives, self.device)
             return fsdp.optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip,
                                        reduce_sq)
-        reduce_sq = norm_reducer(self.tied, self.collectives, self.device)
+        if self.tp.active:
+            reduce_sq = self.tp.norm_reducer(list(self.params.values()), self.collectives, self.device)
+        else:
+            reduce_sq = norm_reducer(self.tied, self.collectives, self.device)
         return optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip, reduce_sq)
 
     def backward(self, step: int, batch: RankBatch | None = None) -> StepRecord:
@@ -277,7 +297,7 @@ class StageWorker:
     def begin_eval(self, index: int, batch: RankBatch | None = None) -> None:
         inputs, targets = self._microbatches(self.data.val_microbatches(index) if batch is None
                                              else self.data.split(*batch))
-        self.eval_runtime.start_step(inputs, targets, 1.0, forward_only=True)
+        self.eval_runtime.start_step(self.tp.shard(inputs), self.tp.shard(targets), 1.0, forward_only=True)
 
     def evaluate(self, batches: list[RankBatch] | None = None) -> tuple[float, int]:
         """Forward-only passes over the run's validation batches (or `batches`): (sum of microbatch

@@ -1,0 +1,91 @@
+"""One training rank's part in tensor and sequence parallelism (docs/spec.md section 10): what a
+`StageWorker` does differently when its chunks are shared by T ranks of a tp group.
+
+- its chunks' layers are split over the tp mesh (`pipeline.tensor_parallel.parallelize_layers`);
+- under sequence parallelism it holds tokens `[t T_seq / T, (t + 1) T_seq / T)` of every sequence:
+  its microbatches are cut to that shard before the runtime sees them, so every hop, cache entry and
+  deposit is the shard (`comm.plan.shard_tokens`: the simulator's rule for a hop pair's bytes), the
+  embedding runs from the shard's first position and the head scores the shard's tokens;
+- each rank's loss is its shard's mean, so its backward is scaled by 1 / T more (the T shares sum to
+  the microbatch's mean loss) and the gradients of what every tp rank holds whole are summed over tp;
+- the clipping norm counts each split matrix's shards once each and each replicated parameter once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from attnres_pp.comm.plan import shard_tokens
+from attnres_pp.model.config import ModelConfig
+from attnres_pp.pipeline.config import PipelineConfig
+from attnres_pp.pipeline.mesh import Collectives
+from attnres_pp.train.optim import sum_of_squares
+
+
+def is_sharded(param: nn.Parameter) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(param, DTensor)
+
+
+class RankTensorParallel:
+    """The tp side of one rank: `tp_rank` of `pipe.tensor_parallel` ranks sharing its chunks."""
+
+    def __init__(self, cfg: ModelConfig, pipe: PipelineConfig, tp_rank: int) -> None:
+        self.cfg, self.size, self.sp, self.tp_rank = cfg, pipe.tensor_parallel, pipe.sp, tp_rank
+        self.seq_len = shard_tokens(cfg.seq_len, self.size, self.sp)  # tokens of each sequence this rank holds
+        self.first_position = tp_rank * self.seq_len if self.sp else 0
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
+    def split(self, chunks: dict, tp_mesh) -> None:
+        """Split the layers of this rank's chunks over `tp_mesh`, in place (their weights become
+        DTensors: the caller rebuilds its parameter list and optimizer)."""
+        from attnres_pp.pipeline.tensor_parallel import parallelize_layers
+
+        layers = [layer for chunk in chunks.values() for layer in chunk.layers.values()]
+        parallelize_layers(self.cfg, layers, tp_mesh, sequence_parallel=self.sp)
+        for chunk in chunks.values():
+            chunk.position_start = self.first_position
+
+    def shard(self, microbatches: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+        """This rank's tokens `[B, T_seq / T]` of each microbatch `[B, T_seq]` (all of them without SP)."""
+        if microbatches is None or not self.sp:
+            return microbatches
+        tokens = slice(self.first_position, self.first_position + self.seq_len)
+        return [mb[:, tokens].contiguous() for mb in microbatches]
+
+    def loss_scale(self, n_microbatches: int) -> float:
+        """The factor of each microbatch loss in the backward: its share of the step's mean loss."""
+        return 1.0 / (n_microbatches * (self.size if self.sp else 1))
+
+    def sum_partial_grads(self, params: list[nn.Parameter], collectives: Collectives) -> None:
+        """Under SP, add the T ranks' gradients of the parameters each holds whole (each computed on
+        its own tokens). DTensor weights' gradients come out whole from DTensor's own collectives."""
+        if not self.sp:
+            return
+        from attnres_pp.pipeline.tensor_parallel import sum_replicated_grads
+
+        sum_replicated_grads(params, collectives)
+
+    def norm_reducer(self, params: list[nn.Parameter], collectives: Collectives,
+                     device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The `reduce_sq` of `optim.clip_grad_norm_` over a tp run's rank (no tied parameters): the
+        split matrices' local shards summed over tp, the replicated parameters (equal on the T ranks
+        after `sum_partial_grads`) once, then the whole summed over the replica's P ranks."""
+        replicated_sq = sum_of_squares([p.grad.detach() for p in params
+                                        if p.grad is not None and not is_sharded(p)]).to(device)
+
+        def reduce_sq(local_sq: torch.Tensor) -> torch.Tensor:
+            sharded_sq = local_sq.to(device) - replicated_sq
+            collectives.all_reduce(sharded_sq, "tp")
+            total = sharded_sq + replicated_sq
+            collectives.all_reduce(total, "pp")
+            return total
+
+        return reduce_sq
