@@ -210,9 +210,16 @@ CASES = [
      "does not divide --seq-len 15: sequence parallelism"),
     ("train-tp-node", [*TRAIN, *OUT, "--tensor-parallel", "2", "--device", "cuda"], None,
      "larger than a node's 1 ranks (GPUs visible on this node)"),
-    ("train-tp-not-yet", [*TRAIN, *OUT, "--tensor-parallel", "2"], None, "is not supported yet"),
-    ("train-tp-no-sp-not-yet", [*TRAIN, *OUT, "--tensor-parallel", "2", "--seq-len", "15",
-                                "--no-sequence-parallel"], None, "is not supported yet"),
+    ("train-tp-inprocess", [*TRAIN, *OUT, "--tensor-parallel", "2", "--launcher", "inprocess"], None,
+     "does not support --launcher inprocess"),
+    ("train-tp-msar", [*TRAIN, *OUT, "--tensor-parallel", "2", "--residual", "msar", "--no-sequence-parallel",
+                       "--seq-len", "15"], None, "does not support --residual msar"),
+    ("train-tp-bf16", [*TRAIN, *OUT, "--tensor-parallel", "2", "--dtype", "bf16", "--device", "cpu"], None,
+     "does not support --dtype bf16"),
+    ("train-tp-fsdp", [*TRAIN, *OUT, "--tensor-parallel", "2", "--dp-shard", "fsdp", "--device", "cpu"], None,
+     "does not support --dp-shard fsdp"),
+    ("train-tp-selective-ac", [*TRAIN, *OUT, "--tensor-parallel", "2", "--activation-checkpoint", "selective",
+                               "--device", "cpu"], None, "does not support --activation-checkpoint selective"),
 ]
 
 # Every refusal, argparse's included, is one line starting `error: `.

@@ -1,6 +1,7 @@
-"""The layer split of tensor and sequence parallelism (`pipeline.tensor_parallel`) over gloo: T = 2
-rank processes share every layer of the whole model (P = 1), and their loss and every gradient
-equal the single-process model's in float64, with and without sequence parallelism."""
+"""Tensor and sequence parallelism over gloo, T = 2: the layer split alone (`pipeline.tensor_parallel`,
+the whole model on two rank processes, float64), then the pipeline runtime's ranks (`StageWorker`)
+at P = 1, P = 2 and D = 2. Loss and every gradient equal the single-process model's, and each hop
+pair carries comm.plan's bytes per rank."""
 
 from __future__ import annotations
 
@@ -73,23 +74,31 @@ def test_two_tp_ranks_give_the_single_process_loss_and_gradients(tmp_path):
             assert torch.equal(torch.from_numpy(local_qkv), whole_qkv[rows]), (variant, rank)
 
 
-# ---- the pipeline runtime's ranks (StageWorker) with T = 2: P = 1 (2 processes) and P = 2 (4) ----
-# (variant, schedule, P, V, m, cache, sequence parallel); block size 3 puts block edges inside chunks.
-RUNTIME_P1 = [("block", "interleaved_1f1b", 1, 2, 2, True, True), ("block", "gpipe", 1, 1, 2, True, False)]
-RUNTIME_P2 = [("block", "1f1b", 2, 1, 3, True, True), ("block", "interleaved_1f1b", 2, 2, 4, False, True),
-              ("block", "interleaved_1f1b", 2, 2, 2, True, False), ("lr_projected", "1f1b", 2, 1, 2, True, True)]
+# ---- the pipeline runtime's ranks (StageWorker) with T = 2: P = 1 (2 processes), P = 2 and D = 2 (4) ----
+# (variant, schedule, P, V, m, cache, sequence parallel[, train and data_parallel keys]); block size 3
+# puts block edges inside chunks. ZB-V runs the split backward (I, then W from the weight store).
+RUNTIME_P1 = [("block", "interleaved_1f1b", 1, 2, 2, True, True), ("block", "gpipe", 1, 1, 2, True, False),
+              ("block", "zbv", 1, 2, 2, True, True),
+              ("block", "interleaved_1f1b", 1, 2, 2, True, True, {"activation_checkpoint": "full"})]
+RUNTIME_FOUR = [("block", "1f1b", 2, 1, 3, True, True), ("block", "interleaved_1f1b", 2, 2, 4, False, True),
+                ("block", "interleaved_1f1b", 2, 2, 2, True, False), ("lr_projected", "1f1b", 2, 1, 2, True, True),
+                ("block", "zbv", 2, 2, 3, True, True),
+                ("block", "interleaved_1f1b", 1, 2, 2, True, True, {"data_parallel": 2})]
 
 
 def _run_dict(case):
     from attnres_pp.train.config import RunConfig
 
-    variant, schedule, P, V, m, cache, sp = case
+    variant, schedule, P, V, m, cache, sp, *rest = case
+    extra = rest[0] if rest else {}
     cfg = model_config(variant, 4, block_size=3)
+    D = extra.get("data_parallel", 1)
     return RunConfig.from_dict({
         "model": cfg.to_dict(),
-        "train": {"steps": 2, "batch_size": MICRO * m, "microbatches": m, "seed": 0, "warmup_steps": 1},
+        "train": {"steps": 2, "batch_size": MICRO * m * D, "microbatches": m, "seed": 0, "warmup_steps": 1,
+                  **{k: v for k, v in extra.items() if k != "data_parallel"}},
         "pipeline": {"stages": P, "virtual": V, "schedule": schedule, "cache": cache, "launcher": "local",
-                     "timeout_s": 60.0, "tensor_parallel": T, "sequence_parallel": sp},
+                     "timeout_s": 60.0, "tensor_parallel": T, "sequence_parallel": sp, "data_parallel": D},
     }).to_dict()
 
 
@@ -102,15 +111,18 @@ def _worker_main(rank, init_method, run_dicts, results):
         from tests.reference_model import randomize_depth_params
 
         torch.set_num_threads(1)
-        world = run_dicts[0]["pipeline"]["stages"] * T
+        pipe = run_dicts[0]["pipeline"]
+        world = pipe["stages"] * pipe["data_parallel"] * T
         _backend, device = init_process_group(init_method, rank, world, 60.0)
         out = []
         for run_cfg in run_dicts:
             worker = StageWorker(run_cfg, rank)
             randomize_depth_params(worker.model, torch.Generator().manual_seed(1))
             worker.connect(device)
-            m = run_cfg["train"]["microbatches"]
-            worker.begin_step(0, batch(m))
+            D, m = run_cfg["pipeline"]["data_parallel"], run_cfg["train"]["microbatches"]
+            inputs, targets = batch(D * m)
+            rows = slice(worker.dp_rank * MICRO * m, (worker.dp_rank + 1) * MICRO * m)
+            worker.begin_step(0, (inputs[rows], targets[rows]))
             record = worker.run_step(0)
             worker.sync_gradients()
             grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).numpy().copy()
@@ -129,17 +141,18 @@ def _check_runtime(cases, tmp_path):
     from attnres_pp.train.config import RunConfig
 
     run_dicts = [_run_dict(case) for case in cases]
-    world = cases[0][2] * T
+    world = RunConfig.from_dict(run_dicts[0]).pipeline.world_size
     replies = dict(spawn_ranks(_worker_main, world, tmp_path, run_dicts, timeout_s=240.0))
     for index, case in enumerate(cases):
         run_cfg = RunConfig.from_dict(run_dicts[index])
+        D = run_cfg.pipeline.data_parallel
         cfg, m, sp = run_cfg.model, case[4], case[6]
-        want_loss, want_grads = reference_step(cfg, *batch(m), m)
+        want_loss, want_grads = reference_step(cfg, *batch(D * m), D * m)
         per_rank = [replies[rank][index] for rank in range(world)]
         # Every tp rank of the last stage scores its own shard (under SP) or the whole (without):
         # the mean of their losses is the microbatches' mean loss.
         losses = [loss for losses, *_ in per_rank for loss in losses.values()]
-        assert len(losses) == m * T, case
+        assert len(losses) == D * m * T, case
         loss = sum(losses) / len(losses)
         assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (case, loss, want_loss)
         merged: dict = {}
@@ -156,12 +169,13 @@ def _check_runtime(cases, tmp_path):
                                      tensor_parallel=T, sequence_parallel=sp)
         sent_by_pair = sum(per_hop[h] for h in range(len(per_hop)) if partition.rank_of(h) != partition.rank_of(h + 1))
         total_fwd = sum(b for _losses, _grads, b, _tp in per_rank)
-        assert total_fwd == T * m * sent_by_pair, (case, total_fwd, T * m * sent_by_pair)
+        assert total_fwd == D * T * m * sent_by_pair, (case, total_fwd, D * T * m * sent_by_pair)
 
 
 def test_two_tp_ranks_of_the_runtime_equal_the_single_process(tmp_path):
     _check_runtime(RUNTIME_P1, tmp_path)
 
 
-def test_a_two_stage_pipeline_of_two_tp_ranks_each_equals_the_single_process(tmp_path):
-    _check_runtime(RUNTIME_P2, tmp_path)
+def test_two_stages_or_two_replicas_of_two_tp_ranks_equal_the_single_process(tmp_path):
+    _check_runtime(RUNTIME_FOUR, tmp_path)
+

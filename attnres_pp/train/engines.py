@@ -34,19 +34,41 @@ def make_engine(run_cfg: RunConfig, out_dir=None, *, corpus=None, address: str |
 
 def check_tensor_parallel_runs(run_cfg: RunConfig) -> None:
     """ValueError, before any rank starts, for a T > 1 run this driver cannot start: a tp group
-    larger than this node's GPUs (a --device cuda run of the local launcher), and, until the
-    pipeline runtime places chunks on a (dp, pp, tp) mesh, every T > 1 run. The layer split itself
-    (`pipeline.tensor_parallel`) runs and is tested on its own."""
-    pipe = run_cfg.pipeline
-    if pipe.tensor_parallel == 1:
+    larger than this node's GPUs (a --device cuda run of the local launcher), and what the runtime
+    does not run with tensor parallelism yet (each refusal names it). What runs: local rank
+    processes over gloo on cpu, fp32, every schedule (the split backward's included), cache on or
+    off, D replicas of replicated parameters, activation checkpointing none or full, and every
+    variant but MSAR, with or without sequence parallelism."""
+    pipe, train, t = run_cfg.pipeline, run_cfg.train, run_cfg.pipeline.tensor_parallel
+    if t == 1:
         return
-    if run_cfg.train.device == "cuda" and pipe.launcher in ("local", "inprocess"):
-        from attnres_pp.train.devices import visible_gpus
+    if train.device == "cuda" and pipe.launcher in ("local", "inprocess"):
+        pipe.check_tensor_parallel_fits_node(_gpus(), "GPUs visible on this node")
+    on_gpu = train.device == "cuda" or (train.device == "auto" and _gpus() >= pipe.world_size)
+    not_yet = None
+    if pipe.launcher != "local":
+        not_yet = (f"--launcher {pipe.launcher} (inprocess ranks are threads of one process, and DTensor needs a "
+                   "process group per rank; the ray launcher does not place tp groups yet): use --launcher local")
+    elif on_gpu:
+        not_yet = f"--device {train.device} on GPUs (tensor parallelism runs on cpu over gloo so far): use --device cpu"
+    elif train.dtype == "bf16":
+        not_yet = "--dtype bf16 (the tp layers are checked in fp32 only): use --dtype fp32"
+    elif run_cfg.model.residual == "msar":
+        not_yet = ("--residual msar (its causal convolutions' halo between tp ranks and its tied convolutions' "
+                   "sum over tp are not built): choose attnres, lr_attnres or standard")
+    elif pipe.dp_shard == "fsdp":
+        not_yet = "--dp-shard fsdp (FSDP2 over tp-split layers): use --dp-shard replicate"
+    elif train.activation_checkpoint == "selective":
+        not_yet = ("--activation-checkpoint selective (its recomputation cannot replay the tp layers' async "
+                   "collectives): use none or full")
+    if not_yet is not None:
+        raise ValueError(f"--tensor-parallel {t} does not support {not_yet} yet")
 
-        pipe.check_tensor_parallel_fits_node(visible_gpus(), "GPUs visible on this node")
-    raise ValueError(f"--tensor-parallel {pipe.tensor_parallel} is not supported yet by `attnres-pp train`: the "
-                     "pipeline runtime builds each chunk on one rank (its stage workers, executor, hops and "
-                     "checkpoints have no tp axis); train with --tensor-parallel 1")
+
+def _gpus() -> int:
+    from attnres_pp.train import devices
+
+    return devices.visible_gpus()
 
 
 def make_pipeline_engine(run_cfg: RunConfig, out_dir=None, *, address: str | None = None,

@@ -57,13 +57,22 @@ def flat_buckets(params: list[nn.Parameter], bucket_bytes: int = BUCKET_BYTES) -
     return buckets
 
 
+def _local_grad(p: nn.Parameter) -> torch.Tensor:
+    """The gradient this rank holds: a tensor-parallel weight's shard (its dp peers hold the same
+    shard), or the whole gradient."""
+    from torch.distributed.tensor import DTensor
+
+    return p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+
+
 def _reduce_flat(params: list[nn.Parameter], collectives: Collectives, axis: str, divisor: int) -> None:
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    grads = [_local_grad(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
     collectives.all_reduce(flat, axis)
     if divisor != 1:
         flat.div_(divisor)
-    for p, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
-        p.grad.copy_(piece.view_as(p))
+    for g, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(piece.view_as(g))
 
 
 def sync_gradients(untied: list[nn.Parameter], tied: list[nn.Parameter], collectives: Collectives,

@@ -26,6 +26,7 @@ import torch
 from attnres_pp.data import Corpus
 from attnres_pp.model import parameter_count
 from attnres_pp.model.routing import routing_metrics
+from attnres_pp.pipeline.mesh import RankCoords
 from attnres_pp.pipeline.rank_group import RankGroup
 from attnres_pp.pipeline.stage_setup import check_split
 from attnres_pp.schedule.timeline import align_per_rank
@@ -54,7 +55,9 @@ class PipelineEngine:
         self.partition = check_split(run_cfg.model.n_layers, pipe, run_cfg.train.microbatches)
         self.run_cfg = run_cfg
         self.world_size = pipe.world_size
-        self.stats = StepStatsLog(n_chunks=pipe.n_chunks, replica0_ranks=list(range(pipe.stages)))
+        # Replica 0's ranks of tp rank 0 (every tp rank's hops carry the same tensors, each its shard).
+        self.stats = StepStatsLog(n_chunks=pipe.n_chunks,
+                                  replica0_ranks=[p * pipe.tensor_parallel for p in range(pipe.stages)])
         self.record_timelines = record_timelines
         # The second step is the first one free of warm-up effects; a 1-step run traces step 0.
         self._trace_step = min(1, run_cfg.train.steps - 1)
@@ -134,8 +137,10 @@ class PipelineEngine:
     def _step_result(self, step: int, replies: list[StepReply], driver_bytes: int) -> StepResult:
         pipe = self.run_cfg.pipeline
         traced = self.out_dir is not None and step == self._trace_step
-        loss, extras, metrics = self.stats.add(replies, pipe.data_parallel * self.run_cfg.train.microbatches,
-                                               driver_bytes, traced)
+        # Each of the last stage's T tp ranks reports its microbatch losses (under sequence parallelism
+        # each its shard's mean): the mean over all of them is the global batch's mean loss.
+        n_losses = pipe.data_parallel * self.run_cfg.train.microbatches * pipe.tensor_parallel
+        loss, extras, metrics = self.stats.add(replies, n_losses, driver_bytes, traced)
         if self.ranks.lost_nodes:  # summary.json's `lost_nodes`: each lost rank, its node and when
             self.static_extras["lost_nodes"] = list(self.ranks.lost_nodes)
         extras.update(self.static_extras)
@@ -159,7 +164,8 @@ class PipelineEngine:
         first, last = self.partition.rank_of(0), self.partition.rank_of(pipe.n_chunks - 1)
         batches: list[RankBatch | None] = []
         for rank in range(self.world_size):
-            dp_rank, pp_rank = divmod(rank, pipe.stages)
+            coords = RankCoords(rank, pipe.data_parallel, pipe.stages, pipe.tensor_parallel)
+            dp_rank, pp_rank = coords.dp_rank, coords.pp_rank
             rows = slice(dp_rank * share, (dp_rank + 1) * share)
             needed = pp_rank in (first, last)
             batches.append((inputs_BT[rows] if pp_rank == first else None,

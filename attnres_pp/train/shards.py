@@ -10,8 +10,9 @@ The values come from torch.distributed.checkpoint.state_dict (`get_model_state_d
 done here. Every rank saves what it holds; DCP deduplicates the copies that replicas (and MSAR's tied convs on
 every rank) hold, so each key is written once, by one rank, into that rank's own file. A rank loads
 exactly the keys of the parameters it holds, so a checkpoint loads into any launcher and any split
-(stages, virtual stages, data parallelism, layer counts): DCP reads each tensor from whichever
-file has it. Only a changed model cannot load (names or shapes differ; the error says so).
+(stages, virtual stages, data parallelism, tensor parallelism, layer counts): DCP reads each tensor
+from whichever file has it (the fused qkv weights of a tp run are stored whole: `train.tp_rank`).
+Only a changed model cannot load (names or shapes differ; the error says so).
 A rank's RNG state belongs to what it holds, not to its global rank: the stream is named by the
 rank's data-parallel replica and the layers of its chunks (`dp1.layers0:2,4:6`). A resume at
 another split restores the state of every stream that exists in both splits (same replica, same
@@ -51,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from attnres_pp.train.checkpoint_check import check_expected, check_metadata
 from attnres_pp.train.metadata_pickle import CheckpointRefused, brief, load_metadata
+from attnres_pp.train.tp_rank import whole_strided, whole_targets
 
 
 def rng_stream(dp_rank: int, layer_ranges: list[range]) -> str:
@@ -97,7 +99,7 @@ def shard_state(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], o
     state[cpu_key] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state[cuda_key] = torch.cuda.get_rng_state()
-    return state
+    return whole_strided(state)
 
 
 def save_shard(step_dir: str | Path, state: dict, *, distributed: bool) -> None:
@@ -372,7 +374,9 @@ def load_shard(step_dir: str | Path, model: torch.nn.Module, params: dict[str, t
                    str(step_dir))
     for key in rng:
         state[key] = torch.empty_like(rng_targets[key])
+    restore = whole_targets(state)
     _load(state, reader, step_dir, distributed=distributed)
+    state = restore(state)
     set_model_state_dict(model, {name: state[name] for name in model_state}, options=_OPTIONS)
     loaded: dict[str, dict[str, torch.Tensor]] = {}
     for key, (name, field) in optim_keys.items():

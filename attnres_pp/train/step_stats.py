@@ -88,6 +88,8 @@ class StepStatsLog:
         extras = {
             "fwd_hop_tensors": [hops.get(hop, 0) for hop in range(self.n_chunks - 1)],
             "bytes_sent_per_step": sum(r.bytes_sent for r in replies),
+            # the pipeline hop bytes each global rank sent (a tp rank: its sequence shard's)
+            "bytes_sent_per_step_per_rank": [r.bytes_sent for r in sorted(replies, key=lambda r: r.rank)],
             "bubble_fraction": statistics.median(after_first),
             "cache_peak_bytes_per_rank": [r.cache_peak_bytes for r in replies],
             "peak_rss_bytes_per_rank": [r.peak_rss_bytes for r in replies],

@@ -89,3 +89,40 @@ class RankTensorParallel:
             return total
 
         return reduce_sq
+
+
+def _strided(value) -> bool:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements)
+
+
+def whole_strided(state: dict) -> dict:
+    """`state` (a checkpoint's flat state dict) with the fused qkv weights' strided tp shards, and their
+    AdamW moments, made whole: DCP stores a DTensor as contiguous chunks of the global tensor, and a
+    rank's q, k and v rows are three pieces, not one. Every tp rank then holds the same whole tensor,
+    and DCP writes it once, as it writes the replicas' copies. A collective over tp (every tp rank
+    calls it with the same keys, in order)."""
+    return {key: value.full_tensor() if _strided(value) else value for key, value in state.items()}
+
+
+def whole_targets(state: dict) -> Callable[[dict], dict]:
+    """Replace, in place, each strided DTensor target of a checkpoint load by a whole tensor of its
+    global shape (what `whole_strided` saved, and what a T = 1 run saves); returns the function that,
+    after the load, puts each loaded whole tensor back as this rank's strided shard."""
+    from torch.distributed.tensor import distribute_tensor
+
+    layouts = {}
+    for key, value in list(state.items()):
+        if _strided(value):
+            layouts[key] = (value.device_mesh, value.placements)
+            state[key] = torch.empty(value.shape, dtype=value.dtype, device=value.to_local().device)
+
+    def restore(loaded: dict) -> dict:
+        for key, (mesh, placements) in layouts.items():
+            # src_data_rank None: every tp rank read the same whole tensor and keeps its rows, no collective
+            loaded[key] = distribute_tensor(loaded[key], mesh, placements, src_data_rank=None)
+        return loaded
+
+    return restore

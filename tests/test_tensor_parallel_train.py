@@ -1,0 +1,60 @@
+"""`attnres-pp train --tensor-parallel 2` end to end on local rank processes over gloo: the losses
+(optimizer steps included) and validation losses of a T = 2 run equal the T = 1 run's, each rank's
+hop bytes are 1/T of the T = 1 rank's, and a checkpoint resumes at another T (and P) to the
+uninterrupted losses."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from attnres_pp.cli import main
+
+pytestmark = pytest.mark.distributed
+
+RUN = ["train", "--launcher", "local", "--device", "cpu", "--steps", "3", "--layers", "2", "--d-model", "32",
+       "--heads", "2", "--seq-len", "16", "--batch-size", "4", "--microbatches", "2", "--block-size", "3",
+       "--eval-every", "2", "--checkpoint-every", "2", "--quiet"]
+
+
+def _summary(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _close(got, want, rtol=1e-5):
+    return len(got) == len(want) and all(abs(g - w) <= rtol * abs(w) for g, w in zip(got, want, strict=True))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same 3 steps at (T, P) = (1, 2) and (2, 2), each checkpointed at step 2."""
+    root = tmp_path_factory.mktemp("tp_train")
+    for name, flags in (("t1", []), ("t2", ["--tensor-parallel", "2"])):
+        assert main([*RUN, "--stages", "2", *flags, "--out", str(root / name)]) == 0
+    return root
+
+
+def test_a_tensor_parallel_run_trains_as_the_unsplit_one(runs):
+    t1, t2 = _summary(runs / "t1"), _summary(runs / "t2")
+    assert t2["config"]["pipeline"]["tensor_parallel"] == 2 and t2["config"]["pipeline"]["sequence_parallel"] is None
+    assert _close(t2["losses"], t1["losses"]), (t2["losses"], t1["losses"])
+    assert _close([v for _step, v in t2["val_losses"]], [v for _step, v in t1["val_losses"]])
+    # Ranks (pp, tp) = (0, 0), (0, 1), (1, 0), (1, 1): each tp rank sends its sequence shard's half.
+    per_rank_t1, per_rank_t2 = t1["bytes_sent_per_step_per_rank"], t2["bytes_sent_per_step_per_rank"]
+    assert len(per_rank_t2) == 4 and per_rank_t1[0] > 0
+    assert per_rank_t2 == [b // 2 for b in per_rank_t1 for _ in range(2)]
+    assert t2["bytes_sent_per_step"] == t1["bytes_sent_per_step"] == sum(per_rank_t1)
+
+
+@pytest.mark.parametrize(("source", "flags"), [("t2", ["--tensor-parallel", "1", "--stages", "1"]),
+                                               ("t1", ["--tensor-parallel", "2", "--stages", "1"])])
+def test_a_checkpoint_resumes_at_another_tensor_parallel_size(runs, tmp_path, source, flags):
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(runs / source, run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_3")  # resume from step 2
+    assert main(["train", "--resume", str(run_dir), "--launcher", "local", "--quiet", *flags]) == 0
+    resumed, uninterrupted = _summary(run_dir), _summary(runs / "t1")
+    assert resumed["config"]["pipeline"]["tensor_parallel"] == int(flags[1])
+    assert _close(resumed["losses"], uninterrupted["losses"]), (resumed["losses"], uninterrupted["losses"])
