@@ -46,6 +46,11 @@ def test_a_tensor_parallel_run_trains_as_the_unsplit_one(runs):
     assert len(per_rank_t2) == 4 and per_rank_t1[0] > 0
     assert per_rank_t2 == [b // 2 for b in per_rank_t1 for _ in range(2)]
     assert t2["bytes_sent_per_step"] == t1["bytes_sent_per_step"] == sum(per_rank_t1)
+    # memory_per_rank counts each rank's shards: the split matrices halve, the rest is held whole.
+    for rank, entry in enumerate(t2["memory_per_rank"]):
+        whole = t1["memory_per_rank"][rank // 2]
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            assert whole[key] / 2 < entry[key] < whole[key], (rank, key, entry[key], whole[key])
 
 
 @pytest.mark.parametrize(("source", "flags"), [("t2", ["--tensor-parallel", "1", "--stages", "1"]),

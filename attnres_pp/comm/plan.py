@@ -180,8 +180,8 @@ def shard_tokens(tokens: int, tensor_parallel: int = 1, sequence_parallel: bool 
     parallelism (its sequence shard), all of them without it (each tp rank holds the whole tensor).
 
     The one rule for the bytes of a hop pair (d, p, t) -> (d, p + 1, t): the plan's tensor count x
-    `shard_tokens(...)` x width x element size. The simulator reads it; the runtime's tp axis is to read
-    it too (not built yet). ValueError unless T divides the tokens under sequence parallelism."""
+    `shard_tokens(...)` x width x element size. The simulator and the runtime's tp ranks
+    (`train.tp_rank`) both read it. ValueError unless T divides the tokens under sequence parallelism."""
     if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
         raise ValueError(f"tensor_parallel={tensor_parallel!r} is invalid: must be an integer >= 1")
     if not sequence_parallel or tensor_parallel == 1:
