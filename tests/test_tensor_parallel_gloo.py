@@ -82,7 +82,7 @@ RUNTIME_P1 = [("block", "interleaved_1f1b", 1, 2, 2, True, True), ("block", "gpi
               ("block", "interleaved_1f1b", 1, 2, 2, True, True, {"activation_checkpoint": "full"})]
 RUNTIME_FOUR = [("block", "1f1b", 2, 1, 3, True, True), ("block", "interleaved_1f1b", 2, 2, 4, False, True),
                 ("block", "interleaved_1f1b", 2, 2, 2, True, False), ("lr_projected", "1f1b", 2, 1, 2, True, True),
-                ("block", "zbv", 2, 2, 3, True, True),
+                ("block", "zbv", 2, 2, 3, True, True), ("msar", "interleaved_1f1b", 2, 2, 2, True, False),
                 ("block", "interleaved_1f1b", 1, 2, 2, True, True, {"data_parallel": 2})]
 
 

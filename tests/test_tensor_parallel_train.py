@@ -23,15 +23,22 @@ def _summary(run_dir):
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def _grad_norms(run_dir):
+    return [json.loads(line)["grad_norm"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def _close(got, want, rtol=1e-5):
     return len(got) == len(want) and all(abs(g - w) <= rtol * abs(w) for g, w in zip(got, want, strict=True))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The same 3 steps at (T, P) = (1, 2) and (2, 2), each checkpointed at step 2."""
+    """The same 3 steps at (T, P) = (1, 2) and (2, 2), each checkpointed at step 2; and MSAR's (its
+    tied convolutions on every rank), without sequence parallelism and checkpoints."""
     root = tmp_path_factory.mktemp("tp_train")
-    for name, flags in (("t1", []), ("t2", ["--tensor-parallel", "2"])):
+    msar = ["--residual", "msar", "--no-final-checkpoint", "--checkpoint-every", "0", "--eval-every", "0"]
+    for name, flags in (("t1", []), ("t2", ["--tensor-parallel", "2"]), ("m1", msar),
+                        ("m2", [*msar, "--tensor-parallel", "2", "--no-sequence-parallel"])):
         assert main([*RUN, "--stages", "2", *flags, "--out", str(root / name)]) == 0
     return root
 
@@ -40,6 +47,9 @@ def test_a_tensor_parallel_run_trains_as_the_unsplit_one(runs):
     t1, t2 = _summary(runs / "t1"), _summary(runs / "t2")
     assert t2["config"]["pipeline"]["tensor_parallel"] == 2 and t2["config"]["pipeline"]["sequence_parallel"] is None
     assert _close(t2["losses"], t1["losses"]), (t2["losses"], t1["losses"])
+    # the clipping norm (clipping acts: it is > 1) counts every split weight's shards and each replicated
+    # parameter once
+    assert _close(_grad_norms(runs / "t2"), _grad_norms(runs / "t1")) and min(_grad_norms(runs / "t1")) > 1.0
     assert _close([v for _step, v in t2["val_losses"]], [v for _step, v in t1["val_losses"]])
     # Ranks (pp, tp) = (0, 0), (0, 1), (1, 0), (1, 1): each tp rank sends its sequence shard's half.
     per_rank_t1, per_rank_t2 = t1["bytes_sent_per_step_per_rank"], t2["bytes_sent_per_step_per_rank"]
@@ -51,6 +61,13 @@ def test_a_tensor_parallel_run_trains_as_the_unsplit_one(runs):
         whole = t1["memory_per_rank"][rank // 2]
         for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
             assert whole[key] / 2 < entry[key] < whole[key], (rank, key, entry[key], whole[key])
+
+
+def test_msar_without_sequence_parallelism_trains_as_the_unsplit_one(runs):
+    m1, m2 = _summary(runs / "m1"), _summary(runs / "m2")
+    assert m2["config"]["pipeline"]["sequence_parallel"] is False
+    assert _close(m2["losses"], m1["losses"]), (m2["losses"], m1["losses"])
+    assert _close(_grad_norms(runs / "m2"), _grad_norms(runs / "m1"))
 
 
 @pytest.mark.parametrize(("source", "flags"), [("t2", ["--tensor-parallel", "1", "--stages", "1"]),

@@ -76,16 +76,18 @@ def _reduce_flat(params: list[nn.Parameter], collectives: Collectives, axis: str
 
 
 def sync_gradients(untied: list[nn.Parameter], tied: list[nn.Parameter], collectives: Collectives,
-                   data_parallel: int, bucket_bytes: int = BUCKET_BYTES) -> None:
+                   data_parallel: int, bucket_bytes: int = BUCKET_BYTES, tied_copies: int = 1) -> None:
     """Average `untied` over the dp axis (in buckets); sum `tied` over each replica and average them
     over replicas (one all-reduce over every rank). Under fsdp `untied` is the parameters FSDP2
-    leaves whole (`train.fsdp`); its reduce-scatter averages the shards."""
+    leaves whole (`train.fsdp`); its reduce-scatter averages the shards. `tied_copies`: how many
+    ranks of a stage computed the same tied gradients (T tp ranks on whole sequences, `train.tp_rank`),
+    each counted once."""
     ensure_grads(untied + tied)
     if data_parallel > 1:
         for bucket in flat_buckets(untied, bucket_bytes):
             _reduce_flat(bucket, collectives, "dp", data_parallel)
     if tied:
-        _reduce_flat(tied, collectives, "world", data_parallel)
+        _reduce_flat(tied, collectives, "world", data_parallel * tied_copies)
 
 
 def squared_norm(params: list[nn.Parameter], device: torch.device | None = None) -> torch.Tensor:

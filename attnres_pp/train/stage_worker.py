@@ -238,7 +238,8 @@ class StageWorker:
         else:
             if self.tp.active:
                 self.tp.sum_partial_grads(self.untied, self.collectives)
-            sync_gradients(self.untied, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel)
+            sync_gradients(self.untied, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel,
+                           tied_copies=self.tp.tied_copies)
         self._grad_bytes = grad_bytes(self.params.values())  # before the optimizer step drops them
 
     def optimizer_step(self, lr: float) -> float:
@@ -252,7 +253,7 @@ class StageWorker:
             return fsdp.optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip,
                                        reduce_sq)
         if self.tp.active:
-            reduce_sq = self.tp.norm_reducer(list(self.params.values()), self.collectives, self.device)
+            reduce_sq = self.tp.norm_reducer(self.untied, self.tied, self.collectives, self.device)
         else:
             reduce_sq = norm_reducer(self.tied, self.collectives, self.device)
         return optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip, reduce_sq)

@@ -73,20 +73,30 @@ class RankTensorParallel:
 
         sum_replicated_grads(params, collectives)
 
-    def norm_reducer(self, params: list[nn.Parameter], collectives: Collectives,
+    @property
+    def tied_copies(self) -> int:
+        """Ranks of a stage whose tied (MSAR convolution) gradients are the same: the T tp ranks on
+        whole sequences; under SP each computed its own tokens' part (`grad_sync.sync_gradients`)."""
+        return 1 if self.sp else self.size
+
+    def norm_reducer(self, untied: list[nn.Parameter], tied: list[nn.Parameter], collectives: Collectives,
                      device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The `reduce_sq` of `optim.clip_grad_norm_` over a tp run's rank (no tied parameters): the
-        split matrices' local shards summed over tp, the replicated parameters (equal on the T ranks
-        after `sum_partial_grads`) once, then the whole summed over the replica's P ranks."""
-        replicated_sq = sum_of_squares([p.grad.detach() for p in params
-                                        if p.grad is not None and not is_sharded(p)]).to(device)
+        """The `reduce_sq` of `optim.clip_grad_norm_` over a tp run's rank, each parameter counted
+        once: the split matrices' local shards summed over tp, the replicated untied parameters
+        (equal on the T ranks after `sum_partial_grads`) once per tp group, both summed over the
+        replica's P ranks, and the tied ones (equal on every rank after their sync) added once."""
+        def squares(params):
+            return sum_of_squares([p.grad.detach() for p in params if p.grad is not None]).to(device)
+
+        replicated_sq = squares([p for p in untied if not is_sharded(p)])
+        tied_sq = squares(tied)
 
         def reduce_sq(local_sq: torch.Tensor) -> torch.Tensor:
-            sharded_sq = local_sq.to(device) - replicated_sq
+            sharded_sq = local_sq.to(device) - replicated_sq - tied_sq
             collectives.all_reduce(sharded_sq, "tp")
             total = sharded_sq + replicated_sq
             collectives.all_reduce(total, "pp")
-            return total
+            return total + tied_sq
 
         return reduce_sq
 
