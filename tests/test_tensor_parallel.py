@@ -31,6 +31,8 @@ def test_tensor_parallel_round_trips_through_the_pipeline_table():
     (ModelConfig(n_heads=4, d_model=64), PipelineConfig(tensor_parallel=8), "does not divide the 4 heads"),
     (ModelConfig(n_heads=4, d_model=64, d_ff=66), PipelineConfig(tensor_parallel=4), "does not divide d_ff = 66"),
     (ModelConfig(seq_len=18), PipelineConfig(tensor_parallel=4), "does not divide --seq-len 18"),
+    (ModelConfig(residual="msar", stream_kernels=(2, 9), seq_len=16), PipelineConfig(tensor_parallel=4),
+     "shards of 4 tokens, fewer than the 8"),
 ])
 def test_a_split_the_layer_cannot_take_is_refused_naming_the_rule(model, pipe, needle):
     with pytest.raises(ValueError, match=needle):
@@ -93,9 +95,11 @@ def test_thread_collectives_sum_over_the_tp_group_only():
 def test_the_layer_split_refuses_what_it_cannot_split():
     from attnres_pp.pipeline.tensor_parallel import check_layer_split, sequence_shard
 
-    check_layer_split(ModelConfig(residual="msar", stream_kernels=(2, 3)), 2, sequence_parallel=False)
-    with pytest.raises(ValueError, match="halo exchange"):
-        check_layer_split(ModelConfig(residual="msar", stream_kernels=(2, 3)), 2, sequence_parallel=True)
+    msar = ModelConfig(residual="msar", stream_kernels=(2, 9), seq_len=16)
+    check_layer_split(msar, 2, sequence_parallel=True)  # shards of 8 tokens hold the halo of 8
+    check_layer_split(msar, 4, sequence_parallel=False)
+    with pytest.raises(ValueError, match="fewer than the 8 tokens"):
+        check_layer_split(msar, 4, sequence_parallel=True)
     with pytest.raises(ValueError, match="must divide the 4 heads"):
         check_layer_split(ModelConfig(), 8, sequence_parallel=False)
     assert [sequence_shard(16, t, 4) for t in range(4)] == [slice(0, 4), slice(4, 8), slice(8, 12), slice(12, 16)]

@@ -16,9 +16,10 @@ from tests.spawn_helpers import spawn_ranks
 pytestmark = pytest.mark.distributed
 
 T = 2
-# (variant, sequence parallel): Block AttnRes both ways; projected keys (the row-parallel outputs'
-# extra r columns) and the standard residual under SP; MSAR only without SP (no halo exchange).
-CASES = [("block", True), ("block", False), ("lr_projected", True), ("standard", True), ("msar", False)]
+# (variant, sequence parallel): Block AttnRes and MSAR (its convolutions' halo under SP) both ways;
+# projected keys (the row-parallel outputs' extra r columns) and the standard residual under SP.
+CASES = [("block", True), ("block", False), ("lr_projected", True), ("standard", True), ("msar", False),
+         ("msar", True)]
 
 
 def _config(variant):
@@ -29,7 +30,13 @@ def _rank_main(rank, init_method, cases, results):
     try:
         from attnres_pp.pipeline.mesh import MeshCollectives, RankCoords
         from attnres_pp.pipeline.stage_setup import init_process_group
-        from attnres_pp.pipeline.tensor_parallel import full_grads, parallelize_layers, rank_loss, sum_replicated_grads
+        from attnres_pp.pipeline.tensor_parallel import (
+            full_grads,
+            install_halo,
+            parallelize_layers,
+            rank_loss,
+            sum_replicated_grads,
+        )
 
         torch.set_num_threads(1)
         init_process_group(init_method, rank, T, 60.0)
@@ -41,6 +48,7 @@ def _rank_main(rank, init_method, cases, results):
             cfg = _config(variant)
             model = build_model(cfg, torch.float64)
             parallelize_layers(cfg, model.layers, collectives.mesh["tp"], sequence_parallel=sp)
+            install_halo(model.stream_convs, collectives.mesh["tp"], sequence_parallel=sp)
             loss = rank_loss(model, inputs, targets, tp_rank=coords.tp_rank, tensor_parallel=T, sequence_parallel=sp)
             loss.backward()
             if sp:
@@ -83,6 +91,7 @@ RUNTIME_P1 = [("block", "interleaved_1f1b", 1, 2, 2, True, True), ("block", "gpi
 RUNTIME_FOUR = [("block", "1f1b", 2, 1, 3, True, True), ("block", "interleaved_1f1b", 2, 2, 4, False, True),
                 ("block", "interleaved_1f1b", 2, 2, 2, True, False), ("lr_projected", "1f1b", 2, 1, 2, True, True),
                 ("block", "zbv", 2, 2, 3, True, True), ("msar", "interleaved_1f1b", 2, 2, 2, True, False),
+                ("msar", "1f1b", 2, 1, 2, True, True),
                 ("block", "interleaved_1f1b", 1, 2, 2, True, True, {"data_parallel": 2})]
 
 

@@ -88,10 +88,15 @@ class StreamConvs(nn.Module):
     """MSAR per-source causal depthwise convolutions: `weights[j][s-1]` is `[kappa_s, d]` for source j.
 
     Initialised as causal moving averages (1 / kappa on every tap) so the streams differ from step 0.
+
+    `halo`, when set (sequence parallelism, `pipeline.tensor_parallel.SequenceHalo`), maps the last
+    kappa_max - 1 tokens of a rank's sequence shard `[N, B, kappa_max - 1, d]` to those before it (the
+    previous tp rank's, zeros on the first), which the convolutions read in place of v[t < 0] = 0.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.halo = None
         self.kernel_sizes = cfg.stream_kernels
         self.weights = nn.ModuleList(
             nn.ParameterList(nn.Parameter(torch.full((k, cfg.d_model), 1.0 / k)) for k in cfg.stream_kernels)
@@ -120,7 +125,12 @@ class StreamConvs(nn.Module):
         n, _, seq, _ = v_NBTD.shape
         kappa_max = kernels[0].shape[1]
         taps_NSKD = kernels[0].unsqueeze(0) if n == 1 else torch.stack(kernels)
-        padded_NBPD = F.pad(v_NBTD, (0, 0, kappa_max - 1, 0))  # v[t < 0] = 0
+        reach = seq  # taps past the sequence's start meet only zeros
+        if self.halo is None or kappa_max == 1:
+            padded_NBPD = F.pad(v_NBTD, (0, 0, kappa_max - 1, 0))  # v[t < 0] = 0
+        else:  # a sequence shard: the tokens before it come from the previous shard
+            padded_NBPD = torch.cat([self.halo(v_NBTD[:, :, seq - (kappa_max - 1):]), v_NBTD], dim=2)
+            reach = kappa_max
 
         def shifted(delta: int) -> torch.Tensor:  # v[t - delta]
             return padded_NBPD[:, :, kappa_max - 1 - delta: kappa_max - 1 - delta + seq]
@@ -129,7 +139,7 @@ class StreamConvs(nn.Module):
         for s, kappa in enumerate(self.kernel_sizes):
             taps_NKD = taps_NSKD[:, s].unsqueeze(1).unsqueeze(1)  # [N, 1, 1, K, d]
             u_NBTD = v_NBTD * taps_NKD[..., 0, :]
-            for delta in range(1, min(kappa, seq)):  # taps past the sequence's start meet only zeros
+            for delta in range(1, min(kappa, reach)):
                 u_NBTD = torch.addcmul(u_NBTD, shifted(delta), taps_NKD[..., delta, :])
             streams.append(u_NBTD.to(v_NBTD.dtype))
         return torch.stack(streams)

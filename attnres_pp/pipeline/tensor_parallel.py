@@ -20,9 +20,9 @@ holds the rows of its heads' q, k and v and the projection's output is `[q_t | k
 Under sequence parallelism the parameters every tp rank holds whole (embedding, positions, depth
 attention's pseudo-queries and key norms, the head) get from each rank the gradient of its own
 tokens only; `sum_replicated_grads` adds the T partial gradients. The sequence-parallel norms'
-gains are DTensors, whose gradients DTensor sums itself. MSAR's causal convolutions would read the
-tokens before the shard (a halo from the previous tp rank), which this module does not exchange:
-`check_layer_split` refuses MSAR under sequence parallelism.
+gains are DTensors, whose gradients DTensor sums itself. MSAR's causal convolutions read the
+kappa_max - 1 tokens before the shard: `SequenceHalo` brings them from the previous tp rank, and
+their gradient back to it.
 """
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from attnres_pp.model.config import ModelConfig
+from attnres_pp.model.depth import StreamConvs
 from attnres_pp.model.layers import TransformerLayer
 from attnres_pp.model.precision import compute_context
 from attnres_pp.model.stack import forward_sublayers
@@ -83,9 +85,11 @@ def check_layer_split(cfg: ModelConfig, tensor_parallel: int, sequence_parallel:
     if sequence_parallel and cfg.seq_len % tensor_parallel:
         raise ValueError(f"tensor_parallel={tensor_parallel} must divide seq_len = {cfg.seq_len} under sequence "
                          "parallelism")
-    if sequence_parallel and tensor_parallel > 1 and cfg.residual == "msar":
-        raise ValueError("MSAR under sequence parallelism needs the causal convolutions' halo exchange between tp "
-                         "ranks, which is not built: split MSAR without sequence parallelism")
+    halo = max(cfg.stream_kernels) - 1 if cfg.residual == "msar" else 0
+    if sequence_parallel and tensor_parallel > 1 and cfg.seq_len // tensor_parallel < halo:
+        raise ValueError(f"tensor_parallel={tensor_parallel} leaves {cfg.seq_len // tensor_parallel} tokens per "
+                         f"sequence shard, fewer than the {halo} tokens MSAR's widest causal convolution reads "
+                         "before it (its halo, from the previous tp rank's shard alone)")
 
 
 def parallelize_layers(cfg: ModelConfig, layers: Iterable[TransformerLayer], tp_mesh, *,
@@ -95,6 +99,43 @@ def parallelize_layers(cfg: ModelConfig, layers: Iterable[TransformerLayer], tp_
     check_layer_split(cfg, tp_mesh.size(), sequence_parallel)
     for layer in layers:
         parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel))
+
+
+class _HaloExchange(torch.autograd.Function):
+    """Forward: every tp rank's last tokens, all-gathered; rank t keeps rank t - 1's (zeros on rank
+    0). Backward: the halos' gradients, all-gathered; rank t takes rank t + 1's, the gradient of the
+    tokens it lent. Two all-gathers of kappa_max - 1 tokens rather than point-to-point sends: every
+    backend has them, and every tp rank calls them in the same order (they run the same schedule)."""
+
+    @staticmethod
+    def forward(ctx, tail_NBKD: torch.Tensor, group, tp_rank: int, size: int) -> torch.Tensor:
+        ctx.group, ctx.tp_rank, ctx.size = group, tp_rank, size
+        pieces = [torch.empty_like(tail_NBKD) for _ in range(size)]
+        dist.all_gather(pieces, tail_NBKD.contiguous(), group=group)
+        return pieces[tp_rank - 1] if tp_rank > 0 else torch.zeros_like(tail_NBKD)
+
+    @staticmethod
+    def backward(ctx, grad_halo_NBKD: torch.Tensor):
+        pieces = [torch.empty_like(grad_halo_NBKD) for _ in range(ctx.size)]
+        dist.all_gather(pieces, grad_halo_NBKD.contiguous(), group=ctx.group)
+        lent = pieces[ctx.tp_rank + 1] if ctx.tp_rank + 1 < ctx.size else torch.zeros_like(grad_halo_NBKD)
+        return lent, None, None, None
+
+
+class SequenceHalo:
+    """`StreamConvs.halo` of tp rank `tp_rank` on the 1-D `tp_mesh`: the tokens before its shard."""
+
+    def __init__(self, tp_mesh, tp_rank: int) -> None:
+        self.group, self.tp_rank, self.size = tp_mesh.get_group(), tp_rank, tp_mesh.size()
+
+    def __call__(self, tail_NBKD: torch.Tensor) -> torch.Tensor:
+        return _HaloExchange.apply(tail_NBKD, self.group, self.tp_rank, self.size)
+
+
+def install_halo(stream_convs: StreamConvs | None, tp_mesh, *, sequence_parallel: bool) -> None:
+    """Give MSAR's convolutions the halo of this rank's sequence shard (nothing to do otherwise)."""
+    if stream_convs is not None and sequence_parallel and tp_mesh.size() > 1:
+        stream_convs.halo = SequenceHalo(tp_mesh, tp_mesh.get_local_rank())
 
 
 def sequence_shard(seq_len: int, tp_rank: int, tensor_parallel: int) -> slice:

@@ -206,6 +206,12 @@ def check_tensor_parallel_split(model: ModelConfig, pipe: PipelineConfig) -> Non
         raise ValueError(f"--tensor-parallel {t} does not divide --seq-len {model.seq_len}: sequence parallelism "
                          "gives each tp rank 1/T of every sequence; choose T dividing it, or give "
                          "--no-sequence-parallel")
+    halo = max(model.stream_kernels) - 1 if model.residual == "msar" else 0
+    if pipe.sp and model.seq_len // t < halo:
+        raise ValueError(f"--tensor-parallel {t} splits --seq-len {model.seq_len} into shards of "
+                         f"{model.seq_len // t} tokens, fewer than the {halo} that MSAR's widest causal convolution "
+                         "reads before each (kappa_max - 1, from the previous tp rank): give a longer --seq-len, "
+                         "a smaller T, or --no-sequence-parallel")
 
 
 def read_toml(path: str | Path) -> dict:

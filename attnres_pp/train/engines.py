@@ -38,7 +38,7 @@ def check_tensor_parallel_runs(run_cfg: RunConfig) -> None:
     does not run with tensor parallelism yet (each refusal names it). What runs: local rank
     processes over gloo on cpu, fp32, every schedule (the split backward's included), cache on or
     off, D replicas of replicated parameters, activation checkpointing none or full, and every
-    variant with or without sequence parallelism (MSAR without it only)."""
+    variant with or without sequence parallelism."""
     pipe, train, t = run_cfg.pipeline, run_cfg.train, run_cfg.pipeline.tensor_parallel
     if t == 1:
         return
@@ -53,9 +53,8 @@ def check_tensor_parallel_runs(run_cfg: RunConfig) -> None:
         not_yet = f"--device {train.device} on GPUs (tensor parallelism runs on cpu over gloo so far): use --device cpu"
     elif train.dtype == "bf16":
         not_yet = "--dtype bf16 (the tp layers are checked in fp32 only): use --dtype fp32"
-    elif run_cfg.model.residual == "msar" and pipe.sp:
-        not_yet = ("--residual msar with sequence parallelism (its causal convolutions' halo between tp ranks "
-                   "is not built): give --no-sequence-parallel")
+    elif train.kernels == "triton":
+        not_yet = "--kernels triton (the tp ranks are checked with the torch kernels): use --kernels torch"
     elif pipe.dp_shard == "fsdp":
         not_yet = "--dp-shard fsdp (FSDP2 over tp-split layers): use --dp-shard replicate"
     elif train.activation_checkpoint == "selective":

@@ -46,10 +46,11 @@ class RankTensorParallel:
     def split(self, chunks: dict, tp_mesh) -> None:
         """Split the layers of this rank's chunks over `tp_mesh`, in place (their weights become
         DTensors: the caller rebuilds its parameter list and optimizer)."""
-        from attnres_pp.pipeline.tensor_parallel import parallelize_layers
+        from attnres_pp.pipeline.tensor_parallel import install_halo, parallelize_layers
 
         layers = [layer for chunk in chunks.values() for layer in chunk.layers.values()]
         parallelize_layers(self.cfg, layers, tp_mesh, sequence_parallel=self.sp)
+        install_halo(next(iter(chunks.values()))._stream_convs[0], tp_mesh, sequence_parallel=self.sp)
         for chunk in chunks.values():
             chunk.position_start = self.first_position
 
