@@ -131,22 +131,30 @@ def _worker_main(rank, init_method, run_dicts, results):
             D, m = run_cfg["pipeline"]["data_parallel"], run_cfg["train"]["microbatches"]
             inputs, targets = batch(D * m)
             rows = slice(worker.dp_rank * MICRO * m, (worker.dp_rank + 1) * MICRO * m)
-            worker.begin_step(0, (inputs[rows], targets[rows]))
-            record = worker.run_step(0)
-            worker.sync_gradients()
+            record = worker.backward(0, (inputs[rows], targets[rows]))
             grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).numpy().copy()
                      for n, p in worker.params.items() if p.grad is not None}
             fwd_bytes = sum(r[4] for r in worker.runtime.transport.ledger.records if r[0] == "fwd")
-            out.append((record.losses, grads, fwd_bytes, worker.coords.tp_rank))
+            whole_bytes = sum(p.numel() * p.element_size() for n, p in worker.params.items()
+                              if not isinstance(p, DTensor) or n.endswith("norm.weight"))
+            out.append((record.losses, grads, fwd_bytes, (worker.pp_rank, worker.tp_bytes, whole_bytes)))
             getattr(worker.runtime.transport, "close", lambda: None)()
         results.put((rank, out))
     except Exception:
         results.put((rank, traceback.format_exc()))
 
 
+def variant_has_plain_collectives(case) -> bool:
+    """Block AttnRes, one fused backward, no activation checkpointing: the row-parallel outputs are d
+    wide (no projected keys), nothing is recomputed, there are no MSAR halos, and no weight store
+    (whose W passes reduce some norm gains' partial gradients again, a few hundred bytes more)."""
+    return case[0] == "block" and case[1] != "zbv" and not (case[7:] and case[7].get("activation_checkpoint"))
+
+
 def _check_runtime(cases, tmp_path):
     from attnres_pp.comm.plan import hop_bytes_per_rank, plan_for_model
     from attnres_pp.pipeline.stage_setup import run_partition
+    from attnres_pp.simulator.tensor_parallel import TensorParallel, layer_collectives
     from attnres_pp.train.config import RunConfig
 
     run_dicts = [_run_dict(case) for case in cases]
@@ -179,6 +187,16 @@ def _check_runtime(cases, tmp_path):
         sent_by_pair = sum(per_hop[h] for h in range(len(per_hop)) if partition.rank_of(h) != partition.rank_of(h + 1))
         total_fwd = sum(b for _losses, _grads, b, _tp in per_rank)
         assert total_fwd == D * T * m * sent_by_pair, (case, total_fwd, D * T * m * sent_by_pair)
+        if variant_has_plain_collectives(case):
+            # The tp collectives each rank counted are the simulator's per-layer terms (forward and
+            # backward, each microbatch) plus, under SP, the sums of the partial gradients of what
+            # it holds whole (an all-reduce each).
+            per_layer = sum(c["count"] * c["sent_bytes_per_rank"] for c in layer_collectives(
+                MICRO * cfg.seq_len, cfg.d_model, 4, TensorParallel(T, sp)))
+            for _losses, _grads, _bytes, (pp_rank, tp_bytes, whole_bytes) in per_rank:
+                n_layers = sum(len(partition.layer_range(c)) for c in partition.chunks_of(pp_rank))
+                want = 2 * m * n_layers * per_layer + (2 * whole_bytes * (T - 1) // T if sp else 0)
+                assert tp_bytes == want, (case, pp_rank, tp_bytes, want)
 
 
 def test_two_tp_ranks_of_the_runtime_equal_the_single_process(tmp_path):

@@ -58,6 +58,9 @@ def test_a_tensor_parallel_run_trains_as_the_unsplit_one(runs):
     assert len(per_rank_t2) == 4 and per_rank_t1[0] > 0
     assert per_rank_t2 == [b // 2 for b in per_rank_t1 for _ in range(2)]
     assert t2["bytes_sent_per_step"] == t1["bytes_sent_per_step"] == sum(per_rank_t1)
+    # the tp collectives' bytes (their per-rank count is checked against the simulator's terms in
+    # tests/test_tensor_parallel_gloo.py)
+    assert t1["tp_bytes_per_step"] == 0 < t2["tp_bytes_per_step"]
     # memory_per_rank counts each rank's shards: the split matrices halve, the rest is held whole.
     for rank, entry in enumerate(t2["memory_per_rank"]):
         whole = t1["memory_per_rank"][rank // 2]

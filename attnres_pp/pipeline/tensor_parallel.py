@@ -20,7 +20,8 @@ holds the rows of its heads' q, k and v and the projection's output is `[q_t | k
 Under sequence parallelism the parameters every tp rank holds whole (embedding, positions, depth
 attention's pseudo-queries and key norms, the head) get from each rank the gradient of its own
 tokens only; `sum_replicated_grads` adds the T partial gradients. The sequence-parallel norms'
-gains are DTensors, whose gradients DTensor sums itself. MSAR's causal convolutions read the
+gains are replicated DTensors, whose gradients DTensor leaves as partial sums (`Partial`, reduced
+where they are read: `full_grads`, `train.tp_rank`). MSAR's causal convolutions read the
 kappa_max - 1 tokens before the shard: `SequenceHalo` brings them from the previous tp rank, and
 their gradient back to it.
 """

@@ -75,6 +75,7 @@ class StageWorker:
         self.coords = RankCoords(rank, pipe.data_parallel, pipe.stages, pipe.tensor_parallel)
         self.rank, self.pp_rank, self.dp_rank = rank, self.coords.pp_rank, self.coords.dp_rank
         self.tp = RankTensorParallel(cfg, pipe, self.coords.tp_rank)
+        self.tp_bytes: int | None = None  # what this rank's tp collectives send per step, once counted
         torch.set_num_threads(train.threads)
         self.partition = run_partition(cfg.n_layers, pipe)
         self.model, self.chunks = build_rank_model(cfg, self.partition, self.pp_rank, seed=train.seed,
@@ -156,6 +157,7 @@ class StageWorker:
         """Tensor parallelism (`train.tp_rank`): the chunks' layers split over the tp ranks, so the
         parameter list and the optimizer are built again over the DTensor weights."""
         self.tp.split(self.chunks, tp_mesh)
+        self.tp_group = tp_mesh.get_group()
         self.params = rank_parameters(self.chunks, self.model)
         self.tied = [p for name, p in self.params.items() if name.startswith("stream_convs.")]
         self.untied = [p for name, p in self.params.items() if not name.startswith("stream_convs.")]
@@ -262,6 +264,14 @@ class StageWorker:
         """Forward and backward of step `step`, then the gradient sync: the synced gradients are left
         in the parameters (tests read them there)."""
         self.begin_step(step, batch)
+        if self.tp.active and self.tp_bytes is None:  # counted once: the same every step
+            from attnres_pp.pipeline.tp_bytes import TensorParallelBytes
+
+            with TensorParallelBytes(self.tp_group) as counter:
+                record = self.run_step(step)
+                self.sync_gradients()
+            self.tp_bytes = counter.sent_bytes
+            return record
         record = self.run_step(step)
         self.sync_gradients()
         return record
@@ -292,6 +302,7 @@ class StageWorker:
             cache_peak_bytes=record.cache_peak_bytes, peak_rss_bytes=peak_rss_bytes(),
             events=tuple((self.rank, e.name, e.start_s, e.end_s, e.category) for e in events) if want_events else None,
             memory=self.memory(record),
+            tp_bytes=self.tp_bytes or 0,
         )
 
     # ---- evaluation: the forward-only schedule on the training ranks ----

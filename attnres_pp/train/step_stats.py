@@ -32,6 +32,7 @@ class StepReply(NamedTuple):
     peak_rss_bytes: int
     events: tuple | None  # (rank, action name, start_s, end_s, category) per action, when asked
     memory: dict | None = None  # the rank's `memory_per_rank` entry (`train.memory_report`)
+    tp_bytes: int = 0  # what its tensor-parallel collectives send per step (`pipeline.tp_bytes`)
 
 
 def fwd_hop_tensors(ledger: list[tuple[str, int, int, int, int]], n_chunks: int) -> list[int]:
@@ -90,6 +91,8 @@ class StepStatsLog:
             "bytes_sent_per_step": sum(r.bytes_sent for r in replies),
             # the pipeline hop bytes each global rank sent (a tp rank: its sequence shard's)
             "bytes_sent_per_step_per_rank": [r.bytes_sent for r in sorted(replies, key=lambda r: r.rank)],
+            # the tensor-parallel collectives' bytes, all ranks (0 without tensor parallelism)
+            "tp_bytes_per_step": sum(r.tp_bytes for r in replies),
             "bubble_fraction": statistics.median(after_first),
             "cache_peak_bytes_per_rank": [r.cache_peak_bytes for r in replies],
             "peak_rss_bytes_per_rank": [r.peak_rss_bytes for r in replies],

@@ -26,9 +26,15 @@ from attnres_pp.train.optim import sum_of_squares
 
 
 def is_sharded(param: nn.Parameter) -> bool:
+    """A DTensor: a split weight, or a sequence-parallel norm's gain (replicated over tp)."""
     from torch.distributed.tensor import DTensor
 
     return isinstance(param, DTensor)
+
+
+def is_split(param: nn.Parameter) -> bool:
+    """A DTensor of which this rank holds a part (not one replicated whole on every tp rank)."""
+    return is_sharded(param) and not all(p.is_replicate() for p in param.placements)
 
 
 class RankTensorParallel:
@@ -67,12 +73,17 @@ class RankTensorParallel:
 
     def sum_partial_grads(self, params: list[nn.Parameter], collectives: Collectives) -> None:
         """Under SP, add the T ranks' gradients of the parameters each holds whole (each computed on
-        its own tokens). DTensor weights' gradients come out whole from DTensor's own collectives."""
+        its own tokens). The sequence-parallel norms' gains are replicated DTensors whose gradients
+        DTensor leaves as partial sums (`Partial`): they are reduced to their parameters' placement
+        here, so that every later step (the dp sync, the clipping norm, AdamW) reads whole values."""
         if not self.sp:
             return
         from attnres_pp.pipeline.tensor_parallel import sum_replicated_grads
 
         sum_replicated_grads(params, collectives)
+        for p in params:
+            if p.grad is not None and is_sharded(p) and any(pl.is_partial() for pl in p.grad.placements):
+                p.grad = p.grad.redistribute(placements=p.placements)
 
     @property
     def tied_copies(self) -> int:
@@ -87,9 +98,10 @@ class RankTensorParallel:
         (equal on the T ranks after `sum_partial_grads`) once per tp group, both summed over the
         replica's P ranks, and the tied ones (equal on every rank after their sync) added once."""
         def squares(params):
-            return sum_of_squares([p.grad.detach() for p in params if p.grad is not None]).to(device)
+            grads = [p.grad.detach() for p in params if p.grad is not None]
+            return sum_of_squares([g.to_local() if is_sharded(g) else g for g in grads]).to(device)
 
-        replicated_sq = squares([p for p in untied if not is_sharded(p)])
+        replicated_sq = squares([p for p in untied if not is_split(p)])
         tied_sq = squares(tied)
 
         def reduce_sq(local_sq: torch.Tensor) -> torch.Tensor:
