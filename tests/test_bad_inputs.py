@@ -210,6 +210,8 @@ CASES = [
      "does not divide --seq-len 15: sequence parallelism"),
     ("train-tp-node", [*TRAIN, *OUT, "--tensor-parallel", "2", "--device", "cuda"], None,
      "larger than a node's 1 ranks (GPUs visible on this node)"),
+    ("train-tp-failure-rank", [*TRAIN, *OUT, "--tensor-parallel", "2", "--stages", "2", "--inject-failure", "4:1"],
+     None, "RANK must be in 0..3 (--stages 2 x --tensor-parallel 2)"),
     ("train-tp-inprocess", [*TRAIN, *OUT, "--tensor-parallel", "2", "--launcher", "inprocess"], None,
      "does not support --launcher inprocess"),
     ("train-tp-msar-halo", [*TRAIN, *OUT, "--tensor-parallel", "2", "--residual", "msar"], None,

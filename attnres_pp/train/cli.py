@@ -230,6 +230,8 @@ def parse_failure(text: str | None, run_cfg: RunConfig) -> tuple[int, int] | Non
         layout = f"--stages {pipe.stages}"
         if pipe.data_parallel > 1:
             layout += f" x --data-parallel {pipe.data_parallel}"
+        if pipe.tensor_parallel > 1:
+            layout += f" x --tensor-parallel {pipe.tensor_parallel}"
         raise ConfigError(f"--inject-failure {text!r} is invalid: RANK must be in 0..{pipe.world_size - 1} ({layout})")
     if not 1 <= step <= steps:
         raise ConfigError(f"--inject-failure {text!r} is invalid: STEP must be in 1..{steps} (--steps {steps})")

@@ -156,7 +156,7 @@ class StageWorker:
     def _split_layers(self, tp_mesh) -> None:
         """Tensor parallelism (`train.tp_rank`): the chunks' layers split over the tp ranks, so the
         parameter list and the optimizer are built again over the DTensor weights."""
-        self.tp.split(self.chunks, tp_mesh)
+        self.tp.split(self.chunks, self.model.stream_convs, tp_mesh)
         self.tp_group = tp_mesh.get_group()
         self.params = rank_parameters(self.chunks, self.model)
         self.tied = [p for name, p in self.params.items() if name.startswith("stream_convs.")]

@@ -8,7 +8,8 @@
   embedding runs from the shard's first position and the head scores the shard's tokens;
 - each rank's loss is its shard's mean, so its backward is scaled by 1 / T more (the T shares sum to
   the microbatch's mean loss) and the gradients of what every tp rank holds whole are summed over tp;
-- the clipping norm counts each split matrix's shards once each and each replicated parameter once.
+- the clipping norm counts each split matrix's shards once each and each replicated parameter once;
+- checkpoints hold the fused qkv weight whole (`whole_strided`, `whole_targets`), so they load at any T.
 """
 
 from __future__ import annotations
@@ -49,14 +50,15 @@ class RankTensorParallel:
     def active(self) -> bool:
         return self.size > 1
 
-    def split(self, chunks: dict, tp_mesh) -> None:
+    def split(self, chunks: dict, stream_convs: nn.Module | None, tp_mesh) -> None:
         """Split the layers of this rank's chunks over `tp_mesh`, in place (their weights become
-        DTensors: the caller rebuilds its parameter list and optimizer)."""
+        DTensors: the caller rebuilds its parameter list and optimizer), and give MSAR's
+        `stream_convs` their halo under SP."""
         from attnres_pp.pipeline.tensor_parallel import install_halo, parallelize_layers
 
         layers = [layer for chunk in chunks.values() for layer in chunk.layers.values()]
         parallelize_layers(self.cfg, layers, tp_mesh, sequence_parallel=self.sp)
-        install_halo(next(iter(chunks.values()))._stream_convs[0], tp_mesh, sequence_parallel=self.sp)
+        install_halo(stream_convs, tp_mesh, sequence_parallel=self.sp)
         for chunk in chunks.values():
             chunk.position_start = self.first_position
 
