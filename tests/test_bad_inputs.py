@@ -218,8 +218,6 @@ CASES = [
      "fewer than the 11 that MSAR's widest causal convolution reads"),
     ("train-tp-triton", [*TRAIN, *OUT, "--tensor-parallel", "2", "--kernels", "triton", "--device", "cpu"], None,
      "does not support --kernels triton"),
-    ("train-tp-bf16", [*TRAIN, *OUT, "--tensor-parallel", "2", "--dtype", "bf16", "--device", "cpu"], None,
-     "does not support --dtype bf16"),
     ("train-tp-fsdp", [*TRAIN, *OUT, "--tensor-parallel", "2", "--dp-shard", "fsdp", "--device", "cpu"], None,
      "does not support --dp-shard fsdp"),
     ("train-tp-selective-ac", [*TRAIN, *OUT, "--tensor-parallel", "2", "--activation-checkpoint", "selective",

@@ -1,5 +1,6 @@
 """`attnres-pp train --tensor-parallel 2` end to end on local rank processes over gloo: the losses
-(optimizer steps included) and validation losses of a T = 2 run equal the T = 1 run's, each rank's
+(optimizer steps included) and validation losses of a T = 2 run equal the T = 1 run's (fp32; bf16
+to its rounding), each rank's
 hop bytes are 1/T of the T = 1 rank's, and a checkpoint resumes at another T (and P) to the
 uninterrupted losses."""
 
@@ -39,8 +40,10 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp_train")
     msar = ["--residual", "msar", "--seq-len", "32", "--no-final-checkpoint", "--checkpoint-every", "0",
             "--eval-every", "0"]
+    bf16 = ["--dtype", "bf16", "--no-final-checkpoint", "--checkpoint-every", "0", "--eval-every", "0"]
     for name, flags in (("t1", []), ("t2", ["--tensor-parallel", "2"]), ("m1", msar),
-                        ("m2", [*msar, "--tensor-parallel", "2"])):
+                        ("m2", [*msar, "--tensor-parallel", "2"]), ("b1", bf16),
+                        ("b2", [*bf16, "--tensor-parallel", "2"])):
         assert main([*RUN, "--stages", "2", *flags, "--out", str(root / name)]) == 0
     return root
 
@@ -73,6 +76,15 @@ def test_msar_under_sequence_parallelism_trains_as_the_unsplit_one(runs):
     assert m2["config"]["pipeline"]["tensor_parallel"] == 2 and m2["config"]["model"]["seq_len"] == 32
     assert _close(m2["losses"], m1["losses"]), (m2["losses"], m1["losses"])
     assert _close(_grad_norms(runs / "m2"), _grad_norms(runs / "m1"))
+
+
+def test_bf16_trains_as_the_unsplit_one(runs):
+    """bf16 autocast (fp32 master weights, bf16 hops): the split sums in another order, so the losses
+    agree to bf16's rounding rather than fp32's."""
+    b1, b2 = _summary(runs / "b1"), _summary(runs / "b2")
+    assert b2["config"]["train"]["dtype"] == "bf16"
+    assert _close(b2["losses"], b1["losses"], rtol=1e-3), (b2["losses"], b1["losses"])
+    assert b2["bytes_sent_per_step_per_rank"] == [b // 2 for b in b1["bytes_sent_per_step_per_rank"] for _ in range(2)]
 
 
 @pytest.mark.parametrize(("source", "flags"), [("t2", ["--tensor-parallel", "1", "--stages", "1"]),

@@ -36,7 +36,8 @@ def check_tensor_parallel_runs(run_cfg: RunConfig) -> None:
     """ValueError, before any rank starts, for a T > 1 run this driver cannot start: a tp group
     larger than this node's GPUs (a --device cuda run of the local launcher), and what the runtime
     does not run with tensor parallelism yet (each refusal names it). What runs: local rank
-    processes over gloo on cpu, fp32, every schedule (the split backward's included), cache on or
+    processes over gloo on cpu, fp32 or bf16, the torch kernels, every schedule (the split
+    backward's included), cache on or
     off, D replicas of replicated parameters, activation checkpointing none or full, and every
     variant with or without sequence parallelism."""
     pipe, train, t = run_cfg.pipeline, run_cfg.train, run_cfg.pipeline.tensor_parallel
@@ -51,8 +52,6 @@ def check_tensor_parallel_runs(run_cfg: RunConfig) -> None:
                    "process group per rank; the ray launcher does not place tp groups yet): use --launcher local")
     elif on_gpu:
         not_yet = f"--device {train.device} on GPUs (tensor parallelism runs on cpu over gloo so far): use --device cpu"
-    elif train.dtype == "bf16":
-        not_yet = "--dtype bf16 (the tp layers are checked in fp32 only): use --dtype fp32"
     elif train.kernels == "triton":
         not_yet = "--kernels triton (the tp ranks are checked with the torch kernels): use --kernels torch"
     elif pipe.dp_shard == "fsdp":
