@@ -88,6 +88,18 @@ def test_zero_bubble_schedule_through_ray_actors(local_ray, tmp_path):
     assert json.loads((tmp_path / "ray" / "summary.json").read_text())["fwd_hop_tensors"][1] == 0
 
 
+def test_tensor_parallel_through_ray_actors(local_ray, tmp_path):
+    """`--tensor-parallel 2` through the Ray launcher (STRICT_PACK: the tp group on one node): two
+    actors sharing both chunks of one stage (the instance has 2 CPUs) train as the unsplit
+    in-process run, and count their tp collectives."""
+    argv = ["train", *TINY, "--stages", "1", "--steps", "2", "--quiet", "--device", "cpu", "--no-final-checkpoint"]
+    assert main([*argv, "--tensor-parallel", "2", "--out", str(tmp_path / "ray")]) == 0
+    assert main([*argv, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
+    assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "inproc"))
+    summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
+    assert summary["config"]["pipeline"]["tensor_parallel"] == 2 and summary["tp_bytes_per_step"] > 0
+
+
 def test_fsdp_through_ray_actors(local_ray, tmp_path):
     """`--dp-shard fsdp` at D = 2 through the Ray launcher: the actors shard over their mesh's "dp"
     dimension, end with the local launcher's losses and count their shards in `memory_per_rank`."""
