@@ -78,7 +78,7 @@ CASES = (
     ("D=2 fsdp AC full 1f1b", {"schedule": "1f1b", "stages": 2, "microbatches": 2, "data_parallel": 2,
                                "dp_shard": "fsdp", "residual": "attnres", "block_size": 4,
                                "activation_checkpoint": "full"}),
-    # The local launcher's received hops are views of a shared-memory arena: full AC keeps them (issue 31).
+    # The local launcher's received hops are views of a shared-memory arena, and full AC keeps them.
     ("AC full 1f1b S=2 seq 64", {"schedule": "1f1b", "stages": 2, "microbatches": 4, "residual": "attnres",
                                  "block_size": 2, "activation_checkpoint": "full", "seq_len": 64,
                                  "batch_size": 16}),
