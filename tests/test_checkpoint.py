@@ -143,7 +143,8 @@ def test_run_dirs_with_and_without_checkpoints(tmp_path, capsys):
 @pytest.mark.distributed
 def test_local_launcher_restarts_from_scratch_without_a_checkpoint(tmp_path, capsys):
     """Rank 1's process exits during step 2; fresh processes re-run from step 1 and end like the
-    undisturbed pipeline (the in-process launcher computes the same steps, and fast)."""
+    undisturbed pipeline (the in-process launcher computes the same steps, and fast); past
+    --max-restarts a run stops instead."""
     split = ["--stages", "2", "--virtual", "2", "--steps", "3"]
     assert main(["train", *TINY, *split, "--launcher", "inprocess", "--out", str(tmp_path / "plain")]) == 0
     argv = ["train", *TINY, *split, "--launcher", "local", "--inject-failure", "1:2", "--out", str(tmp_path / "hit")]
@@ -152,6 +153,13 @@ def test_local_launcher_restarts_from_scratch_without_a_checkpoint(tmp_path, cap
     assert "rank 1 lost at step 2/3; restarting from step 0 (no checkpoint yet) (restart 1/3)" in out
     assert_same_losses(losses(tmp_path / "hit"), losses(tmp_path / "plain"))
     assert json.loads((tmp_path / "hit" / "summary.json").read_text())["restarts"] == 1
+
+    # Past --max-restarts the run stops with a message naming the rank and the step, and writes no summary.
+    argv = ["train", *TINY, *split, "--launcher", "local", "--inject-failure", "0:2", "--max-restarts", "0"]
+    assert main([*argv, "--out", str(tmp_path / "stop")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: rank 0 lost at step 2/3 after 0 restart(s), the limit set by --max-restarts"), err
+    assert not (tmp_path / "stop" / "summary.json").exists()
 
 
 def test_a_rank_that_cannot_see_the_run_directory_stops_the_start(tmp_path):

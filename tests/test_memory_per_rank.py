@@ -1,13 +1,11 @@
 """Memory counted per rank (docs/spec.md section 8): the saved-tensor meter's rules (each storage once,
 parameters never, released when autograd drops it), and `memory_per_rank` in summary.json from every
-launcher: one process, in-process, local processes and Ray, with equal counts where they must agree."""
+launcher: one process, in-process and local processes, with equal counts where they must agree (Ray's
+actors: tests/test_ray.py, on its shared instance)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,6 @@ from attnres_pp.cli import main
 from attnres_pp.pipeline.memory_meter import ActivationMeter
 from attnres_pp.train.memory_report import MEMORY_KEYS
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--steps", "2", "--eval-every", "0",
         "--quiet"]
 
@@ -55,7 +52,7 @@ def _summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def _check_entries(entries: list, n_ranks: int) -> None:
+def check_memory_entries(entries: list, n_ranks: int) -> None:
     assert len(entries) == n_ranks
     for entry in entries:
         assert set(MEMORY_KEYS) <= set(entry)
@@ -67,11 +64,11 @@ def _check_entries(entries: list, n_ranks: int) -> None:
 def test_every_in_this_process_launcher_writes_memory_per_rank(tmp_path):
     assert main(["train", *TINY, "--batch-size", "4", "--launcher", "local", "--out", str(tmp_path / "one")]) == 0
     whole = _summary(tmp_path / "one")["memory_per_rank"]
-    _check_entries(whole, 1)
+    check_memory_entries(whole, 1)
     assert main(["train", *TINY, "--batch-size", "8", "--launcher", "inprocess", "--stages", "2",
                  "--data-parallel", "2", "--out", str(tmp_path / "inproc")]) == 0
     entries = _summary(tmp_path / "inproc")["memory_per_rank"]
-    _check_entries(entries, 4)
+    check_memory_entries(entries, 4)
     # The ranks' parameters are the whole model's (MSAR's tied convs aside: none here), per replica.
     assert entries[0]["param_bytes"] + entries[1]["param_bytes"] == whole[0]["param_bytes"]
     assert entries[0] == {**entries[2], "peak_rss_bytes": entries[0]["peak_rss_bytes"]}  # replicas hold the same
@@ -83,23 +80,9 @@ def test_local_processes_count_what_the_in_process_ranks_count(tmp_path):
     assert main(["train", *layout, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
     assert main(["train", *layout, "--launcher", "local", "--out", str(tmp_path / "procs")]) == 0
     want, got = (_summary(tmp_path / d)["memory_per_rank"] for d in ("inproc", "procs"))
-    _check_entries(got, 2)
+    check_memory_entries(got, 2)
     for w, g in zip(want, got, strict=True):
         for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "cache_peak_bytes"):
             assert g[key] == w[key], key
         # Received hops are views of one message buffer over the wire, separate tensors in memory.
         assert 0.5 * w["activation_peak_bytes"] <= g["activation_peak_bytes"] <= 2 * w["activation_peak_bytes"]
-
-
-@pytest.mark.ray
-def test_ray_actors_write_memory_per_rank(tmp_path):
-    pytest.importorskip("ray")
-    if os.environ.get("RAY_ADDRESS"):
-        pytest.skip("RAY_ADDRESS is set: this test starts its own private Ray instance")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
-    run = subprocess.run([sys.executable, "-m", "attnres_pp.cli", "train", *TINY, "--batch-size", "4", "--stages", "2",
-                          "--launcher", "ray", "--out", str(tmp_path / "ray")], env=env, cwd=REPO,
-                         capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
-    _check_entries(_summary(tmp_path / "ray")["memory_per_rank"], 2)

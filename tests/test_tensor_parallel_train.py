@@ -13,7 +13,9 @@ import pytest
 
 from attnres_pp.cli import main
 
-pytestmark = pytest.mark.distributed
+# One worker holds the module's runs: under --dist loadgroup its tests would otherwise be handed to
+# both workers, each training the six runs of `runs` again.
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("tp-train-runs")]
 
 RUN = ["train", "--launcher", "local", "--device", "cpu", "--steps", "3", "--layers", "2", "--d-model", "32",
        "--heads", "2", "--seq-len", "16", "--batch-size", "4", "--microbatches", "2", "--block-size", "3",

@@ -1,7 +1,8 @@
 """`TRITON_INTERPRET=1 attnres-pp train --kernels triton --device cpu`: the CLI runs the Triton
 kernels under the interpreter (MSAR through the fused stream kernel) and trains to the torch
-kernels' losses on a tiny model. Each run is a fresh process, as a user would start it, so the
-interpreter variable is set before anything imports triton."""
+kernels' losses on a tiny model. Each Triton run is a fresh process, as a user would start it, so
+the interpreter variable is set before anything imports triton; the torch kernels' reference runs
+in the test's process."""
 
 import json
 import os
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from attnres_pp.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "2",
@@ -27,11 +30,14 @@ def _train(tmp_path: Path, variant: str, kernels: str) -> dict:
     out = tmp_path / f"{variant}_{kernels}"
     config = tmp_path / "model.toml"
     config.write_text("[model]\nstream_kernels = [2, 3]\n")
+    argv = ["train", "--config", str(config), *TINY, *VARIANTS[variant], "--kernels", kernels, "--out", str(out)]
+    if kernels == "torch":  # the reference needs no fresh process: no Triton kernel runs in it
+        assert main(argv) == 0
+        return json.loads((out / "summary.json").read_text())
     console = shutil.which("attnres-pp")
     command = [console] if console else [sys.executable, "-m", "attnres_pp.cli"]
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    argv = ["train", "--config", str(config), *TINY, *VARIANTS[variant], "--kernels", kernels, "--out", str(out)]
     result = subprocess.run([*command, *argv], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads((out / "summary.json").read_text())
