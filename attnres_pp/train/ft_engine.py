@@ -43,6 +43,7 @@ from attnres_pp.train.ft_worker import FtStageWorker
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.pipeline_engine import _absolute, check_shared_out_dir, mean_eval_loss
 from attnres_pp.train.rank_data import resolve_data_path
+from attnres_pp.train.recovery import RunFailed
 from attnres_pp.train.step_stats import StepStatsLog
 
 # The Lighthouse drops a group whose Manager has not heartbeaten for this long (the Managers beat
@@ -50,6 +51,7 @@ from attnres_pp.train.step_stats import StepStatsLog
 # first did: a lost group costs the others about a second, not torchft's 60 s defaults.
 HEARTBEAT_TIMEOUT_MS = 1000
 JOIN_TIMEOUT_MS = 1000
+JOIN_LEAD_S = 0.3
 RESTARTS_PER_GROUP = 3  # a group lost more often than this stays out of the run
 _POLL_S = 0.005
 
@@ -171,6 +173,29 @@ class FtEngine:
                     group.lost["restart_error"] = (str(group.error).splitlines() or [""])[0]
                     self.recoveries.append(_public(group.lost))
 
+    def _send_steps(self, want_events: bool, states: tuple[str, ...] = ("live", "joining")) -> None:
+        """`ft_step` to every group in `states` without a step in flight, joining groups first: the
+        Lighthouse forms a fast quorum of the last quorum's members once they are all there, so a
+        joining group's request has JOIN_LEAD_S to arrive before the live groups' do."""
+        self._poll_restarts()
+        joined = False
+        for wanted in ("joining", "live"):
+            if wanted == "live" and joined and any(g.state == "live" and not g.in_flight for g in self.groups):
+                time.sleep(JOIN_LEAD_S)
+            for group in self.groups:
+                if group.state == wanted and wanted in states and not group.in_flight:
+                    group.ranks.send("ft_step", [(want_events,)] * self.run_cfg.pipeline.stages)
+                    group.in_flight = True
+                    joined = joined or wanted == "joining"
+
+    def _await_restarts(self) -> None:
+        """Wait (up to the timeout) for the groups restarting, so that the run's last step heals them
+        and every group ends with the trained state."""
+        for group in self.groups:
+            if group.state == "restarting":
+                group.thread.join(timeout=self.run_cfg.pipeline.timeout_s + 30)
+        self._poll_restarts()
+
     def _collect(self, group: _ReplicaGroup, step: int, results: dict) -> None:
         """`group`'s replies into `results` (a lost rank: the group restarts)."""
         group.in_flight = False
@@ -178,6 +203,10 @@ class FtEngine:
             results[group.replica] = group.ranks.gather(f"step {step + 1} of replica group {group.replica}")
         except WorkerLost as lost:
             self._lose(group, lost, step)
+        except RuntimeError as error:  # a rank's step raised with its group alive: no quorum in --timeout
+            self._stop_all()
+            raise RunFailed(f"replica group {group.replica} failed at step {step + 1}: "
+                            f"{(str(error).strip().splitlines() or [''])[-1]}") from error
 
     # ---- one step ----
     def _wants_events(self, step: int) -> bool:
@@ -193,14 +222,15 @@ class FtEngine:
         want = self._wants_events(step)
         before = self._driver_bytes()
         deadline = time.monotonic() + 2 * pipe.timeout_s + 60
+        if step == self.run_cfg.train.steps - 1:
+            self._await_restarts()
         while True:
-            self._poll_restarts()
-            for group in self.groups:
-                if group.state in ("live", "joining") and not group.in_flight:
-                    group.ranks.send("ft_step", [(want,)] * pipe.stages)
-                    group.in_flight = True
+            self._send_steps(want)
             results: dict[int, list] = {}
             while any(g.in_flight and g.state == "live" for g in self.groups):
+                # A group restarted meanwhile joins this step's quorum (under --min-replicas the live
+                # groups wait for it there).
+                self._send_steps(want, states=("joining",))
                 for group in self.groups:
                     if group.in_flight and group.ranks.replied():
                         self._collect(group, step, results)

@@ -130,7 +130,12 @@ class FtStageWorker(StageWorker):
         """Join the step's quorum (healing first if this group is behind), train the Manager's step,
         and apply it where `should_commit` agrees. Returns (step, committed, participating groups,
         this rank's StepReply; its grad_norm is nan when the step did not commit)."""
-        self.manager.start_quorum()
+        try:
+            self.manager.start_quorum()
+        except Exception as error:  # torchft's quorum wait raises its own TimeoutError
+            raise RuntimeError(f"no quorum of --min-replicas {self.run_cfg.train.min_replicas} replica groups within "
+                               f"--timeout {self.run_cfg.pipeline.timeout_s:g} s "
+                               f"({(str(error).splitlines() or [''])[0]})") from None
         step = self.manager.current_step()
         record = self.backward(step)
         participants = self.manager.num_participants()
