@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 import time
 
@@ -56,8 +57,9 @@ def plain(corpus, tmp_path_factory):
 
 @pytest.mark.distributed
 def test_fault_free_replica_groups_train_as_the_plain_run(corpus, plain, tmp_path):
+    """Also its checkpoint (written by one group's ranks) resumes into both groups with the same losses."""
     run = tmp_path / "ft"
-    assert main([*ARGS, *FT, "--data", str(corpus), "--out", str(run)]) == 0
+    assert main([*ARGS, *FT, "--data", str(corpus), "--checkpoint-every", "4", "--out", str(run)]) == 0
     got = summary(run)
     assert got["losses"] == plain["losses"]  # the same sums, divided by the same D: bitwise
     assert got["val_loss"] == plain["val_loss"]
@@ -65,6 +67,13 @@ def test_fault_free_replica_groups_train_as_the_plain_run(corpus, plain, tmp_pat
     assert got["replicas_equal"] is True and got["restarts"] == 0 and got["recoveries"] == []
     assert got["lighthouse"].startswith("http://")
     assert [r["participants"] for r in records(run)] == [2] * STEPS
+    again = tmp_path / "again"  # as a crash after step 5 would have left it
+    shutil.copytree(run / "checkpoints" / "step_4", again / "checkpoints" / "step_4")
+    (again / "metrics.jsonl").write_text("".join((run / "metrics.jsonl").read_text().splitlines(True)[:5]))
+    assert main(["train", "--resume", str(again), "--quiet"]) == 0
+    resumed = summary(again)
+    assert resumed["losses"] == plain["losses"] and resumed["participants_per_step"] == [2] * STEPS
+    assert resumed["replicas_equal"] is True
 
 
 @pytest.mark.distributed

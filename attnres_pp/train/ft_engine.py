@@ -15,8 +15,9 @@ raises WorkerLost, and the training loop restarts the whole job from its last ch
 
 summary.json gets `participants_per_step` (the groups that committed each step), `replicas_equal`
 (at the last step: every group's parameters, by sha256 of their bytes, equal) and `recoveries`
-(per lost group: the step, seconds from the loss to the first step committed without it and to its
-own first committed step after healing); metrics.jsonl gets each step's `participants`.
+(per lost group: the step, seconds from the loss to the first step committed, to the first
+committed without it, if any, and to its own first committed step after healing); metrics.jsonl
+gets each step's `participants` and `replica_groups`.
 """
 
 from __future__ import annotations
@@ -271,6 +272,7 @@ class FtEngine:
                 group.state = "live"
                 group.lost["rejoined_at_step"] = step
                 group.lost["rejoin_s"] = time.monotonic() - group.lost["lost_s"]
+                group.lost.setdefault("first_commit_s", group.lost["rejoin_s"])
                 self.recoveries.append(_public(group.lost))
                 group.lost = None
             committed[replica] = replies
@@ -286,8 +288,11 @@ class FtEngine:
         traced = self.out_dir is not None and step == self._trace_step
         loss, extras, metrics = self.stats.add(replies, len(replicas) * self.run_cfg.train.microbatches,
                                                driver_bytes, traced)
-        for group in self.groups:  # the first step committed without a lost group
-            if group.lost is not None and "shrunk_commit_s" not in group.lost and group.replica not in replicas:
+        for group in self.groups:  # since a group's loss: the first step committed, and without it
+            if group.lost is None:
+                continue
+            group.lost.setdefault("first_commit_s", time.monotonic() - group.lost["lost_s"])
+            if "shrunk_commit_s" not in group.lost and group.replica not in replicas:
                 group.lost["shrunk_commit_s"] = time.monotonic() - group.lost["lost_s"]
         self.participants_per_step = [*self.participants_per_step[:step], len(replicas)]
         metrics.update(participants=len(replicas), replica_groups=replicas)
@@ -356,7 +361,11 @@ class FtEngine:
 
     def load_checkpoint(self, step_dir) -> None:
         """Every group loads the shards, and its Managers continue at the checkpoint's step."""
-        steps_done = int(read_meta(Path(step_dir))["steps_done"])
+        meta = read_meta(Path(step_dir))
+        steps_done = int(meta["steps_done"])
+        extras = meta.get("extras", {})
+        self.participants_per_step = list(extras.get("participants_per_step", []))[:steps_done]
+        self.recoveries = [r for r in extras.get("recoveries", []) if r.get("lost_at_step", 0) < steps_done]
         for group in self.groups:
             group.ranks.call_all("load_shard", _absolute(step_dir), what="checkpoint load")
             group.ranks.call_all("set_step", steps_done, what="checkpoint load")
