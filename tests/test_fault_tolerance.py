@@ -3,7 +3,8 @@ groups of P = 2 local rank processes, each a torchft replica group. A fault-free
 plain D = 2 run (the same losses); a rank of group 1 lost mid-step restarts group 1 alone while
 group 0 commits every step, group 1 heals from group 0 and every group ends bitwise equal; under
 `--min-replicas 2` group 0 waits for group 1 instead (again the plain run's losses); the wait is
-bounded by `--timeout`; without torchft the option is one error line."""
+bounded by `--timeout`; under the Ray launcher only the lost group's actors restart; without
+torchft the option is one error line."""
 
 from __future__ import annotations
 
@@ -82,6 +83,24 @@ def test_a_lost_rank_restarts_only_its_group_which_heals_from_the_live_one(corpu
     group 1 is restarted alone (no job restart), heals and commits again; all end bitwise equal."""
     run = tmp_path / "hit"
     assert main([*ARGS, *FT, "--data", str(corpus), "--inject-failure", "3:3", "--out", str(run)]) == 0
+    check_recovered_alone(run, plain)
+
+
+@pytest.mark.ray
+def test_under_ray_only_the_lost_groups_actors_restart(corpus, plain, tmp_path, monkeypatch):
+    """The same loss under --launcher ray: each group's actors in a placement group of their own, only
+    group 1's killed and placed again, on the private Ray instance the run starts."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    pytest.importorskip("ray")
+    run = tmp_path / "ray"
+    assert main([*ARGS, *FT, "--launcher", "ray", "--device", "cpu", "--data", str(corpus), "--inject-failure", "3:3",
+                 "--out", str(run)]) == 0
+    got = check_recovered_alone(run, plain)
+    assert "stopped answering (its actor died)" in got["recoveries"][0]["cause"]
+
+
+def check_recovered_alone(run, plain) -> dict:
+    """What a run that lost global rank 3 at step 3 and recovered it alone must show; its summary."""
     got = summary(run)
     steps = records(run)
     assert [r["step"] for r in steps] == list(range(STEPS))
@@ -95,6 +114,7 @@ def test_a_lost_rank_restarts_only_its_group_which_heals_from_the_live_one(corpu
     assert got["replicas_equal"] is True
     tolerance = skipped_share_tolerance(plain["losses"], got["participants_per_step"], 2)
     assert abs(got["losses"][-1] - plain["losses"][-1]) <= tolerance
+    return got
 
 
 @pytest.mark.distributed

@@ -209,6 +209,10 @@ class ProcessRankGroup:
         """The replies to the last `send`, in rank order (WorkerLost, ValueError or RuntimeError as `call`)."""
         return self._gather(what)
 
+    def stop_ranks(self) -> None:
+        """Stop every rank at once (some may be blocked on a lost peer)."""
+        self.stop(graceful=False)
+
     def call_all(self, method: str, *args, what: str | None = None) -> list:
         return self.call(method, [args] * self.world_size, what)
 

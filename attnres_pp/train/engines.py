@@ -25,7 +25,8 @@ def make_engine(run_cfg: RunConfig, out_dir=None, *, corpus=None, address: str |
     if run_cfg.train.fault_tolerance == "replicas":  # each replica a torchft group (`train.ft_engine`)
         from attnres_pp.train.ft_engine import FtEngine
 
-        return FtEngine(run_cfg, out_dir, corpus=corpus, fail_at=fail_at, record_timelines=record_timelines)
+        return FtEngine(run_cfg, out_dir, address=address, placement=placement, fail_at=fail_at,
+                        record_timelines=record_timelines)
     single = pipe.is_single_process and pipe.launcher == "local"
     if fail_at is not None and (single or pipe.launcher == "inprocess"):
         raise ValueError("--inject-failure needs rank workers to lose: use --launcher ray, or --launcher local "

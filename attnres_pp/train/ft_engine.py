@@ -1,7 +1,8 @@
 """FtEngine: a pipelined run whose D replicas are torchft replica groups (`--fault-tolerance
-replicas`, docs/ray.md). Each replica's P ranks are a rank group of their own (local processes, a
-P-rank process group), each rank an `FtStageWorker` with a torchft Manager; the engine starts one
-torchft Lighthouse for the job (or joins `--lighthouse`).
+replicas`, docs/ray.md). Each replica's P ranks are a rank group of their own (local processes, or
+Ray actors in a placement group of their own; a P-rank process group; `train.ft_groups`), each
+rank an `FtStageWorker` with a torchft Manager; the engine starts one torchft Lighthouse for the
+job (or joins `--lighthouse`).
 
 A step: the engine sends every live group `ft_step` and waits for the groups that are live. A
 group whose rank is lost (WorkerLost) is stopped and started again in the background, alone; the
@@ -23,14 +24,11 @@ gets each step's `participants` and `replica_groups`.
 from __future__ import annotations
 
 import os
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from attnres_pp.data import Corpus
 from attnres_pp.model import parameter_count
 from attnres_pp.model.routing import routing_metrics
 from attnres_pp.pipeline.errors import WorkerLost
@@ -40,6 +38,7 @@ from attnres_pp.schedule.trace import write_chrome_trace
 from attnres_pp.train.checkpoint import read_meta
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.devices import resolve_train
+from attnres_pp.train.ft_groups import ReplicaGroup, public
 from attnres_pp.train.ft_worker import FtStageWorker
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.pipeline_engine import _absolute, check_shared_out_dir, mean_eval_loss
@@ -53,7 +52,6 @@ from attnres_pp.train.step_stats import StepStatsLog
 HEARTBEAT_TIMEOUT_MS = 1000
 JOIN_TIMEOUT_MS = 1000
 JOIN_LEAD_S = 0.3
-RESTARTS_PER_GROUP = 3  # a group lost more often than this stays out of the run
 _POLL_S = 0.005
 
 
@@ -68,29 +66,13 @@ def require_torchft() -> None:
         raise ValueError("--fault-tolerance replicas needs torchft: pip install 'attnres-pp[ft]'") from None
 
 
-@dataclass
-class _ReplicaGroup:
-    """One replica's P ranks and where the group stands: "live" (stepping), "restarting" (its
-    ranks are being started again in the background), "joining" (started, its first step not yet
-    committed) or "out" (lost more than RESTARTS_PER_GROUP times, or failed to start)."""
-
-    replica: int
-    ranks: ProcessRankGroup
-    kwargs: list[dict]
-    state: str = "live"
-    in_flight: bool = False
-    restarts: int = 0
-    thread: threading.Thread | None = None
-    error: BaseException | None = None
-    lost: dict | None = field(default=None)  # the open recovery record while restarting or joining
-
-
 class FtEngine:
     """The `Engine` of a `--fault-tolerance replicas` run (`--launcher local`). `fail_at` = (global
     rank, 0-based step): that rank exits mid-step, once (its group's restart has no failure)."""
 
-    def __init__(self, run_cfg: RunConfig, out_dir: str | Path | None = None, *, corpus: Corpus | None = None,
-                 fail_at: tuple[int, int] | None = None, record_timelines: bool = False) -> None:
+    def __init__(self, run_cfg: RunConfig, out_dir: str | Path | None = None, *, address: str | None = None,
+                 placement: str | None = None, fail_at: tuple[int, int] | None = None,
+                 record_timelines: bool = False) -> None:
         require_torchft()
         pipe, train = run_cfg.pipeline, run_cfg.train
         self.out_dir = Path(out_dir).resolve() if out_dir is not None else None
@@ -102,20 +84,19 @@ class FtEngine:
         self.stats = StepStatsLog(n_chunks=pipe.n_chunks, replica0_ranks=list(range(pipe.stages)))
         self.participants_per_step: list[int] = []
         self.recoveries: list[dict] = []
-        self.groups: list[_ReplicaGroup] = []
+        self.groups: list[ReplicaGroup] = []
         self._lighthouse = None
         try:
-            address = train.lighthouse or self._start_lighthouse(train.min_replicas)
+            lighthouse = train.lighthouse or self._start_lighthouse(train.min_replicas)
             self.static_extras: dict = {"data_parallel": pipe.data_parallel, "fault_tolerance": "replicas",
-                                        "lighthouse": address, "min_replicas": train.min_replicas}
+                                        "lighthouse": lighthouse, "min_replicas": train.min_replicas}
             data_path = resolve_data_path(self.run_cfg.train.data)
             for d in range(pipe.data_parallel):
                 kwargs = [{"run_cfg_dict": self.run_cfg.to_dict(), "rank": d * pipe.stages + p, "data_path": data_path,
-                           "lighthouse": address,
+                           "lighthouse": lighthouse,
                            "fail_at_step": fail_at[1] if fail_at is not None and fail_at[0] == d * pipe.stages + p
                            else None} for p in range(pipe.stages)]
-                group = _ReplicaGroup(d, ProcessRankGroup(pipe.stages, pipe.timeout_s, name=f"attnres-pp-replica{d}"),
-                                      kwargs)
+                group = ReplicaGroup(d, self._rank_group(d, address, placement), FtStageWorker, kwargs)
                 self.groups.append(group)
                 group.ranks.start(FtStageWorker, kwargs, device="cpu")
             described = self.groups[0].ranks.setup_results
@@ -127,6 +108,17 @@ class FtEngine:
         except BaseException:
             self.close()
             raise
+
+    def _rank_group(self, replica: int, address: str | None, placement: str | None):
+        """Replica `replica`'s P ranks: local processes, or Ray actors in a placement group of their own
+        (the first group's Ray instance, when it starts one, has a CPU for every rank of the run)."""
+        pipe = self.run_cfg.pipeline
+        if pipe.launcher == "ray":
+            from attnres_pp.pipeline.ray_rank_group import RayRankGroup
+
+            return RayRankGroup(pipe.stages, pipe.timeout_s, address=address, placement=placement or pipe.placement,
+                                cpus=pipe.world_size)
+        return ProcessRankGroup(pipe.stages, pipe.timeout_s, name=f"attnres-pp-replica{replica}")
 
     def _start_lighthouse(self, min_replicas: int) -> str:
         from torchft.coordination import LighthouseServer
@@ -143,36 +135,13 @@ class FtEngine:
         return parameter_count(self.run_cfg.model)
 
     # ---- groups: loss, restart in the background, join ----
-    def _lose(self, group: _ReplicaGroup, lost: WorkerLost, step: int) -> None:
-        """Stop `group`'s ranks and start them again in the background (no injected failure)."""
-        group.ranks.stop(graceful=False)
-        group.in_flight = False
-        cause = f"global rank {group.replica * self.run_cfg.pipeline.stages + max(lost.pp_rank, 0)}: " + \
-            (str(lost).splitlines() or [""])[0]
-        group.lost = {"replica": group.replica, "lost_at_step": step, "cause": cause, "lost_s": time.monotonic()}
-        if group.restarts >= RESTARTS_PER_GROUP:
-            group.state = "out"
-            return
-        group.restarts += 1
-        group.state = "restarting"
-        kwargs = [{**k, "fail_at_step": None} for k in group.kwargs]
-
-        def restart() -> None:
-            try:
-                group.ranks.start(FtStageWorker, kwargs, device="cpu")
-            except BaseException as error:  # reported by `_poll_restarts`, in the driver's thread
-                group.error = error
-
-        group.thread = threading.Thread(target=restart, name=f"restart-replica{group.replica}", daemon=True)
-        group.thread.start()
+    def _lose(self, group: ReplicaGroup, lost: WorkerLost, step: int) -> None:
+        group.lose(lost, step, self.run_cfg.pipeline.stages)
 
     def _poll_restarts(self) -> None:
         for group in self.groups:
-            if group.state == "restarting" and not group.thread.is_alive():
-                group.state = "out" if group.error is not None else "joining"
-                if group.error is not None:
-                    group.lost["restart_error"] = (str(group.error).splitlines() or [""])[0]
-                    self.recoveries.append(_public(group.lost))
+            if group.poll_restart():
+                self.recoveries.append(public(group.lost))
 
     def _send_steps(self, want_events: bool, states: tuple[str, ...] = ("live", "joining")) -> None:
         """`ft_step` to every group in `states` without a step in flight, joining groups first: the
@@ -197,7 +166,7 @@ class FtEngine:
                 group.thread.join(timeout=self.run_cfg.pipeline.timeout_s + 30)
         self._poll_restarts()
 
-    def _collect(self, group: _ReplicaGroup, step: int, results: dict) -> None:
+    def _collect(self, group: ReplicaGroup, step: int, results: dict) -> None:
         """`group`'s replies into `results` (a lost rank: the group restarts)."""
         group.in_flight = False
         try:
@@ -273,7 +242,7 @@ class FtEngine:
                 group.lost["rejoined_at_step"] = step
                 group.lost["rejoin_s"] = time.monotonic() - group.lost["lost_s"]
                 group.lost.setdefault("first_commit_s", group.lost["rejoin_s"])
-                self.recoveries.append(_public(group.lost))
+                self.recoveries.append(public(group.lost))
                 group.lost = None
             committed[replica] = replies
         return committed
@@ -377,21 +346,21 @@ class FtEngine:
             group.state, group.in_flight, group.lost = "live", False, None
             group.ranks.start(FtStageWorker, [{**k, "fail_at_step": None} for k in group.kwargs], device="cpu")
 
-    def _stop_all(self) -> None:
-        for group in self.groups:
+    def _stop_all(self, *, instance: bool = False) -> None:
+        """Stop every group's ranks; `instance`: also a Ray instance the first group started (last)."""
+        for group in reversed(self.groups):
             if group.thread is not None:
                 group.thread.join(timeout=self.run_cfg.pipeline.timeout_s + 30)
-            group.ranks.stop(graceful=not group.in_flight)
+            if instance:
+                group.ranks.stop(graceful=not group.in_flight)
+            else:
+                group.ranks.stop_ranks()
             group.in_flight = False
 
     def close(self) -> None:
         """Stop every group and the Lighthouse this engine started. Safe to call twice."""
-        self._stop_all()
+        self._stop_all(instance=True)
         if self._lighthouse is not None:
             self._lighthouse.shutdown()
             self._lighthouse = None
 
-
-def _public(record: dict) -> dict:
-    """A recovery record as summary.json shows it (without the driver's clock reading)."""
-    return {key: value for key, value in record.items() if key != "lost_s"}
