@@ -157,3 +157,38 @@ def test_without_torchft_the_option_is_one_error_line(corpus, tmp_path, capsys, 
     assert main([*ARGS, *FT, "--data", str(corpus), "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --fault-tolerance replicas needs torchft: pip install 'attnres-pp[ft]'"]
+
+
+def test_the_lighthouse_status_counts_the_quorum_requests_it_holds():
+    """The engine sends the live groups their step only once a joining group's request is at the
+    Lighthouse (`ft_engine.lighthouse_requests`, read from its /status page): 0, then 1 pending."""
+    import threading
+    from datetime import timedelta
+
+    from torchft.coordination import LighthouseClient, LighthouseServer
+
+    from attnres_pp.train.ft_engine import lighthouse_requests
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    try:
+        assert lighthouse_requests(lighthouse.address()) == 0
+        client = LighthouseClient(lighthouse.address(), connect_timeout=timedelta(seconds=5))
+        asking = threading.Thread(target=lambda: _quorum_or_timeout(client), daemon=True)
+        asking.start()
+        deadline = time.monotonic() + 10
+        while lighthouse_requests(lighthouse.address()) != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert lighthouse_requests(lighthouse.address()) == 1
+    finally:
+        lighthouse.shutdown()
+    assert lighthouse_requests("http://127.0.0.1:1") is None  # nothing listening: the engine falls back
+
+
+def _quorum_or_timeout(client) -> None:
+    from datetime import timedelta
+
+    try:
+        client.quorum(replica_id="r0", timeout=timedelta(seconds=3), address="a", store_address="s", step=0,
+                      world_size=1)
+    except Exception:  # the quorum of 2 never forms: torchft's timeout
+        pass

@@ -52,7 +52,23 @@ from attnres_pp.train.step_stats import StepStatsLog
 HEARTBEAT_TIMEOUT_MS = 1000
 JOIN_TIMEOUT_MS = 1000
 JOIN_LEAD_S = 0.3
+JOIN_WAIT_S = 10.0
 _POLL_S = 0.005
+
+
+def lighthouse_requests(address: str) -> int | None:
+    """How many quorum requests the Lighthouse at `address` holds, from its /status page ("only have N
+    participants"); None when the page cannot be read or does not say."""
+    import re
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{address.rstrip('/')}/status", timeout=1.0) as page:
+            text = page.read().decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return None
+    found = re.search(r"only have (\d+) participants", text)
+    return int(found.group(1)) if found else None
 
 
 def require_torchft() -> None:
@@ -145,18 +161,31 @@ class FtEngine:
 
     def _send_steps(self, want_events: bool, states: tuple[str, ...] = ("live", "joining")) -> None:
         """`ft_step` to every group in `states` without a step in flight, joining groups first: the
-        Lighthouse forms a fast quorum of the last quorum's members once they are all there, so a
-        joining group's request has JOIN_LEAD_S to arrive before the live groups' do."""
+        Lighthouse forms a fast quorum of the last quorum's members once they are all there, so the
+        live groups are sent theirs only once the joining groups' requests are at the Lighthouse."""
         self._poll_restarts()
-        joined = False
+        joined = 0
         for wanted in ("joining", "live"):
             if wanted == "live" and joined and any(g.state == "live" and not g.in_flight for g in self.groups):
-                time.sleep(JOIN_LEAD_S)
+                self._await_quorum_requests(joined)
             for group in self.groups:
                 if group.state == wanted and wanted in states and not group.in_flight:
                     group.ranks.send("ft_step", [(want_events,)] * self.run_cfg.pipeline.stages)
                     group.in_flight = True
-                    joined = joined or wanted == "joining"
+                    joined += wanted == "joining"
+
+    def _await_quorum_requests(self, count: int) -> None:
+        """Until the Lighthouse holds `count` quorum requests (its status page says how many), at most
+        JOIN_WAIT_S; JOIN_LEAD_S where the page does not say."""
+        deadline = time.monotonic() + JOIN_WAIT_S
+        while time.monotonic() < deadline:
+            waiting = lighthouse_requests(self.static_extras["lighthouse"])
+            if waiting is None:
+                time.sleep(JOIN_LEAD_S)
+                return
+            if waiting >= count:
+                return
+            time.sleep(_POLL_S)
 
     def _await_restarts(self) -> None:
         """Wait (up to the timeout) for the groups restarting, so that the run's last step heals them
