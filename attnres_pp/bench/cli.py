@@ -66,6 +66,8 @@ REGISTRY = {
                               "ScheduleInterleavedZeroBubble)"),
     "checkpoint": Benchmark("checkpoint", "what a checkpoint save costs the training loop: blocking against "
                                           "--async-checkpoint (step time while a save runs, against none)"),
+    "recovery": Benchmark("recovery", "a lost rank at D = 2, P = 2: --fault-tolerance replicas (torchft) against "
+                                      "the restart from the last checkpoint, seconds to the next committed steps"),
     "split": Benchmark("split", "the backward split in I and W against the fused backward B, per chunk"),
     "data": Benchmark("data", "what reading batches from a data folder's memory-mapped shards adds to a training "
                               "step, against an in-memory array"),

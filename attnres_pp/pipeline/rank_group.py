@@ -190,12 +190,28 @@ class ProcessRankGroup:
                 raise WorkerLost(rank, f"rank {rank} exited (code {proc.exitcode}) during {what}{detail}")
 
     def call(self, method: str, per_rank_args: list[tuple], what: str | None = None) -> list:
+        self.send(method, per_rank_args)
+        return self._gather(what or method)
+
+    def send(self, method: str, per_rank_args: list[tuple]) -> None:
+        """The requests of `call` without waiting for the replies (`gather` collects them)."""
         for conn, args in zip(self.conns, per_rank_args, strict=True):
             # What conn.send does, with the bytes counted (`bytes_exchanged`).
             message = ForkingPickler.dumps((method, args))
             self.bytes_exchanged += len(message)
             conn.send_bytes(message)
-        return self._gather(what or method)
+
+    def replied(self) -> bool:
+        """Whether `gather` would return or raise at once: every rank has replied, or one is dead."""
+        return all(conn.poll(0) for conn in self.conns) or any(not proc.is_alive() for proc in self.procs)
+
+    def gather(self, what: str) -> list:
+        """The replies to the last `send`, in rank order (WorkerLost, ValueError or RuntimeError as `call`)."""
+        return self._gather(what)
+
+    def stop_ranks(self) -> None:
+        """Stop every rank at once (some may be blocked on a lost peer)."""
+        self.stop(graceful=False)
 
     def call_all(self, method: str, *args, what: str | None = None) -> list:
         return self.call(method, [args] * self.world_size, what)

@@ -229,7 +229,7 @@ class RayRankGroup:
     where = "in the Ray cluster"
 
     def __init__(self, world_size: int, timeout_s: float, *, address: str | None = None,
-                 placement: str = "STRICT_PACK") -> None:
+                 placement: str = "STRICT_PACK", cpus: int | None = None) -> None:
         require_ray()  # before `import ray`: a missing package is one line, not a traceback
         import ray
 
@@ -243,6 +243,7 @@ class RayRankGroup:
         self.lost_nodes: list[dict] = []
         self.bytes_exchanged = 0
         self._worker: tuple[type, list[dict], str] | None = None
+        self._in_flight: tuple[list, int] | None = None  # `send`'s refs and request bytes
         if not ray.is_initialized():
             source = "--address" if address else "RAY_ADDRESS"
             address = address or os.environ.get("RAY_ADDRESS")
@@ -255,7 +256,8 @@ class RayRankGroup:
             else:
                 # One CPU per rank even on a smaller machine: the ranks mostly wait on each other.
                 with _loopback_only(ray):
-                    ray.init(address="local", num_cpus=max(world_size, os.cpu_count() or 1), include_dashboard=False,
+                    ray.init(address="local", num_cpus=max(cpus or world_size, os.cpu_count() or 1),
+                             include_dashboard=False,
                              log_to_driver=True, _node_ip_address=LOOPBACK)
                 self.started_ray = True
 
@@ -318,6 +320,40 @@ class RayRankGroup:
         # What Ray serialises for these calls: their arguments and results, pickled.
         self.bytes_exchanged += sent + sum(len(pickle.dumps(r)) for r in results)
         return results
+
+    def send(self, method: str, per_rank_args: list[tuple]) -> None:
+        """The requests of `call` without waiting for the results (`gather` collects them)."""
+        refs, sent = [], 0
+        for actor, args in zip(self.actors, per_rank_args, strict=True):
+            sent += len(pickle.dumps(args))
+            refs.append(actor.call.remote(method, *args))
+        self._in_flight = (refs, sent)
+
+    def replied(self) -> bool:
+        """Whether `gather` would return or raise at once: every result is in, or one failed."""
+        refs = self._in_flight[0]
+        ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=0)
+        if len(ready) == len(refs):
+            return True
+        for ref in ready:
+            try:
+                self._ray.get(ref, timeout=0)
+            except Exception:  # a dead actor or a failed task: `gather` names it
+                return True
+        return False
+
+    def gather(self, what: str) -> list:
+        """The results of the last `send`, in rank order (WorkerLost or RuntimeError as `call`)."""
+        refs, sent = self._in_flight
+        self._in_flight = None
+        results = self._get(refs, what)
+        self.bytes_exchanged += sent + sum(len(pickle.dumps(r)) for r in results)
+        return results
+
+    def stop_ranks(self) -> None:
+        """Kill this group's actors and free its placement group; the Ray instance stays up."""
+        self._in_flight = None
+        self._stop_actors()
 
     def _shared(self, arg, per_rank_args: list[tuple], shared: dict):
         if isinstance(arg, dict) and arg and sum(any(a is arg for a in args) for args in per_rank_args) > 1:

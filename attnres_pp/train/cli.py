@@ -40,6 +40,7 @@ from attnres_pp.train.config import (
     ACTIVATION_CHECKPOINTS,
     DEVICES,
     DTYPES,
+    FAULT_TOLERANCES,
     KERNELS,
     RunConfig,
     TrainConfig,
@@ -96,6 +97,13 @@ _FLAGS = (
      f"{' | '.join(DP_SHARDS)}: how the D replicas hold parameters, gradients and optimizer state"),
     ("--tensor-parallel", "pipeline", "tensor_parallel", int,
      "tensor-parallel ranks T per chunk, on one node (D x P x T ranks; default 1)"),
+    ("--fault-tolerance", "train", "fault_tolerance", str,
+     f"{' | '.join(FAULT_TOLERANCES)}: replicas makes each of the D pipelines a torchft replica group that "
+     "restarts alone and heals from a live one (needs the [ft] extra; docs/ray.md)"),
+    ("--lighthouse", "train", "lighthouse", str,
+     "--fault-tolerance replicas: the torchft Lighthouse URL to join (default: one started for the job)"),
+    ("--min-replicas", "train", "min_replicas", int,
+     "--fault-tolerance replicas: replica groups a step needs to commit (default 1; fewer wait, up to --timeout)"),
     ("--fsdp-reshard-after-forward", "pipeline", "fsdp_reshard_after_forward", str,
      f"{' | '.join(RESHARD_AFTER_FORWARD)} (--dp-shard fsdp only; default never)"),
 )

@@ -18,6 +18,8 @@ DTYPES = ("auto", "fp32", "bf16")
 KERNELS = ("auto", "torch", "triton")
 # How each transformer layer's forward is checkpointed (`pipeline.activation_checkpoint`).
 ACTIVATION_CHECKPOINTS = ("none", "full", "selective")
+# "replicas": each of the D pipelines is a torchft replica group (`train.fault_tolerance`).
+FAULT_TOLERANCES = ("off", "replicas")
 
 
 def _fail(field_name: str, value, fix: str) -> None:
@@ -65,6 +67,11 @@ class TrainConfig:
     kernels: str = "auto"
     compile: bool = False  # torch.compile each sublayer and its depth read (single-process runs)
     activation_checkpoint: str = "none"
+    # Per-step fault tolerance across the D replicas (`train.fault_tolerance`, torchft): the
+    # Lighthouse to join ("" starts one per job) and the replica groups a step needs to commit.
+    fault_tolerance: str = "off"
+    lighthouse: str = ""
+    min_replicas: int = 1
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "microbatches", "eval_batches", "threads"):
@@ -99,9 +106,15 @@ class TrainConfig:
             ("kernels", KERNELS, "the depth-attention backend; auto: triton on cuda, torch on cpu"),
             ("activation_checkpoint", ACTIVATION_CHECKPOINTS,
              "full: recompute each layer in its backward; selective: keep the projections, recompute the rest"),
+            ("fault_tolerance", FAULT_TOLERANCES,
+             "replicas: the D pipelines are torchft replica groups, a lost one restarts alone"),
         ):
             if getattr(self, name) not in choices:
                 _fail(name, getattr(self, name), f"choose one of {', '.join(choices)} ({hint})")
+        if not _is_int(self.min_replicas) or self.min_replicas < 1:
+            _fail("min_replicas", self.min_replicas, "must be an integer >= 1 (replica groups a step needs)")
+        if not isinstance(self.lighthouse, str):
+            _fail("lighthouse", self.lighthouse, "give the Lighthouse's URL, e.g. http://host:29510 ('' starts one)")
         if not isinstance(self.compile, bool):
             _fail("compile", self.compile, "must be true or false")
         if not isinstance(self.data, str) or not self.data:
@@ -152,6 +165,7 @@ class RunConfig:
         if check_sizes is not None:  # one error line before any rank starts, not one per rank
             check_sizes(self.pipeline.stages, self.pipeline.virtual, m)
         check_tensor_parallel_split(self.model, self.pipeline)
+        check_fault_tolerance(self.train, self.pipeline)
         if self.pipeline.layer_counts is not None and sum(self.pipeline.layer_counts) != self.model.n_layers:
             raise ValueError(
                 f"PipelineConfig.layer_counts={list(self.pipeline.layer_counts)} is invalid: the counts must "
@@ -212,6 +226,39 @@ def check_tensor_parallel_split(model: ModelConfig, pipe: PipelineConfig) -> Non
                          f"{model.seq_len // t} tokens, fewer than the {halo} that MSAR's widest causal convolution "
                          "reads before each (kappa_max - 1, from the previous tp rank): give a longer --seq-len, "
                          "a smaller T, or --no-sequence-parallel")
+
+
+def check_fault_tolerance(train: TrainConfig, pipe: PipelineConfig) -> None:
+    """ValueError for a fault-tolerance setting this run cannot use: replica groups need D >= 2
+    replicated pipelines of one rank per chunk on the cpu, as local processes or Ray actors on one
+    node (`train.ft_engine`)."""
+    if train.fault_tolerance == "off":
+        if train.lighthouse or train.min_replicas != 1:
+            flag = "--lighthouse" if train.lighthouse else "--min-replicas"
+            raise ValueError(f"{flag} is for --fault-tolerance replicas: add it, or drop {flag}")
+        return
+    d = pipe.data_parallel
+    refusal = None
+    if d < 2:
+        refusal = (f"--data-parallel {d}: replica groups are the D pipelines, so a lost one needs another to go on; "
+                   "give --data-parallel 2 or more")
+    elif pipe.launcher == "inprocess":
+        refusal = "--launcher inprocess (a replica group restarts as processes of its own): use --launcher local or ray"
+    elif pipe.launcher == "ray" and pipe.placement != "STRICT_PACK":
+        refusal = (f"--placement {pipe.placement} (the replica groups' Managers meet on this node's loopback "
+                   "so far): use --placement STRICT_PACK")
+    elif pipe.dp_shard != "replicate":
+        refusal = (f"--dp-shard {pipe.dp_shard} (a replica group heals from a peer holding the whole state): "
+                   "use --dp-shard replicate")
+    elif pipe.tensor_parallel != 1:
+        refusal = f"--tensor-parallel {pipe.tensor_parallel} (one rank per chunk in a replica group): drop it"
+    elif train.device == "cuda":
+        refusal = ("--device cuda (replica groups reduce over torchft's gloo process group so far): "
+                   "use --device cpu")
+    elif train.min_replicas > d:
+        refusal = f"--min-replicas {train.min_replicas} above --data-parallel {d}: no step could ever commit"
+    if refusal is not None:
+        raise ValueError(f"--fault-tolerance replicas does not support {refusal}")
 
 
 def read_toml(path: str | Path) -> dict:

@@ -1,7 +1,7 @@
 """make_engine: the training Engine a RunConfig asks for. `--launcher local` with one chunk and one
-replica trains in this process (`SingleProcessEngine`); every other run is a `PipelineEngine` on
-the launcher's rank group: spawned processes (local), threads of this process (inprocess) or Ray
-actors (ray)."""
+replica trains in this process (`SingleProcessEngine`); a `--fault-tolerance replicas` run is an
+`FtEngine` (one rank group per replica); every other run is a `PipelineEngine` on the launcher's
+rank group: spawned processes (local), threads of this process (inprocess) or Ray actors (ray)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ def make_engine(run_cfg: RunConfig, out_dir=None, *, corpus=None, address: str |
     check_tensor_parallel_runs(run_cfg)
     if address is not None and pipe.launcher != "ray":
         raise ValueError(f"--address is for --launcher ray, not {pipe.launcher}")
+    if run_cfg.train.fault_tolerance == "replicas":  # each replica a torchft group (`train.ft_engine`)
+        from attnres_pp.train.ft_engine import FtEngine
+
+        return FtEngine(run_cfg, out_dir, address=address, placement=placement, fail_at=fail_at,
+                        record_timelines=record_timelines)
     single = pipe.is_single_process and pipe.launcher == "local"
     if fail_at is not None and (single or pipe.launcher == "inprocess"):
         raise ValueError("--inject-failure needs rank workers to lose: use --launcher ray, or --launcher local "

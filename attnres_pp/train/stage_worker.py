@@ -109,8 +109,8 @@ class StageWorker:
     def join_process_group(self, init_method: str, world_size: int) -> dict:
         """Join the run's process group (gloo on CPU, nccl when this worker has a GPU) and its
         ("dp", "pp") mesh; returns `describe(backend)`."""
-        backend, device = init_process_group(init_method, self.rank, world_size, self.run_cfg.pipeline.timeout_s,
-                                             self.run_cfg.train.device)
+        backend, device = init_process_group(init_method, self.process_group_rank, world_size,
+                                             self.run_cfg.pipeline.timeout_s, self.run_cfg.train.device)
         self.connect(device, backend)
         return self.describe(backend)
 
@@ -122,7 +122,7 @@ class StageWorker:
         a peer on this rank's node (`node_id`, else the host name) when no link is emulated, gloo p2p
         to the others."""
         pipe, cfg, train = self.run_cfg.pipeline, self.run_cfg.model, self.run_cfg.train
-        peers = [self.coords.global_rank(p) for p in range(pipe.stages)]
+        peers = self.pipeline_peers()
         hop_dtype = activation_dtype(train.dtype, self.dtype)
         if pipe.resolved_p2p(backend) == "nccl":  # every rank resolves the same: none takes the collective
             transport = BatchedDistTransport(self.pp_rank, pipe.timeout_s, device, peer_ranks=peers, link=pipe.link)
@@ -138,13 +138,26 @@ class StageWorker:
             # write a slot again before its receiver has read it: they go over plain p2p (same ledger).
             eval_transport = DistTransport(self.pp_rank, pipe.timeout_s, device, ledger=transport.ledger,
                                            peer_ranks=peers)
-        collectives = MeshCollectives(self.coords, device.type)
+        collectives = self.make_collectives(device)
         self.attach(device, transport, collectives, eval_transport=eval_transport)
         self.distributed = True
         if self.tp.active:
             self._split_layers(collectives.mesh["tp"])
         if pipe.dp_shard == "fsdp" and pipe.data_parallel > 1:
             self._shard(collectives.mesh["dp"])
+
+    @property
+    def process_group_rank(self) -> int:
+        """This rank's rank in the process group it joins: the global rank (one group of every rank)."""
+        return self.rank
+
+    def pipeline_peers(self) -> list[int]:
+        """The process-group ranks of this replica's P pipeline ranks, in pp order."""
+        return [self.coords.global_rank(p) for p in range(self.run_cfg.pipeline.stages)]
+
+    def make_collectives(self, device: torch.device) -> Collectives:
+        """The collectives over the joined process group: the whole ("dp", "pp") mesh."""
+        return MeshCollectives(self.coords, device.type)
 
     def join_threads(self, device: torch.device, transport, collectives: Collectives, peers) -> dict:
         """Run as one of the threads of a `ThreadRankGroup`: hops over the loopback `transport`,

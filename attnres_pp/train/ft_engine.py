@@ -1,0 +1,395 @@
+"""FtEngine: a pipelined run whose D replicas are torchft replica groups (`--fault-tolerance
+replicas`, docs/ray.md). Each replica's P ranks are a rank group of their own (local processes, or
+Ray actors in a placement group of their own; a P-rank process group; `train.ft_groups`), each
+rank an `FtStageWorker` with a torchft Manager; the engine starts one torchft Lighthouse for the
+job (or joins `--lighthouse`).
+
+A step: the engine sends every live group `ft_step` and waits for the groups that are live. A
+group whose rank is lost (WorkerLost) is stopped and started again in the background, alone; the
+other groups' reduction with it fails, so their attempt does not commit and they train the same
+step again with the quorum they have (`--min-replicas`, default 1), while the restarted group's
+ranks build their chunks. Once started it is sent the step too: its ranks join the next quorum,
+heal from a live group's same pp rank (parameters, AdamW and RNG state, over torchft's checkpoint
+transport) and commit that step with the others. A step's result is the committing groups'
+replies: the loss is their share of the global batch's mean. When every group is lost the engine
+raises WorkerLost, and the training loop restarts the whole job from its last checkpoint.
+
+summary.json gets `participants_per_step` (the groups that committed each step), `replicas_equal`
+(at the last step: every group's parameters, by sha256 of their bytes, equal) and `recoveries`
+(per lost group: the step, seconds from the loss to the first step committed, to the first
+committed without it, if any, and to its own first committed step after healing); metrics.jsonl
+gets each step's `participants` and `replica_groups`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from attnres_pp.model import parameter_count
+from attnres_pp.model.routing import routing_metrics
+from attnres_pp.pipeline.errors import WorkerLost
+from attnres_pp.pipeline.rank_group import ProcessRankGroup
+from attnres_pp.pipeline.stage_setup import check_split
+from attnres_pp.schedule.trace import write_chrome_trace
+from attnres_pp.train.checkpoint import read_meta
+from attnres_pp.train.config import RunConfig
+from attnres_pp.train.devices import resolve_train
+from attnres_pp.train.ft_groups import ReplicaGroup, public
+from attnres_pp.train.ft_worker import FtStageWorker
+from attnres_pp.train.loop import StepResult
+from attnres_pp.train.pipeline_engine import _absolute, check_shared_out_dir, mean_eval_loss
+from attnres_pp.train.rank_data import resolve_data_path
+from attnres_pp.train.recovery import RunFailed
+from attnres_pp.train.step_stats import StepStatsLog
+
+# The Lighthouse drops a group whose Manager has not heartbeaten for this long (the Managers beat
+# every 100 ms), and forms a quorum without a group that has not asked for one this long after the
+# first did: a lost group costs the others about a second, not torchft's 60 s defaults.
+HEARTBEAT_TIMEOUT_MS = 1000
+JOIN_TIMEOUT_MS = 1000
+JOIN_LEAD_S = 0.3
+JOIN_WAIT_S = 10.0
+_POLL_S = 0.005
+
+
+def lighthouse_requests(address: str) -> int | None:
+    """How many quorum requests the Lighthouse at `address` holds, from its /status page ("only have N
+    participants"); None when the page cannot be read or does not say."""
+    import re
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{address.rstrip('/')}/status", timeout=1.0) as page:
+            text = page.read().decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return None
+    found = re.search(r"only have (\d+) participants", text)
+    return int(found.group(1)) if found else None
+
+
+def require_torchft() -> None:
+    """ValueError (one `error:` line) when torchft is not installed."""
+    # torchft's Rust side logs every quorum and commit at INFO, read when it is first imported; the
+    # ranks inherit the setting.
+    os.environ.setdefault("RUST_LOG", "warn")
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        raise ValueError("--fault-tolerance replicas needs torchft: pip install 'attnres-pp[ft]'") from None
+
+
+class FtEngine:
+    """The `Engine` of a `--fault-tolerance replicas` run (`--launcher local`). `fail_at` = (global
+    rank, 0-based step): that rank exits mid-step, once (its group's restart has no failure)."""
+
+    def __init__(self, run_cfg: RunConfig, out_dir: str | Path | None = None, *, address: str | None = None,
+                 placement: str | None = None, fail_at: tuple[int, int] | None = None,
+                 record_timelines: bool = False) -> None:
+        require_torchft()
+        pipe, train = run_cfg.pipeline, run_cfg.train
+        self.out_dir = Path(out_dir).resolve() if out_dir is not None else None
+        self.partition = check_split(run_cfg.model.n_layers, pipe, train.microbatches)
+        self.run_cfg = RunConfig.from_dict({**run_cfg.to_dict(), "train": resolve_train(train, "cpu").to_dict()})
+        self.device = "cpu"
+        self.record_timelines = record_timelines
+        self._trace_step = min(1, train.steps - 1)
+        self.stats = StepStatsLog(n_chunks=pipe.n_chunks, replica0_ranks=list(range(pipe.stages)))
+        self.participants_per_step: list[int] = []
+        self.recoveries: list[dict] = []
+        self.groups: list[ReplicaGroup] = []
+        self._lighthouse = None
+        try:
+            lighthouse = train.lighthouse or self._start_lighthouse(train.min_replicas)
+            self.static_extras: dict = {"data_parallel": pipe.data_parallel, "fault_tolerance": "replicas",
+                                        "lighthouse": lighthouse, "min_replicas": train.min_replicas}
+            data_path = resolve_data_path(self.run_cfg.train.data)
+            for d in range(pipe.data_parallel):
+                kwargs = [{"run_cfg_dict": self.run_cfg.to_dict(), "rank": d * pipe.stages + p, "data_path": data_path,
+                           "lighthouse": lighthouse,
+                           "fail_at_step": fail_at[1] if fail_at is not None and fail_at[0] == d * pipe.stages + p
+                           else None} for p in range(pipe.stages)]
+                group = ReplicaGroup(d, self._rank_group(d, address, placement), FtStageWorker, kwargs)
+                self.groups.append(group)
+                group.ranks.start(FtStageWorker, kwargs, device="cpu")
+            described = self.groups[0].ranks.setup_results
+            self.backend = described[0]["backend"]
+            self.static_extras["params_per_rank"] = [r["params"] for r in described]
+            check_shared_out_dir(self.out_dir, lambda path, token: [
+                answer for g in self.groups for answer in g.ranks.call_all("sees_file", path, token,
+                                                                             what="the --out visibility check")])
+        except BaseException:
+            self.close()
+            raise
+
+    def _rank_group(self, replica: int, address: str | None, placement: str | None):
+        """Replica `replica`'s P ranks: local processes, or Ray actors in a placement group of their own
+        (the first group's Ray instance, when it starts one, has a CPU for every rank of the run)."""
+        pipe = self.run_cfg.pipeline
+        if pipe.launcher == "ray":
+            from attnres_pp.pipeline.ray_rank_group import RayRankGroup
+
+            return RayRankGroup(pipe.stages, pipe.timeout_s, address=address, placement=placement or pipe.placement,
+                                cpus=pipe.world_size)
+        return ProcessRankGroup(pipe.stages, pipe.timeout_s, name=f"attnres-pp-replica{replica}")
+
+    def _start_lighthouse(self, min_replicas: int) -> str:
+        from torchft.coordination import LighthouseServer
+
+        self._lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS,
+                                            heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+        return self._lighthouse.address()
+
+    @property
+    def train_cfg(self):
+        return self.run_cfg.train
+
+    def param_count(self) -> int:
+        return parameter_count(self.run_cfg.model)
+
+    # ---- groups: loss, restart in the background, join ----
+    def _lose(self, group: ReplicaGroup, lost: WorkerLost, step: int) -> None:
+        group.lose(lost, step, self.run_cfg.pipeline.stages)
+
+    def _poll_restarts(self) -> None:
+        for group in self.groups:
+            if group.poll_restart():
+                self.recoveries.append(public(group.lost))
+
+    def _send_steps(self, want_events: bool, states: tuple[str, ...] = ("live", "joining")) -> None:
+        """`ft_step` to every group in `states` without a step in flight, joining groups first: the
+        Lighthouse forms a fast quorum of the last quorum's members once they are all there, so the
+        live groups are sent theirs only once the joining groups' requests are at the Lighthouse."""
+        self._poll_restarts()
+        joined = 0
+        for wanted in ("joining", "live"):
+            if wanted == "live" and joined and any(g.state == "live" and not g.in_flight for g in self.groups):
+                self._await_quorum_requests(joined)
+            for group in self.groups:
+                if group.state == wanted and wanted in states and not group.in_flight:
+                    group.ranks.send("ft_step", [(want_events,)] * self.run_cfg.pipeline.stages)
+                    group.in_flight = True
+                    joined += wanted == "joining"
+
+    def _await_quorum_requests(self, count: int) -> None:
+        """Until the Lighthouse holds `count` quorum requests (its status page says how many), at most
+        JOIN_WAIT_S; JOIN_LEAD_S where the page does not say."""
+        deadline = time.monotonic() + JOIN_WAIT_S
+        while time.monotonic() < deadline:
+            waiting = lighthouse_requests(self.static_extras["lighthouse"])
+            if waiting is None:
+                time.sleep(JOIN_LEAD_S)
+                return
+            if waiting >= count:
+                return
+            time.sleep(_POLL_S)
+
+    def _await_restarts(self) -> None:
+        """Wait (up to the timeout) for the groups restarting, so that the run's last step heals them
+        and every group ends with the trained state."""
+        for group in self.groups:
+            if group.state == "restarting":
+                group.thread.join(timeout=self.run_cfg.pipeline.timeout_s + 30)
+        self._poll_restarts()
+
+    def _collect(self, group: ReplicaGroup, step: int, results: dict) -> None:
+        """`group`'s replies into `results` (a lost rank: the group restarts)."""
+        group.in_flight = False
+        try:
+            results[group.replica] = group.ranks.gather(f"step {step + 1} of replica group {group.replica}")
+        except WorkerLost as lost:
+            self._lose(group, lost, step)
+        except RuntimeError as error:  # a rank's step raised with its group alive: no quorum in --timeout
+            self._stop_all()
+            raise RunFailed(f"replica group {group.replica} failed at step {step + 1}: "
+                            f"{(str(error).strip().splitlines() or [''])[-1]}") from error
+
+    # ---- one step ----
+    def _wants_events(self, step: int) -> bool:
+        return self.record_timelines or (self.out_dir is not None and step == self._trace_step)
+
+    def train_step(self, step: int, inputs_BT: torch.Tensor | None, targets_BT: torch.Tensor | None,
+                   lr: float) -> StepResult:
+        """Step `step` as the committing groups trained it (`lr`: the loop's, which every rank computes
+        from the Manager's step alike). Driver-fed batches are not taken: each group reads its share."""
+        if inputs_BT is not None:
+            raise ValueError("a fault-tolerant run's groups read their own batches: pass inputs_BT=None")
+        pipe = self.run_cfg.pipeline
+        want = self._wants_events(step)
+        before = self._driver_bytes()
+        deadline = time.monotonic() + 2 * pipe.timeout_s + 60
+        if step == self.run_cfg.train.steps - 1:
+            self._await_restarts()
+        while True:
+            self._send_steps(want)
+            results: dict[int, list] = {}
+            while any(g.in_flight and g.state == "live" for g in self.groups):
+                # A group restarted meanwhile joins this step's quorum (under --min-replicas the live
+                # groups wait for it there).
+                self._send_steps(want, states=("joining",))
+                for group in self.groups:
+                    if group.in_flight and group.ranks.replied():
+                        self._collect(group, step, results)
+                self._check_deadline(deadline, step)
+                time.sleep(_POLL_S)
+            committed = self._committed(results, step)
+            if committed:
+                participants = next(iter(committed.values()))[0][2]
+                # A joining group in this quorum commits this step too: wait for its replies.
+                while len(committed) < participants and any(g.in_flight for g in self.groups):
+                    for group in self.groups:
+                        if group.in_flight and group.ranks.replied():
+                            self._collect(group, step, results)
+                    committed = self._committed(results, step)
+                    self._check_deadline(deadline, step)
+                    time.sleep(_POLL_S)
+                return self._result(step, committed, self._driver_bytes() - before)
+            if all(g.state == "out" for g in self.groups) or not any(g.state in ("live", "joining", "restarting")
+                                                                       for g in self.groups):
+                raise WorkerLost(-1, f"every replica group was lost at step {step + 1}")
+            if not any(g.state == "live" for g in self.groups):
+                # Every group is restarting or joining: their Managers are at step 0, the run's state is gone.
+                self._stop_all()
+                raise WorkerLost(-1, f"every replica group was lost at step {step + 1}: no live group to heal from")
+            self._check_deadline(deadline, step)
+
+    def _committed(self, results: dict[int, list], step: int) -> dict[int, list]:
+        """The groups of `results` that committed, made live; a committed step other than `step` is a bug."""
+        committed = {}
+        for replica, replies in results.items():
+            group = self.groups[replica]
+            if not all(reply[1] for reply in replies):
+                continue
+            if replies[0][0] != step:
+                raise RuntimeError(f"replica group {replica} committed step {replies[0][0] + 1}, the run is at "
+                                   f"step {step + 1}")
+            if group.state == "joining":
+                group.state = "live"
+                group.lost["rejoined_at_step"] = step
+                group.lost["rejoin_s"] = time.monotonic() - group.lost["lost_s"]
+                group.lost.setdefault("first_commit_s", group.lost["rejoin_s"])
+                self.recoveries.append(public(group.lost))
+                group.lost = None
+            committed[replica] = replies
+        return committed
+
+    def _check_deadline(self, deadline: float, step: int) -> None:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no replica group committed step {step + 1} within {deadline:.0f} s of its start")
+
+    def _result(self, step: int, committed: dict[int, list], driver_bytes: int) -> StepResult:
+        replicas = sorted(committed)
+        replies = [reply[3] for replica in replicas for reply in committed[replica]]
+        traced = self.out_dir is not None and step == self._trace_step
+        loss, extras, metrics = self.stats.add(replies, len(replicas) * self.run_cfg.train.microbatches,
+                                               driver_bytes, traced)
+        for group in self.groups:  # since a group's loss: the first step committed, and without it
+            if group.lost is None:
+                continue
+            group.lost.setdefault("first_commit_s", time.monotonic() - group.lost["lost_s"])
+            if "shrunk_commit_s" not in group.lost and group.replica not in replicas:
+                group.lost["shrunk_commit_s"] = time.monotonic() - group.lost["lost_s"]
+        self.participants_per_step = [*self.participants_per_step[:step], len(replicas)]
+        metrics.update(participants=len(replicas), replica_groups=replicas)
+        extras.update(self.static_extras)
+        extras.update(participants_per_step=list(self.participants_per_step), recoveries=list(self.recoveries),
+                      replica_restarts=[g.restarts for g in self.groups])
+        if step == self.run_cfg.train.steps - 1:
+            extras["replicas_equal"] = self.replicas_equal()
+        if traced:
+            trace = write_chrome_trace(sorted(self.stats.last_events, key=lambda e: e[2]),
+                                       self.out_dir / "trace.json")
+            extras["trace"] = str(trace)
+        return StepResult(loss=loss, extras=extras, metrics=metrics)
+
+    def replicas_equal(self) -> bool:
+        """Whether every one of the D groups is live and holds bitwise the same parameters."""
+        if any(g.state != "live" for g in self.groups):
+            return False
+        digests = {tuple(g.ranks.call_all("param_digest", what="the parameter digest")) for g in self.groups}
+        return len(digests) == 1
+
+    def _driver_bytes(self) -> int:
+        return sum(g.ranks.bytes_exchanged for g in self.groups)
+
+    # ---- what one live group answers for all (their parameters are equal) ----
+    def _live_call(self, method: str, *args, what: str) -> list:
+        for group in self.groups:
+            if group.state == "live" and not group.in_flight:
+                try:
+                    return group.ranks.call_all(method, *args, what=what)
+                except WorkerLost as lost:
+                    self._lose(group, lost, len(self.participants_per_step))
+        raise WorkerLost(-1, f"no live replica group for {what}")
+
+    def evaluate(self) -> float:
+        """Every live group's share of the validation batches (each group reads its replica's rows)."""
+        answers = []
+        for group in self.groups:
+            if group.state == "live" and not group.in_flight:
+                try:
+                    answers += group.ranks.call_all("evaluate", what="evaluation")
+                except WorkerLost as lost:
+                    self._lose(group, lost, len(self.participants_per_step))
+        if not answers:
+            raise WorkerLost(-1, "no live replica group for evaluation")
+        return mean_eval_loss(answers)
+
+    def routing_metrics(self) -> dict:
+        return routing_metrics(self._live_call("routing_sums", what="routing statistics"))
+
+    def save_checkpoint(self, step_dir) -> None:
+        """One live group's P ranks write the shards (every group holds the same state)."""
+        self._live_call("save_shard", _absolute(step_dir), what="checkpoint save")
+
+    def begin_checkpoint(self, step_dir) -> float:
+        """Written at once (the groups' background writes are not wired): the seconds it took."""
+        start = time.perf_counter()
+        self.save_checkpoint(step_dir)
+        return time.perf_counter() - start
+
+    def checkpoint_written(self) -> bool:
+        return True
+
+    def finish_checkpoint(self) -> None:
+        pass
+
+    def load_checkpoint(self, step_dir) -> None:
+        """Every group loads the shards, and its Managers continue at the checkpoint's step."""
+        meta = read_meta(Path(step_dir))
+        steps_done = int(meta["steps_done"])
+        extras = meta.get("extras", {})
+        self.participants_per_step = list(extras.get("participants_per_step", []))[:steps_done]
+        self.recoveries = [r for r in extras.get("recoveries", []) if r.get("lost_at_step", 0) < steps_done]
+        for group in self.groups:
+            group.ranks.call_all("load_shard", _absolute(step_dir), what="checkpoint load")
+            group.ranks.call_all("set_step", steps_done, what="checkpoint load")
+
+    def restart_workers(self) -> None:
+        """Every group started again (the loop then loads the last checkpoint into them)."""
+        self._stop_all()
+        for group in self.groups:
+            group.state, group.in_flight, group.lost = "live", False, None
+            group.ranks.start(FtStageWorker, [{**k, "fail_at_step": None} for k in group.kwargs], device="cpu")
+
+    def _stop_all(self, *, instance: bool = False) -> None:
+        """Stop every group's ranks; `instance`: also a Ray instance the first group started (last)."""
+        for group in reversed(self.groups):
+            if group.thread is not None:
+                group.thread.join(timeout=self.run_cfg.pipeline.timeout_s + 30)
+            if instance:
+                group.ranks.stop(graceful=not group.in_flight)
+            else:
+                group.ranks.stop_ranks()
+            group.in_flight = False
+
+    def close(self) -> None:
+        """Stop every group and the Lighthouse this engine started. Safe to call twice."""
+        self._stop_all(instance=True)
+        if self._lighthouse is not None:
+            self._lighthouse.shutdown()
+            self._lighthouse = None
+

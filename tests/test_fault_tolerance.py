@@ -1,0 +1,194 @@
+"""`--fault-tolerance replicas` (docs/ray.md, "Fault tolerance across replicas"): D = 2 replica
+groups of P = 2 local rank processes, each a torchft replica group. A fault-free run trains as the
+plain D = 2 run (the same losses); a rank of group 1 lost mid-step restarts group 1 alone while
+group 0 commits every step, group 1 heals from group 0 and every group ends bitwise equal; under
+`--min-replicas 2` group 0 waits for group 1 instead (again the plain run's losses); the wait is
+bounded by `--timeout`; under the Ray launcher only the lost group's actors restart; without
+torchft the option is one error line."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+
+import pytest
+
+from attnres_pp.cli import main
+
+STEPS = 8
+ARGS = ["train", "--launcher", "local", "--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16",
+        "--batch-size", "8", "--stages", "2", "--data-parallel", "2", "--steps", str(STEPS), "--quiet",
+        "--no-final-checkpoint"]
+FT = ["--fault-tolerance", "replicas"]
+
+
+def summary(run) -> dict:
+    return json.loads((run / "summary.json").read_text())
+
+
+def records(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def skipped_share_tolerance(free_losses: list[float], participants: list[int], replicas: int) -> float:
+    """docs/ray.md's tolerance for the final loss of a run whose steps had `participants` groups of
+    `replicas`: the skipped share of the batches, s = sum(1 - p / D) steps, counted as whole steps not
+    taken, i.e. what the fault-free run's loss fell over its last ceil(s) steps (plus float noise)."""
+    skipped = math.ceil(sum(1 - p / replicas for p in participants))
+    return free_losses[-1 - skipped] - free_losses[-1] + 1e-6 * abs(free_losses[-1])
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ft") / "tiny.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain(corpus, tmp_path_factory):
+    """Today's D = 2 run, without fault tolerance: the reference losses."""
+    run = tmp_path_factory.mktemp("ft") / "plain"
+    assert main([*ARGS, "--data", str(corpus), "--out", str(run)]) == 0
+    return summary(run)
+
+
+@pytest.mark.distributed
+def test_fault_free_replica_groups_train_as_the_plain_run(corpus, plain, tmp_path):
+    """Also its checkpoint (written by one group's ranks) resumes into both groups with the same losses."""
+    run = tmp_path / "ft"
+    assert main([*ARGS, *FT, "--data", str(corpus), "--checkpoint-every", "4", "--out", str(run)]) == 0
+    got = summary(run)
+    assert got["losses"] == plain["losses"]  # the same sums, divided by the same D: bitwise
+    assert got["val_loss"] == plain["val_loss"]
+    assert got["participants_per_step"] == [2] * STEPS
+    assert got["replicas_equal"] is True and got["restarts"] == 0 and got["recoveries"] == []
+    assert got["lighthouse"].startswith("http://")
+    assert [r["participants"] for r in records(run)] == [2] * STEPS
+    again = tmp_path / "again"  # as a crash after step 5 would have left it
+    shutil.copytree(run / "checkpoints" / "step_4", again / "checkpoints" / "step_4")
+    (again / "metrics.jsonl").write_text("".join((run / "metrics.jsonl").read_text().splitlines(True)[:5]))
+    assert main(["train", "--resume", str(again), "--quiet"]) == 0
+    resumed = summary(again)
+    assert resumed["losses"] == plain["losses"] and resumed["participants_per_step"] == [2] * STEPS
+    assert resumed["replicas_equal"] is True
+
+
+@pytest.mark.distributed
+def test_a_lost_rank_restarts_only_its_group_which_heals_from_the_live_one(corpus, plain, tmp_path):
+    """Global rank 3 (group 1, pp rank 1) exits mid-step 3: group 0 commits every step once, in order;
+    group 1 is restarted alone (no job restart), heals and commits again; all end bitwise equal."""
+    run = tmp_path / "hit"
+    assert main([*ARGS, *FT, "--data", str(corpus), "--inject-failure", "3:3", "--out", str(run)]) == 0
+    check_recovered_alone(run, plain)
+
+
+@pytest.mark.ray
+def test_under_ray_only_the_lost_groups_actors_restart(corpus, plain, tmp_path, monkeypatch):
+    """The same loss under --launcher ray: each group's actors in a placement group of their own, only
+    group 1's killed and placed again, on the private Ray instance the run starts."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    pytest.importorskip("ray")
+    run = tmp_path / "ray"
+    assert main([*ARGS, *FT, "--launcher", "ray", "--device", "cpu", "--data", str(corpus), "--inject-failure", "3:3",
+                 "--out", str(run)]) == 0
+    got = check_recovered_alone(run, plain)
+    assert "stopped answering (its actor died)" in got["recoveries"][0]["cause"]
+
+
+def check_recovered_alone(run, plain) -> dict:
+    """What a run that lost global rank 3 at step 3 and recovered it alone must show; its summary."""
+    got = summary(run)
+    steps = records(run)
+    assert [r["step"] for r in steps] == list(range(STEPS))
+    assert all(0 in r["replica_groups"] for r in steps)  # group 0 never lost or repeated a step
+    assert got["restarts"] == 0 and got["replica_restarts"] == [0, 1]
+    [recovery] = got["recoveries"]
+    assert recovery["replica"] == 1 and recovery["lost_at_step"] == 2 and "global rank 3" in recovery["cause"]
+    assert recovery["rejoined_at_step"] >= 2 and steps[-1]["replica_groups"] == [0, 1]
+    assert all(r["replica_groups"] == [0, 1] for r in steps[recovery["rejoined_at_step"]:])
+    assert got["participants_per_step"] == [len(r["replica_groups"]) for r in steps]
+    assert got["replicas_equal"] is True
+    tolerance = skipped_share_tolerance(plain["losses"], got["participants_per_step"], 2)
+    assert abs(got["losses"][-1] - plain["losses"][-1]) <= tolerance
+    return got
+
+
+@pytest.mark.distributed
+def test_min_replicas_2_makes_the_live_group_wait_for_the_lost_one(corpus, plain, tmp_path):
+    """Every step commits with both groups: group 0 waits at the quorum while group 1 restarts and
+    heals at the step it lost, so the run is the fault-free one, loss for loss."""
+    run = tmp_path / "wait"
+    assert main([*ARGS, *FT, "--min-replicas", "2", "--data", str(corpus), "--inject-failure", "3:3",
+                 "--out", str(run)]) == 0
+    got = summary(run)
+    assert got["participants_per_step"] == [2] * STEPS
+    assert got["losses"] == plain["losses"]
+    [recovery] = got["recoveries"]
+    assert recovery["rejoined_at_step"] == recovery["lost_at_step"] == 2
+    assert got["replicas_equal"] is True and got["restarts"] == 0
+
+
+@pytest.mark.distributed
+def test_a_quorum_never_reached_ends_the_run_within_the_timeout(corpus, tmp_path, capsys):
+    """A given Lighthouse that wants 3 groups never forms a quorum of these 2: each group's wait ends
+    at --timeout with one error line."""
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=3)
+    try:
+        start = time.monotonic()
+        code = main([*ARGS, *FT, "--steps", "1", "--timeout", "4", "--lighthouse", lighthouse.address(),
+                     "--data", str(corpus), "--out", str(tmp_path / "never")])
+        elapsed = time.monotonic() - start
+    finally:
+        lighthouse.shutdown()
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "error: replica group" in err and "no quorum of --min-replicas 1 replica groups within --timeout 4 s" in err
+    assert elapsed < 4 + 30
+
+
+def test_without_torchft_the_option_is_one_error_line(corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # `import torchft` raises ImportError
+    assert main([*ARGS, *FT, "--data", str(corpus), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --fault-tolerance replicas needs torchft: pip install 'attnres-pp[ft]'"]
+
+
+def test_the_lighthouse_status_counts_the_quorum_requests_it_holds():
+    """The engine sends the live groups their step only once a joining group's request is at the
+    Lighthouse (`ft_engine.lighthouse_requests`, read from its /status page): 0, then 1 pending."""
+    import threading
+    from datetime import timedelta
+
+    from torchft.coordination import LighthouseClient, LighthouseServer
+
+    from attnres_pp.train.ft_engine import lighthouse_requests
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    try:
+        assert lighthouse_requests(lighthouse.address()) == 0
+        client = LighthouseClient(lighthouse.address(), connect_timeout=timedelta(seconds=5))
+        asking = threading.Thread(target=lambda: _quorum_or_timeout(client), daemon=True)
+        asking.start()
+        deadline = time.monotonic() + 10
+        while lighthouse_requests(lighthouse.address()) != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert lighthouse_requests(lighthouse.address()) == 1
+    finally:
+        lighthouse.shutdown()
+    assert lighthouse_requests("http://127.0.0.1:1") is None  # nothing listening: the engine falls back
+
+
+def _quorum_or_timeout(client) -> None:
+    from datetime import timedelta
+
+    try:
+        client.quorum(replica_id="r0", timeout=timedelta(seconds=3), address="a", store_address="s", step=0,
+                      world_size=1)
+    except Exception:  # the quorum of 2 never forms: torchft's timeout
+        pass
