@@ -23,6 +23,9 @@ ARGS = ["train", "--launcher", "local", "--layers", "2", "--d-model", "32", "--h
         "--batch-size", "8", "--stages", "2", "--data-parallel", "2", "--steps", str(STEPS), "--quiet",
         "--no-final-checkpoint"]
 FT = ["--fault-tolerance", "replicas"]
+# One worker holds the module's reference run: under --dist loadgroup its tests would otherwise be
+# handed to both workers, each training `plain` again.
+pytestmark = pytest.mark.xdist_group("ft-plain-run")
 
 
 def summary(run) -> dict:
