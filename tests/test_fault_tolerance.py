@@ -89,6 +89,16 @@ def test_a_lost_rank_restarts_only_its_group_which_heals_from_the_live_one(corpu
     check_recovered_alone(run, plain)
 
 
+@pytest.mark.distributed
+def test_a_rank_lost_inside_the_replicas_all_reduce_recovers_the_same_way(corpus, plain, tmp_path):
+    """Global rank 3 exits at step 3 as it would join the gradient all-reduce that group 0's pp rank 1
+    has entered: group 0's collective fails, that step does not commit there, and the run recovers as
+    from a rank lost mid-pipeline (group 0 commits every step once, group 1 heals, all end equal)."""
+    run = tmp_path / "in_allreduce"
+    assert main([*ARGS, *FT, "--data", str(corpus), "--inject-failure", "3:3:allreduce", "--out", str(run)]) == 0
+    check_recovered_alone(run, plain)
+
+
 @pytest.mark.ray
 def test_under_ray_only_the_lost_groups_actors_restart(corpus, plain, tmp_path, monkeypatch):
     """The same loss under --launcher ray: each group's actors in a placement group of their own, only

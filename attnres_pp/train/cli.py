@@ -152,8 +152,10 @@ def register(subparsers) -> None:
     parser.add_argument("--max-restarts", metavar="N",
                         help="restarts after a lost rank before the run stops (default 3; --resume: as saved; "
                              "ray and local launchers)")
-    parser.add_argument("--inject-failure", metavar="RANK:STEP",
-                        help="rehearse a failure: that rank's worker exits during that step (1-based)")
+    parser.add_argument("--inject-failure", metavar="RANK:STEP[:allreduce]",
+                        help="rehearse a failure: that rank's worker exits during that step (1-based), mid-pipeline, "
+                             "or with ':allreduce' as it would join the replicas' gradient all-reduce, its peers "
+                             "already in it (--fault-tolerance replicas)")
     parser.set_defaults(func=main)
 
 
@@ -224,15 +226,22 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
     return CheckpointConfig.from_settings(settings, resume=args.resume is not None)
 
 
-def parse_failure(text: str | None, run_cfg: RunConfig) -> tuple[int, int] | None:
-    """`--inject-failure RANK:STEP` (STEP 1-based, as progress lines count) as (rank, 0-based step)."""
+def parse_failure(text: str | None, run_cfg: RunConfig) -> tuple | None:
+    """`--inject-failure RANK:STEP[:allreduce]` (STEP 1-based, as progress lines count) as (rank,
+    0-based step), or (rank, 0-based step, "allreduce") for the failure inside the replicas' reduction."""
     if text is None:
         return None
-    rank_text, _, step_text = text.partition(":")
+    rank_text, _, rest = text.partition(":")
+    step_text, _, point = rest.partition(":")
     try:
         rank, step = int(rank_text), int(step_text)
     except ValueError:
         raise ConfigError(f"--inject-failure {text!r} is invalid: expected RANK:STEP, e.g. 1:3") from None
+    if point not in ("", "allreduce"):
+        raise ConfigError(f"--inject-failure {text!r} is invalid: the point after STEP can only be 'allreduce'")
+    if point and run_cfg.train.fault_tolerance != "replicas":
+        raise ConfigError(f"--inject-failure {text!r} is invalid: ':allreduce' is for --fault-tolerance replicas "
+                          "(the replicas' reduction through torchft); drop it to fail mid-pipeline")
     pipe, steps = run_cfg.pipeline, run_cfg.train.steps
     if not 0 <= rank < pipe.world_size:
         layout = f"--stages {pipe.stages}"
@@ -243,7 +252,7 @@ def parse_failure(text: str | None, run_cfg: RunConfig) -> tuple[int, int] | Non
         raise ConfigError(f"--inject-failure {text!r} is invalid: RANK must be in 0..{pipe.world_size - 1} ({layout})")
     if not 1 <= step <= steps:
         raise ConfigError(f"--inject-failure {text!r} is invalid: STEP must be in 1..{steps} (--steps {steps})")
-    return rank, step - 1
+    return (rank, step - 1, point) if point else (rank, step - 1)
 
 
 def flag_overrides(args: argparse.Namespace) -> dict:

@@ -84,7 +84,8 @@ def require_torchft() -> None:
 
 class FtEngine:
     """The `Engine` of a `--fault-tolerance replicas` run (`--launcher local`). `fail_at` = (global
-    rank, 0-based step): that rank exits mid-step, once (its group's restart has no failure)."""
+    rank, 0-based step): that rank exits mid-step, once (its group's restart has no failure); with a
+    third item "allreduce" it exits instead as it would join the replicas' gradient reduction."""
 
     def __init__(self, run_cfg: RunConfig, out_dir: str | Path | None = None, *, address: str | None = None,
                  placement: str | None = None, fail_at: tuple[int, int] | None = None,
@@ -111,7 +112,8 @@ class FtEngine:
                 kwargs = [{"run_cfg_dict": self.run_cfg.to_dict(), "rank": d * pipe.stages + p, "data_path": data_path,
                            "lighthouse": lighthouse,
                            "fail_at_step": fail_at[1] if fail_at is not None and fail_at[0] == d * pipe.stages + p
-                           else None} for p in range(pipe.stages)]
+                           else None, "fail_in_allreduce": fail_at is not None and fail_at[2:] == ("allreduce",)}
+                          for p in range(pipe.stages)]
                 group = ReplicaGroup(d, self._rank_group(d, address, placement), FtStageWorker, kwargs)
                 self.groups.append(group)
                 group.ranks.start(FtStageWorker, kwargs, device="cpu")

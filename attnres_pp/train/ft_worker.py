@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 from datetime import timedelta
 
 import torch
@@ -48,9 +49,16 @@ class PipelineCollectives:
 class FtStageWorker(StageWorker):
     """`lighthouse`: the torchft Lighthouse's URL; `min_replicas`: the groups a step needs to commit."""
 
-    def __init__(self, run_cfg_dict: dict, rank: int, *, lighthouse: str, **kwargs) -> None:
+    def __init__(self, run_cfg_dict: dict, rank: int, *, lighthouse: str, fail_in_allreduce: bool = False,
+                 **kwargs) -> None:
         super().__init__(run_cfg_dict, rank, **kwargs)
         self.lighthouse = lighthouse
+        # The rehearsal's point (`--inject-failure R:S:allreduce`): at step S this rank trains its
+        # pipeline to the end and exits as it would join the replicas' reduction, which its peers in
+        # the other groups have entered: the failure they see is one inside the collective.
+        self.fail_in_allreduce_at = self.fail_at_step if fail_in_allreduce else None
+        if fail_in_allreduce:
+            self.fail_at_step = None
         self.manager = None
         self.store = None  # rank 0's TCPStore, the group's rendezvous for its Managers
 
@@ -108,6 +116,8 @@ class FtStageWorker(StageWorker):
         the sum divided by the participants); MSAR's tied convolutions are first summed over this
         group's P ranks. A failed reduction is the Manager's error: the step does not commit."""
         ensure_grads(self.untied + self.tied)
+        if self.fail_in_allreduce_at is not None and self.manager.current_step() == self.fail_in_allreduce_at:
+            os._exit(17)
         for bucket in flat_buckets(self.untied):
             self._average(bucket)
         if self.tied:
