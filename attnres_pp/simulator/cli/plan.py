@@ -169,7 +169,8 @@ def format_table(request: PlanRequest, rows: list[dict], seconds: float) -> str:
         f"{request.tflops:g} TFLOP/s achieved; planned in {seconds:.1f} s",
         *lines,
         "peak/rank: the fullest rank's predicted peak (params + grads + AdamW + activations + cache at its peak); "
-        "fsdp/reshard: --fsdp-reshard-after-forward always (its memory priced as never's); T: tensor-parallel "
+        "fsdp/reshard: --fsdp-reshard-after-forward always (a chunk all-gathered only from its backward to its "
+        "next F); T: tensor-parallel "
         "ranks (GPUs = T x P x D; SP on unless /noSP; bytes/hop per tp rank; tp terms derived, and train has no "
         "--tensor-parallel yet)",
         "run the top row:",
