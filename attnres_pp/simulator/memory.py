@@ -64,13 +64,14 @@ CHECKPOINT_TARGETS = ("saved", "transient", "input_transient", "input_kept")
 # ---- parameters, gradients, optimizer state ----
 
 def _read_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
-    """The parameters of one reading site (model.depth.DepthRead)."""
+    """The parameters of one reading site (model.depth.DepthRead): its query (MSAR: per stream, and the
+    gate's weight, scale and bias), and with `key_norm_gain` the key gain, shaped as the query."""
     if cfg.residual == "standard":
         return []
     if cfg.residual == "msar":
         m, d = cfg.n_streams, cfg.d_model
-        return [(m, d), (m * d, m), (), (m,)]
-    return [(cfg.query_dim,)]
+        return [(m, d), (m * d, m), (), (m,)] + [(m, d)] * cfg.key_norm_gain
+    return [(cfg.query_dim,)] * (1 + cfg.key_norm_gain)
 
 
 def rank_parameter_shapes(cfg: ModelConfig, partition: Partition, pp_rank: int,
@@ -292,9 +293,12 @@ def saved_parameter_shapes(cfg: ModelConfig, partition: Partition, chunk_index: 
     """Shapes of chunk `chunk_index`'s parameters that its autograd nodes save (a matrix product's
     weight, a norm's gain, MSAR's gate weights): all but the embedding tables (a lookup saves the
     indices), the AttnRes / LR-AttnRes pseudo-queries (their reads save the stacked queries, a copy)
-    and MSAR's gate scalars; MSAR's per-stream queries, a few d-vectors, are counted."""
+    and MSAR's gate scalars; MSAR's per-stream queries, a few d-vectors, are counted. With
+    `key_norm_gain` the scoring query's product (query x gain, `model.depth.DepthRead`) saves both."""
     d, f, width, t = cfg.d_model, cfg.ff_dim, cfg.source_width, tensor_parallel
     read = [(cfg.n_streams, d), (cfg.n_streams * d, cfg.n_streams)] if cfg.residual == "msar" else []
+    if cfg.key_norm_gain and cfg.uses_depth_attention:
+        read += [(cfg.n_streams, d)] if cfg.residual == "msar" else [(cfg.query_dim,)] * 2
     shapes = [(d,), (3 * d // t, d), (width, d // t), *read, (d,), (f // t, d), (width, f // t), *read] * \
         partition.layers_per_chunk[chunk_index]
     if chunk_index == 0 and cfg.projected_key_rank:

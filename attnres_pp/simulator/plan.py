@@ -158,8 +158,8 @@ def block_sizes(request: PlanRequest) -> list[int]:
     cfg = request.model
     if not cfg.uses_depth_attention:
         return [cfg.block_size]
-    if request.block_size is not None:
-        return [request.block_size]
+    if request.block_size is not None or cfg.blocks:  # --blocks N places the blocks alone
+        return [request.block_size if request.block_size is not None else cfg.block_size]
     # Block AttnRes with 4, 8 or 16 blocks (the papers' range; more blocks = more to send and cache).
     sizes = {-(-cfg.n_sublayers // n) for n in (4, 8, 16) if n <= cfg.n_sublayers}
     return sorted(sizes)
@@ -503,7 +503,7 @@ class Planner:
         fullest = ranks[fullest_rank]
         row = {
             "config": dataclasses.asdict(candidate) | {"placement": partition.placement,
-                                                       "tokens_per_microbatch": tokens},
+                                                       "tokens_per_microbatch": tokens, "blocks": cfg.blocks},
             "step_time_s": step,
             "pipeline_s": result.makespan,
             "dp_collectives": collectives,
@@ -601,7 +601,9 @@ def train_command(request: PlanRequest, candidate: Candidate) -> str:
     parts = ["attnres-pp train", f"--layers {cfg.n_layers}", f"--d-model {cfg.d_model}", f"--heads {cfg.n_heads}",
              f"--seq-len {cfg.seq_len}", f"--vocab-size {cfg.vocab_size}", f"--residual {cfg.residual}"]
     if cfg.uses_depth_attention:
-        parts.append(f"--block-size {candidate.block_size}")
+        parts.append(f"--blocks {cfg.blocks}" if cfg.blocks else f"--block-size {candidate.block_size}")
+        if cfg.key_norm_gain:
+            parts.append("--key-norm-gain")
     if cfg.residual == "lr_attnres":
         parts += [f"--key-mode {cfg.key_mode}", f"--key-rank {cfg.key_rank}"]
     parts += [f"--batch-size {request.global_batch}", f"--microbatches {candidate.n_microbatches}",

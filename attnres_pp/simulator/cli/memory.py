@@ -13,12 +13,10 @@ from attnres_pp.model.config import ModelConfig
 from attnres_pp.model_flags import add_layer_counts_flag, add_model_flags, layer_counts_flag, model_from_flags
 from attnres_pp.schedule.schedules import SCHEDULES
 from attnres_pp.simulator.cli.flags import (
-    UNPRICED,
     add_attention_kernel_flag,
     add_tensor_parallel_flags,
     non_negative_int,
     positive_int,
-    refuse_unpriced,
     tensor_parallel_from,
 )
 from attnres_pp.simulator.comm import DTYPE_BYTES, format_bytes
@@ -42,7 +40,7 @@ def register(commands) -> None:
     parser.add_argument("--virtual", type=positive_int, default=1, help="V, chunks per rank (default 1)")
     parser.add_argument("--microbatches", type=positive_int, required=True, help="m, microbatches per step and replica")
     # The model flags are train's own (same names, defaults and meaning); the simulator adds these.
-    add_model_flags(parser, notes={flag: f"refused by simulate memory: {why}" for flag, why in UNPRICED.items()})
+    add_model_flags(parser)
     parser.add_argument("--d-ff", type=non_negative_int, default=0, help="MLP width (0 = 4 x d-model)")
     parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per microbatch")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
@@ -63,7 +61,6 @@ def register(commands) -> None:
 
 
 def build(args: argparse.Namespace) -> tuple[ModelConfig, MemorySetup]:
-    refuse_unpriced(args, "memory")
     cfg = model_from_flags(args, d_ff=args.d_ff)
     tp = tensor_parallel_from(args, cfg, tokens=args.tokens, n_stages=args.stages, data_parallel=args.data_parallel)
     setup = MemorySetup(schedule=args.schedule, n_stages=args.stages, n_virtual=args.virtual,
