@@ -18,15 +18,24 @@ MODEL = dict(vocab_size=256, n_layers=4, d_model=32, n_heads=2, seq_len=16, resi
 HELD = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 
-@pytest.mark.parametrize("dp_shard", ["replicate", "fsdp"])
-@pytest.mark.parametrize("schedule,virtual", [("zbv", 2), ("interleaved_1f1b", 2), ("1f1b", 1)])
+DP_SHARDS = ("replicate", "fsdp")
+LAYOUTS = (("zbv", 2), ("interleaved_1f1b", 2), ("1f1b", 1))
+
+
+def train_argv(schedule: str, virtual: int, dp_shard: str, out) -> list[str]:
+    m = MODEL
+    return ["train", "--layers", str(m["n_layers"]), "--d-model", str(m["d_model"]), "--heads", str(m["n_heads"]),
+            "--seq-len", str(m["seq_len"]), "--residual", "msar", "--block-size", str(m["block_size"]),
+            "--batch-size", "8", "--microbatches", "2", "--steps", "1", "--eval-every", "0", "--quiet",
+            "--data-parallel", "2", "--stages", "2", "--virtual", str(virtual), "--schedule", schedule,
+            "--dp-shard", dp_shard, "--launcher", "local", "--out", str(out)]
+
+
+@pytest.mark.parametrize("dp_shard", DP_SHARDS)
+@pytest.mark.parametrize("schedule,virtual", LAYOUTS)
 def test_predicted_held_bytes_equal_a_real_run(tmp_path, schedule, virtual, dp_shard):
     m = MODEL
-    assert main(["train", "--layers", str(m["n_layers"]), "--d-model", str(m["d_model"]), "--heads", str(m["n_heads"]),
-                 "--seq-len", str(m["seq_len"]), "--residual", "msar", "--block-size", str(m["block_size"]),
-                 "--batch-size", "8", "--microbatches", "2", "--steps", "1", "--eval-every", "0", "--quiet",
-                 "--data-parallel", "2", "--stages", "2", "--virtual", str(virtual), "--schedule", schedule,
-                 "--dp-shard", dp_shard, "--launcher", "local", "--out", str(tmp_path)]) == 0
+    assert main(train_argv(schedule, virtual, dp_shard, tmp_path)) == 0
     got = json.loads((tmp_path / "summary.json").read_text())["memory_per_rank"]
     setup = MemorySetup(schedule=schedule, n_stages=2, n_virtual=virtual, n_microbatches=2, tokens=4 * m["seq_len"],
                         dtype="fp32", data_parallel=2, dp_shard=dp_shard)

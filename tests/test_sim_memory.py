@@ -41,9 +41,10 @@ def _tensor_bytes(tensors) -> int:
 
 @pytest.mark.parametrize("residual,key_mode", VARIANTS)
 @pytest.mark.parametrize("placement", ["loop", "vshape"])
-def test_state_bytes_equal_a_real_rank_and_adamw(residual, key_mode, placement):
+@pytest.mark.parametrize("key_norm_gain", [False, True])
+def test_state_bytes_equal_a_real_rank_and_adamw(residual, key_mode, placement, key_norm_gain):
     cfg = ModelConfig(vocab_size=40, n_layers=5, d_model=16, n_heads=2, seq_len=8, residual=residual,
-                      block_size=3, key_mode=key_mode, key_rank=4)
+                      block_size=3, key_mode=key_mode, key_rank=4, key_norm_gain=key_norm_gain)
     partition = make_partition(cfg.n_layers, 2, 2, layer_counts=(2, 1, 1, 1), placement=placement)
     for pp_rank in range(2):
         model, chunks = build_rank_model(cfg, partition, pp_rank, seed=0)

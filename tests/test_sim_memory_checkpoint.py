@@ -99,9 +99,10 @@ def test_walk_holds_gathered_parameters_from_first_forward_to_last_backward():
 def test_saved_parameter_shapes_are_the_ones_a_forward_saves():
     """The chunk's parameters whose storages autograd saves, found by an outer saved-tensor hook."""
     torch.set_num_threads(1)
-    for residual in ("standard", "attnres", "lr_attnres"):
+    for residual, gain in (("standard", False), ("attnres", False), ("lr_attnres", False), ("attnres", True),
+                           ("lr_attnres", True)):
         cfg = ModelConfig(vocab_size=40, n_layers=2, d_model=16, n_heads=2, seq_len=8, residual=residual,
-                          block_size=2, key_rank=4)
+                          block_size=2, key_rank=4, key_norm_gain=gain)
         partition = make_partition(2, 1, 1)
         _model, chunks = build_rank_model(cfg, partition, 0, seed=0)
         chunk = chunks[0]
@@ -117,6 +118,6 @@ def test_saved_parameter_shapes_are_the_ones_a_forward_saves():
         idx = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len))
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             chunk({}, idx, idx)
-        assert sorted(saved.values()) == sorted(saved_parameter_shapes(cfg, partition, 0)), residual
+        assert sorted(saved.values()) == sorted(saved_parameter_shapes(cfg, partition, 0)), (residual, gain)
     assert gathered_parameter_bytes(cfg, partition, 0, data_parallel=3, dtype="fp32") == 4 * sum(
         -(-s[0] // 3) * 3 * (s[1] if len(s) > 1 else 1) for s in saved_parameter_shapes(cfg, partition, 0))

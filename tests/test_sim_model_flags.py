@@ -12,7 +12,7 @@ import pytest
 from attnres_pp.bench.memory_predict import CASES, case_flags, microbatch_sequences, train_argv
 from attnres_pp.cli import build_parser, main
 from attnres_pp.train.cli import build_run_config, flag_overrides
-from tests import test_fsdp, test_memory_per_rank
+from tests import test_fsdp, test_memory_per_rank, test_sim_blocks_knobs, test_sim_held_bytes
 
 
 def _subparser(command: str, sub: str | None = None) -> argparse.ArgumentParser:
@@ -76,6 +76,11 @@ def _memory_per_rank_train_argvs(tmp_path) -> list[tuple[str, list[str]]]:
               ("memory_per_rank zb_h1 AC", ["train", *per_rank, "--batch-size", "4", "--stages", "2", "--schedule",
                                             "zb_h1", "--activation-checkpoint", "full"]),
               ("fsdp D2P2V2", ["train", *test_fsdp.D2P2V2, "--dp-shard", "fsdp"])]
+    argvs += [(f"held bytes {schedule} {dp_shard}", test_sim_held_bytes.train_argv(schedule, virtual, dp_shard,
+                                                                                   tmp_path / "held"))
+              for schedule, virtual in test_sim_held_bytes.LAYOUTS for dp_shard in test_sim_held_bytes.DP_SHARDS]
+    argvs.append(("blocks and key-norm gain", ["train", "--batch-size", "4", *test_sim_blocks_knobs.MODEL,
+                                                *test_sim_blocks_knobs.LAYOUT]))
     return argvs
 
 
@@ -100,7 +105,7 @@ def test_memory_per_rank_cases_give_the_simulators_trains_model(tmp_path, capsys
     from attnres_pp.simulator.cli import memory, plan
 
     argvs = _memory_per_rank_train_argvs(tmp_path)
-    assert len(argvs) == len(CASES) + 4
+    assert len(argvs) == len(CASES) + 4 + 6 + 1
     memory_options = set(_options(dict(SIMULATORS)["memory"]))
     for name, argv in argvs:
         run_cfg = build_run_config(build_parser(argv).parse_args(argv))
@@ -151,17 +156,20 @@ def test_a_bad_model_flag_is_one_error_line_and_exit_2(command, bad, needle, tmp
     assert needle in captured.err
 
 
-@pytest.mark.parametrize("bad", [["--blocks", "4"], ["--layer-counts", "2,2"]])
-def test_plan_refuses_what_it_searches(bad, capsys):
-    assert main(COMMANDS["plan"] + bad) == 2
+def test_plan_refuses_the_split_it_searches(capsys):
+    assert main(COMMANDS["plan"] + ["--layer-counts", "2,2"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"error: {bad[0]}: simulate plan searches over it" in err
+    assert err.count("\n") == 1 and "error: --layer-counts: simulate plan searches over it" in err
 
 
-@pytest.mark.parametrize("command,bad", [("memory", ["--blocks", "4"]), ("memory", ["--key-norm-gain"]),
-                                         ("plan", ["--key-norm-gain"])])
-def test_the_simulators_refuse_model_flags_they_cannot_price(command, bad, capsys):
-    """A prediction that ignored them would be wrong without saying so."""
-    assert main(COMMANDS[command] + bad) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and f"error: {bad[0]}: simulate {command} cannot price it" in err
+@pytest.mark.parametrize("command", ["memory", "plan"])
+def test_blocks_and_key_norm_gain_change_the_prediction(command, capsys):
+    """Priced, not ignored: each changes what the command prints (`test_sim_blocks_knobs` holds the
+    figures to a run)."""
+    outputs = []
+    for extra in ([], ["--blocks", "3"], ["--key-norm-gain"]):
+        assert main(COMMANDS[command] + ["--json", "--layers", "4", *extra]
+                    + (["--tensor-parallel", "1"] if command == "plan" else [])) == 0
+        report = json.loads(capsys.readouterr().out)
+        outputs.append(report["memory_per_rank"] if command == "memory" else report["rows"][0]["peak_memory_bytes"])
+    assert outputs[0] != outputs[1] and outputs[0] != outputs[2]

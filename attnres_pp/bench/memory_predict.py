@@ -120,8 +120,6 @@ def predict_argv(flags: dict) -> list[str]:
     for key, value in {"dtype": "fp32", **flags}.items():
         if key != "batch_size":
             argv += [f"--{key.replace('_', '-')}", str(value)]
-    if "block_size" not in flags:
-        argv += ["--block-size", "1"]
     return argv
 
 

@@ -53,6 +53,8 @@ from attnres_pp.simulator.memory_features import (  # noqa: F401 (re-exported: b
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 AC_POLICIES = ("none", "full", "selective")
 DP_SHARDS = ("replicate", "fsdp")
+# train's --fsdp-reshard-after-forward (`pipeline.config.RESHARD_AFTER_FORWARD`; the simulator reads no pipeline)
+RESHARD_AFTER_FORWARD = ("never", "always")
 ATTENTION_KERNELS = ("flash", "math")
 MEMORY_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_peak_bytes", "cache_peak_bytes")
 UNITS_PATH = Path(__file__).with_name("memory_units.json")
@@ -62,13 +64,14 @@ CHECKPOINT_TARGETS = ("saved", "transient", "input_transient", "input_kept")
 # ---- parameters, gradients, optimizer state ----
 
 def _read_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
-    """The parameters of one reading site (model.depth.DepthRead)."""
+    """The parameters of one reading site (model.depth.DepthRead): its query (MSAR: per stream, and the
+    gate's weight, scale and bias), and with `key_norm_gain` the key gain, shaped as the query."""
     if cfg.residual == "standard":
         return []
     if cfg.residual == "msar":
         m, d = cfg.n_streams, cfg.d_model
-        return [(m, d), (m * d, m), (), (m,)]
-    return [(cfg.query_dim,)]
+        return [(m, d), (m * d, m), (), (m,)] + [(m, d)] * cfg.key_norm_gain
+    return [(cfg.query_dim,)] * (1 + cfg.key_norm_gain)
 
 
 def rank_parameter_shapes(cfg: ModelConfig, partition: Partition, pp_rank: int,
@@ -290,9 +293,12 @@ def saved_parameter_shapes(cfg: ModelConfig, partition: Partition, chunk_index: 
     """Shapes of chunk `chunk_index`'s parameters that its autograd nodes save (a matrix product's
     weight, a norm's gain, MSAR's gate weights): all but the embedding tables (a lookup saves the
     indices), the AttnRes / LR-AttnRes pseudo-queries (their reads save the stacked queries, a copy)
-    and MSAR's gate scalars; MSAR's per-stream queries, a few d-vectors, are counted."""
+    and MSAR's gate scalars; MSAR's per-stream queries, a few d-vectors, are counted. With
+    `key_norm_gain` the scoring query's product (query x gain, `model.depth.DepthRead`) saves both."""
     d, f, width, t = cfg.d_model, cfg.ff_dim, cfg.source_width, tensor_parallel
     read = [(cfg.n_streams, d), (cfg.n_streams * d, cfg.n_streams)] if cfg.residual == "msar" else []
+    if cfg.key_norm_gain and cfg.uses_depth_attention:
+        read += [(cfg.n_streams, d)] if cfg.residual == "msar" else [(cfg.query_dim,)] * 2
     shapes = [(d,), (3 * d // t, d), (width, d // t), *read, (d,), (f // t, d), (width, f // t), *read] * \
         partition.layers_per_chunk[chunk_index]
     if chunk_index == 0 and cfg.projected_key_rank:
@@ -310,6 +316,25 @@ def gathered_parameter_bytes(cfg: ModelConfig, partition: Partition, chunk_index
                saved_parameter_shapes(cfg, partition, chunk_index, tensor_parallel)) * DTYPE_BYTES[dtype]
 
 
+def chunk_gathered_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, dtype: str,
+                         tensor_parallel: int = 1) -> int:
+    """Bytes of chunk `chunk_index`'s parameters all-gathered in the compute dtype while its FSDP2 units
+    are unsharded (`train.fsdp`: its layers, the embedding on chunk 0, the head on the last chunk;
+    MSAR's tied convolutions are not units). Summed over a rank's chunks it is the copy that
+    resharding never keeps through the step (`predict_ranks`)."""
+    d, f, width, t = cfg.d_model, cfg.ff_dim, cfg.source_width, tensor_parallel
+    shapes: list[tuple[int, ...]] = []
+    if chunk_index == 0:
+        shapes += [(cfg.vocab_size, d), (cfg.seq_len, d)]
+        if cfg.projected_key_rank:
+            shapes.append((cfg.projected_key_rank, d))
+    shapes += [(d,), (3 * d // t, d), (width, d // t), *_read_shapes(cfg), (d,), (f // t, d), (width, f // t),
+               *_read_shapes(cfg)] * partition.layers_per_chunk[chunk_index]
+    if chunk_index == partition.n_chunks - 1:
+        shapes += [*_read_shapes(cfg), (d,), (cfg.vocab_size, d)]
+    return sum(math.prod(s) for s in shapes) * DTYPE_BYTES[dtype]
+
+
 # ---- the walk over the action order ----
 
 @dataclass(frozen=True, kw_only=True)
@@ -321,6 +346,7 @@ class RankMemory:
     peak_bytes: int
     peak_action: str
     dominant: str = field(default="")
+    gathered_bytes: int = 0  # fsdp: the all-gathered parameters inside peak_bytes (none unless fsdp)
 
 
 def walk_rank(actions, *, saved_by_chunk: list[ChunkActivation], plan: PayloadPlan | None,
@@ -332,7 +358,27 @@ def walk_rank(actions, *, saved_by_chunk: list[ChunkActivation], plan: PayloadPl
     last backward whatever the microbatch (FSDP2's all-gathered parameters, saved by every forward:
     one storage each). They are not in the peak of both together, which the caller adds them to
     for the whole step (FSDP2 holds them from the first all-gather to the reduce-scatter)."""
+    return walk_rank_gathered(actions, saved_by_chunk=saved_by_chunk, plan=plan, tensor_bytes=tensor_bytes,
+                              resident_by_chunk=resident_by_chunk)[:4]
+
+
+def walk_rank_gathered(actions, *, saved_by_chunk: list[ChunkActivation], plan: PayloadPlan | None,
+                       tensor_bytes: int, resident_by_chunk: list[int] | None = None,
+                       gathered_by_chunk: list[int] | None = None) -> tuple[int, int, int, str, int]:
+    """`walk_rank`'s four figures and the all-gathered parameter bytes inside the peak of both together.
+
+    `gathered_by_chunk` (fsdp, reshard after forward always; `chunk_gathered_bytes`): a chunk's
+    units are unsharded by its first action that finds them sharded (every action of `train.fsdp`
+    unshards first), stay so through any backward, and are resharded at the end of each F: the
+    whole gathered copy of chunk c is in the peak of both together while c is unsharded, and the
+    parameters its forwards saved (`resident_by_chunk`, views of that copy, freed with it) count as
+    activations only while c is unsharded and a graph of c is alive. The step starts sharded.
+    Without it, the fifth figure is 0 (resharding never: the caller adds the whole copy)."""
     ios = plan.chunks if plan is not None else None
+    always = gathered_by_chunk is not None
+    unsharded: set[int] = set()
+    graphs: dict[int, int] = {}  # chunk -> microbatches whose graph (or W store) is alive
+    gathered_at_peak = 0
     deposits: dict[int, set] = {}  # microbatch -> the sources whose gradient deposit is alive
     cache_entries: dict[int, int] = {}  # microbatch -> len(deposits[mb]) as counted in cache_live
     actions = list(actions)
@@ -345,10 +391,14 @@ def walk_rank(actions, *, saved_by_chunk: list[ChunkActivation], plan: PayloadPl
         kind, c, mb = action.kind.value, action.chunk_index, action.microbatch_index
         unit = saved_by_chunk[c]
         extra = 0  # bytes alive only inside this action (a recomputation)
+        if always:
+            unsharded.add(c)
         if kind == "F":
-            if resident_by_chunk is not None and c not in started:
+            if resident_by_chunk is not None and c not in started and not always:
                 started.add(c)
                 resident += resident_by_chunk[c]
+            if always:
+                graphs[c] = graphs.get(c, 0) + 1
             act += unit.saved
             if ios is not None:
                 cache_live += len(ios[c].cache_puts) * tensor_bytes
@@ -374,9 +424,14 @@ def walk_rank(actions, *, saved_by_chunk: list[ChunkActivation], plan: PayloadPl
             extra = unit.transient
         if kind != "B" and kind != "I":
             moment = act + cache_live + extra
+        gathered = 0
+        if always:
+            gathered = sum(gathered_by_chunk[k] for k in unsharded)
+            resident = sum(resident_by_chunk[k] for k in unsharded if graphs.get(k)) if resident_by_chunk else 0
+            moment += gathered
         act_peak = max(act_peak, act + extra + resident)
         if moment > total_peak:
-            total_peak, peak_action = moment, f"{kind}{c}.{mb}"
+            total_peak, peak_action, gathered_at_peak = moment, f"{kind}{c}.{mb}", gathered
         if kind == "F" and ios is not None:
             cache_live -= len(ios[c].frees) * tensor_bytes
         elif kind == "B":
@@ -385,9 +440,15 @@ def walk_rank(actions, *, saved_by_chunk: list[ChunkActivation], plan: PayloadPl
             act += unit.stored - unit.saved
         elif kind == "W":
             act -= unit.saved if c == 0 else unit.stored
-        if resident_by_chunk is not None and last_backward.get(c) == position:
+        if always:
+            # A microbatch's graph of c ends with B, or with W (the store I leaves); I ends none.
+            if kind == "B" or kind == "W":
+                graphs[c] -= 1
+            if kind == "F":
+                unsharded.discard(c)
+        elif resident_by_chunk is not None and last_backward.get(c) == position:
             resident -= resident_by_chunk[c]
-    return act_peak, cache_peak, total_peak, peak_action
+    return act_peak, cache_peak, total_peak, peak_action, gathered_at_peak
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -406,6 +467,7 @@ class MemorySetup:
     activation_checkpoint: str = "none"
     layer_counts: tuple[int, ...] | None = None
     attention_kernel: str = "flash"
+    reshard_after_forward: str = "never"  # fsdp: train's --fsdp-reshard-after-forward
     tensor_parallel: int = 1  # T, docs/spec.md section 10 (derived)
     sequence_parallel: bool | None = None  # None: on when T > 1
 
@@ -419,10 +481,14 @@ class MemorySetup:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MemorySetup.{name}={value!r} is invalid: must be an integer >= 1")
         for name, allowed in (("dtype", tuple(DTYPE_BYTES)), ("dp_shard", DP_SHARDS),
-                              ("activation_checkpoint", AC_POLICIES), ("attention_kernel", ATTENTION_KERNELS)):
+                              ("activation_checkpoint", AC_POLICIES), ("attention_kernel", ATTENTION_KERNELS),
+                              ("reshard_after_forward", RESHARD_AFTER_FORWARD)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"MemorySetup.{name}={getattr(self, name)!r} is invalid: choose one of "
                                  f"{', '.join(allowed)}")
+        if self.reshard_after_forward != "never" and self.dp_shard != "fsdp":
+            raise ValueError(f"--fsdp-reshard-after-forward {self.reshard_after_forward} needs --dp-shard fsdp "
+                             f"(it is FSDP2's; --dp-shard is {self.dp_shard})")
 
 
 def dominant_term(terms: dict[str, int]) -> str:
@@ -452,23 +518,30 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
     resident = [gathered_parameter_bytes(cfg, partition, c, data_parallel=setup.data_parallel, dtype=setup.dtype,
                                          tensor_parallel=t)
                 for c in range(partition.n_chunks)] if fsdp else None
-    walks = [walk_rank(schedule.rank_actions[pp_rank], saved_by_chunk=saved, plan=plan if uses_cache else None,
-                       tensor_bytes=tensor_bytes, resident_by_chunk=resident) for pp_rank in range(setup.n_stages)]
+    always = fsdp and setup.reshard_after_forward == "always"
+    gathered = [chunk_gathered_bytes(cfg, partition, c, dtype=setup.dtype, tensor_parallel=t)
+                for c in range(partition.n_chunks)] if always else None
+    walks = [walk_rank_gathered(schedule.rank_actions[pp_rank], saved_by_chunk=saved,
+                                plan=plan if uses_cache else None, tensor_bytes=tensor_bytes,
+                                resident_by_chunk=resident, gathered_by_chunk=gathered)
+             for pp_rank in range(setup.n_stages)]
     ranks = []
     for dp_rank in dp_ranks if dp_ranks is not None else range(setup.data_parallel):
-        for pp_rank, (act_peak, cache_peak, peak, action) in enumerate(walks):
+        for pp_rank, (act_peak, cache_peak, peak, action, gathered_at_peak) in enumerate(walks):
             shapes = rank_parameter_shapes(cfg, partition, pp_rank, t)
             terms = state_bytes(shapes, data_parallel=setup.data_parallel, dp_shard=setup.dp_shard, dp_rank=dp_rank,
                                 whole=tied_parameter_shapes(cfg))
             terms.update(activation_peak_bytes=act_peak, cache_peak_bytes=cache_peak)
             fixed = terms["param_bytes"] + terms["grad_bytes"] + terms["optimizer_bytes"]
-            if fsdp:
+            if fsdp and not always:
                 # FSDP2 without resharding after forward (the pipeline default) keeps every parameter
                 # all-gathered in the compute dtype through the step: part of the peak, not of
                 # param_bytes (the activation term counts the saved ones while graphs hold them).
-                fixed += sum(math.prod(s) for s in shapes) * DTYPE_BYTES[setup.dtype]
+                gathered_at_peak = sum(math.prod(s) for s in shapes) * DTYPE_BYTES[setup.dtype]
+                fixed += gathered_at_peak
+            # Resharding always: the walk's peak holds the chunks unsharded at its moment (gathered_at_peak).
             ranks.append(RankMemory(terms=terms, peak_bytes=fixed + peak, peak_action=action,
-                                    dominant=dominant_term(terms)))
+                                    dominant=dominant_term(terms), gathered_bytes=gathered_at_peak))
     return ranks
 
 

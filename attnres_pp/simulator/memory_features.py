@@ -14,7 +14,7 @@ units of `memory_units.json` multiply (`bench.memory_units` fits them, `simulato
 from __future__ import annotations
 
 from attnres_pp.comm.partition import Partition
-from attnres_pp.model.config import ModelConfig
+from attnres_pp.model.config import ModelConfig, block_of, block_stop, completed_blocks, has_partial_before
 
 FEATURES = ("layer_td", "layer_th", "layer_tf", "sub_tw", "sub_t", "sub_tr", "seg_ntw", "seg_nkt", "seg_ktd",
             "seg_nt", "seg_ntr", "seg_nbd", "merge_td", "merge_t", "merge_tr", "merge_bd", "head_tv", "head_td",
@@ -39,15 +39,23 @@ def depth_segments(cfg: ModelConfig, partition: Partition, chunk_index: int) -> 
     the last chunk's final read is one more segment."""
     if not cfg.uses_depth_attention:
         return [], 0
-    size, sublayers = cfg.block_size, partition.sublayer_range(chunk_index)
-    segments, l = [], sublayers.start
-    while l < sublayers.stop:
-        stop = min(sublayers.stop, (l // size + 1) * size)
-        segments.append((l // size + 1, stop - l))
-        l = stop
+    sublayers = partition.sublayer_range(chunk_index)
+    segments, merges = _segments(cfg, sublayers)
     if chunk_index == partition.n_chunks - 1:
         segments.append((cfg.n_blocks + 1, 1))
-    return segments, sum(1 for l in sublayers if l % size)
+    return segments, merges
+
+
+def _segments(cfg: ModelConfig, sublayers: range) -> tuple[list[tuple[int, int]], int]:
+    """Phase-1 segments (sources n, queries k) and merges of a run of sublayers: a segment ends with
+    its block (`ModelConfig.block_ends`: every block_size sublayers, or where --blocks N puts them),
+    and a sublayer with an open partial before it merges."""
+    ends, segments, l = cfg.block_ends, [], sublayers.start
+    while l < sublayers.stop:
+        stop = min(sublayers.stop, block_stop(l, ends))
+        segments.append((block_of(l, ends), stop - l))
+        l = stop
+    return segments, sum(1 for l in sublayers if has_partial_before(l, ends))
 
 
 def activation_features(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int,
@@ -109,14 +117,7 @@ def _layer_pass(cfg: ModelConfig, sublayers: range, *, tokens: int, n_sequences:
     t, d, f, width = tokens, cfg.d_model, cfg.ff_dim, cfg.source_width
     r = cfg.key_rank if cfg.residual == "lr_attnres" else 0
     n_sub = len(sublayers)
-    segments, merges = [], 0
-    if cfg.uses_depth_attention:
-        size, l = cfg.block_size, sublayers.start
-        while l < sublayers.stop:
-            stop = min(sublayers.stop, (l // size + 1) * size)
-            segments.append((l // size + 1, stop - l))
-            l = stop
-        merges = sum(1 for l in sublayers if l % size)
+    segments, merges = _segments(cfg, sublayers) if cfg.uses_depth_attention else ([], 0)
     rows = (cfg.n_blocks + 1) if cfg.uses_depth_attention else 0
     streams = cfg.n_streams if cfg.residual == "msar" else 1
     key_width = cfg.key_rank if cfg.residual == "lr_attnres" else d
@@ -131,7 +132,8 @@ def _layer_pass(cfg: ModelConfig, sublayers: range, *, tokens: int, n_sequences:
         "buf_tw": rows * t * width * streams, "buf_tk": rows * t * key_width * streams,
         "matmul_params": (3 * d * d + width * d + f * d + width * f) // tensor_parallel if dtype == "bf16" else 0,
         # The pass's input partial (or residual) is saved as it is, by the norm and merge that read it.
-        "in_partial_tw": t * width if cfg.residual == "standard" or sublayers.start % cfg.block_size else 0,
+        "in_partial_tw": t * width if cfg.residual == "standard" or has_partial_before(sublayers.start,
+                                                                                       cfg.block_ends) else 0,
     }
 
 
@@ -154,9 +156,9 @@ def checkpoint_features(cfg: ModelConfig, partition: Partition, chunk_index: int
     streams = cfg.n_streams if cfg.residual == "msar" else 1
     # A pass that starts with one completed source (inside block 0) normalises that source's view of
     # its own storage (more sources are stacked into a copy): the chunk keeps b_0 itself, once.
-    single = cfg.uses_depth_attention and cfg.residual != "msar" and sublayers.start < cfg.block_size
+    single = cfg.uses_depth_attention and cfg.residual != "msar" and sublayers.start < cfg.block_ends[0]
     last_start = sublayers.start + 2 * ((len(sublayers) - 1) // 2)
-    held_blocks = (1 + last_start // cfg.block_size) if cfg.uses_depth_attention else 0
+    held_blocks = (1 + completed_blocks(last_start, cfg.block_ends)) if cfg.uses_depth_attention else 0
     features |= {
         "out_single_tw": single * t * width,
         # Each layer's frame holds its input blocks as they are (one storage each, shared by the

@@ -158,8 +158,8 @@ def block_sizes(request: PlanRequest) -> list[int]:
     cfg = request.model
     if not cfg.uses_depth_attention:
         return [cfg.block_size]
-    if request.block_size is not None:
-        return [request.block_size]
+    if request.block_size is not None or cfg.blocks:  # --blocks N places the blocks alone
+        return [request.block_size if request.block_size is not None else cfg.block_size]
     # Block AttnRes with 4, 8 or 16 blocks (the papers' range; more blocks = more to send and cache).
     sizes = {-(-cfg.n_sublayers // n) for n in (4, 8, 16) if n <= cfg.n_sublayers}
     return sorted(sizes)
@@ -433,7 +433,8 @@ class Planner:
         return {"tp_all_reduce_s": seconds, "tp_replicated_params": replicated}
 
     def estimate(self, candidate: Candidate) -> tuple[float, float]:
-        """(closed-form step seconds, estimated peak bytes of the fullest rank)."""
+        """(closed-form step seconds, estimated peak bytes of the fullest rank). Under fsdp the whole
+        gathered copy is counted whatever the reshard (an upper bound for `always`, which the walk prices)."""
         partition = self.chunk_costs(candidate)[0]
         forward, backward = self.chunk_times(candidate)
         owners, rank_chunks = self.layout(partition)
@@ -484,9 +485,10 @@ class Planner:
                             cache=candidate.cache, data_parallel=candidate.data_parallel,
                             dp_shard=candidate.dp_shard, activation_checkpoint=candidate.activation_checkpoint,
                             attention_kernel=request.attention_kernel, tensor_parallel=candidate.tensor_parallel,
-                            sequence_parallel=candidate.sp)
-        # The memory model has no term for reshard after forward (it keeps the parameters gathered
-        # all step), so `always` is priced at never's memory: an upper bound.
+                            sequence_parallel=candidate.sp,
+                            reshard_after_forward=candidate.reshard_after_forward if candidate.dp_shard == "fsdp"
+                            else "never")
+        # Reshard after forward always: the walk holds a chunk's gathered copy only while it is unsharded.
         ranks = predict_ranks(cfg, setup, schedule, partition, plan, dp_ranks=range(1))
         wire, hops, tensor_bytes = self.hop_seconds(candidate, partition, plan)
         costs = CostModel(forward_s=tuple(forward), backward_s=tuple(backward), hop_fwd_s=tuple(hops),
@@ -501,7 +503,7 @@ class Planner:
         fullest = ranks[fullest_rank]
         row = {
             "config": dataclasses.asdict(candidate) | {"placement": partition.placement,
-                                                       "tokens_per_microbatch": tokens},
+                                                       "tokens_per_microbatch": tokens, "blocks": cfg.blocks},
             "step_time_s": step,
             "pipeline_s": result.makespan,
             "dp_collectives": collectives,
@@ -553,10 +555,7 @@ class Planner:
         if tp_terms:
             time_terms.append(("tp all-reduce of replicated gradients (SP)", collectives["tp_all_reduce_s"]))
         terms = fullest.terms
-        gathered = 0
-        if candidate.dp_shard == "fsdp" and candidate.data_parallel > 1:
-            shapes = rank_parameter_shapes(self.model_for(candidate), partition, pp_rank, candidate.tensor_parallel)
-            gathered = sum(math.prod(s) for s in shapes) * self.element
+        gathered = fullest.gathered_bytes  # fsdp: the whole copy (never), the chunks unsharded at the peak (always)
         memory_terms = [("parameters (fp32)", terms["param_bytes"]), ("gradients (fp32)", terms["grad_bytes"]),
                         ("optimizer state (AdamW)", terms["optimizer_bytes"]),
                         ("gathered parameters (fsdp)", gathered),
@@ -602,7 +601,9 @@ def train_command(request: PlanRequest, candidate: Candidate) -> str:
     parts = ["attnres-pp train", f"--layers {cfg.n_layers}", f"--d-model {cfg.d_model}", f"--heads {cfg.n_heads}",
              f"--seq-len {cfg.seq_len}", f"--vocab-size {cfg.vocab_size}", f"--residual {cfg.residual}"]
     if cfg.uses_depth_attention:
-        parts.append(f"--block-size {candidate.block_size}")
+        parts.append(f"--blocks {cfg.blocks}" if cfg.blocks else f"--block-size {candidate.block_size}")
+        if cfg.key_norm_gain:
+            parts.append("--key-norm-gain")
     if cfg.residual == "lr_attnres":
         parts += [f"--key-mode {cfg.key_mode}", f"--key-rank {cfg.key_rank}"]
     parts += [f"--batch-size {request.global_batch}", f"--microbatches {candidate.n_microbatches}",

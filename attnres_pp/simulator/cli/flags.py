@@ -1,7 +1,7 @@
 """The flags several `attnres-pp simulate` commands share: the argparse types of their counts and
 rates (built on `attnres_pp.cli_flags`, so a bad value reads as every command's), the model's
-shape flags of `comm` and `schedule` and the ModelConfig those flags describe, and the model flags of
-train's (`model_flags`) that `memory` and `plan` refuse."""
+shape flags of `comm` and `schedule` and the ModelConfig those flags describe (`memory` and `plan` take
+train's own, `model_flags`)."""
 
 from __future__ import annotations
 
@@ -55,21 +55,6 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
                        d_ff=args.d_ff, seq_len=args.seq_len, residual=args.residual,
                        block_size=args.block_size or 1, blocks=args.blocks or 0, key_mode=args.key_mode,
                        key_rank=args.key_rank)
-
-
-# Model flags of train's (`model_flags`) that the memory model does not price yet: its activation
-# features place blocks by block_size alone, and it counts no key-norm gain among the parameters.
-UNPRICED = {
-    "--blocks": "the memory model places blocks every --block-size sublayers; give --block-size S",
-    "--key-norm-gain": "the memory model does not count the key-norm gain's parameters yet; drop it",
-}
-
-
-def refuse_unpriced(args: argparse.Namespace, command: str) -> None:
-    """ValueError naming the first UNPRICED flag given: a prediction would ignore it."""
-    for flag, why in UNPRICED.items():
-        if getattr(args, flag[2:].replace("-", "_")) is not None:
-            raise ValueError(f"{flag}: simulate {command} cannot price it: {why}")
 
 
 def add_attention_kernel_flag(parser: argparse.ArgumentParser, *, default: str) -> None:

@@ -13,16 +13,21 @@ from attnres_pp.model.config import ModelConfig
 from attnres_pp.model_flags import add_layer_counts_flag, add_model_flags, layer_counts_flag, model_from_flags
 from attnres_pp.schedule.schedules import SCHEDULES
 from attnres_pp.simulator.cli.flags import (
-    UNPRICED,
     add_attention_kernel_flag,
     add_tensor_parallel_flags,
     non_negative_int,
     positive_int,
-    refuse_unpriced,
     tensor_parallel_from,
 )
 from attnres_pp.simulator.comm import DTYPE_BYTES, format_bytes
-from attnres_pp.simulator.memory import AC_POLICIES, DP_SHARDS, MEMORY_KEYS, MemorySetup, predict_memory
+from attnres_pp.simulator.memory import (
+    AC_POLICIES,
+    DP_SHARDS,
+    MEMORY_KEYS,
+    RESHARD_AFTER_FORWARD,
+    MemorySetup,
+    predict_memory,
+)
 
 
 def register(commands) -> None:
@@ -35,7 +40,7 @@ def register(commands) -> None:
     parser.add_argument("--virtual", type=positive_int, default=1, help="V, chunks per rank (default 1)")
     parser.add_argument("--microbatches", type=positive_int, required=True, help="m, microbatches per step and replica")
     # The model flags are train's own (same names, defaults and meaning); the simulator adds these.
-    add_model_flags(parser, notes={flag: f"refused by simulate memory: {why}" for flag, why in UNPRICED.items()})
+    add_model_flags(parser)
     parser.add_argument("--d-ff", type=non_negative_int, default=0, help="MLP width (0 = 4 x d-model)")
     parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per microbatch")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
@@ -44,6 +49,10 @@ def register(commands) -> None:
     parser.add_argument("--data-parallel", type=positive_int, default=1, help="D, replicas of the pipeline")
     parser.add_argument("--dp-shard", choices=DP_SHARDS, default="replicate",
                         help="replicate: every replica holds everything; fsdp: FSDP2 shards 1/D")
+    parser.add_argument("--fsdp-reshard-after-forward", choices=RESHARD_AFTER_FORWARD, default=None,
+                        help="train's: never (default) keeps each chunk all-gathered through the step; always "
+                             "reshards it after each F, so it is all-gathered only while the chunk runs and "
+                             "from its backward to its next F (--dp-shard fsdp only)")
     parser.add_argument("--activation-checkpoint", choices=AC_POLICIES, default="none")
     add_attention_kernel_flag(parser, default="flash")
     add_tensor_parallel_flags(parser, ranks=True)
@@ -52,13 +61,13 @@ def register(commands) -> None:
 
 
 def build(args: argparse.Namespace) -> tuple[ModelConfig, MemorySetup]:
-    refuse_unpriced(args, "memory")
     cfg = model_from_flags(args, d_ff=args.d_ff)
     tp = tensor_parallel_from(args, cfg, tokens=args.tokens, n_stages=args.stages, data_parallel=args.data_parallel)
     setup = MemorySetup(schedule=args.schedule, n_stages=args.stages, n_virtual=args.virtual,
                         n_microbatches=args.microbatches, tokens=args.tokens, dtype=args.dtype,
                         cache=not args.no_cache, data_parallel=args.data_parallel, dp_shard=args.dp_shard,
                         activation_checkpoint=args.activation_checkpoint,
+                        reshard_after_forward=args.fsdp_reshard_after_forward or "never",
                         layer_counts=layer_counts_flag(args), attention_kernel=args.attention_kernel,
                         tensor_parallel=tp.size, sequence_parallel=tp.sp)
     return cfg, setup
@@ -82,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
 def format_table(setup: MemorySetup, ranks) -> str:
     header = ["rank", "params", "grads", "optimizer", "activations", "cache", "peak", "at", "dominated by"]
+    reshard = ", reshard after forward always" if setup.reshard_after_forward == "always" else ""
     # Replicas hold the same as replica 0 (under fsdp their AdamW moments may be a little smaller).
     shown = ranks[:setup.n_stages]
     rows = [header] + [[str(i), *(format_bytes(r.terms[k]) for k in MEMORY_KEYS), format_bytes(r.peak_bytes),
@@ -90,7 +100,7 @@ def format_table(setup: MemorySetup, ranks) -> str:
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     return "\n".join([
         f"{setup.schedule} P={setup.n_stages} V={setup.n_virtual} m={setup.n_microbatches} D={setup.data_parallel} "
-        f"({setup.dp_shard}), AC {setup.activation_checkpoint}, {setup.tokens} tokens/mb, {setup.dtype}, "
+        f"({setup.dp_shard}{reshard}), AC {setup.activation_checkpoint}, {setup.tokens} tokens/mb, {setup.dtype}, "
         f"cache {'on' if setup.cache else 'off'}, {setup.attention_kernel} attention"
         + (f", T={setup.tensor_parallel} (SP {'on' if setup.sp else 'off'}; one row per (dp, pp): each of its "
            "T tp ranks holds the same, derived)" if setup.tensor_parallel > 1 else ""),
@@ -100,5 +110,7 @@ def format_table(setup: MemorySetup, ranks) -> str:
                                               if setup.dp_shard == "fsdp" else "") + "; --json lists every rank"]
           if setup.data_parallel > 1 else []),
         "peak = params + grads + optimizer + (activations + cache at the peak's action)"
-        + (" + the all-gathered parameters (fsdp)" if setup.dp_shard == "fsdp" and setup.data_parallel > 1 else ""),
+        + ((" + the all-gathered parameters (fsdp" + (": the chunks unsharded at the peak's action)"
+                                                       if setup.reshard_after_forward == "always" else ")"))
+           if setup.dp_shard == "fsdp" and setup.data_parallel > 1 else ""),
     ])

@@ -14,10 +14,8 @@ import time
 from attnres_pp.cli_flags import add_number_flags, parse_number_flags, refuse
 from attnres_pp.model_flags import add_layer_counts_flag, add_model_flags, model_from_flags
 from attnres_pp.simulator.cli.flags import (
-    UNPRICED,
     add_attention_kernel_flag,
     add_tensor_parallel_flags,
-    refuse_unpriced,
 )
 from attnres_pp.simulator.comm import format_bytes
 from attnres_pp.simulator.memory import DTYPE_BYTES
@@ -52,11 +50,9 @@ def register(commands) -> None:
                     "cross-stage cache on and off, dp_shard (fsdp with reshard after forward never and always) "
                     "and activation checkpointing; keep those whose predicted per-rank peak fits --gpu-memory-gib "
                     "and rank them by predicted step time (docs/simulator.md). --why N prints row N's terms.")
-    add_model_flags(parser, notes={"--block-size": "simulate plan: given, it is fixed; left out, the plan "
-                                                   "searches 4, 8 and 16 blocks",
-                                   "--blocks": "simulate plan searches the blocks: refused, fix them with "
-                                               "--block-size",
-                                   "--key-norm-gain": f"refused by simulate plan: {UNPRICED['--key-norm-gain']}"})
+    add_model_flags(parser, notes={"--block-size": "simulate plan: given, it is fixed; left out (and no "
+                                                   "--blocks), the plan searches 4, 8 and 16 blocks",
+                                   "--blocks": "simulate plan: given, the blocks are fixed"})
     add_layer_counts_flag(parser, note="simulate plan searches the split: refused")
     add_number_flags(parser, _NUMBERS, _REQUIRED)
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
@@ -75,14 +71,11 @@ def _values(args: argparse.Namespace) -> dict:
 
 
 def build(args: argparse.Namespace) -> PlanRequest:
-    for flag in ("--blocks", "--layer-counts"):
-        if getattr(args, flag[2:].replace("-", "_")) is not None:
-            raise ValueError(f"{flag}: simulate plan searches over it; drop it"
-                             + (" or fix the block size with --block-size S" if flag == "--blocks" else ""))
-    refuse_unpriced(args, "plan")
+    if args.layer_counts is not None:
+        raise ValueError("--layer-counts: simulate plan searches over it; drop it")
     values = _values(args)
     cfg = model_from_flags(args, d_ff=values["d_ff"])
-    fixed_block_size = args.block_size is not None
+    fixed_block_size = args.block_size is not None or args.blocks is not None
     return PlanRequest(model=cfg, global_batch=values["global_batch"], gpus=values["gpus"],
                        gpu_memory_gib=values["gpu_memory_gib"], gpus_per_node=values["gpus_per_node"],
                        intra_node_gbps=values["intra_node_gbps"], inter_node_gbps=values["inter_node_gbps"],
@@ -154,7 +147,8 @@ def format_table(request: PlanRequest, rows: list[dict], seconds: float) -> str:
         table.append([str(i), c["schedule"], str(c["tensor_parallel"]) + ("" if c["sequence_parallel"] or
                                                                             c["tensor_parallel"] == 1 else "/noSP"),
                       str(c["n_stages"]), str(c["n_virtual"]), str(c["data_parallel"]),
-                      str(c["n_microbatches"]), str(c["block_size"]), "on" if c["cache"] else "off",
+                      str(c["n_microbatches"]), f"N={c['blocks']}" if c.get("blocks") else str(c["block_size"]),
+                      "on" if c["cache"] else "off",
                       c["dp_shard"] + ("/reshard" if c["reshard_after_forward"] == "always" else ""),
                       c["activation_checkpoint"],
                       f"{row['step_time_s']:.2f} s", f"{row['tokens_per_s_per_gpu']:.0f}", f"{row['mfu']:.1%}",
@@ -169,7 +163,8 @@ def format_table(request: PlanRequest, rows: list[dict], seconds: float) -> str:
         f"{request.tflops:g} TFLOP/s achieved; planned in {seconds:.1f} s",
         *lines,
         "peak/rank: the fullest rank's predicted peak (params + grads + AdamW + activations + cache at its peak); "
-        "fsdp/reshard: --fsdp-reshard-after-forward always (its memory priced as never's); T: tensor-parallel "
+        "fsdp/reshard: --fsdp-reshard-after-forward always (a chunk all-gathered only from its backward to its "
+        "next F); T: tensor-parallel "
         "ranks (GPUs = T x P x D; SP on unless /noSP; bytes/hop per tp rank; tp terms derived, and train has no "
         "--tensor-parallel yet)",
         "run the top row:",
