@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = ["--layers", "4", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--vocab-size", "128",
         "--batch-size", "4", "--microbatches", "2", "--residual", "msar", "--block-size", "3"]
 JSON_KEYS = {"text", "tokens", "prompt_ids", "tokenizer", "prefill_s", "decode_s_per_token", "prompt_tokens",
-             "checkpoint", "stages", "virtual", "launcher"}
+             "checkpoint", "stages", "virtual", "tensor_parallel", "launcher"}
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +136,9 @@ def test_generate_over_local_rank_processes(run_dir, capsys):
     single = json.loads(capsys.readouterr().out)
     assert main([*argv, "--stages", "2", "--launcher", "local", "--prefill-chunk", "3"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == single["tokens"]
+    assert main([*argv, "--stages", "2", "--tensor-parallel", "2", "--prefill-chunk", "3"]) == 0  # 4 processes
+    split = json.loads(capsys.readouterr().out)
+    assert split["tokens"] == single["tokens"] and split["tensor_parallel"] == 2
 
 
 MISTAKES = [
@@ -184,6 +187,12 @@ MISTAKES = [
     (["--resume", "{run}", "--prompt", "x", "--max-new-tokens", "2", "--dtype", "fp16"], "dtype='fp16'"),
     (["--resume", "{run}", "--prompt", "x", "--max-new-tokens", "2", "--p2p-semantics", "mpi"],
      "p2p_semantics='mpi'"),
+    (["--resume", "{run}", "--prompt", "x", "--max-new-tokens", "2", "--tensor-parallel", "3"],
+     "--tensor-parallel 3 does not divide the checkpoint's 2 heads"),
+    (["--resume", "{run}", "--prompt", "x", "--max-new-tokens", "2", "--tensor-parallel", "2", "--launcher",
+      "inprocess"], "--tensor-parallel 2 does not support --launcher inprocess"),
+    (["--resume", "{run}", "--prompt", "x", "--max-new-tokens", "2", "--tensor-parallel", "0"],
+     "tensor_parallel=0"),
 ]
 
 

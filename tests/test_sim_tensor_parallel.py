@@ -248,6 +248,18 @@ def test_bench_comm_shows_hop_bytes_per_tp_rank():
         assert per_rank["1"] == 2 * per_rank["2"] == 4 * per_rank["4"] > 0
 
 
+@pytest.mark.distributed
+def test_bench_comm_counts_hop_bytes_per_tp_lane_on_gloo_ranks():
+    """One training step on P x T = 2 x 2 local rank processes: every rank sent half the T = 1 lane's
+    bytes per stage, and each tp lane's total equals the simulator's count."""
+    from attnres_pp.bench.comm import count_tp_hop_bytes
+
+    row = count_tp_hop_bytes("cached", 2)
+    assert row["match"] and len(row["counted_bytes_per_rank"]) == 4
+    assert row["counted_bytes_per_tp_lane"] == [row["predicted_bytes_per_tp_lane"]] * 2
+    assert row["predicted_bytes_per_tp_lane"] > 0
+
+
 def test_comm_schedule_and_memory_cli_take_the_tp_flags(capsys):
     assert main(_COMM + ["--tensor-parallel", "2", "--json"]) == 0
     two = json.loads(capsys.readouterr().out)

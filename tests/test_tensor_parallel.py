@@ -103,3 +103,15 @@ def test_the_layer_split_refuses_what_it_cannot_split():
     with pytest.raises(ValueError, match="must divide the 4 heads"):
         check_layer_split(ModelConfig(), 8, sequence_parallel=False)
     assert [sequence_shard(16, t, 4) for t in range(4)] == [slice(0, 4), slice(4, 8), slice(8, 12), slice(12, 16)]
+
+
+def test_ray_actor_labels_carry_the_tp_coordinate():
+    from types import SimpleNamespace
+
+    from attnres_pp.pipeline.mesh import RankCoords
+    from attnres_pp.pipeline.ray_rank_group import actor_label
+
+    label = actor_label("StageActor", SimpleNamespace(coords=RankCoords(7, 2, 2, 2)))
+    assert label == "StageActor rank=7 (dp 1, pp 1, tp 1)"
+    assert actor_label("StageActor", SimpleNamespace(coords=RankCoords(3, 2, 2))) == "StageActor rank=3 (dp 1, pp 1)"
+    assert actor_label("GenerationActor", SimpleNamespace(pp_rank=1)) == "GenerationActor rank=1"

@@ -1,7 +1,7 @@
 """Tensor and sequence parallelism over gloo, T = 2: the layer split alone (`pipeline.tensor_parallel`,
 the whole model on two rank processes, float64), then the pipeline runtime's ranks (`StageWorker`)
-at P = 1, P = 2 and D = 2. Loss and every gradient equal the single-process model's, and each hop
-pair carries comm.plan's bytes per rank."""
+at P = 1, P = 2 and D = 2, and every variant x schedule x cache at P = 2 (`RUNTIME_MATRIX`). Loss and
+every gradient equal the single-process model's, and each hop pair carries comm.plan's bytes per rank."""
 
 from __future__ import annotations
 
@@ -93,6 +93,15 @@ RUNTIME_FOUR = [("block", "1f1b", 2, 1, 3, True, True), ("block", "interleaved_1
                 ("block", "zbv", 2, 2, 3, True, True), ("msar", "interleaved_1f1b", 2, 2, 2, True, False),
                 ("msar", "1f1b", 2, 1, 2, True, True),
                 ("block", "interleaved_1f1b", 1, 2, 2, True, True, {"data_parallel": 2})]
+
+# Every variant x schedule (1F1B, interleaved 1F1B, ZB-V: the split backward through the weight store)
+# x cache under sequence parallelism at P = 2 (4 processes, one spawned group for all), less the
+# cases RUNTIME_FOUR runs.
+RUNTIME_MATRIX = [case for case in ((variant, schedule, 2, virtual, 2, cache, True)
+                                    for variant in ("standard", "full", "block", "lr_projected", "lr_sliced", "msar")
+                                    for schedule, virtual in (("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2))
+                                    for cache in (True, False))
+                  if case not in RUNTIME_FOUR]
 
 
 def _run_dict(case):
@@ -206,3 +215,6 @@ def test_two_tp_ranks_of_the_runtime_equal_the_single_process(tmp_path):
 def test_two_stages_or_two_replicas_of_two_tp_ranks_equal_the_single_process(tmp_path):
     _check_runtime(RUNTIME_FOUR, tmp_path)
 
+
+def test_every_variant_schedule_and_cache_at_p2_equals_the_single_process(tmp_path):
+    _check_runtime(RUNTIME_MATRIX, tmp_path)

@@ -71,6 +71,11 @@ def test_a_tensor_parallel_run_trains_as_the_unsplit_one(runs):
         whole = t1["memory_per_rank"][rank // 2]
         for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
             assert whole[key] / 2 < entry[key] < whole[key], (rank, key, entry[key], whole[key])
+    # params_per_rank: one entry per (pp, tp) rank, each the rank's layer (d = 32, d_ff = 4d) with its
+    # split matrices (q, k, v, the attention output, the MLP's two: 12 d^2) halved, the rest whole
+    held = [whole - 12 * 32**2 // 2 for whole in t1["params_per_rank"] for _ in range(2)]
+    assert len(t1["params_per_rank"]) == 2 and t2["params_per_rank"] == held
+    assert [4 * n for n in t2["params_per_rank"]] == [e["param_bytes"] for e in t2["memory_per_rank"]]
 
 
 def test_msar_under_sequence_parallelism_trains_as_the_unsplit_one(runs):

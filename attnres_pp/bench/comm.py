@@ -13,8 +13,10 @@ predicted by the simulator.
    costs calibrated from the run.
 3. A PNG of bytes per step against depth (planner lines, counted points).
 4. Hop bytes per tensor-parallel rank at T = 1, 2, 4 with sequence parallelism (docs/spec.md
-   section 10): predicted only, from the same planner (`comm.plan.shard_tokens`); no tp runtime
-   exists yet to count them.
+   section 10): predicted by the same planner (`comm.plan.shard_tokens`) for the counted grid's
+   layouts, and counted on one training step of local rank processes (gloo, P x T of them) for
+   one layout: each tp lane's ranks' sent bytes (`bytes_sent_per_step_per_rank`) must equal the
+   prediction for every lane.
 """
 
 from __future__ import annotations
@@ -111,6 +113,52 @@ def tp_hop_rows(quick: bool) -> list[dict]:
                          "m": n_stages, "bytes_per_step_per_tp_rank": {
                              str(t): r.bytes_per_microbatch_both_directions[mode] * n_stages
                              for t, r in reports.items()}})
+    return rows
+
+
+TP_MODEL = {**TINY_MODEL, "n_heads": 4}  # T = 4 must divide the heads
+TP_COUNTED_LAYOUT = (8, 4, 2, 2)  # (layers, block size, P, V) of the counted tp runs
+TP_COUNTED_MODES = ("naive", "cached")
+
+
+def count_tp_hop_bytes(mode: str, tensor_parallel: int) -> dict:
+    """One step of `mode` at `TP_COUNTED_LAYOUT` on P x T local rank processes with sequence
+    parallelism: each tp lane's counted hop bytes (the sum over its P ranks of what each sent)
+    against the planner's bytes per tp rank's lanes."""
+    from attnres_pp.pipeline.mesh import RankCoords
+    from attnres_pp.train.config import RunConfig
+    from attnres_pp.train.engines import make_engine
+
+    n_layers, block_size, n_stages, n_virtual = TP_COUNTED_LAYOUT
+    model, cache = model_for_mode(mode, {**TP_MODEL, "n_layers": n_layers}, block_size)
+    base = run_config(model, stages=n_stages, virtual=n_virtual, schedule="interleaved_1f1b",
+                      microbatches=n_stages, microbatch_size=TINY_MICROBATCH, cache=cache).to_dict()
+    base["train"]["device"] = "cpu"
+    base["pipeline"]["tensor_parallel"] = tensor_parallel
+    run_cfg = RunConfig.from_dict(base)
+    engine = make_engine(run_cfg)
+    try:
+        inputs_BT, targets_BT = random_batch(0, run_cfg.train.batch_size, model["seq_len"], model["vocab_size"])
+        per_rank = engine.train_step(0, inputs_BT, targets_BT, 1e-3).extras["bytes_sent_per_step_per_rank"]
+    finally:
+        engine.close()
+    lanes = [sum(per_rank[RankCoords(t, 1, n_stages, tensor_parallel).global_rank(p)] for p in range(n_stages))
+             for t in range(tensor_parallel)]
+    report = comm_report(n_layers=n_layers, block_size=block_size, n_stages=n_stages, n_virtual=n_virtual,
+                         tokens=TINY_MICROBATCH * TP_MODEL["seq_len"], d_model=TP_MODEL["d_model"],
+                         source_width=TP_MODEL["d_model"], dtype="fp32", tensor_parallel=tensor_parallel,
+                         sequence_parallel=True)
+    predicted = report.bytes_per_microbatch_both_directions[mode] * n_stages
+    return {"mode": mode, "layers": n_layers, "block_size": block_size, "P": n_stages, "V": n_virtual,
+            "m": n_stages, "T": tensor_parallel, "counted_bytes_per_rank": per_rank,
+            "counted_bytes_per_tp_lane": lanes, "predicted_bytes_per_tp_lane": predicted,
+            "match": all(lane == predicted for lane in lanes)}
+
+
+def counted_tp_rows(progress: Callable[[str], None]) -> list[dict]:
+    rows = [count_tp_hop_bytes(mode, t) for mode in TP_COUNTED_MODES for t in TP_SIZES_SHOWN]
+    progress(f"  tp hop bytes counted on {len(rows)} gloo runs, "
+             f"{sum(r['match'] for r in rows)} equal to the planner's per-lane prediction")
     return rows
 
 
@@ -247,6 +295,7 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None], *, t
         "counted": rows,
         "all_counted_match_predicted": all(r["match"] for r in rows),
         "tp_hop_bytes": tp_hop_rows(quick),
+        "tp_hop_bytes_counted": counted_tp_rows(progress) if timing else [],
         "gloo": timed,
         "gloo_counted_match_predicted": all(r["counted_bytes_per_step"] == r["predicted_bytes_per_step"]
                                             for r in timed),
@@ -279,11 +328,28 @@ def to_markdown(payload: dict) -> str:
             "## Hop bytes per tensor-parallel rank (predicted)", "",
             "Forward + backward bytes per step of one tp rank's hop pair (d, p, t) -> (d, p + 1, t) with sequence "
             "parallelism, same tiny model and m = P (docs/spec.md section 10: 1/T of the T = 1 bytes). Predicted by "
-            "the payload planner only: there is no tensor-parallel runtime to count them yet.", "",
+            "the payload planner; the counted runs are in the next table.", "",
             markdown_table(["layers", "block size", "P", "V", "mode", *(f"T = {t} B/step" for t in sizes)],
                            [[r["layers"], r["block_size"] if r["mode"] in ("naive", "cached") else "-", r["P"], r["V"],
                              MODE_LABELS[r["mode"]], *(r["bytes_per_step_per_tp_rank"][t] for t in sizes)]
                             for r in payload["tp_hop_bytes"]]),
+            "",
+        ]
+    if payload.get("tp_hop_bytes_counted"):
+        rows = payload["tp_hop_bytes_counted"]
+        lines += [
+            "## Hop bytes per tensor-parallel rank, counted (gloo, one training step)", "",
+            f"Model {TP_MODEL} with sequence parallelism, interleaved 1F1B, m = P, fp32: one step on P x T "
+            "local rank processes. Per rank: the pipeline hop bytes each global rank sent "
+            "(`summary.json`'s `bytes_sent_per_step_per_rank`, rank = p T + t); per lane: the sum over the P "
+            "ranks of tp lane t, against the planner's forward + backward bytes of one lane. All equal: "
+            f"{'yes' if all(r['match'] for r in rows) else 'NO'}.", "",
+            markdown_table(["layers", "block size", "P", "V", "mode", "T", "counted B/step per rank",
+                            "counted B/step per lane", "predicted B/step per lane", "equal"],
+                           [[r["layers"], r["block_size"], r["P"], r["V"], MODE_LABELS[r["mode"]], r["T"],
+                             ", ".join(map(str, r["counted_bytes_per_rank"])),
+                             ", ".join(map(str, r["counted_bytes_per_tp_lane"])), r["predicted_bytes_per_tp_lane"],
+                             "yes" if r["match"] else "NO"] for r in rows]),
             "",
         ]
     if payload["gloo"]:

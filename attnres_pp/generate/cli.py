@@ -4,7 +4,7 @@ pipelined over the same stages (docs/spec.md section 7), for one prompt or a bat
     attnres-pp generate --resume RUN (--prompt TEXT [--prompt TEXT ..] | --prompt-file F | --prompts-file F)
         --max-new-tokens N [--temperature T --top-k K --seed S --prefill-chunk N --stop S ..]
         [--device auto|cpu|cuda --dtype auto|fp32|bf16]
-        [--stages P --virtual V --launcher local|inprocess|ray --p2p-semantics auto|gloo|nccl
+        [--stages P --virtual V --tensor-parallel T --launcher local|inprocess|ray --p2p-semantics auto|gloo|nccl
          --layer-counts .. --timeout S] [--json]
 
 Tokens are bytes, or, for a run trained on a BPE data folder, the ids of the run's tokenizer (its
@@ -57,6 +57,9 @@ _GEN_FLAGS = (
 _PIPE_FLAGS = (
     ("--stages", "stages", int, "pipeline stages P (default 1)"),
     ("--virtual", "virtual", int, "virtual stages V per rank (default 1)"),
+    ("--tensor-parallel", "tensor_parallel", int,
+     "tensor-parallel ranks T per stage (P x T rank processes; default 1): each layer split over T ranks, "
+     "the prefill and every decode pass without sequence sharding; --launcher local on cpu"),
     ("--launcher", "launcher", str, f"how ranks start: {' | '.join(LAUNCHERS)} (default local: one process "
                                     "per rank, or this process alone for P = V = 1)"),
     ("--timeout", "timeout_s", float, "pipeline timeout in seconds (default 120)"),
@@ -179,7 +182,12 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         gen_cfg, pipe, threads = configs_from_args(args)
-        from attnres_pp.generate.engines import decide_generation_device, make_generator, resolve_precision
+        from attnres_pp.generate.engines import (
+            check_tensor_parallel_generation,
+            decide_generation_device,
+            make_generator,
+            resolve_precision,
+        )
         from attnres_pp.generate.worker import pipeline_partition
 
         # The Ray launcher decides against the cluster's GPUs once it has joined it.
@@ -203,10 +211,12 @@ def main(args: argparse.Namespace) -> int:
                for n, prompt in enumerate(prompts, start=1)]
         _fits(model_cfg, ids, gen_cfg.max_new_tokens)
         pipeline_partition(model_cfg, pipe)  # a split that does not fit the model fails here, in one line
+        check_tensor_parallel_generation(model_cfg, pipe, device)
         torch.set_num_threads(threads)
 
-        where = "one process" if pipe.n_chunks == 1 and pipe.launcher == "local" else \
-            f"P={pipe.stages} V={pipe.virtual} ({pipe.launcher})"
+        tp = f" T={pipe.tensor_parallel}" if pipe.tensor_parallel > 1 else ""
+        where = "one process" if pipe.n_chunks == 1 and pipe.launcher == "local" and not tp else \
+            f"P={pipe.stages} V={pipe.virtual}{tp} ({pipe.launcher})"
         progress(f"generate: {step_dir} ({model_cfg.residual}, {model_cfg.n_layers} layers, d={model_cfg.d_model}) "
                  f"on {where}, {device} {precision}")
         started = time.perf_counter()
@@ -247,7 +257,7 @@ def main(args: argparse.Namespace) -> int:
                               "tokenizer": tokenizer.kind, "prefill_s": result.prefill_s,
                               "decode_s_per_token": result.decode_s_per_token, "prompt_tokens": len(prompt),
                               "checkpoint": str(step_dir), "stages": pipe.stages, "virtual": pipe.virtual,
-                              "launcher": pipe.launcher}))
+                              "tensor_parallel": pipe.tensor_parallel, "launcher": pipe.launcher}))
         else:
             print(text)
     return 0

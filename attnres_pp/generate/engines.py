@@ -8,7 +8,9 @@ caches between calls until `reset()`; `keep_rows(rows)` drops the other sequence
 - `PipelineGenerator`: one `GenerationWorker` per rank on the launcher's rank group
   (`pipeline.rank_group`): spawned processes (local), Ray actors (ray), or threads of this process
   over the loopback transport (inprocess: debugging, tests), under gloo's rules or, with
-  `p2p_semantics="nccl"`, NCCL's, enforced (`pipeline.loopback_nccl`).
+  `p2p_semantics="nccl"`, NCCL's, enforced (`pipeline.loopback_nccl`). With `tensor_parallel` T > 1
+  there are P x T ranks, each stage's layers split over its T ranks (`generate.worker`); what that
+  runs on is `check_tensor_parallel_generation`'s to say.
 
 `device` is "cpu" or "cuda", decided by the driver (`decide_generation_device`, the rules of
 `train.devices`); `precision` "fp32" or "bf16" (bf16 autocast over the checkpoint's fp32 weights, as
@@ -25,6 +27,7 @@ from attnres_pp.comm.transport import ByteLedger
 from attnres_pp.generate.worker import GenerationWorker, build_model, pipeline_partition
 from attnres_pp.model import DecodeState, ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
+from attnres_pp.pipeline.mesh import RankCoords
 from attnres_pp.pipeline.rank_group import RankGroup, make_rank_group
 from attnres_pp.train.devices import decide_device, visible_gpus
 
@@ -33,9 +36,30 @@ def decide_generation_device(requested: str, pipe: PipelineConfig, gpus: int | N
     """"cpu" or "cuda" for `--device requested` ("auto", "cpu", "cuda"); ValueError with the reason
     when cuda is asked for and the ranks cannot each have a GPU. `gpus` defaults to this node's;
     the Ray launcher decides with the cluster's instead (`PipelineGenerator`)."""
-    one_process = pipe.launcher == "inprocess" or (pipe.launcher == "local" and pipe.n_chunks == 1)
-    return decide_device(requested, n_ranks=pipe.stages, one_process=one_process,
+    one_process = pipe.launcher == "inprocess" or (pipe.launcher == "local" and pipe.n_chunks == 1
+                                                   and pipe.tensor_parallel == 1)
+    return decide_device(requested, n_ranks=pipe.stages * pipe.tensor_parallel, one_process=one_process,
                          gpus=visible_gpus() if gpus is None else gpus).device
+
+
+def check_tensor_parallel_generation(cfg: ModelConfig, pipe: PipelineConfig, requested: str) -> None:
+    """ValueError, before any rank starts, for a T > 1 generation this driver cannot run, naming the
+    rule: the split (T divides the heads and d_ff), and what runs: rank processes of the local
+    launcher on cpu over gloo, fp32 or bf16. `requested`: the `--device` asked for."""
+    t = pipe.tensor_parallel
+    if t == 1:
+        return
+    if pipe.launcher != "local":
+        raise ValueError(f"--tensor-parallel {t} does not support --launcher {pipe.launcher} in generation yet "
+                         "(the in-process ranks are threads, and DTensor needs a process group per rank; the "
+                         "Ray generator places no tp groups): use --launcher local")
+    device = decide_generation_device(requested, pipe)
+    if device != "cpu":
+        raise ValueError(f"--tensor-parallel {t} does not support --device {device} yet (tensor parallelism "
+                         "runs on cpu over gloo so far): use --device cpu")
+    if cfg.n_heads % t or cfg.ff_dim % t:
+        raise ValueError(f"--tensor-parallel {t} does not divide the checkpoint's {cfg.n_heads} heads and "
+                         f"d_ff = {cfg.ff_dim}: each tp rank takes 1/T of both")
 
 
 def resolve_precision(dtype: str, device: str) -> str:
@@ -83,16 +107,21 @@ class PipelineGenerator:
                  precision: str = "fp32", ledger: ByteLedger | None = None) -> None:
         self.cfg = cfg
         partition = pipeline_partition(cfg, pipe)  # a bad split fails here, before any rank starts
-        self.last_rank = partition.rank_of(partition.n_chunks - 1)
+        self.coords = [RankCoords(rank, 1, pipe.stages, pipe.tensor_parallel)
+                       for rank in range(pipe.stages * pipe.tensor_parallel)]
+        # the last chunk's logits, from its stage's tp rank 0 (every tp rank holds the same)
+        self.last_rank = self.coords[0].global_rank(partition.rank_of(partition.n_chunks - 1))
+        self.first_pp_rank = partition.rank_of(0)
+        check_tensor_parallel_generation(cfg, pipe, device)
         self.ranks: RankGroup | None = None
         self.ledger = ledger
         try:
             self.ranks = ranks()
             self.device = decide_generation_device(device, pipe, gpus=self.ranks.gpus())
             self.precision = resolve_precision(precision, self.device)
-            kwargs = [{"model_cfg_dict": cfg.to_dict(), "pipe_cfg_dict": pipe.to_dict(), "pp_rank": rank,
-                       "seed": seed, "threads": threads, "device": self.device, "precision": self.precision}
-                      for rank in range(pipe.stages)]
+            kwargs = [{"model_cfg_dict": cfg.to_dict(), "pipe_cfg_dict": pipe.to_dict(), "pp_rank": coords.pp_rank,
+                       "tp_rank": coords.tp_rank, "seed": seed, "threads": threads, "device": self.device,
+                       "precision": self.precision} for coords in self.coords]
             self.ranks.start(GenerationWorker, kwargs, device=self.device)
             if named is not None:
                 self.ranks.call_all("load_parameters", named, what="parameter load")
@@ -107,8 +136,8 @@ class PipelineGenerator:
         self.ranks.call_all("keep_rows", rows, what="dropping finished sequences")
 
     def forward(self, pieces: list[tuple[int, int]], tokens_BT: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        args = [(tokens_BT.shape[0], pieces, tokens_BT if rank == 0 else None, all_logits)
-                for rank in range(self.ranks.world_size)]
+        args = [(tokens_BT.shape[0], pieces, tokens_BT if coords.pp_rank == self.first_pp_rank else None, all_logits)
+                for coords in self.coords]
         return self.ranks.call("run_pass", args, what="a generation pass")[self.last_rank]
 
     def close(self) -> None:
@@ -124,9 +153,10 @@ def make_generator(cfg: ModelConfig, pipe: PipelineConfig, named: dict | None, *
     launcher's rank group. `device` is decided (`decide_generation_device`), except under Ray, which
     decides "auto" and checks "cuda" against the cluster's GPUs; `precision` is "fp32", "bf16" or
     (Ray) "auto"."""
-    if pipe.n_chunks == 1 and pipe.launcher == "local":
+    if pipe.n_chunks == 1 and pipe.launcher == "local" and pipe.tensor_parallel == 1:
         return SingleProcessGenerator(cfg, named, seed, device=device, precision=precision)
     ledger = ByteLedger() if pipe.launcher == "inprocess" else None
     return PipelineGenerator(cfg, pipe, named, seed, threads, device=device, precision=precision, ledger=ledger,
-                             ranks=lambda: make_rank_group(pipe, pipe.stages, name="attnres-pp-generate",
+                             ranks=lambda: make_rank_group(pipe, pipe.stages * pipe.tensor_parallel,
+                                                           name="attnres-pp-generate",
                                                            address=address, ledger=ledger))

@@ -4,7 +4,12 @@ with the pipeline's DistTransport, or as a thread of the driver over the loopbac
 (in-process launcher, `join_threads`: the ranks take turns action by action).
 
 Like the training ranks, every rank builds the whole model from the seed, keeps its own chunks and
-takes its parameters by whole-model name, so a checkpoint of any split loads into any other. The
+takes its parameters by whole-model name, so a checkpoint of any split loads into any other.
+Under tensor parallelism (`tensor_parallel` T > 1, docs/spec.md section 10) global rank
+`pp_rank * T + tp_rank` splits its chunks' layers over its stage's T ranks (`parallelize_layers`,
+without sequence parallelism: a decode pass has one token, and the prefill runs unsharded too), so
+each tp rank holds 1/T of the heads' key/value caches and every hop pair (p, t) -> (p + 1, t)
+carries the whole activations; it takes its shard of each split weight from the whole-model value. The
 driver exchanges only token ids and the last position's logits with the ranks, and decides each
 rank's device: "cuda" is nccl with the rank's own GPU, "cpu" gloo. Under NCCL's point-to-point
 rules (the nccl backend, or `p2p_semantics="nccl"` over gloo) the runtime issues its messages in
@@ -27,6 +32,7 @@ from attnres_pp.model.precision import activation_dtype
 from attnres_pp.pipeline.chunk import build_rank_chunks, rank_parameters
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.pipeline.generation_runtime import GenerationRuntime
+from attnres_pp.pipeline.mesh import MeshCollectives, RankCoords
 from attnres_pp.pipeline.stage_setup import init_process_group
 
 
@@ -42,7 +48,8 @@ def build_model(cfg: ModelConfig, named: dict[str, torch.Tensor] | None, seed: i
 
 
 def load_parameters(params: dict[str, nn.Parameter], named: dict[str, torch.Tensor]) -> None:
-    """Copy `named[name]` into every parameter of `params`; ValueError if one is missing or misshapen."""
+    """Copy `named[name]` into every parameter of `params` (a tensor-parallel DTensor takes its own
+    shard of it); ValueError if one is missing or misshapen."""
     missing = sorted(set(params) - set(named))
     if missing:
         raise ValueError(f"the checkpoint has no values for parameters {missing[:5]}: it was written for another model")
@@ -51,7 +58,18 @@ def load_parameters(params: dict[str, nn.Parameter], named: dict[str, torch.Tens
             if named[name].shape != param.shape:
                 raise ValueError(f"checkpoint parameter {name} has shape {tuple(named[name].shape)}, the model "
                                  f"{tuple(param.shape)}: it was written for another model")
-            param.copy_(named[name])
+            _copy_whole(param, named[name])
+
+
+def _copy_whole(param: nn.Parameter, whole: torch.Tensor) -> None:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(param, DTensor):
+        param.copy_(whole)
+        return
+    # src_data_rank None: every tp rank holds the same whole value and keeps its part, no collective
+    shard = distribute_tensor(whole.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+    param.to_local().copy_(shard.to_local())
 
 
 def pipeline_partition(cfg: ModelConfig, pipe: PipelineConfig):
@@ -61,11 +79,13 @@ def pipeline_partition(cfg: ModelConfig, pipe: PipelineConfig):
 
 class GenerationWorker:
     def __init__(self, model_cfg_dict: dict, pipe_cfg_dict: dict, pp_rank: int, seed: int = 0,
-                 threads: int = 1, *, device: str = "cpu", precision: str = "fp32") -> None:
+                 threads: int = 1, *, tp_rank: int = 0, device: str = "cpu", precision: str = "fp32") -> None:
         torch.set_num_threads(threads)
         self.cfg = ModelConfig.from_dict(model_cfg_dict)
         self.pipe = PipelineConfig.from_dict(pipe_cfg_dict)
-        self.pp_rank = pp_rank
+        self.pp_rank, self.tp_rank = pp_rank, tp_rank
+        self.coords = RankCoords(pp_rank * self.pipe.tensor_parallel + tp_rank, 1, self.pipe.stages,
+                                 self.pipe.tensor_parallel)
         self.device_name, self.precision = device, precision
         self.model = build_model(self.cfg, None, seed, precision=precision)
         self.partition = pipeline_partition(self.cfg, self.pipe)
@@ -77,19 +97,30 @@ class GenerationWorker:
 
     @property
     def rank(self) -> int:
-        """The global rank: generation runs one replica, so its pipeline rank."""
-        return self.pp_rank
+        """The global rank: generation runs one replica, so `pp_rank * T + tp_rank`."""
+        return self.coords.rank
 
     def join_process_group(self, init_method: str, world_size: int) -> dict:
-        """Join the process group (nccl on "cuda", gloo on "cpu"); returns `describe(backend)`."""
-        backend, device = init_process_group(init_method, self.pp_rank, world_size, self.pipe.timeout_s,
+        """Join the process group (nccl on "cuda", gloo on "cpu") and, under tensor parallelism, the
+        ("dp", "pp", "tp") mesh whose tp axis splits the layers; returns `describe(backend)`."""
+        backend, device = init_process_group(init_method, self.rank, world_size, self.pipe.timeout_s,
                                              device=self.device_name)
+        peers = [self.coords.global_rank(p) for p in range(self.pipe.stages)]
         if self.pipe.resolved_p2p(backend) == "nccl":  # every rank resolves the same
-            transport = BatchedDistTransport(self.pp_rank, self.pipe.timeout_s, device)
+            transport = BatchedDistTransport(self.pp_rank, self.pipe.timeout_s, device, peer_ranks=peers)
         else:
-            transport = DistTransport(self.pp_rank, self.pipe.timeout_s, device)
+            transport = DistTransport(self.pp_rank, self.pipe.timeout_s, device, peer_ranks=peers)
         self._attach(device, transport)
+        if self.pipe.tensor_parallel > 1:
+            self._split_layers(MeshCollectives(self.coords, device.type).mesh["tp"])
         return self.describe(backend)
+
+    def _split_layers(self, tp_mesh) -> None:
+        from attnres_pp.pipeline.tensor_parallel import parallelize_layers
+
+        layers = [layer for chunk in self.chunks.values() for layer in chunk.layers.values()]
+        parallelize_layers(self.cfg, layers, tp_mesh, sequence_parallel=False)
+        self.params = rank_parameters(self.chunks, self.model)
 
     def join_threads(self, device: torch.device, transport, collectives, peers) -> dict:
         """Run as one of the threads of a `ThreadRankGroup`, over its loopback `transport` (generation
@@ -105,8 +136,11 @@ class GenerationWorker:
                                          dtype=activation_dtype(self.precision))
 
     def describe(self, backend: str) -> dict:
-        return {"backend": backend, "rank": self.pp_rank, "pp_rank": self.pp_rank, "dp_rank": 0,
-                "chunks": sorted(self.chunks), "params": sum(p.numel() for p in self.params.values()),
+        from torch.distributed.tensor import DTensor
+
+        held = [p.to_local() if isinstance(p, DTensor) else p for p in self.params.values()]
+        return {"backend": backend, "rank": self.rank, "pp_rank": self.pp_rank, "dp_rank": 0,
+                "tp_rank": self.tp_rank, "chunks": sorted(self.chunks), "params": sum(p.numel() for p in held),
                 "host": socket.gethostname()}
 
     def load_parameters(self, named: dict[str, torch.Tensor]) -> None:

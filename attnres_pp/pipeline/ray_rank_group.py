@@ -3,7 +3,8 @@ group of one bundle per rank; the only module that starts Ray, places actors or 
 
 Each actor is a thin shell (`RankActor`) around the worker the group is given (training's
 `StageWorker`, generation's `GenerationWorker`). Ray prefixes an actor's log lines with its repr,
-the worker's class named as an actor: `(StageActor rank=0 (dp 0, pp 0) ...)`.
+the worker's class named as an actor: `(StageActor rank=0 (dp 0, pp 0) ...)`, with `, tp t` under
+tensor parallelism (`actor_label`).
 
 Where the actors run: `address` (or RAY_ADDRESS, which `ray job submit` sets for its driver) joins
 that cluster, after checking that something listens there (`ray_checks.check_reachable`);
@@ -57,6 +58,17 @@ def ranks_by_node(bundle_nodes: dict, world_size: int) -> list[int]:
     return [index for indices in order.values() for index in indices]
 
 
+def actor_label(name: str, worker) -> str:
+    """`name rank=R (dp d, pp p[, tp t])`: the worker's global rank and, where it has them
+    (`coords`, a `pipeline.mesh.RankCoords`), its mesh coordinates, tp only when T > 1."""
+    coords = getattr(worker, "coords", None)
+    if coords is None:
+        return f"{name} rank={getattr(worker, 'rank', getattr(worker, 'pp_rank', '?'))}"
+    tp = f", tp {coords.tp_rank}" if coords.tensor_parallel > 1 else ""
+    axes = f"dp {coords.dp_rank}, pp {coords.pp_rank}{tp}"
+    return f"{name} rank={coords.rank} ({axes})"
+
+
 class RankActor:
     """One rank: `worker_cls(**kwargs)` plus what only the actor knows (its node, its GPUs)."""
 
@@ -75,8 +87,7 @@ class RankActor:
         worker = getattr(self, "worker", None)
         if worker is None:
             return "RankActor"
-        coords = f" (dp {worker.dp_rank}, pp {worker.pp_rank})" if hasattr(worker, "dp_rank") else ""
-        return f"{self.name} rank={getattr(worker, 'rank', worker.pp_rank)}{coords}"
+        return actor_label(self.name, worker)
 
     def call(self, method: str, *args):
         return getattr(self.worker, method)(*args)

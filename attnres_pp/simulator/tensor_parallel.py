@@ -1,5 +1,7 @@
-"""Tensor and sequence parallelism in the simulator (docs/spec.md section 10; derived, not validated:
-the runtime has no tp axis yet). Pure standard library.
+"""Tensor and sequence parallelism in the simulator (docs/spec.md section 10). Pure standard library.
+The per-layer collective bytes (`layer_collectives`) equal what the runtime's tp ranks send, counted
+(`pipeline/tp_bytes.py`; Block AttnRes, `tests/test_tensor_parallel_gloo.py`); their time on the
+intra-node link is derived from the link model, not yet checked against measured runs.
 
 The layout is Megatron's: a (dp, pp, tp) mesh with tp innermost, global rank (dp x P + pp) x T + t, so a
 tp group sits on one node. Each transformer layer is split over T ranks: q, k, v and the MLP's first

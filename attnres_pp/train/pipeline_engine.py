@@ -98,11 +98,13 @@ class PipelineEngine:
 
     def _note_setup(self, descriptions: list[dict]) -> None:
         """Record the ranks' set-up replies (`StageWorker.describe`, in rank order); summary.json gets
-        the parameters held per pp rank (replica 0's ranks) and, for ranks on nodes, their nodes."""
+        the parameters held per rank of replica 0 (one per pp rank; under tensor parallelism one per
+        (pp, tp) rank, in global rank order: the shards of the split matrices, and every replicated
+        parameter on each) and, for ranks on nodes, their nodes."""
         self.rank_descriptions = descriptions
         self.backend = descriptions[0]["backend"]
-        by_pp = {d["pp_rank"]: d["params"] for d in descriptions if d["dp_rank"] == 0}
-        self.static_extras["params_per_rank"] = [by_pp[p] for p in range(self.run_cfg.pipeline.stages)]
+        self.static_extras["params_per_rank"] = [d["params"] for d in sorted(descriptions, key=lambda d: d["rank"])
+                                                 if d["dp_rank"] == 0]
         self._transport_bytes_known = False
         if self.ranks.spans_nodes:
             self.static_extras["nodes"] = [node_id for node_id, _ip in self.ranks.rank_nodes]

@@ -55,7 +55,7 @@ from attnres_pp.train.optim import build_optimizer, optimizer_step
 from attnres_pp.train.rank_data import MicrobatchLists, RankData
 from attnres_pp.train.shards import load_shard, rng_stream, save_shard, shard_state
 from attnres_pp.train.step_stats import StepReply
-from attnres_pp.train.tp_rank import RankTensorParallel
+from attnres_pp.train.tp_rank import RankTensorParallel, held_over_tp
 
 # A driver-fed batch for one rank: its replica's rows of (inputs, targets), either half None when
 # the rank does not need it. Only tests and benchmarks feed batches; training runs read their own.
@@ -193,7 +193,7 @@ class StageWorker:
 
     def describe(self, backend: str) -> dict:
         return {"backend": backend, "rank": self.rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
-                "chunks": sorted(self.chunks), "params": sum(p.numel() for p in self.params.values()),
+                "chunks": sorted(self.chunks), "params": sum(map(held_over_tp, self.params.values())),
                 "host": socket.gethostname(), "peak_rss_bytes": peak_rss_bytes()}
 
     def attach(self, device: torch.device, transport, collectives: Collectives, eval_transport=None) -> None:

@@ -38,6 +38,15 @@ def is_split(param: nn.Parameter) -> bool:
     return is_sharded(param) and not all(p.is_replicate() for p in param.placements)
 
 
+def held_over_tp(param: nn.Parameter) -> int:
+    """Elements of `param` this rank holds of its stage's copy: a tensor-parallel weight's shard
+    (about 1/T of a split matrix), else the whole parameter (replicated over tp; an FSDP2 shard over
+    dp counts as the whole parameter its replica holds)."""
+    if is_sharded(param) and param.device_mesh.mesh_dim_names == ("tp",):
+        return param.to_local().numel()
+    return param.numel()
+
+
 class RankTensorParallel:
     """The tp side of one rank: `tp_rank` of `pipe.tensor_parallel` ranks sharing its chunks."""
 

@@ -76,7 +76,7 @@ def add_tensor_parallel_flags(parser: argparse.ArgumentParser, *, link: bool = T
     parser.add_argument("--tensor-parallel", type=positive_int, default=None if search else 1, metavar="T",
                         help="T, tensor-parallel ranks per chunk, tp innermost in the (dp, pp, tp) mesh "
                              + (f"(default: search {', '.join(map(str, TP_SIZES))} within a node)" if search
-                                else "(default 1)") + "; derived terms, no tp runtime yet")
+                                else "(default 1)") + "; bytes as the tp runtime counts them, time derived")
     parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                         help="shard the activations between layers along the sequence over tp (default on when "
                              "T > 1)")
