@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from attnres_pp.cli import main
+from attnres_pp.comm.partition import make_partition
+from attnres_pp.comm.plan import plan_for_model
+from attnres_pp.comm.shm_transport import _layout
+from attnres_pp.model.config import ModelConfig
 from attnres_pp.pipeline.memory_meter import ActivationMeter
+from attnres_pp.pipeline.routes import hop_shapes, wire_messages
+from attnres_pp.schedule.passes import insert_comm
+from attnres_pp.schedule.schedules import build_schedule, schedule_placement
+from attnres_pp.simulator.memory import MemorySetup, predict_memory, transport_slot_bytes
 from attnres_pp.train.memory_report import MEMORY_KEYS
 
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--steps", "2", "--eval-every", "0",
@@ -86,3 +94,54 @@ def test_local_processes_count_what_the_in_process_ranks_count(tmp_path):
             assert g[key] == w[key], key
         # Received hops are views of one message buffer over the wire, separate tensors in memory.
         assert 0.5 * w["activation_peak_bytes"] <= g["activation_peak_bytes"] <= 2 * w["activation_peak_bytes"]
+
+        # The shared-memory receive slots, mapped for the whole step: the local ranks hold them,
+        # in-process ranks none, and the simulator predicts them to the byte.
+        assert w["transport_buffer_bytes"] == 0
+    cfg = ModelConfig(n_layers=2, d_model=32, n_heads=2, seq_len=16)
+    predicted = predict_memory(cfg, MemorySetup(schedule="zb_h1", n_stages=2, n_microbatches=2, tokens=2 * 16,
+                                                dtype="fp32", activation_checkpoint="full", launcher="local"))
+    for p, g in zip(predicted, got, strict=True):
+        assert g["transport_buffer_bytes"] == p.terms["transport_buffer_bytes"] > 0
+
+
+@pytest.mark.distributed
+def test_a_local_run_under_full_checkpointing_holds_what_the_simulator_predicts(tmp_path):
+    """1F1B, full AC, Block AttnRes, on a shape outside the units' fit (d_model 64, seq 40): the
+    local launcher's counted activation peak within 5% of `simulate memory`'s, every rank, and the
+    held bytes and the transport's slots equal."""
+    flags = ["--layers", "4", "--d-model", "64", "--heads", "4", "--seq-len", "40", "--batch-size", "8",
+             "--microbatches", "4", "--stages", "2", "--schedule", "1f1b", "--activation-checkpoint", "full",
+             "--steps", "1", "--eval-every", "0", "--quiet", "--dtype", "fp32"]
+    assert main(["train", *flags, "--launcher", "local", "--out", str(tmp_path / "run")]) == 0
+    got = _summary(tmp_path / "run")["memory_per_rank"]
+    cfg = ModelConfig(n_layers=4, d_model=64, n_heads=4, seq_len=40)
+    predicted = predict_memory(cfg, MemorySetup(schedule="1f1b", n_stages=2, n_microbatches=4, tokens=2 * 40,
+                                                dtype="fp32", activation_checkpoint="full", launcher="local"))
+    for p, g in zip(predicted, got, strict=True):
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "transport_buffer_bytes"):
+            assert g[key] == p.terms[key], key
+        error = abs(p.terms["activation_peak_bytes"] - g["activation_peak_bytes"]) / g["activation_peak_bytes"]
+        assert error <= 0.05, (p.terms["activation_peak_bytes"], g["activation_peak_bytes"])
+
+
+@pytest.mark.parametrize(("schedule", "n_virtual", "residual", "dtype"), [
+    ("1f1b", 1, "attnres", "fp32"), ("interleaved_1f1b", 2, "lr_attnres", "bf16"), ("zbv", 2, "attnres", "fp32"),
+    ("dualpipev", 2, "msar", "fp32"), ("interleaved_zb", 4, "standard", "bf16")])
+def test_the_slots_the_simulator_prices_are_the_shared_memory_transports_layout(schedule, n_virtual, residual, dtype):
+    """`transport_slot_bytes` (from the compute order alone) against the layout the transport
+    allocates from the lowered schedule's messages (`comm.shm_transport._layout`), every rank."""
+    cfg = ModelConfig(n_layers=8, d_model=24, n_heads=2, seq_len=8, residual=residual,
+                      block_size=2)
+    n_stages, n_microbatches, n_sequences = 2, 4, 3
+    schedule_ = build_schedule(schedule, n_stages, n_virtual, n_microbatches)
+    partition = make_partition(cfg.n_layers, n_stages, n_virtual, placement=schedule_placement(schedule))
+    plan = plan_for_model(cfg, partition, True)
+    lowered = insert_comm(schedule_)
+    element = {"fp32": 4, "bf16": 2}[dtype]
+    layout = _layout(wire_messages(lowered, plan, hop_shapes((n_sequences, cfg.seq_len), cfg.source_width,
+                                                             cfg.d_model)))
+    for pp_rank in range(n_stages):
+        allocated = sum(n for (_src, dst), (n, _offsets) in layout.items() if dst == pp_rank) * element
+        assert transport_slot_bytes(schedule_, plan, pp_rank, tokens=n_sequences * cfg.seq_len, cfg=cfg,
+                                    dtype=dtype) == allocated > 0

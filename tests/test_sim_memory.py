@@ -157,7 +157,8 @@ def test_cli_json_lists_global_ranks(capsys):
         k: v for k, v in other.items() if k != "optimizer_bytes"}
     assert first["optimizer_bytes"] >= other["optimizer_bytes"]
     assert set(report["memory_per_rank"][0]) == {"param_bytes", "grad_bytes", "optimizer_bytes",
-                                                 "activation_peak_bytes", "cache_peak_bytes"}
+                                                 "activation_peak_bytes", "cache_peak_bytes",
+                                                 "transport_buffer_bytes"}
     assert report["peak_action_per_rank"][0].startswith("F0.")
 
 

@@ -36,6 +36,7 @@ from attnres_pp.bench.common import markdown_table
 
 EXACT_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 PEAK_KEYS = ("activation_peak_bytes", "cache_peak_bytes")
+SLOT_KEY = "transport_buffer_bytes"  # the shared-memory receive slots: exact, like the held bytes
 BASE = {"layers": 8, "d_model": 64, "heads": 4, "seq_len": 32, "vocab_size": 256, "batch_size": 4}
 # (name, flags): each differs from the others in schedule, V, m, D, AC, block size or variant.
 CASES = (
@@ -115,16 +116,17 @@ def microbatch_sequences(flags: dict) -> int:
     return flags["batch_size"] // (flags.get("data_parallel", 1) * flags["microbatches"])
 
 
-def predict_argv(flags: dict) -> list[str]:
-    argv = ["simulate", "memory", "--json", "--tokens", str(microbatch_sequences(flags) * flags["seq_len"])]
+def predict_argv(flags: dict, launcher: str = "inprocess") -> list[str]:
+    argv = ["simulate", "memory", "--json", "--tokens", str(microbatch_sequences(flags) * flags["seq_len"]),
+            "--launcher", launcher]
     for key, value in {"dtype": "fp32", **flags}.items():
         if key != "batch_size":
             argv += [f"--{key.replace('_', '-')}", str(value)]
     return argv
 
 
-def predict(flags: dict) -> dict:
-    """`simulate memory --json`'s report for the case, computed in this process."""
+def predict(flags: dict, launcher: str = "inprocess") -> dict:
+    """`simulate memory --json`'s report for the case under `launcher`, computed in this process."""
     import argparse
 
     from attnres_pp.simulator import cli as simulate_cli
@@ -134,7 +136,7 @@ def predict(flags: dict) -> dict:
     # The `simulate` parser alone (bench sits below the top-level CLI): the same flags, the same defaults.
     parser = argparse.ArgumentParser(prog="attnres-pp")
     simulate_cli.register(parser.add_subparsers(dest="command", required=True))
-    argv = predict_argv(flags)
+    argv = predict_argv(flags, launcher)
     cfg, setup = build(parser.parse_args(argv))
     ranks = predict_memory(cfg, setup)
     return {"memory_per_rank": [r.terms for r in ranks], "peak_action_per_rank": [r.peak_action for r in ranks],
@@ -193,8 +195,10 @@ def compare(predicted: list[dict], measured: list[dict]) -> dict:
         raise ValueError(f"{len(predicted)} predicted ranks but {len(measured)} counted")
     mismatches, errors = [], {key: [] for key in PEAK_KEYS}
     for rank, (p, m) in enumerate(zip(predicted, measured, strict=True)):
-        mismatches += [f"rank {rank} {key}: predicted {p[key]} counted {m[key]}" for key in EXACT_KEYS
-                       if p[key] != m[key]]
+        # The transport's slots are compared where the run counts them (a tree without the key: not).
+        exact = (*EXACT_KEYS, *([SLOT_KEY] if SLOT_KEY in m else []))
+        mismatches += [f"rank {rank} {key}: predicted {p[key]} counted {m[key]}" for key in exact
+                       if p.get(key, 0) != m[key]]
         for key in PEAK_KEYS:
             errors[key].append(0.0 if p[key] == m[key] else abs(p[key] - m[key]) / max(m[key], 1))
     return {"mismatches": mismatches, "errors": errors}
@@ -212,7 +216,9 @@ def measure_case(name: str, case: dict, progress: Callable[[str], None], *, runs
     if flags.get("dp_shard", "replicate") == "replicate":
         rows.append(_compared(base | {"counted_by": "hooks"}, hook_count(flags, prediction["model"]), progress))
     for launcher in launchers_of(flags, launchers) if runs else ():
-        row = base | {"counted_by": f"run {launcher}"}
+        mine = predict(flags, launcher)
+        row = base | {"counted_by": f"run {launcher}", "predicted": mine["memory_per_rank"],
+                      "peak_action_per_rank": mine["peak_action_per_rank"]}
         try:
             with tempfile.TemporaryDirectory() as tmp:
                 _cli(train_argv(flags, Path(tmp) / "run", launcher), 900)
@@ -230,7 +236,7 @@ def measure_case(name: str, case: dict, progress: Callable[[str], None], *, runs
 
 
 def _compared(row: dict, measured: list[dict], progress: Callable[[str], None]) -> dict:
-    row["measured"] = [{k: r[k] for k in (*EXACT_KEYS, *PEAK_KEYS)} for r in measured]
+    row["measured"] = [{k: r[k] for k in (*EXACT_KEYS, *PEAK_KEYS, SLOT_KEY) if k in r} for r in measured]
     row.update(compare(row["predicted"], row["measured"]))
     progress(f"{row['name']} ({row['counted_by']}): max activation error "
              f"{max(row['errors']['activation_peak_bytes']):.2%}, cache {max(row['errors']['cache_peak_bytes']):.2%}, "

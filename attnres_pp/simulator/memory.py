@@ -20,7 +20,14 @@
     cache_peak        entries put by F(c) live until the rank's last chunk's forward frees them; a
                       gradient deposit lives from the I/B of the rank's last chunk (the first backward
                       of that microbatch on the rank) until the I/B of the chunk that put the entry
-The moment of a rank's peak is that of activations + cache together (not the sum of their peaks).
+    transport_buffer_bytes
+                      the receive slots a shared-memory transport maps for the whole step (`--launcher
+                      local` and `ray` on one host, `comm.shm_transport`): one slot per message the rank
+                      receives from another rank in a step, its tensors' elements rounded up to 64, in
+                      the hop dtype; not a saved tensor (a kept received hop is a view of its slot, which
+                      the activation term counts too), 0 under the in-process launcher (`launcher`)
+The moment of a rank's peak is that of activations + cache together (not the sum of their peaks);
+the peak adds the held terms and the transport's slots, alive through the whole step.
 
 A chunk's bytes per microbatch come from `memory_units.json`: per variant and dtype (and per
 checkpointing policy) a linear form in the shape features of `simulator.memory_features` (tokens x
@@ -57,6 +64,10 @@ DP_SHARDS = ("replicate", "fsdp")
 RESHARD_AFTER_FORWARD = ("never", "always")
 ATTENTION_KERNELS = ("flash", "math")
 MEMORY_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "activation_peak_bytes", "cache_peak_bytes")
+# Launchers whose ranks on one host hand hops over through shared-memory slots (`comm.shm_transport`).
+LAUNCHERS = ("inprocess", "local", "ray")
+SLOT_LAUNCHERS = ("local", "ray")
+SLOT_ALIGN_ELEMENTS = 64  # comm.shm_transport.ALIGN_ELEMENTS (the simulator imports no torch)
 UNITS_PATH = Path(__file__).with_name("memory_units.json")
 # What the checkpointing units predict per chunk and microbatch (the fields of ChunkActivation).
 CHECKPOINT_TARGETS = ("saved", "transient", "input_transient", "input_kept")
@@ -335,6 +346,37 @@ def chunk_gathered_bytes(cfg: ModelConfig, partition: Partition, chunk_index: in
     return sum(math.prod(s) for s in shapes) * DTYPE_BYTES[dtype]
 
 
+# ---- the shared-memory transport's receive slots ----
+
+def transport_slot_bytes(schedule, plan: PayloadPlan, pp_rank: int, *, tokens: int, cfg: ModelConfig,
+                         dtype: str) -> int:
+    """Bytes of the receive slots rank `pp_rank` maps for the step (`comm.shm_transport._layout`):
+    per message it receives from another rank (a hop whose sending chunk is on another rank), the
+    hop's tensors (`pipeline.routes`: the chunk's received sources forward, its sent ones' gradients
+    backward; [tokens, width] each, the residual's width for the standard stream) in one slot,
+    rounded up to 64 elements, in the hop dtype."""
+    from attnres_pp.comm.plan import RESIDUAL
+
+    def width(source) -> int:
+        return cfg.d_model if source == RESIDUAL else cfg.source_width
+
+    # The compute order names the messages (the comm actions a lowered schedule adds match them):
+    # F(c) receives chunk c - 1's hop, a backward (B or I) of c the gradients of the hop c sent.
+    last = plan.partition.n_chunks - 1
+    total = 0
+    for action in schedule.rank_actions[pp_rank]:
+        kind, c = action.kind.value, action.chunk_index
+        if kind == "F" and c > 0 and schedule.rank_of(c - 1) != pp_rank:
+            sources = plan.chunks[c].received
+        elif kind in ("B", "I") and c < last and schedule.rank_of(c + 1) != pp_rank:
+            sources = plan.chunks[c].sent
+        else:
+            continue
+        numel = sum(tokens * width(s) for s in sources)
+        total += -(-numel // SLOT_ALIGN_ELEMENTS) * SLOT_ALIGN_ELEMENTS
+    return total * DTYPE_BYTES[dtype]
+
+
 # ---- the walk over the action order ----
 
 @dataclass(frozen=True, kw_only=True)
@@ -470,6 +512,7 @@ class MemorySetup:
     reshard_after_forward: str = "never"  # fsdp: train's --fsdp-reshard-after-forward
     tensor_parallel: int = 1  # T, docs/spec.md section 10 (derived)
     sequence_parallel: bool | None = None  # None: on when T > 1
+    launcher: str = "inprocess"  # train's --launcher: local and ray map shared-memory receive slots
 
     @property
     def sp(self) -> bool:
@@ -482,7 +525,7 @@ class MemorySetup:
                 raise ValueError(f"MemorySetup.{name}={value!r} is invalid: must be an integer >= 1")
         for name, allowed in (("dtype", tuple(DTYPE_BYTES)), ("dp_shard", DP_SHARDS),
                               ("activation_checkpoint", AC_POLICIES), ("attention_kernel", ATTENTION_KERNELS),
-                              ("reshard_after_forward", RESHARD_AFTER_FORWARD)):
+                              ("reshard_after_forward", RESHARD_AFTER_FORWARD), ("launcher", LAUNCHERS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"MemorySetup.{name}={getattr(self, name)!r} is invalid: choose one of "
                                  f"{', '.join(allowed)}")
@@ -521,6 +564,11 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
     always = fsdp and setup.reshard_after_forward == "always"
     gathered = [chunk_gathered_bytes(cfg, partition, c, dtype=setup.dtype, tensor_parallel=t)
                 for c in range(partition.n_chunks)] if always else None
+    # The slots' shapes are the hops' (the whole microbatch: the shared-memory transport is not
+    # modelled under tensor parallelism, whose ranks keep their sequence shard).
+    slots = [transport_slot_bytes(schedule, plan, pp_rank, tokens=setup.tokens, cfg=cfg, dtype=setup.dtype)
+             if setup.launcher in SLOT_LAUNCHERS and setup.n_stages > 1 and plan is not None else 0
+             for pp_rank in range(setup.n_stages)]
     walks = [walk_rank_gathered(schedule.rank_actions[pp_rank], saved_by_chunk=saved,
                                 plan=plan if uses_cache else None, tensor_bytes=tensor_bytes,
                                 resident_by_chunk=resident, gathered_by_chunk=gathered)
@@ -531,8 +579,9 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
             shapes = rank_parameter_shapes(cfg, partition, pp_rank, t)
             terms = state_bytes(shapes, data_parallel=setup.data_parallel, dp_shard=setup.dp_shard, dp_rank=dp_rank,
                                 whole=tied_parameter_shapes(cfg))
-            terms.update(activation_peak_bytes=act_peak, cache_peak_bytes=cache_peak)
-            fixed = terms["param_bytes"] + terms["grad_bytes"] + terms["optimizer_bytes"]
+            terms.update(activation_peak_bytes=act_peak, cache_peak_bytes=cache_peak,
+                         transport_buffer_bytes=slots[pp_rank])
+            fixed = terms["param_bytes"] + terms["grad_bytes"] + terms["optimizer_bytes"] + slots[pp_rank]
             if fsdp and not always:
                 # FSDP2 without resharding after forward (the pipeline default) keeps every parameter
                 # all-gathered in the compute dtype through the step: part of the peak, not of

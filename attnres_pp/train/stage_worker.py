@@ -50,7 +50,7 @@ from attnres_pp.train.checkpoint import rehearse_rank_kill
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.devices import resolve_train
 from attnres_pp.train.grad_sync import ensure_grads, norm_reducer, sync_gradients
-from attnres_pp.train.memory_report import grad_bytes, memory_entry, peak_rss_bytes
+from attnres_pp.train.memory_report import grad_bytes, memory_entry, peak_rss_bytes, transport_buffer_bytes
 from attnres_pp.train.optim import build_optimizer, optimizer_step
 from attnres_pp.train.rank_data import MicrobatchLists, RankData
 from attnres_pp.train.shards import load_shard, rng_stream, save_shard, shard_state
@@ -214,6 +214,7 @@ class StageWorker:
                                 source_width=cfg.source_width, residual_width=cfg.d_model, dtype=hop_dtype)
 
         self.runtime = runtime(self.schedule, transport)
+        self._transport_buffer_bytes = transport_buffer_bytes(transport)  # mapped for the whole run
         self.eval_runtime = runtime(self.eval_schedule, transport if eval_transport is None else eval_transport)
 
     @property
@@ -293,7 +294,8 @@ class StageWorker:
         """This rank's `memory_per_rank` entry for the step of `record` (after its optimizer step)."""
         return memory_entry(self.params.values(), self.optimizer, grad_bytes=self._grad_bytes,
                             activation_peak_bytes=record.activation_peak_bytes,
-                            cache_peak_bytes=record.cache_peak_bytes, device=self.device)
+                            cache_peak_bytes=record.cache_peak_bytes, device=self.device,
+                            transport_buffer_bytes=getattr(self, "_transport_buffer_bytes", 0))
 
     def train_step(self, step: int, lr: float, batch: RankBatch | None = None, want_events: bool = False) -> StepReply:
         """One optimiser step: forward/backward, gradient sync, global-norm clipping, AdamW."""

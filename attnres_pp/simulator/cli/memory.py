@@ -23,6 +23,7 @@ from attnres_pp.simulator.comm import DTYPE_BYTES, format_bytes
 from attnres_pp.simulator.memory import (
     AC_POLICIES,
     DP_SHARDS,
+    LAUNCHERS,
     MEMORY_KEYS,
     RESHARD_AFTER_FORWARD,
     MemorySetup,
@@ -56,6 +57,9 @@ def register(commands) -> None:
     parser.add_argument("--activation-checkpoint", choices=AC_POLICIES, default="none")
     add_attention_kernel_flag(parser, default="flash")
     add_tensor_parallel_flags(parser, ranks=True)
+    parser.add_argument("--launcher", choices=LAUNCHERS, default="inprocess",
+                        help="train's --launcher: local and ray (ranks on one host) also hold the shared-memory "
+                             "receive slots of a step (transport_buffer_bytes); default inprocess (none)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
@@ -69,7 +73,7 @@ def build(args: argparse.Namespace) -> tuple[ModelConfig, MemorySetup]:
                         activation_checkpoint=args.activation_checkpoint,
                         reshard_after_forward=args.fsdp_reshard_after_forward or "never",
                         layer_counts=layer_counts_flag(args), attention_kernel=args.attention_kernel,
-                        tensor_parallel=tp.size, sequence_parallel=tp.sp)
+                        tensor_parallel=tp.size, sequence_parallel=tp.sp, launcher=args.launcher)
     return cfg, setup
 
 
@@ -110,6 +114,9 @@ def format_table(setup: MemorySetup, ranks) -> str:
                                               if setup.dp_shard == "fsdp" else "") + "; --json lists every rank"]
           if setup.data_parallel > 1 else []),
         "peak = params + grads + optimizer + (activations + cache at the peak's action)"
+        + (f" + the shared-memory receive slots ({setup.launcher}: "
+           + ", ".join(format_bytes(r.terms["transport_buffer_bytes"]) for r in shown) + " per rank)"
+           if any(r.terms["transport_buffer_bytes"] for r in shown) else "")
         + ((" + the all-gathered parameters (fsdp" + (": the chunks unsharded at the peak's action)"
                                                        if setup.reshard_after_forward == "always" else ")"))
            if setup.dp_shard == "fsdp" and setup.data_parallel > 1 else ""),
