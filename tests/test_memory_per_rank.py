@@ -105,26 +105,6 @@ def test_local_processes_count_what_the_in_process_ranks_count(tmp_path):
         assert g["transport_buffer_bytes"] == p.terms["transport_buffer_bytes"] > 0
 
 
-@pytest.mark.distributed
-def test_a_local_run_under_full_checkpointing_holds_what_the_simulator_predicts(tmp_path):
-    """1F1B, full AC, Block AttnRes, on a shape outside the units' fit (d_model 64, seq 40): the
-    local launcher's counted activation peak within 5% of `simulate memory`'s, every rank, and the
-    held bytes and the transport's slots equal."""
-    flags = ["--layers", "4", "--d-model", "64", "--heads", "4", "--seq-len", "40", "--batch-size", "8",
-             "--microbatches", "4", "--stages", "2", "--schedule", "1f1b", "--activation-checkpoint", "full",
-             "--steps", "1", "--eval-every", "0", "--quiet", "--dtype", "fp32"]
-    assert main(["train", *flags, "--launcher", "local", "--out", str(tmp_path / "run")]) == 0
-    got = _summary(tmp_path / "run")["memory_per_rank"]
-    cfg = ModelConfig(n_layers=4, d_model=64, n_heads=4, seq_len=40)
-    predicted = predict_memory(cfg, MemorySetup(schedule="1f1b", n_stages=2, n_microbatches=4, tokens=2 * 40,
-                                                dtype="fp32", activation_checkpoint="full", launcher="local"))
-    for p, g in zip(predicted, got, strict=True):
-        for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "transport_buffer_bytes"):
-            assert g[key] == p.terms[key], key
-        error = abs(p.terms["activation_peak_bytes"] - g["activation_peak_bytes"]) / g["activation_peak_bytes"]
-        assert error <= 0.05, (p.terms["activation_peak_bytes"], g["activation_peak_bytes"])
-
-
 @pytest.mark.parametrize(("schedule", "n_virtual", "residual", "dtype"), [
     ("1f1b", 1, "attnres", "fp32"), ("interleaved_1f1b", 2, "lr_attnres", "bf16"), ("zbv", 2, "attnres", "fp32"),
     ("dualpipev", 2, "msar", "fp32"), ("interleaved_zb", 4, "standard", "bf16")])

@@ -83,6 +83,27 @@ CASES = (
     ("AC full 1f1b S=2 seq 64", {"schedule": "1f1b", "stages": 2, "microbatches": 4, "residual": "attnres",
                                  "block_size": 2, "activation_checkpoint": "full", "seq_len": 64,
                                  "batch_size": 16}),
+    # Shapes the units never saw (seq 40-56, d 80-96) over V 1, 2, 4, m 3 and 6, and the rest of the grid.
+    ("AC selective zbv S-LR sliced bf16 m=6 seq 48", {"schedule": "zbv", "stages": 2, "virtual": 2,
+                                                     "microbatches": 6, "residual": "lr_attnres",
+                                                     "key_mode": "sliced", "block_size": 2,
+                                                     "activation_checkpoint": "selective", "dtype": "bf16",
+                                                     "seq_len": 48, "batch_size": 12}),
+    ("AC full interleaved V=4 standard seq 40", {"schedule": "interleaved_1f1b", "stages": 2, "virtual": 4,
+                                                 "microbatches": 4, "residual": "standard",
+                                                 "activation_checkpoint": "full", "seq_len": 40, "batch_size": 8}),
+    ("D=2 fsdp zb_h1 S=1 d=80 seq 40", {"schedule": "zb_h1", "stages": 2, "microbatches": 2, "data_parallel": 2,
+                                        "dp_shard": "fsdp", "residual": "attnres", "block_size": 1, "d_model": 80,
+                                        "seq_len": 40}),
+    ("AC full 1f1b msar S=4 m=3 seq 56", {"schedule": "1f1b", "stages": 2, "microbatches": 3, "residual": "msar",
+                                          "block_size": 4, "activation_checkpoint": "full", "seq_len": 56,
+                                          "batch_size": 6}),
+    ("interleaved V=4 attnres S=1 d=96 bf16", {"schedule": "interleaved_1f1b", "stages": 2, "virtual": 4,
+                                               "microbatches": 4, "residual": "attnres", "block_size": 1,
+                                               "d_model": 96, "dtype": "bf16", "seq_len": 40, "batch_size": 8}),
+    ("AC full interleaved V=2 P-LR S=2 seq 64", {"schedule": "interleaved_1f1b", "stages": 2, "virtual": 2,
+                                                 "microbatches": 4, "residual": "lr_attnres", "block_size": 2,
+                                                 "activation_checkpoint": "full", "seq_len": 64, "batch_size": 16}),
 )
 QUICK = CASES[:3]
 
