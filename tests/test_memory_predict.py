@@ -53,7 +53,11 @@ _UNITS_MISS = pytest.mark.xfail(strict=True, reason="checkpointing units outside
                                   pytest.param("AC full interleaved_zb lr_attnres", marks=_UNITS_MISS),
                                   "AC selective 1f1b msar", "AC full zbv standard bf16",
                                   "AC selective interleaved full AttnRes", "dualpipev attnres S=2",
-                                  "AC selective dualpipev msar"])
+                                  "AC selective dualpipev msar",
+                                  # A rank's second chunk reads cached blocks its first chunk's
+                                  # frames keep: one storage, counted once (`shared_cache_bytes`).
+                                  "AC full interleaved V=2 P-LR S=2 seq 64",
+                                  "AC selective zbv S-LR sliced bf16 m=6 seq 48", "AC full 1f1b msar S=4 m=3 seq 56"])
 def test_prediction_matches_hook_counts_of_a_real_step(name):
     """The runtime's own step (loopback, every rank in this process, the case's checkpointing
     policy) counted by the runtime's meter."""

@@ -41,13 +41,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
 
 from attnres_pp.comm.partition import Partition
 from attnres_pp.comm.plan import PayloadPlan
-from attnres_pp.model.config import ModelConfig
+from attnres_pp.model.config import ModelConfig, completed_blocks
 from attnres_pp.simulator.memory_features import (  # noqa: F401 (re-exported: bench.memory_units, tests)
     CHECKPOINT_FEATURES,
     FEATURES,
@@ -346,6 +346,36 @@ def chunk_gathered_bytes(cfg: ModelConfig, partition: Partition, chunk_index: in
     return sum(math.prod(s) for s in shapes) * DTYPE_BYTES[dtype]
 
 
+# ---- blocks two chunks of a rank both keep ----
+
+def held_blocks(cfg: ModelConfig, partition: Partition, chunk_index: int) -> int:
+    """Under checkpointing, the blocks 0 .. n - 1 a chunk's layer frames keep as their inputs: every
+    block completed before its last layer starts (`memory_features.checkpoint_features`'s
+    `out_held_blocks_tw`); a block the chunk completes with its last sublayer is its output only."""
+    if not cfg.uses_depth_attention:
+        return 0
+    sublayers = partition.sublayer_range(chunk_index)
+    last_start = sublayers.start + 2 * ((len(sublayers) - 1) // 2)
+    return 1 + completed_blocks(last_start, cfg.block_ends)
+
+
+def shared_cache_bytes(cfg: ModelConfig, partition: Partition, plan: PayloadPlan, chunk_index: int, schedule, *,
+                       tensor_bytes: int) -> int:
+    """Bytes of chunk `chunk_index`'s cache reads that the chunk of its rank which put them also keeps
+    (checkpointing: a block a layer of the putting chunk reads is held by that layer's frame). The
+    entry is one storage, saved by both forwards of a microbatch, so the meter counts it once: with
+    the putter's F (earlier) and until its backward (later), both around this chunk's F and B. The
+    units, fitted on single chunks whose every input is a tensor of its own, count it in both."""
+    rank = schedule.rank_of(chunk_index)
+    shared = 0
+    for source in plan.chunks[chunk_index].cache_reads:
+        putter = max((c for c in range(chunk_index) if schedule.rank_of(c) == rank
+                      and source in plan.chunks[c].cache_puts), default=None)
+        if putter is not None and source.kind == "block" and source.index < held_blocks(cfg, partition, putter):
+            shared += tensor_bytes
+    return shared
+
+
 # ---- the shared-memory transport's receive slots ----
 
 def transport_slot_bytes(schedule, plan: PayloadPlan, pp_rank: int, *, tokens: int, cfg: ModelConfig,
@@ -555,6 +585,10 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
                               sequence_parallel=setup.sp)
              for c in range(partition.n_chunks)]
     uses_cache = plan is not None and plan.mode == "cached"
+    if uses_cache and setup.activation_checkpoint != "none":
+        saved = [replace(unit, saved=max(0, unit.saved - shared_cache_bytes(
+            cfg, partition, plan, c, schedule, tensor_bytes=shard_tokens(setup.tokens, t, setup.sp)
+            * cfg.source_width * DTYPE_BYTES[setup.dtype]))) for c, unit in enumerate(saved)]
     # A cache entry or deposit is the rank's sequence shard under SP (docs/spec.md section 10).
     tensor_bytes = shard_tokens(setup.tokens, t, setup.sp) * cfg.source_width * DTYPE_BYTES[setup.dtype]
     fsdp = setup.dp_shard == "fsdp" and setup.data_parallel > 1
