@@ -585,12 +585,11 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
                               sequence_parallel=setup.sp)
              for c in range(partition.n_chunks)]
     uses_cache = plan is not None and plan.mode == "cached"
-    if uses_cache and setup.activation_checkpoint != "none":
-        saved = [replace(unit, saved=max(0, unit.saved - shared_cache_bytes(
-            cfg, partition, plan, c, schedule, tensor_bytes=shard_tokens(setup.tokens, t, setup.sp)
-            * cfg.source_width * DTYPE_BYTES[setup.dtype]))) for c, unit in enumerate(saved)]
     # A cache entry or deposit is the rank's sequence shard under SP (docs/spec.md section 10).
     tensor_bytes = shard_tokens(setup.tokens, t, setup.sp) * cfg.source_width * DTYPE_BYTES[setup.dtype]
+    if uses_cache and setup.activation_checkpoint != "none":
+        saved = [replace(unit, saved=max(0, unit.saved - shared_cache_bytes(
+            cfg, partition, plan, c, schedule, tensor_bytes=tensor_bytes))) for c, unit in enumerate(saved)]
     fsdp = setup.dp_shard == "fsdp" and setup.data_parallel > 1
     resident = [gathered_parameter_bytes(cfg, partition, c, data_parallel=setup.data_parallel, dtype=setup.dtype,
                                          tensor_parallel=t)
