@@ -1,8 +1,8 @@
 """`attnres-pp train --tensor-parallel 2` end to end on local rank processes over gloo: the losses
 (optimizer steps included) and validation losses of a T = 2 run equal the T = 1 run's (fp32; bf16
 to its rounding), each rank's
-hop bytes are 1/T of the T = 1 rank's, and a checkpoint resumes at another T (and P) to the
-uninterrupted losses."""
+hop bytes are 1/T of the T = 1 rank's, and a checkpoint resumes at another T, also with P and D
+changed together, to the uninterrupted losses."""
 
 from __future__ import annotations
 
@@ -94,13 +94,23 @@ def test_bf16_trains_as_the_unsplit_one(runs):
     assert b2["bytes_sent_per_step_per_rank"] == [b // 2 for b in b1["bytes_sent_per_step_per_rank"] for _ in range(2)]
 
 
-@pytest.mark.parametrize(("source", "flags"), [("t2", ["--tensor-parallel", "1", "--stages", "1"]),
-                                               ("t1", ["--tensor-parallel", "2", "--stages", "1"])])
+@pytest.mark.parametrize(("source", "flags"), [
+    ("t2", ["--tensor-parallel", "1", "--stages", "1"]),
+    ("t1", ["--tensor-parallel", "2", "--stages", "1"]),
+    # T, P and D all change at once: (2, 2, 1) -> (1, 1, 2) and (1, 2, 1) -> (2, 1, 2)
+    ("t2", ["--tensor-parallel", "1", "--stages", "1", "--data-parallel", "2"]),
+    ("t1", ["--tensor-parallel", "2", "--stages", "1", "--data-parallel", "2"]),
+], ids=["t2p2-to-t1p1", "t1p2-to-t2p1", "t2p2d1-to-t1p1d2", "t1p2d1-to-t2p1d2"])
 def test_a_checkpoint_resumes_at_another_tensor_parallel_size(runs, tmp_path, source, flags):
     run_dir = tmp_path / "resumed"
     shutil.copytree(runs / source, run_dir)
     shutil.rmtree(run_dir / "checkpoints" / "step_3")  # resume from step 2
     assert main(["train", "--resume", str(run_dir), "--launcher", "local", "--quiet", *flags]) == 0
     resumed, uninterrupted = _summary(run_dir), _summary(runs / "t1")
-    assert resumed["config"]["pipeline"]["tensor_parallel"] == int(flags[1])
+    pipe = resumed["config"]["pipeline"]
+    assert [pipe["tensor_parallel"], pipe["stages"], pipe["data_parallel"]] == [
+        int(flags[1]), int(flags[3]), int(flags[5]) if len(flags) > 4 else 1]
     assert _close(resumed["losses"], uninterrupted["losses"]), (resumed["losses"], uninterrupted["losses"])
+    # The one resumed step's training loss reads only the loaded weights; the validation loss after it
+    # (step index 2) follows that step's AdamW update, so it checks the loaded moments too.
+    assert _close([v for _step, v in resumed["val_losses"]], [v for _step, v in uninterrupted["val_losses"]])
