@@ -252,8 +252,9 @@ CASES = [
      "fewer than the 11 that MSAR's widest causal convolution reads"),
     ("train-tp-triton", [*TRAIN, *OUT, "--tensor-parallel", "2", "--kernels", "triton", "--device", "cpu"], None,
      "does not support --kernels triton"),
-    ("train-tp-fsdp", [*TRAIN, *OUT, "--tensor-parallel", "2", "--dp-shard", "fsdp", "--device", "cpu"], None,
-     "does not support --dp-shard fsdp"),
+    ("train-tp-fsdp-columns", [*TRAIN, *OUT, "--tensor-parallel", "2", "--dp-shard", "fsdp", "--data-parallel", "3",
+                               "--batch-size", "6", "--microbatches", "2", "--device", "cpu"], None,
+     "--data-parallel 3 not dividing d_model = 32"),
     ("train-tp-selective-ac", [*TRAIN, *OUT, "--tensor-parallel", "2", "--activation-checkpoint", "selective",
                                "--device", "cpu"], None, "does not support --activation-checkpoint selective"),
 ]

@@ -1,7 +1,8 @@
 """Tensor and sequence parallelism over gloo, T = 2: the layer split alone (`pipeline.tensor_parallel`,
 the whole model on two rank processes, float64), then the pipeline runtime's ranks (`StageWorker`)
-at P = 1, P = 2 and D = 2, and every variant x schedule x cache at P = 2 (`RUNTIME_MATRIX`). Loss and
-every gradient equal the single-process model's, and each hop pair carries comm.plan's bytes per rank."""
+at P = 1, P = 2 and D = 2 (replicated or FSDP2 shards), and every variant x schedule x cache at P = 2
+(`RUNTIME_MATRIX`). Loss and every gradient equal the single-process model's, and each hop pair
+carries comm.plan's bytes per rank."""
 
 from __future__ import annotations
 
@@ -92,7 +93,13 @@ RUNTIME_FOUR = [("block", "1f1b", 2, 1, 3, True, True), ("block", "interleaved_1
                 ("block", "interleaved_1f1b", 2, 2, 2, True, False), ("lr_projected", "1f1b", 2, 1, 2, True, True),
                 ("block", "zbv", 2, 2, 3, True, True), ("msar", "interleaved_1f1b", 2, 2, 2, True, False),
                 ("msar", "1f1b", 2, 1, 2, True, True),
-                ("block", "interleaved_1f1b", 1, 2, 2, True, True, {"data_parallel": 2})]
+                ("block", "interleaved_1f1b", 1, 2, 2, True, True, {"data_parallel": 2}),
+                # FSDP2 over dp on top of the tp split: the split backward's W store, MSAR's tied
+                # convolutions and halos; all-gathers again after every forward, under checkpointing
+                ("msar", "zbv", 1, 2, 2, True, True, {"data_parallel": 2, "dp_shard": "fsdp"}),
+                ("block", "interleaved_1f1b", 1, 2, 2, True, True, {"data_parallel": 2, "dp_shard": "fsdp",
+                                                                   "fsdp_reshard_after_forward": "always",
+                                                                   "activation_checkpoint": "full"})]
 
 # Every variant x schedule (1F1B, interleaved 1F1B, ZB-V: the split backward through the weight store)
 # x cache under sequence parallelism at P = 2 (4 processes, one spawned group for all), less the
@@ -110,13 +117,15 @@ def _run_dict(case):
     variant, schedule, P, V, m, cache, sp, *rest = case
     extra = rest[0] if rest else {}
     cfg = model_config(variant, 4, block_size=3)
+    pipeline_keys = ("data_parallel", "dp_shard", "fsdp_reshard_after_forward")
     D = extra.get("data_parallel", 1)
     return RunConfig.from_dict({
         "model": cfg.to_dict(),
         "train": {"steps": 2, "batch_size": MICRO * m * D, "microbatches": m, "seed": 0, "warmup_steps": 1,
-                  **{k: v for k, v in extra.items() if k != "data_parallel"}},
+                  **{k: v for k, v in extra.items() if k not in pipeline_keys}},
         "pipeline": {"stages": P, "virtual": V, "schedule": schedule, "cache": cache, "launcher": "local",
-                     "timeout_s": 60.0, "tensor_parallel": T, "sequence_parallel": sp, "data_parallel": D},
+                     "timeout_s": 60.0, "tensor_parallel": T, "sequence_parallel": sp, "data_parallel": D,
+                     **{k: v for k, v in extra.items() if k in pipeline_keys}},
     }).to_dict()
 
 

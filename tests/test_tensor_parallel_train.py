@@ -1,8 +1,8 @@
 """`attnres-pp train --tensor-parallel 2` end to end on local rank processes over gloo: the losses
 (optimizer steps included) and validation losses of a T = 2 run equal the T = 1 run's (fp32; bf16
-to its rounding), each rank's
-hop bytes are 1/T of the T = 1 rank's, and a checkpoint resumes at another T, also with P and D
-changed together, to the uninterrupted losses."""
+to its rounding), also with FSDP2 over the replicas, each rank's hop bytes are 1/T of the T = 1
+rank's, and a checkpoint resumes at another T, also with P and D changed together and into and out
+of FSDP2 shards, to the uninterrupted losses."""
 
 from __future__ import annotations
 
@@ -47,7 +47,12 @@ def runs(tmp_path_factory):
                         ("m2", [*msar, "--tensor-parallel", "2"]), ("b1", bf16),
                         ("b2", [*bf16, "--tensor-parallel", "2"])):
         assert main([*RUN, "--stages", "2", *flags, "--out", str(root / name)]) == 0
+    # FSDP2 over dp composed with the tp split (D = 2 replicas of T = 2 ranks, P = 1), checkpointed
+    assert main([*RUN, "--stages", "1", *FSDP_TP, "--out", str(root / "f2")]) == 0
     return root
+
+
+FSDP_TP = ["--tensor-parallel", "2", "--data-parallel", "2", "--dp-shard", "fsdp"]
 
 
 def test_a_tensor_parallel_run_trains_as_the_unsplit_one(runs):
@@ -78,6 +83,31 @@ def test_a_tensor_parallel_run_trains_as_the_unsplit_one(runs):
     assert [4 * n for n in t2["params_per_rank"]] == [e["param_bytes"] for e in t2["memory_per_rank"]]
 
 
+def test_fsdp_over_tensor_parallel_ranks_trains_as_the_unsplit_one(runs, capsys):
+    """FSDP2 shards the tp-split weights over the replicas (the fused qkv weight by its columns):
+    the losses, the clipping norms (each shard counted once over dp and tp) and the validation
+    losses equal the unsplit run's, and each rank holds about 1 / (D T) of a split matrix."""
+    t1, f2 = _summary(runs / "t1"), _summary(runs / "f2")
+    pipe = f2["config"]["pipeline"]
+    assert [pipe["tensor_parallel"], pipe["data_parallel"], pipe["dp_shard"]] == [2, 2, "fsdp"]
+    assert _close(f2["losses"], t1["losses"]), (f2["losses"], t1["losses"])
+    assert _close(_grad_norms(runs / "f2"), _grad_norms(runs / "t1"))
+    assert _close([v for _step, v in f2["val_losses"]], [v for _step, v in t1["val_losses"]])
+    # the whole model (both t1 ranks) split over D x T = 4 ranks: the shards are disjoint, padding aside
+    whole_bytes = sum(entry["param_bytes"] for entry in t1["memory_per_rank"])
+    for entry in f2["memory_per_rank"]:
+        assert whole_bytes / 4 <= entry["param_bytes"] < whole_bytes / 2, (entry["param_bytes"], whole_bytes)
+    # and the memory model predicts each rank's parameters, gradients and AdamW moments exactly
+    capsys.readouterr()
+    assert main(["simulate", "memory", "--json", "--schedule", "1f1b", "--microbatches", "2", "--layers", "2",
+                 "--d-model", "32", "--heads", "2", "--seq-len", "16", "--block-size", "3", "--dtype", "fp32",
+                 "--stages", "1", *FSDP_TP]) == 0
+    predicted = json.loads(capsys.readouterr().out)["memory_per_rank"]
+    keys = ("param_bytes", "grad_bytes", "optimizer_bytes")
+    assert [[row[k] for k in keys] for row in predicted] == [[entry[k] for k in keys]
+                                                            for entry in f2["memory_per_rank"][::2]]
+
+
 def test_msar_under_sequence_parallelism_trains_as_the_unsplit_one(runs):
     m1, m2 = _summary(runs / "m1"), _summary(runs / "m2")
     assert m2["config"]["pipeline"]["tensor_parallel"] == 2 and m2["config"]["model"]["seq_len"] == 32
@@ -100,7 +130,11 @@ def test_bf16_trains_as_the_unsplit_one(runs):
     # T, P and D all change at once: (2, 2, 1) -> (1, 1, 2) and (1, 2, 1) -> (2, 1, 2)
     ("t2", ["--tensor-parallel", "1", "--stages", "1", "--data-parallel", "2"]),
     ("t1", ["--tensor-parallel", "2", "--stages", "1", "--data-parallel", "2"]),
-], ids=["t2p2-to-t1p1", "t1p2-to-t2p1", "t2p2d1-to-t1p1d2", "t1p2d1-to-t2p1d2"])
+    # into and out of FSDP2 shards of tp-split weights
+    ("t1", ["--tensor-parallel", "2", "--stages", "1", "--data-parallel", "2", "--dp-shard", "fsdp"]),
+    ("f2", ["--tensor-parallel", "1", "--stages", "2", "--data-parallel", "1", "--dp-shard", "replicate"]),
+], ids=["t2p2-to-t1p1", "t1p2-to-t2p1", "t2p2d1-to-t1p1d2", "t1p2d1-to-t2p1d2", "t1-to-fsdp-t2d2",
+        "fsdp-t2d2-to-t1p2"])
 def test_a_checkpoint_resumes_at_another_tensor_parallel_size(runs, tmp_path, source, flags):
     run_dir = tmp_path / "resumed"
     shutil.copytree(runs / source, run_dir)
@@ -114,3 +148,4 @@ def test_a_checkpoint_resumes_at_another_tensor_parallel_size(runs, tmp_path, so
     # The one resumed step's training loss reads only the loaded weights; the validation loss after it
     # (step index 2) follows that step's AdamW update, so it checks the loaded moments too.
     assert _close([v for _step, v in resumed["val_losses"]], [v for _step, v in uninterrupted["val_losses"]])
+    assert _close(_grad_norms(run_dir), _grad_norms(runs / "t1"))

@@ -43,8 +43,8 @@ def check_tensor_parallel_runs(run_cfg: RunConfig) -> None:
     does not run with tensor parallelism yet (each refusal names it). What runs: local rank
     processes, or Ray actors on one node (STRICT_PACK), over gloo on cpu, fp32 or bf16, the torch
     kernels, every schedule (the split backward's included), cache on or off, D replicas of
-    replicated parameters, activation checkpointing none or full, and every variant with or without
-    sequence parallelism."""
+    replicated parameters or of FSDP2 shards (D dividing d_model), activation checkpointing none or
+    full, and every variant with or without sequence parallelism."""
     pipe, train, t = run_cfg.pipeline, run_cfg.train, run_cfg.pipeline.tensor_parallel
     if t == 1:
         return
@@ -65,8 +65,10 @@ def check_tensor_parallel_runs(run_cfg: RunConfig) -> None:
         not_yet = f"--device {train.device} on GPUs (tensor parallelism runs on cpu over gloo so far): use --device cpu"
     elif train.kernels == "triton":
         not_yet = "--kernels triton (the tp ranks are checked with the torch kernels): use --kernels torch"
-    elif pipe.dp_shard == "fsdp":
-        not_yet = "--dp-shard fsdp (FSDP2 over tp-split layers): use --dp-shard replicate"
+    elif pipe.dp_shard == "fsdp" and pipe.data_parallel > 1 and run_cfg.model.d_model % pipe.data_parallel:
+        not_yet = (f"--dp-shard fsdp with --data-parallel {pipe.data_parallel} not dividing d_model = "
+                   f"{run_cfg.model.d_model} (FSDP2 shards the tp-split qkv weight's {run_cfg.model.d_model} columns "
+                   "over the replicas, evenly): choose D dividing d_model, or --dp-shard replicate")
     elif train.activation_checkpoint == "selective":
         not_yet = ("--activation-checkpoint selective (its recomputation cannot replay the tp layers' async "
                    "collectives): use none or full")

@@ -27,8 +27,13 @@ microbatches' gradients add up in fp32, as the replicated run's fp32 `.grad` doe
 runs under autocast (`model.precision`): the ops it keeps in fp32 (norms, depth-attention math, the
 loss) then read bf16-rounded weights, where the replicated run's read fp32 ones.
 
-The clipping norm (`norm_reducer`) sums the squares of each rank's local gradient shards over every
-rank (shards are disjoint; FSDP2's padding rows are zeros) and adds the tied convolutions once.
+The clipping norm (`norm_reducer`) sums the squares of each rank's local gradient shards over the
+ranks whose shards are disjoint (FSDP2's padding rows are zeros) and adds the tied convolutions once.
+
+With tensor parallelism (`train.tp_rank`) the layers are split over tp first and FSDP2 shards the
+DTensor weights over dp on top, as torchtitan composes them: a split weight lives on the (dp, tp)
+mesh, what every tp rank holds whole on the dp mesh alone. The reduce-scatter averages over dp;
+the sum over tp of the sequence shards' partial gradients follows it (`RankTensorParallel.sum_partial_grads`).
 """
 
 from __future__ import annotations
@@ -69,7 +74,7 @@ class FsdpShards:
             scalars = {p for p in module.parameters() if p.dim() == 0}
             self.replicated += sorted(scalars, key=lambda p: [id(q) for q in module.parameters()].index(id(p)))
             fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, ignored_params=scalars or None,
-                        mp_policy=mp_policy)
+                        mp_policy=mp_policy, shard_placement_fn=shard_placement)
             module._get_fsdp_state()._lazy_init()
             module.set_requires_gradient_sync(False)
             module.set_reshard_after_backward(False)
@@ -108,6 +113,23 @@ class FsdpShards:
             unit.reshard()
 
 
+def shard_placement(param: nn.Parameter):
+    """FSDP2's placement over dp for `param`: its columns (`Shard(1)`) for the fused qkv weight that
+    tensor parallelism splits with `_StridedShard(0)` (its heads' q, k and v rows), FSDP2's default
+    rows for the rest. On the same rows, FSDP2 would cut the tp rank's local rows into D pieces and
+    describe them as `(_StridedShard(0), _StridedShard(0))`, a layout DTensor does not read back:
+    `full_tensor()` returned wrongly ordered rows (measured on two replicas of two tp ranks), and
+    checkpoints save the weight through it (`tp_rank.whole_strided`). Columns keep the two splits on
+    different dimensions. They must divide evenly: `engines.check_tensor_parallel_runs`."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    placements = getattr(param, "placements", ())
+    if any(isinstance(p, _StridedShard) and p.dim == 0 for p in placements):
+        return Shard(1)
+    return None
+
+
 def local_squared_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
     grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -118,17 +140,24 @@ def local_squared_norm(params: list[nn.Parameter], device: torch.device) -> torc
 
 def norm_reducer(sharded: list[nn.Parameter], replicated: list[nn.Parameter], tied: list[nn.Parameter],
                  collectives: Collectives, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`optim.clip_grad_norm_`'s reduce_sq under fsdp: the local shards' squares summed over every rank
-    (the rank's own total is recomputed from the local shards), the whole untied parameters' over the
-    replica's ranks, and the tied gradients once."""
+    """`optim.clip_grad_norm_`'s reduce_sq under fsdp: the local shards' squares (the rank's own total
+    is recomputed from them) summed over the ranks holding disjoint parts (a tensor-parallel weight's
+    (dp, tp) shards over every rank; a shard over dp, which the T tp ranks hold alike, over dp and pp),
+    the whole untied parameters' over the replica's pp ranks, and the tied gradients once."""
+    from attnres_pp.train.tp_rank import is_split
+
     tied_sq = squared_norm(tied, device)
+    split = [p for p in sharded if is_split(p)]
+    over_dp = [p for p in sharded if not is_split(p)]
 
     def reduce_sq(_local_sq: torch.Tensor) -> torch.Tensor:
-        shard_sq = local_squared_norm(sharded, device)
-        collectives.all_reduce(shard_sq, "world")
-        replicated_sq = local_squared_norm(replicated, device)
-        collectives.all_reduce(replicated_sq, "pp")
-        return shard_sq + replicated_sq + tied_sq
+        split_sq = local_squared_norm(split, device)
+        collectives.all_reduce(split_sq, "world")  # every rank calls it, with or without tp
+        dp_sq = local_squared_norm(over_dp, device)
+        collectives.all_reduce(dp_sq, "dp")
+        total = dp_sq + local_squared_norm(replicated, device)
+        collectives.all_reduce(total, "pp")
+        return split_sq + total + tied_sq
 
     return reduce_sq
 

@@ -250,7 +250,10 @@ class StageWorker:
         if self.fsdp is not None:  # the shards' reduce-scatter averages over the replicas
             self.fsdp.reduce()
             ensure_grads(self.untied)
-            sync_gradients(self.fsdp.replicated, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel)
+            if self.tp.active:
+                self.tp.sum_partial_grads(self.untied, self.collectives)
+            sync_gradients(self.fsdp.replicated, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel,
+                           tied_copies=self.tp.tied_copies)
         else:
             if self.tp.active:
                 self.tp.sum_partial_grads(self.untied, self.collectives)

@@ -33,18 +33,35 @@ def is_sharded(param: nn.Parameter) -> bool:
     return isinstance(param, DTensor)
 
 
+def _tp_placement(param: nn.Parameter):
+    """The placement of `param` (a DTensor) over the tp mesh dimension, or None on a mesh without one
+    (an FSDP2 shard over dp of a tensor every tp rank holds whole)."""
+    names = param.device_mesh.mesh_dim_names or ()
+    return param.placements[names.index("tp")] if "tp" in names else None
+
+
 def is_split(param: nn.Parameter) -> bool:
-    """A DTensor of which this rank holds a part (not one replicated whole on every tp rank)."""
-    return is_sharded(param) and not all(p.is_replicate() for p in param.placements)
+    """A DTensor of which this rank's tp group holds parts (a split weight; under FSDP2 its mesh is
+    (dp, tp)), not one every tp rank holds whole."""
+    if not is_sharded(param):
+        return False
+    placement = _tp_placement(param)
+    return placement is not None and not placement.is_replicate()
 
 
 def held_over_tp(param: nn.Parameter) -> int:
     """Elements of `param` this rank holds of its stage's copy: a tensor-parallel weight's shard
     (about 1/T of a split matrix), else the whole parameter (replicated over tp; an FSDP2 shard over
-    dp counts as the whole parameter its replica holds)."""
-    if is_sharded(param) and param.device_mesh.mesh_dim_names == ("tp",):
+    dp counts as the whole parameter its replica holds, so a (dp, tp) shard counts as its tp shard)."""
+    if not is_split(param):
+        return param.numel()
+    if param.device_mesh.mesh_dim_names == ("tp",):
         return param.to_local().numel()
-    return param.numel()
+    tp_mesh, dim = param.device_mesh["tp"], _tp_placement(param).dim
+    # torch.chunk's sizes: what a Shard(dim) placement gives each tp rank
+    sizes = [len(piece) for piece in torch.arange(param.shape[dim]).chunk(tp_mesh.size())]
+    rank = tp_mesh.get_local_rank()
+    return param.numel() // param.shape[dim] * (sizes[rank] if rank < len(sizes) else 0)
 
 
 class RankTensorParallel:
@@ -86,14 +103,23 @@ class RankTensorParallel:
         """Under SP, add the T ranks' gradients of the parameters each holds whole (each computed on
         its own tokens). The sequence-parallel norms' gains are replicated DTensors whose gradients
         DTensor leaves as partial sums (`Partial`): they are reduced to their parameters' placement
-        here, so that every later step (the dp sync, the clipping norm, AdamW) reads whole values."""
+        here, so that every later step (the dp sync, the clipping norm, AdamW) reads whole values.
+        Under FSDP2 call it after the reduce-scatter (`FsdpShards.reduce`), which has reduced those
+        gains itself (FSDP2 redistributes a partial gradient to its parameter's tp placement)."""
         if not self.sp:
             return
         from attnres_pp.pipeline.tensor_parallel import sum_replicated_grads
 
         sum_replicated_grads(params, collectives)
         for p in params:
-            if p.grad is not None and is_sharded(p) and any(pl.is_partial() for pl in p.grad.placements):
+            if p.grad is None or not is_sharded(p):
+                continue
+            if _tp_placement(p) is None:
+                # FSDP2's shard over dp of a tensor every tp rank holds whole: the T ranks hold the same
+                # rows of it, each with its tokens' part (summing after the reduce-scatter over dp is
+                # the same sum: both are linear)
+                collectives.all_reduce(p.grad.to_local(), "tp")
+            elif any(pl.is_partial() for pl in p.grad.placements):
                 p.grad = p.grad.redistribute(placements=p.placements)
 
     @property
