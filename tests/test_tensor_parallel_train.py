@@ -49,6 +49,7 @@ def runs(tmp_path_factory):
         assert main([*RUN, "--stages", "2", *flags, "--out", str(root / name)]) == 0
     # FSDP2 over dp composed with the tp split (D = 2 replicas of T = 2 ranks, P = 1), checkpointed
     assert main([*RUN, "--stages", "1", *FSDP_TP, "--out", str(root / "f2")]) == 0
+    assert main([*RUN, "--stages", "1", *bf16, *FSDP_TP, "--out", str(root / "bf")]) == 0
     return root
 
 
@@ -122,6 +123,10 @@ def test_bf16_trains_as_the_unsplit_one(runs):
     assert b2["config"]["train"]["dtype"] == "bf16"
     assert _close(b2["losses"], b1["losses"], rtol=1e-3), (b2["losses"], b1["losses"])
     assert b2["bytes_sent_per_step_per_rank"] == [b // 2 for b in b1["bytes_sent_per_step_per_rank"] for _ in range(2)]
+    # under FSDP2 too: bf16 all-gathered weights, fp32 shards, reduce-scatter and moments
+    bf = _summary(runs / "bf")
+    assert bf["config"]["pipeline"]["dp_shard"] == "fsdp" and bf["config"]["train"]["dtype"] == "bf16"
+    assert _close(bf["losses"], b1["losses"], rtol=1e-3), (bf["losses"], b1["losses"])
 
 
 @pytest.mark.parametrize(("source", "flags"), [
