@@ -255,8 +255,6 @@ CASES = [
     ("train-tp-fsdp-columns", [*TRAIN, *OUT, "--tensor-parallel", "2", "--dp-shard", "fsdp", "--data-parallel", "3",
                                "--batch-size", "6", "--microbatches", "2", "--device", "cpu"], None,
      "--data-parallel 3 not dividing d_model = 32"),
-    ("train-tp-selective-ac", [*TRAIN, *OUT, "--tensor-parallel", "2", "--activation-checkpoint", "selective",
-                               "--device", "cpu"], None, "does not support --activation-checkpoint selective"),
 ]
 
 # Every refusal, argparse's included, is one line starting `error: `.

@@ -88,11 +88,15 @@ def test_two_tp_ranks_give_the_single_process_loss_and_gradients(tmp_path):
 # puts block edges inside chunks. ZB-V runs the split backward (I, then W from the weight store).
 RUNTIME_P1 = [("block", "interleaved_1f1b", 1, 2, 2, True, True), ("block", "gpipe", 1, 1, 2, True, False),
               ("block", "zbv", 1, 2, 2, True, True),
-              ("block", "interleaved_1f1b", 1, 2, 2, True, True, {"activation_checkpoint": "full"})]
+              ("block", "interleaved_1f1b", 1, 2, 2, True, True, {"activation_checkpoint": "full"}),
+              ("block", "interleaved_1f1b", 1, 2, 2, True, True, {"activation_checkpoint": "selective"})]
 RUNTIME_FOUR = [("block", "1f1b", 2, 1, 3, True, True), ("block", "interleaved_1f1b", 2, 2, 4, False, True),
                 ("block", "interleaved_1f1b", 2, 2, 2, True, False), ("lr_projected", "1f1b", 2, 1, 2, True, True),
                 ("block", "zbv", 2, 2, 3, True, True), ("msar", "interleaved_1f1b", 2, 2, 2, True, False),
                 ("msar", "1f1b", 2, 1, 2, True, True),
+                # selective checkpointing replays the tp collectives its saved products do not cover
+                ("msar", "zbv", 2, 2, 2, True, True, {"activation_checkpoint": "selective"}),
+                ("lr_sliced", "interleaved_1f1b", 2, 2, 2, False, False, {"activation_checkpoint": "selective"}),
                 ("block", "interleaved_1f1b", 1, 2, 2, True, True, {"data_parallel": 2}),
                 # FSDP2 over dp on top of the tp split: the split backward's W store, MSAR's tied
                 # convolutions and halos; all-gathers again after every forward, under checkpointing

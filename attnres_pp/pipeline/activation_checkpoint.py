@@ -135,7 +135,11 @@ class _Frame:
         unwanted = self.direct | self.dropped
 
         def collect(t: torch.Tensor):
-            saved.append(None if len(saved) in unwanted else self._wrap(t.detach()))
+            # A tensor a tp collective is still producing is kept as it is until the recomputation
+            # is over: detaching it here would wait for it inside the region, one wait more than
+            # the forward, where nothing waited at the save, and selective checkpointing numbers
+            # every op of the region, the waits included, and serves its saved outputs by that number.
+            saved.append(None if len(saved) in unwanted else t if _pending(t) else self._wrap(t.detach()))
             return None
 
         enabled, dtype = self.autocast
@@ -143,6 +147,7 @@ class _Frame:
         with torch.enable_grad(), torch.autocast(self.device_type, dtype=dtype, enabled=enabled), mode, \
                 torch.autograd.graph.saved_tensors_hooks(collect, lambda _unused: None):
             self.fn(*self.args)
+        saved = [self._wrap(t.wait().detach()) if _pending(t) else t for t in saved]
         if len(saved) != self.n_packed:
             raise RuntimeError(f"activation checkpointing: the recomputed layer saved {len(saved)} tensors, "
                                f"the forward {self.n_packed}: the layer's forward is not deterministic")
@@ -176,3 +181,9 @@ def checkpointed(fn: Callable, args: list, *, policy: str, meter: ActivationMete
         result = fn(*args)
     frame.hold_cached()
     return result
+
+
+def _pending(t) -> bool:
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return isinstance(t, AsyncCollectiveTensor)

@@ -43,8 +43,8 @@ def check_tensor_parallel_runs(run_cfg: RunConfig) -> None:
     does not run with tensor parallelism yet (each refusal names it). What runs: local rank
     processes, or Ray actors on one node (STRICT_PACK), over gloo on cpu, fp32 or bf16, the torch
     kernels, every schedule (the split backward's included), cache on or off, D replicas of
-    replicated parameters or of FSDP2 shards (D dividing d_model), activation checkpointing none or
-    full, and every variant with or without sequence parallelism."""
+    replicated parameters or of FSDP2 shards (D dividing d_model), every activation checkpointing
+    policy, and every variant with or without sequence parallelism."""
     pipe, train, t = run_cfg.pipeline, run_cfg.train, run_cfg.pipeline.tensor_parallel
     if t == 1:
         return
@@ -69,9 +69,6 @@ def check_tensor_parallel_runs(run_cfg: RunConfig) -> None:
         not_yet = (f"--dp-shard fsdp with --data-parallel {pipe.data_parallel} not dividing d_model = "
                    f"{run_cfg.model.d_model} (FSDP2 shards the tp-split qkv weight's {run_cfg.model.d_model} columns "
                    "over the replicas, evenly): choose D dividing d_model, or --dp-shard replicate")
-    elif train.activation_checkpoint == "selective":
-        not_yet = ("--activation-checkpoint selective (its recomputation cannot replay the tp layers' async "
-                   "collectives): use none or full")
     if not_yet is not None:
         raise ValueError(f"--tensor-parallel {t} does not support {not_yet} yet")
 
