@@ -207,8 +207,6 @@ CASES = [
     ("train-ft-unknown", [*TRAIN, *OUT, "--fault-tolerance", "always"], None, "fault_tolerance='always'"),
     ("train-ft-one-replica", [*TRAIN, *OUT, "--fault-tolerance", "replicas"], None,
      "does not support --data-parallel 1"),
-    ("train-ft-ray-spread", [*TRAIN, *OUT, "--fault-tolerance", "replicas", "--data-parallel", "2", "--launcher", "ray",
-                             "--placement", "SPREAD"], None, "does not support --placement SPREAD"),
     ("train-ft-inprocess", [*TRAIN, *OUT, "--fault-tolerance", "replicas", "--data-parallel", "2", "--launcher",
                             "inprocess"], None, "does not support --launcher inprocess"),
     ("train-ft-fsdp", [*TRAIN, *OUT, "--fault-tolerance", "replicas", "--data-parallel", "2", "--dp-shard", "fsdp"],

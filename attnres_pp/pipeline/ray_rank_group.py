@@ -81,7 +81,7 @@ class RankActor:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.node_ip = ray.util.get_node_ip_address()
         self.worker = worker_cls(**kwargs)
-        self.worker.node_id = self.node_id
+        self.worker.node_id, self.worker.node_ip = self.node_id, self.node_ip
 
     def __repr__(self) -> str:
         worker = getattr(self, "worker", None)
@@ -271,6 +271,11 @@ class RayRankGroup:
                              include_dashboard=False,
                              log_to_driver=True, _node_ip_address=LOOPBACK)
                 self.started_ray = True
+
+    def driver_address(self) -> str:
+        """The address of the driver's node as the cluster knows it (loopback on a private instance):
+        where a server the driver runs for the ranks (torchft's Lighthouse) is reached from any node."""
+        return self._ray.util.get_node_ip_address()
 
     def gpus(self) -> int:
         """The cluster's GPUs (0 with ATTNRES_PP_FORCE_CPU=1)."""

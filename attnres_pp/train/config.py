@@ -230,8 +230,8 @@ def check_tensor_parallel_split(model: ModelConfig, pipe: PipelineConfig) -> Non
 
 def check_fault_tolerance(train: TrainConfig, pipe: PipelineConfig) -> None:
     """ValueError for a fault-tolerance setting this run cannot use: replica groups need D >= 2
-    replicated pipelines of one rank per chunk on the cpu, as local processes or Ray actors on one
-    node (`train.ft_engine`)."""
+    replicated pipelines of one rank per chunk on the cpu, as local processes or Ray actors under any
+    placement (`train.ft_engine`)."""
     if train.fault_tolerance == "off":
         if train.lighthouse or train.min_replicas != 1:
             flag = "--lighthouse" if train.lighthouse else "--min-replicas"
@@ -244,9 +244,6 @@ def check_fault_tolerance(train: TrainConfig, pipe: PipelineConfig) -> None:
                    "give --data-parallel 2 or more")
     elif pipe.launcher == "inprocess":
         refusal = "--launcher inprocess (a replica group restarts as processes of its own): use --launcher local or ray"
-    elif pipe.launcher == "ray" and pipe.placement != "STRICT_PACK":
-        refusal = (f"--placement {pipe.placement} (the replica groups' Managers meet on this node's loopback "
-                   "so far): use --placement STRICT_PACK")
     elif pipe.dp_shard != "replicate":
         refusal = (f"--dp-shard {pipe.dp_shard} (a replica group heals from a peer holding the whole state): "
                    "use --dp-shard replicate")

@@ -18,7 +18,13 @@ summary.json gets `participants_per_step` (the groups that committed each step),
 (at the last step: every group's parameters, by sha256 of their bytes, equal) and `recoveries`
 (per lost group: the step, seconds from the loss to the first step committed, to the first
 committed without it, if any, and to its own first committed step after healing); metrics.jsonl
-gets each step's `participants` and `replica_groups`.
+gets each step's `participants` and `replica_groups`. Under Ray, summary.json also gets
+`replica_node_addresses` (each group's ranks' node addresses at the last step) and, after a loss,
+`lost_nodes` (each lost rank: its replica, group rank, node, address and what it was doing).
+
+Under Ray the groups may run on different nodes: the Lighthouse is advertised at the driver's node
+address, and each group's store, ManagerServer and checkpoint server at its rank's node address
+(`ft_worker`), so that no address depends on a host name resolving the same on every node.
 """
 
 from __future__ import annotations
@@ -71,6 +77,17 @@ def lighthouse_requests(address: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
+def at_host(url: str, host: str) -> str:
+    """`url` with its host replaced by `host` (an address; IPv6 in brackets), its port and path kept."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def require_torchft() -> None:
     """ValueError (one `error:` line) when torchft is not installed."""
     # torchft's Rust side logs every quorum and commit at INFO, read when it is first imported; the
@@ -83,7 +100,7 @@ def require_torchft() -> None:
 
 
 class FtEngine:
-    """The `Engine` of a `--fault-tolerance replicas` run (`--launcher local`). `fail_at` = (global
+    """The `Engine` of a `--fault-tolerance replicas` run (`--launcher local` or `ray`). `fail_at` = (global
     rank, 0-based step): that rank exits mid-step, once (its group's restart has no failure); with a
     third item "allreduce" it exits instead as it would join the replicas' gradient reduction."""
 
@@ -104,19 +121,22 @@ class FtEngine:
         self.groups: list[ReplicaGroup] = []
         self._lighthouse = None
         try:
+            # The rank groups first: under Ray the first one joins (or starts) the Ray instance, whose
+            # address for the driver's node the Lighthouse is advertised at.
+            for d in range(pipe.data_parallel):
+                self.groups.append(ReplicaGroup(d, self._rank_group(d, address, placement), FtStageWorker, []))
             lighthouse = train.lighthouse or self._start_lighthouse(train.min_replicas)
             self.static_extras: dict = {"data_parallel": pipe.data_parallel, "fault_tolerance": "replicas",
                                         "lighthouse": lighthouse, "min_replicas": train.min_replicas}
             data_path = resolve_data_path(self.run_cfg.train.data)
-            for d in range(pipe.data_parallel):
-                kwargs = [{"run_cfg_dict": self.run_cfg.to_dict(), "rank": d * pipe.stages + p, "data_path": data_path,
-                           "lighthouse": lighthouse,
-                           "fail_at_step": fail_at[1] if fail_at is not None and fail_at[0] == d * pipe.stages + p
-                           else None, "fail_in_allreduce": fail_at is not None and fail_at[2:] == ("allreduce",)}
-                          for p in range(pipe.stages)]
-                group = ReplicaGroup(d, self._rank_group(d, address, placement), FtStageWorker, kwargs)
-                self.groups.append(group)
-                group.ranks.start(FtStageWorker, kwargs, device="cpu")
+            for group in self.groups:
+                d = group.replica
+                group.kwargs = [{"run_cfg_dict": self.run_cfg.to_dict(), "rank": d * pipe.stages + p,
+                                 "data_path": data_path, "lighthouse": lighthouse,
+                                 "fail_at_step": fail_at[1] if fail_at is not None and fail_at[0] == d * pipe.stages + p
+                                 else None, "fail_in_allreduce": fail_at is not None and fail_at[2:] == ("allreduce",)}
+                                for p in range(pipe.stages)]
+                group.ranks.start(FtStageWorker, group.kwargs, device="cpu")
             described = self.groups[0].ranks.setup_results
             self.backend = described[0]["backend"]
             self.static_extras["params_per_rank"] = [r["params"] for r in described]
@@ -143,7 +163,12 @@ class FtEngine:
 
         self._lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS,
                                             heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
-        return self._lighthouse.address()
+        address = self._lighthouse.address()  # http://HOSTNAME:PORT, serving on every interface
+        if self.run_cfg.pipeline.launcher != "ray":
+            return address
+        # Ranks on other nodes may not resolve this host's name (or resolve it to their loopback):
+        # they are given the driver's node address, as the Ray cluster knows it.
+        return at_host(address, self.groups[0].ranks.driver_address())
 
     @property
     def train_cfg(self):
@@ -299,6 +324,11 @@ class FtEngine:
         extras.update(self.static_extras)
         extras.update(participants_per_step=list(self.participants_per_step), recoveries=list(self.recoveries),
                       replica_restarts=[g.restarts for g in self.groups])
+        if self.groups[0].ranks.spans_nodes:  # where each group's ranks run now, and each rank lost with its node
+            extras["replica_node_addresses"] = [[ip for _node, ip in g.ranks.rank_nodes] for g in self.groups]
+            lost = [{"replica": g.replica, **n} for g in self.groups for n in g.ranks.lost_nodes]
+            if lost:
+                extras["lost_nodes"] = lost
         if step == self.run_cfg.train.steps - 1:
             extras["replicas_equal"] = self.replicas_equal()
         if traced:

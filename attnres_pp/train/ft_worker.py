@@ -10,6 +10,9 @@ one, or, for a group that joins after a restart, the step of the live groups it 
 healing rank receives from the same pp rank of a live group, through the Manager's state-dict
 callbacks (torchft's checkpoint transport, not the disk), its parameters, AdamW state and RNG state.
 
+Under Ray a group's ranks, and the groups, may run on different nodes: rank 0's store, its
+ManagerServer and every rank's checkpoint server are advertised at the rank's node address.
+
 torchft is imported here only: a run without `--fault-tolerance replicas` never needs it.
 """
 
@@ -44,6 +47,24 @@ class PipelineCollectives:
             raise ValueError(f"axis {axis!r}: a replica group's process group holds only its pp ranks")
         if self.coords.stages > 1:
             dist.all_reduce(tensor)
+
+
+def url_host(address: str) -> str:
+    """`address` as the host part of a URL (an IPv6 address in brackets)."""
+    return f"[{address}]" if ":" in address else address
+
+
+def node_checkpoint_transport(address: str, timeout: timedelta):
+    """torchft's HTTP checkpoint transport advertising `address`, the node's, instead of this host's
+    name (which another node may not resolve, or resolve to its own loopback); it serves on every
+    interface either way."""
+    from torchft.checkpointing import HTTPTransport
+
+    class NodeHTTPTransport(HTTPTransport):
+        def address(self) -> str:
+            return f"http://{url_host(address)}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return NodeHTTPTransport(timeout=timeout, num_chunks=0)
 
 
 class FtStageWorker(StageWorker):
@@ -84,18 +105,28 @@ class FtStageWorker(StageWorker):
         except ImportError:
             raise ValueError("--fault-tolerance replicas needs torchft: pip install 'attnres-pp[ft]'") from None
         logging.getLogger("torchft").setLevel(logging.ERROR)  # a warning per quorum on CPU (no NCCL recorder)
-        if self.pp_rank == 0:
-            self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        port = [self.store.port if self.store is not None else None]
-        dist.broadcast_object_list(port, src=0)
         timeout = timedelta(seconds=self.run_cfg.pipeline.timeout_s)
+        # Under Ray what a rank serves may be reached from other nodes: the store by this group's other
+        # ranks and, for the replicas' reduction, by the other groups' (the quorum hands them its
+        # address); the ManagerServer and the checkpoint server by a healing group. So each is
+        # advertised at its rank's node address, the one the cluster knows: a host name may not
+        # resolve on another node, or resolve to loopback. Local rank processes share this machine.
+        reached_at = self.node_ip if self.run_cfg.pipeline.launcher == "ray" and self.node_ip else None
+        store_host = reached_at or "127.0.0.1"
+        if self.pp_rank == 0:
+            self.store = dist.TCPStore(store_host, 0, is_master=True, wait_for_workers=False)
+        where = [(store_host, self.store.port) if self.store is not None else None]
+        dist.broadcast_object_list(where, src=0)
+        store_host, store_port = where[0]
+        advertised = {} if reached_at is None else {
+            "hostname": url_host(reached_at), "checkpoint_transport": node_checkpoint_transport(reached_at, timeout)}
         train = self.run_cfg.train
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self.load_peer_state, state_dict=self.peer_state,
             min_replica_size=train.min_replicas, use_async_quorum=False, timeout=timeout, quorum_timeout=timeout,
             connect_timeout=timeout, rank=self.pp_rank, world_size=self.run_cfg.pipeline.stages,
-            store_addr="127.0.0.1", store_port=port[0], lighthouse_addr=self.lighthouse,
-            replica_id=f"replica_{self.dp_rank}", init_sync=False)
+            store_addr=store_host, store_port=store_port, lighthouse_addr=self.lighthouse,
+            replica_id=f"replica_{self.dp_rank}", init_sync=False, **advertised)
         return described
 
     # ---- healing: what a live group's rank sends the same pp rank of a joining group ----

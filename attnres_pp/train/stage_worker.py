@@ -64,6 +64,7 @@ RankBatch = tuple[torch.Tensor | None, torch.Tensor | None]
 
 class StageWorker:
     node_id: str | None = None  # the node this rank runs on, as its launcher knows it (Ray's node id)
+    node_ip: str | None = None  # that node's address, where the launcher knows it (Ray's node IP)
 
     def __init__(self, run_cfg_dict: dict, rank: int, *, corpus: Corpus | None = None, data_path: str | None = None,
                  fail_at_step: int | None = None) -> None:
