@@ -581,8 +581,8 @@ def cmd_up(args, store: State) -> dict:
         for index, host in enumerate(state["hosts"]):
             host["pid"] = start_node(state, index)
             store.save(state)
-            if index == 0:  # workers join a head that listens
-                wait_for_nodes(state, 1, UP_TIMEOUT_S)
+            if index == 0:  # workers join a head that listens (a port check: no Ray client to start)
+                wait_for_head_port(state, time.monotonic() + UP_TIMEOUT_S)
         wait_for_nodes(state, len(state["hosts"]), UP_TIMEOUT_S)
     except BaseException:
         cmd_down(args, store)

@@ -1,8 +1,9 @@
 """The Ray launcher end to end: recovery from a lost actor ends with the undisturbed losses (and the
-other launchers'), a placement no node can hold, a rank's set-up refusal, Ctrl-C and the private
-local instance (the restart limit, which no launcher changes: tests/test_checkpoint.py). A real
-cluster job (a head started with `ray start`, token authentication on, a job submitted with
-`ray job submit`, refused without the token) is test_multihost.py's first test, on two hosts.
+other launchers'), generation's greedy tokens, a placement no node can hold, a rank's set-up
+refusal, Ctrl-C and the private local instance (the restart limit, which no launcher changes:
+tests/test_checkpoint.py). A real cluster job (a head started with `ray start`, token
+authentication on, a job submitted with `ray job submit`, refused without the token) is
+test_multihost.py's first test, on two hosts.
 
 Recovery tests share one private local Ray instance (the Ray rank group joins an initialised Ray and
 leaves it running), so Ray's start-up is paid once.
@@ -121,6 +122,34 @@ def test_fsdp_through_ray_actors(local_ray, tmp_path):
             assert entry[key] == local_entry[key], key
         # Half of every parameter (FSDP2 pads dim 0 to a multiple of D), the 0-dim scales whole.
         assert 0.5 * whole_bytes <= entry["param_bytes"] <= 0.52 * whole_bytes
+
+@SHARED_RAY
+def test_ray_actors_generate_the_single_process_tokens(local_ray):
+    """`generate --launcher ray`: one actor per rank joins the running instance (it starts none), gives
+    the single process's greedy tokens for one sequence and for a ragged batch, and leaves no
+    placement group behind."""
+    from attnres_pp.generate.config import GenerationConfig
+    from attnres_pp.generate.engines import SingleProcessGenerator, make_generator
+    from attnres_pp.generate.loop import generate, generate_batch
+    from attnres_pp.pipeline.config import PipelineConfig
+    from tests.pipeline_helpers import build_model, model_config
+
+    cfg = model_config("msar", n_layers=4, seq_len=16)
+    named = {name: p.detach().clone() for name, p in build_model(cfg).named_parameters()}
+    greedy = GenerationConfig(max_new_tokens=8, prefill_chunk=2, temperature=0)
+    want = generate(SingleProcessGenerator(cfg, named), [1, 2, 3, 4, 5], greedy).tokens
+    generator = make_generator(cfg, PipelineConfig(stages=2, virtual=2, launcher="ray", timeout_s=60.0), named)
+    try:
+        assert not generator.ranks.started_ray
+        assert generate(generator, [1, 2, 3, 4, 5], greedy).tokens == want
+        batch = [[1, 2], [1, 2, 3, 4, 5]]  # ragged: the first finishes first and leaves the batch
+        alone = [generate(SingleProcessGenerator(cfg, named), ids, greedy).tokens for ids in batch]
+        assert [r.tokens for r in generate_batch(generator, batch, greedy)] == alone
+    finally:
+        generator.close()
+    assert ray.is_initialized()  # the instance it joined is left running
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
 
 @SHARED_RAY
 def test_a_placement_no_node_can_hold_is_refused_at_once(local_ray, tmp_path, capsys):
