@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Container
 from pathlib import Path
 
 import torch
@@ -186,17 +187,24 @@ class FtEngine:
             if group.poll_restart():
                 self.recoveries.append(public(group.lost))
 
-    def _send_steps(self, want_events: bool, states: tuple[str, ...] = ("live", "joining")) -> None:
+    def _send_steps(self, want_events: bool, states: tuple[str, ...] = ("live", "joining"),
+                    answered: Container[int] = ()) -> None:
         """`ft_step` to every group in `states` without a step in flight, joining groups first: the
         Lighthouse forms a fast quorum of the last quorum's members once they are all there, so the
-        live groups are sent theirs only once the joining groups' requests are at the Lighthouse."""
+        live groups are sent theirs only once the joining groups' requests are at the Lighthouse.
+
+        `answered`: the replicas whose reply to this attempt is collected but not yet judged. A
+        joining group stays "joining" until its commit is judged; sent again in between, it would
+        train the next step alone, its request waiting at the Lighthouse for groups that are done,
+        and its late reply would be read as the answer to the engine's next call."""
         self._poll_restarts()
         joined = 0
         for wanted in ("joining", "live"):
             if wanted == "live" and joined and any(g.state == "live" and not g.in_flight for g in self.groups):
                 self._await_quorum_requests(joined)
             for group in self.groups:
-                if group.state == wanted and wanted in states and not group.in_flight:
+                if (group.state == wanted and wanted in states and not group.in_flight
+                        and group.replica not in answered):
                     group.ranks.send("ft_step", [(want_events,)] * self.run_cfg.pipeline.stages)
                     group.in_flight = True
                     joined += wanted == "joining"
@@ -256,7 +264,7 @@ class FtEngine:
             while any(g.in_flight and g.state == "live" for g in self.groups):
                 # A group restarted meanwhile joins this step's quorum (under --min-replicas the live
                 # groups wait for it there).
-                self._send_steps(want, states=("joining",))
+                self._send_steps(want, states=("joining",), answered=results)
                 for group in self.groups:
                     if group.in_flight and group.ranks.replied():
                         self._collect(group, step, results)
@@ -341,8 +349,16 @@ class FtEngine:
         """Whether every one of the D groups is live and holds bitwise the same parameters."""
         if any(g.state != "live" for g in self.groups):
             return False
+        self._refuse_in_flight("the parameter digest")
         digests = {tuple(g.ranks.call_all("param_digest", what="the parameter digest")) for g in self.groups}
         return len(digests) == 1
+
+    def _refuse_in_flight(self, what: str) -> None:
+        """A call to a group with a step in flight would read that step's reply as its own answer."""
+        busy = [g.replica for g in self.groups if g.in_flight]
+        if busy:
+            raise RuntimeError(f"replica group{'s' if len(busy) > 1 else ''} {', '.join(map(str, busy))} still "
+                               f"{'have' if len(busy) > 1 else 'has'} a step in flight: {what} must wait for it")
 
     def _driver_bytes(self) -> int:
         return sum(g.ranks.bytes_exchanged for g in self.groups)
