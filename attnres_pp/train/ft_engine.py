@@ -281,6 +281,8 @@ class FtEngine:
                     committed = self._committed(results, step)
                     self._check_deadline(deadline, step)
                     time.sleep(_POLL_S)
+                if step == self.run_cfg.train.steps - 1:
+                    self._heal_behind(step, committed)
                 return self._result(step, committed, self._driver_bytes() - before)
             if all(g.state == "out" for g in self.groups) or not any(g.state in ("live", "joining", "restarting")
                                                                        for g in self.groups):
@@ -290,6 +292,28 @@ class FtEngine:
                 self._stop_all()
                 raise WorkerLost(-1, f"every replica group was lost at step {step + 1}: no live group to heal from")
             self._check_deadline(deadline, step)
+
+    def _heal_behind(self, step: int, committed: dict[int, list]) -> None:
+        """After the run's last step: a group that answered it without committing (its reduction with
+        the others failed) is one step behind them, and no later step's quorum would heal it. One more
+        quorum round, without training, heals it from a committing group (parameters, AdamW and RNG
+        state); the committing groups only serve their state. Groups with a step still in flight are
+        left out (they never reached the last quorum)."""
+        behind = [g for g in self.groups
+                  if g.replica not in committed and g.state in ("live", "joining") and not g.in_flight]
+        if not behind or not committed:
+            return
+        ready = behind + [g for g in self.groups if g.replica in committed]
+        for group in ready:
+            group.ranks.send("ft_heal", [()] * self.run_cfg.pipeline.stages)
+        steps = {g.replica: g.ranks.gather("the heal round after the last step") for g in ready}
+        if len({s for replies in steps.values() for s in replies}) != 1:
+            raise RuntimeError(f"the heal round after step {step + 1} left the groups at different steps: {steps}")
+        for group in behind:
+            if group.state == "joining":
+                group.lost.update(rejoined_at_step=step + 1, rejoin_s=time.monotonic() - group.lost["lost_s"])
+                self.recoveries.append(public(group.lost))
+                group.lost, group.state = None, "live"
 
     def _committed(self, results: dict[int, list], step: int) -> dict[int, list]:
         """The groups of `results` that committed, made live; a committed step other than `step` is a bug."""
@@ -347,18 +371,10 @@ class FtEngine:
 
     def replicas_equal(self) -> bool:
         """Whether every one of the D groups is live and holds bitwise the same parameters."""
-        if any(g.state != "live" for g in self.groups):
-            return False
-        self._refuse_in_flight("the parameter digest")
+        if any(g.state != "live" or g.in_flight for g in self.groups):
+            return False  # a group still in flight never reached the last quorum
         digests = {tuple(g.ranks.call_all("param_digest", what="the parameter digest")) for g in self.groups}
         return len(digests) == 1
-
-    def _refuse_in_flight(self, what: str) -> None:
-        """A call to a group with a step in flight would read that step's reply as its own answer."""
-        busy = [g.replica for g in self.groups if g.in_flight]
-        if busy:
-            raise RuntimeError(f"replica group{'s' if len(busy) > 1 else ''} {', '.join(map(str, busy))} still "
-                               f"{'have' if len(busy) > 1 else 'has'} a step in flight: {what} must wait for it")
 
     def _driver_bytes(self) -> int:
         return sum(g.ranks.bytes_exchanged for g in self.groups)

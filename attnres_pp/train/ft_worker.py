@@ -186,6 +186,12 @@ class FtStageWorker(StageWorker):
         self.optimizer.zero_grad(set_to_none=True)
         return step, False, participants, self.reply(record, math.nan, want_events)
 
+    def ft_heal(self) -> int:
+        """One quorum round without training (after the run's last step): a rank whose group is behind
+        heals from the same pp rank of a group that committed it. Returns the Manager's step."""
+        self.manager.start_quorum()
+        return self.manager.current_step()
+
     def set_step(self, step: int) -> None:
         """The Manager's step after a checkpoint load: the step the loaded state trains next."""
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
