@@ -24,6 +24,7 @@ from attnres_pp.kernels import (  # noqa: E402
     triton_ops,
     triton_phase1,
 )
+from tests.concurrent_programs import ONLY_WHERE_PROGRAMS_RUN_CONCURRENTLY  # noqa: E402
 
 FP32_TOL = dict(atol=1e-4, rtol=1e-4)
 BF16_TOL = dict(atol=3e-2, rtol=3e-2)
@@ -194,6 +195,7 @@ def test_sliced_keys_reach_the_kernel_as_a_view(monkeypatch):
     torch.testing.assert_close(values.grad, reference.grad, **FP32_TOL)
 
 
+@ONLY_WHERE_PROGRAMS_RUN_CONCURRENTLY
 def test_backward_is_bitwise_deterministic(monkeypatch):
     _set_tile_budget(monkeypatch, 32)  # many token tiles feed the query-gradient sums
     leaves = _phase1_inputs(3, 11, 20, 3, "projected", 5)

@@ -27,6 +27,7 @@ from attnres_pp.kernels import (  # noqa: E402
     triton_msar_streams_bwd,
     triton_ops,
 )
+from tests.concurrent_programs import ONLY_WHERE_PROGRAMS_RUN_CONCURRENTLY  # noqa: E402
 
 FP32_TOL = dict(atol=1e-4, rtol=1e-4)
 BF16_TOL = dict(atol=3e-2, rtol=3e-2)
@@ -135,6 +136,7 @@ def test_bf16_sources_match_the_fp64_reference():
     torch.testing.assert_close(sources.grad.double(), exact["d_sources"], **BF16_TOL)
 
 
+@ONLY_WHERE_PROGRAMS_RUN_CONCURRENTLY
 def test_backward_is_bitwise_deterministic(monkeypatch):
     monkeypatch.setattr(triton_common, "DEFAULT_TILE_ELEMS", 64)
     monkeypatch.setattr(triton_msar_streams_bwd, "STREAM_GRAD_PROGRAMS", 4)  # several partials per sum
