@@ -37,6 +37,14 @@ def test_every_case_is_a_valid_prediction_command(name, case, tmp_path):
     assert {a for a in unknown if a.startswith("--")} <= {"--dp-shard", "--activation-checkpoint"}
 
 
+def test_fsdp_cases_run_on_every_launcher_but_the_in_process_one():
+    from attnres_pp.bench.memory_predict import ALL_LAUNCHERS, RAY_CASES, case_flags, launchers_of
+
+    assert launchers_of(case_flags(_case("D=2 fsdp zb_h1 S=2")[1]), ALL_LAUNCHERS) == ("local", "ray")
+    assert launchers_of(case_flags(_case("zbv lr_attnres")[1]), ALL_LAUNCHERS) == ALL_LAUNCHERS
+    assert set(RAY_CASES) <= {name for name, _case_flags in CASES}  # a renamed case would drop its Ray row
+
+
 def _case(name: str) -> tuple[str, dict]:
     return next((n, c) for n, c in CASES if n == name)
 
@@ -57,7 +65,8 @@ _UNITS_MISS = pytest.mark.xfail(strict=True, reason="checkpointing units outside
                                   # A rank's second chunk reads cached blocks its first chunk's
                                   # frames keep: one storage, counted once (`shared_cache_bytes`).
                                   "AC full interleaved V=2 P-LR S=2 seq 64",
-                                  "AC selective zbv S-LR sliced bf16 m=6 seq 48", "AC full 1f1b msar S=4 m=3 seq 56"])
+                                  "AC selective zbv S-LR sliced bf16 m=6 seq 48", "AC full 1f1b msar S=4 m=3 seq 56",
+                                  "interleaved V=4 attnres S=4 seq 48"])
 def test_prediction_matches_hook_counts_of_a_real_step(name):
     """The runtime's own step (loopback, every rank in this process, the case's checkpointing
     policy) counted by the runtime's meter."""

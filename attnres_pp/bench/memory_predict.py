@@ -7,9 +7,10 @@ block sizes and variants). Two counts, each a row of the table:
   `bench.memory_count` (saved tensors alive per rank, cache entries + deposits) and, for
   param/grad/optimizer, each rank's real modules and an AdamW after one step (fp32 and bf16; not
   for AC or fsdp, which this count does not run);
-- `run inprocess` and `run local`: `attnres-pp train ... --steps 2` (fp32, CPU) under each launcher
-  users run on one host (the in-process ranks share a loopback mailbox; the local launcher's
-  processes hand hops over through shared memory, `comm.shm_transport`), and its `summary.json`'s
+- `run inprocess`, `run local` and `run ray`: `attnres-pp train ... --steps 2` (CPU) under each
+  launcher users run (the in-process ranks share a loopback mailbox; local rank processes and Ray
+  actors hand hops over through shared memory, `comm.shm_transport`; Ray for `RAY_CASES`, one case
+  per AC policy, fsdp, bf16 and V = 4, since each run starts a Ray instance), and its `summary.json`'s
   `memory_per_rank`; fsdp only under `local` (FSDP2 needs a process group per rank). A summary
   without it (a tree whose runs do not count memory) is listed as skipped with the reason.
 
@@ -104,8 +105,21 @@ CASES = (
     ("AC full interleaved V=2 P-LR S=2 seq 64", {"schedule": "interleaved_1f1b", "stages": 2, "virtual": 2,
                                                  "microbatches": 4, "residual": "lr_attnres", "block_size": 2,
                                                  "activation_checkpoint": "full", "seq_len": 64, "batch_size": 16}),
+    # Blocks of 4 layers over chunks of 1 (V = 4): each block summary is built across four chunks.
+    ("interleaved V=4 attnres S=4 seq 48", {"schedule": "interleaved_1f1b", "stages": 2, "virtual": 4,
+                                            "microbatches": 4, "residual": "attnres", "block_size": 4,
+                                            "seq_len": 48, "batch_size": 8}),
+    # fsdp's gathered copies and reduce-scatter buffers in bf16, under the V schedule.
+    ("D=2 fsdp bf16 zbv msar", {"schedule": "zbv", "stages": 2, "virtual": 2, "microbatches": 2,
+                                "data_parallel": 2, "dp_shard": "fsdp", "residual": "msar", "block_size": 2,
+                                "dtype": "bf16"}),
 )
 QUICK = CASES[:3]
+# The cases also run under `--launcher ray` (a private local Ray instance per run, so about 10 s more
+# each): one per AC policy, fsdp, bf16 and V = 4. Ray ranks hand hops over through the same shared
+# memory as local ranks, so their counts should equal local's.
+RAY_CASES = ("zbv lr_attnres", "AC full 1f1b S=2 seq 64", "AC selective dualpipev msar", "D=2 fsdp zb_h1 S=2",
+             "bf16 interleaved_zb S=2", "interleaved V=4 attnres S=4 seq 48")
 
 
 def case_flags(case: dict) -> dict:
@@ -116,12 +130,13 @@ def case_flags(case: dict) -> dict:
 
 
 LAUNCHERS = ("inprocess", "local")
+ALL_LAUNCHERS = (*LAUNCHERS, "ray")
 
 
 def launchers_of(flags: dict, launchers: tuple[str, ...] = LAUNCHERS) -> tuple[str, ...]:
     """The launchers a case runs under: FSDP2 needs a process group per rank, which in-process
-    ranks (threads of one process) lack, so fsdp runs only under `local`."""
-    return tuple(x for x in launchers if x == "local" or flags.get("dp_shard") != "fsdp")
+    ranks (threads of one process) lack, so fsdp does not run in-process."""
+    return tuple(x for x in launchers if x != "inprocess" or flags.get("dp_shard") != "fsdp")
 
 
 def train_argv(flags: dict, out_dir: Path, launcher: str | None = None) -> list[str]:
@@ -276,7 +291,7 @@ def summarize(rows: list[dict]) -> tuple[dict, dict]:
     """(median and max error per counted_by/key, and the same per counted_by/group for the activation peak)."""
     compared = [r for r in rows if "errors" in r]
     summary, by_group = {}, {}
-    for counted_by in ("hooks", *(f"run {launcher}" for launcher in LAUNCHERS)):
+    for counted_by in ("hooks", *(f"run {launcher}" for launcher in ALL_LAUNCHERS)):
         mine = [r for r in compared if r["counted_by"] == counted_by]
         for key in PEAK_KEYS:
             values = [e for r in mine for e in r["errors"][key]]
@@ -314,7 +329,9 @@ def run(quick: bool, out_dir: Path, progress: Callable[[str], None]) -> dict:
     overlap = fitted_overlap()
     if overlap:
         raise ValueError(f"cases {overlap} are fitted shapes (memory_units.json in_sample): they cannot validate")
-    rows = [row for name, case in (QUICK if quick else CASES) for row in measure_case(name, case, progress)]
+    rows = [row for name, case in (QUICK if quick else CASES)
+            for row in measure_case(name, case, progress,
+                                    launchers=ALL_LAUNCHERS if name in RAY_CASES and not quick else LAUNCHERS)]
     compared = [r for r in rows if "errors" in r]
     summary, by_group = summarize(rows)
     return {"rows": rows, "summary": summary, "activation_by_group": by_group,
@@ -338,7 +355,8 @@ def to_markdown(payload: dict) -> str:
     lines = ["## Predicted vs counted memory per rank (out of sample)", "",
              "`attnres-pp simulate memory` against one real step per case, counted by saved-tensor hooks in "
              "this process (`hooks`: loopback runtime, every rank) or by a training run's `memory_per_rank` "
-             "(`run inprocess` / `run local`: 2 steps under that launcher, fp32; fsdp only local). "
+             "(`run inprocess` / `run local` / `run ray`: 2 steps under that launcher, fp32 unless the case says "
+             "bf16; fsdp not in-process; Ray for the cases `RAY_CASES` names). "
              f"Model {BASE} (dtype fp32 unless the case says bf16). "
              "Errors: median / max over ranks. Out of sample: the activation units "
              "(`attnres_pp/simulator/memory_units.json`) are fitted by `python -m attnres_pp.bench.memory_units` "
