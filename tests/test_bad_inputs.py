@@ -248,8 +248,6 @@ CASES = [
      "does not support --device auto under --launcher ray"),
     ("train-tp-msar-halo", [*TRAIN, *OUT, "--tensor-parallel", "2", "--residual", "msar"], None,
      "fewer than the 11 that MSAR's widest causal convolution reads"),
-    ("train-tp-triton", [*TRAIN, *OUT, "--tensor-parallel", "2", "--kernels", "triton", "--device", "cpu"], None,
-     "does not support --kernels triton"),
     ("train-tp-fsdp-columns", [*TRAIN, *OUT, "--tensor-parallel", "2", "--dp-shard", "fsdp", "--data-parallel", "3",
                                "--batch-size", "6", "--microbatches", "2", "--device", "cpu"], None,
      "--data-parallel 3 not dividing d_model = 32"),

@@ -21,10 +21,29 @@ T = 2
 # projected keys (the row-parallel outputs' extra r columns) and the standard residual under SP.
 CASES = [("block", True), ("block", False), ("lr_projected", True), ("standard", True), ("msar", False),
          ("msar", True)]
+# The Triton kernels (interpreted on CPU, fp32 math) on each rank's sequence shard, the torch twins
+# made to raise: MSAR's streams are convolved with the halo and read by the phase-1 kernel.
+TRITON_CASES = [("block", True), ("msar", True)]
 
 
 def _config(variant):
     return model_config(variant, n_layers=3, n_heads=2, d_model=16)
+
+
+def _torch_twins_raise():
+    """The depth-attention ops' torch twins replaced by ones that raise, in this process: a run that
+    completes read through the Triton kernels. Returns what puts them back."""
+    from attnres_pp.kernels import dispatch
+
+    names = ("phase1_torch", "phase2_torch", "phase1_conv_streams_torch")
+    saved = {name: getattr(dispatch, name) for name in names}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a torch twin ran where the Triton kernels should")
+
+    for name in names:
+        setattr(dispatch, name, refuse)
+    return lambda: [setattr(dispatch, name, op) for name, op in saved.items()]
 
 
 def _rank_main(rank, init_method, cases, results):
@@ -45,13 +64,20 @@ def _rank_main(rank, init_method, cases, results):
         collectives = MeshCollectives(coords, "cpu")
         inputs, targets = batch(1)
         out = []
-        for variant, sp in cases:
+        for variant, sp, *backend in cases:
             cfg = _config(variant)
-            model = build_model(cfg, torch.float64)
+            triton = backend == ["triton"]
+            model = build_model(cfg, torch.float32 if triton else torch.float64,
+                                backend="triton" if triton else "torch")
+            restore = _torch_twins_raise() if triton else (lambda: None)
             parallelize_layers(cfg, model.layers, collectives.mesh["tp"], sequence_parallel=sp)
             install_halo(model.stream_convs, collectives.mesh["tp"], sequence_parallel=sp)
-            loss = rank_loss(model, inputs, targets, tp_rank=coords.tp_rank, tensor_parallel=T, sequence_parallel=sp)
-            loss.backward()
+            try:
+                loss = rank_loss(model, inputs, targets, tp_rank=coords.tp_rank, tensor_parallel=T,
+                                 sequence_parallel=sp)
+                loss.backward()
+            finally:
+                restore()
             if sp:
                 sum_replicated_grads(model.parameters(), collectives)
             share = loss.detach().clone()
@@ -66,7 +92,8 @@ def _rank_main(rank, init_method, cases, results):
 
 
 def test_two_tp_ranks_give_the_single_process_loss_and_gradients(tmp_path):
-    replies = dict(spawn_ranks(_rank_main, T, tmp_path, CASES, timeout_s=180.0))
+    replies = dict(spawn_ranks(_rank_main, T, tmp_path, [*CASES, *((v, sp, "triton") for v, sp in TRITON_CASES)],
+                               timeout_s=180.0))
     inputs, targets = batch(1)
     assert inputs.shape[0] == MICRO
     for index, (variant, sp) in enumerate(CASES):
@@ -81,6 +108,13 @@ def test_two_tp_ranks_give_the_single_process_loss_and_gradients(tmp_path):
             # Rank t holds its heads' rows of q, k and v, not a contiguous third of the fused weight.
             rows = [part * d + rank * half + i for part in range(3) for i in range(half)]
             assert torch.equal(torch.from_numpy(local_qkv), whole_qkv[rows]), (variant, rank)
+    # fp32 against the fp32 single process (the seeded depth parameters are drawn in the model's dtype)
+    for index, (variant, _sp) in enumerate(TRITON_CASES, start=len(CASES)):
+        want_loss, want_grads = reference_step(_config(variant), inputs, targets, 1, dtype=torch.float32)
+        for rank in range(T):
+            loss, grads, _local_qkv = replies[rank][index]
+            assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (variant, "triton", rank, loss, want_loss)
+            assert_grads_match({n: torch.from_numpy(g) for n, g in grads.items()}, want_grads, rtol=1e-4)
 
 
 # ---- the pipeline runtime's ranks (StageWorker) with T = 2: P = 1 (2 processes), P = 2 and D = 2 (4) ----

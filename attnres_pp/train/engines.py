@@ -63,8 +63,6 @@ def check_tensor_parallel_runs(run_cfg: RunConfig) -> None:
                    "far, and auto could pick the cluster's GPUs): use --device cpu")
     elif on_gpu:
         not_yet = f"--device {train.device} on GPUs (tensor parallelism runs on cpu over gloo so far): use --device cpu"
-    elif train.kernels == "triton":
-        not_yet = "--kernels triton (the tp ranks are checked with the torch kernels): use --kernels torch"
     elif pipe.dp_shard == "fsdp" and pipe.data_parallel > 1 and run_cfg.model.d_model % pipe.data_parallel:
         not_yet = (f"--dp-shard fsdp with --data-parallel {pipe.data_parallel} not dividing d_model = "
                    f"{run_cfg.model.d_model} (FSDP2 shards the tp-split qkv weight's {run_cfg.model.d_model} columns "
