@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from attnres_pp.cli_flags import ArgumentParser
@@ -49,5 +50,19 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.func(args) or 0)
 
 
+def console_main() -> int:
+    """The `attnres-pp` console script: `main`, and a reader that closes the pipe early (`| head`)
+    ends the command quietly, as Unix tools do, instead of with a BrokenPipeError traceback."""
+    try:
+        code = main()
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # Python flushes stdout once more at exit; point it at /dev/null so that flush cannot fail.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by a closed pipe
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

@@ -193,6 +193,10 @@ MISTAKES = [
       "inprocess"], "--tensor-parallel 2 does not support --launcher inprocess"),
     (["--resume", "{run}", "--prompt", "x", "--max-new-tokens", "2", "--tensor-parallel", "0"],
      "tensor_parallel=0"),
+    (["--resume", "{run}", "--prompt", "x", "--max-new-tokens", "2", "--threads", "0"],
+     "--threads '0' is invalid: expected an integer > 0, e.g. --threads 1"),
+    (["--resume", "{run}", "--prompt", "x", "--max-new-tokens", "2", "--threads", "nan"],
+     "--threads 'nan' is invalid: expected an integer"),
 ]
 
 

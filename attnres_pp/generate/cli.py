@@ -26,7 +26,7 @@ import time
 import warnings
 from pathlib import Path
 
-from attnres_pp.cli_flags import convert_flag, layer_counts
+from attnres_pp.cli_flags import convert_flag, layer_counts, number_flag
 from attnres_pp.generate.config import GenerationConfig
 from attnres_pp.generate.prompts import (
     decode_text,
@@ -115,9 +115,8 @@ def configs_from_args(args: argparse.Namespace):
         pipe_values["layer_counts"] = layer_counts(args.layer_counts)
     if args.address is not None and pipe_values["launcher"] != "ray":
         raise ValueError(f"--address is for --launcher ray, not {pipe_values['launcher']}")
-    threads = convert_flag("--threads", args.threads, int) if args.threads is not None else 1
-    if threads < 1:
-        raise ValueError(f"--threads {threads} is invalid: must be >= 1")
+    threads = number_flag("--threads", args.threads, int, bound="> 0", example="--threads 1") \
+        if args.threads is not None else 1
     return gen_cfg, PipelineConfig(**pipe_values), threads
 
 
