@@ -22,10 +22,8 @@ from attnres_pp.schedule.schedules import build_schedule, schedule_placement
 
 
 def _cache_bytes(runtime) -> int:
-    cache = runtime.cache
     # Deposits are the gradients the cache holds until their entry's chunk collects them.
-    deposits = sum(t.numel() * t.element_size() for t in cache._deposits.values())
-    return cache.nbytes + deposits
+    return runtime.cache.held_bytes
 
 
 def count_step(cfg: ModelConfig, *, schedule_name: str, n_stages: int, n_virtual: int, n_microbatches: int,

@@ -54,8 +54,7 @@ class BlockCache:
         self._note_held()
 
     def _note_held(self) -> None:
-        deposits = sum(t.numel() * t.element_size() for t in self._deposits.values())
-        self.peak_held_bytes = max(self.peak_held_bytes, self.nbytes + deposits)
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
 
     def collect(self, microbatch_index: int, source: Source) -> torch.Tensor | None:
         return self._deposits.pop((microbatch_index, source), None)
@@ -68,7 +67,14 @@ class BlockCache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the entries."""
         return sum(t.numel() * t.element_size() for t in self._values.values())
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the entries plus the gradient deposits not yet collected (what the memory meter
+        counts as the cache at this moment; `peak_held_bytes` is its maximum)."""
+        return self.nbytes + sum(t.numel() * t.element_size() for t in self._deposits.values())
 
     def __len__(self) -> int:
         return len(self._values)
