@@ -263,7 +263,10 @@ def test_two_worker_processes_write_the_bytes_of_one(tmp_path):
     root = tmp_path / "txt"
     root.mkdir()
     for i, text in enumerate(HARD_DOCUMENTS + _fuzz_documents(80, seed=2)):
-        (root / f"doc{i:03d}.txt").write_text(text * 30, encoding="utf-8")
+        (root / f"doc{i:03d}.txt").write_text(text * 10, encoding="utf-8")
+    # Enough input for the order to matter: dozens of 4 KiB jobs, more than the batch warmed before the fork.
+    total = sum(p.stat().st_size for p in root.iterdir())
+    assert total > 25 * 4096 and total > 5 * 20_000, total
     outs = {}
     for workers, warm in ((1, False), (2, False), (2, True)):
         outs[workers, warm] = tmp_path / f"w{workers}{warm}"
