@@ -12,6 +12,11 @@ SEQ = 8
 MICRO = 2  # sequences per microbatch
 
 
+# The depth-attention ops' torch twins in `kernels.dispatch`: a test of the Triton kernels makes them
+# raise, so that a step which completes ran the kernels.
+TORCH_TWINS = ("phase1_torch", "phase2_torch", "phase1_conv_streams_torch")
+
+
 def model_config(variant: str, n_layers: int, **overrides) -> ModelConfig:
     return ModelConfig(**{**dict(vocab_size=32, n_layers=n_layers, d_model=16, n_heads=2, seq_len=SEQ),
                           **VARIANTS[variant], **overrides})

@@ -11,7 +11,15 @@ import traceback
 import pytest
 import torch
 
-from tests.pipeline_helpers import MICRO, assert_grads_match, batch, build_model, model_config, reference_step
+from tests.pipeline_helpers import (
+    MICRO,
+    TORCH_TWINS,
+    assert_grads_match,
+    batch,
+    build_model,
+    model_config,
+    reference_step,
+)
 from tests.spawn_helpers import spawn_ranks
 
 pytestmark = pytest.mark.distributed
@@ -35,13 +43,12 @@ def _torch_twins_raise():
     completes read through the Triton kernels. Returns what puts them back."""
     from attnres_pp.kernels import dispatch
 
-    names = ("phase1_torch", "phase2_torch", "phase1_conv_streams_torch")
-    saved = {name: getattr(dispatch, name) for name in names}
+    saved = {name: getattr(dispatch, name) for name in TORCH_TWINS}
 
     def refuse(*args, **kwargs):
         raise AssertionError("a torch twin ran where the Triton kernels should")
 
-    for name in names:
+    for name in TORCH_TWINS:
         setattr(dispatch, name, refuse)
     return lambda: [setattr(dispatch, name, op) for name, op in saved.items()]
 

@@ -11,7 +11,7 @@ block sizes and variants). Two counts, each a row of the table:
   launcher users run (the in-process ranks share a loopback mailbox; local rank processes and Ray
   actors hand hops over through shared memory, `comm.shm_transport`; Ray for `RAY_CASES`, one case
   per AC policy, fsdp, bf16 and V = 4, since each run starts a Ray instance), and its `summary.json`'s
-  `memory_per_rank`; fsdp only under `local` (FSDP2 needs a process group per rank). A summary
+  `memory_per_rank`; fsdp not in-process (FSDP2 needs a process group per rank). A summary
   without it (a tree whose runs do not count memory) is listed as skipped with the reason.
 
 Fitted vs validated: the activation units are fitted on single chunks of tiny models

@@ -193,8 +193,7 @@ class DepthSources:
         # The fused kernel convolves within the tokens it is given; a sequence shard's first tokens
         # also read the previous shard's (the halo), so under sequence parallelism the streams are
         # convolved here, halo included, and the Triton phase-1 kernel reads them as stored.
-        fused_streams = stream_convs is not None and stream_convs.halo is None
-        if cfg.residual == "msar" and self.backend == "triton" and decode is None and fused_streams:
+        if cfg.residual == "msar" and self.backend == "triton" and decode is None and stream_convs.halo is None:
             self.values = RowBuffer((capacity, n_tokens, d), dtype, device)
             self.khat = None
             taps_dtype = stream_convs.weights[0][0].dtype

@@ -311,9 +311,7 @@ class FtEngine:
             raise RuntimeError(f"the heal round after step {step + 1} left the groups at different steps: {steps}")
         for group in behind:
             if group.state == "joining":
-                group.lost.update(rejoined_at_step=step + 1, rejoin_s=time.monotonic() - group.lost["lost_s"])
-                self.recoveries.append(public(group.lost))
-                group.lost, group.state = None, "live"
+                self._rejoined(group, step + 1)
 
     def _committed(self, results: dict[int, list], step: int) -> dict[int, list]:
         """The groups of `results` that committed, made live; a committed step other than `step` is a bug."""
@@ -326,14 +324,17 @@ class FtEngine:
                 raise RuntimeError(f"replica group {replica} committed step {replies[0][0] + 1}, the run is at "
                                    f"step {step + 1}")
             if group.state == "joining":
-                group.state = "live"
-                group.lost["rejoined_at_step"] = step
-                group.lost["rejoin_s"] = time.monotonic() - group.lost["lost_s"]
-                group.lost.setdefault("first_commit_s", group.lost["rejoin_s"])
-                self.recoveries.append(public(group.lost))
-                group.lost = None
+                self._rejoined(group, step)
             committed[replica] = replies
         return committed
+
+    def _rejoined(self, group: ReplicaGroup, step: int) -> None:
+        """A joining group holds the live groups' state from `step` on: live, its recovery record closed."""
+        group.lost["rejoined_at_step"] = step
+        group.lost["rejoin_s"] = time.monotonic() - group.lost["lost_s"]
+        group.lost.setdefault("first_commit_s", group.lost["rejoin_s"])
+        self.recoveries.append(public(group.lost))
+        group.lost, group.state = None, "live"
 
     def _check_deadline(self, deadline: float, step: int) -> None:
         if time.monotonic() > deadline:

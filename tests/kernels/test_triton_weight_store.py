@@ -15,7 +15,14 @@ if not torch.cuda.is_available():  # before any kernel module is imported
 import pytest  # noqa: E402
 
 from attnres_pp.kernels import dispatch  # noqa: E402
-from tests.pipeline_helpers import assert_grads_match, batch, loopback_step, model_config, reference_step  # noqa: E402
+from tests.pipeline_helpers import (  # noqa: E402
+    TORCH_TWINS,
+    assert_grads_match,
+    batch,
+    loopback_step,
+    model_config,
+    reference_step,
+)
 
 
 def _refuse(name):
@@ -41,7 +48,7 @@ def _case_id(case) -> str:
 def test_triton_kernels_under_the_weight_store_equal_single_process(case, kernel_device, monkeypatch):
     variant, schedule_name, P, V, m, cache, policy = case
     cfg = model_config(variant, 4)
-    for name in ("phase1_torch", "phase2_torch", "phase1_conv_streams_torch"):  # the step runs Triton only
+    for name in TORCH_TWINS:  # the step runs Triton only
         monkeypatch.setattr(dispatch, name, _refuse(name))
     loss, grads, _ = loopback_step(cfg, schedule_name, P, V, m, cache, policy, backend="triton")
     monkeypatch.undo()
