@@ -172,7 +172,8 @@ class ProcessRankGroup:
                 message = conn.recv_bytes()
                 self.bytes_exchanged += len(message)
                 status, value = ForkingPickler.loads(message)
-            except EOFError:
+            except (EOFError, ConnectionResetError):
+                # A rank that dies with a request unread resets its end of the pipe rather than closing it.
                 raise WorkerLost(rank, f"rank {rank} closed its pipe during {what}") from None
             if status == "refused":  # a ValueError, so the CLI prints it as one `error:` line
                 raise ValueError(f"rank {rank} refused to start: {value}")
@@ -199,7 +200,11 @@ class ProcessRankGroup:
             # What conn.send does, with the bytes counted (`bytes_exchanged`).
             message = ForkingPickler.dumps((method, args))
             self.bytes_exchanged += len(message)
-            conn.send_bytes(message)
+            try:
+                conn.send_bytes(message)
+            except (BrokenPipeError, ConnectionResetError):
+                self._raise_if_a_rank_died(method)
+                raise
 
     def replied(self) -> bool:
         """Whether `gather` would return or raise at once: every rank has replied, or one is dead."""
