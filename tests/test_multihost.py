@@ -348,7 +348,8 @@ def test_a_delay_this_kernel_cannot_add_is_refused_in_one_line(two_host_cluster,
 def test_a_shaped_link_slows_naive_more_than_cached_as_the_simulator_predicts(two_host_cluster):
     """Host 1's link shaped to 0.2 Gb/s (and 1 ms where the kernel has sch_netem): Block AttnRes
     cached vs naive step times on the real link, and the simulator's predictions for both from a
-    calibration on the unshaped link (out of sample for the link). The errors are printed."""
+    calibration on the unshaped link and a probe of each link state (out of sample for the link),
+    the three runs made by one driver. The errors are printed."""
     from attnres_pp.bench.common import MICROBATCH_SIZE
     from attnres_pp.bench.fidelity_hosts import CALIBRATION, HostCase, evaluate
     from attnres_pp.bench.unit_probe import probe_units
@@ -359,13 +360,20 @@ def test_a_shaped_link_slows_naive_more_than_cached_as_the_simulator_predicts(tw
     try:
         latency = 1.0 if bench.latency_shaping else 0.0
         cases = [HostCase("interleaved_1f1b", 2, mode, 0.2, latency) for mode in ("cached", "naive")]
-        result = evaluate(bench, cases, 4, probe, print)
+        result = evaluate(bench, cases, 4, probe, print, rotate=False, probe_repeats=5)
     finally:
         bench.down()
     cached, naive = result["rows"]
     print(f"0.2 Gb/s + {latency:g} ms: cached {cached['measured_step_s'] * 1e3:.1f} ms measured / "
           f"{cached['predicted_step_s'] * 1e3:.1f} predicted ({cached['error']:+.1%}); naive "
           f"{naive['measured_step_s'] * 1e3:.1f} / {naive['predicted_step_s'] * 1e3:.1f} ({naive['error']:+.1%})")
+    # The probe saw the shaped link: each direction's payload rate within the token bucket's (frames
+    # cost ~4.4% of it), far below the unshaped link's.
+    shaped = result["links"]["0.2 Gb/s" + (f" + {latency:g} ms" if latency else "")]["idle"]
+    unshaped = result["links"]["unshaped"]["idle"]
+    for direction in ("forward", "backward"):
+        assert 0.1 < shaped[direction]["gbps"] <= 0.2 * 1.02, shaped
+        assert unshaped[direction]["gbps"] > 5 * shaped[direction]["gbps"], (unshaped, shaped)
     # Naive sends every block summary again: more bytes on the slow link, so a longer step predicted.
     # The measured pair is printed, not asserted: at load 4-12 on 2 cores one run moves by up to 50%.
     assert naive["predicted_step_s"] > cached["predicted_step_s"]

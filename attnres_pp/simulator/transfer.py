@@ -21,6 +21,10 @@ median I + W per chunk and the share to its W over I + W; one that does not leav
 unknown (None: halves, as `CostModel.split_s`).
 A link emulated with `--link-gbps` replaces the link: latency + bytes / bandwidth per message, the
 messages from one rank to another one after the other on one shared link (`comm.link`).
+Measured links between ranks (`RunShape.rank_links`, one per direction: a probe of the real link,
+`bench.link_probe`) replace the fitted link the same way, each direction on its own; with an
+emulated link as well, a message arrives when both have delivered it (the emulation holds a
+message that the real link brought sooner) and queues on the real link.
 Pure Python: no torch.
 """
 
@@ -56,6 +60,8 @@ class RunShape:
     layer_counts: tuple[int, ...] | None = None
     link: LinkModel | None = None
     dtype_bytes: int = 4
+    # (src pp rank, dst pp rank, link): the real link of each direction a hop crosses, measured
+    rank_links: tuple[tuple[int, int, LinkModel], ...] = ()
 
     @property
     def tokens(self) -> int:
@@ -127,19 +133,25 @@ class TransferCalibration:
         send = tuple(0.0 if local else msg.send_fixed_s + b * msg.send_s_per_byte
                      for b, local in zip(hop_bytes, self_hop, strict=True))
         recv = tuple(0.0 if local else msg.recv_fixed_s for local in self_hop)
-        if shape.link is None:
+        if shape.rank_links:
+            (link, wire), (link_bwd, wire_bwd) = (_measured_hops(shape, partition, hop_bytes, forward)
+                                                  for forward in (True, False))
+        elif shape.link is None:
             link = tuple(0.0 if local else msg.link_latency_s + b * msg.link_s_per_byte
                          for b, local in zip(hop_bytes, self_hop, strict=True))
             wire: tuple[float, ...] = ()
+            link_bwd, wire_bwd = link, wire
         else:  # the emulated link: arrival = departure + latency + bytes / bandwidth, one link per pair
             link = tuple(0.0 if local else shape.link.message_s(b)
                          for b, local in zip(hop_bytes, self_hop, strict=True))
             wire = tuple(0.0 if local else shape.link.wire_s(b) for b, local in zip(hop_bytes, self_hop, strict=True))
+            link_bwd, wire_bwd = link, wire
         backward = tuple(self.backward.chunk_s(w) for w in works)
         weight = None if self.weight_share is None else tuple(self.weight_share * b for b in backward)
         return CostModel(forward_s=tuple(self.forward.chunk_s(w) for w in works), backward_s=backward,
-                         weight_s=weight, hop_fwd_s=link, hop_bwd_s=link, send_fwd_s=send, send_bwd_s=send,
-                         recv_fwd_s=recv, recv_bwd_s=recv, wire_fwd_s=wire, wire_bwd_s=wire, dispatch_s=msg.dispatch_s,
+                         weight_s=weight, hop_fwd_s=link, hop_bwd_s=link_bwd, send_fwd_s=send, send_bwd_s=send,
+                         recv_fwd_s=recv, recv_bwd_s=recv, wire_fwd_s=wire, wire_bwd_s=wire_bwd,
+                         dispatch_s=msg.dispatch_s,
                          label="transferred calibration")
 
     def predict_step_s(self, shape: RunShape) -> float:
@@ -161,6 +173,30 @@ class TransferCalibration:
                    messages=MessageCosts(**values["messages"]), forward_scale=values["forward_scale"],
                    backward_scale=values["backward_scale"], calibrated_on=RunShape.from_dict(values["calibrated_on"]),
                    weight_share=values.get("weight_share"))
+
+
+def _measured_hops(shape: RunShape, partition: Partition, hop_bytes: list[int],
+                   forward: bool) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(hop seconds, wire seconds) per hop in one direction over `shape.rank_links`."""
+    links = {(src, dst): link for src, dst, link in shape.rank_links}
+    hops, wires = [], []
+    for c, n_bytes in enumerate(hop_bytes):
+        src, dst = partition.rank_of(c), partition.rank_of(c + 1)
+        if src == dst:
+            hops.append(0.0)
+            wires.append(0.0)
+            continue
+        pair = (src, dst) if forward else (dst, src)
+        if pair not in links:
+            raise ValueError(f"RunShape.rank_links has no link from rank {pair[0]} to rank {pair[1]}, which hop "
+                             f"{c} crosses {'forward' if forward else 'backward'}: give one per direction")
+        real = links[pair]
+        seconds = real.message_s(n_bytes)
+        if shape.link is not None:
+            seconds = max(seconds, shape.link.message_s(n_bytes))
+        hops.append(seconds)
+        wires.append(real.wire_s(n_bytes))
+    return tuple(hops), tuple(wires)
 
 
 def _median(values: list[float], default: float = 0.0) -> float:
@@ -217,6 +253,9 @@ def _solve_level(step_at: Callable[[float], float], target_s: float) -> float:
     while step_low > target_s and low > 1e-6:
         high, step_high, low = low, step_low, low / 2
         step_low = step_at(low)
+    if step_low > target_s:
+        raise ValueError(f"the run's measured step ({target_s * 1e3:.3g} ms) is shorter than its messages and "
+                         "fixed work alone, as simulated: no compute level fits it (is its link priced too slow?)")
     for _ in range(60):
         level = low + (high - low) * (target_s - step_low) / (step_high - step_low) if step_high > step_low else high
         step = step_at(level)
@@ -230,14 +269,17 @@ def _solve_level(step_at: Callable[[float], float], target_s: float) -> float:
 
 
 def fit_messages(probe: dict, shape: RunShape, steps: list[list[Event]]) -> MessageCosts:
-    """Send and receive work, link latency and dispatch from the run's communication events."""
+    """Send and receive work, link latency and dispatch from the run's communication events. Where
+    the shape names its links (`rank_links`, or an emulated `link`), a message is taken as there
+    only once that link can have delivered it (after the messages queued before it on the link):
+    on a slow link a receive that started after the send ended may still have waited for the
+    bytes, and that wait is not the receiver's work."""
     hop_bytes = shape.hop_bytes()
     per_byte = float(probe["pack_s_per_byte"])
+    known = _known_link_times(shape, hop_bytes)
 
     def message_bytes(name: str) -> int:
-        action = Action.parse(name)
-        direction, sending_chunk, _ = action.message_id
-        return hop_bytes[sending_chunk if direction == "F" else sending_chunk - 1]
+        return hop_bytes[_hop_of(name)]
 
     send_fixed, ready, clean, dispatch = [], [], [], []
     for events in steps:
@@ -245,8 +287,9 @@ def fit_messages(probe: dict, shape: RunShape, steps: list[list[Event]]) -> Mess
         for event in events:
             if event[1][:2] in ("SF", "SB"):
                 send_fixed.append(event[3] - event[2] - per_byte * message_bytes(event[1]))
+        arrival = _arrivals(events, known) if known else {}
         for send, receive in message_pairs(events):
-            if send[3] <= receive[2]:  # already there: the receive's duration is its own work
+            if arrival.get(send[1], send[3]) <= receive[2]:  # already there: the receive's duration is its own work
                 ready.append(receive[3] - receive[2])
             elif receive[2] <= send[2]:  # the receiver was waiting: a clean delivery
                 clean.append((receive[3] - send[2], message_bytes(send[1])))
@@ -255,3 +298,41 @@ def fit_messages(probe: dict, shape: RunShape, steps: list[list[Event]]) -> Mess
     latency = _median([total - send_s - 2 * per_byte * n_bytes - recv_s for total, n_bytes in clean])
     return MessageCosts(send_fixed_s=send_s, send_s_per_byte=per_byte, recv_fixed_s=recv_s,
                         link_latency_s=max(0.0, latency), link_s_per_byte=per_byte, dispatch_s=_median(dispatch))
+
+
+def _hop_of(name: str) -> int:
+    """The hop a send or receive event's message crosses."""
+    direction, sending_chunk, _ = Action.parse(name).message_id
+    return sending_chunk if direction == "F" else sending_chunk - 1
+
+
+def _known_link_times(shape: RunShape, hop_bytes: list[int]) -> dict[str, tuple[tuple[float, ...], tuple[float, ...]]]:
+    """{"F" | "B": (hop seconds, wire seconds) per hop} of the shape's named links; {} without."""
+    partition = shape.partition()
+    if shape.rank_links:
+        return {"F": _measured_hops(shape, partition, hop_bytes, True),
+                "B": _measured_hops(shape, partition, hop_bytes, False)}
+    if shape.link is not None:
+        hops = tuple(shape.link.message_s(b) for b in hop_bytes)
+        wires = tuple(shape.link.wire_s(b) for b in hop_bytes)
+        return {"F": (hops, wires), "B": (hops, wires)}
+    return {}
+
+
+def _arrivals(events: list[Event], known: dict) -> dict[str, float]:
+    """When each sent message can have arrived: it leaves when its send ends and the link from its
+    rank to its peer is free, occupies the link for its wire time and arrives after its hop time."""
+    receivers = {send[1]: receive[0] for send, receive in message_pairs(events)}
+    free: dict[tuple[int, int], float] = {}
+    arrival = {}
+    for rank, name, _start, end, _category in sorted((e for e in events if e[1][:2] in ("SF", "SB")),
+                                                     key=lambda e: e[3]):
+        if name not in receivers:
+            continue
+        hops, wires = known[name[1]]
+        hop = _hop_of(name)
+        link = (rank, receivers[name])
+        depart = max(end, free.get(link, end))
+        free[link] = depart + wires[hop]
+        arrival[name] = depart + hops[hop]
+    return arrival
