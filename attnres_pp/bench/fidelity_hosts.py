@@ -470,12 +470,16 @@ def analyse(probe: dict, links: dict, measured: dict[HostCase, list[list]], case
 
 def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> dict:
     del out_dir  # tables only: no pictures
+    from attnres_pp.bench.action_probe import probe_action_cost
     from attnres_pp.bench.unit_probe import probe_units
     from attnres_pp.model.config import ModelConfig
 
     load_start = [round(x, 2) for x in os.getloadavg()]
     probe = probe_units(ModelConfig.from_dict(CALIBRATION.fidelity_case().model()), MICROBATCH_SIZE,
                         rounds=10 if quick else 20)
+    probe["action"] = probe_action_cost(CALIBRATION.fidelity_case().model(), probe, rounds=1 if quick else 3)
+    progress(f"  the runtime's cost per action beyond its units (in-process, V = 1 against V = 4): forward "
+             f"{probe['action']['fwd_s'] * 1e3:.2f} ms, backward {probe['action']['bwd_s'] * 1e3:.2f} ms")
     bench = HostBench()
     try:
         latencies = LATENCIES_MS if bench.latency_shaping else LATENCIES_MS[:1]
@@ -486,7 +490,7 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> d
                           rounds=ROUNDS[quick], keep_dir=Path(tempfile.gettempdir()))
     finally:
         bench.down()
-    return summarise(result, bench.latency_shaping, STEPS[quick], load_start)
+    return {**summarise(result, bench.latency_shaping, STEPS[quick], load_start), "action_probe": probe["action"]}
 
 
 def summarise(result: dict, latency_shaping: bool, steps: int, load_start: list[float]) -> dict:
@@ -567,7 +571,10 @@ def to_markdown(payload: dict) -> str:
         f"{payload['previous_model_median_abs_error']:.1%}, max "
         f"{payload['previous_model_max_abs_error']:.1%}). In-sample, for reference: the calibration run "
         f"{1e3 * in_sample['measured_step_s']:.1f} ms measured, {1e3 * in_sample['predicted_step_s']:.1f} ms "
-        f"predicted. Latency shaping (sch_netem): {'yes' if payload['latency_shaping'] else 'not in this kernel'}.",
+        f"predicted. Latency shaping (sch_netem): {'yes' if payload['latency_shaping'] else 'not in this kernel'}."
+        + (f" The runtime's cost per action beyond its units, probed in-process before the runs "
+           f"(`bench/action_probe.py`): forward {1e3 * payload['action_probe']['fwd_s']:.2f} ms, backward "
+           f"{1e3 * payload['action_probe']['bwd_s']:.2f} ms." if payload.get("action_probe") else ""),
         "", "### The link probes", "",
         "One-way seconds = fixed + bytes / rate per direction (gloo over TCP, the fastest of the repeats), with "
         "the ranks idle and with each computing in a thread meanwhile (busy: what prices the runs); back to "

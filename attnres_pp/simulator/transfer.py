@@ -100,12 +100,13 @@ class RunShape:
 
 
 def unit_times_from_probe(probe: dict, direction: str) -> UnitTimes:
-    """The probe's median unit times for `direction` ("fwd" or "bwd"), phase 1 as a fitted plane."""
+    """The probe's median unit times for `direction` ("fwd" or "bwd"), phase 1 as a fitted plane,
+    with the runtime's cost per action where the probe has one (`bench.action_probe`)."""
     key = f"{direction}_s"
     points = [(p["sources"], p["queries"], p[key]) for p in probe["phase1"]]
     return UnitTimes(layer=probe["layer"][key], add=probe["add"][key], embed=probe["embed"][key],
                      head=probe["head"][key], merge=probe["merge"][key], phase1=fit_plane(points),
-                     phase1_floor=min(t for _, _, t in points))
+                     phase1_floor=min(t for _, _, t in points), action=probe.get("action", {}).get(key, 0.0))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -62,7 +62,8 @@ def chunk_work(cfg: ModelConfig, partition: Partition, chunk_index: int) -> Chun
 @dataclass(frozen=True, kw_only=True)
 class UnitTimes:
     """Seconds of each unit in one direction (forward or backward) for one microbatch.
-    phase1 = (a, b, c, e): a + b n + c k + e n k for n sources and k queries."""
+    phase1 = (a, b, c, e): a + b n + c k + e n k for n sources and k queries. action: the runtime's
+    own cost of one chunk action beyond its units (`bench.action_probe`; 0 where not probed)."""
 
     layer: float
     add: float
@@ -71,6 +72,7 @@ class UnitTimes:
     merge: float
     phase1: tuple[float, float, float, float]
     phase1_floor: float  # the least probed phase-1 time: the plane is never taken below it
+    action: float = 0.0
 
     def phase1_s(self, n_sources: int, n_queries: int) -> float:
         a, b, c, e = self.phase1
@@ -79,21 +81,24 @@ class UnitTimes:
     def chunk_s(self, work: ChunkWork) -> float:
         seconds = work.n_layers * self.layer + work.n_adds * self.add + work.n_merges * self.merge
         seconds += sum(self.phase1_s(n, k) for n, k in work.segments)
-        return seconds + work.has_embed * self.embed + work.has_head * self.head
+        return seconds + work.has_embed * self.embed + work.has_head * self.head + self.action
 
     def scaled(self, factor: float) -> UnitTimes:
         return UnitTimes(layer=self.layer * factor, add=self.add * factor, embed=self.embed * factor,
                          head=self.head * factor, merge=self.merge * factor,
-                         phase1=tuple(x * factor for x in self.phase1), phase1_floor=self.phase1_floor * factor)
+                         phase1=tuple(x * factor for x in self.phase1), phase1_floor=self.phase1_floor * factor,
+                         action=self.action * factor)
 
     def to_dict(self) -> dict:
         return {"layer": self.layer, "add": self.add, "embed": self.embed, "head": self.head,
-                "merge": self.merge, "phase1_a_b_c_e": list(self.phase1), "phase1_floor": self.phase1_floor}
+                "merge": self.merge, "phase1_a_b_c_e": list(self.phase1), "phase1_floor": self.phase1_floor,
+                "action": self.action}
 
     @classmethod
     def from_dict(cls, values: dict) -> UnitTimes:
         return cls(layer=values["layer"], add=values["add"], embed=values["embed"], head=values["head"],
-                   merge=values["merge"], phase1=tuple(values["phase1_a_b_c_e"]), phase1_floor=values["phase1_floor"])
+                   merge=values["merge"], phase1=tuple(values["phase1_a_b_c_e"]), phase1_floor=values["phase1_floor"],
+                   action=values.get("action", 0.0))
 
 
 def fit_plane(points: list[tuple[int, int, float]]) -> tuple[float, float, float, float]:
