@@ -194,3 +194,48 @@ def test_the_analysis_recovers_runs_simulated_from_known_costs_and_reads_its_kep
     again = reanalyse(kept, lambda line: None)
     predicted = [r["predicted_step_s"] for r in result["rows"]]
     assert [r["predicted_step_s"] for r in again["rows"]] == pytest.approx(predicted)
+
+
+def test_the_stacks_cpu_share_is_charged_to_each_end_for_the_wire_time():
+    """A link whose sender's stack takes 30% of a core and receiver's 10% while a message is on the
+    wire: each end's busy time per message grows by that share of the message's wire time, in the
+    direction it crosses (the step grows with it); a share outside 0-1 is refused."""
+    calibration, _ = _calibration()
+    base = _shape("interleaved_1f1b", 2, 4, "naive", 8)
+    plain = LinkModel(gbps=0.01, latency_s=1e-4)
+    shared = LinkModel(gbps=0.01, latency_s=1e-4, sender_cpu_share=0.3, receiver_cpu_share=0.1)
+    one = base.__class__(**{**base.__dict__, "rank_links": ((0, 1, shared), (1, 0, plain))})
+    none = base.__class__(**{**base.__dict__, "rank_links": ((0, 1, plain), (1, 0, plain))})
+    costs, bare = calibration.costs(one), calibration.costs(none)
+    n_bytes = one.hop_bytes()
+    crosses_0_to_1 = {True: (True, False, True), False: (False, True, False)}  # hop c forward: rank c % 2 -> other
+    for forward, send, recv, send_bare, recv_bare in ((True, costs.send_fwd_s, costs.recv_fwd_s, bare.send_fwd_s,
+                                                        bare.recv_fwd_s),
+                                                       (False, costs.send_bwd_s, costs.recv_bwd_s, bare.send_bwd_s,
+                                                        bare.recv_bwd_s)):
+        for hop, on in enumerate(crosses_0_to_1[forward]):
+            wire = shared.wire_s(n_bytes[hop])
+            assert send[hop] == pytest.approx(send_bare[hop] + (0.3 * wire if on else 0.0))
+            assert recv[hop] == pytest.approx(recv_bare[hop] + (0.1 * wire if on else 0.0))
+    assert calibration.predict_step_s(one) > calibration.predict_step_s(none)
+    with pytest.raises(ValueError, match="share of a core between 0 and 1"):
+        LinkModel(gbps=1.0, receiver_cpu_share=1.5)
+
+
+def test_a_busy_round_reports_each_roles_cpu_share_and_prices_both_directions_with_it():
+    fixed, per_byte = 100e-6, 8 / 0.5e9
+    trips = {str(n): [t] for n, t in _round_trips(fixed, per_byte, fixed).items()}
+    size = SIZES[-1]
+    flows = {"back_to_back": {str(size): [1.0]}, "both_ways": {str(size): [1.0]}}
+    rank0 = {"round_trips": trips, **flows, "cpu_share": {"share": 0.25, "messages": 10, "bytes": size,
+                                                          "stream_s": 10 * size * per_byte}}
+    rank1 = {"round_trips": trips, **flows, "cpu_share": {"share": 0.05, "messages": 10, "bytes": size,
+                                                          "stream_s": 10 * size * per_byte}}
+    summary = summarize(rank0, rank1)
+    assert summary["cpu_share"]["send"] == 0.25 and summary["cpu_share"]["recv"] == 0.05
+    assert summary["cpu_share"]["stream_gbps"] == pytest.approx(0.5)
+    case = HostCase("interleaved_1f1b", 2, "naive", 0.5)
+    shape = probed_shape(case, {case.link_state: {"busy": summary}}, busy_s=0.0)
+    links = {(s, d): link for s, d, link in shape.rank_links}
+    assert (links[(0, 1)].sender_cpu_share, links[(0, 1)].receiver_cpu_share) == (0.25, 0.05)
+    assert (links[(1, 0)].sender_cpu_share, links[(1, 0)].receiver_cpu_share) == (0.25, 0.05)  # per role

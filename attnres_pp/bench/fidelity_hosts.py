@@ -276,7 +276,9 @@ class HostBench:
                     progress(f"  link probe {_state_label(state)}, {load}: 0->1 {fwd['fixed_s'] * 1e6:.0f} us + "
                              f"{fwd['gbps']:.3g} Gb/s, 1->0 {bwd['fixed_s'] * 1e6:.0f} us + {bwd['gbps']:.3g} Gb/s; "
                              f"back to back x{summary['back_to_back_over_model']:.2f}, both ways "
-                             f"x{summary['both_ways_over_one_way']:.2f} of the model")
+                             f"x{summary['both_ways_over_one_way']:.2f} of the model"
+                             + (f"; streaming costs the sender {summary['cpu_share']['send']:.0%} of a core, the "
+                                f"receiver {summary['cpu_share']['recv']:.0%}" if "cpu_share" in summary else ""))
             finally:
                 rank0.close()
                 try:
@@ -330,7 +332,11 @@ def probed_shape(case: HostCase, links: dict, busy_s: float, load: str = PRICED_
     direction its own (`busy_s`: the sender's and receiver's own per-message work, which the
     simulator prices apart)."""
     summary = links[case.link_state][load]
-    forward, backward = (fit_from_dict(summary[key]).link(busy_s) for key in ("forward", "backward"))
+    share = summary.get("cpu_share", {})
+    send, recv = share.get("send", 0.0), share.get("recv", 0.0)
+    # The shares were measured streaming 0 -> 1; the other direction is taken to cost each role the same.
+    forward = fit_from_dict(summary["forward"]).link(busy_s, send, recv)
+    backward = fit_from_dict(summary["backward"]).link(busy_s, send, recv)
     return dataclasses.replace(case.fidelity_case().shape(), link=case.emulated(),
                                rank_links=((0, 1, forward), (1, 0, backward)))
 
@@ -543,10 +549,11 @@ def to_markdown(payload: dict) -> str:
           f"{1e3 * r['measured_compute_s']:.1f} / {1e3 * r['predicted_compute_s']:.1f}"] for r in rows])
     probes = markdown_table(
         ["link", "ranks", "0->1 fixed (us)", "0->1 Gb/s", "1->0 fixed (us)", "1->0 Gb/s", "back to back / model",
-         "both ways / one way"],
+         "both ways / one way", "core share lost streaming: sender / receiver"],
         [[name, load, f"{1e6 * s['forward']['fixed_s']:.0f}", f"{s['forward']['gbps']:.3g}",
           f"{1e6 * s['backward']['fixed_s']:.0f}", f"{s['backward']['gbps']:.3g}",
-          f"{s['back_to_back_over_model']:.2f}", f"{s['both_ways_over_one_way']:.2f}"]
+          f"{s['back_to_back_over_model']:.2f}", f"{s['both_ways_over_one_way']:.2f}",
+          f"{s['cpu_share']['send']:.2f} / {s['cpu_share']['recv']:.2f}" if "cpu_share" in s else "-"]
          for name, loads in payload["links"].items() for load, s in loads.items()])
     rotation = markdown_table(
         ["calibrated on", "median |error| of the others", "max |error|"],

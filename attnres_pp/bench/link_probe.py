@@ -20,8 +20,11 @@ sizes): `fixed` holds the network stack's per-message cost (system calls, wake-u
 framing) and whatever a token bucket lets through at line rate; `s_per_byte` the rate the payload
 gets, frame headers included. A round runs idle or `busy` (each rank computing in a thread
 meanwhile, as pipeline ranks do): under load the stack's work waits for a core, which an idle probe
-does not see. The ranks are driven over stdin by the process that shapes the link
-between rounds (`HostBench.probe_links`): one line per round, one result file per round.
+does not see. A busy round also measures the share of a core each rank's compute loses while rank
+0 streams to rank 1 (the busy thread's progress against its progress with the link quiet): the
+stack's CPU per packet, which a slow link spreads over the whole transfer. The ranks are driven
+over stdin by the process that shapes the link between rounds (`HostBench.probe_links`): one line
+per round, one result file per round.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ REPEATS = 9
 GAP_S = 0.005
 WARMUP = 2
 ACK_BYTES = 4
+STREAM_S = 0.4  # how long the CPU-share measurement streams (and first stays quiet)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,10 +65,12 @@ class LinkFit:
     def message_s(self, n_bytes: int) -> float:
         return self.fixed_s + n_bytes * self.s_per_byte
 
-    def link(self, busy_s: float = 0.0) -> LinkModel:
+    def link(self, busy_s: float = 0.0, send_share: float = 0.0, recv_share: float = 0.0) -> LinkModel:
         """The simulator's link for this direction; `busy_s`: the part of a message's fixed cost the
-        simulator already prices as the sender's and receiver's own work (not the link's)."""
-        return LinkModel(gbps=self.gbps, latency_s=max(0.0, self.fixed_s - busy_s))
+        simulator already prices as the sender's and receiver's own work (not the link's); the
+        shares: of a core each end's stack takes from the compute while the link carries."""
+        return LinkModel(gbps=self.gbps, latency_s=max(0.0, self.fixed_s - busy_s), sender_cpu_share=send_share,
+                         receiver_cpu_share=recv_share)
 
     def to_dict(self) -> dict:
         return {"fixed_s": self.fixed_s, "s_per_byte": self.s_per_byte, "gbps": self.gbps,
@@ -102,7 +108,13 @@ def summarize(rank0: dict, rank1: dict) -> dict:
     back_to_back = min(rank0["back_to_back"][str(size)])
     both_ways = min(max(a, b) for a, b in zip(rank0["both_ways"][str(size)], rank1["both_ways"][str(size)],
                                               strict=True))
-    return {"forward": forward.to_dict(), "backward": backward.to_dict(), "flow_bytes": size,
+    shares = {}
+    if "cpu_share" in rank0 and "cpu_share" in rank1:
+        stream = rank0["cpu_share"]
+        shares = {"cpu_share": {"send": rank0["cpu_share"]["share"], "recv": rank1["cpu_share"]["share"],
+                                "stream_gbps": stream["messages"] * stream["bytes"] * 8 / max(stream["stream_s"], 1e-9)
+                                / 1e9}}
+    return {**shares, "forward": forward.to_dict(), "backward": backward.to_dict(), "flow_bytes": size,
             # measured / modelled: 1 where the model's queueing and duplex assumptions hold
             "back_to_back_over_model": back_to_back / (forward.message_s(size) + size * forward.s_per_byte),
             "both_ways_over_one_way": both_ways / max(forward.message_s(size), backward.message_s(size)),
@@ -170,25 +182,75 @@ def _round(rank: int, sizes: list[int], repeats: int, gap_s: float) -> dict:
 @contextlib.contextmanager
 def _busy(on: bool):
     """With `on`, a thread of this rank multiplies matrices meanwhile, as a pipeline rank computes
-    while its messages travel: the network stack's work then waits for a core as it does in a run."""
+    while its messages travel: the network stack's work then waits for a core as it does in a run.
+    Yields the thread's progress counter ([products done]; None when off)."""
     import torch
 
     stop = threading.Event()
+    done = [0]
 
     def compute() -> None:
         a = torch.randn(128, 128)
         while not stop.is_set():
             a = torch.tanh(a @ a)
+            done[0] += 1
 
     worker = threading.Thread(target=compute, daemon=True) if on else None
     if worker is not None:
         worker.start()
     try:
-        yield
+        yield done if on else None
     finally:
         stop.set()
         if worker is not None:
             worker.join(timeout=10)
+
+
+def _cpu_share(rank: int, progress: list[int], size: int) -> dict:
+    """The share of a core each rank's busy thread loses while rank 0 streams `size`-byte messages
+    to rank 1, against its progress with the link quiet: the network stack's CPU (system calls,
+    gloo's threads, the kernel's per-packet work and the qdisc's timers) taken from the compute."""
+    import torch
+    import torch.distributed as dist
+
+    def rate_over(run) -> float:
+        start_count, start = progress[0], time.perf_counter()
+        run()
+        return (progress[0] - start_count) / (time.perf_counter() - start)
+
+    dist.barrier()
+    quiet = rate_over(lambda: time.sleep(STREAM_S))
+    payload = torch.zeros(size // 4)
+    count = torch.zeros(1, dtype=torch.int64)
+    if rank == 0:  # as many messages as fill STREAM_S at the rate one takes alone
+        started = time.perf_counter()
+        dist.send(payload, 1)
+        dist.recv(count, 1)  # the answer carries nothing: the round trip times one message
+        count[0] = max(4, min(400, int(STREAM_S / max(time.perf_counter() - started, 1e-6))))
+    else:
+        dist.recv(payload, 0)
+        dist.send(count, 0)
+    dist.broadcast(count, 0)
+    dist.barrier()
+
+    def stream() -> None:
+        for _ in range(int(count)):
+            if rank == 0:
+                dist.send(payload, 1)
+            else:
+                dist.recv(payload, 0)
+        dist.barrier()
+
+    streaming_s = [0.0]
+
+    def timed_stream() -> None:
+        start = time.perf_counter()
+        stream()
+        streaming_s[0] = time.perf_counter() - start
+
+    loaded = rate_over(timed_stream)
+    return {"share": max(0.0, 1.0 - loaded / quiet) if quiet > 0 else 0.0, "messages": int(count),
+            "bytes": size, "stream_s": streaming_s[0]}
 
 
 def _half(round_trips: dict[int, list[float]]) -> float:
@@ -220,9 +282,11 @@ def rank_main(rank: int, address: str, port: int, timeout_s: float) -> int:
                 int(length), dtype=torch.uint8)
             dist.broadcast(text, 0)
             request = json.loads(bytes(text.tolist()).decode())
-            with _busy(bool(request.get("busy"))):
+            with _busy(bool(request.get("busy"))) as progress:
                 result = _round(rank, [int(n) for n in request["sizes"]], int(request["repeats"]),
                                 float(request["gap_s"]))
+                if progress is not None:
+                    result["cpu_share"] = _cpu_share(rank, progress, max(int(n) for n in request["sizes"]))
             Path(f"{request['out']}.{rank}.json").write_text(json.dumps(result))
             dist.barrier()
             if rank == 0:

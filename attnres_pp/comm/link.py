@@ -24,10 +24,14 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, kw_only=True)
 class LinkModel:
-    """A point-to-point link: `gbps` gigabits per second (1e9 bits/s) and `latency_s` seconds."""
+    """A point-to-point link: `gbps` gigabits per second (1e9 bits/s) and `latency_s` seconds. The
+    shares (0-1, measured links only; the emulation ignores them): of a core the sender's and the
+    receiver's network stack take from their compute while a message is on the wire."""
 
     gbps: float
     latency_s: float = 0.0
+    sender_cpu_share: float = 0.0
+    receiver_cpu_share: float = 0.0
 
     def __post_init__(self) -> None:
         if isinstance(self.gbps, bool) or not isinstance(self.gbps, int | float) or not (
@@ -36,6 +40,10 @@ class LinkModel:
         if isinstance(self.latency_s, bool) or not isinstance(self.latency_s, int | float) or not (
                 math.isfinite(self.latency_s) and self.latency_s >= 0):
             raise ValueError(f"link latency {self.latency_s!r} s is invalid: give a finite number >= 0")
+        for name in ("sender_cpu_share", "receiver_cpu_share"):
+            share = getattr(self, name)
+            if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+                raise ValueError(f"link {name} {share!r} is invalid: give a share of a core between 0 and 1")
 
     @property
     def bytes_per_s(self) -> float:

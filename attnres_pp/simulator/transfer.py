@@ -134,9 +134,13 @@ class TransferCalibration:
         send = tuple(0.0 if local else msg.send_fixed_s + b * msg.send_s_per_byte
                      for b, local in zip(hop_bytes, self_hop, strict=True))
         recv = tuple(0.0 if local else msg.recv_fixed_s for local in self_hop)
+        send_bwd, recv_bwd = send, recv
         if shape.rank_links:
-            (link, wire), (link_bwd, wire_bwd) = (_measured_hops(shape, partition, hop_bytes, forward)
-                                                  for forward in (True, False))
+            (link, wire, send_cpu, recv_cpu), (link_bwd, wire_bwd, send_cpu_bwd, recv_cpu_bwd) = (
+                _measured_hops(shape, partition, hop_bytes, forward) for forward in (True, False))
+            # the stack's CPU while a message is on the wire: taken from the compute of each end
+            send, send_bwd = (_plus(send, extra) for extra in (send_cpu, send_cpu_bwd))
+            recv, recv_bwd = (_plus(recv, extra) for extra in (recv_cpu, recv_cpu_bwd))
         elif shape.link is None:
             link = tuple(0.0 if local else msg.link_latency_s + b * msg.link_s_per_byte
                          for b, local in zip(hop_bytes, self_hop, strict=True))
@@ -150,8 +154,8 @@ class TransferCalibration:
         backward = tuple(self.backward.chunk_s(w) for w in works)
         weight = None if self.weight_share is None else tuple(self.weight_share * b for b in backward)
         return CostModel(forward_s=tuple(self.forward.chunk_s(w) for w in works), backward_s=backward,
-                         weight_s=weight, hop_fwd_s=link, hop_bwd_s=link_bwd, send_fwd_s=send, send_bwd_s=send,
-                         recv_fwd_s=recv, recv_bwd_s=recv, wire_fwd_s=wire, wire_bwd_s=wire_bwd,
+                         weight_s=weight, hop_fwd_s=link, hop_bwd_s=link_bwd, send_fwd_s=send, send_bwd_s=send_bwd,
+                         recv_fwd_s=recv, recv_bwd_s=recv_bwd, wire_fwd_s=wire, wire_bwd_s=wire_bwd,
                          dispatch_s=msg.dispatch_s,
                          label="transferred calibration")
 
@@ -176,16 +180,21 @@ class TransferCalibration:
                    weight_share=values.get("weight_share"))
 
 
-def _measured_hops(shape: RunShape, partition: Partition, hop_bytes: list[int],
-                   forward: bool) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """(hop seconds, wire seconds) per hop in one direction over `shape.rank_links`."""
+def _plus(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:
+    return tuple(x + y for x, y in zip(a, b, strict=True))
+
+
+def _measured_hops(shape: RunShape, partition: Partition, hop_bytes: list[int], forward: bool) -> tuple[
+        tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """(hop seconds, wire seconds, sender's CPU, receiver's CPU) per hop in one direction over
+    `shape.rank_links`; the CPU is each end's share of a core for the message's wire time."""
     links = {(src, dst): link for src, dst, link in shape.rank_links}
-    hops, wires = [], []
+    hops, wires, send_cpu, recv_cpu = [], [], [], []
     for c, n_bytes in enumerate(hop_bytes):
         src, dst = partition.rank_of(c), partition.rank_of(c + 1)
         if src == dst:
-            hops.append(0.0)
-            wires.append(0.0)
+            for column in (hops, wires, send_cpu, recv_cpu):
+                column.append(0.0)
             continue
         pair = (src, dst) if forward else (dst, src)
         if pair not in links:
@@ -197,7 +206,9 @@ def _measured_hops(shape: RunShape, partition: Partition, hop_bytes: list[int],
             seconds = max(seconds, shape.link.message_s(n_bytes))
         hops.append(seconds)
         wires.append(real.wire_s(n_bytes))
-    return tuple(hops), tuple(wires)
+        send_cpu.append(real.sender_cpu_share * real.wire_s(n_bytes))
+        recv_cpu.append(real.receiver_cpu_share * real.wire_s(n_bytes))
+    return tuple(hops), tuple(wires), tuple(send_cpu), tuple(recv_cpu)
 
 
 def _median(values: list[float], default: float = 0.0) -> float:
@@ -311,8 +322,8 @@ def _known_link_times(shape: RunShape, hop_bytes: list[int]) -> dict[str, tuple[
     """{"F" | "B": (hop seconds, wire seconds) per hop} of the shape's named links; {} without."""
     partition = shape.partition()
     if shape.rank_links:
-        return {"F": _measured_hops(shape, partition, hop_bytes, True),
-                "B": _measured_hops(shape, partition, hop_bytes, False)}
+        return {"F": _measured_hops(shape, partition, hop_bytes, True)[:2],
+                "B": _measured_hops(shape, partition, hop_bytes, False)[:2]}
     if shape.link is not None:
         hops = tuple(shape.link.message_s(b) for b in hop_bytes)
         wires = tuple(shape.link.wire_s(b) for b in hop_bytes)
