@@ -376,7 +376,7 @@ def test_a_shaped_link_slows_naive_more_than_cached_as_the_simulator_predicts(tw
         assert unshaped[direction]["gbps"] > 5 * shaped[direction]["gbps"], (unshaped, shaped)
     # The busy round streamed 0 -> 1 at the shaped rate and measured what each end's stack costs it.
     streamed = result["links"]["0.2 Gb/s" + (f" + {latency:g} ms" if latency else "")]["busy"]["cpu_share"]
-    assert 0.1 < streamed["stream_gbps"] <= 0.2 * 1.02 and 0 <= streamed["send"] <= 1 and 0 <= streamed["recv"] <= 1
+    assert 0.05 < streamed["stream_gbps"] <= 0.2 * 1.05 and 0 <= streamed["send"] <= 1 and 0 <= streamed["recv"] <= 1
     # Naive sends every block summary again: more bytes on the slow link, so a longer step predicted.
     # The measured pair is printed, not asserted: at load 4-12 on 2 cores one run moves by up to 50%.
     assert naive["predicted_step_s"] > cached["predicted_step_s"]

@@ -57,6 +57,9 @@ class LinkFit:
     fixed_s: float
     s_per_byte: float
     residual_s: float  # the largest |fit - measured| over the probed sizes
+    # False: the times did not grow with the size (a link faster than the machine's noise); the rate
+    # is then a bound, the largest message's time over its bytes, and fixed_s the fastest message's
+    resolved: bool = True
 
     @property
     def gbps(self) -> float:
@@ -74,7 +77,7 @@ class LinkFit:
 
     def to_dict(self) -> dict:
         return {"fixed_s": self.fixed_s, "s_per_byte": self.s_per_byte, "gbps": self.gbps,
-                "residual_s": self.residual_s}
+                "residual_s": self.residual_s, "resolved": self.resolved}
 
 
 def fit_line(points: dict[int, float]) -> tuple[float, float]:
@@ -84,8 +87,6 @@ def fit_line(points: dict[int, float]) -> tuple[float, float]:
         raise ValueError(f"a link fit needs at least two sizes, got {len(xs)}")
     mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum((x - mean_x) ** 2 for x in xs)
-    if not slope > 0:
-        raise ValueError(f"the probe's times do not grow with the size ({points}): the link is too noisy to fit")
     return mean_y - slope * mean_x, slope
 
 
@@ -96,6 +97,12 @@ def fit_direction(round_trips: dict[int, float]) -> LinkFit:
     one_way = {n: t - reply_s for n, t in round_trips.items() if n != ACK_BYTES}
     one_way[ACK_BYTES] = reply_s
     fixed, slope = fit_line(one_way)
+    if not slope > 0:  # a link faster than the noise: bound its rate by the largest message alone
+        largest = max(one_way)
+        fixed = max(0.0, min(one_way.values()))
+        slope = max(one_way[largest], 1e-9) / largest
+        residual = max(abs(fixed + slope * n - t) for n, t in one_way.items())
+        return LinkFit(fixed_s=fixed, s_per_byte=slope, residual_s=residual, resolved=False)
     residual = max(abs(fixed + slope * n - t) for n, t in one_way.items())
     return LinkFit(fixed_s=max(0.0, fixed), s_per_byte=slope, residual_s=residual)
 
@@ -122,7 +129,8 @@ def summarize(rank0: dict, rank1: dict) -> dict:
 
 
 def fit_from_dict(values: dict) -> LinkFit:
-    return LinkFit(fixed_s=values["fixed_s"], s_per_byte=values["s_per_byte"], residual_s=values["residual_s"])
+    return LinkFit(fixed_s=values["fixed_s"], s_per_byte=values["s_per_byte"], residual_s=values["residual_s"],
+                   resolved=values.get("resolved", True))
 
 
 def _round(rank: int, sizes: list[int], repeats: int, gap_s: float) -> dict:
