@@ -22,7 +22,7 @@ import statistics
 from attnres_pp.bench.common import MICROBATCH_SIZE, TimedEngine, run_config
 from attnres_pp.comm.partition import make_partition
 from attnres_pp.model.config import ModelConfig
-from attnres_pp.schedule.ir import Action, ActionKind
+from attnres_pp.schedule.timeline import median_action_s
 from attnres_pp.simulator.transfer import unit_times_from_probe
 from attnres_pp.simulator.units import chunk_work
 
@@ -32,15 +32,9 @@ SCHEDULE = "interleaved_1f1b"
 
 def _per_microbatch_s(engine: TimedEngine) -> dict[str, float]:
     """{"fwd", "bwd"}: the median action's seconds per (kind, chunk), summed over chunks."""
-    durations: dict[tuple[ActionKind, int], list[float]] = {}
-    for sample in engine.samples[1:]:  # the first step warms up
-        for _rank, name, start, end, category in sample.events:
-            if category == "compute":
-                action = Action.parse(name)
-                durations.setdefault((action.kind, action.chunk_index), []).append(end - start)
-    medians = {key: statistics.median(values) for key, values in durations.items()}
-    return {"fwd": sum(s for (kind, _), s in medians.items() if kind == ActionKind.F),
-            "bwd": sum(s for (kind, _), s in medians.items() if kind != ActionKind.F)}
+    medians = median_action_s([sample.events for sample in engine.samples[1:]])  # the first step warms up
+    return {"fwd": sum(s for (kind, _), s in medians.items() if kind == "F"),
+            "bwd": sum(s for (kind, _), s in medians.items() if kind != "F")}
 
 
 def _units_s(probe: dict, cfg: ModelConfig, virtual: int) -> dict[str, float]:

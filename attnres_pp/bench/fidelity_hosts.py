@@ -48,6 +48,7 @@ from attnres_pp.bench.fidelity_cases import N_STAGES, Case
 from attnres_pp.bench.link_probe import DONE as PROBE_DONE
 from attnres_pp.bench.link_probe import GAP_S, REPEATS, SIZES_KIB, fit_from_dict, summarize
 from attnres_pp.comm.link import LinkModel
+from attnres_pp.schedule.timeline import median_action_s
 
 # TCP payload per Ethernet frame that tc tbf meters: MTU 1500 less IPv4 (20) and TCP with timestamps
 # (32) is 1448 bytes of the 1514 the frame takes with its Ethernet header (14). The previous model's.
@@ -169,7 +170,8 @@ class _LineChild:
         self.proc.stdin.write((line + "\n").encode())
         self.proc.stdin.flush()
         deadline = time.monotonic() + timeout_s
-        buffered = b""
+        done = self.done.encode()
+        window = b""  # this answer's output, as much of it as can still hold the marker
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -182,9 +184,9 @@ class _LineChild:
             if not chunk:
                 self.proc.wait(timeout=10)
                 raise RuntimeError(f"{self.name} ended (exit {self.proc.returncode}):\n{self._tail()}")
-            buffered += chunk
+            window = window[-len(done):] + chunk
             self.tail = (self.tail + chunk)[-6000:]
-            if self.done.encode() in buffered:
+            if done in window:
                 return
 
     def close(self, timeout_s: float = 60) -> None:
@@ -208,8 +210,6 @@ class _LineChild:
 class HostBench:
     """A 2-host cluster for the benchmark (and tests): shape, probe the link, run cases in host 0,
     take it down."""
-
-    _driver: _LineChild | None = None
 
     def __init__(self, prefix: str = "fh", net: str = "10.213.250.0/24") -> None:
         if not HARNESS.exists():
@@ -359,15 +359,7 @@ def previous_link(calibration, case: HostCase) -> LinkModel | None:
 def chunk_compute_s(steps: list[list]) -> float:
     """Seconds of compute of one microbatch through every chunk, forward and backward: the sum over
     (action kind, chunk) of the median action's duration."""
-    from attnres_pp.schedule.ir import Action
-
-    durations: dict[tuple, list[float]] = {}
-    for events in steps:
-        for _rank, name, start, end, category in events:
-            if category == "compute":
-                action = Action.parse(name)
-                durations.setdefault((action.kind, action.chunk_index), []).append(end - start)
-    return sum(statistics.median(values) for values in durations.values())
+    return sum(median_action_s(steps).values())
 
 
 def measured_step_s(steps: list[list]) -> float:
@@ -410,15 +402,12 @@ def evaluate(bench: HostBench, cases: list[HostCase], steps: int, probe: dict,
                                     "runs": [[dataclasses.asdict(c), measured[c]] for c in runs]}))
         progress(f"  the probes and runs are kept in {kept} (`fidelity_hosts.reanalyse` reads them)")
     result = analyse(probe, links, measured, cases, rotate, progress)
-    for row in result["rows"]:
-        progress(f"  {HostCase(**{k: row[k] for k in HOST_CASE_FIELDS}).label()}: measured "
+    for case, row in zip(cases, result["rows"], strict=True):
+        progress(f"  {case.label()}: measured "
                  f"{row['measured_step_s'] * 1e3:.1f} ms, predicted {row['predicted_step_s'] * 1e3:.1f} ms "
                  f"({row['error']:+.1%}; idle probe {row['idle_probe_error']:+.1%}, previous model "
                  f"{row['previous_model_error']:+.1%})")
     return result
-
-
-HOST_CASE_FIELDS = tuple(field.name for field in dataclasses.fields(HostCase))
 
 
 def analyse(probe: dict, links: dict, measured: dict[HostCase, list[list]], cases: list[HostCase], rotate: bool,

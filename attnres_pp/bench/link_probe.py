@@ -97,14 +97,12 @@ def fit_direction(round_trips: dict[int, float]) -> LinkFit:
     one_way = {n: t - reply_s for n, t in round_trips.items() if n != ACK_BYTES}
     one_way[ACK_BYTES] = reply_s
     fixed, slope = fit_line(one_way)
-    if not slope > 0:  # a link faster than the noise: bound its rate by the largest message alone
+    resolved = slope > 0
+    if not resolved:  # a link faster than the noise: bound its rate by the largest message alone
         largest = max(one_way)
-        fixed = max(0.0, min(one_way.values()))
-        slope = max(one_way[largest], 1e-9) / largest
-        residual = max(abs(fixed + slope * n - t) for n, t in one_way.items())
-        return LinkFit(fixed_s=fixed, s_per_byte=slope, residual_s=residual, resolved=False)
+        fixed, slope = max(0.0, min(one_way.values())), max(one_way[largest], 1e-9) / largest
     residual = max(abs(fixed + slope * n - t) for n, t in one_way.items())
-    return LinkFit(fixed_s=max(0.0, fixed), s_per_byte=slope, residual_s=residual)
+    return LinkFit(fixed_s=max(0.0, fixed), s_per_byte=slope, residual_s=residual, resolved=resolved)
 
 
 def summarize(rank0: dict, rank1: dict) -> dict:
@@ -118,9 +116,9 @@ def summarize(rank0: dict, rank1: dict) -> dict:
     shares = {}
     if "cpu_share" in rank0 and "cpu_share" in rank1:
         stream = rank0["cpu_share"]
-        shares = {"cpu_share": {"send": rank0["cpu_share"]["share"], "recv": rank1["cpu_share"]["share"],
-                                "stream_gbps": stream["messages"] * stream["bytes"] * 8 / max(stream["stream_s"], 1e-9)
-                                / 1e9}}
+        streamed_bits = stream["messages"] * stream["bytes"] * 8
+        shares = {"cpu_share": {"send": stream["share"], "recv": rank1["cpu_share"]["share"],
+                                "stream_gbps": streamed_bits / max(stream["stream_s"], 1e-9) / 1e9}}
     return {**shares, "forward": forward.to_dict(), "backward": backward.to_dict(), "flow_bytes": size,
             # measured / modelled: 1 where the model's queueing and duplex assumptions hold
             "back_to_back_over_model": back_to_back / (forward.message_s(size) + size * forward.s_per_byte),
@@ -221,13 +219,15 @@ def _cpu_share(rank: int, progress: list[int], size: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    def rate_over(run) -> float:
+    def rate_over(run) -> tuple[float, float]:
+        """(the busy thread's products per second while `run` runs, its seconds)."""
         start_count, start = progress[0], time.perf_counter()
         run()
-        return (progress[0] - start_count) / (time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        return (progress[0] - start_count) / seconds, seconds
 
     dist.barrier()
-    quiet = rate_over(lambda: time.sleep(STREAM_S))
+    quiet, _ = rate_over(lambda: time.sleep(STREAM_S))
     payload = torch.zeros(size // 4)
     count = torch.zeros(1, dtype=torch.int64)
     if rank == 0:  # as many messages as fill STREAM_S at the rate one takes alone
@@ -249,16 +249,9 @@ def _cpu_share(rank: int, progress: list[int], size: int) -> dict:
                 dist.recv(payload, 0)
         dist.barrier()
 
-    streaming_s = [0.0]
-
-    def timed_stream() -> None:
-        start = time.perf_counter()
-        stream()
-        streaming_s[0] = time.perf_counter() - start
-
-    loaded = rate_over(timed_stream)
+    loaded, stream_s = rate_over(stream)
     return {"share": max(0.0, 1.0 - loaded / quiet) if quiet > 0 else 0.0, "messages": int(count),
-            "bytes": size, "stream_s": streaming_s[0]}
+            "bytes": size, "stream_s": stream_s}
 
 
 def _half(round_trips: dict[int, list[float]]) -> float:

@@ -77,6 +77,20 @@ def message_pairs(events: list[Event]) -> list[tuple[Event, Event]]:
     return pairs
 
 
+def median_action_s(steps: list[list[Event]]) -> dict[tuple[str, int], float]:
+    """{(action kind, chunk): the median compute action's seconds} over the steps' events, e.g.
+    ("F", 0) or ("W", 3): one microbatch's compute through each chunk, as a run took it."""
+    from attnres_pp.schedule.ir import Action
+
+    durations: dict[tuple[str, int], list[float]] = {}
+    for events in steps:
+        for _rank, name, start, end, category in events:
+            if category == "compute":
+                action = Action.parse(name)
+                durations.setdefault((action.kind.name, action.chunk_index), []).append(end - start)
+    return {key: statistics.median(values) for key, values in durations.items()}
+
+
 def account(events: list[Event], n_ranks: int) -> dict[str, float]:
     """Time accounting of one step (see the module docstring). Fractions are of ranks x window."""
     start = min(e[2] for e in events)
