@@ -6,6 +6,7 @@ run over real links in tests/test_multihost.py."""
 from __future__ import annotations
 
 import dataclasses
+import gzip
 
 import pytest
 
@@ -201,9 +202,11 @@ def test_the_analysis_recovers_runs_simulated_from_known_costs_and_reads_its_kep
     kept = tmp_path / "runs.json"
     kept.write_text(json.dumps({"probe": probe, "links": [[list(state), v] for state, v in links.items()],
                                 "runs": [[dataclasses.asdict(c), measured[c]] for c in measured]}))
-    again = reanalyse(kept, lambda line: None)
     predicted = [r["predicted_step_s"] for r in result["rows"]]
-    assert [r["predicted_step_s"] for r in again["rows"]] == pytest.approx(predicted)
+    zipped = tmp_path / "runs.json.gz"  # as committed beside a table
+    zipped.write_bytes(gzip.compress(kept.read_bytes()))
+    for path in (kept, zipped):
+        assert [r["predicted_step_s"] for r in reanalyse(path, lambda line: None)["rows"]] == pytest.approx(predicted)
 
 
 def test_the_stacks_cpu_share_is_charged_to_each_end_for_the_wire_time():

@@ -31,6 +31,7 @@ case at a time over stdin while this process shapes the link between them.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import os
 import secrets
@@ -510,9 +511,11 @@ def summarise(result: dict, latency_shaping: bool, steps: int, load_start: list[
 
 
 def reanalyse(kept: Path, progress: Callable[[str], None] = print) -> dict:
-    """`analyse` again on the probes and runs a benchmark kept (the file its output names): a new
-    model tried on the same measurements, no cluster and no root needed."""
-    values = json.loads(Path(kept).read_text())
+    """`analyse` again on the probes and runs a benchmark kept (the file its output names, or the
+    gzipped copy beside a committed table): a new model tried on the same measurements, no cluster
+    and no root needed. Plain JSON: nothing in the file is run."""
+    kept = Path(kept)
+    values = json.loads(gzip.decompress(kept.read_bytes()) if kept.suffix == ".gz" else kept.read_text())
     links = {(state[0], state[1]): summary for state, summary in values["links"]}
     measured = {HostCase(**case): [[[tuple(e) for e in step] for step in steps] for steps in rounds]
                 for case, rounds in values["runs"]}
