@@ -86,6 +86,7 @@ def test_quality_writes_its_old_file_names_through_the_writer(tmp_path, capsys, 
 @pytest.mark.parametrize("argv, sibling, name", [
     (["memory", "--quick", "--predict"], "memory_predict", "memory_predict_quick"),
     (["fidelity", "--hosts"], "fidelity_hosts", "fidelity_hosts"),
+    (["fidelity", "--tp"], "fidelity_tp", "fidelity_tp"),
 ])
 def test_a_flag_that_picks_a_sibling_module_runs_it_under_its_name(argv, sibling, name, tmp_path, monkeypatch):
     import importlib
@@ -103,6 +104,13 @@ def test_a_flag_that_picks_a_sibling_module_runs_it_under_its_name(argv, sibling
     assert payload["command"] == " ".join(["attnres-pp", "bench", argv[0], *argv[1:-1], "--out", str(tmp_path),
                                            argv[-1]])
     assert (tmp_path / f"{stem}.md").read_text().startswith(f"# {sibling}")
+
+
+def test_two_flags_that_each_pick_a_sibling_are_refused_in_one_line(tmp_path, capsys):
+    assert main(["bench", "fidelity", "--hosts", "--tp", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --hosts and --tp each pick another benchmark: give one of them"]
+    assert not list(tmp_path.iterdir())
 
 
 def test_results_keep_no_path_of_this_checkout(tmp_path):

@@ -4,8 +4,9 @@ and the one harness that runs each of them.
 REGISTRY names every benchmark, its module (in this package) and its one-line help. `bench NAME` has a
 parser of its own: the common flags (`--quick` where the benchmark has a short version, `--json`,
 `--out DIR`) and what the module's `add_arguments(parser)` declares, so a flag exists only where it
-applies and argparse refuses it elsewhere. A `sibling` flag of the registry picks another module to
-run under the same name (`memory --predict` runs `memory_predict`). A benchmark module provides
+applies and argparse refuses it elsewhere. A `siblings` flag of the registry picks another module to
+run under the same name (`memory --predict` runs `memory_predict`); two of them at once are refused.
+A benchmark module provides
 
     run(quick, pictures_dir, progress, **options) -> dict | None   (None: nothing to write)
     to_markdown(payload) -> str
@@ -53,7 +54,7 @@ class Benchmark:
     help: str
     quick: bool = True  # has a short version (--quick)
     out_aliases: tuple[str, ...] = ()  # older spellings of --out that the benchmark still takes
-    sibling: Sibling | None = None  # a flag that runs another module instead (its results under its name)
+    siblings: tuple[Sibling, ...] = ()  # flags that run another module instead (its results under its name)
 
 
 REGISTRY = {
@@ -75,12 +76,15 @@ REGISTRY = {
                                         "standard, 1 process and P=2 V=2"),
     "memory": Benchmark("memory", "peak resident memory per pipeline rank (rank-local chunks), 32 layers d = 512 "
                                   "at P = 1, 2, 4",
-                        sibling=Sibling("--predict", "memory_predict", "the simulator's per-rank prediction "
-                                        "against real runs' memory_per_rank (results memory_predict_<date>)")),
+                        siblings=(Sibling("--predict", "memory_predict", "the simulator's per-rank prediction "
+                                          "against real runs' memory_per_rank (results memory_predict_<date>)"),)),
     "fidelity": Benchmark("fidelity", "the simulator, calibrated on one run, predicts held-out runs (schedule, V, "
                                       "m, mode, layers, link)",
-                          sibling=Sibling("--hosts", "fidelity_hosts", "over real links between hosts (network "
-                                          "namespaces, tc; needs root; results fidelity_hosts_<date>)")),
+                          siblings=(Sibling("--hosts", "fidelity_hosts", "over real links between hosts (network "
+                                            "namespaces, tc; needs root; results fidelity_hosts_<date>)"),
+                                    Sibling("--tp", "fidelity_tp", "runs of T = 2 tensor-parallel ranks, with and "
+                                            "without sequence parallelism, priced by the simulator's tp terms on "
+                                            "probed collectives (results fidelity_tp_<date>)"))),
     "variants": Benchmark("variants", "step time of every residual variant over the standard one, one process "
                                       "and P=2 V=2, two shapes"),
     "quality": Benchmark("quality", "validation loss of every residual variant at an equal token budget (single "
@@ -159,8 +163,8 @@ def register(subparsers) -> None:
         sub.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
         sub.add_argument("--out", *bench.out_aliases, metavar="DIR", default=None,
                          help="where results go (default: benchmarks/results/ of the checkout)")
-        if bench.sibling is not None:
-            sub.add_argument(bench.sibling.flag, action="store_true", help=bench.sibling.help)
+        for sibling in bench.siblings:
+            sub.add_argument(sibling.flag, action="store_true", help=sibling.help)
         sub.set_defaults(func=run_benchmark, parser=sub, quick=False)
 
 
@@ -191,9 +195,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
     from attnres_pp.out_paths import check_out_dir
 
     parser = args.parser
-    sibling = REGISTRY[args.name].sibling
-    picked = sibling is not None and getattr(args, sibling.flag[2:].replace("-", "_"))
-    module = importlib.import_module(f"attnres_pp.bench.{sibling.module}") if picked else module_of(args.name)
+    picked = [s for s in REGISTRY[args.name].siblings if getattr(args, s.flag[2:].replace("-", "_"))]
+    if len(picked) > 1:
+        return refuse(f"{' and '.join(s.flag for s in picked)} each pick another benchmark: give one of them")
+    module = importlib.import_module(f"attnres_pp.bench.{picked[0].module}") if picked else module_of(args.name)
     problem = module.check(args) if hasattr(module, "check") else None
     if problem:
         return refuse(problem)

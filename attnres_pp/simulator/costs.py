@@ -170,11 +170,14 @@ def tp_chunk_forward_flops(cfg: ModelConfig, partition: Partition, chunk_index: 
         return full
     import dataclasses
 
+    from attnres_pp.simulator.tensor_parallel import TensorParallel, layer_share, token_share
+
     plain = dataclasses.replace(cfg, residual="standard")
     sublayers = partition.sublayer_range(chunk_index)
     matmul = sum(sublayer_forward_flops(plain, s, tokens) for s in sublayers)
     rest = full - matmul  # depth reads, final read, head
-    return matmul / tensor_parallel + rest / (tensor_parallel if sequence_parallel else 1)
+    tp = TensorParallel(tensor_parallel, sequence_parallel)
+    return matmul * layer_share(tp) + rest * token_share(tp)
 
 
 def model_costs(cfg: ModelConfig, partition: Partition, plan: PayloadPlan, *, tokens: int,

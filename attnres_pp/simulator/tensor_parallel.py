@@ -103,14 +103,20 @@ def layer_collectives(tokens: int, d_model: int, element_bytes: int, tp: TensorP
              "sent_bytes_per_rank": 2 * (t - 1) * buffer // t}]
 
 
+RING_PRICES = {"all_gather": ring_all_gather_s, "reduce_scatter": ring_reduce_scatter_s,
+               "all_reduce": ring_all_reduce_s}
+
+
 def layer_collective_s(tokens: int, d_model: int, element_bytes: int, tp: TensorParallel, *, bytes_per_s: float,
-                       latency_s: float) -> float:
-    """Seconds of one layer's tp collectives in one direction (ring algorithms, not overlapped)."""
+                       latency_s: float, links: dict | None = None) -> float:
+    """Seconds of one layer's tp collectives in one direction (ring algorithms, not overlapped), on
+    one link (`latency_s` per ring step, `bytes_per_s`) or, where `links` names a kind, on that
+    kind's own {"latency_s", "bytes_per_s"} (a backend whose collectives run at different rates)."""
     seconds = 0.0
     for c in layer_collectives(tokens, d_model, element_bytes, tp):
-        price = {"all_gather": ring_all_gather_s, "reduce_scatter": ring_reduce_scatter_s,
-                 "all_reduce": ring_all_reduce_s}[c["kind"]]
-        seconds += c["count"] * price(c["buffer_bytes"], tp.size, bytes_per_s, latency_s)
+        link = (links or {}).get(c["kind"], {"latency_s": latency_s, "bytes_per_s": bytes_per_s})
+        seconds += c["count"] * RING_PRICES[c["kind"]](c["buffer_bytes"], tp.size, link["bytes_per_s"],
+                                                       link["latency_s"])
     return seconds
 
 
@@ -126,15 +132,53 @@ def halo_bytes(cfg: ModelConfig, sublayers: range, *, n_sequences: int, element_
 
 
 def chunk_tp_seconds(cfg: ModelConfig, sublayers: range, *, tokens: int, element_bytes: int, tp: TensorParallel,
-                     bytes_per_s: float, latency_s: float) -> float:
-    """Seconds of a chunk's tp traffic in one direction, one microbatch: its layers' collectives and,
-    under MSAR with SP, one halo message per sublayer (latency + bytes / bandwidth)."""
+                     bytes_per_s: float, latency_s: float, links: dict | None = None) -> float:
+    """Seconds of a chunk's tp traffic in one direction, one microbatch: its layers' collectives
+    (`layer_collective_s`) and, under MSAR with SP, one halo message per sublayer (latency + bytes /
+    bandwidth)."""
     if tp.size == 1:
         return 0.0
     layers = len(sublayers) // 2
     seconds = layers * layer_collective_s(tokens, cfg.d_model, element_bytes, tp, bytes_per_s=bytes_per_s,
-                                          latency_s=latency_s)
+                                          latency_s=latency_s, links=links)
     halo = halo_bytes(cfg, sublayers, n_sequences=max(1, tokens // cfg.seq_len), element_bytes=element_bytes, tp=tp)
     if halo:
         seconds += len(sublayers) * latency_s + halo / bytes_per_s
     return seconds
+
+
+def layer_share(tp: TensorParallel) -> float:
+    """The share of a transformer layer's work (its matmuls and attention) one tp rank does: 1/T (each
+    rank holds 1/T of the heads and of the MLP's hidden units)."""
+    return 1.0 / tp.size
+
+
+def token_share(tp: TensorParallel) -> float:
+    """The share of per-token work outside the layers' split matrices (depth reads, embedding, head,
+    the residual's adds) one tp rank does: 1/T of the tokens under sequence parallelism, all of
+    them without it (every tp rank then computes the same values)."""
+    return 1.0 / tp.size if tp.sp else 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorParallelCosts:
+    """What a probe of one machine's tp group measured (`bench.tp_probe`), for pricing its runs:
+    `links`, each collective kind's ring link {kind: {"latency_s" per ring step, "bytes_per_s"}}
+    (gloo's reduce-scatter, for one, runs at another rate than its all-gather), and `layer_host_s`,
+    the host's own cost of one tp-split layer beyond its share of the layer's work and its
+    collectives (DTensor's dispatch: sharding propagation and redistribution bookkeeping per op),
+    per microbatch and direction, for the plan with and without sequence parallelism:
+    {"sp"|"no_sp": {"fwd"|"bwd": seconds}}."""
+
+    links: dict
+    layer_host_s: dict
+
+    def host_s(self, tp: TensorParallel, direction: str) -> float:
+        return self.layer_host_s["sp" if tp.sp else "no_sp"][direction]
+
+    def to_dict(self) -> dict:
+        return {"links": self.links, "layer_host_s": self.layer_host_s}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> TensorParallelCosts:
+        return cls(links=values["links"], layer_host_s=values["layer_host_s"])

@@ -36,13 +36,20 @@ from dataclasses import dataclass
 
 from attnres_pp.comm.link import LinkModel
 from attnres_pp.comm.partition import Partition, make_partition
-from attnres_pp.comm.plan import PayloadPlan, plan_for_model
+from attnres_pp.comm.plan import PayloadPlan, plan_for_model, shard_tokens
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.schedule.ir import Action, ActionKind
 from attnres_pp.schedule.schedules import build_schedule, schedule_placement
 from attnres_pp.schedule.timeline import Event, account, message_pairs
 from attnres_pp.simulator.costs import CostModel
 from attnres_pp.simulator.engine import simulate
+from attnres_pp.simulator.tensor_parallel import (
+    TensorParallel,
+    TensorParallelCosts,
+    chunk_tp_seconds,
+    layer_share,
+    token_share,
+)
 from attnres_pp.simulator.units import MessageCosts, UnitTimes, chunk_work, fit_plane
 
 
@@ -62,10 +69,20 @@ class RunShape:
     dtype_bytes: int = 4
     # (src pp rank, dst pp rank, link): the real link of each direction a hop crosses, measured
     rank_links: tuple[tuple[int, int, LinkModel], ...] = ()
+    # T tp ranks per chunk (docs/spec.md section 10); `tp_costs`: the tp group's probed link and
+    # host cost per layer (`tensor_parallel.TensorParallelCosts`), None: the collectives and the
+    # host cost left out (only the work divided)
+    tensor_parallel: int = 1
+    sequence_parallel: bool = True
+    tp_costs: TensorParallelCosts | None = None
 
     @property
     def tokens(self) -> int:
         return self.microbatch_size * self.model.seq_len
+
+    @property
+    def tp(self) -> TensorParallel:
+        return TensorParallel(self.tensor_parallel, self.sequence_parallel)
 
     @property
     def mode(self) -> str:
@@ -83,7 +100,9 @@ class RunShape:
                 "n_virtual": self.n_virtual, "n_microbatches": self.n_microbatches,
                 "microbatch_size": self.microbatch_size, "cache": self.cache,
                 "layer_counts": list(self.layer_counts) if self.layer_counts else None,
-                "dtype_bytes": self.dtype_bytes}
+                "dtype_bytes": self.dtype_bytes, "tensor_parallel": self.tensor_parallel,
+                "sequence_parallel": self.sequence_parallel,
+                "tp_costs": self.tp_costs.to_dict() if self.tp_costs is not None else None}
 
     @classmethod
     def from_dict(cls, values: dict) -> RunShape:
@@ -91,12 +110,15 @@ class RunShape:
         values["model"] = ModelConfig.from_dict(values["model"])
         if values.get("layer_counts"):
             values["layer_counts"] = tuple(values["layer_counts"])
+        if values.get("tp_costs") is not None:
+            values["tp_costs"] = TensorParallelCosts.from_dict(values["tp_costs"])
         return cls(**values)
 
     def hop_bytes(self) -> list[int]:
         """Bytes of one message on each hop (the backward carries the same as the forward)."""
         width = self.model.d_model if self.mode == "standard" else self.model.source_width
-        return [n * self.tokens * width * self.dtype_bytes for n in self.plan().fwd_hop_tensors]
+        tokens = shard_tokens(self.tokens, self.tensor_parallel, self.tp.sp)  # a tp rank's hop pair
+        return [n * tokens * width * self.dtype_bytes for n in self.plan().fwd_hop_tensors]
 
 
 def unit_times_from_probe(probe: dict, direction: str) -> UnitTimes:
@@ -151,9 +173,16 @@ class TransferCalibration:
                          for b, local in zip(hop_bytes, self_hop, strict=True))
             wire = tuple(0.0 if local else shape.link.wire_s(b) for b, local in zip(hop_bytes, self_hop, strict=True))
             link_bwd, wire_bwd = link, wire
-        backward = tuple(self.backward.chunk_s(w) for w in works)
+        forward_units, backward_units = self.forward, self.backward
+        if shape.tensor_parallel > 1:
+            forward_units, backward_units = (units.shares(layer_share(shape.tp), token_share(shape.tp))
+                                             for units in (self.forward, self.backward))
+        tp_fwd, tp_bwd = zip(*(_tp_layer_s(shape, partition.sublayer_range(c)) for c in range(partition.n_chunks)),
+                             strict=True)
+        forward = tuple(forward_units.chunk_s(w) + x for w, x in zip(works, tp_fwd, strict=True))
+        backward = tuple(backward_units.chunk_s(w) + x for w, x in zip(works, tp_bwd, strict=True))
         weight = None if self.weight_share is None else tuple(self.weight_share * b for b in backward)
-        return CostModel(forward_s=tuple(self.forward.chunk_s(w) for w in works), backward_s=backward,
+        return CostModel(forward_s=forward, backward_s=backward,
                          weight_s=weight, hop_fwd_s=link, hop_bwd_s=link_bwd, send_fwd_s=send, send_bwd_s=send_bwd,
                          recv_fwd_s=recv, recv_bwd_s=recv_bwd, wire_fwd_s=wire, wire_bwd_s=wire_bwd,
                          dispatch_s=msg.dispatch_s,
@@ -178,6 +207,19 @@ class TransferCalibration:
                    messages=MessageCosts(**values["messages"]), forward_scale=values["forward_scale"],
                    backward_scale=values["backward_scale"], calibrated_on=RunShape.from_dict(values["calibrated_on"]),
                    weight_share=values.get("weight_share"))
+
+
+def _tp_layer_s(shape: RunShape, sublayers: range) -> tuple[float, float]:
+    """(forward, backward) seconds a chunk's layers add under tensor parallelism, one microbatch:
+    their collectives on the tp group's link (the same both ways) and the host's cost per tp layer,
+    both from `shape.tp_costs` (0 without it, or at T = 1)."""
+    costs = shape.tp_costs
+    if shape.tensor_parallel == 1 or costs is None:
+        return 0.0, 0.0
+    wire = chunk_tp_seconds(shape.model, sublayers, tokens=shape.tokens, element_bytes=shape.dtype_bytes, tp=shape.tp,
+                            bytes_per_s=0.0, latency_s=0.0, links=costs.links)
+    layers = len(sublayers) // 2
+    return (wire + layers * costs.host_s(shape.tp, "fwd"), wire + layers * costs.host_s(shape.tp, "bwd"))
 
 
 def _plus(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:

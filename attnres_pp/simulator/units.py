@@ -89,6 +89,14 @@ class UnitTimes:
                          phase1=tuple(x * factor for x in self.phase1), phase1_floor=self.phase1_floor * factor,
                          action=self.action * factor)
 
+    def shares(self, layer: float, token: float) -> UnitTimes:
+        """One tp rank's units (`simulator.tensor_parallel`): the layer's `layer` share, every
+        per-token unit's `token` share; the runtime's cost per action is the rank's whole."""
+        return UnitTimes(layer=self.layer * layer, add=self.add * token, embed=self.embed * token,
+                         head=self.head * token, merge=self.merge * token,
+                         phase1=tuple(x * token for x in self.phase1), phase1_floor=self.phase1_floor * token,
+                         action=self.action)
+
     def to_dict(self) -> dict:
         return {"layer": self.layer, "add": self.add, "embed": self.embed, "head": self.head,
                 "merge": self.merge, "phase1_a_b_c_e": list(self.phase1), "phase1_floor": self.phase1_floor,
