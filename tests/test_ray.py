@@ -44,7 +44,8 @@ SHARED_RAY = pytest.mark.xdist_group("ray-local-instance")
 def local_ray():
     if os.environ.get("RAY_ADDRESS"):
         pytest.skip("RAY_ADDRESS is set: these tests start their own private Ray instance")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True)
+    # 4 logical CPUs (on however many cores): room for two tensor-parallel groups of 2
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
     yield
     ray.shutdown()
 
@@ -93,16 +94,19 @@ def test_zero_bubble_schedule_through_ray_actors(local_ray, tmp_path):
 
 
 @SHARED_RAY
-def test_tensor_parallel_through_ray_actors(local_ray, tmp_path):
-    """`--tensor-parallel 2` through the Ray launcher (STRICT_PACK: the tp group on one node): two
-    actors sharing both chunks of one stage (the instance has 2 CPUs) train as the unsplit
-    in-process run, and count their tp collectives."""
-    argv = ["train", *TINY, "--stages", "1", "--steps", "2", "--quiet", "--device", "cpu", "--no-final-checkpoint"]
-    assert main([*argv, "--tensor-parallel", "2", "--out", str(tmp_path / "ray")]) == 0
-    assert main([*argv, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
-    assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "inproc"))
+def test_tensor_parallel_groups_through_ray_actors_under_pack(local_ray, tmp_path):
+    """`--tensor-parallel 2 --stages 2 --placement PACK`: each tp group one bundle of 2 CPUs (so on one
+    node whatever the strategy), four actors whose losses equal the local launcher's, the hops
+    between tp lanes in shared memory on this one node, and their tp collectives counted."""
+    argv = ["train", *TINY, "--steps", "2", "--quiet", "--device", "cpu", "--no-final-checkpoint",
+            "--tensor-parallel", "2", "--eval-every", "0"]
+    assert main([*argv, "--placement", "PACK", "--out", str(tmp_path / "ray")]) == 0
+    assert main([*argv, "--launcher", "local", "--out", str(tmp_path / "local")]) == 0
+    assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "local"))
     summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
     assert summary["config"]["pipeline"]["tensor_parallel"] == 2 and summary["tp_bytes_per_step"] > 0
+    assert len(summary["nodes"]) == 4 and len(set(summary["nodes"])) == 1
+    assert summary["bytes_sent_per_step_by_transport"]["shm"] == summary["bytes_sent_per_step"] > 0
 
 
 @SHARED_RAY
@@ -153,14 +157,14 @@ def test_ray_actors_generate_the_single_process_tokens(local_ray):
 
 @SHARED_RAY
 def test_a_placement_no_node_can_hold_is_refused_at_once(local_ray, tmp_path, capsys):
-    """local_ray has one node with 2 CPUs: STRICT_PACK of 3 one-CPU bundles is refused before the
+    """local_ray has one node with 4 CPUs: STRICT_PACK of 5 one-CPU bundles is refused before the
     placement group is created, not after the whole --timeout."""
-    argv = ["train", *TINY, "--stages", "3", "--virtual", "1", "--layers", "3", "--timeout", "60"]
+    argv = ["train", *TINY, "--stages", "5", "--virtual", "1", "--layers", "5", "--timeout", "60"]
     started = time.monotonic()
     assert main([*argv, "--out", str(tmp_path / "run"), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --placement STRICT_PACK needs one node with 3 CPU for 3 bundles of {1 CPU}")
-    assert "node 0: 2 CPU" in err and time.monotonic() - started < 30
+    assert err.startswith("error: --placement STRICT_PACK needs one node with 5 CPU for 5 bundles of {1 CPU}")
+    assert "node 0: 4 CPU" in err and time.monotonic() - started < 30
 
 
 class _SetUpRank:
