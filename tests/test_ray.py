@@ -156,6 +156,31 @@ def test_ray_actors_generate_the_single_process_tokens(local_ray):
 
 
 @SHARED_RAY
+def test_ray_actors_generate_the_single_process_tokens_at_tensor_parallel_2(local_ray):
+    """`generate --launcher ray --tensor-parallel 2` at P = 2 under PACK: two tp groups of two actors,
+    each group one bundle, give the single process's greedy tokens."""
+    from attnres_pp.generate.config import GenerationConfig
+    from attnres_pp.generate.engines import SingleProcessGenerator, make_generator
+    from attnres_pp.generate.loop import generate
+    from attnres_pp.pipeline.config import PipelineConfig
+    from tests.pipeline_helpers import build_model, model_config
+
+    cfg = model_config("block", n_layers=4, seq_len=16, n_heads=2)
+    named = {name: p.detach().clone() for name, p in build_model(cfg).named_parameters()}
+    greedy = GenerationConfig(max_new_tokens=8, prefill_chunk=3, temperature=0)
+    want = generate(SingleProcessGenerator(cfg, named), [3, 1, 4, 1, 5], greedy).tokens
+    assert len(set(want)) > 1  # a real sequence, not one token repeated
+    pipe = PipelineConfig(stages=2, tensor_parallel=2, launcher="ray", placement="PACK", timeout_s=60.0)
+    generator = make_generator(cfg, pipe, named, device="cpu")
+    try:
+        assert [(r["pp_rank"], r["tp_rank"]) for r in generator.ranks.setup_results] == [(0, 0), (0, 1), (1, 0),
+                                                                                         (1, 1)]
+        assert generate(generator, [3, 1, 4, 1, 5], greedy).tokens == want
+    finally:
+        generator.close()
+
+
+@SHARED_RAY
 def test_a_placement_no_node_can_hold_is_refused_at_once(local_ray, tmp_path, capsys):
     """local_ray has one node with 4 CPUs: STRICT_PACK of 5 one-CPU bundles is refused before the
     placement group is created, not after the whole --timeout."""
