@@ -1,12 +1,13 @@
 """The Ray launcher end to end: recovery from a lost actor ends with the undisturbed losses (and the
-other launchers'), generation's greedy tokens, a placement no node can hold, a rank's set-up
+other launchers'), tensor-parallel groups placed as one bundle each (training and generation at
+T = 2 under PACK), generation's greedy tokens, a placement no node can hold, a rank's set-up
 refusal, Ctrl-C and the private local instance (the restart limit, which no launcher changes:
 tests/test_checkpoint.py). A real cluster job (a head started with `ray start`, token
 authentication on, a job submitted with `ray job submit`, refused without the token) is
 test_multihost.py's first test, on two hosts.
 
-Recovery tests share one private local Ray instance (the Ray rank group joins an initialised Ray and
-leaves it running), so Ray's start-up is paid once.
+Most tests share one private local Ray instance of 4 logical CPUs (the Ray rank group joins an
+initialised Ray and leaves it running), so Ray's start-up is paid once.
 """
 
 from __future__ import annotations
