@@ -242,8 +242,6 @@ CASES = [
      None, "RANK must be in 0..3 (--stages 2 x --tensor-parallel 2)"),
     ("train-tp-inprocess", [*TRAIN, *OUT, "--tensor-parallel", "2", "--launcher", "inprocess"], None,
      "does not support --launcher inprocess"),
-    ("train-tp-ray-spread", [*TRAIN, *OUT, "--tensor-parallel", "2", "--launcher", "ray", "--placement", "SPREAD",
-                             "--device", "cpu"], None, "does not support --placement SPREAD"),
     ("train-tp-ray-auto", [*TRAIN, *OUT, "--tensor-parallel", "2", "--launcher", "ray"], None,
      "does not support --device auto under --launcher ray"),
     ("train-tp-msar-halo", [*TRAIN, *OUT, "--tensor-parallel", "2", "--residual", "msar"], None,

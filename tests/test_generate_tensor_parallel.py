@@ -56,7 +56,6 @@ def test_tensor_parallel_generation_gives_the_single_process_tokens():
 
 @pytest.mark.parametrize(("pipe", "heads", "needle"), [
     (dict(launcher="inprocess"), 2, "does not support --launcher inprocess in generation"),
-    (dict(launcher="ray"), 2, "does not support --launcher ray in generation"),
     (dict(launcher="local"), 3, "does not divide the checkpoint's 3 heads"),
 ])
 def test_what_tensor_parallel_generation_does_not_run_is_refused(pipe, heads, needle):

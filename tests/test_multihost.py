@@ -1,6 +1,7 @@
 """Several hosts for real, on one machine: network namespaces joined by a bridge, each running a Ray
 node (`scripts/netns_cluster.py`), with token authentication on. A job submitted from the root
-namespace runs D = 2 x P = 2 ranks over two hosts with the single process's losses; a host killed
+namespace runs D = 2 x P = 2 ranks over two hosts with the single process's losses, and T = 2 x P = 2
+keeps each tensor-parallel group on one host; a host killed
 mid-run, or cut off mid-step, is named (rank and node) and the run recovers onto the surviving hosts
 from its last checkpoint with the undisturbed run's losses; a shaped link slows the run as the
 simulator, calibrated on the unshaped link, predicts.
@@ -288,6 +289,32 @@ def test_a_replica_spread_over_two_hosts_uses_gloo_while_the_other_keeps_shared_
     assert by_way["shm"] > 0 and by_way["gloo"] > 0, by_way
     assert by_way["shm"] == by_way["gloo"]  # the two replicas send the same hops, one way each
     assert by_way["shm"] + by_way["gloo"] == summary["bytes_sent_per_step"]
+
+
+@TWO_HOSTS
+def test_each_tensor_parallel_group_stays_on_one_host_where_rank_bundles_would_split_one(two_host_cluster, tmp_path):
+    """T = 2 x P = 2 packed onto two 3-CPU hosts: a bundle per rank would put ranks 0-2 on one host and
+    rank 3 on the other, splitting stage 1's tp group over the link; a bundle per tp group keeps
+    each group on one host, stage 0's on one and stage 1's on the other. The pipeline hop crosses
+    the link (gloo carries every hop byte), the tp collectives stay on a host; the single process's
+    losses."""
+    steps = ["--steps", "2"]
+    assert main(["train", *TINY, *steps, "--launcher", "local", "--out", str(tmp_path / "single"), "--quiet"]) == 0
+    out = tmp_path / "run"
+    proc = two_host_cluster.driver([*TINY, *steps, "--stages", "2", "--tensor-parallel", "2", "--device", "cpu",
+                                    "--placement", "PACK", "--timeout", "60", "--no-final-checkpoint"], out)
+    try:
+        assert proc.wait(timeout=300) == 0, (tmp_path / "driver.log").read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = json.loads((out / "summary.json").read_text())
+    assert_same_losses(summary["losses"], losses(tmp_path / "single"))
+    nodes = summary["nodes"]
+    assert nodes[0] == nodes[1] != nodes[2] == nodes[3], nodes  # each tp group on one host, the stages apart
+    assert summary["tp_bytes_per_step"] > 0
+    by_way = summary["bytes_sent_per_step_by_transport"]
+    assert by_way["gloo"] == summary["bytes_sent_per_step"] > 0 and by_way["shm"] == 0, by_way
 
 
 @TWO_HOSTS

@@ -1,12 +1,13 @@
 """The Ray launcher end to end: recovery from a lost actor ends with the undisturbed losses (and the
-other launchers'), generation's greedy tokens, a placement no node can hold, a rank's set-up
+other launchers'), tensor-parallel groups placed as one bundle each (training and generation at
+T = 2 under PACK), generation's greedy tokens, a placement no node can hold, a rank's set-up
 refusal, Ctrl-C and the private local instance (the restart limit, which no launcher changes:
 tests/test_checkpoint.py). A real cluster job (a head started with `ray start`, token
 authentication on, a job submitted with `ray job submit`, refused without the token) is
 test_multihost.py's first test, on two hosts.
 
-Recovery tests share one private local Ray instance (the Ray rank group joins an initialised Ray and
-leaves it running), so Ray's start-up is paid once.
+Most tests share one private local Ray instance of 4 logical CPUs (the Ray rank group joins an
+initialised Ray and leaves it running), so Ray's start-up is paid once.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ SHARED_RAY = pytest.mark.xdist_group("ray-local-instance")
 def local_ray():
     if os.environ.get("RAY_ADDRESS"):
         pytest.skip("RAY_ADDRESS is set: these tests start their own private Ray instance")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=True)
+    # 4 logical CPUs (on however many cores): room for two tensor-parallel groups of 2
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
     yield
     ray.shutdown()
 
@@ -93,16 +95,19 @@ def test_zero_bubble_schedule_through_ray_actors(local_ray, tmp_path):
 
 
 @SHARED_RAY
-def test_tensor_parallel_through_ray_actors(local_ray, tmp_path):
-    """`--tensor-parallel 2` through the Ray launcher (STRICT_PACK: the tp group on one node): two
-    actors sharing both chunks of one stage (the instance has 2 CPUs) train as the unsplit
-    in-process run, and count their tp collectives."""
-    argv = ["train", *TINY, "--stages", "1", "--steps", "2", "--quiet", "--device", "cpu", "--no-final-checkpoint"]
-    assert main([*argv, "--tensor-parallel", "2", "--out", str(tmp_path / "ray")]) == 0
-    assert main([*argv, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
-    assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "inproc"))
+def test_tensor_parallel_groups_through_ray_actors_under_pack(local_ray, tmp_path):
+    """`--tensor-parallel 2 --stages 2 --placement PACK`: each tp group one bundle of 2 CPUs (so on one
+    node whatever the strategy), four actors whose losses equal the local launcher's, the hops
+    between tp lanes in shared memory on this one node, and their tp collectives counted."""
+    argv = ["train", *TINY, "--steps", "2", "--quiet", "--device", "cpu", "--no-final-checkpoint",
+            "--tensor-parallel", "2", "--eval-every", "0"]
+    assert main([*argv, "--placement", "PACK", "--out", str(tmp_path / "ray")]) == 0
+    assert main([*argv, "--launcher", "local", "--out", str(tmp_path / "local")]) == 0
+    assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "local"))
     summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
     assert summary["config"]["pipeline"]["tensor_parallel"] == 2 and summary["tp_bytes_per_step"] > 0
+    assert len(summary["nodes"]) == 4 and len(set(summary["nodes"])) == 1
+    assert summary["bytes_sent_per_step_by_transport"]["shm"] == summary["bytes_sent_per_step"] > 0
 
 
 @SHARED_RAY
@@ -152,15 +157,40 @@ def test_ray_actors_generate_the_single_process_tokens(local_ray):
 
 
 @SHARED_RAY
+def test_ray_actors_generate_the_single_process_tokens_at_tensor_parallel_2(local_ray):
+    """`generate --launcher ray --tensor-parallel 2` at P = 2 under PACK: two tp groups of two actors,
+    each group one bundle, give the single process's greedy tokens."""
+    from attnres_pp.generate.config import GenerationConfig
+    from attnres_pp.generate.engines import SingleProcessGenerator, make_generator
+    from attnres_pp.generate.loop import generate
+    from attnres_pp.pipeline.config import PipelineConfig
+    from tests.pipeline_helpers import build_model, model_config
+
+    cfg = model_config("block", n_layers=4, seq_len=16, n_heads=2)
+    named = {name: p.detach().clone() for name, p in build_model(cfg).named_parameters()}
+    greedy = GenerationConfig(max_new_tokens=8, prefill_chunk=3, temperature=0)
+    want = generate(SingleProcessGenerator(cfg, named), [3, 1, 4, 1, 5], greedy).tokens
+    assert len(set(want)) > 1  # a real sequence, not one token repeated
+    pipe = PipelineConfig(stages=2, tensor_parallel=2, launcher="ray", placement="PACK", timeout_s=60.0)
+    generator = make_generator(cfg, pipe, named, device="cpu")
+    try:
+        assert [(r["pp_rank"], r["tp_rank"]) for r in generator.ranks.setup_results] == [(0, 0), (0, 1), (1, 0),
+                                                                                         (1, 1)]
+        assert generate(generator, [3, 1, 4, 1, 5], greedy).tokens == want
+    finally:
+        generator.close()
+
+
+@SHARED_RAY
 def test_a_placement_no_node_can_hold_is_refused_at_once(local_ray, tmp_path, capsys):
-    """local_ray has one node with 2 CPUs: STRICT_PACK of 3 one-CPU bundles is refused before the
+    """local_ray has one node with 4 CPUs: STRICT_PACK of 5 one-CPU bundles is refused before the
     placement group is created, not after the whole --timeout."""
-    argv = ["train", *TINY, "--stages", "3", "--virtual", "1", "--layers", "3", "--timeout", "60"]
+    argv = ["train", *TINY, "--stages", "5", "--virtual", "1", "--layers", "5", "--timeout", "60"]
     started = time.monotonic()
     assert main([*argv, "--out", str(tmp_path / "run"), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --placement STRICT_PACK needs one node with 3 CPU for 3 bundles of {1 CPU}")
-    assert "node 0: 2 CPU" in err and time.monotonic() - started < 30
+    assert err.startswith("error: --placement STRICT_PACK needs one node with 5 CPU for 5 bundles of {1 CPU}")
+    assert "node 0: 4 CPU" in err and time.monotonic() - started < 30
 
 
 class _SetUpRank:

@@ -7,7 +7,9 @@ import socket
 
 import pytest
 
-from attnres_pp.pipeline.ray_checks import address_host_port, check_placement, check_reachable
+from attnres_pp.pipeline.mesh import RankCoords
+from attnres_pp.pipeline.ray_checks import address_host_port, check_placement, check_reachable, placement_bundles
+from attnres_pp.pipeline.ray_rank_group import ranks_by_node
 
 CPU = {"CPU": 1.0}
 GPU = {"CPU": 1.0, "GPU": 1.0}
@@ -91,3 +93,59 @@ def test_bundles_no_node_has_the_resource_for():
         check_placement([GPU] * 2, "PACK", [node(CPU=4)])
     with pytest.raises(ValueError, match="no alive nodes"):
         check_placement([CPU], "STRICT_PACK", [])
+
+
+def test_a_tensor_parallel_group_is_one_bundle():
+    assert placement_bundles(4) == [{"CPU": 1}] * 4  # T = 1: one bundle per rank, as before
+    assert placement_bundles(8, 2) == [{"CPU": 2}] * 4
+    assert placement_bundles(4, 2, gpu=True) == [{"CPU": 2, "GPU": 2}] * 2
+    with pytest.raises(ValueError, match="3 ranks do not form tensor-parallel groups of 2"):
+        placement_bundles(3, 2)
+
+
+@pytest.mark.parametrize(("stages", "data_parallel", "bundle_nodes", "want", "want_nodes"), [
+    # PACK on two 3-CPU hosts, P = 2, T = 2: a group per host (per-rank bundles would put ranks 0-2 on a)
+    (2, 1, {0: "a", 1: "b"}, [0, 0, 1, 1], "aabb"),
+    # SPREAD, D = 2 x P = 2, T = 2, groups round-robin: each replica's two groups on one node
+    (2, 2, {0: "a", 1: "b", 2: "a", 3: "b"}, [0, 0, 2, 2, 1, 1, 3, 3], "aaaabbbb"),
+    # keys as the placement group table gives them, as strings
+    (1, 2, {"0": "b", "1": "a"}, [0, 0, 1, 1], "bbaa"),
+])
+def test_ranks_of_a_tensor_parallel_group_share_its_bundle_and_node(stages, data_parallel, bundle_nodes, want,
+                                                                    want_nodes):
+    """Global rank g T + t takes tp group g's bundle (the mesh's tp innermost); bundles are ordered node
+    by node, so a replica's pipeline ranks share a node where the placement allows."""
+    tp = 2
+    world = data_parallel * stages * tp
+    bundles = ranks_by_node(bundle_nodes, world // tp, tp)
+    assert bundles == want
+    nodes = [bundle_nodes.get(b, bundle_nodes.get(str(b))) for b in bundles]
+    assert "".join(nodes) == want_nodes
+    for rank in range(world):
+        members = RankCoords(rank, data_parallel, stages, tp).axis_members("tp")
+        assert {nodes[r] for r in members} == {nodes[rank]}  # a tp group on one node
+
+
+def test_tensor_parallel_placements_the_cluster_can_hold():
+    # two 3-CPU hosts: two groups of 2 fit (one per host) where 4 one-rank bundles would split a group
+    check_placement(placement_bundles(4, 2), "PACK", [node(CPU=3), node(CPU=3)], ranks_per_bundle=2)
+    check_placement(placement_bundles(4, 2), "SPREAD", [node(CPU=2), node(CPU=2)], ranks_per_bundle=2)
+    check_placement(placement_bundles(4, 2), "STRICT_PACK", [node(CPU=4)], ranks_per_bundle=2)
+
+
+def test_a_node_smaller_than_a_tensor_parallel_group_is_refused_naming_the_rule():
+    with pytest.raises(ValueError) as refused:
+        check_placement(placement_bundles(8, 4), "SPREAD", [node(CPU=3), node(CPU=3), node(CPU=3)],
+                        ranks_per_bundle=4)
+    assert str(refused.value) == (
+        "--tensor-parallel 4 keeps each tensor-parallel group on one node, which needs a node with 4 CPU, but the "
+        "cluster has node 0: 3 CPU; node 1: 3 CPU; node 2: 3 CPU: use a smaller --tensor-parallel, or nodes with "
+        "4 CPU")
+
+
+def test_tensor_parallel_groups_the_nodes_cannot_all_hold_are_counted_as_groups():
+    # 9 CPUs in all, but three 3-CPU hosts hold one group of 2 each, not the 4 groups asked
+    with pytest.raises(ValueError, match=r"--placement PACK cannot place 4 bundles of \{2 CPU\} \(one per "
+                                         r"tensor-parallel group of 2 ranks\): the cluster's nodes hold only 3 of "
+                                         r"them .*use fewer --stages or --data-parallel \(3 groups fit\)"):
+        check_placement(placement_bundles(8, 2), "PACK", [node(CPU=3)] * 3, ranks_per_bundle=2)

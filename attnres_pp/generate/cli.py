@@ -59,7 +59,7 @@ _PIPE_FLAGS = (
     ("--virtual", "virtual", int, "virtual stages V per rank (default 1)"),
     ("--tensor-parallel", "tensor_parallel", int,
      "tensor-parallel ranks T per stage (P x T rank processes; default 1): each layer split over T ranks, "
-     "the prefill and every decode pass without sequence sharding; --launcher local on cpu"),
+     "the prefill and every decode pass without sequence sharding; --launcher local or ray, on cpu"),
     ("--launcher", "launcher", str, f"how ranks start: {' | '.join(LAUNCHERS)} (default local: one process "
                                     "per rank, or this process alone for P = V = 1)"),
     ("--timeout", "timeout_s", float, "pipeline timeout in seconds (default 120)"),

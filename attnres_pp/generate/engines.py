@@ -42,18 +42,21 @@ def decide_generation_device(requested: str, pipe: PipelineConfig, gpus: int | N
                          gpus=visible_gpus() if gpus is None else gpus).device
 
 
-def check_tensor_parallel_generation(cfg: ModelConfig, pipe: PipelineConfig, requested: str) -> None:
+def check_tensor_parallel_generation(cfg: ModelConfig, pipe: PipelineConfig, requested: str,
+                                     gpus: int | None = None) -> None:
     """ValueError, before any rank starts, for a T > 1 generation this driver cannot run, naming the
     rule: the split (T divides the heads and d_ff), and what runs: rank processes of the local
-    launcher on cpu over gloo, fp32 or bf16. `requested`: the `--device` asked for."""
+    launcher or Ray actors (each tp group on one node), on cpu over gloo, fp32 or bf16. `requested`:
+    the `--device` asked for; `gpus`: where the device is decided (this node's by default, the Ray
+    cluster's once joined)."""
     t = pipe.tensor_parallel
     if t == 1:
         return
-    if pipe.launcher != "local":
+    if pipe.launcher == "inprocess":
         raise ValueError(f"--tensor-parallel {t} does not support --launcher {pipe.launcher} in generation yet "
-                         "(the in-process ranks are threads, and DTensor needs a process group per rank; the "
-                         "Ray generator places no tp groups): use --launcher local")
-    device = decide_generation_device(requested, pipe)
+                         "(the in-process ranks are threads, and DTensor needs a process group per rank): use "
+                         "--launcher local or ray")
+    device = decide_generation_device(requested, pipe, gpus)
     if device != "cpu":
         raise ValueError(f"--tensor-parallel {t} does not support --device {device} yet (tensor parallelism "
                          "runs on cpu over gloo so far): use --device cpu")
@@ -117,6 +120,8 @@ class PipelineGenerator:
         self.ledger = ledger
         try:
             self.ranks = ranks()
+            # "auto" may find GPUs in a Ray cluster, where tensor parallelism does not run yet
+            check_tensor_parallel_generation(cfg, pipe, device, self.ranks.gpus())
             self.device = decide_generation_device(device, pipe, gpus=self.ranks.gpus())
             self.precision = resolve_precision(precision, self.device)
             kwargs = [{"model_cfg_dict": cfg.to_dict(), "pipe_cfg_dict": pipe.to_dict(), "pp_rank": coords.pp_rank,

@@ -266,5 +266,6 @@ def make_rank_group(pipe: PipelineConfig, world_size: int, *, name: str, address
     if pipe.launcher == "ray":
         from attnres_pp.pipeline.ray_rank_group import RayRankGroup
 
-        return RayRankGroup(world_size, pipe.timeout_s, address=address, placement=placement or pipe.placement)
+        return RayRankGroup(world_size, pipe.timeout_s, address=address, placement=placement or pipe.placement,
+                            tensor_parallel=pipe.tensor_parallel)
     raise ValueError(f"launcher={pipe.launcher!r} is unknown: choose local, inprocess or ray")

@@ -68,12 +68,33 @@ def check_reachable(address: str, source: str = "--address", timeout_s: float = 
         ) from None
 
 
-def check_placement(bundles: list[dict[str, float]], strategy: str, nodes: list[dict[str, float]]) -> None:
+def placement_bundles(world_size: int, tensor_parallel: int = 1, *, gpu: bool = False) -> list[dict[str, float]]:
+    """The placement group's bundles for `world_size` ranks: one per tensor-parallel group of T
+    consecutive ranks (one per rank at T = 1), with a CPU (and a GPU when `gpu`) for each of its
+    ranks. Ray puts a bundle whole on one node under every strategy, so a tp group, whose layers'
+    collectives run every layer, never spans nodes; the strategy decides where the groups go."""
+    if tensor_parallel < 1 or world_size % tensor_parallel:
+        raise ValueError(f"{world_size} ranks do not form tensor-parallel groups of {tensor_parallel}")
+    bundle = {"CPU": tensor_parallel, **({"GPU": tensor_parallel} if gpu else {})}
+    return [dict(bundle) for _ in range(world_size // tensor_parallel)]
+
+
+def check_placement(bundles: list[dict[str, float]], strategy: str, nodes: list[dict[str, float]],
+                    ranks_per_bundle: int = 1) -> None:
     """ValueError naming what was asked and what the cluster has unless `nodes` (each node's total
     resources, as `ray.nodes()[i]["Resources"]`) can hold `bundles` under `strategy`: STRICT_PACK needs
-    one node with room for all of them; PACK and SPREAD may use several nodes."""
+    one node with room for all of them; PACK and SPREAD may use several nodes. With `ranks_per_bundle`
+    T > 1 each bundle is a tensor-parallel group (`placement_bundles`), which must fit on one node:
+    when no node has room for one, that rule is the error."""
     asked = _describe_bundles(bundles)
     have = "; ".join(f"node {i}: {_describe(node, bundles)}" for i, node in enumerate(nodes)) or "no alive nodes"
+    if ranks_per_bundle > 1:
+        asked += f" (one per tensor-parallel group of {ranks_per_bundle} ranks)"
+        biggest = max(bundles, key=lambda b: sum(b.values()), default=None)
+        if nodes and biggest is not None and not any(_fits(biggest, node) for node in nodes):
+            raise ValueError(f"--tensor-parallel {ranks_per_bundle} keeps each tensor-parallel group on one node, "
+                             f"which needs a node with {_describe(biggest)}, but the cluster has {have}: use a "
+                             f"smaller --tensor-parallel, or nodes with {_describe(biggest)}")
     if strategy == "STRICT_PACK":
         total = _sum(bundles)
         if not any(_fits(total, node) for node in nodes):
@@ -90,7 +111,12 @@ def check_placement(bundles: list[dict[str, float]], strategy: str, nodes: list[
             node[key] = node.get(key, 0.0) - amount
         placed += 1
     if placed < len(bundles):
-        fix = f"use --stages {placed} or fewer, or add nodes" if placed else "add nodes with these resources"
+        if not placed:
+            fix = "add nodes with these resources"
+        elif ranks_per_bundle > 1:
+            fix = f"use fewer --stages or --data-parallel ({placed} groups fit), or add nodes"
+        else:
+            fix = f"use --stages {placed} or fewer, or add nodes"
         raise ValueError(f"--placement {strategy} cannot place {asked}: the cluster's nodes hold only {placed} of "
                          f"them ({have}); {fix}")
 

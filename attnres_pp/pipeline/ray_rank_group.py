@@ -1,5 +1,7 @@
 """`--launcher ray`: a `RankGroup` (see `rank_group`) of one Ray actor per rank, placed by a placement
-group of one bundle per rank; the only module that starts Ray, places actors or imports `ray`.
+group of one bundle per rank, or under tensor parallelism one per tp group of T ranks, which Ray then
+keeps on one node whatever the strategy (`ray_checks.placement_bundles`); the only module that
+starts Ray, places actors or imports `ray`.
 
 Each actor is a thin shell (`RankActor`) around the worker the group is given (training's
 `StageWorker`, generation's `GenerationWorker`). Ray prefixes an actor's log lines with its repr,
@@ -34,7 +36,13 @@ import time
 
 from attnres_pp.pipeline.config import PLACEMENTS
 from attnres_pp.pipeline.errors import WorkerLost
-from attnres_pp.pipeline.ray_checks import check_placement, check_reachable, node_gpu_views, require_ray
+from attnres_pp.pipeline.ray_checks import (
+    check_placement,
+    check_reachable,
+    node_gpu_views,
+    placement_bundles,
+    require_ray,
+)
 from attnres_pp.pipeline.stage_setup import bind_to_address
 
 # After one rank's task fails, how long to wait for Ray to report a dead peer that caused it: a lost
@@ -48,14 +56,16 @@ class RendezvousError(ValueError):
     ValueError, so the CLI prints it as `error:` and exits 2)."""
 
 
-def ranks_by_node(bundle_nodes: dict, world_size: int) -> list[int]:
+def ranks_by_node(bundle_nodes: dict, n_bundles: int, ranks_per_bundle: int = 1) -> list[int]:
     """Bundle index of each global rank such that ranks on one node are consecutive, nodes in the
     order their first bundle comes (as Ray Train orders its workers): a replica's pipeline ranks
-    then share a node where the placement allows, and their hops stay in shared memory."""
+    then share a node where the placement allows, and their hops stay in shared memory. With
+    `ranks_per_bundle` T > 1 a bundle is a tensor-parallel group: global ranks g T .. g T + T - 1
+    (the mesh's tp innermost) all take the g-th bundle of that order."""
     order: dict = {}
-    for index in range(world_size):
+    for index in range(n_bundles):
         order.setdefault(bundle_nodes.get(index, bundle_nodes.get(str(index))), []).append(index)
-    return [index for indices in order.values() for index in indices]
+    return [index for indices in order.values() for index in indices for _ in range(ranks_per_bundle)]
 
 
 def actor_label(name: str, worker) -> str:
@@ -233,14 +243,15 @@ def _loopback_only(ray):
 
 
 class RayRankGroup:
-    """`world_size` actors placed with `placement` (STRICT_PACK, PACK, SPREAD, STRICT_SPREAD)."""
+    """`world_size` actors placed with `placement` (STRICT_PACK, PACK, SPREAD), each tensor-parallel
+    group of `tensor_parallel` consecutive ranks in one bundle, so on one node."""
 
     one_process = False
     spans_nodes = True
     where = "in the Ray cluster"
 
     def __init__(self, world_size: int, timeout_s: float, *, address: str | None = None,
-                 placement: str = "STRICT_PACK", cpus: int | None = None) -> None:
+                 placement: str = "STRICT_PACK", cpus: int | None = None, tensor_parallel: int = 1) -> None:
         require_ray()  # before `import ray`: a missing package is one line, not a traceback
         import ray
 
@@ -248,6 +259,7 @@ class RayRankGroup:
             raise ValueError(f"placement={placement!r} is invalid: choose one of {', '.join(PLACEMENTS)}")
         self._ray = ray
         self.world_size, self.timeout_s, self.placement = world_size, timeout_s, placement
+        self.tensor_parallel = tensor_parallel
         self.actors, self._pg, self.started_ray = [], None, False
         self.setup_results: list = []
         self.rank_nodes: list[tuple[str, str]] = []
@@ -284,32 +296,36 @@ class RayRankGroup:
         return int(self._ray.cluster_resources().get("GPU", 0))
 
     def start(self, worker_cls: type, rank_kwargs: list[dict], *, device: str = "cpu") -> list:
-        """Placement group, one actor per rank in its bundle, GPU views, rendezvous and process group."""
+        """Placement group, one actor per rank in its (tp group's) bundle, GPU views, rendezvous and
+        process group."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._worker = (worker_cls, rank_kwargs, device)
         ray, world, use_gpu = self._ray, self.world_size, device == "cuda"
-        bundle = {"CPU": 1, **({"GPU": 1} if use_gpu else {})}
+        bundles = placement_bundles(world, self.tensor_parallel, gpu=use_gpu)
         # A group no node can hold would wait out the whole timeout: refuse it now, saying why.
-        check_placement([bundle] * world, self.placement, [n["Resources"] for n in ray.nodes() if n["Alive"]])
-        self._pg = placement_group([bundle] * world, strategy=self.placement)
+        check_placement(bundles, self.placement, [n["Resources"] for n in ray.nodes() if n["Alive"]],
+                        ranks_per_bundle=self.tensor_parallel)
+        self._pg = placement_group(bundles, strategy=self.placement)
         ready, _ = ray.wait([self._pg.ready()], timeout=self.timeout_s)
         if not ready:
             raise RuntimeError(
-                f"Ray could not place {world} bundles of {bundle} with {self.placement} within "
+                f"Ray could not place {len(bundles)} bundles of {bundles[0]} with {self.placement} within "
                 f"{self.timeout_s:.0f} s: the cluster has {ray.cluster_resources()}; add resources or use "
                 "--placement PACK/SPREAD for several nodes"
             )
+        # Each actor takes one rank's share of its bundle (a tp group's T actors share theirs).
         actor_cls = ray.remote(num_cpus=1, num_gpus=1 if use_gpu else 0, max_restarts=0)(RankActor)
-        bundles = ranks_by_node(ray.util.placement_group_table(self._pg)["bundles_to_node_id"], world)
+        rank_bundles = ranks_by_node(ray.util.placement_group_table(self._pg)["bundles_to_node_id"], len(bundles),
+                                     self.tensor_parallel)
         # The driver's ATTNRES_PP_* settings (ATTNRES_PP_SHM, ATTNRES_PP_SOCKET_IFNAME, ...) hold for
         # its ranks too, on whichever node they run.
         env_vars = {k: v for k, v in os.environ.items() if k.startswith("ATTNRES_PP_")}
         runtime_env = {"runtime_env": {"env_vars": env_vars}} if env_vars else {}
         self.actors = [
             actor_cls.options(**runtime_env, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self._pg, placement_group_bundle_index=bundles[rank])).remote(
+                placement_group=self._pg, placement_group_bundle_index=rank_bundles[rank])).remote(
                     worker_cls, rank_kwargs[rank])
             for rank in range(world)
         ]
