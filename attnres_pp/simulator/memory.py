@@ -55,6 +55,7 @@ from attnres_pp.simulator.memory_features import (  # noqa: F401 (re-exported: b
     checkpoint_features,
     depth_segments,
     matmul_parameters,
+    recompute_passes,
 )
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -192,16 +193,49 @@ def stored_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, to
     1/T: (d + 3d/T), (d/T + width), (d + f/T), (f/T + width) per token and layer."""
     if chunk_index == 0:
         return 0
+    layer, head = store_bytes_per_layer(cfg, tokens=tokens, dtype=dtype, tensor_parallel=tensor_parallel,
+                                        sequence_parallel=sequence_parallel)
+    return partition.layers_per_chunk[chunk_index] * layer + (chunk_index == partition.n_chunks - 1) * head
+
+
+def store_bytes_per_layer(cfg: ModelConfig, *, tokens: int, dtype: str, tensor_parallel: int = 1,
+                          sequence_parallel: bool = False) -> tuple[int, int]:
+    """(one transformer layer's, the head's) share of `stored_bytes` for one microbatch."""
     d, f, width, t = cfg.d_model, cfg.ff_dim, cfg.source_width, tensor_parallel
     if sequence_parallel and t > 1:
         tokens //= t
         per_layer = (d + 3 * d) + (d + width) + (d + f) + (f + width)
     else:
         per_layer = (d + 3 * d // t) + (d // t + width) + (d + f // t) + (f // t + width)
-    elements = partition.layers_per_chunk[chunk_index] * per_layer
-    if chunk_index == partition.n_chunks - 1:
-        elements += d + cfg.vocab_size
-    return tokens * elements * DTYPE_BYTES[dtype]
+    return tokens * per_layer * DTYPE_BYTES[dtype], tokens * (d + cfg.vocab_size) * DTYPE_BYTES[dtype]
+
+
+def input_peak_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, transient_units: dict[str, float], *,
+                     tokens: int, dtype: str, transient_correction: int = 0, tensor_parallel: int = 1,
+                     sequence_parallel: bool = False) -> float:
+    """The peak inside I above what F saved, derived for a chunk of several layers under `full`
+    checkpointing where the linear layers' weights are the leaves themselves (fp32: under bf16
+    autocast they enter through their casts, and I's engine call returns their weight-sized
+    gradients at its end instead, `pipeline.weight_store`).
+
+    I recomputes the layers last to first and stashes each layer's linear operands as it goes
+    (`store_bytes_per_layer`: the recomputed inputs and the output gradients, alive until W), so
+    while layer j is recomputed the stores of the head and of every layer after j are alive beside
+    it: the peak is the largest over j of layer j's recomputation (the units' `transient` with j's
+    pass as the last, less the inputs only the later layers kept, `recompute_passes`) plus those
+    stores. With several layers that is usually an early layer's, which no linear form of the
+    chunk's features can follow (fitted, it was 25% off on chunks twice the grid's width)."""
+    n_sequences = max(1, tokens // cfg.seq_len)
+    tp = {"tensor_parallel": tensor_parallel, "sequence_parallel": sequence_parallel}
+    layer, head = store_bytes_per_layer(cfg, tokens=tokens, dtype=dtype, **tp)
+    store = head if chunk_index == partition.n_chunks - 1 else 0
+    peak = 0.0
+    for features, later_inputs in reversed(recompute_passes(cfg, partition, chunk_index, tokens=tokens,
+                                                            n_sequences=n_sequences, dtype=dtype, **tp)):
+        recompute = max(0.0, _linear(features, transient_units)) + transient_correction
+        peak = max(peak, recompute - later_inputs * DTYPE_BYTES[dtype] + store)
+        store += layer
+    return peak
 
 
 # ---- the attention kernel: measured (flash) and derived (math) ----
@@ -293,6 +327,12 @@ def activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *
               for target in CHECKPOINT_TARGETS}
     if chunk_index == 0:  # its I has no inputs: nothing runs there, W is the whole backward
         values["input_transient"] = values["input_kept"] = 0.0
+    elif activation_checkpoint == "full" and dtype == "fp32" and partition.layers_per_chunk[chunk_index] > 1:
+        # Several layers: I peaks while an early layer is recomputed beside the later ones' stores
+        # (derived, `input_peak_bytes`); with one, late, beside the whole store, as fitted.
+        peak = input_peak_bytes(cfg, partition, chunk_index, units["transient"], tokens=tokens, dtype=dtype,
+                                transient_correction=correction.get("transient", 0), **tp)
+        values["input_transient"] = max(0.0, peak - max(values["transient"], values["input_kept"] - values["saved"]))
     # Under checkpointing the store is what the fitted units say I leaves (`input_kept`): the
     # linear layers' inputs there are recomputed tensors, some shared with what F kept.
     return ChunkActivation(**{target: round(value) for target, value in values.items()},

@@ -8,7 +8,9 @@ units of `memory_units.json` multiply (`bench.memory_units` fits them, `simulato
   source buffers of n_blocks + 1 rows and its own segments: `all_*` sums the layers' passes (what
   the forward keeps, what I recomputes and keeps until W), `last_*` is the chunk's last layer (the
   one a backward recomputes first, with the most sources), `out_*` what runs outside the layers
-  (the embedding; the final read, norm and LM head).
+  (the embedding; the final read, norm and LM head);
+- `recompute_passes`: the same columns with each layer's pass in turn as `last_*`, for the
+  recomputation of an earlier layer (I's peak in a chunk of several layers, `simulator.memory`).
 """
 
 from __future__ import annotations
@@ -172,3 +174,34 @@ def checkpoint_features(cfg: ModelConfig, partition: Partition, chunk_index: int
         if dtype == "bf16" else 0,
     }
     return features
+
+
+def recompute_passes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, n_sequences: int,
+                     dtype: str, tensor_parallel: int = 1,
+                     sequence_parallel: bool = False) -> list[tuple[dict[str, float], int]]:
+    """Per transformer layer j of the chunk, first to last: (the `CHECKPOINT_FEATURES` with j's pass
+    as the `last_*` columns, the elements of the chunk's inputs that only the layers after j keep).
+
+    A backward recomputes the layers last to first; the units' `transient` prices the recomputation
+    of the last one above what F saved. The same form with layer j's pass in its place prices layer
+    j's, less what the layers after j no longer keep by then: their frames' inputs that j does not
+    read (the blocks completed inside the chunk before them, and their input partials or residuals)."""
+    sp = sequence_parallel and tensor_parallel > 1
+    t, width = (tokens // tensor_parallel if sp else tokens), cfg.source_width
+    split = 1 if sp else tensor_parallel
+    chunk = checkpoint_features(cfg, partition, chunk_index, tokens=tokens, n_sequences=n_sequences, dtype=dtype,
+                                tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel)
+    sublayers = partition.sublayer_range(chunk_index)
+    starts = list(range(sublayers.start, sublayers.stop, 2))
+    passes = [_layer_pass(cfg, range(s, min(sublayers.stop, s + 2)), tokens=t, n_sequences=n_sequences, dtype=dtype,
+                          split=split, tensor_parallel=tensor_parallel) for s in starts]
+
+    def held(start: int) -> int:  # blocks a layer starting at sublayer `start` keeps as its inputs
+        return 1 + completed_blocks(start, cfg.block_ends) if cfg.uses_depth_attention else 0
+
+    result = []
+    for j, layer in enumerate(passes):
+        features = chunk | {f"last_{n}": float(layer[n]) for n in _PASS}
+        blocks = (held(starts[-1]) - held(starts[j])) * t * width
+        result.append((features, blocks + sum(p["in_partial_tw"] for p in passes[j + 1:])))
+    return result
