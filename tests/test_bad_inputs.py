@@ -203,16 +203,14 @@ CASES = [
      "choose one of never, always"),
     ("train-fsdp-inprocess", [*TRAIN, *OUT, "--dp-shard", "fsdp", "--launcher", "inprocess"], None,
      "use --launcher local or ray"),
-    # --fault-tolerance replicas: D >= 2 local replicated pipelines, one rank per chunk, on cpu
+    # --fault-tolerance replicas: D >= 2 replicated pipelines (P x T ranks each), local or Ray, on cpu
     ("train-ft-unknown", [*TRAIN, *OUT, "--fault-tolerance", "always"], None, "fault_tolerance='always'"),
     ("train-ft-one-replica", [*TRAIN, *OUT, "--fault-tolerance", "replicas"], None,
      "does not support --data-parallel 1"),
     ("train-ft-inprocess", [*TRAIN, *OUT, "--fault-tolerance", "replicas", "--data-parallel", "2", "--launcher",
                             "inprocess"], None, "does not support --launcher inprocess"),
     ("train-ft-fsdp", [*TRAIN, *OUT, "--fault-tolerance", "replicas", "--data-parallel", "2", "--dp-shard", "fsdp"],
-     None, "does not support --dp-shard fsdp"),
-    ("train-ft-tp", [*TRAIN, *OUT, "--fault-tolerance", "replicas", "--data-parallel", "2", "--tensor-parallel", "2"],
-     None, "does not support --tensor-parallel 2"),
+     None, "does not support --dp-shard fsdp (FSDP over the D replicas would shard each replica's state across"),
     ("train-ft-cuda", [*TRAIN, *OUT, "--fault-tolerance", "replicas", "--data-parallel", "2", "--device", "cuda"],
      None, "does not support --device cuda"),
     ("train-ft-min-replicas-above-d", [*TRAIN, *OUT, "--fault-tolerance", "replicas", "--data-parallel", "2",

@@ -1,7 +1,8 @@
 """`--fault-tolerance replicas` (docs/ray.md, "Fault tolerance across replicas"): D = 2 replica
 groups of P = 2 local rank processes, each a torchft replica group. A fault-free run trains as the
 plain D = 2 run (the same losses); a rank of group 1 lost mid-step restarts group 1 alone while
-group 0 commits every step, group 1 heals from group 0 and every group ends bitwise equal; under
+group 0 commits every step, group 1 heals from group 0 and every group ends bitwise equal; the
+same with groups of P = 2 x T = 2 tensor-parallel ranks (their healing state as local shards); under
 `--min-replicas 2` group 0 waits for group 1 instead (again the plain run's losses); the wait is
 bounded by `--timeout`; under the Ray launcher only the lost group's actors restart; without
 torchft the option is one error line."""
@@ -112,15 +113,16 @@ def test_under_ray_only_the_lost_groups_actors_restart(corpus, plain, tmp_path, 
     assert "stopped answering (its actor died)" in got["recoveries"][0]["cause"]
 
 
-def check_recovered_alone(run, plain) -> dict:
-    """What a run that lost global rank 3 at step 3 and recovered it alone must show; its summary."""
+def check_recovered_alone(run, plain, rank: int = 3) -> dict:
+    """What a run that lost global rank `rank` (of group 1) at step 3 and recovered it alone must show;
+    its summary."""
     got = summary(run)
     steps = records(run)
     assert [r["step"] for r in steps] == list(range(STEPS))
     assert all(0 in r["replica_groups"] for r in steps)  # group 0 never lost or repeated a step
     assert got["restarts"] == 0 and got["replica_restarts"] == [0, 1]
     [recovery] = got["recoveries"]
-    assert recovery["replica"] == 1 and recovery["lost_at_step"] == 2 and "global rank 3" in recovery["cause"]
+    assert recovery["replica"] == 1 and recovery["lost_at_step"] == 2 and f"global rank {rank}:" in recovery["cause"]
     assert recovery["rejoined_at_step"] >= 2 and steps[-1]["replica_groups"] == [0, 1]
     assert all(r["replica_groups"] == [0, 1] for r in steps[recovery["rejoined_at_step"]:])
     assert got["participants_per_step"] == [len(r["replica_groups"]) for r in steps]
@@ -128,6 +130,149 @@ def check_recovered_alone(run, plain) -> dict:
     tolerance = skipped_share_tolerance(plain["losses"], got["participants_per_step"], 2)
     assert abs(got["losses"][-1] - plain["losses"][-1]) <= tolerance
     return got
+
+
+# Tensor parallelism in the replica groups: D = 2 groups of P = 2 stages x T = 2 tp ranks (8 local
+# processes), each group a process group of its 4 ranks whose Managers pair group rank pp x T + tp
+# with the same group rank of the other group.
+TP = ["--stages", "2", "--tensor-parallel", "2"]
+
+
+@pytest.fixture(scope="module")
+def plain_tp(corpus, tmp_path_factory):
+    """The D = 2 x P = 2 x T = 2 run without fault tolerance: the reference losses."""
+    run = tmp_path_factory.mktemp("ft") / "plain_tp"
+    assert main([*ARGS, *TP, "--data", str(corpus), "--out", str(run)]) == 0
+    return summary(run)
+
+
+@pytest.mark.distributed
+def test_fault_free_tensor_parallel_replica_groups_train_as_the_plain_run(corpus, plain_tp, tmp_path):
+    """Each rank averages its local gradient shards with the same group rank of the other group, the
+    sequence-parallel partial gradients summed over tp first: the plain run's losses, bitwise."""
+    run = tmp_path / "ft_tp"
+    assert main([*ARGS, *TP, *FT, "--data", str(corpus), "--out", str(run)]) == 0
+    got = summary(run)
+    assert got["losses"] == plain_tp["losses"] and got["val_loss"] == plain_tp["val_loss"]
+    assert got["participants_per_step"] == [2] * STEPS
+    assert got["replicas_equal"] is True and got["restarts"] == 0 and got["recoveries"] == []
+    assert got["tp_bytes_per_step"] == plain_tp["tp_bytes_per_step"] > 0  # the replicas' reduction is not tp's
+
+
+@pytest.mark.distributed
+def test_a_lost_tensor_parallel_rank_restarts_its_group_of_p_x_t_ranks_which_heals(corpus, plain_tp, tmp_path):
+    """Global rank 5 (group 1, pp 0, tp 1) exits mid-step 3: group 0 commits every step once; group 1's
+    4 ranks restart together and heal, each from the same (pp, tp) rank of group 0 (its weight shards
+    and their AdamW moments as local tensors); all end bitwise equal, shard for shard."""
+    run = tmp_path / "hit_tp"
+    assert main([*ARGS, *TP, *FT, "--data", str(corpus), "--inject-failure", "5:3", "--out", str(run)]) == 0
+    got = check_recovered_alone(run, plain_tp, rank=5)
+    assert "rank 1 exited" in got["recoveries"][0]["cause"]  # its index in the group: pp 0 x T + tp 1
+
+
+def test_a_ranks_place_in_its_replica_group():
+    """Group rank = pp x T + tp (tp innermost, as the mesh lays ranks out) = the global rank less its
+    group's first; the same group rank in every group holds the same (pp, tp) coordinates, so the
+    Managers pair ranks that hold the same shards; the group's process group is a one-replica mesh."""
+    from attnres_pp.pipeline.mesh import RankCoords
+    from attnres_pp.train.ft_groups import replica_rank
+    from attnres_pp.train.ft_worker import group_coords, group_rank
+
+    d, p, t = 3, 2, 2
+    for rank in range(d * p * t):
+        coords = RankCoords(rank, d, p, t)
+        index = group_rank(coords)
+        assert index == rank % (p * t) and replica_rank(coords.dp_rank, index, p * t) == rank
+        inside = group_coords(coords)
+        assert (inside.dp_rank, inside.pp_rank, inside.tp_rank) == (0, coords.pp_rank, coords.tp_rank)
+        assert [group_rank(RankCoords(peer, d, p, t)) for peer in coords.axis_members("pp")] == \
+            [q * t + coords.tp_rank for q in range(p)]  # `pipeline_peers`: this tp rank's stages
+        for other in range(d):
+            twin = RankCoords(replica_rank(other, index, p * t), d, p, t)
+            assert (twin.dp_rank, twin.pp_rank, twin.tp_rank) == (other, coords.pp_rank, coords.tp_rank)
+    assert group_rank(RankCoords(3, 2, 2)) == 1  # T = 1: the pp rank, as before
+
+
+def test_healing_state_travels_as_local_shards_and_loads_as_dtensors_again():
+    """`local_state` holds plain tensors only (torchft's transport pickles it), and `load_local_state`
+    into another rank's parameters and a fresh AdamW rebuilds every moment of a DTensor parameter as a
+    DTensor with the parameter's placements (the fused qkv's strided shard included): the next AdamW
+    step of the two is bitwise the same. One process, a fake 2-rank process group (no collectives)."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from attnres_pp.train.config import TrainConfig
+    from attnres_pp.train.ft_worker import load_local_state, local, local_state
+    from attnres_pp.train.optim import build_optimizer
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+
+        def as_param_like(p, tensor):  # `tensor` (a local shard) laid out as `p`
+            if not isinstance(p, DTensor):
+                return tensor
+            return DTensor.from_local(tensor, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                      stride=p.stride())
+
+        def params(seed: int) -> dict:
+            generator = torch.Generator().manual_seed(seed)
+
+            def held(shape, placement):
+                whole = (shape[0] * (1 if placement.is_replicate() else 2), *shape[1:])
+                return torch.nn.Parameter(DTensor.from_local(
+                    torch.randn(shape, generator=generator), mesh, [placement], run_check=False,
+                    shape=torch.Size(whole), stride=torch.empty(whole).stride()))
+
+            return {"layers.0.attn.qkv.weight": held((6, 4), _StridedShard(0, split_factor=3)),
+                    "layers.0.mlp.up.weight": held((8, 4), Shard(0)),
+                    "layers.0.attn.norm.weight": held((4,), Replicate()),
+                    "embed.weight": torch.nn.Parameter(torch.randn(10, 4, generator=generator))}
+
+        def step(optimizer, grads: dict) -> None:
+            for p, grad in grads.items():
+                p.grad = as_param_like(p, grad.clone())
+            optimizer.step()
+
+        live = params(0)
+        live_optimizer = build_optimizer(live.items(), TrainConfig())
+        for seed in (1, 2):
+            generator = torch.Generator().manual_seed(seed)
+            step(live_optimizer, {p: torch.randn(local(p.detach()).shape, generator=generator)
+                                  for p in live.values()})
+        sent = local_state(live, live_optimizer)
+        leaves = [*sent["params"].values(), *(v for entry in sent["optimizer"]["state"].values()
+                                              for v in entry.values())]
+        assert leaves and all(type(v) is torch.Tensor for v in leaves)  # no DTensor travels
+        healed = params(3)
+        healed_optimizer = build_optimizer(healed.items(), TrainConfig())
+        load_local_state(healed, healed_optimizer, pickle.loads(pickle.dumps(sent)))
+        for name in live:
+            assert torch.equal(local(live[name].detach()), local(healed[name].detach()))
+        want, got = live_optimizer.state_dict()["state"], healed_optimizer.state_dict()["state"]
+        assert want.keys() == got.keys()
+        for index, entry in want.items():
+            for key, value in entry.items():
+                assert type(got[index][key]) is type(value)
+                if isinstance(value, DTensor):
+                    assert got[index][key].placements == value.placements and got[index][key].shape == value.shape
+                assert torch.equal(local(got[index][key]), local(value))
+        generator = torch.Generator().manual_seed(4)
+        grads = [torch.randn(local(p.detach()).shape, generator=generator) for p in live.values()]
+        step(live_optimizer, dict(zip(live.values(), grads, strict=True)))
+        step(healed_optimizer, dict(zip(healed.values(), grads, strict=True)))
+        for name in live:
+            assert torch.equal(local(live[name].detach()), local(healed[name].detach()))
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.distributed

@@ -66,7 +66,7 @@ def step_reply(polls: int, step: int, committed: bool, participants: int) -> tup
 
 def _engine(monkeypatch, groups: list[ReplicaGroup], steps: int = 8) -> FtEngine:
     engine = FtEngine.__new__(FtEngine)  # the step loop only: no ranks, no Lighthouse
-    engine.run_cfg = SimpleNamespace(pipeline=SimpleNamespace(stages=STAGES, timeout_s=10.0),
+    engine.run_cfg = SimpleNamespace(pipeline=SimpleNamespace(stages=STAGES, tensor_parallel=1, timeout_s=10.0),
                                      train=SimpleNamespace(steps=steps))
     engine.groups = groups
     engine.static_extras = {"lighthouse": "http://lighthouse.invalid:1"}

@@ -53,7 +53,10 @@ class TensorParallelBytes(TorchDispatchMode):
     def _over_tp(self, group) -> bool:
         name = group.group_name
         if name not in self._is_tp:
-            self._is_tp[name] = tuple(dist.get_process_group_ranks(group)) == self.members
+            try:
+                self._is_tp[name] = tuple(dist.get_process_group_ranks(group)) == self.members
+            except KeyError:  # a group c10d does not hold (torchft's, across replica groups): not tp
+                self._is_tp[name] = False
         return self._is_tp[name]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -230,8 +230,10 @@ def check_tensor_parallel_split(model: ModelConfig, pipe: PipelineConfig) -> Non
 
 def check_fault_tolerance(train: TrainConfig, pipe: PipelineConfig) -> None:
     """ValueError for a fault-tolerance setting this run cannot use: replica groups need D >= 2
-    replicated pipelines of one rank per chunk on the cpu, as local processes or Ray actors under any
-    placement (`train.ft_engine`)."""
+    replicated pipelines (each of P x T ranks: P stages, each chunk shared by T tensor-parallel
+    ranks) on the cpu, as local processes or Ray actors (under any placement at T = 1; a T > 1 run
+    is held to what tensor parallelism runs under, `engines.check_tensor_parallel_runs`)
+    (`train.ft_engine`)."""
     if train.fault_tolerance == "off":
         if train.lighthouse or train.min_replicas != 1:
             flag = "--lighthouse" if train.lighthouse else "--min-replicas"
@@ -245,10 +247,10 @@ def check_fault_tolerance(train: TrainConfig, pipe: PipelineConfig) -> None:
     elif pipe.launcher == "inprocess":
         refusal = "--launcher inprocess (a replica group restarts as processes of its own): use --launcher local or ray"
     elif pipe.dp_shard != "replicate":
-        refusal = (f"--dp-shard {pipe.dp_shard} (a replica group heals from a peer holding the whole state): "
+        refusal = (f"--dp-shard {pipe.dp_shard} (FSDP over the D replicas would shard each replica's state across "
+                   "the replica groups, so a lost group takes shards that no live group holds and nothing could heal "
+                   "it; sharding within a group, as HSDP does, would need a shard axis inside each group): "
                    "use --dp-shard replicate")
-    elif pipe.tensor_parallel != 1:
-        refusal = f"--tensor-parallel {pipe.tensor_parallel} (one rank per chunk in a replica group): drop it"
     elif train.device == "cuda":
         refusal = ("--device cuda (replica groups reduce over torchft's gloo process group so far): "
                    "use --device cpu")

@@ -1,16 +1,16 @@
 """FtEngine: a pipelined run whose D replicas are torchft replica groups (`--fault-tolerance
-replicas`, docs/ray.md). Each replica's P ranks are a rank group of their own (local processes, or
-Ray actors in a placement group of their own; a P-rank process group; `train.ft_groups`), each
-rank an `FtStageWorker` with a torchft Manager; the engine starts one torchft Lighthouse for the
-job (or joins `--lighthouse`).
+replicas`, docs/ray.md). Each replica's P x T ranks (P stages of T tensor-parallel ranks) are a
+rank group of their own (local processes, or Ray actors in a placement group of their own; a
+process group of their P x T ranks; `train.ft_groups`), each rank an `FtStageWorker` with a
+torchft Manager; the engine starts one torchft Lighthouse for the job (or joins `--lighthouse`).
 
 A step: the engine sends every live group `ft_step` and waits for the groups that are live. A
 group whose rank is lost (WorkerLost) is stopped and started again in the background, alone; the
 other groups' reduction with it fails, so their attempt does not commit and they train the same
 step again with the quorum they have (`--min-replicas`, default 1), while the restarted group's
 ranks build their chunks. Once started it is sent the step too: its ranks join the next quorum,
-heal from a live group's same pp rank (parameters, AdamW and RNG state, over torchft's checkpoint
-transport) and commit that step with the others. A step's result is the committing groups'
+heal from a live group's same group rank (parameters, AdamW and RNG state, over torchft's
+checkpoint transport) and commit that step with the others. A step's result is the committing groups'
 replies: the loss is their share of the global batch's mean. When every group is lost the engine
 raises WorkerLost, and the training loop restarts the whole job from its last checkpoint.
 
@@ -45,7 +45,7 @@ from attnres_pp.schedule.trace import write_chrome_trace
 from attnres_pp.train.checkpoint import read_meta
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.devices import resolve_train
-from attnres_pp.train.ft_groups import ReplicaGroup, public
+from attnres_pp.train.ft_groups import ReplicaGroup, public, replica_rank
 from attnres_pp.train.ft_worker import FtStageWorker
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.pipeline_engine import _absolute, check_shared_out_dir, mean_eval_loss
@@ -116,7 +116,8 @@ class FtEngine:
         self.device = "cpu"
         self.record_timelines = record_timelines
         self._trace_step = min(1, train.steps - 1)
-        self.stats = StepStatsLog(n_chunks=pipe.n_chunks, replica0_ranks=list(range(pipe.stages)))
+        self.stats = StepStatsLog(n_chunks=pipe.n_chunks,
+                                  replica0_ranks=[p * pipe.tensor_parallel for p in range(pipe.stages)])
         self.participants_per_step: list[int] = []
         self.recoveries: list[dict] = []
         self.groups: list[ReplicaGroup] = []
@@ -131,12 +132,12 @@ class FtEngine:
                                         "lighthouse": lighthouse, "min_replicas": train.min_replicas}
             data_path = resolve_data_path(self.run_cfg.train.data)
             for group in self.groups:
-                d = group.replica
-                group.kwargs = [{"run_cfg_dict": self.run_cfg.to_dict(), "rank": d * pipe.stages + p,
+                ranks = [replica_rank(group.replica, index, self.group_size) for index in range(self.group_size)]
+                group.kwargs = [{"run_cfg_dict": self.run_cfg.to_dict(), "rank": rank,
                                  "data_path": data_path, "lighthouse": lighthouse,
-                                 "fail_at_step": fail_at[1] if fail_at is not None and fail_at[0] == d * pipe.stages + p
-                                 else None, "fail_in_allreduce": fail_at is not None and fail_at[2:] == ("allreduce",)}
-                                for p in range(pipe.stages)]
+                                 "fail_at_step": fail_at[1] if fail_at is not None and fail_at[0] == rank else None,
+                                 "fail_in_allreduce": fail_at is not None and fail_at[2:] == ("allreduce",)}
+                                for rank in ranks]
                 group.ranks.start(FtStageWorker, group.kwargs, device="cpu")
             described = self.groups[0].ranks.setup_results
             self.backend = described[0]["backend"]
@@ -149,15 +150,15 @@ class FtEngine:
             raise
 
     def _rank_group(self, replica: int, address: str | None, placement: str | None):
-        """Replica `replica`'s P ranks: local processes, or Ray actors in a placement group of their own
+        """Replica `replica`'s P x T ranks: local processes, or Ray actors in a placement group of their own
         (the first group's Ray instance, when it starts one, has a CPU for every rank of the run)."""
         pipe = self.run_cfg.pipeline
         if pipe.launcher == "ray":
             from attnres_pp.pipeline.ray_rank_group import RayRankGroup
 
-            return RayRankGroup(pipe.stages, pipe.timeout_s, address=address, placement=placement or pipe.placement,
+            return RayRankGroup(self.group_size, pipe.timeout_s, address=address, placement=placement or pipe.placement,
                                 cpus=pipe.world_size)
-        return ProcessRankGroup(pipe.stages, pipe.timeout_s, name=f"attnres-pp-replica{replica}")
+        return ProcessRankGroup(self.group_size, pipe.timeout_s, name=f"attnres-pp-replica{replica}")
 
     def _start_lighthouse(self, min_replicas: int) -> str:
         from torchft.coordination import LighthouseServer
@@ -172,6 +173,11 @@ class FtEngine:
         return at_host(address, self.groups[0].ranks.driver_address())
 
     @property
+    def group_size(self) -> int:
+        """A replica group's ranks: P stages x T tensor-parallel ranks."""
+        return self.run_cfg.pipeline.stages * self.run_cfg.pipeline.tensor_parallel
+
+    @property
     def train_cfg(self):
         return self.run_cfg.train
 
@@ -180,7 +186,7 @@ class FtEngine:
 
     # ---- groups: loss, restart in the background, join ----
     def _lose(self, group: ReplicaGroup, lost: WorkerLost, step: int) -> None:
-        group.lose(lost, step, self.run_cfg.pipeline.stages)
+        group.lose(lost, step, self.group_size)
 
     def _poll_restarts(self) -> None:
         for group in self.groups:
@@ -205,7 +211,7 @@ class FtEngine:
             for group in self.groups:
                 if (group.state == wanted and wanted in states and not group.in_flight
                         and group.replica not in answered):
-                    group.ranks.send("ft_step", [(want_events,)] * self.run_cfg.pipeline.stages)
+                    group.ranks.send("ft_step", [(want_events,)] * self.group_size)
                     group.in_flight = True
                     joined += wanted == "joining"
 
@@ -305,7 +311,7 @@ class FtEngine:
             return
         ready = behind + [g for g in self.groups if g.replica in committed]
         for group in ready:
-            group.ranks.send("ft_heal", [()] * self.run_cfg.pipeline.stages)
+            group.ranks.send("ft_heal", [()] * self.group_size)
         steps = {g.replica: g.ranks.gather("the heal round after the last step") for g in ready}
         if len({s for replies in steps.values() for s in replies}) != 1:
             raise RuntimeError(f"the heal round after step {step + 1} left the groups at different steps: {steps}")
@@ -344,8 +350,10 @@ class FtEngine:
         replicas = sorted(committed)
         replies = [reply[3] for replica in replicas for reply in committed[replica]]
         traced = self.out_dir is not None and step == self._trace_step
-        loss, extras, metrics = self.stats.add(replies, len(replicas) * self.run_cfg.train.microbatches,
-                                               driver_bytes, traced)
+        # each of the last stage's T tp ranks reports its microbatches' losses (under sequence parallelism
+        # its shard's mean): the mean over them all is the committing groups' share of the batch's mean
+        n_losses = len(replicas) * self.run_cfg.train.microbatches * self.run_cfg.pipeline.tensor_parallel
+        loss, extras, metrics = self.stats.add(replies, n_losses, driver_bytes, traced)
         for group in self.groups:  # since a group's loss: the first step committed, and without it
             if group.lost is None:
                 continue
@@ -407,7 +415,7 @@ class FtEngine:
         return routing_metrics(self._live_call("routing_sums", what="routing statistics"))
 
     def save_checkpoint(self, step_dir) -> None:
-        """One live group's P ranks write the shards (every group holds the same state)."""
+        """One live group's P x T ranks write the shards (every group holds the same state)."""
         self._live_call("save_shard", _absolute(step_dir), what="checkpoint save")
 
     def begin_checkpoint(self, step_dir) -> float:

@@ -1,4 +1,4 @@
-"""ReplicaGroup: one replica's P ranks under `--fault-tolerance replicas` (`train.ft_engine`) and
+"""ReplicaGroup: one replica's P x T ranks under `--fault-tolerance replicas` (`train.ft_engine`) and
 where the group stands, with its restart in the background: a lost group's ranks are stopped and
 started again (without any injected failure) on a thread of the driver, while the engine goes on
 stepping the others; the engine polls it (`poll_restart`) and sends the group its step once it is
@@ -11,6 +11,11 @@ import time
 from dataclasses import dataclass
 
 RESTARTS_PER_GROUP = 3  # a group lost more often than this stays out of the run
+
+
+def replica_rank(replica: int, index: int, group_size: int) -> int:
+    """The global rank of rank `index` of replica group `replica` (groups of `group_size` = P x T ranks)."""
+    return replica * group_size + index
 
 
 @dataclass
@@ -32,11 +37,12 @@ class ReplicaGroup:
     error: BaseException | None = None
     lost: dict | None = None
 
-    def lose(self, lost: Exception, step: int, stages: int) -> None:
-        """Stop the group's ranks and start them again in the background (WorkerLost `lost` at 0-based `step`)."""
+    def lose(self, lost: Exception, step: int, group_size: int) -> None:
+        """Stop the group's ranks and start them again in the background (WorkerLost `lost` at 0-based
+        `step`; its `pp_rank` is the lost rank's index in the group of `group_size` = P x T ranks)."""
         self.ranks.stop_ranks()
         self.in_flight = False
-        rank = self.replica * stages + max(getattr(lost, "pp_rank", 0), 0)
+        rank = replica_rank(self.replica, max(getattr(lost, "pp_rank", 0), 0), group_size)
         self.lost = {"replica": self.replica, "lost_at_step": step,
                      "cause": f"global rank {rank}: " + (str(lost).splitlines() or [""])[0], "lost_s": time.monotonic()}
         if self.restarts >= RESTARTS_PER_GROUP:

@@ -1,14 +1,18 @@
 """FtStageWorker: a `StageWorker` in a torchft replica group (`--fault-tolerance replicas`,
-`train.ft_engine`). Replica d's P ranks form a world of their own (their pipeline p2p and the
-gradient norm's sum over pp), so one group can be restarted alone; each rank runs a torchft
-`Manager` (replica id = d, group rank = pp rank, group world size = P) whose fault-tolerant gloo
-process group averages stage p's gradients with stage p of the other participating groups, in
-place of the mesh's dp axis. A step is applied only where `manager.should_commit()` agrees.
+`train.ft_engine`). Replica d's P x T ranks (P stages, each chunk shared by T tensor-parallel ranks)
+form a world of their own (their pipeline p2p, the tp mesh's collectives, the gradient norm's sums
+over pp and tp), so one group can be restarted alone; each rank runs a torchft `Manager` (replica id
+= d, group rank = its index in the group, pp_rank x T + tp_rank, tp innermost as the mesh lays ranks
+out; group world size = P x T) whose fault-tolerant gloo process group averages this rank's gradient
+shards with those of the same group rank of the other participating groups, in place of the mesh's
+dp axis. A step is applied only where `manager.should_commit()` agrees.
 
 The step a rank trains is the Manager's (`current_step()`): the one its group committed last plus
 one, or, for a group that joins after a restart, the step of the live groups it heals from. A
-healing rank receives from the same pp rank of a live group, through the Manager's state-dict
-callbacks (torchft's checkpoint transport, not the disk), its parameters, AdamW state and RNG state.
+healing rank receives from the same group rank of a live group, through the Manager's state-dict
+callbacks (torchft's checkpoint transport, not the disk), its parameters, AdamW state and RNG state;
+a tensor-parallel weight and its AdamW moments travel as the rank's local shard (`local_state`) and
+are made DTensors of this rank's mesh again on arrival (`load_local_state`).
 
 Under Ray a group's ranks, and the groups, may run on different nodes: rank 0's store, its
 ManagerServer and every rank's checkpoint server are advertised at the rank's node address.
@@ -26,27 +30,93 @@ from datetime import timedelta
 
 import torch
 
-from attnres_pp.pipeline.mesh import RankCoords
+from attnres_pp.pipeline.mesh import MeshCollectives, RankCoords
 from attnres_pp.train.grad_sync import ensure_grads, flat_buckets
+from attnres_pp.train.memory_report import grad_bytes
 from attnres_pp.train.optim import lr_at
 from attnres_pp.train.stage_worker import StageWorker
 from attnres_pp.train.step_stats import StepReply
 
 
-class PipelineCollectives:
-    """The collectives of a rank whose process group is its replica's P ranks: only the "pp" axis
-    (the gradient norm's sum); the replicas' axis goes through the torchft Manager."""
+def group_rank(coords: RankCoords) -> int:
+    """The rank's index in its replica group, pp_rank x T + tp_rank (tp innermost, as the mesh lays
+    ranks out): its rank in the group's process group and its torchft Manager's group rank, which
+    pairs it with the rank of the same (pp, tp) coordinates in every other group."""
+    return coords.pp_rank * coords.tensor_parallel + coords.tp_rank
 
-    def __init__(self, coords: RankCoords) -> None:
+
+def group_coords(coords: RankCoords) -> RankCoords:
+    """The rank's coordinates in its replica group's process group: those of a one-replica run."""
+    return RankCoords(group_rank(coords), 1, coords.stages, coords.tensor_parallel)
+
+
+class ReplicaGroupCollectives:
+    """The collectives of a rank whose process group is its replica group's P x T ranks: "pp" (the
+    gradient norm's sum), "tp" (the split layers' partial gradients and their norm) and "world" (the
+    group's ranks: MSAR's tied convolutions); the replicas' axis ("dp") goes through the torchft
+    Manager. At T > 1 they run over the group's ("dp", "pp", "tp") DeviceMesh of one replica, whose
+    `mesh["tp"]` the layers are split over; at T = 1 the group's ranks are its pp ranks and no mesh
+    is built."""
+
+    def __init__(self, coords: RankCoords, device_type: str) -> None:
         self.coords = coords
+        self._mesh = MeshCollectives(group_coords(coords), device_type) if coords.tensor_parallel > 1 else None
+        self.mesh = None if self._mesh is None else self._mesh.mesh
 
     def all_reduce(self, tensor: torch.Tensor, axis: str) -> None:
         import torch.distributed as dist
 
-        if axis != "pp":
-            raise ValueError(f"axis {axis!r}: a replica group's process group holds only its pp ranks")
-        if self.coords.stages > 1:
+        if axis == "dp":
+            raise ValueError("axis 'dp': a replica group's process group holds one replica; the replicas reduce "
+                             "through the torchft Manager")
+        if self._mesh is not None:
+            self._mesh.all_reduce(tensor, axis)
+        elif axis not in ("pp", "world", "tp"):
+            raise ValueError(f"axis {axis!r} is unknown: choose pp, tp or world")
+        elif axis != "tp" and self.coords.stages > 1:
             dist.all_reduce(tensor)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (an alias: writing it writes the DTensor), or `tensor` itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_state(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> dict:
+    """What a live rank sends the same group rank of a healing group: its parameters and optimizer
+    state, every DTensor as its local shard. Plain tensors only: torchft's transport pickles what
+    the state_dict callback returns, and a DTensor would carry its mesh and process group along."""
+    optim = optimizer.state_dict()
+    return {"params": {name: local(p.detach()) for name, p in params.items()},
+            "optimizer": {**optim, "state": {index: {key: local(value) if torch.is_tensor(value) else value
+                                                     for key, value in entry.items()}
+                                             for index, entry in optim["state"].items()}}}
+
+
+def load_local_state(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """`local_state`'s counterpart, in place: each parameter's local shard copied in, and the optimizer
+    state loaded with every moment of a DTensor parameter (a tensor of its local shard's shape) made a
+    DTensor of that parameter's mesh and placements again (the sender's layout is this rank's: the
+    same group rank of the same run). The step counts stay plain tensors, as AdamW keeps them."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for name, p in params.items():
+            local(p.detach()).copy_(state["params"][name])
+    ordered = [p for group in optimizer.param_groups for p in group["params"]]  # state_dict's indices
+
+    def as_held(p: torch.Tensor, value):
+        if isinstance(p, DTensor) and torch.is_tensor(value) and value.shape == p.to_local().shape:
+            return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                      stride=p.stride())
+        return value
+
+    optim = state["optimizer"]
+    optimizer.load_state_dict({**optim, "state": {index: {key: as_held(ordered[index], value)
+                                                          for key, value in entry.items()}
+                                                  for index, entry in optim["state"].items()}})
 
 
 def url_host(address: str) -> str:
@@ -85,16 +155,18 @@ class FtStageWorker(StageWorker):
 
     @property
     def process_group_rank(self) -> int:
-        return self.pp_rank
+        return group_rank(self.coords)
 
     def pipeline_peers(self) -> list[int]:
-        return list(range(self.run_cfg.pipeline.stages))
+        """The group ranks of this rank's pipeline: this tp rank's, one per stage."""
+        t = self.run_cfg.pipeline.tensor_parallel
+        return [p * t + self.coords.tp_rank for p in range(self.run_cfg.pipeline.stages)]
 
-    def make_collectives(self, device: torch.device) -> PipelineCollectives:
-        return PipelineCollectives(self.coords)
+    def make_collectives(self, device: torch.device) -> ReplicaGroupCollectives:
+        return ReplicaGroupCollectives(self.coords, device.type)
 
     def join_process_group(self, init_method: str, world_size: int) -> dict:
-        """Join this replica's P-rank process group, then start this rank's torchft Manager (the
+        """Join this replica's P x T-rank process group, then start this rank's torchft Manager (the
         group's rank 0 hosts the TCPStore the group's Managers meet at and serves the group's
         ManagerServer, which joins the Lighthouse)."""
         import torch.distributed as dist
@@ -113,7 +185,7 @@ class FtStageWorker(StageWorker):
         # resolve on another node, or resolve to loopback. Local rank processes share this machine.
         reached_at = self.node_ip if self.run_cfg.pipeline.launcher == "ray" and self.node_ip else None
         store_host = reached_at or "127.0.0.1"
-        if self.pp_rank == 0:
+        if self.process_group_rank == 0:
             self.store = dist.TCPStore(store_host, 0, is_master=True, wait_for_workers=False)
         where = [(store_host, self.store.port) if self.store is not None else None]
         dist.broadcast_object_list(where, src=0)
@@ -124,48 +196,55 @@ class FtStageWorker(StageWorker):
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=self.load_peer_state, state_dict=self.peer_state,
             min_replica_size=train.min_replicas, use_async_quorum=False, timeout=timeout, quorum_timeout=timeout,
-            connect_timeout=timeout, rank=self.pp_rank, world_size=self.run_cfg.pipeline.stages,
+            connect_timeout=timeout, rank=self.process_group_rank,
+            world_size=self.coords.stages * self.coords.tensor_parallel,
             store_addr=store_host, store_port=store_port, lighthouse_addr=self.lighthouse,
             replica_id=f"replica_{self.dp_rank}", init_sync=False, **advertised)
         return described
 
-    # ---- healing: what a live group's rank sends the same pp rank of a joining group ----
+    # ---- healing: what a live group's rank sends the same group rank of a joining group ----
     def peer_state(self) -> dict:
-        return {"params": {name: p.detach() for name, p in self.params.items()},
-                "optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()}
+        return {**local_state(self.params, self.optimizer), "rng": torch.get_rng_state()}
 
     def load_peer_state(self, state: dict) -> None:
-        with torch.no_grad():
-            for name, p in self.params.items():
-                p.copy_(state["params"][name])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_local_state(self.params, self.optimizer, state)
         torch.set_rng_state(state["rng"])
 
     # ---- one fault-tolerant step ----
     def sync_gradients(self) -> None:
         """Average the gradients over the participating replica groups through the Manager (AVG:
-        the sum divided by the participants); MSAR's tied convolutions are first summed over this
-        group's P ranks. A failed reduction is the Manager's error: the step does not commit."""
+        the sum divided by the participants), each rank its local shards with the same group rank
+        of the others. Under sequence parallelism the partial gradients of what every tp rank holds
+        whole are first summed over tp, as without fault tolerance; MSAR's tied convolutions are
+        first summed over this group's P x T ranks (divided by the tp ranks that computed the same
+        ones). A failed reduction is the Manager's error: the step does not commit."""
         ensure_grads(self.untied + self.tied)
         if self.fail_in_allreduce_at is not None and self.manager.current_step() == self.fail_in_allreduce_at:
             os._exit(17)
+        if self.tp.active:
+            self.tp.sum_partial_grads(self.untied, self.collectives)
         for bucket in flat_buckets(self.untied):
             self._average(bucket)
         if self.tied:
-            flat = torch.cat([p.grad.reshape(-1) for p in self.tied])
-            self.collectives.all_reduce(flat, "pp")
-            self._write_back(self.tied, flat)
+            grads = [local(p.grad) for p in self.tied]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.collectives.all_reduce(flat, "world")
+            if self.tp.tied_copies != 1:
+                flat.div_(self.tp.tied_copies)
+            self._write_back(grads, flat)
             self._average(self.tied)
+        self._grad_bytes = grad_bytes(self.params.values())  # before the optimizer step drops them
 
     def _average(self, params: list) -> None:
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        grads = [local(p.grad) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
         self.manager.allreduce(flat).wait()
-        self._write_back(params, flat)
+        self._write_back(grads, flat)
 
     @staticmethod
-    def _write_back(params: list, flat: torch.Tensor) -> None:
-        for p, piece in zip(params, flat.split([p.grad.numel() for p in params]), strict=True):
-            p.grad.copy_(piece.view_as(p.grad))
+    def _write_back(grads: list[torch.Tensor], flat: torch.Tensor) -> None:
+        for g, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            g.copy_(piece.view_as(g))
 
     def ft_step(self, want_events: bool = False) -> tuple[int, bool, int, StepReply]:
         """Join the step's quorum (healing first if this group is behind), train the Manager's step,
@@ -188,7 +267,7 @@ class FtStageWorker(StageWorker):
 
     def ft_heal(self) -> int:
         """One quorum round without training (after the run's last step): a rank whose group is behind
-        heals from the same pp rank of a group that committed it. Returns the Manager's step."""
+        heals from the same group rank of a group that committed it. Returns the Manager's step."""
         self.manager.start_quorum()
         return self.manager.current_step()
 
@@ -197,11 +276,13 @@ class FtStageWorker(StageWorker):
         self.manager.load_state_dict({"step": step, "batches_committed": 0})
 
     def param_digest(self) -> str:
-        """sha256 of this rank's parameters, by name (replica groups compare them bitwise)."""
+        """sha256 of this rank's parameters (a DTensor's local shard), by name (replica groups compare
+        them bitwise, group rank by group rank)."""
         digest = hashlib.sha256()
         for name in sorted(self.params):
             digest.update(name.encode())
-            digest.update(self.params[name].detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+            held = local(self.params[name].detach())
+            digest.update(held.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()
 
     def close(self) -> None:
