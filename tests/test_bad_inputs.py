@@ -240,8 +240,6 @@ CASES = [
      "larger than a node's 1 ranks (GPUs visible on this node)"),
     ("train-tp-failure-rank", [*TRAIN, *OUT, "--tensor-parallel", "2", "--stages", "2", "--inject-failure", "4:1"],
      None, "RANK must be in 0..3 (--stages 2 x --tensor-parallel 2)"),
-    ("train-tp-inprocess", [*TRAIN, *OUT, "--tensor-parallel", "2", "--launcher", "inprocess"], None,
-     "does not support --launcher inprocess"),
     ("train-tp-ray-spread", [*TRAIN, *OUT, "--tensor-parallel", "2", "--launcher", "ray", "--placement", "SPREAD",
                              "--device", "cpu"], None, "does not support --placement SPREAD"),
     ("train-tp-ray-auto", [*TRAIN, *OUT, "--tensor-parallel", "2", "--launcher", "ray"], None,

@@ -45,14 +45,14 @@ def decide_generation_device(requested: str, pipe: PipelineConfig, gpus: int | N
 def check_tensor_parallel_generation(cfg: ModelConfig, pipe: PipelineConfig, requested: str) -> None:
     """ValueError, before any rank starts, for a T > 1 generation this driver cannot run, naming the
     rule: the split (T divides the heads and d_ff), and what runs: rank processes of the local
-    launcher on cpu over gloo, fp32 or bf16. `requested`: the `--device` asked for."""
+    launcher over gloo, or in-process threads over the threaded process group, on cpu, fp32 or bf16.
+    `requested`: the `--device` asked for."""
     t = pipe.tensor_parallel
     if t == 1:
         return
-    if pipe.launcher != "local":
+    if pipe.launcher not in ("local", "inprocess"):
         raise ValueError(f"--tensor-parallel {t} does not support --launcher {pipe.launcher} in generation yet "
-                         "(the in-process ranks are threads, and DTensor needs a process group per rank; the "
-                         "Ray generator places no tp groups): use --launcher local")
+                         "(the Ray generator places no tp groups): use --launcher local or inprocess")
     device = decide_generation_device(requested, pipe)
     if device != "cpu":
         raise ValueError(f"--tensor-parallel {t} does not support --device {device} yet (tensor parallelism "

@@ -41,7 +41,8 @@ def check_tensor_parallel_runs(run_cfg: RunConfig) -> None:
     """ValueError, before any rank starts, for a T > 1 run this driver cannot start: a tp group
     larger than this node's GPUs (a --device cuda run of the local launcher), and what the runtime
     does not run with tensor parallelism yet (each refusal names it). What runs: local rank
-    processes, or Ray actors on one node (STRICT_PACK), over gloo on cpu, fp32 or bf16, the torch
+    processes, or Ray actors on one node (STRICT_PACK), over gloo on cpu, or in-process threads over
+    the threaded process group (`pipeline.threaded_process_group`), fp32 or bf16, the torch
     kernels, every schedule (the split backward's included), cache on or off, D replicas of
     replicated parameters or of FSDP2 shards (D dividing d_model), every activation checkpointing
     policy, and every variant with or without sequence parallelism."""
@@ -52,10 +53,7 @@ def check_tensor_parallel_runs(run_cfg: RunConfig) -> None:
         pipe.check_tensor_parallel_fits_node(_gpus(), "GPUs visible on this node")
     on_gpu = train.device == "cuda" or (train.device == "auto" and _gpus() >= pipe.world_size)
     not_yet = None
-    if pipe.launcher == "inprocess":
-        not_yet = ("--launcher inprocess (its ranks are threads of one process, and DTensor needs a process "
-                   "group per rank): use --launcher local or ray")
-    elif pipe.launcher == "ray" and pipe.placement != "STRICT_PACK":
+    if pipe.launcher == "ray" and pipe.placement != "STRICT_PACK":
         not_yet = (f"--placement {pipe.placement} (the ray launcher does not yet keep each tp group on one node "
                    "when ranks span nodes): use --placement STRICT_PACK")
     elif pipe.launcher == "ray" and train.device != "cpu":
