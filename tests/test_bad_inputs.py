@@ -238,8 +238,6 @@ CASES = [
      "larger than a node's 1 ranks (GPUs visible on this node)"),
     ("train-tp-failure-rank", [*TRAIN, *OUT, "--tensor-parallel", "2", "--stages", "2", "--inject-failure", "4:1"],
      None, "RANK must be in 0..3 (--stages 2 x --tensor-parallel 2)"),
-    ("train-tp-inprocess", [*TRAIN, *OUT, "--tensor-parallel", "2", "--launcher", "inprocess"], None,
-     "does not support --launcher inprocess"),
     ("train-tp-ray-auto", [*TRAIN, *OUT, "--tensor-parallel", "2", "--launcher", "ray"], None,
      "does not support --device auto under --launcher ray"),
     ("train-tp-msar-halo", [*TRAIN, *OUT, "--tensor-parallel", "2", "--residual", "msar"], None,

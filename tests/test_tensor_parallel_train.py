@@ -10,6 +10,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from attnres_pp.cli import main
 
@@ -154,3 +155,32 @@ def test_a_checkpoint_resumes_at_another_tensor_parallel_size(runs, tmp_path, so
     # (step index 2) follows that step's AdamW update, so it checks the loaded moments too.
     assert _close([v for _step, v in resumed["val_losses"]], [v for _step, v in uninterrupted["val_losses"]])
     assert _close(_grad_norms(run_dir), _grad_norms(runs / "t1"))
+
+
+def test_an_in_process_tensor_parallel_run_trains_as_the_local_one(runs, tmp_path):
+    """`--launcher inprocess --tensor-parallel 2`: rank threads over torch's threaded process group give
+    the local rank processes' losses, clipping norms, validation losses, hop bytes and checkpoint, and
+    that checkpoint resumes in-process to the uninterrupted losses."""
+    from attnres_pp.train.shards import read_parameters
+
+    run_dir = tmp_path / "inprocess"
+    assert main([*RUN, "--stages", "2", "--tensor-parallel", "2", "--launcher", "inprocess",
+                 "--out", str(run_dir)]) == 0
+    threads, local = _summary(run_dir), _summary(runs / "t2")
+    assert threads["config"]["pipeline"]["launcher"] == "inprocess"
+    assert _close(threads["losses"], local["losses"]), (threads["losses"], local["losses"])
+    assert _close(_grad_norms(run_dir), _grad_norms(runs / "t2"))
+    assert _close([v for _step, v in threads["val_losses"]], [v for _step, v in local["val_losses"]])
+    assert threads["bytes_sent_per_step_per_rank"] == local["bytes_sent_per_step_per_rank"]
+    assert threads["params_per_rank"] == local["params_per_rank"]
+    # rank 0 writes every thread rank's state, each split weight made whole
+    got = read_parameters(run_dir / "checkpoints" / "step_3")
+    want = read_parameters(runs / "t2" / "checkpoints" / "step_3")
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert torch.allclose(got[name], value, rtol=1e-5, atol=1e-6), name
+    shutil.rmtree(run_dir / "checkpoints" / "step_3")  # resume from step 2, in-process
+    assert main(["train", "--resume", str(run_dir), "--launcher", "inprocess", "--quiet"]) == 0
+    resumed = _summary(run_dir)
+    assert _close(resumed["losses"], local["losses"]), (resumed["losses"], local["losses"])
+    assert _close(_grad_norms(run_dir), _grad_norms(runs / "t2"))

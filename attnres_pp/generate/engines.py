@@ -46,16 +46,12 @@ def check_tensor_parallel_generation(cfg: ModelConfig, pipe: PipelineConfig, req
                                      gpus: int | None = None) -> None:
     """ValueError, before any rank starts, for a T > 1 generation this driver cannot run, naming the
     rule: the split (T divides the heads and d_ff), and what runs: rank processes of the local
-    launcher or Ray actors (each tp group on one node), on cpu over gloo, fp32 or bf16. `requested`:
-    the `--device` asked for; `gpus`: where the device is decided (this node's by default, the Ray
-    cluster's once joined)."""
+    launcher or Ray actors (each tp group on one node) over gloo, or in-process threads over the
+    threaded process group, on cpu, fp32 or bf16. `requested`: the `--device` asked for; `gpus`:
+    where the device is decided (this node's by default, the Ray cluster's once joined)."""
     t = pipe.tensor_parallel
     if t == 1:
         return
-    if pipe.launcher == "inprocess":
-        raise ValueError(f"--tensor-parallel {t} does not support --launcher {pipe.launcher} in generation yet "
-                         "(the in-process ranks are threads, and DTensor needs a process group per rank): use "
-                         "--launcher local or ray")
     device = decide_generation_device(requested, pipe, gpus)
     if device != "cpu":
         raise ValueError(f"--tensor-parallel {t} does not support --device {device} yet (tensor parallelism "

@@ -122,11 +122,14 @@ class GenerationWorker:
         parallelize_layers(self.cfg, layers, tp_mesh, sequence_parallel=False)
         self.params = rank_parameters(self.chunks, self.model)
 
-    def join_threads(self, device: torch.device, transport, collectives, peers) -> dict:
+    def join_threads(self, device: torch.device, transport, collectives, peers, tp_mesh=None) -> dict:
         """Run as one of the threads of a `ThreadRankGroup`, over its loopback `transport` (generation
-        needs no collectives)."""
+        needs no collectives of its own); under tensor parallelism the layers split over `tp_mesh`
+        (the tp axis of the threads' own mesh)."""
         self.peers = peers
         self._attach(device, transport)
+        if self.pipe.tensor_parallel > 1:
+            self._split_layers(tp_mesh)
         return self.describe("loopback")
 
     def _attach(self, device: torch.device, transport) -> None:
@@ -162,7 +165,7 @@ class GenerationWorker:
             logits = self.runtime.run_pass(batch_size, pieces, tokens_by_piece, all_logits)
         else:
             self.runtime.start_pass(batch_size, pieces, tokens_by_piece, all_logits)
-            self.peers.run_together(self.pp_rank, self.runtime, "generation pass")
+            self.peers.run_together(self.rank, self.runtime, "generation pass")
             logits = self.runtime.finish_pass()
         return None if logits is None else logits.cpu()
 

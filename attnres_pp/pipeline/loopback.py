@@ -57,12 +57,21 @@ def run_in_turns(runtimes: list, what: str) -> None:
     """Run started runtimes (training or generation: anything with `finished`, `next_ready()`,
     `run_next()`, `actions`, `cursor`, `pp_rank`) to their ends in this process, each taking its next
     action when it can; raises naming every rank's next action if none can move."""
-    while not all(r.finished for r in runtimes):
-        progressed = False
-        for runtime in runtimes:
-            if not runtime.finished and runtime.next_ready():
-                runtime.run_next()
-                progressed = True
-        if not progressed:
-            stuck = {r.pp_rank: str(r.actions[r.cursor]) for r in runtimes if not r.finished}
-            raise RuntimeError(f"loopback {what} is stuck; next actions per pipeline rank: {stuck}")
+    index = -1
+    while (index := next_turn(runtimes, index, what)) is not None:
+        runtimes[index].run_next()
+
+
+def next_turn(runtimes: list, last: int, what: str) -> int | None:
+    """The index of the runtime that takes the next turn after runtime `last` took one (-1: none yet):
+    the first after it, in order and round again, whose next action can run; None once all have
+    finished. Sweeping in order, each ready runtime runs one action per sweep. Raises RuntimeError
+    naming every rank's next action if none can move."""
+    if all(r.finished for r in runtimes):
+        return None
+    for step in range(1, len(runtimes) + 1):
+        index = (last + step) % len(runtimes)
+        if not runtimes[index].finished and runtimes[index].next_ready():
+            return index
+    stuck = {r.pp_rank: str(r.actions[r.cursor]) for r in runtimes if not r.finished}
+    raise RuntimeError(f"loopback {what} is stuck; next actions per pipeline rank: {stuck}")

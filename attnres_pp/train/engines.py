@@ -42,9 +42,11 @@ def check_tensor_parallel_runs(run_cfg: RunConfig) -> None:
     larger than this node's GPUs (a --device cuda run of the local launcher), and what the runtime
     does not run with tensor parallelism yet (each refusal names it). What runs: local rank
     processes, or Ray actors under any placement (each tp group one bundle, so on one node), over
-    gloo on cpu, fp32 or bf16, the torch kernels, every schedule (the split backward's included),
-    cache on or off, D replicas of replicated parameters or of FSDP2 shards (D dividing d_model),
-    every activation checkpointing policy, and every variant with or without sequence parallelism."""
+    gloo on cpu, or in-process threads over the threaded process group
+    (`pipeline.threaded_process_group`), fp32 or bf16, the torch kernels, every schedule (the split
+    backward's included), cache on or off, D replicas of replicated parameters or of FSDP2 shards (D
+    dividing d_model), every activation checkpointing policy, and every variant with or without
+    sequence parallelism."""
     pipe, train, t = run_cfg.pipeline, run_cfg.train, run_cfg.pipeline.tensor_parallel
     if t == 1:
         return
@@ -52,10 +54,7 @@ def check_tensor_parallel_runs(run_cfg: RunConfig) -> None:
         pipe.check_tensor_parallel_fits_node(_gpus(), "GPUs visible on this node")
     on_gpu = train.device == "cuda" or (train.device == "auto" and _gpus() >= pipe.world_size)
     not_yet = None
-    if pipe.launcher == "inprocess":
-        not_yet = ("--launcher inprocess (its ranks are threads of one process, and DTensor needs a process "
-                   "group per rank): use --launcher local or ray")
-    elif pipe.launcher == "ray" and train.device != "cpu":
+    if pipe.launcher == "ray" and train.device != "cpu":
         not_yet = (f"--device {train.device} under --launcher ray (tensor parallelism runs on cpu over gloo so "
                    "far, and auto could pick the cluster's GPUs): use --device cpu")
     elif on_gpu:

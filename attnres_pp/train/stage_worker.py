@@ -55,7 +55,7 @@ from attnres_pp.train.optim import build_optimizer, optimizer_step
 from attnres_pp.train.rank_data import MicrobatchLists, RankData
 from attnres_pp.train.shards import load_shard, rng_stream, save_shard, shard_state
 from attnres_pp.train.step_stats import StepReply
-from attnres_pp.train.tp_rank import RankTensorParallel, held_over_tp
+from attnres_pp.train.tp_rank import RankTensorParallel, held_over_tp, whole_dtensors
 
 # A driver-fed batch for one rank: its replica's rows of (inputs, targets), either half None when
 # the rank does not need it. Only tests and benchmarks feed batches; training runs read their own.
@@ -160,11 +160,14 @@ class StageWorker:
         """The collectives over the joined process group: the whole ("dp", "pp") mesh."""
         return MeshCollectives(self.coords, device.type)
 
-    def join_threads(self, device: torch.device, transport, collectives: Collectives, peers) -> dict:
+    def join_threads(self, device: torch.device, transport, collectives: Collectives, peers, tp_mesh=None) -> dict:
         """Run as one of the threads of a `ThreadRankGroup`: hops over the loopback `transport`,
-        collectives between threads, actions in turns with the others (`peers.run_together`)."""
+        collectives between threads, actions in turns with the others (`peers.run_together`); under
+        tensor parallelism the layers split over `tp_mesh` (the tp axis of the threads' own mesh)."""
         self.peers = peers
         self.attach(device, transport, collectives)
+        if self.tp.active:
+            self._split_layers(tp_mesh)
         return self.describe("loopback")
 
     def _split_layers(self, tp_mesh) -> None:
@@ -371,7 +374,7 @@ class StageWorker:
         if self.peers is None:
             save_shard(step_dir, state, distributed=self.distributed)
         else:
-            states = self.peers.gather(self.rank, state)
+            states = self.peers.gather(self.rank, whole_dtensors(state))
             if states is not None:
                 merged: dict = {}
                 for rank_state in states:
@@ -387,7 +390,7 @@ class StageWorker:
             self.background_save = BackgroundSave(self.run_cfg.pipeline.timeout_s)
         state = shard_state(self.model, self.params, self.optimizer, self.rng_stream)
         if self.peers is not None:
-            states = self.peers.gather(self.rank, state)
+            states = self.peers.gather(self.rank, whole_dtensors(state))
             if states is None:
                 return 0.0
             state = {key: value for rank_state in states for key, value in rank_state.items()}

@@ -167,6 +167,15 @@ def whole_strided(state: dict) -> dict:
     return {key: value.full_tensor() if _strided(value) else value for key, value in state.items()}
 
 
+def whole_dtensors(state: dict) -> dict:
+    """`state` with every DTensor made whole: what a thread rank hands to rank 0, which writes the
+    states of all the in-process ranks as one process's (a DTensor's value there would be one tp
+    rank's shard). A collective over tp, as `whole_strided`."""
+    from torch.distributed.tensor import DTensor
+
+    return {key: value.full_tensor() if isinstance(value, DTensor) else value for key, value in state.items()}
+
+
 def whole_targets(state: dict) -> Callable[[dict], dict]:
     """Replace, in place, each strided DTensor target of a checkpoint load by a whole tensor of its
     global shape (what `whole_strided` saved, and what a T = 1 run saves); returns the function that,
