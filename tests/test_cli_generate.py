@@ -189,8 +189,6 @@ MISTAKES = [
      "p2p_semantics='mpi'"),
     (["--resume", "{run}", "--prompt", "x", "--max-new-tokens", "2", "--tensor-parallel", "3"],
      "--tensor-parallel 3 does not divide the checkpoint's 2 heads"),
-    (["--resume", "{run}", "--prompt", "x", "--max-new-tokens", "2", "--tensor-parallel", "2", "--launcher",
-      "ray"], "--tensor-parallel 2 does not support --launcher ray in generation"),
     (["--resume", "{run}", "--prompt", "x", "--max-new-tokens", "2", "--tensor-parallel", "0"],
      "tensor_parallel=0"),
     (["--resume", "{run}", "--prompt", "x", "--max-new-tokens", "2", "--threads", "0"],
