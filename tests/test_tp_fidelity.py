@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from attnres_pp.bench.fidelity_tp import CALIBRATION, CASES, TpCase, analyse, reanalyse
+from attnres_pp.bench.fidelity_tp import (
+    CALIBRATION,
+    CASES,
+    LAYER_PROBE_LAYERS,
+    LAYER_PROBE_PLANS,
+    TpCase,
+    analyse,
+    layer_probe_case,
+    reanalyse,
+)
 from attnres_pp.bench.tp_probe import KINDS, fit_links, fit_ring_link, host_costs
 from attnres_pp.simulator.tensor_parallel import (
     TensorParallel,
@@ -115,24 +124,37 @@ def test_the_analysis_predicts_runs_simulated_from_known_tp_costs():
     """Runs simulated from a known truth (units 3x the probe's level, the tp links and host cost):
     the analysis calibrates on the T = 1 run alone and predicts every run exactly with all three tp
     terms, too fast with the work divided alone; the controls are exact under every model."""
-    probe = _probe(layer=(1e-3, 2.1e-3), add=(1e-5, 2e-5), embed=(2e-4, 1e-4), head=(5e-4, 7e-4),
+    # No adds: the layer probe's runs (standard residual) then differ by layers alone.
+    probe = _probe(layer=(1e-3, 2.1e-3), embed=(2e-4, 1e-4), head=(5e-4, 7e-4),
                    merge=(5e-5, 8e-5), phase1=lambda n, k: (2e-5 + 1e-5 * n + 1e-6 * n * k, 5e-5 + 2e-5 * n))
-    truth_probe = _probe(layer=(3e-3, 6.3e-3), add=(3e-5, 6e-5), embed=(6e-4, 3e-4), head=(1.5e-3, 2.1e-3),
+    truth_probe = _probe(layer=(3e-3, 6.3e-3), embed=(6e-4, 3e-4), head=(1.5e-3, 2.1e-3),
                          merge=(1.5e-4, 2.4e-4),
                          phase1=lambda n, k: (6e-5 + 3e-5 * n + 3e-6 * n * k, 1.5e-4 + 6e-5 * n))
     tp_costs = TensorParallelCosts(links=LINKS, layer_host_s=HOST)
     calibration_shape = CALIBRATION.shape()
     truth = _calibration(truth_probe, calibration_shape)
     cases = [CASES[0], CASES[1], CASES[2], CASES[8]]
-    kept = {"units": probe, "warmup": 0, "tp_probe": {"links": LINKS, "layer_host_s": HOST, "group": 2},
+    alone = {"sp": {"fwd": 1.0, "bwd": 1.0}, "no_sp": {"fwd": 1.0, "bwd": 1.0}}  # the isolated probe: far off
+
+    def runs(case: TpCase) -> list:
+        return _measured_steps(case.shape(tp_costs), truth.costs(case.shape(tp_costs)))
+
+    layer_runs = {plan: {str(n): runs(layer_probe_case(plan, n)) for n in LAYER_PROBE_LAYERS}
+                  for plan in LAYER_PROBE_PLANS}
+    kept = {"units": probe, "warmup": 0, "layer_runs": layer_runs,
+            "tp_probe": {"links": LINKS, "layer_host_s": alone, "group": 2},
             "calibration": _measured_steps(calibration_shape, truth.costs(calibration_shape)),
             "runs": [[dataclasses.asdict(c), _measured_steps(c.shape(tp_costs), truth.costs(c.shape(tp_costs)))]
                      for c in cases]}
     result = analyse(json.loads(json.dumps(kept)), lambda line: None)  # through JSON, as a kept file
+    for plan in HOST:  # the runtime probe recovers the truth's host cost from runs it never predicts
+        for direction in ("fwd", "bwd"):
+            assert result["layer_host_in_runs_s"][plan][direction] == pytest.approx(HOST[plan][direction], rel=1e-9)
     for row in result["cases"]:
         assert row["error"] == pytest.approx(0.0, abs=1e-6), row["label"]
         if row["tensor_parallel"] > 1:
             assert row["work_only_error"] < row["collectives_error"] < -0.05, row["label"]
+            assert row["layer_alone_error"] > 1.0, row["label"]  # a host cost of 1 s per layer
     assert result["summary"]["full"]["max_abs"] < 1e-6 and result["summary"]["tp_runs"] == 3
 
 
@@ -145,14 +167,18 @@ def test_a_tp_case_runs_what_it_labels():
     assert TpCase("1f1b", 1, 4, "cached", 8, 1).run_config().pipeline.tensor_parallel == 1
 
 
-@pytest.mark.parametrize("stem", sorted(p.name[:-len("_runs.json.gz")]
-                                        for p in RESULTS.glob("fidelity_tp_*_runs.json.gz")))
-def test_the_committed_table_is_reproduced_from_its_kept_runs(stem):
+@pytest.mark.parametrize("date", sorted(p.name[len("fidelity_tp_runs_"):-len(".json.gz")]
+                                        for p in RESULTS.glob("fidelity_tp_runs_*.json.gz")))
+def test_the_committed_table_is_reproduced_from_its_kept_runs(date):
     """The committed measurements give the committed figures again (`reanalyse`, no runs)."""
-    committed = json.loads((RESULTS / f"{stem}.json").read_text())
-    again = reanalyse(RESULTS / f"{stem}_runs.json.gz", lambda line: None)
+    committed = json.loads((RESULTS / f"fidelity_tp_{date}.json").read_text())
+    kept = RESULTS / f"fidelity_tp_runs_{date}.json.gz"
+    again = reanalyse(kept, lambda line: None)
     for got, want in zip(again["cases"], committed["cases"], strict=True):
         assert got["label"] == want["label"]
         assert got["error"] == pytest.approx(want["error"], abs=1e-12)
         assert got["work_only_error"] == pytest.approx(want["work_only_error"], abs=1e-12)
-    assert gzip.decompress((RESULTS / f"{stem}_runs.json.gz").read_bytes())  # a real gzip file
+        assert got["layer_alone_error"] == pytest.approx(want["layer_alone_error"], abs=1e-12)
+    for model in ("work_only", "collectives", "layer_alone", "full", "controls"):
+        assert again["summary"][model] == pytest.approx(committed["summary"][model], abs=1e-12), model
+    assert gzip.decompress(kept.read_bytes())  # a real gzip file

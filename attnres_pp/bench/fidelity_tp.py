@@ -6,12 +6,16 @@ layers, predicted out of sample:
 1. the units of a chunk (`bench.unit_probe`) are scaled to ONE calibration run without tensor
    parallelism (`bench.fidelity`'s: P = 2, 1f1b, V = 1, m = 4, Block AttnRes cached, 8 layers);
 2. a probe of a T = 2 group (`bench.tp_probe`, before the runs) measures each collective kind's
-   ring link and one split layer's time, from which the host's cost per tp layer (beyond its share
-   of the work and its collectives) is derived;
-3. each run is simulated with the simulator's tp terms (`simulator.tensor_parallel`): the layer's
+   ring link and one split layer's time alone, from which the host's cost per tp layer (beyond its
+   share of the work and its collectives) is derived;
+3. a probe in the runtime (`probe_layers_in_runs`, before the runs): short runs of a standard
+   residual model at 2 and 4 layers, T = 1 and T = 2 with and without sequence parallelism, whose
+   F and B per microbatch differ by two layers: the same host cost, as the runtime pays it (its
+   activation meter's hooks on every saved tensor, which a DTensor layer has more of, included);
+4. each run is simulated with the simulator's tp terms (`simulator.tensor_parallel`): the layer's
    work 1/T, per-token work 1/T under sequence parallelism, the layer's collectives priced on the
-   probed links, and (second model) the probed host cost per layer. Runs without tensor
-   parallelism (P = 1) are predicted too, as controls: their error is the transfer's own.
+   probed links, and the host cost per layer from either probe. Runs without tensor parallelism
+   (P = 1) are predicted too, as controls: their error is the transfer's own.
 All runs are stepped in rotation with the calibration run, the order shifting each round.
 error = predicted / measured - 1 of the median pipeline window. The probes and every step's events
 are kept (`reanalyse` recomputes the table from the file, no runs).
@@ -30,7 +34,7 @@ from pathlib import Path
 from attnres_pp.bench.common import BENCH_MODEL, MICROBATCH_SIZE, TimedEngine, markdown_table, run_config
 from attnres_pp.bench.fidelity_cases import BLOCK_SIZE
 from attnres_pp.bench.fidelity_cases import Case as CalibrationCase
-from attnres_pp.bench.tp_probe import costs_from_probe, run_tp_probe
+from attnres_pp.bench.tp_probe import costs_from_probe, host_costs, run_tp_probe
 from attnres_pp.bench.unit_probe import probe_units
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.schedule.timeline import account
@@ -90,6 +94,54 @@ CASES = (
 QUICK_CASES = (CASES[0], CASES[1], CASES[2], CASES[8])
 
 
+LAYER_PROBE_LAYERS = (2, 4)  # two runs a tp plan's per-layer cost is the difference of
+LAYER_PROBE_PLANS = {"whole": (1, True), "sp": (2, True), "no_sp": (2, False)}  # plan: (T, SP)
+# The layer probe's runs take a few ms a step, and a difference of two medians is noisier than
+# either: they run three times the cases' steps.
+LAYER_PROBE_STEPS_PER_STEP = 3
+
+
+def layer_probe_case(plan: str, layers: int) -> TpCase:
+    t, sp = LAYER_PROBE_PLANS[plan]
+    return TpCase("1f1b", 1, 2, "standard", layers, t, sp)
+
+
+def probe_layers_in_runs(warmup: int, steps: int) -> dict:
+    """Every step's events of the layer probe's runs, {plan: {layers: [events per step]}}, stepped
+    in rotation (`layer_costs` reads them)."""
+    engines = {}
+    try:
+        for plan in LAYER_PROBE_PLANS:
+            for layers in LAYER_PROBE_LAYERS:
+                engines[plan, layers] = TimedEngine(layer_probe_case(plan, layers).run_config())
+        order = list(engines)
+        for round_index in range(warmup + steps):
+            shift = round_index % len(order)
+            for key in order[shift:] + order[:shift]:
+                engines[key].step()
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return {plan: {str(layers): [s.events for s in engines[plan, layers].samples[warmup:]]
+                   for layers in LAYER_PROBE_LAYERS} for plan in LAYER_PROBE_PLANS}
+
+
+def layer_costs(layer_runs: dict) -> dict:
+    """{plan: {"fwd"|"bwd": seconds}}: one layer's F and B per microbatch in the runtime, the
+    difference of the median F (B) of the runs at 4 and 2 layers over the 2 layers between them.
+    A standard residual's two adds per layer ride along (about 10 us at these sizes, 1/T of them
+    under sequence parallelism)."""
+    low, high = (str(n) for n in LAYER_PROBE_LAYERS)
+    out = {}
+    for plan, runs in layer_runs.items():
+        out[plan] = {}
+        for direction, prefix in (("fwd", "F"), ("bwd", "B")):
+            medians = {n: statistics.median(e[3] - e[2] for step in runs[n] for e in step
+                                            if e[4] == "compute" and e[1].startswith(prefix)) for n in (low, high)}
+            out[plan][direction] = (medians[high] - medians[low]) / (int(high) - int(low))
+    return out
+
+
 def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> dict:
     """Probe, step every run in rotation, keep what was measured, then `analyse`."""
     cases = QUICK_CASES if quick else CASES
@@ -99,6 +151,8 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> d
     units = probe_units(ModelConfig.from_dict(model), MICROBATCH_SIZE, rounds=rounds)
     progress("  probing a T = 2 group: collectives and one split layer")
     tp_probe = run_tp_probe(model, MICROBATCH_SIZE, repeats=rounds)
+    progress("  probing the runtime's cost per layer at T = 1 and T = 2 (2 and 4 layers)")
+    layer_runs = probe_layers_in_runs(warmup, LAYER_PROBE_STEPS_PER_STEP * steps)
     progress(f"  {len(cases)} runs in rotation with the calibration run, {warmup} + {steps} rounds")
     engines = {}
     try:
@@ -113,7 +167,7 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> d
     finally:
         for engine in engines.values():
             engine.close()
-    kept = {"units": units, "tp_probe": tp_probe, "warmup": warmup,
+    kept = {"units": units, "tp_probe": tp_probe, "layer_runs": layer_runs, "warmup": warmup,
             "calibration": [s.events for s in engines[None].samples[warmup:]],
             "runs": [[dataclasses.asdict(case), [s.events for s in engines[case].samples[warmup:]]] for case in cases]}
     payload = analyse(kept, progress)
@@ -130,7 +184,12 @@ def analyse(kept: dict, progress: Callable[[str], None] = print) -> dict:
     """The table from what `run` measured (or `reanalyse` read back)."""
     calibration_shape = CALIBRATION.shape()
     calibration = fit_transfer(kept["units"], calibration_shape, [[tuple(e) for e in s] for s in kept["calibration"]])
-    tp_costs = costs_from_probe(kept["tp_probe"])
+    tp_costs = costs_from_probe(kept["tp_probe"])  # the host cost of the split layer alone
+    probe = kept["tp_probe"]
+    in_runs = layer_costs(kept["layer_runs"])
+    runtime_host = host_costs(in_runs, MICROBATCH_SIZE * CALIBRATION.shape().model.seq_len,
+                              CALIBRATION.shape().model.d_model, 4, probe["group"], tp_costs.links)
+    runtime_costs = dataclasses.replace(tp_costs, layer_host_s=runtime_host)
     rows = []
     for case_dict, samples in kept["runs"]:
         case = TpCase(**case_dict)
@@ -140,15 +199,18 @@ def analyse(kept: dict, progress: Callable[[str], None] = print) -> dict:
         terms = calibration.predict_step_s(case.shape())  # work shared, collectives and host left out
         wire = calibration.predict_step_s(case.shape(dataclasses.replace(
             tp_costs, layer_host_s={p: {"fwd": 0.0, "bwd": 0.0} for p in ("sp", "no_sp")})))
-        full = calibration.predict_step_s(case.shape(tp_costs))
+        alone = calibration.predict_step_s(case.shape(tp_costs))
+        full = calibration.predict_step_s(case.shape(runtime_costs))
         rows.append({**dataclasses.asdict(case), "label": case.label(), "measured_step_s": measured,
                      "measured_compute_s": compute / case.tensor_parallel if case.tensor_parallel > 1 else compute,
                      "work_only_s": terms, "work_only_error": terms / measured - 1.0,
                      "collectives_s": wire, "collectives_error": wire / measured - 1.0,
+                     "layer_alone_s": alone, "layer_alone_error": alone / measured - 1.0,
                      "predicted_step_s": full, "error": full / measured - 1.0})
         progress(f"  {case.label()}: measured {measured * 1e3:.1f} ms; work shared {terms * 1e3:.1f} "
                  f"({terms / measured - 1:+.1%}), + collectives {wire * 1e3:.1f} ({wire / measured - 1:+.1%}), "
-                 f"+ host per tp layer {full * 1e3:.1f} ms ({full / measured - 1:+.1%})")
+                 f"+ host (layer alone) {alone * 1e3:.1f} ({alone / measured - 1:+.1%}), + host (in the runtime) "
+                 f"{full * 1e3:.1f} ms ({full / measured - 1:+.1%})")
     held_out = [r for r in rows if r["tensor_parallel"] > 1]
     controls = [r for r in rows if r["tensor_parallel"] == 1]
 
@@ -158,8 +220,10 @@ def analyse(kept: dict, progress: Callable[[str], None] = print) -> dict:
 
     return {"calibrated_on": CALIBRATION.to_dict(), "cases": rows, "tp_probe": kept["tp_probe"],
             "summary": {"tp_runs": len(held_out), "work_only": spread("work_only_error", held_out),
-                        "collectives": spread("collectives_error", held_out), "full": spread("error", held_out),
+                        "collectives": spread("collectives_error", held_out),
+                        "layer_alone": spread("layer_alone_error", held_out), "full": spread("error", held_out),
                         "controls": spread("error", controls)},
+            "layer_in_runs_s": in_runs, "layer_host_in_runs_s": runtime_host,
             "calibration": calibration.to_dict(), "warmup_steps": kept["warmup"],
             "steps": len(kept["calibration"]),
             "model": {**BENCH_MODEL, "block_size": BLOCK_SIZE, "microbatch_size": MICROBATCH_SIZE},
@@ -179,21 +243,27 @@ def to_markdown(payload: dict) -> str:
     rows, summary, probe = payload["cases"], payload["summary"], payload["tp_probe"]
     table = markdown_table(
         ["run", "measured step (ms)", "work shared only (ms)", "error", "+ collectives (ms)", "error",
-         "+ host per tp layer (ms)", "error"],
+         "+ host, layer alone (ms)", "error", "+ host, in the runtime (ms)", "error"],
         [[r["label"], f"{1e3 * r['measured_step_s']:.1f}", f"{1e3 * r['work_only_s']:.1f}",
           f"{r['work_only_error']:+.1%}", f"{1e3 * r['collectives_s']:.1f}", f"{r['collectives_error']:+.1%}",
+          f"{1e3 * r['layer_alone_s']:.1f}", f"{r['layer_alone_error']:+.1%}",
           f"{1e3 * r['predicted_step_s']:.1f}", f"{r['error']:+.1%}"] for r in rows])
     links = markdown_table(
         ["collective", "latency per ring step (us)", "rate (Gb/s)", "largest residual"],
         [[kind, f"{1e6 * v['latency_s']:.0f}", f"{v['bytes_per_s'] * 8 / 1e9:.2f}", f"{v['max_rel_residual']:.0%}"]
          for kind, v in probe["links"].items()])
-    layer, host = probe["layer_s"], probe["layer_host_s"]
+    alone, alone_host = probe["layer_s"], probe["layer_host_s"]
+    runs, runs_host = payload["layer_in_runs_s"], payload["layer_host_in_runs_s"]
+
+    def ms(pair: dict) -> str:
+        return f"{1e3 * pair['fwd']:.2f} / {1e3 * pair['bwd']:.2f}"
+
+    names = {"whole": "whole (T = 1)", "sp": f"T = {probe['group']}, SP", "no_sp": f"T = {probe['group']}, no SP"}
     layers = markdown_table(
-        ["layer", "forward (ms)", "backward (ms)", "host cost per tp layer, fwd / bwd (ms)"],
-        [["whole (T = 1)", f"{1e3 * layer['whole']['fwd']:.2f}", f"{1e3 * layer['whole']['bwd']:.2f}", ""]]
-        + [[f"T = {probe['group']}, {plan.replace('_', ' ').replace('sp', 'SP')}", f"{1e3 * layer[plan]['fwd']:.2f}",
-            f"{1e3 * layer[plan]['bwd']:.2f}", f"{1e3 * host[plan]['fwd']:.2f} / {1e3 * host[plan]['bwd']:.2f}"]
-           for plan in ("sp", "no_sp")])
+        ["layer", "alone, fwd / bwd (ms)", "host cost, alone (ms)", "in the runtime, fwd / bwd (ms)",
+         "host cost, in the runtime (ms)"],
+        [[names[plan], ms(alone[plan]), ms(alone_host[plan]) if plan in alone_host else "",
+          ms(runs[plan]), ms(runs_host[plan]) if plan in runs_host else ""] for plan in names])
     cal = payload["calibrated_on"]
 
     def figures(key: str) -> str:
@@ -204,17 +274,18 @@ def to_markdown(payload: dict) -> str:
         "## Simulator fidelity under tensor parallelism", "",
         f"Calibrated on ONE run without tensor parallelism: P = {cal['P']}, {cal['schedule']}, V = {cal['V']}, "
         f"m = {cal['m']}, Block AttnRes {cal['mode']}, {cal['layers']} layers (model {payload['model']}). Every run "
-        "below is held out. Three models: the layer's work divided as the simulator's tp terms divide it (work "
-        "shared only); + the layer's collectives priced on the probed links; + the host's cost per tp layer "
-        "from the probe of one split layer. The T = 1 rows are controls (no tp term applies). "
-        f"Median of {payload['steps']} steps after {payload['warmup_steps']} warm-up steps, runs stepped in "
-        "rotation. error = predicted / measured - 1.", "",
+        "below is held out. Four models, each adding a term: the layer's work divided as the simulator's tp "
+        "terms divide it (work shared only); + the layer's collectives priced on the probed links; + the host's "
+        "cost per tp layer from the probe of one split layer alone, or instead from the probe in the runtime "
+        "(runs of 2 and 4 layers, standard residual, m = 2: none of them a run below). The T = 1 rows are "
+        f"controls (no tp term applies). Median of {payload['steps']} steps after {payload['warmup_steps']} "
+        "warm-up steps, runs stepped in rotation. error = predicted / measured - 1.", "",
         table, "",
         f"Over the {summary['tp_runs']} tensor-parallel runs: work shared only {figures('work_only')}; + "
-        f"collectives {figures('collectives')}; + host per tp layer {figures('full')}. Controls (T = 1): "
-        f"{figures('controls')}.", "",
+        f"collectives {figures('collectives')}; + host (layer alone) {figures('layer_alone')}; + host (in the "
+        f"runtime) {figures('full')}. Controls (T = 1): {figures('controls')}.", "",
         "The probe of a T = 2 group (before the runs): each collective kind's ring link, fitted over "
         "16 KiB - 4 MiB buffers,", "", links, "",
-        "and one layer of the calibration model (one microbatch):", "", layers, "",
+        "and one layer of the calibration's width and microbatch, alone and in the runtime:", "", layers, "",
         f"Load average at end {payload['load_average_at_end']} (2 cores).",
     ])
