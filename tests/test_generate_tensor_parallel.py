@@ -25,6 +25,22 @@ def _setup(variant: str):
     return cfg, named
 
 
+def _assert_generates_as_the_single_process(generator, single, want: list[int], vocab_size: int) -> None:
+    """Greedy tokens of one prompt and of a batch, and the logits of a prefill in two pieces then a
+    decode step, equal the single process's."""
+    assert generate(generator, PROMPT, GREEDY).tokens == want
+    short = GenerationConfig(max_new_tokens=6, temperature=0)
+    prompts = [PROMPT[:2], PROMPT]
+    assert [r.tokens for r in generate_batch(generator, prompts, short)] == \
+        [r.tokens for r in generate_batch(single, prompts, short)]
+    tokens_BT = torch.randint(0, vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    single.reset()
+    generator.reset()
+    for pieces, tokens in (([(0, 4), (4, 4)], tokens_BT[:, :8]), ([(8, 1)], tokens_BT[:, 8:])):
+        torch.testing.assert_close(generator.forward(pieces, tokens, all_logits=True),
+                                   single.forward(pieces, tokens, all_logits=True), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.distributed
 def test_tensor_parallel_generation_gives_the_single_process_tokens():
     """P = 1, T = 2 (two rank processes): one sequence, a reset and a second one, a ragged batch, and
@@ -40,17 +56,7 @@ def test_tensor_parallel_generation_gives_the_single_process_tokens():
         assert [r["tp_rank"] for r in generator.ranks.setup_results] == [0, 1]
         whole = sum(t.numel() for t in named.values())
         assert all(r["params"] < whole for r in generator.ranks.setup_results)  # each holds shards
-        assert generate(generator, PROMPT, GREEDY).tokens == want
-        short = GenerationConfig(max_new_tokens=6, temperature=0)
-        prompts = [PROMPT[:2], PROMPT]
-        assert [r.tokens for r in generate_batch(generator, prompts, short)] == \
-            [r.tokens for r in generate_batch(single, prompts, short)]
-        tokens_BT = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
-        single.reset()
-        generator.reset()
-        for pieces, tokens in (([(0, 4), (4, 4)], tokens_BT[:, :8]), ([(8, 1)], tokens_BT[:, 8:])):
-            torch.testing.assert_close(generator.forward(pieces, tokens, all_logits=True),
-                                       single.forward(pieces, tokens, all_logits=True), rtol=1e-5, atol=1e-5)
+        _assert_generates_as_the_single_process(generator, single, want, cfg.vocab_size)
     finally:
         generator.close()
 
@@ -72,17 +78,7 @@ def test_in_process_tensor_parallel_generation_gives_the_single_process_tokens(v
             [(0, 0), (0, 1), (1, 0), (1, 1)]
         whole = sum(t.numel() for t in named.values())
         assert sum(r["params"] for r in generator.ranks.setup_results) < 2 * whole  # each holds shards
-        assert generate(generator, PROMPT, GREEDY).tokens == want
-        short = GenerationConfig(max_new_tokens=6, temperature=0)
-        prompts = [PROMPT[:2], PROMPT]
-        assert [r.tokens for r in generate_batch(generator, prompts, short)] == \
-            [r.tokens for r in generate_batch(single, prompts, short)]
-        tokens_BT = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
-        single.reset()
-        generator.reset()
-        for pieces, tokens in (([(0, 4), (4, 4)], tokens_BT[:, :8]), ([(8, 1)], tokens_BT[:, 8:])):
-            torch.testing.assert_close(generator.forward(pieces, tokens, all_logits=True),
-                                       single.forward(pieces, tokens, all_logits=True), rtol=1e-5, atol=1e-5)
+        _assert_generates_as_the_single_process(generator, single, want, cfg.vocab_size)
     finally:
         generator.close()
     assert not isinstance(torch.distributed.distributed_c10d._world, ThreadLocalWorld)  # given back

@@ -260,19 +260,13 @@ def test_job_submitted_from_the_root_namespace_runs_over_two_hosts(two_host_clus
     assert by_way["shm"] == summary["bytes_sent_per_step"] > 0 and by_way["gloo"] == 0
 
 
-@TWO_HOSTS
-def test_a_replica_spread_over_two_hosts_uses_gloo_while_the_other_keeps_shared_memory(two_host_cluster, tmp_path):
-    """D = 2, P = 2 packed onto two 3-CPU hosts: three ranks on one host, one on the other, so
-    replica 0's hop stays on one node and replica 1's crosses the link. Shared memory and gloo carry
-    bytes in the same step (the pairs are chosen from the node map, not from host names, and a
-    replica without a same-node pair does not send the other's over gloo); the single process's
-    losses."""
+def _two_steps_as_the_single_process(cluster, argv: list[str], tmp_path) -> dict:
+    """Two steps of TINY under a Ray driver in the head's namespace with `argv`, their losses equal
+    to the local launcher's single process; the run's summary."""
     steps = ["--steps", "2"]
     assert main(["train", *TINY, *steps, "--launcher", "local", "--out", str(tmp_path / "single"), "--quiet"]) == 0
-    cluster = two_host_cluster
     out = tmp_path / "run"
-    proc = cluster.driver([*TINY, *steps, "--stages", "2", "--data-parallel", "2", "--placement", "PACK",
-                           "--timeout", "60"], out)
+    proc = cluster.driver([*TINY, *steps, *argv], out)
     try:
         assert proc.wait(timeout=300) == 0, (tmp_path / "driver.log").read_text()[-4000:]
     finally:
@@ -280,6 +274,19 @@ def test_a_replica_spread_over_two_hosts_uses_gloo_while_the_other_keeps_shared_
             proc.kill()
     summary = json.loads((out / "summary.json").read_text())
     assert_same_losses(summary["losses"], losses(tmp_path / "single"))
+    return summary
+
+
+@TWO_HOSTS
+def test_a_replica_spread_over_two_hosts_uses_gloo_while_the_other_keeps_shared_memory(two_host_cluster, tmp_path):
+    """D = 2, P = 2 packed onto two 3-CPU hosts: three ranks on one host, one on the other, so
+    replica 0's hop stays on one node and replica 1's crosses the link. Shared memory and gloo carry
+    bytes in the same step (the pairs are chosen from the node map, not from host names, and a
+    replica without a same-node pair does not send the other's over gloo); the single process's
+    losses."""
+    cluster = two_host_cluster
+    summary = _two_steps_as_the_single_process(cluster, ["--stages", "2", "--data-parallel", "2", "--placement",
+                                                         "PACK", "--timeout", "60"], tmp_path)
     nodes = summary["nodes"]
     assert nodes[0] == nodes[1] == nodes[2] != nodes[3], nodes  # ranks numbered node by node
     text = (tmp_path / "driver.log").read_text()
@@ -298,18 +305,9 @@ def test_each_tensor_parallel_group_stays_on_one_host_where_rank_bundles_would_s
     each group on one host, stage 0's on one and stage 1's on the other. The pipeline hop crosses
     the link (gloo carries every hop byte), the tp collectives stay on a host; the single process's
     losses."""
-    steps = ["--steps", "2"]
-    assert main(["train", *TINY, *steps, "--launcher", "local", "--out", str(tmp_path / "single"), "--quiet"]) == 0
-    out = tmp_path / "run"
-    proc = two_host_cluster.driver([*TINY, *steps, "--stages", "2", "--tensor-parallel", "2", "--device", "cpu",
-                                    "--placement", "PACK", "--timeout", "60", "--no-final-checkpoint"], out)
-    try:
-        assert proc.wait(timeout=300) == 0, (tmp_path / "driver.log").read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    summary = json.loads((out / "summary.json").read_text())
-    assert_same_losses(summary["losses"], losses(tmp_path / "single"))
+    summary = _two_steps_as_the_single_process(two_host_cluster, [
+        "--stages", "2", "--tensor-parallel", "2", "--device", "cpu", "--placement", "PACK", "--timeout", "60",
+        "--no-final-checkpoint"], tmp_path)
     nodes = summary["nodes"]
     assert nodes[0] == nodes[1] != nodes[2] == nodes[3], nodes  # each tp group on one host, the stages apart
     assert summary["tp_bytes_per_step"] > 0

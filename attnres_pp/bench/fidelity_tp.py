@@ -106,22 +106,29 @@ def layer_probe_case(plan: str, layers: int) -> TpCase:
     return TpCase("1f1b", 1, 2, "standard", layers, t, sp)
 
 
-def probe_layers_in_runs(warmup: int, steps: int) -> dict:
-    """Every step's events of the layer probe's runs, {plan: {layers: [events per step]}}, stepped
-    in rotation (`layer_costs` reads them)."""
+def _stepped_in_rotation(configs: dict, rounds: int) -> dict:
+    """{key: TimedEngine} of `configs`' runs, each stepped `rounds` times in rotation (every run once
+    a round, the order shifted by one each round, so drift falls on all alike), then closed."""
     engines = {}
     try:
-        for plan in LAYER_PROBE_PLANS:
-            for layers in LAYER_PROBE_LAYERS:
-                engines[plan, layers] = TimedEngine(layer_probe_case(plan, layers).run_config())
+        for key, run_cfg in configs.items():
+            engines[key] = TimedEngine(run_cfg)
         order = list(engines)
-        for round_index in range(warmup + steps):
+        for round_index in range(rounds):
             shift = round_index % len(order)
             for key in order[shift:] + order[:shift]:
                 engines[key].step()
     finally:
         for engine in engines.values():
             engine.close()
+    return engines
+
+
+def probe_layers_in_runs(warmup: int, steps: int) -> dict:
+    """Every step's events of the layer probe's runs, {plan: {layers: [events per step]}}, stepped
+    in rotation (`layer_costs` reads them)."""
+    engines = _stepped_in_rotation({(plan, layers): layer_probe_case(plan, layers).run_config()
+                                    for plan in LAYER_PROBE_PLANS for layers in LAYER_PROBE_LAYERS}, warmup + steps)
     return {plan: {str(layers): [s.events for s in engines[plan, layers].samples[warmup:]]
                    for layers in LAYER_PROBE_LAYERS} for plan in LAYER_PROBE_PLANS}
 
@@ -154,19 +161,8 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> d
     progress("  probing the runtime's cost per layer at T = 1 and T = 2 (2 and 4 layers)")
     layer_runs = probe_layers_in_runs(warmup, LAYER_PROBE_STEPS_PER_STEP * steps)
     progress(f"  {len(cases)} runs in rotation with the calibration run, {warmup} + {steps} rounds")
-    engines = {}
-    try:
-        engines[None] = TimedEngine(CALIBRATION.run_config())
-        for case in cases:
-            engines[case] = TimedEngine(case.run_config())
-        order = list(engines)
-        for round_index in range(warmup + steps):
-            shift = round_index % len(order)
-            for key in order[shift:] + order[:shift]:
-                engines[key].step()
-    finally:
-        for engine in engines.values():
-            engine.close()
+    engines = _stepped_in_rotation({None: CALIBRATION.run_config(), **{case: case.run_config() for case in cases}},
+                                   warmup + steps)
     kept = {"units": units, "tp_probe": tp_probe, "layer_runs": layer_runs, "warmup": warmup,
             "calibration": [s.events for s in engines[None].samples[warmup:]],
             "runs": [[dataclasses.asdict(case), [s.events for s in engines[case].samples[warmup:]]] for case in cases]}
