@@ -80,7 +80,9 @@ class ParityWorker(StageWorker):
         grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
                  for n, p in self.params.items() if p.grad is not None}
         fwd_bytes = sum(r[4] for r in self.runtime.transport.ledger.records if r[0] == "fwd")
-        return record.losses, grads, fwd_bytes, self.pp_rank, self.tp_bytes
+        whole_bytes = sum(p.numel() * p.element_size() for n, p in self.params.items()
+                          if not isinstance(p, DTensor) or n.endswith("norm.weight"))
+        return record.losses, grads, fwd_bytes, self.pp_rank, self.tp_bytes, whole_bytes
 
 
 def _inprocess(case) -> dict:
@@ -134,19 +136,18 @@ def _check(case, dtype, rtol):
 def test_two_tp_thread_ranks_equal_the_single_process(case):
     run_cfg, per_rank = _check(case, torch.float32, 1e-5)
     if variant_has_plain_collectives(case):
-        # What the thread ranks count is their DTensor collectives: the simulator's per-layer terms
-        # (forward and backward, each microbatch) plus, under SP, the all-reduce of each
-        # sequence-parallel norm's partial gain gradient. The sums of the partial gradients of plain
-        # tensors go between the threads outside torch.distributed (`mesh.ThreadCollectives`), so
-        # unlike rank processes (tests.test_tensor_parallel_gloo) they do not count those.
+        # The tp collectives each thread rank counted, as a rank process counts them
+        # (tests.test_tensor_parallel_gloo): the simulator's per-layer terms (forward and backward,
+        # each microbatch) plus, under SP, the sums of the partial gradients of what it holds whole,
+        # the DTensor norm gains' and the plain tensors' (which go between the threads outside the
+        # dispatcher, `mesh.ThreadCollectives`, and are counted there).
         cfg, m, sp = run_cfg.model, case[4], case[6]
         partition = run_partition(cfg.n_layers, run_cfg.pipeline)
         per_layer = sum(c["count"] * c["sent_bytes_per_rank"] for c in layer_collectives(
             MICRO * cfg.seq_len, cfg.d_model, 4, TensorParallel(T, sp)))
-        for *_rest, pp_rank, tp_bytes in per_rank:
+        for *_rest, pp_rank, tp_bytes, whole_bytes in per_rank:
             n_layers = sum(len(partition.layer_range(c)) for c in partition.chunks_of(pp_rank))
-            gains_bytes = n_layers * 2 * cfg.d_model * 4 if sp else 0  # attn.norm and mlp.norm per layer
-            want = 2 * m * n_layers * per_layer + 2 * gains_bytes * (T - 1) // T
+            want = 2 * m * n_layers * per_layer + (2 * whole_bytes * (T - 1) // T if sp else 0)
             assert tp_bytes == want, (case, pp_rank, tp_bytes, want)
 
 

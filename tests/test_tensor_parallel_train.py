@@ -172,6 +172,8 @@ def test_an_in_process_tensor_parallel_run_trains_as_the_local_one(runs, tmp_pat
     assert _close(_grad_norms(run_dir), _grad_norms(runs / "t2"))
     assert _close([v for _step, v in threads["val_losses"]], [v for _step, v in local["val_losses"]])
     assert threads["bytes_sent_per_step_per_rank"] == local["bytes_sent_per_step_per_rank"]
+    # the tp collectives' bytes too: the threads' sums of partial gradients pass no dispatcher
+    assert threads["tp_bytes_per_step"] == local["tp_bytes_per_step"] > 0
     assert threads["params_per_rank"] == local["params_per_rank"]
     # rank 0 writes every thread rank's state, each split weight made whole
     got = read_parameters(run_dir / "checkpoints" / "step_3")
@@ -184,3 +186,16 @@ def test_an_in_process_tensor_parallel_run_trains_as_the_local_one(runs, tmp_pat
     resumed = _summary(run_dir)
     assert _close(resumed["losses"], local["losses"]), (resumed["losses"], local["losses"])
     assert _close(_grad_norms(run_dir), _grad_norms(runs / "t2"))
+
+
+def test_in_process_msar_counts_its_halos_as_the_local_ranks_do(runs, tmp_path):
+    """MSAR under SP on thread ranks: its halos' all-gathers go over the threaded process group, whose
+    c10d ops reach no dispatcher; they are counted all the same, so `tp_bytes_per_step` equals the
+    local rank processes' (and the losses theirs)."""
+    run_dir = tmp_path / "msar"
+    assert main([*RUN, "--stages", "2", "--tensor-parallel", "2", "--launcher", "inprocess", "--residual", "msar",
+                 "--seq-len", "32", "--no-final-checkpoint", "--checkpoint-every", "0", "--eval-every", "0",
+                 "--out", str(run_dir)]) == 0
+    threads, local = _summary(run_dir), _summary(runs / "m2")
+    assert _close(threads["losses"], local["losses"]), (threads["losses"], local["losses"])
+    assert threads["tp_bytes_per_step"] == local["tp_bytes_per_step"] > 0

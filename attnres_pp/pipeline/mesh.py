@@ -153,6 +153,11 @@ class ThreadCollectives:
         group, index = self._groups[axis]
         if group.size > 1:
             group.all_reduce(index, tensor)
+            if axis == "tp":  # a sum of partial gradients: tp traffic no dispatcher sees
+                from attnres_pp.pipeline.tp_bytes import count_outside_dispatch
+
+                count_outside_dispatch(2 * (group.size - 1) * tensor.numel() * tensor.element_size() // group.size,
+                                       c10d_op=False)
 
 
 def thread_collectives(data_parallel: int, stages: int, timeout_s: float,

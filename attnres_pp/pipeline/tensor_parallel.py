@@ -44,6 +44,7 @@ from attnres_pp.model.precision import compute_context
 from attnres_pp.model.stack import forward_sublayers
 from attnres_pp.model.transformer import Transformer, embed_state, lm_loss
 from attnres_pp.pipeline.mesh import Collectives
+from attnres_pp.pipeline.tp_bytes import count_outside_dispatch
 
 QKV_PARTS = 3  # the fused projection's q, k and v row blocks
 
@@ -113,12 +114,14 @@ class _HaloExchange(torch.autograd.Function):
         ctx.group, ctx.tp_rank, ctx.size = group, tp_rank, size
         pieces = [torch.empty_like(tail_NBKD) for _ in range(size)]
         dist.all_gather(pieces, tail_NBKD.contiguous(), group=group)
+        count_outside_dispatch((size - 1) * tail_NBKD.numel() * tail_NBKD.element_size(), c10d_op=True)
         return pieces[tp_rank - 1] if tp_rank > 0 else torch.zeros_like(tail_NBKD)
 
     @staticmethod
     def backward(ctx, grad_halo_NBKD: torch.Tensor):
         pieces = [torch.empty_like(grad_halo_NBKD) for _ in range(ctx.size)]
         dist.all_gather(pieces, grad_halo_NBKD.contiguous(), group=ctx.group)
+        count_outside_dispatch((ctx.size - 1) * grad_halo_NBKD.numel() * grad_halo_NBKD.element_size(), c10d_op=True)
         lent = pieces[ctx.tp_rank + 1] if ctx.tp_rank + 1 < ctx.size else torch.zeros_like(grad_halo_NBKD)
         return lent, None, None, None
 

@@ -10,14 +10,33 @@ groups (dp, pp, every rank) are not counted, and a step's pipeline hops are poin
 
 Every aten op of the counted region goes through Python dispatch, so a rank counts one step (the
 bytes are the same every step: one plan, one shape) and reports that count for every step.
+
+Thread ranks (the in-process launcher) send some of their tp traffic where no dispatcher sees it:
+the sums of partial gradients between threads (`mesh.ThreadCollectives`) and c10d ops over the
+threaded process group, a Python group whose ops never reach the dispatcher (MSAR's halo). Those
+callers report their bytes with `count_outside_dispatch`, so a thread rank counts what a rank
+process counts.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+_counting = threading.local()  # the TensorParallelBytes counting on this thread, if one is
+
+
+def count_outside_dispatch(n_bytes_sent: int, *, c10d_op: bool) -> None:
+    """Add `n_bytes_sent` to this thread's counting `TensorParallelBytes`, if one counts: the bytes of
+    a tp collective it cannot see, a sum between thread ranks (`c10d_op=False`), or a c10d op, which
+    it sees itself unless the tp group is the threaded one (`c10d_op=True`: then counted here only)."""
+    counter = getattr(_counting, "counter", None)
+    if counter is not None and (not c10d_op or counter.threaded):
+        counter.sent_bytes += n_bytes_sent
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -39,6 +58,7 @@ class TensorParallelBytes(TorchDispatchMode):
         self.members, t = tuple(dist.get_process_group_ranks(tp_group)), tp_group.size()
         self._is_tp: dict[str, bool] = {}  # group name -> whether it holds the tp group's ranks
         self.sent_bytes = 0
+        self.threaded = dist.get_backend(tp_group) == "threaded"  # its c10d ops bypass the dispatcher
         functional, c10d = torch.ops._c10d_functional, torch.ops.c10d
         unbox = dist.ProcessGroup.unbox
         # op -> (its process group, bytes sent) from its arguments
@@ -49,6 +69,14 @@ class TensorParallelBytes(TorchDispatchMode):
             c10d.allgather_.default: lambda a: (unbox(a[2]), sum(_bytes(x) for x in a[1]) * (t - 1)),
             c10d.allreduce_.default: lambda a: (unbox(a[1]), 2 * sum(_bytes(x) for x in a[0]) * (t - 1) // t),
         }
+
+    def __enter__(self):
+        _counting.counter = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _counting.counter = None
+        return super().__exit__(*exc)
 
     def _over_tp(self, group) -> bool:
         name = group.group_name
