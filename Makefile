@@ -26,7 +26,7 @@ test: install
 
 # No install (an installed checkout), and no test that starts a process: what tests/conftest.py's
 # PROCESS_MARKERS mark is deselected, and an unmarked test that starts a process fails; nor the
-# long tail of an in-process parity matrix (`matrix`: its first cases stay).
+# long tail of an in-process parity matrix (`matrix`: its P = 1 and float64 cases stay).
 FAST_MARKERS := not multihost and not ray and not distributed and not subprocess and not matrix
 test-fast:
 	bash scripts/run_tests.sh -q -n $(PYTEST_WORKERS) -m "$(FAST_MARKERS)"
