@@ -208,8 +208,9 @@ def test_healing_state_travels_as_local_shards_and_loads_as_dtensors_again():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from attnres_pp.train.config import TrainConfig
-    from attnres_pp.train.ft_worker import load_local_state, local, local_state
+    from attnres_pp.train.ft_worker import load_local_state, local_state
     from attnres_pp.train.optim import build_optimizer
+    from attnres_pp.train.optim import local_shard as local
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")

@@ -183,8 +183,8 @@ def analyse(kept: dict, progress: Callable[[str], None] = print) -> dict:
     tp_costs = costs_from_probe(kept["tp_probe"])  # the host cost of the split layer alone
     probe = kept["tp_probe"]
     in_runs = layer_costs(kept["layer_runs"])
-    runtime_host = host_costs(in_runs, MICROBATCH_SIZE * CALIBRATION.shape().model.seq_len,
-                              CALIBRATION.shape().model.d_model, 4, probe["group"], tp_costs.links)
+    runtime_host = host_costs(in_runs, calibration_shape.tokens, calibration_shape.model.d_model,
+                              calibration_shape.dtype_bytes, probe["group"], tp_costs.links)
     runtime_costs = dataclasses.replace(tp_costs, layer_host_s=runtime_host)
     rows = []
     for case_dict, samples in kept["runs"]:

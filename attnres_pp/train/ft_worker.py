@@ -31,9 +31,9 @@ from datetime import timedelta
 import torch
 
 from attnres_pp.pipeline.mesh import MeshCollectives, RankCoords
-from attnres_pp.train.grad_sync import ensure_grads, flat_buckets
+from attnres_pp.train.grad_sync import ensure_grads, flat_buckets, reduce_flat
 from attnres_pp.train.memory_report import grad_bytes
-from attnres_pp.train.optim import lr_at
+from attnres_pp.train.optim import local_shard, lr_at
 from attnres_pp.train.stage_worker import StageWorker
 from attnres_pp.train.step_stats import StepReply
 
@@ -77,20 +77,13 @@ class ReplicaGroupCollectives:
             dist.all_reduce(tensor)
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (an alias: writing it writes the DTensor), or `tensor` itself."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def local_state(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> dict:
     """What a live rank sends the same group rank of a healing group: its parameters and optimizer
     state, every DTensor as its local shard. Plain tensors only: torchft's transport pickles what
     the state_dict callback returns, and a DTensor would carry its mesh and process group along."""
     optim = optimizer.state_dict()
-    return {"params": {name: local(p.detach()) for name, p in params.items()},
-            "optimizer": {**optim, "state": {index: {key: local(value) if torch.is_tensor(value) else value
+    return {"params": {name: local_shard(p.detach()) for name, p in params.items()},
+            "optimizer": {**optim, "state": {index: {key: local_shard(value) if torch.is_tensor(value) else value
                                                      for key, value in entry.items()}
                                              for index, entry in optim["state"].items()}}}
 
@@ -104,7 +97,7 @@ def load_local_state(params: dict[str, torch.Tensor], optimizer: torch.optim.Opt
 
     with torch.no_grad():
         for name, p in params.items():
-            local(p.detach()).copy_(state["params"][name])
+            local_shard(p.detach()).copy_(state["params"][name])
     ordered = [p for group in optimizer.param_groups for p in group["params"]]  # state_dict's indices
 
     def as_held(p: torch.Tensor, value):
@@ -226,25 +219,12 @@ class FtStageWorker(StageWorker):
         for bucket in flat_buckets(self.untied):
             self._average(bucket)
         if self.tied:
-            grads = [local(p.grad) for p in self.tied]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self.collectives.all_reduce(flat, "world")
-            if self.tp.tied_copies != 1:
-                flat.div_(self.tp.tied_copies)
-            self._write_back(grads, flat)
+            reduce_flat(self.tied, lambda flat: self.collectives.all_reduce(flat, "world"), self.tp.tied_copies)
             self._average(self.tied)
         self._grad_bytes = grad_bytes(self.params.values())  # before the optimizer step drops them
 
     def _average(self, params: list) -> None:
-        grads = [local(p.grad) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.manager.allreduce(flat).wait()
-        self._write_back(grads, flat)
-
-    @staticmethod
-    def _write_back(grads: list[torch.Tensor], flat: torch.Tensor) -> None:
-        for g, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-            g.copy_(piece.view_as(g))
+        reduce_flat(params, lambda flat: self.manager.allreduce(flat).wait())
 
     def ft_step(self, want_events: bool = False) -> tuple[int, bool, int, StepReply]:
         """Join the step's quorum (healing first if this group is behind), train the Manager's step,
@@ -281,7 +261,7 @@ class FtStageWorker(StageWorker):
         digest = hashlib.sha256()
         for name in sorted(self.params):
             digest.update(name.encode())
-            held = local(self.params[name].detach())
+            held = local_shard(self.params[name].detach())
             digest.update(held.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()
 

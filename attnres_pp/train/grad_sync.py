@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from attnres_pp.pipeline.mesh import Collectives
-from attnres_pp.train.optim import sum_of_squares
+from attnres_pp.train.optim import local_shard, sum_of_squares
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
@@ -57,22 +57,21 @@ def flat_buckets(params: list[nn.Parameter], bucket_bytes: int = BUCKET_BYTES) -
     return buckets
 
 
-def _local_grad(p: nn.Parameter) -> torch.Tensor:
-    """The gradient this rank holds: a tensor-parallel weight's shard (its dp peers hold the same
-    shard), or the whole gradient."""
-    from torch.distributed.tensor import DTensor
-
-    return p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-
-
-def _reduce_flat(params: list[nn.Parameter], collectives: Collectives, axis: str, divisor: int) -> None:
-    grads = [_local_grad(p) for p in params]
+def reduce_flat(params: list[nn.Parameter], reduce: Callable[[torch.Tensor], None], divisor: int = 1) -> None:
+    """The gradients this rank holds of `params` (a tensor-parallel weight's: its shard, which its dp
+    peers hold the same of) flattened into one tensor, reduced in place by `reduce`, divided by
+    `divisor` and written back."""
+    grads = [local_shard(p.grad) for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    collectives.all_reduce(flat, axis)
+    reduce(flat)
     if divisor != 1:
         flat.div_(divisor)
     for g, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
         g.copy_(piece.view_as(g))
+
+
+def _reduce_flat(params: list[nn.Parameter], collectives: Collectives, axis: str, divisor: int) -> None:
+    reduce_flat(params, lambda flat: collectives.all_reduce(flat, axis), divisor)
 
 
 def sync_gradients(untied: list[nn.Parameter], tied: list[nn.Parameter], collectives: Collectives,

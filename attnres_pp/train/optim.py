@@ -88,7 +88,8 @@ def clip_grad_norm_(
     to the sum over all pipeline ranks (an all-reduce);
     every rank then applies the same scale. Tied parameters replicated on several ranks must be
     counted once by the caller's choice of `params`."""
-    grads = [_local(p.grad.detach()) for p in params if p.grad is not None]
+    # a tp weight's gradient as this rank's shard: the caller's `reduce_sq` sums the squares over tp
+    grads = [local_shard(p.grad.detach()) for p in params if p.grad is not None]
     local_sq = sum_of_squares(grads)
     total_sq = reduce_sq(local_sq) if reduce_sq is not None else local_sq
     total_norm = float(total_sq.sqrt())  # the one host synchronisation of the step's clipping
@@ -97,12 +98,12 @@ def clip_grad_norm_(
     return total_norm
 
 
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    """A tensor-parallel weight's gradient as this rank's shard (the storage it scales in place); a
-    plain gradient as it is. The caller's `reduce_sq` sums the shards' squares over tp."""
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor (a tensor-parallel weight, its gradient or an AdamW moment) as this rank's local shard,
+    an alias of its storage (writing it writes the DTensor); a plain tensor as it is."""
     from torch.distributed.tensor import DTensor
 
-    return grad.to_local() if isinstance(grad, DTensor) else grad
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
