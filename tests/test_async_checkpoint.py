@@ -17,7 +17,8 @@ import torch
 from attnres_pp.cli import main
 from attnres_pp.train import background_save
 from attnres_pp.train.background_save import BackgroundSave
-from attnres_pp.train.checkpoint import KILL_DURING_CHECKPOINT, latest_checkpoint, read_meta
+from attnres_pp.train.checkpoint import latest_checkpoint, read_meta
+from attnres_pp.train.faults import KILL_DURING_CHECKPOINT
 from attnres_pp.train.shards import read_parameters
 from tests.test_crash_consistent_saves import RANKS, SINGLE, losses, run_cli
 

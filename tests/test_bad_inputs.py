@@ -238,8 +238,8 @@ CASES = [
      "larger than a node's 1 ranks (GPUs visible on this node)"),
     ("train-tp-failure-rank", [*TRAIN, *OUT, "--tensor-parallel", "2", "--stages", "2", "--inject-failure", "4:1"],
      None, "RANK must be in 0..3 (--stages 2 x --tensor-parallel 2)"),
-    ("train-tp-ray-auto", [*TRAIN, *OUT, "--tensor-parallel", "2", "--launcher", "ray"], None,
-     "does not support --device auto under --launcher ray"),
+    ("train-tp-ray-cuda", [*TRAIN, *OUT, "--tensor-parallel", "2", "--launcher", "ray", "--device", "cuda"], None,
+     "does not support --device cuda under --launcher ray"),
     ("train-tp-msar-halo", [*TRAIN, *OUT, "--tensor-parallel", "2", "--residual", "msar"], None,
      "fewer than the 11 that MSAR's widest causal convolution reads"),
     ("train-tp-fsdp-columns", [*TRAIN, *OUT, "--tensor-parallel", "2", "--dp-shard", "fsdp", "--data-parallel", "3",
@@ -289,7 +289,7 @@ def _prepare(case_id: str, tmp: Path, monkeypatch) -> None:
     if case_id == "train-triton-on-cpu-ray":  # refused before Ray starts, unless the interpreter is asked for
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if case_id == "train-tp-node":  # one GPU on this node, whatever the machine has
-        monkeypatch.setattr("attnres_pp.train.devices.visible_gpus", lambda: 1)
+        monkeypatch.setattr("attnres_pp.launch.resolve.visible_gpus", lambda: 1)
     if case_id == "ray-env-address-unreachable":
         monkeypatch.setenv("RAY_ADDRESS", UNREACHABLE)
     else:

@@ -19,14 +19,8 @@ import pytest
 import torch
 
 from attnres_pp.cli import main
-from attnres_pp.train.checkpoint import (
-    KILL_DURING_CHECKPOINT,
-    KILL_POINTS,
-    KillPoint,
-    kill_point,
-    latest_checkpoint,
-    restore_replaced_checkpoints,
-)
+from attnres_pp.train.checkpoint import latest_checkpoint, restore_replaced_checkpoints
+from attnres_pp.train.faults import KILL_DURING_CHECKPOINT, KILL_POINTS, KillPoint, kill_point
 from attnres_pp.train.shards import read_parameters
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,11 +10,19 @@ import pytest
 import torch
 
 from attnres_pp.cli import main
+from attnres_pp.launch.resolve import (
+    DeviceDecision,
+    backend_of,
+    check_tensor_parallel,
+    decide_device,
+    resolve_run,
+)
+from attnres_pp.model.config import ModelConfig
 from attnres_pp.pipeline.clock import HostClock, make_clock
+from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.pipeline.stage_setup import init_process_group
 from attnres_pp.schedule.timeline import align_per_rank, bubble_fraction, own_clock_bubble, rank_bubbles
-from attnres_pp.train.config import TrainConfig
-from attnres_pp.train.devices import DeviceDecision, backend_of, decide_device, resolve_train
+from attnres_pp.train.config import RunConfig, TrainConfig, resolve_training
 from attnres_pp.train.optim import build_optimizer, clip_grad_norm_
 from attnres_pp.train.single_process_engine import SingleProcessEngine
 from tests.pipeline_helpers import model_config
@@ -56,17 +64,48 @@ def test_cli_refuses_cuda_without_gpus_before_starting_anything(tmp_path, capsys
 
 def test_auto_resolves_dtype_and_kernels_by_device(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    on_gpu = resolve_train(TrainConfig(), "cuda")
-    assert (on_gpu.device, on_gpu.dtype, on_gpu.kernels) == ("cuda", "bf16", "triton") and backend_of(on_gpu) == "nccl"
-    on_cpu = resolve_train(TrainConfig(), "cpu")
-    assert (on_cpu.device, on_cpu.dtype, on_cpu.kernels) == ("cpu", "fp32", "torch") and backend_of(on_cpu) == "gloo"
-    assert resolve_train(TrainConfig(dtype="bf16", kernels="torch"), "cpu").dtype == "bf16"
+    two_ranks = PipelineConfig(stages=2)
+    on_gpu = resolve_run(two_ranks, device="auto", dtype="auto", kernels="auto", gpus=2)
+    assert (on_gpu.device, on_gpu.backend, on_gpu.dtype, on_gpu.kernels) == ("cuda", "nccl", "bf16", "triton")
+    assert backend_of(on_gpu.device) == "nccl" and on_gpu.engine == "pipeline" and on_gpu.n_ranks == 2
+    on_cpu = resolve_run(two_ranks, device="auto", dtype="auto", kernels="auto", gpus=1)
+    assert (on_cpu.device, on_cpu.backend, on_cpu.dtype, on_cpu.kernels) == ("cpu", "gloo", "fp32", "torch")
+    assert resolve_run(PipelineConfig(), device="cpu", dtype="bf16", kernels="torch", gpus=0).dtype == "bf16"
+    single = resolve_run(PipelineConfig(launcher="local"), device="auto", dtype="auto", kernels="auto", gpus=1)
+    assert (single.engine, single.backend, single.device, single.ranks_in_this_process) == ("single", "none", "cuda",
+                                                                                           True)
+    threads = resolve_run(PipelineConfig(stages=2, launcher="inprocess"), device="auto", dtype="auto",
+                          kernels="auto", gpus=1)
+    assert (threads.engine, threads.backend, threads.device) == ("pipeline", "none", "cuda")  # one GPU, shared
+    # Replica groups run on torchft's gloo group: cpu, whatever the node has.
+    replicas = resolve_run(PipelineConfig(data_parallel=2), device="auto", dtype="auto", kernels="auto", gpus=8,
+                           fault_tolerance="replicas")
+    assert (replicas.engine, replicas.device, replicas.dtype) == ("replicas", "cpu", "fp32")
     with pytest.raises(ValueError, match="--kernels triton runs the Triton kernels, which need a CUDA device"):
-        resolve_train(TrainConfig(kernels="triton"), "cpu")
-    with pytest.raises(ValueError, match="unresolved"):
-        backend_of(TrainConfig())
+        resolve_run(PipelineConfig(), device="cpu", dtype="auto", kernels="triton", gpus=0)
+    with pytest.raises(ValueError, match="undecided"):
+        backend_of("auto")
     with pytest.raises(ValueError, match="the driver passes 'cpu' or 'cuda'"):
         init_process_group("file:///nonexistent", 0, 1, 1.0, device="auto")
+
+
+def test_a_run_config_is_resolved_once_and_records_the_decision():
+    run_cfg = RunConfig(model=model_config("block", 2), pipeline=PipelineConfig(stages=2))
+    decided, run = resolve_training(run_cfg, gpus=0)
+    assert (decided.train.device, decided.train.dtype, decided.train.kernels) == ("cpu", "fp32", "torch")
+    assert decided.model == run_cfg.model and decided.pipeline == run_cfg.pipeline and run.backend == "gloo"
+    # Resolving a resolved config changes nothing: the ranks receive it and never decide again.
+    assert resolve_training(decided, gpus=4)[0] == decided
+
+
+def test_tensor_parallel_under_ray_is_decided_again_with_the_clusters_gpus():
+    cfg, pipe = ModelConfig(n_heads=2, d_model=32), PipelineConfig(tensor_parallel=2, launcher="ray")
+    check_tensor_parallel(cfg, pipe, "auto")  # before Ray is joined: the cluster's GPUs are not known yet
+    check_tensor_parallel(cfg, pipe, "auto", gpus=0)  # a cpu cluster
+    with pytest.raises(ValueError, match="does not support --device auto under --launcher ray"):
+        check_tensor_parallel(cfg, pipe, "auto", gpus=4)  # auto found the cluster's GPUs
+    with pytest.raises(ValueError, match="does not support --device cuda under --launcher ray"):
+        check_tensor_parallel(cfg, pipe, "cuda")
 
 
 def test_kernels_flag_picks_the_backend_and_the_summary_records_it(tmp_path):
@@ -120,7 +159,7 @@ def test_the_replica_norm_counts_tied_parameters_once_without_host_round_trips(m
     """D x P clipping: the untied squared norm summed over the replica's ranks ("pp"), the tied convs
     (equal on every rank after their reduction) added once, all of it on the gradients' device: no
     `.cpu()` copy per parameter, so `clip_grad_norm_`'s reading of the norm is the one host sync."""
-    from attnres_pp.train.grad_sync import norm_reducer
+    from attnres_pp.train.grad_norm import norm_groups, norm_reducer
 
     torch.manual_seed(0)
     untied = [torch.nn.Parameter(torch.randn(4, 3)) for _ in range(3)]
@@ -136,11 +175,46 @@ def test_the_replica_norm_counts_tied_parameters_once_without_host_round_trips(m
             tensor.mul_(2)
 
     monkeypatch.setattr(torch.Tensor, "cpu", lambda self, *a, **k: pytest.fail("a host copy per parameter"))
-    reduce_sq = norm_reducer(tied, OtherRankHoldsTheSame(), torch.device("cpu"))
+    groups = norm_groups(untied, tied, is_split=lambda p: False)
+    reduce_sq = norm_reducer(groups, OtherRankHoldsTheSame(), torch.device("cpu"))
     norm = clip_grad_norm_(untied + tied, max_norm=0.0, reduce_sq=reduce_sq)
     want = float((2 * sum(p.grad.double().square().sum() for p in untied)
                   + sum(p.grad.double().square().sum() for p in tied)).sqrt())
     assert OtherRankHoldsTheSame.axes == ["pp"] and norm == pytest.approx(want, rel=1e-6)
+
+
+def test_every_layout_sums_each_group_over_its_axes_once_in_one_order():
+    """The one reducer under tp and fsdp: partial sums meet once their remaining axes agree, so tp is
+    one all-reduce over tp then one over pp, and fsdp one each over dp, world and pp; each group's
+    squares are multiplied by the ranks of the axes it is summed over (here every axis has 2 ranks)."""
+    from attnres_pp.train.grad_norm import norm_groups, norm_reducer
+
+    params = {name: torch.nn.Parameter(torch.full((2,), float(i + 1))) for i, name in
+              enumerate(("split", "whole", "tied", "dp_shard"))}
+    for p in params.values():
+        p.grad = p.detach().clone()
+
+    class TwoRanksPerAxis:
+        def __init__(self):
+            self.axes = []
+
+        def all_reduce(self, tensor, axis):
+            self.axes.append(axis)
+            tensor.mul_(2)
+
+    sq = {name: 2 * (i + 1) ** 2 for i, name in enumerate(params)}  # two elements of value i + 1
+    split = lambda p: p is params["split"]  # noqa: E731
+    tp = TwoRanksPerAxis()
+    groups = norm_groups([params["split"], params["whole"]], [params["tied"]], is_split=split, tensor_parallel=True)
+    total = float(norm_reducer(groups, tp, torch.device("cpu"))())
+    assert total == pytest.approx(4 * sq["split"] + 2 * sq["whole"] + sq["tied"], rel=1e-6)
+    assert tp.axes == ["tp", "pp"]
+    fsdp = TwoRanksPerAxis()
+    groups = norm_groups([params["split"], params["dp_shard"], params["whole"]], [params["tied"]], is_split=split,
+                         tensor_parallel=True, fsdp_replicated=[params["whole"]])
+    total = float(norm_reducer(groups, fsdp, torch.device("cpu"))())
+    assert total == pytest.approx(2 * sq["split"] + 4 * sq["dp_shard"] + 2 * sq["whole"] + sq["tied"], rel=1e-6)
+    assert fsdp.axes == ["dp", "world", "pp"]
 
 
 def test_ranks_of_one_gpu_node_see_all_its_gpus_each_using_its_own():

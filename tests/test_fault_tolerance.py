@@ -320,13 +320,13 @@ def test_without_torchft_the_option_is_one_error_line(corpus, tmp_path, capsys, 
 
 def test_the_lighthouse_status_counts_the_quorum_requests_it_holds():
     """The engine sends the live groups their step only once a joining group's request is at the
-    Lighthouse (`ft_engine.lighthouse_requests`, read from its /status page): 0, then 1 pending."""
+    Lighthouse (`ft_lighthouse.lighthouse_requests`, read from its /status page): 0, then 1 pending."""
     import threading
     from datetime import timedelta
 
     from torchft.coordination import LighthouseClient, LighthouseServer
 
-    from attnres_pp.train.ft_engine import lighthouse_requests
+    from attnres_pp.train.ft_lighthouse import lighthouse_requests
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     try:

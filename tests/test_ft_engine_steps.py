@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from attnres_pp.train import ft_engine
+from attnres_pp.train import ft_engine, ft_lighthouse
 from attnres_pp.train.ft_engine import FtEngine
 from attnres_pp.train.ft_groups import ReplicaGroup
 
@@ -74,7 +74,7 @@ def _engine(monkeypatch, groups: list[ReplicaGroup], steps: int = 8) -> FtEngine
     engine.record_timelines, engine.out_dir, engine._trace_step = False, None, 1
     monkeypatch.setattr(ft_engine, "_POLL_S", 0.0)
     # Every joining group's request is at the Lighthouse as soon as it is sent.
-    monkeypatch.setattr(ft_engine, "lighthouse_requests", lambda address: 99)
+    monkeypatch.setattr(ft_lighthouse, "lighthouse_requests", lambda address: 99)
     monkeypatch.setattr(FtEngine, "_result", lambda self, step, committed, driver_bytes: sorted(committed))
     return engine
 

@@ -7,7 +7,8 @@ function) of every module under attnres_pp must point down or sideways, never up
     schedule                         comm's partition at most; pure Python, no torch (IR, generators,
                                      passes, validators, timeline accounting, traces)
     pipeline                         schedule, comm and below (runtime, chunks, rank start-up)
-    train                            pipeline and below (configs, optimiser step, engines, checkpoints)
+    launch                           pipeline and below (the run decided once, the run flags)
+    train                            launch and below (configs, optimiser step, engines, checkpoints)
     generate                         train and below (reads checkpoints; generators, decode loop, its CLI)
     analysis                         train and below, beside generate (routing diagnostics, run plots)
     simulator                        schedule and the torch-free parts of comm; never pipeline, train,
@@ -36,15 +37,18 @@ ALLOWED = {
     "comm": {"model", "kernels", "config_tables"},
     "schedule": {"comm"},
     "pipeline": {"schedule", "comm", "model", "kernels", "config_tables", "out_paths"},
-    "train": {"pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths", "cli_flags",
-              "model_flags"},
+    # the run decided once (device, dtype, engine, refusals), the run flags; the rank groups
+    "launch": {"pipeline", "schedule", "comm", "model", "kernels", "config_tables", "out_paths", "cli_flags",
+               "model_flags"},
+    "train": {"launch", "pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths",
+              "cli_flags", "model_flags"},
     "simulator": {"schedule", "comm", "model", "config_tables", "out_paths", "cli_flags", "model_flags"},
-    "generate": {"train", "pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths",
-                "cli_flags", "model_flags"},
-    "analysis": {"train", "pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths",
-                "cli_flags", "model_flags"},
-    "bench": {"analysis", "generate", "train", "simulator", "pipeline", "schedule", "comm", "model", "kernels", "data",
-              "config_tables", "out_paths", "cli_flags", "model_flags"},
+    "generate": {"train", "launch", "pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables",
+                 "out_paths", "cli_flags", "model_flags"},
+    "analysis": {"train", "launch", "pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables",
+                 "out_paths", "cli_flags", "model_flags"},
+    "bench": {"analysis", "generate", "train", "launch", "simulator", "pipeline", "schedule", "comm", "model",
+              "kernels", "data", "config_tables", "out_paths", "cli_flags", "model_flags"},
     "cli": {"cli_flags"},  # imports the subcommands by name, at run time
     "root": set(),  # attnres_pp/__init__.py
 }

@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from attnres_pp.cli import build_parser, main
-from attnres_pp.train.checkpoint import KILL_DURING_CHECKPOINT, latest_checkpoint
+from attnres_pp.train.checkpoint import latest_checkpoint
 from attnres_pp.train.cli import build_run_config, checkpoint_config
 from attnres_pp.train.config import RunConfig, TrainConfig
+from attnres_pp.train.faults import KILL_DURING_CHECKPOINT
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",

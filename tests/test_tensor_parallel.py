@@ -93,15 +93,15 @@ def test_thread_collectives_sum_over_the_tp_group_only():
 
 
 def test_the_layer_split_refuses_what_it_cannot_split():
-    from attnres_pp.pipeline.tensor_parallel import check_layer_split, sequence_shard
+    from attnres_pp.pipeline.tensor_parallel import sequence_shard
 
     msar = ModelConfig(residual="msar", stream_kernels=(2, 9), seq_len=16)
-    check_layer_split(msar, 2, sequence_parallel=True)  # shards of 8 tokens hold the halo of 8
-    check_layer_split(msar, 4, sequence_parallel=False)
-    with pytest.raises(ValueError, match="fewer than the 8 tokens"):
-        check_layer_split(msar, 4, sequence_parallel=True)
-    with pytest.raises(ValueError, match="must divide the 4 heads"):
-        check_layer_split(ModelConfig(), 8, sequence_parallel=False)
+    msar.check_tensor_split(2, sequence_parallel=True)  # shards of 8 tokens hold the halo of 8
+    msar.check_tensor_split(4, sequence_parallel=False)
+    with pytest.raises(ValueError, match="fewer than the 8 that MSAR"):
+        msar.check_tensor_split(4, sequence_parallel=True)
+    with pytest.raises(ValueError, match="does not divide the 4 heads"):
+        ModelConfig().check_tensor_split(8, sequence_parallel=False)
     assert [sequence_shard(16, t, 4) for t in range(4)] == [slice(0, 4), slice(4, 8), slice(8, 12), slice(12, 16)]
 
 

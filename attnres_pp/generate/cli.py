@@ -24,9 +24,10 @@ import json
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
-from attnres_pp.cli_flags import convert_flag, layer_counts, number_flag
+from attnres_pp.cli_flags import convert_flag, number_flag
 from attnres_pp.generate.config import GenerationConfig
 from attnres_pp.generate.prompts import (
     decode_text,
@@ -36,8 +37,8 @@ from attnres_pp.generate.prompts import (
     stop_strings,
     text_stops,
 )
-from attnres_pp.pipeline.config import LAUNCHERS, P2P_SEMANTICS
-from attnres_pp.train.config import DEVICES, DTYPES
+from attnres_pp.launch.flags import add_run_flags, run_values
+from attnres_pp.model_flags import add_layer_counts_flag, layer_counts_flag
 
 # (flag, GenerationConfig or PipelineConfig field, type, help); parsed as strings, converted here so a
 # bad value is one clear `error:` line.
@@ -49,25 +50,18 @@ _GEN_FLAGS = (
     ("--prefill-chunk", "prefill_chunk", int,
      "prompt tokens per prefill piece; 0 = the whole prompt in one piece (default). Pieces let the "
      "pipeline's ranks work on the prompt at once"),
-    ("--device", "device", str, f"{' | '.join(DEVICES)}, as for training: cuda gives every rank its own GPU (nccl), "
-     "cpu uses gloo; auto (default) picks cuda when there are enough GPUs"),
-    ("--dtype", "dtype", str, f"{' | '.join(DTYPES)}: bf16 computes under bf16 autocast over the checkpoint's fp32 "
-     "weights, with bf16 hops; auto (default): bf16 on cuda, fp32 on cpu"),
 )
-_PIPE_FLAGS = (
-    ("--stages", "stages", int, "pipeline stages P (default 1)"),
-    ("--virtual", "virtual", int, "virtual stages V per rank (default 1)"),
-    ("--tensor-parallel", "tensor_parallel", int,
-     "tensor-parallel ranks T per stage (P x T rank processes; default 1): each layer split over T ranks, "
-     "the prefill and every decode pass without sequence sharding; --launcher local or ray, on cpu"),
-    ("--launcher", "launcher", str, f"how ranks start: {' | '.join(LAUNCHERS)} (default local: one process "
-                                    "per rank, or this process alone for P = V = 1)"),
-    ("--timeout", "timeout_s", float, "pipeline timeout in seconds (default 120)"),
-    ("--p2p-semantics", "p2p_semantics", str,
-     f"point-to-point rules: {' | '.join(P2P_SEMANTICS)} (nccl: messages go out in the order proven under NCCL's "
-     "in-order, rendezvous matching, enforced by the loopback under --launcher inprocess; auto (default): the "
-     "process group's backend)"),
-)
+# The run flags generation shares with training (`launch.flags`); --device and --dtype fill the
+# GenerationConfig, the others the PipelineConfig.
+_RUN_FLAGS = ("--device", "--dtype", "--stages", "--virtual", "--tensor-parallel", "--launcher", "--timeout",
+              "--p2p-semantics", "--threads")
+_RUN_NOTES = {
+    "--dtype": "the checkpoint's fp32 weights under bf16 autocast",
+    "--tensor-parallel": "each layer split over T ranks, the prefill and every decode pass without sequence "
+                         "sharding; on cpu",
+    "--timeout": "default 120",
+    "--threads": "default 1",
+}
 
 
 def register(subparsers) -> None:
@@ -87,10 +81,10 @@ def register(subparsers) -> None:
     parser.add_argument("--stop", metavar="S", action="append",
                         help="end a sequence where it first generates the string S (repeatable); S itself and "
                              "anything after it are not included in the output")
-    for flag, key, _kind, help_text in _GEN_FLAGS + _PIPE_FLAGS:
+    for flag, key, _kind, help_text in _GEN_FLAGS:
         parser.add_argument(flag, metavar=key.upper(), help=help_text)
-    parser.add_argument("--layer-counts", metavar="N,N,..", help="transformer layers per chunk, comma separated")
-    parser.add_argument("--threads", metavar="N", help="torch threads per process (default 1)")
+    add_run_flags(parser, _RUN_FLAGS, notes=_RUN_NOTES)
+    add_layer_counts_flag(parser)
     parser.add_argument("--address", metavar="ADDR", help="--launcher ray: the cluster to join (default: "
                                                          "RAY_ADDRESS, else a private local instance)")
     parser.add_argument("--json", action="store_true",
@@ -109,14 +103,16 @@ def configs_from_args(args: argparse.Namespace):
 
     if args.max_new_tokens is None:
         raise ValueError("--max-new-tokens N is required: how many tokens to generate")
-    gen_cfg = GenerationConfig(**_values(args, _GEN_FLAGS), stop=stop_strings(args.stop))
-    pipe_values = {"launcher": "local", **_values(args, _PIPE_FLAGS)}
-    if args.layer_counts is not None:
-        pipe_values["layer_counts"] = layer_counts(args.layer_counts)
-    if args.address is not None and pipe_values["launcher"] != "ray":
-        raise ValueError(f"--address is for --launcher ray, not {pipe_values['launcher']}")
+    # --threads sizes this command's processes, not a config field: checked here, as number_flag words it.
+    given = run_values(args, tuple(flag for flag in _RUN_FLAGS if flag != "--threads"))
     threads = number_flag("--threads", args.threads, int, bound="> 0", example="--threads 1") \
         if args.threads is not None else 1
+    gen_cfg = GenerationConfig(**_values(args, _GEN_FLAGS), **given.get("train", {}), stop=stop_strings(args.stop))
+    pipe_values = {"launcher": "local", **given.get("pipeline", {})}
+    if args.layer_counts is not None:
+        pipe_values["layer_counts"] = layer_counts_flag(args)
+    if args.address is not None and pipe_values["launcher"] != "ray":
+        raise ValueError(f"--address is for --launcher ray, not {pipe_values['launcher']}")
     return gen_cfg, PipelineConfig(**pipe_values), threads
 
 
@@ -173,6 +169,49 @@ def _fits(model_cfg, prompts: list[list[int]], max_new_tokens: int) -> None:
             raise ValueError(f"prompt {number}: {error}" if len(prompts) > 1 else str(error)) from None
 
 
+@dataclass(frozen=True)
+class _Request:
+    """What `main` generates: the checkpoint, its model and tokenizer, the prompts as ids, and the run
+    decided (`gen_cfg` and `pipe` as given, `device` and `precision` as the launch layer decides)."""
+
+    step_dir: Path
+    model_cfg: object
+    named: dict
+    tokenizer: object
+    ids: list
+    gen_cfg: GenerationConfig
+    pipe: object
+    threads: int
+    device: str
+    precision: str
+
+
+def _request(args: argparse.Namespace) -> _Request:
+    """Every check before a rank starts; ValueError (one `error:` line) naming what to fix."""
+    from attnres_pp.generate.engines import check_tensor_parallel_generation, decide_generation
+    from attnres_pp.generate.worker import pipeline_partition
+    from attnres_pp.train.checkpoint import read_meta
+
+    gen_cfg, pipe, threads = configs_from_args(args)
+    # The Ray launcher decides against the cluster's GPUs once it has joined it.
+    resolved = None if pipe.launcher == "ray" else decide_generation(gen_cfg.device, gen_cfg.dtype, pipe)
+    device, precision = (gen_cfg.device, gen_cfg.dtype) if resolved is None else (resolved.device, resolved.dtype)
+    if device == "cuda" and pipe.launcher == "local" and pipe.n_chunks > 1:
+        pipe.resolved_p2p("nccl")  # --p2p-semantics gloo over nccl fails here, not in a rank
+    step_dir = find_checkpoint(args.resume)
+    prompts = read_prompts(args)
+    tokenizer = run_tokenizer(step_dir, read_meta(step_dir))
+    if tokenizer.kind != "bytes":
+        text_stops(gen_cfg.stop)
+    model_cfg, named = load_checkpoint(step_dir)
+    which = (lambda n: f"prompt {n}: ") if len(prompts) > 1 else (lambda n: "")
+    ids = [encode_prompt(prompt, tokenizer, model_cfg.vocab_size, which(n)) for n, prompt in enumerate(prompts, 1)]
+    _fits(model_cfg, ids, gen_cfg.max_new_tokens)
+    pipeline_partition(model_cfg, pipe)  # a split that does not fit the model fails here, in one line
+    check_tensor_parallel_generation(model_cfg, pipe, device)
+    return _Request(step_dir, model_cfg, named, tokenizer, ids, gen_cfg, pipe, threads, device, precision)
+
+
 def main(args: argparse.Namespace) -> int:
     from attnres_pp.generate.loop import generate_batch
 
@@ -180,59 +219,34 @@ def main(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
 
     try:
-        gen_cfg, pipe, threads = configs_from_args(args)
-        from attnres_pp.generate.engines import (
-            check_tensor_parallel_generation,
-            decide_generation_device,
-            make_generator,
-            resolve_precision,
-        )
-        from attnres_pp.generate.worker import pipeline_partition
-
-        # The Ray launcher decides against the cluster's GPUs once it has joined it.
-        device = gen_cfg.device if pipe.launcher == "ray" else decide_generation_device(gen_cfg.device, pipe)
-        precision = gen_cfg.dtype if pipe.launcher == "ray" else resolve_precision(gen_cfg.dtype, device)
-        if device == "cuda" and pipe.launcher == "local" and pipe.n_chunks > 1:
-            pipe.resolved_p2p("nccl")  # --p2p-semantics gloo over nccl fails here, not in a rank
-        step_dir = find_checkpoint(args.resume)
-        prompts = read_prompts(args)
+        request = _request(args)
         import torch
 
-        from attnres_pp.train.checkpoint import read_meta
+        from attnres_pp.generate.engines import make_generator
+        from attnres_pp.launch.resolve import single_process
 
-        tokenizer = run_tokenizer(step_dir, read_meta(step_dir))
-        decode = None if tokenizer.kind == "bytes" else tokenizer.decode
-        if decode is not None:
-            text_stops(gen_cfg.stop)
-        model_cfg, named = load_checkpoint(step_dir)
-        which = (lambda n: f"prompt {n}: ") if len(prompts) > 1 else (lambda n: "")
-        ids = [encode_prompt(prompt, tokenizer, model_cfg.vocab_size, which(n))
-               for n, prompt in enumerate(prompts, start=1)]
-        _fits(model_cfg, ids, gen_cfg.max_new_tokens)
-        pipeline_partition(model_cfg, pipe)  # a split that does not fit the model fails here, in one line
-        check_tensor_parallel_generation(model_cfg, pipe, device)
-        torch.set_num_threads(threads)
-
+        torch.set_num_threads(request.threads)
+        pipe, model_cfg, ids = request.pipe, request.model_cfg, request.ids
         tp = f" T={pipe.tensor_parallel}" if pipe.tensor_parallel > 1 else ""
-        where = "one process" if pipe.n_chunks == 1 and pipe.launcher == "local" and not tp else \
-            f"P={pipe.stages} V={pipe.virtual}{tp} ({pipe.launcher})"
-        progress(f"generate: {step_dir} ({model_cfg.residual}, {model_cfg.n_layers} layers, d={model_cfg.d_model}) "
-                 f"on {where}, {device} {precision}")
+        where = "one process" if single_process(pipe) else f"P={pipe.stages} V={pipe.virtual}{tp} ({pipe.launcher})"
+        progress(f"generate: {request.step_dir} ({model_cfg.residual}, {model_cfg.n_layers} layers, "
+                 f"d={model_cfg.d_model}) on {where}, {request.device} {request.precision}")
         started = time.perf_counter()
-        generator = make_generator(model_cfg, pipe, named, threads=threads, address=args.address, device=device,
-                                   precision=precision)
+        generator = make_generator(model_cfg, pipe, request.named, threads=request.threads, address=args.address,
+                                   device=request.device, precision=request.precision)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except RuntimeError as error:  # a rank that failed to start
         print(f"error: {error}", file=sys.stderr)
         return 1
+    decode = None if request.tokenizer.kind == "bytes" else request.tokenizer.decode
     try:
         lengths = sorted({len(prompt) for prompt in ids})
         size = f"prompt {lengths[0]} tokens" if len(ids) == 1 else \
             f"{len(ids)} prompts of {lengths[0]}..{lengths[-1]} tokens"
-        progress(f"  ready in {time.perf_counter() - started:.1f} s; {size}, {gen_cfg.max_new_tokens} new")
-        results = generate_batch(generator, ids, gen_cfg, progress, decode)
+        progress(f"  ready in {time.perf_counter() - started:.1f} s; {size}, {request.gen_cfg.max_new_tokens} new")
+        results = generate_batch(generator, ids, request.gen_cfg, progress, decode)
     except KeyboardInterrupt:
         print("interrupted: stopping the workers", file=sys.stderr)
         return 130
@@ -241,6 +255,13 @@ def main(args: argparse.Namespace) -> int:
         return 1
     finally:
         generator.close()
+    _report(request, results, decode, progress, as_json=args.json)
+    return 0
+
+
+def _report(request: _Request, results: list, decode, progress, *, as_json: bool) -> None:
+    """Each prompt's timings on stderr, then its text (or, `as_json`, one JSON object) on stdout."""
+    ids, pipe = request.ids, request.pipe
     for number, (prompt, result) in enumerate(zip(ids, results, strict=True), start=1):
         label = f"  prompt {number}:" if len(ids) > 1 else " "
         stopped = f"; stopped at {result.stopped_at!r}" if result.stopped_at is not None else ""
@@ -251,12 +272,11 @@ def main(args: argparse.Namespace) -> int:
             text = decode_text(result.tokens)
         else:
             text = result.text if result.text is not None else decode(result.tokens)
-        if args.json:
+        if as_json:
             print(json.dumps({"text": text, "tokens": result.tokens, "prompt_ids": prompt,
-                              "tokenizer": tokenizer.kind, "prefill_s": result.prefill_s,
+                              "tokenizer": request.tokenizer.kind, "prefill_s": result.prefill_s,
                               "decode_s_per_token": result.decode_s_per_token, "prompt_tokens": len(prompt),
-                              "checkpoint": str(step_dir), "stages": pipe.stages, "virtual": pipe.virtual,
+                              "checkpoint": str(request.step_dir), "stages": pipe.stages, "virtual": pipe.virtual,
                               "tensor_parallel": pipe.tensor_parallel, "launcher": pipe.launcher}))
         else:
             print(text)
-    return 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from attnres_pp.train.config import DEVICES, DTYPES
+from attnres_pp.launch.resolve import DEVICES, DTYPES
 
 
 def _fail(field_name: str, value, fix: str) -> None:
@@ -25,7 +25,7 @@ class GenerationConfig:
     once). temperature 0 is greedy (argmax); top_k 0 keeps the whole vocabulary; seed seeds each
     sequence's sampler. stop: byte strings; a sequence ends where it first generates one of them,
     which is left out of its output. device: auto | cpu | cuda and dtype: auto | fp32 | bf16, as in
-    training (`train.devices` decides; auto: cuda when every rank gets a GPU, bf16 there, fp32 on cpu)."""
+    training (`launch.resolve` decides; auto: cuda when every rank gets a GPU, bf16 there, fp32 on cpu)."""
 
     max_new_tokens: int = 64
     prefill_chunk: int = 0

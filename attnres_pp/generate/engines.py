@@ -12,9 +12,9 @@ caches between calls until `reset()`; `keep_rows(rows)` drops the other sequence
   there are P x T ranks, each stage's layers split over its T ranks (`generate.worker`); what that
   runs on is `check_tensor_parallel_generation`'s to say.
 
-`device` is "cpu" or "cuda", decided by the driver (`decide_generation_device`, the rules of
-`train.devices`); `precision` "fp32" or "bf16" (bf16 autocast over the checkpoint's fp32 weights, as
-training computes, with bf16 hops).
+`device` is "cpu" or "cuda", decided by the launch layer (`decide_generation`, `launch.resolve`);
+`precision` "fp32" or "bf16" (bf16 autocast over the checkpoint's fp32 weights, as training
+computes, with bf16 hops).
 """
 
 from __future__ import annotations
@@ -25,45 +25,27 @@ import torch
 
 from attnres_pp.comm.transport import ByteLedger
 from attnres_pp.generate.worker import GenerationWorker, build_model, pipeline_partition
+from attnres_pp.launch.resolve import check_tensor_parallel, resolve_run, single_process, visible_gpus
 from attnres_pp.model import DecodeState, ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.pipeline.mesh import RankCoords
 from attnres_pp.pipeline.rank_group import RankGroup, make_rank_group
-from attnres_pp.train.devices import decide_device, visible_gpus
 
 
-def decide_generation_device(requested: str, pipe: PipelineConfig, gpus: int | None = None) -> str:
-    """"cpu" or "cuda" for `--device requested` ("auto", "cpu", "cuda"); ValueError with the reason
-    when cuda is asked for and the ranks cannot each have a GPU. `gpus` defaults to this node's;
-    the Ray launcher decides with the cluster's instead (`PipelineGenerator`)."""
-    one_process = pipe.launcher == "inprocess" or (pipe.launcher == "local" and pipe.n_chunks == 1
-                                                   and pipe.tensor_parallel == 1)
-    return decide_device(requested, n_ranks=pipe.stages * pipe.tensor_parallel, one_process=one_process,
-                         gpus=visible_gpus() if gpus is None else gpus).device
+def decide_generation(requested_device: str, dtype: str, pipe: PipelineConfig, gpus: int | None = None):
+    """The launch layer's `ResolvedRun` of a generation on `pipe` (`launch.resolve`): the device for
+    `--device requested_device` against `gpus` (this node's by default; the Ray cluster's once
+    joined), and the precision for `--dtype`; ValueError with the reason when cuda is asked for
+    and the ranks cannot each have a GPU."""
+    return resolve_run(pipe, device=requested_device, dtype=dtype, kernels="auto",
+                       gpus=visible_gpus() if gpus is None else gpus)
 
 
 def check_tensor_parallel_generation(cfg: ModelConfig, pipe: PipelineConfig, requested: str,
                                      gpus: int | None = None) -> None:
-    """ValueError, before any rank starts, for a T > 1 generation this driver cannot run, naming the
-    rule: the split (T divides the heads and d_ff), and what runs: rank processes of the local
-    launcher or Ray actors (each tp group on one node) over gloo, or in-process threads over the
-    threaded process group, on cpu, fp32 or bf16. `requested`: the `--device` asked for; `gpus`:
-    where the device is decided (this node's by default, the Ray cluster's once joined)."""
-    t = pipe.tensor_parallel
-    if t == 1:
-        return
-    device = decide_generation_device(requested, pipe, gpus)
-    if device != "cpu":
-        raise ValueError(f"--tensor-parallel {t} does not support --device {device} yet (tensor parallelism "
-                         "runs on cpu over gloo so far): use --device cpu")
-    if cfg.n_heads % t or cfg.ff_dim % t:
-        raise ValueError(f"--tensor-parallel {t} does not divide the checkpoint's {cfg.n_heads} heads and "
-                         f"d_ff = {cfg.ff_dim}: each tp rank takes 1/T of both")
-
-
-def resolve_precision(dtype: str, device: str) -> str:
-    """`--dtype` for the device: auto is bf16 on cuda and fp32 on cpu, as in training."""
-    return ("bf16" if device == "cuda" else "fp32") if dtype == "auto" else dtype
+    """ValueError, before any rank starts, for a T > 1 generation that cannot run
+    (`launch.resolve.check_tensor_parallel`, without training's rules)."""
+    check_tensor_parallel(cfg, pipe, requested, gpus=gpus, whose="the checkpoint's ", training=False)
 
 
 def _split(tokens_BT: torch.Tensor, pieces: list[tuple[int, int]]) -> list[torch.Tensor]:
@@ -118,8 +100,8 @@ class PipelineGenerator:
             self.ranks = ranks()
             # "auto" may find GPUs in a Ray cluster, where tensor parallelism does not run yet
             check_tensor_parallel_generation(cfg, pipe, device, self.ranks.gpus())
-            self.device = decide_generation_device(device, pipe, gpus=self.ranks.gpus())
-            self.precision = resolve_precision(precision, self.device)
+            resolved = decide_generation(device, precision, pipe, gpus=self.ranks.gpus())
+            self.device, self.precision = resolved.device, resolved.dtype
             kwargs = [{"model_cfg_dict": cfg.to_dict(), "pipe_cfg_dict": pipe.to_dict(), "pp_rank": coords.pp_rank,
                        "tp_rank": coords.tp_rank, "seed": seed, "threads": threads, "device": self.device,
                        "precision": self.precision} for coords in self.coords]
@@ -151,10 +133,10 @@ class PipelineGenerator:
 def make_generator(cfg: ModelConfig, pipe: PipelineConfig, named: dict | None, *, seed: int = 0, threads: int = 1,
                    address: str | None = None, device: str = "cpu", precision: str = "fp32"):
     """One process for a single chunk under the local launcher, else a `PipelineGenerator` on the
-    launcher's rank group. `device` is decided (`decide_generation_device`), except under Ray, which
+    launcher's rank group. `device` is decided (`decide_generation`), except under Ray, which
     decides "auto" and checks "cuda" against the cluster's GPUs; `precision` is "fp32", "bf16" or
     (Ray) "auto"."""
-    if pipe.n_chunks == 1 and pipe.launcher == "local" and pipe.tensor_parallel == 1:
+    if single_process(pipe):
         return SingleProcessGenerator(cfg, named, seed, device=device, precision=precision)
     ledger = ByteLedger() if pipe.launcher == "inprocess" else None
     return PipelineGenerator(cfg, pipe, named, seed, threads, device=device, precision=precision, ledger=ledger,

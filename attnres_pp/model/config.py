@@ -93,6 +93,32 @@ class ModelConfig:
     def to_dict(self) -> dict:
         return to_table(self, list_fields=("stream_kernels",))
 
+    def check_tensor_split(self, tensor_parallel: int, *, sequence_parallel: bool, whose: str = "") -> None:
+        """ValueError naming the first rule of docs/spec.md section 10 that `tensor_parallel` = T
+        ranks per layer break: each takes 1/T of the heads and of the MLP's hidden units, and under
+        sequence parallelism 1/T of every sequence, with at least MSAR's halo in each shard. The one
+        check of the split for training, generation, the runtime and the simulator; `whose` names
+        the model in the message ("the checkpoint's ")."""
+        t = tensor_parallel
+        if t == 1:
+            return
+        if self.n_heads % t:
+            raise ValueError(f"--tensor-parallel {t} does not divide {whose or 'the '}{self.n_heads} heads (--heads): "
+                             "each tp rank runs 1/T of the heads; choose T dividing the head count")
+        if self.ff_dim % t:
+            raise ValueError(f"--tensor-parallel {t} does not divide d_ff = {self.ff_dim} ([model] d_ff, 4 x d_model "
+                             "when 0): each tp rank holds 1/T of the MLP's hidden units; choose T dividing d_ff")
+        if sequence_parallel and self.seq_len % t:
+            raise ValueError(f"--tensor-parallel {t} does not divide --seq-len {self.seq_len}: sequence parallelism "
+                             "gives each tp rank 1/T of every sequence; choose T dividing it, or give "
+                             "--no-sequence-parallel")
+        halo = max(self.stream_kernels) - 1 if self.residual == "msar" else 0
+        if sequence_parallel and self.seq_len // t < halo:
+            raise ValueError(f"--tensor-parallel {t} splits --seq-len {self.seq_len} into shards of "
+                             f"{self.seq_len // t} tokens, fewer than the {halo} that MSAR's widest causal "
+                             "convolution reads before each (kappa_max - 1, from the previous tp rank): give a "
+                             "longer --seq-len, a smaller T, or --no-sequence-parallel")
+
     # ---- derived sizes ----
     @property
     def ff_dim(self) -> int:

@@ -36,8 +36,6 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from attnres_pp.pipeline.memory_meter import ActivationMeter, storage_key
 
-AC_POLICIES = ("none", "full", "selective")
-
 _ATTENTION_OPS = frozenset(
     getattr(torch.ops.aten, name).default for name in (
         "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",

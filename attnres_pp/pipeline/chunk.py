@@ -21,7 +21,8 @@ from attnres_pp.model.layers import init_weights
 from attnres_pp.model.precision import compute_context
 from attnres_pp.model.stack import DepthState, forward_sublayers
 from attnres_pp.model.transformer import Transformer, embed_state, lm_loss
-from attnres_pp.pipeline.activation_checkpoint import AC_POLICIES, checkpointed
+from attnres_pp.pipeline.activation_checkpoint import checkpointed
+from attnres_pp.pipeline.config import AC_POLICIES
 from attnres_pp.pipeline.memory_meter import ActivationMeter, optional_saving, storage_key
 
 

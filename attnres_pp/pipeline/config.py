@@ -20,6 +20,8 @@ P2P_SEMANTICS = ("auto", "gloo", "nccl")
 # How the D replicas hold parameters, gradients and optimizer state: whole copies, or FSDP2 shards.
 DP_SHARDS = ("replicate", "fsdp")
 RESHARD_AFTER_FORWARD = ("never", "always")
+# How each transformer layer's forward is checkpointed (`pipeline.activation_checkpoint`).
+AC_POLICIES = ("none", "full", "selective")
 
 
 def _is_int(value) -> bool:

@@ -252,10 +252,11 @@ class ProcessRankGroup:
 
 
 def make_rank_group(pipe: PipelineConfig, world_size: int, *, name: str, address: str | None = None,
-                    placement: str | None = None, ledger=None) -> RankGroup:
+                    placement: str | None = None, ledger=None, cpus: int | None = None) -> RankGroup:
     """The rank group of `pipe.launcher` for `world_size` ranks (not yet started). `name` prefixes
-    local rank processes; `address` and `placement` (default `pipe.placement`) are Ray's; `ledger`
-    records the in-process ranks' hops."""
+    local rank processes; `address` and `placement` (default `pipe.placement`) are Ray's, and `cpus`
+    the CPUs a Ray instance this group starts must have (default `world_size`: more when later
+    groups of the job share it); `ledger` records the in-process ranks' hops."""
     if pipe.launcher == "local":
         return ProcessRankGroup(world_size, pipe.timeout_s, name=name)
     if pipe.launcher == "inprocess":
@@ -268,5 +269,5 @@ def make_rank_group(pipe: PipelineConfig, world_size: int, *, name: str, address
         from attnres_pp.pipeline.ray_rank_group import RayRankGroup
 
         return RayRankGroup(world_size, pipe.timeout_s, address=address, placement=placement or pipe.placement,
-                            tensor_parallel=pipe.tensor_parallel)
+                            cpus=cpus, tensor_parallel=pipe.tensor_parallel)
     raise ValueError(f"launcher={pipe.launcher!r} is unknown: choose local, inprocess or ray")

@@ -79,26 +79,11 @@ def layer_plan(sequence_parallel: bool) -> dict:
     }
 
 
-def check_layer_split(cfg: ModelConfig, tensor_parallel: int, sequence_parallel: bool) -> None:
-    """ValueError naming the rule a split of `cfg`'s layers over `tensor_parallel` ranks breaks."""
-    if cfg.n_heads % tensor_parallel or cfg.ff_dim % tensor_parallel:
-        raise ValueError(f"tensor_parallel={tensor_parallel} must divide the {cfg.n_heads} heads and "
-                         f"d_ff = {cfg.ff_dim}: each tp rank takes 1/T of both")
-    if sequence_parallel and cfg.seq_len % tensor_parallel:
-        raise ValueError(f"tensor_parallel={tensor_parallel} must divide seq_len = {cfg.seq_len} under sequence "
-                         "parallelism")
-    halo = max(cfg.stream_kernels) - 1 if cfg.residual == "msar" else 0
-    if sequence_parallel and tensor_parallel > 1 and cfg.seq_len // tensor_parallel < halo:
-        raise ValueError(f"tensor_parallel={tensor_parallel} leaves {cfg.seq_len // tensor_parallel} tokens per "
-                         f"sequence shard, fewer than the {halo} tokens MSAR's widest causal convolution reads "
-                         "before it (its halo, from the previous tp rank's shard alone)")
-
-
 def parallelize_layers(cfg: ModelConfig, layers: Iterable[TransformerLayer], tp_mesh, *,
                        sequence_parallel: bool) -> None:
     """Split every layer of `layers` over the 1-D `tp_mesh` in place (its parameters become DTensors).
     Every tp rank must hold the same values first (`layers.init_weights` from the same seed)."""
-    check_layer_split(cfg, tp_mesh.size(), sequence_parallel)
+    cfg.check_tensor_split(tp_mesh.size(), sequence_parallel=sequence_parallel)
     for layer in layers:
         parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel))
 

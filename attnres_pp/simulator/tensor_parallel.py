@@ -66,15 +66,7 @@ def check_tensor_parallel(cfg: ModelConfig, tp: TensorParallel, *, gpus_per_node
             raise ValueError(f"T x P x D = 1 x {n_stages} x {data_parallel} = {n_stages * data_parallel} "
                              f"is not the {ranks} ranks given: the mesh (dp, pp, tp) must use every rank")
         return
-    if cfg.n_heads % t:
-        raise ValueError(f"--tensor-parallel {t} does not divide the {cfg.n_heads} heads: each tp rank "
-                         "takes 1/T of the heads")
-    if cfg.ff_dim % t:
-        raise ValueError(f"--tensor-parallel {t} does not divide d_ff = {cfg.ff_dim}: each tp rank takes "
-                         "1/T of the MLP's hidden units")
-    if tp.sp and cfg.seq_len % t:
-        raise ValueError(f"--tensor-parallel {t} does not divide --seq-len {cfg.seq_len}: sequence "
-                         "parallelism gives each tp rank 1/T of every sequence (or give --no-sequence-parallel)")
+    cfg.check_tensor_split(t, sequence_parallel=tp.sp)
     if tp.sp and tokens is not None and tokens % t:
         raise ValueError(f"--tensor-parallel {t} does not divide the {tokens} tokens per microbatch: "
                          "sequence parallelism gives each tp rank 1/T of them")

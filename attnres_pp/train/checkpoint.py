@@ -36,11 +36,11 @@ import errno
 import os
 import re
 import shutil
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
 from attnres_pp.train.checkpoint_meta import read_meta
+from attnres_pp.train.faults import rehearse_kill
 from attnres_pp.train.summary import write_json_atomic
 
 __all__ = ["read_meta"]  # re-exported: the loaders read meta.json through checkpoint_meta, beside this module
@@ -49,33 +49,6 @@ FORMAT = 2  # 1: rank_*.pt files written by the driver (before DCP shards)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _INTERRUPTED_DIR = re.compile(r"^step_(\d+)\.(tmp|old)$")
 _REPLACED_DIR = re.compile(r"^step_(\d+)\.old$")
-_STAGING_DIR = re.compile(r"^step_(\d+)\.tmp$")
-# Rehearsal hook, like `--inject-failure`: ATTNRES_PP_KILL_DURING_CHECKPOINT makes a process SIGKILL
-# itself at one point of the save of checkpoint step_N, the crashes that saves and resume must survive
-# (`kill_point`, KILL_POINTS). `N` alone is `N:before-meta`. For tests and drills only.
-KILL_DURING_CHECKPOINT = "ATTNRES_PP_KILL_DURING_CHECKPOINT"
-# The points of a save, in order: who dies there. `after-shard` takes the rank (`N:after-shard:R`).
-KILL_POINTS = {
-    "before-shards": "the driver, once step_N.tmp exists and before any rank writes its shard",
-    "after-shard": "rank R, right after it wrote its shard (with --launcher inprocess the ranks are threads "
-                   "of the driver, so the whole process)",
-    "before-meta": "the driver, after every rank's shard and before meta.json",
-    "before-rename": "the driver, after meta.json (fsynced) and before the rename to step_N",
-    "between-renames": "the driver, when step_N exists already: after step_N -> step_N.old and before "
-                       "step_N.tmp -> step_N",
-}
-
-
-@dataclass(frozen=True)
-class KillPoint:
-    """Where `ATTNRES_PP_KILL_DURING_CHECKPOINT` kills: the save of step_`step`, at `point` (one of
-    KILL_POINTS), by rank `rank` for `after-shard` (None for the driver's points)."""
-
-    step: int
-    point: str
-    rank: int | None = None
-
-
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """every: save after every `every` steps (0 = only the final one). final: save after the run's
@@ -224,45 +197,6 @@ def remove_interrupted_saves(out_dir: str | Path) -> list[str]:
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return [path.name for path in stale]
-
-
-def kill_point() -> KillPoint | None:
-    """The kill point `ATTNRES_PP_KILL_DURING_CHECKPOINT` asks for (see KILL_POINTS), or None if it
-    is unset: `N` (= `N:before-meta`, the hook's first form), `N:POINT` for the driver's points,
-    `N:after-shard:R` for rank R. Raises ValueError saying what to set otherwise."""
-    raw = os.environ.get(KILL_DURING_CHECKPOINT, "")
-    if not raw:
-        return None
-    parts = raw.split(":")
-    point = parts[1] if len(parts) > 1 else "before-meta"
-    try:
-        step = int(parts[0])
-        rank = int(parts[2]) if len(parts) == 3 else None
-    except ValueError:
-        step, rank = 0, None
-    valid = (step >= 1 and point in KILL_POINTS and len(parts) <= 3
-             and (len(parts) == 3) == (point == "after-shard") and (rank is None or rank >= 0))
-    if not valid:
-        raise ValueError(f"{KILL_DURING_CHECKPOINT}={raw!r} is invalid: set it to N (the save of checkpoint step_N, "
-                         f"N >= 1, killed before meta.json), N:POINT with POINT one of "
-                         f"{', '.join(p for p in KILL_POINTS if p != 'after-shard')}, or N:after-shard:R (rank R "
-                         "killed after writing its shard), or unset it")
-    return KillPoint(step, point, rank)
-
-
-def rehearse_kill(point: str, steps_done: int, rank: int | None = None) -> None:
-    """SIGKILL this process if `ATTNRES_PP_KILL_DURING_CHECKPOINT` names this point of the save of
-    step_`steps_done` (and, for `after-shard`, this `rank`)."""
-    if kill_point() == KillPoint(steps_done, point, rank):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def rehearse_rank_kill(step_dir: str | Path, rank: int) -> None:
-    """`rehearse_kill("after-shard", ...)` for a rank that has just written its shard into the
-    staging folder `step_dir` (`step_N.tmp`, which names the step)."""
-    m = _STAGING_DIR.match(Path(step_dir).name)
-    if m:
-        rehearse_kill("after-shard", int(m.group(1)), rank)
 
 
 def fsync_path(path: str | Path) -> None:

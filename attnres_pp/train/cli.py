@@ -18,95 +18,22 @@ from pathlib import Path
 from attnres_pp.cli_flags import convert_flag
 from attnres_pp.data import load_corpus
 from attnres_pp.data.token_folder import is_token_folder, read_folder_meta
+from attnres_pp.launch.flags import add_run_flags, run_values
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.model_flags import add_layer_counts_flag, add_model_flags, layer_counts_flag, model_overrides
 from attnres_pp.out_paths import check_out_dir
-from attnres_pp.pipeline.config import (
-    DP_SHARDS,
-    LAUNCHERS,
-    P2P_SEMANTICS,
-    PLACEMENTS,
-    RESHARD_AFTER_FORWARD,
-    SCHEDULE_NAMES,
-)
 from attnres_pp.train.checkpoint import (
     CheckpointConfig,
     check_run_dir,
-    kill_point,
     latest_checkpoint,
     read_meta,
 )
-from attnres_pp.train.config import (
-    ACTIVATION_CHECKPOINTS,
-    DEVICES,
-    DTYPES,
-    FAULT_TOLERANCES,
-    KERNELS,
-    RunConfig,
-    TrainConfig,
-    merge_tables,
-    read_toml,
-)
+from attnres_pp.train.config import RunConfig, TrainConfig, merge_tables, read_toml
+from attnres_pp.train.faults import kill_point, parse_failure
 from attnres_pp.train.loop import check_resume, nothing_to_do, run_training
 from attnres_pp.train.metadata_pickle import CheckpointRefused
 from attnres_pp.train.recovery import RunFailed
 from attnres_pp.train.tensorboard import check_tensorboard
-
-# (flag, table, key, type, help); a flag left unset keeps the TOML or default value. The model's flags are
-# `model_flags`' (shared with `simulate memory` and `simulate plan`).
-_FLAGS = (
-    ("--batch-size", "train", "batch_size", int, "global sequences per step"),
-    ("--microbatches", "train", "microbatches", int, "microbatches per step (gradient accumulation)"),
-    ("--steps", "train", "steps", int, "optimiser steps"),
-    ("--lr", "train", "lr", float, "peak learning rate"),
-    ("--warmup-steps", "train", "warmup_steps", int, "linear warmup steps"),
-    ("--seed", "train", "seed", int, "seed for init and data"),
-    ("--data", "train", "data", str, "'builtin' (stdlib source bytes), FILE.txt, FILE.bin "
-     "(uint16 tokens) or a data folder of `attnres-pp prepare` (DIR with meta.json; sets --vocab-size)"),
-    ("--eval-every", "train", "eval_every", int, "evaluate every k steps (0 = only at the end)"),
-    ("--log-routing-every", "train", "log_routing_every", int,
-     "every k steps add routing entropy and embedding weight per reading site to metrics.jsonl (0 = never)"),
-    ("--threads", "train", "threads", int, "torch threads per process"),
-    ("--keep-checkpoints", "train", "keep_checkpoints", int,
-     "checkpoints kept: the newest K (default 2; 0 keeps all), and always the final one"),
-    ("--device", "train", "device", str, f"{' | '.join(DEVICES)}: cuda gives every rank its own GPU (nccl), "
-     "cpu uses gloo; auto picks cuda when there are enough GPUs"),
-    ("--dtype", "train", "dtype", str, f"{' | '.join(DTYPES)}: bf16 autocast with fp32 master weights and bf16 "
-     "hops; auto: bf16 on cuda, fp32 on cpu"),
-    ("--kernels", "train", "kernels", str, f"depth-attention backend: {' | '.join(KERNELS)} "
-     "(auto: triton on cuda, torch on cpu)"),
-    ("--activation-checkpoint", "train", "activation_checkpoint", str,
-     f"{' | '.join(ACTIVATION_CHECKPOINTS)}: full recomputes each layer in its backward, selective keeps the "
-     "projections and recomputes norms, softmax and depth-attention intermediates"),
-    ("--stages", "pipeline", "stages", int, "pipeline stages P (ranks)"),
-    ("--virtual", "pipeline", "virtual", int, "virtual stages V per rank"),
-    ("--data-parallel", "pipeline", "data_parallel", int,
-     "replicas D of the pipeline (D x P ranks; --batch-size stays the global batch)"),
-    ("--schedule", "pipeline", "schedule", str, f"pipeline schedule: {' | '.join(SCHEDULE_NAMES)}"),
-    ("--launcher", "pipeline", "launcher", str, f"how ranks start: {' | '.join(LAUNCHERS)}"),
-    ("--timeout", "pipeline", "timeout_s", float, "pipeline timeout in seconds"),
-    ("--placement", "pipeline", "placement", str,
-     f"ray placement of the ranks: {' | '.join(PLACEMENTS)} (PACK or SPREAD for several nodes)"),
-    ("--p2p-semantics", "pipeline", "p2p_semantics", str,
-     f"point-to-point rules: {' | '.join(P2P_SEMANTICS)} (nccl under --launcher inprocess: the loopback "
-     "enforces NCCL's in-order, rendezvous matching; auto: the process group's backend)"),
-    ("--link-gbps", "pipeline", "link_gbps", float,
-     "emulate a slow link between ranks on one host: its bandwidth in Gb/s (off by default)"),
-    ("--link-latency-us", "pipeline", "link_latency_us", float, "the emulated link's latency in microseconds"),
-    ("--dp-shard", "pipeline", "dp_shard", str,
-     f"{' | '.join(DP_SHARDS)}: how the D replicas hold parameters, gradients and optimizer state"),
-    ("--tensor-parallel", "pipeline", "tensor_parallel", int,
-     "tensor-parallel ranks T per chunk, on one node (D x P x T ranks; default 1)"),
-    ("--fault-tolerance", "train", "fault_tolerance", str,
-     f"{' | '.join(FAULT_TOLERANCES)}: replicas makes each of the D pipelines a torchft replica group that "
-     "restarts alone and heals from a live one (needs the [ft] extra; docs/ray.md)"),
-    ("--lighthouse", "train", "lighthouse", str,
-     "--fault-tolerance replicas: the torchft Lighthouse URL to join (default: one started for the job)"),
-    ("--min-replicas", "train", "min_replicas", int,
-     "--fault-tolerance replicas: replica groups a step needs to commit (default 1; fewer wait, up to --timeout)"),
-    ("--fsdp-reshard-after-forward", "pipeline", "fsdp_reshard_after_forward", str,
-     f"{' | '.join(RESHARD_AFTER_FORWARD)} (--dp-shard fsdp only; default never)"),
-)
 
 
 class ConfigError(ValueError):
@@ -120,9 +47,7 @@ def register(subparsers) -> None:
     )
     parser.add_argument("--config", metavar="FILE", help="TOML file with [model], [train], [pipeline] tables")
     add_model_flags(parser)
-    for flag, _table, _key, _kind, help_text in _FLAGS:
-        # Parsed as strings and converted here, so a bad value is one clear `error:` line.
-        parser.add_argument(flag, metavar=_key.upper(), help=help_text)
+    add_run_flags(parser)
     parser.add_argument("--cache", choices=("on", "off"), help="cross-stage block cache")
     parser.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=None,
                         help="with --tensor-parallel > 1, split every sequence over the tp ranks between layers "
@@ -226,41 +151,10 @@ def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
     return CheckpointConfig.from_settings(settings, resume=args.resume is not None)
 
 
-def parse_failure(text: str | None, run_cfg: RunConfig) -> tuple | None:
-    """`--inject-failure RANK:STEP[:allreduce]` (STEP 1-based, as progress lines count) as (rank,
-    0-based step), or (rank, 0-based step, "allreduce") for the failure inside the replicas' reduction."""
-    if text is None:
-        return None
-    rank_text, _, rest = text.partition(":")
-    step_text, _, point = rest.partition(":")
-    try:
-        rank, step = int(rank_text), int(step_text)
-    except ValueError:
-        raise ConfigError(f"--inject-failure {text!r} is invalid: expected RANK:STEP, e.g. 1:3") from None
-    if point not in ("", "allreduce"):
-        raise ConfigError(f"--inject-failure {text!r} is invalid: the point after STEP can only be 'allreduce'")
-    if point and run_cfg.train.fault_tolerance != "replicas":
-        raise ConfigError(f"--inject-failure {text!r} is invalid: ':allreduce' is for --fault-tolerance replicas "
-                          "(the replicas' reduction through torchft); drop it to fail mid-pipeline")
-    pipe, steps = run_cfg.pipeline, run_cfg.train.steps
-    if not 0 <= rank < pipe.world_size:
-        layout = f"--stages {pipe.stages}"
-        if pipe.data_parallel > 1:
-            layout += f" x --data-parallel {pipe.data_parallel}"
-        if pipe.tensor_parallel > 1:
-            layout += f" x --tensor-parallel {pipe.tensor_parallel}"
-        raise ConfigError(f"--inject-failure {text!r} is invalid: RANK must be in 0..{pipe.world_size - 1} ({layout})")
-    if not 1 <= step <= steps:
-        raise ConfigError(f"--inject-failure {text!r} is invalid: STEP must be in 1..{steps} (--steps {steps})")
-    return (rank, step - 1, point) if point else (rank, step - 1)
-
-
 def flag_overrides(args: argparse.Namespace) -> dict:
-    overrides: dict[str, dict] = {"model": model_overrides(args), "train": {}, "pipeline": {}}
-    for flag, table, key, kind, _help in _FLAGS:
-        raw = getattr(args, flag[2:].replace("-", "_"))
-        if raw is not None:
-            overrides[table][key] = convert_flag(flag, raw, kind)
+    given = run_values(args)
+    overrides: dict[str, dict] = {"model": model_overrides(args), "train": given.get("train", {}),
+                                  "pipeline": given.get("pipeline", {})}
     if args.cache is not None:
         overrides["pipeline"]["cache"] = args.cache == "on"
     if getattr(args, "sequence_parallel", None) is not None:
@@ -278,13 +172,10 @@ def make_run_engine(run_cfg: RunConfig, out_dir: Path, *, address: str | None = 
     `out_dir`), imported only when a run starts. `address` is for the ray launcher; `fail_at` =
     (global rank, 0-based step) makes that rank's worker exit; `corpus`, the loaded data, serves
     the engines that read it in this process."""
-    if run_cfg.train.device == "cpu":  # refuse Triton on cpu here, before a launcher starts Ray or ranks
-        from attnres_pp.train.devices import resolve_train
-
-        resolve_train(run_cfg.train, "cpu")
-    from attnres_pp.train.engines import make_engine
+    from attnres_pp.train.engines import check_run, make_engine
     from attnres_pp.train.memory_fit import check_training_fits
 
+    check_run(run_cfg, address=address, fail_at=fail_at)  # before the memory check, which may join Ray
     check_training_fits(run_cfg, address=address)
 
     return make_engine(run_cfg, out_dir=out_dir, corpus=corpus, address=address, fail_at=fail_at)

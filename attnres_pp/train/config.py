@@ -3,23 +3,26 @@ model + train + pipeline, with TOML loading. Frozen and validated; TOML and CLI 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from attnres_pp.config_tables import from_table, to_table
+from attnres_pp.launch.resolve import (
+    DEVICES,
+    DTYPES,
+    FAULT_TOLERANCES,
+    KERNELS,
+    ResolvedRun,
+    resolve_run,
+    single_process,
+)
 from attnres_pp.model.config import ModelConfig
+from attnres_pp.pipeline.config import AC_POLICIES as ACTIVATION_CHECKPOINTS
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.schedule.schedules import SIZE_CHECKS
-
-DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("auto", "fp32", "bf16")
-KERNELS = ("auto", "torch", "triton")
-# How each transformer layer's forward is checkpointed (`pipeline.activation_checkpoint`).
-ACTIVATION_CHECKPOINTS = ("none", "full", "selective")
-# "replicas": each of the D pipelines is a torchft replica group (`train.fault_tolerance`).
-FAULT_TOLERANCES = ("off", "replicas")
 
 
 def _fail(field_name: str, value, fix: str) -> None:
@@ -59,7 +62,7 @@ class TrainConfig:
     # Checkpoints kept in the run directory: the newest `keep_checkpoints` (0 keeps all), and always
     # the one written at a run's last step (`train.checkpoint.prune_checkpoints`).
     keep_checkpoints: int = 2
-    # Where and how the model computes; "auto" is resolved by the driver (`train.devices`) once it
+    # Where and how the model computes; "auto" is resolved by the launch layer (`launch.resolve`) once it
     # knows the device: cuda if every rank can have its own GPU, bf16 and the Triton kernels there,
     # else cpu, fp32 and the torch kernels. summary.json records the resolved values.
     device: str = "auto"
@@ -124,6 +127,10 @@ class TrainConfig:
     def microbatch_size(self) -> int:
         return self.batch_size // self.microbatches
 
+    def decided(self, run: ResolvedRun) -> TrainConfig:
+        """This config with the device, dtype and kernels the launch layer decided (`launch.resolve`)."""
+        return dataclasses.replace(self, device=run.device, dtype=run.dtype, kernels=run.kernels)
+
     @classmethod
     def from_dict(cls, values: dict) -> TrainConfig:
         return from_table(cls, values, table="train")
@@ -154,7 +161,7 @@ class RunConfig:
                 f"data_parallel={replicas} replicas of microbatches={m} microbatches each, so it must be a "
                 f"multiple of {replicas * m}, e.g. {replicas * m * max(1, self.train.batch_size // (replicas * m))}"
             )
-        if self.train.compile and not (self.pipeline.is_single_process and self.pipeline.launcher == "local"):
+        if self.train.compile and not single_process(self.pipeline):
             raise ValueError(
                 "TrainConfig.compile=True is invalid for a pipelined run: --compile compiles the single-process "
                 "model only (stages = virtual = data_parallel = 1, launcher local); pipeline chunks run eager, "
@@ -164,7 +171,7 @@ class RunConfig:
         check_sizes = SIZE_CHECKS.get(self.pipeline.schedule)
         if check_sizes is not None:  # one error line before any rank starts, not one per rank
             check_sizes(self.pipeline.stages, self.pipeline.virtual, m)
-        check_tensor_parallel_split(self.model, self.pipeline)
+        self.model.check_tensor_split(self.pipeline.tensor_parallel, sequence_parallel=self.pipeline.sp)
         check_fault_tolerance(self.train, self.pipeline)
         if self.pipeline.layer_counts is not None and sum(self.pipeline.layer_counts) != self.model.n_layers:
             raise ValueError(
@@ -203,36 +210,20 @@ class RunConfig:
         return cls.from_dict(merge_tables(read_toml(path), overrides or {}))
 
 
-def check_tensor_parallel_split(model: ModelConfig, pipe: PipelineConfig) -> None:
-    """ValueError naming the first rule of docs/spec.md section 10 that T ranks per chunk break for
-    `model`: each takes 1/T of the heads and of the MLP's hidden units, and under sequence
-    parallelism 1/T of every sequence."""
-    t = pipe.tensor_parallel
-    if t == 1:
-        return
-    if model.n_heads % t:
-        raise ValueError(f"--tensor-parallel {t} does not divide the {model.n_heads} heads (--heads): each tp rank "
-                         "runs 1/T of the heads; choose T dividing the head count")
-    if model.ff_dim % t:
-        raise ValueError(f"--tensor-parallel {t} does not divide d_ff = {model.ff_dim} ([model] d_ff, 4 x d_model when "
-                         "0): each tp rank holds 1/T of the MLP's hidden units; choose T dividing d_ff")
-    if pipe.sp and model.seq_len % t:
-        raise ValueError(f"--tensor-parallel {t} does not divide --seq-len {model.seq_len}: sequence parallelism "
-                         "gives each tp rank 1/T of every sequence; choose T dividing it, or give "
-                         "--no-sequence-parallel")
-    halo = max(model.stream_kernels) - 1 if model.residual == "msar" else 0
-    if pipe.sp and model.seq_len // t < halo:
-        raise ValueError(f"--tensor-parallel {t} splits --seq-len {model.seq_len} into shards of "
-                         f"{model.seq_len // t} tokens, fewer than the {halo} that MSAR's widest causal convolution "
-                         "reads before each (kappa_max - 1, from the previous tp rank): give a longer --seq-len, "
-                         "a smaller T, or --no-sequence-parallel")
+def resolve_training(run_cfg: RunConfig, *, gpus: int, where: str = "on this node") -> tuple[RunConfig, ResolvedRun]:
+    """(`run_cfg` with train's device, dtype and kernels as the launch layer decides them against
+    `gpus` GPUs `where` the ranks run, that decision): what the engine starts and summary.json records."""
+    train = run_cfg.train
+    run = resolve_run(run_cfg.pipeline, device=train.device, dtype=train.dtype, kernels=train.kernels, gpus=gpus,
+                      where=where, fault_tolerance=train.fault_tolerance)
+    return dataclasses.replace(run_cfg, train=train.decided(run)), run
 
 
 def check_fault_tolerance(train: TrainConfig, pipe: PipelineConfig) -> None:
     """ValueError for a fault-tolerance setting this run cannot use: replica groups need D >= 2
     replicated pipelines (each of P x T ranks: P stages, each chunk shared by T tensor-parallel
     ranks) on the cpu, as local processes or Ray actors (under any placement at T = 1; a T > 1 run
-    is held to what tensor parallelism runs under, `engines.check_tensor_parallel_runs`)
+    is held to what tensor parallelism runs under, `launch.resolve.check_tensor_parallel`)
     (`train.ft_engine`)."""
     if train.fault_tolerance == "off":
         if train.lighthouse or train.min_replicas != 1:

@@ -27,7 +27,7 @@ microbatches' gradients add up in fp32, as the replicated run's fp32 `.grad` doe
 runs under autocast (`model.precision`): the ops it keeps in fp32 (norms, depth-attention math, the
 loss) then read bf16-rounded weights, where the replicated run's read fp32 ones.
 
-The clipping norm (`norm_reducer`) sums the squares of each rank's local gradient shards over the
+The clipping norm (`grad_norm.norm_reducer`) sums the squares of each rank's local gradient shards over the
 ranks whose shards are disjoint (FSDP2's padding rows are zeros) and adds the tied convolutions once.
 
 With tensor parallelism (`train.tp_rank`) the layers are split over tp first and FSDP2 shards the
@@ -38,17 +38,12 @@ the sum over tp of the sequence shards' partial gradients follows it (`RankTenso
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
 from attnres_pp.model.precision import PRECISIONS
 from attnres_pp.pipeline.chunk import PipelineChunk
-from attnres_pp.pipeline.mesh import Collectives
 from attnres_pp.schedule.ir import Action
-from attnres_pp.train.grad_sync import squared_norm
-from attnres_pp.train.optim import set_lr
 
 
 class FsdpShards:
@@ -120,7 +115,7 @@ def shard_placement(param: nn.Parameter):
     describe them as `(_StridedShard(0), _StridedShard(0))`, a layout DTensor does not read back:
     `full_tensor()` returned wrongly ordered rows (measured on two replicas of two tp ranks), and
     checkpoints save the weight through it (`tp_rank.whole_strided`). Columns keep the two splits on
-    different dimensions. They must divide evenly: `engines.check_tensor_parallel_runs`."""
+    different dimensions. They must divide evenly: `launch.resolve.check_tensor_parallel`."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -128,51 +123,3 @@ def shard_placement(param: nn.Parameter):
     if any(isinstance(p, _StridedShard) and p.dim == 0 for p in placements):
         return Shard(1)
     return None
-
-
-def local_squared_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
-    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for g in grads:
-        total += g.detach().double().pow(2).sum().to(device)
-    return total
-
-
-def norm_reducer(sharded: list[nn.Parameter], replicated: list[nn.Parameter], tied: list[nn.Parameter],
-                 collectives: Collectives, device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`optim.clip_grad_norm_`'s reduce_sq under fsdp: the local shards' squares (the rank's own total
-    is recomputed from them) summed over the ranks holding disjoint parts (a tensor-parallel weight's
-    (dp, tp) shards over every rank; a shard over dp, which the T tp ranks hold alike, over dp and pp),
-    the whole untied parameters' over the replica's pp ranks, and the tied gradients once."""
-    from attnres_pp.train.tp_rank import is_split
-
-    tied_sq = squared_norm(tied, device)
-    split = [p for p in sharded if is_split(p)]
-    over_dp = [p for p in sharded if not is_split(p)]
-
-    def reduce_sq(_local_sq: torch.Tensor) -> torch.Tensor:
-        split_sq = local_squared_norm(split, device)
-        collectives.all_reduce(split_sq, "world")  # every rank calls it, with or without tp
-        dp_sq = local_squared_norm(over_dp, device)
-        collectives.all_reduce(dp_sq, "dp")
-        total = dp_sq + local_squared_norm(replicated, device)
-        collectives.all_reduce(total, "pp")
-        return split_sq + total + tied_sq
-
-    return reduce_sq
-
-
-def optimizer_step(optimizer: torch.optim.Optimizer, params, lr: float, max_norm: float,
-                   reduce_sq: Callable[[torch.Tensor | None], torch.Tensor]) -> float:
-    """`optim.optimizer_step` for a mix of shards (DTensors) and whole tensors, which `_foreach_norm`
-    refuses together: the same clip (norm from `reduce_sq`, the same scale), learning rate, step and
-    dropped gradients. Returns the norm before clipping."""
-    grads = [p.grad for p in params if p.grad is not None]
-    total_norm = float(reduce_sq(None).sqrt())
-    if max_norm > 0 and total_norm > max_norm:
-        for grad in grads:
-            grad.mul_(max_norm / (total_norm + 1e-6))
-    set_lr(optimizer, lr)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return total_norm

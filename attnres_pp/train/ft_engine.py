@@ -29,78 +29,30 @@ address, and each group's store, ManagerServer and checkpoint server at its rank
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Container
 from pathlib import Path
 
 import torch
 
-from attnres_pp.model import parameter_count
+from attnres_pp.launch.resolve import require_torchft
 from attnres_pp.model.routing import routing_metrics
 from attnres_pp.pipeline.errors import WorkerLost
-from attnres_pp.pipeline.rank_group import ProcessRankGroup
-from attnres_pp.pipeline.stage_setup import check_split
-from attnres_pp.schedule.trace import write_chrome_trace
+from attnres_pp.pipeline.rank_group import make_rank_group
+from attnres_pp.train import ft_lighthouse
 from attnres_pp.train.checkpoint import read_meta
 from attnres_pp.train.config import RunConfig
-from attnres_pp.train.devices import resolve_train
 from attnres_pp.train.ft_groups import ReplicaGroup, public, replica_rank
 from attnres_pp.train.ft_worker import FtStageWorker
 from attnres_pp.train.loop import StepResult
-from attnres_pp.train.pipeline_engine import _absolute, check_shared_out_dir, mean_eval_loss
 from attnres_pp.train.rank_data import resolve_data_path
+from attnres_pp.train.rank_engine import RankEngine, absolute, check_shared_out_dir, mean_eval_loss
 from attnres_pp.train.recovery import RunFailed
-from attnres_pp.train.step_stats import StepStatsLog
 
-# The Lighthouse drops a group whose Manager has not heartbeaten for this long (the Managers beat
-# every 100 ms), and forms a quorum without a group that has not asked for one this long after the
-# first did: a lost group costs the others about a second, not torchft's 60 s defaults.
-HEARTBEAT_TIMEOUT_MS = 1000
-JOIN_TIMEOUT_MS = 1000
-JOIN_LEAD_S = 0.3
-JOIN_WAIT_S = 10.0
 _POLL_S = 0.005
 
 
-def lighthouse_requests(address: str) -> int | None:
-    """How many quorum requests the Lighthouse at `address` holds, from its /status page ("only have N
-    participants"); None when the page cannot be read or does not say."""
-    import re
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"{address.rstrip('/')}/status", timeout=1.0) as page:
-            text = page.read().decode("utf-8", "replace")
-    except (OSError, ValueError):
-        return None
-    found = re.search(r"only have (\d+) participants", text)
-    return int(found.group(1)) if found else None
-
-
-def at_host(url: str, host: str) -> str:
-    """`url` with its host replaced by `host` (an address; IPv6 in brackets), its port and path kept."""
-    from urllib.parse import urlsplit, urlunsplit
-
-    parts = urlsplit(url)
-    netloc = f"[{host}]" if ":" in host else host
-    if parts.port is not None:
-        netloc += f":{parts.port}"
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
-def require_torchft() -> None:
-    """ValueError (one `error:` line) when torchft is not installed."""
-    # torchft's Rust side logs every quorum and commit at INFO, read when it is first imported; the
-    # ranks inherit the setting.
-    os.environ.setdefault("RUST_LOG", "warn")
-    try:
-        import torchft  # noqa: F401
-    except ImportError:
-        raise ValueError("--fault-tolerance replicas needs torchft: pip install 'attnres-pp[ft]'") from None
-
-
-class FtEngine:
+class FtEngine(RankEngine):
     """The `Engine` of a `--fault-tolerance replicas` run (`--launcher local` or `ray`). `fail_at` = (global
     rank, 0-based step): that rank exits mid-step, once (its group's restart has no failure); with a
     third item "allreduce" it exits instead as it would join the replicas' gradient reduction."""
@@ -108,16 +60,11 @@ class FtEngine:
     def __init__(self, run_cfg: RunConfig, out_dir: str | Path | None = None, *, address: str | None = None,
                  placement: str | None = None, fail_at: tuple[int, int] | None = None,
                  record_timelines: bool = False) -> None:
-        require_torchft()
+        require_torchft()  # a driver that builds the engine without the CLI hears it here too
+        super().__init__(run_cfg, out_dir, record_timelines=record_timelines)
         pipe, train = run_cfg.pipeline, run_cfg.train
-        self.out_dir = Path(out_dir).resolve() if out_dir is not None else None
-        self.partition = check_split(run_cfg.model.n_layers, pipe, train.microbatches)
-        self.run_cfg = RunConfig.from_dict({**run_cfg.to_dict(), "train": resolve_train(train, "cpu").to_dict()})
-        self.device = "cpu"
-        self.record_timelines = record_timelines
-        self._trace_step = min(1, train.steps - 1)
-        self.stats = StepStatsLog(n_chunks=pipe.n_chunks,
-                                  replica0_ranks=[p * pipe.tensor_parallel for p in range(pipe.stages)])
+        # Replica groups run on cpu (torchft's gloo group): the launch layer decides so whatever the node has.
+        self.decide(gpus=0)
         self.participants_per_step: list[int] = []
         self.recoveries: list[dict] = []
         self.groups: list[ReplicaGroup] = []
@@ -128,8 +75,8 @@ class FtEngine:
             for d in range(pipe.data_parallel):
                 self.groups.append(ReplicaGroup(d, self._rank_group(d, address, placement), FtStageWorker, []))
             lighthouse = train.lighthouse or self._start_lighthouse(train.min_replicas)
-            self.static_extras: dict = {"data_parallel": pipe.data_parallel, "fault_tolerance": "replicas",
-                                        "lighthouse": lighthouse, "min_replicas": train.min_replicas}
+            self.static_extras.update(fault_tolerance="replicas", lighthouse=lighthouse,
+                                      min_replicas=train.min_replicas)
             data_path = resolve_data_path(self.run_cfg.train.data)
             for group in self.groups:
                 ranks = [replica_rank(group.replica, index, self.group_size) for index in range(self.group_size)]
@@ -150,39 +97,24 @@ class FtEngine:
             raise
 
     def _rank_group(self, replica: int, address: str | None, placement: str | None):
-        """Replica `replica`'s P x T ranks: local processes, or Ray actors in a placement group of their own
-        (the first group's Ray instance, when it starts one, has a CPU for every rank of the run)."""
+        """Replica `replica`'s P x T ranks on the launcher's rank group (the first group's Ray
+        instance, when it starts one, has a CPU for every rank of the run)."""
         pipe = self.run_cfg.pipeline
-        if pipe.launcher == "ray":
-            from attnres_pp.pipeline.ray_rank_group import RayRankGroup
-
-            return RayRankGroup(self.group_size, pipe.timeout_s, address=address, placement=placement or pipe.placement,
-                                cpus=pipe.world_size)
-        return ProcessRankGroup(self.group_size, pipe.timeout_s, name=f"attnres-pp-replica{replica}")
+        return make_rank_group(pipe, self.group_size, name=f"attnres-pp-replica{replica}", address=address,
+                               placement=placement, cpus=pipe.world_size)
 
     def _start_lighthouse(self, min_replicas: int) -> str:
-        from torchft.coordination import LighthouseServer
-
-        self._lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=JOIN_TIMEOUT_MS,
-                                            heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
-        address = self._lighthouse.address()  # http://HOSTNAME:PORT, serving on every interface
+        self._lighthouse, address = ft_lighthouse.start_lighthouse(min_replicas)
         if self.run_cfg.pipeline.launcher != "ray":
             return address
         # Ranks on other nodes may not resolve this host's name (or resolve it to their loopback):
         # they are given the driver's node address, as the Ray cluster knows it.
-        return at_host(address, self.groups[0].ranks.driver_address())
+        return ft_lighthouse.at_host(address, self.groups[0].ranks.driver_address())
 
     @property
     def group_size(self) -> int:
         """A replica group's ranks: P stages x T tensor-parallel ranks."""
         return self.run_cfg.pipeline.stages * self.run_cfg.pipeline.tensor_parallel
-
-    @property
-    def train_cfg(self):
-        return self.run_cfg.train
-
-    def param_count(self) -> int:
-        return parameter_count(self.run_cfg.model)
 
     # ---- groups: loss, restart in the background, join ----
     def _lose(self, group: ReplicaGroup, lost: WorkerLost, step: int) -> None:
@@ -218,11 +150,11 @@ class FtEngine:
     def _await_quorum_requests(self, count: int) -> None:
         """Until the Lighthouse holds `count` quorum requests (its status page says how many), at most
         JOIN_WAIT_S; JOIN_LEAD_S where the page does not say."""
-        deadline = time.monotonic() + JOIN_WAIT_S
+        deadline = time.monotonic() + ft_lighthouse.JOIN_WAIT_S
         while time.monotonic() < deadline:
-            waiting = lighthouse_requests(self.static_extras["lighthouse"])
+            waiting = ft_lighthouse.lighthouse_requests(self.static_extras["lighthouse"])
             if waiting is None:
-                time.sleep(JOIN_LEAD_S)
+                time.sleep(ft_lighthouse.JOIN_LEAD_S)
                 return
             if waiting >= count:
                 return
@@ -249,9 +181,6 @@ class FtEngine:
                             f"{(str(error).strip().splitlines() or [''])[-1]}") from error
 
     # ---- one step ----
-    def _wants_events(self, step: int) -> bool:
-        return self.record_timelines or (self.out_dir is not None and step == self._trace_step)
-
     def train_step(self, step: int, inputs_BT: torch.Tensor | None, targets_BT: torch.Tensor | None,
                    lr: float) -> StepResult:
         """Step `step` as the committing groups trained it (`lr`: the loop's, which every rank computes
@@ -349,11 +278,7 @@ class FtEngine:
     def _result(self, step: int, committed: dict[int, list], driver_bytes: int) -> StepResult:
         replicas = sorted(committed)
         replies = [reply[3] for replica in replicas for reply in committed[replica]]
-        traced = self.out_dir is not None and step == self._trace_step
-        # each of the last stage's T tp ranks reports its microbatches' losses (under sequence parallelism
-        # its shard's mean): the mean over them all is the committing groups' share of the batch's mean
-        n_losses = len(replicas) * self.run_cfg.train.microbatches * self.run_cfg.pipeline.tensor_parallel
-        loss, extras, metrics = self.stats.add(replies, n_losses, driver_bytes, traced)
+        loss, extras, metrics = self._add_step(step, replies, len(replicas), driver_bytes)
         for group in self.groups:  # since a group's loss: the first step committed, and without it
             if group.lost is None:
                 continue
@@ -372,10 +297,8 @@ class FtEngine:
                 extras["lost_nodes"] = lost
         if step == self.run_cfg.train.steps - 1:
             extras["replicas_equal"] = self.replicas_equal()
-        if traced:
-            trace = write_chrome_trace(sorted(self.stats.last_events, key=lambda e: e[2]),
-                                       self.out_dir / "trace.json")
-            extras["trace"] = str(trace)
+        if self._traced(step):
+            self._write_trace(extras)
         return StepResult(loss=loss, extras=extras, metrics=metrics)
 
     def replicas_equal(self) -> bool:
@@ -416,7 +339,7 @@ class FtEngine:
 
     def save_checkpoint(self, step_dir) -> None:
         """One live group's P x T ranks write the shards (every group holds the same state)."""
-        self._live_call("save_shard", _absolute(step_dir), what="checkpoint save")
+        self._live_call("save_shard", absolute(step_dir), what="checkpoint save")
 
     def begin_checkpoint(self, step_dir) -> float:
         """Written at once (the groups' background writes are not wired): the seconds it took."""
@@ -438,7 +361,7 @@ class FtEngine:
         self.participants_per_step = list(extras.get("participants_per_step", []))[:steps_done]
         self.recoveries = [r for r in extras.get("recoveries", []) if r.get("lost_at_step", 0) < steps_done]
         for group in self.groups:
-            group.ranks.call_all("load_shard", _absolute(step_dir), what="checkpoint load")
+            group.ranks.call_all("load_shard", absolute(step_dir), what="checkpoint load")
             group.ranks.call_all("set_step", steps_done, what="checkpoint load")
 
     def restart_workers(self) -> None:

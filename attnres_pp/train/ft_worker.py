@@ -25,12 +25,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
 from datetime import timedelta
 
 import torch
 
 from attnres_pp.pipeline.mesh import MeshCollectives, RankCoords
+from attnres_pp.train.faults import lose_this_rank
 from attnres_pp.train.grad_sync import ensure_grads, flat_buckets, reduce_flat
 from attnres_pp.train.memory_report import grad_bytes
 from attnres_pp.train.optim import local_shard, lr_at
@@ -213,7 +213,7 @@ class FtStageWorker(StageWorker):
         ones). A failed reduction is the Manager's error: the step does not commit."""
         ensure_grads(self.untied + self.tied)
         if self.fail_in_allreduce_at is not None and self.manager.current_step() == self.fail_in_allreduce_at:
-            os._exit(17)
+            lose_this_rank()
         if self.tp.active:
             self.tp.sum_partial_grads(self.untied, self.collectives)
         for bucket in flat_buckets(self.untied):

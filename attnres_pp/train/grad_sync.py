@@ -95,19 +95,3 @@ def squared_norm(params: list[nn.Parameter], device: torch.device | None = None)
     `_foreach_norm` per device, no host synchronisation."""
     grads = [p.grad.detach() for p in params if p.grad is not None]
     return sum_of_squares(grads).to(device or torch.device("cpu"))
-
-
-def norm_reducer(tied: list[nn.Parameter], collectives: Collectives,
-                 device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The `reduce_sq` of `optim.clip_grad_norm_`: this rank's squared norm (tied included) -> the
-    whole model's, each parameter counted once (call after `sync_gradients`): the untied part summed
-    over the replica's P ranks, the tied part (equal on every rank) added once. Everything stays on
-    `device`, so the step's one host synchronisation is `clip_grad_norm_`'s reading of the norm."""
-    tied_sq = squared_norm(tied, device)
-
-    def reduce_sq(local_sq: torch.Tensor) -> torch.Tensor:
-        untied_sq = local_sq.to(device) - tied_sq
-        collectives.all_reduce(untied_sq, "pp")
-        return untied_sq + tied_sq
-
-    return reduce_sq

@@ -11,14 +11,15 @@ import torch
 
 from attnres_pp.comm.partition import make_partition
 from attnres_pp.data import Corpus, batch_at, load_corpus, val_batch_at, val_batches
+from attnres_pp.launch.resolve import resolve_run, visible_gpus
 from attnres_pp.model import ModelConfig, Transformer
 from attnres_pp.model.routing import RoutingProbe, attach_probe, routing_metrics
 from attnres_pp.pipeline.chunk import PipelineChunk
+from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.pipeline.memory_meter import ActivationMeter
 from attnres_pp.train.background_save import ONE_PROCESS_TIMEOUT_S, BackgroundSave
-from attnres_pp.train.checkpoint import rehearse_rank_kill
 from attnres_pp.train.config import TrainConfig
-from attnres_pp.train.devices import decide_device, resolve_train, visible_gpus
+from attnres_pp.train.faults import rehearse_rank_kill
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.memory_report import grad_bytes, memory_entry
 from attnres_pp.train.optim import build_optimizer, optimizer_step
@@ -35,11 +36,12 @@ class SingleProcessEngine:
 
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, *, corpus: Corpus | None = None) -> None:
         torch.set_num_threads(train_cfg.threads)
-        decision = decide_device(train_cfg.device, n_ranks=1, one_process=True, gpus=visible_gpus())
-        train_cfg = resolve_train(train_cfg, decision.device)
+        self.resolved = resolve_run(PipelineConfig(launcher="local"), device=train_cfg.device, dtype=train_cfg.dtype,
+                                    kernels=train_cfg.kernels, gpus=visible_gpus())
+        train_cfg = train_cfg.decided(self.resolved)
         self.model_cfg = model_cfg
         self.train_cfg = train_cfg  # device, dtype and kernels resolved
-        self.device = torch.device(decision.device)
+        self.device = torch.device(self.resolved.device)
         self.model = Transformer(model_cfg, seed=train_cfg.seed, backend=train_cfg.kernels,
                                  precision=train_cfg.dtype, compile=train_cfg.compile).to(self.device)
         self.optimizer = build_optimizer(self.model, train_cfg, fused=self.device.type == "cuda")

@@ -13,7 +13,7 @@ its weights equal the single-process model's. It reads its own microbatches by (
 scalars (`step_stats.StepReply`). MSAR stream convolutions are replicated on every rank; their
 gradients are reduced over all ranks (tied parameters) and counted once in the norm.
 
-Device, dtype and kernels come resolved from the driver (`train.devices`): a rank never decides
+Device, dtype and kernels come resolved from the driver (`launch.resolve`): a rank never decides
 them. On "cuda" it joins the nccl group on its own GPU, computes in the run's precision (bf16
 autocast with fp32 master weights; hops, cache entries and deposits in bf16), times its actions
 with CUDA events and steps a fused AdamW. Under NCCL's point-to-point rules (the nccl backend, or
@@ -22,8 +22,6 @@ with CUDA events and steps a fused AdamW. Under NCCL's point-to-point rules (the
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import socket
 import sys
 from pathlib import Path
@@ -46,16 +44,16 @@ from attnres_pp.pipeline.stage_setup import init_process_group, lowered_schedule
 from attnres_pp.schedule.forward_schedule import forward_only_schedule
 from attnres_pp.schedule.validate_nccl import check_nccl
 from attnres_pp.train.background_save import BackgroundSave
-from attnres_pp.train.checkpoint import rehearse_rank_kill
-from attnres_pp.train.config import RunConfig
-from attnres_pp.train.devices import resolve_train
-from attnres_pp.train.grad_sync import ensure_grads, norm_reducer, sync_gradients
+from attnres_pp.train.config import RunConfig, resolve_training
+from attnres_pp.train.faults import lose_this_rank, rehearse_rank_kill
+from attnres_pp.train.grad_norm import norm_groups, norm_reducer
+from attnres_pp.train.grad_sync import ensure_grads, sync_gradients
 from attnres_pp.train.memory_report import grad_bytes, memory_entry, peak_rss_bytes, transport_buffer_bytes
 from attnres_pp.train.optim import build_optimizer, optimizer_step
 from attnres_pp.train.rank_data import MicrobatchLists, RankData
 from attnres_pp.train.shards import load_shard, rng_stream, save_shard, shard_state
 from attnres_pp.train.step_stats import StepReply
-from attnres_pp.train.tp_rank import RankTensorParallel, held_over_tp, whole_dtensors
+from attnres_pp.train.tp_rank import RankTensorParallel, held_over_tp, is_split, whole_dtensors
 
 # A driver-fed batch for one rank: its replica's rows of (inputs, targets), either half None when
 # the rank does not need it. Only tests and benchmarks feed batches; training runs read their own.
@@ -70,7 +68,7 @@ class StageWorker:
                  fail_at_step: int | None = None) -> None:
         run_cfg = RunConfig.from_dict(run_cfg_dict)
         if run_cfg.train.device == "auto":  # not from a driver (tests): cpu, as gloo needs
-            run_cfg = dataclasses.replace(run_cfg, train=resolve_train(run_cfg.train, "cpu"))
+            run_cfg, _ = resolve_training(run_cfg, gpus=0)
         self.run_cfg = run_cfg
         cfg, train, pipe = self.run_cfg.model, self.run_cfg.train, self.run_cfg.pipeline
         self.coords = RankCoords(rank, pipe.data_parallel, pipe.stages, pipe.tensor_parallel)
@@ -240,7 +238,7 @@ class StageWorker:
         if step == self.fail_at_step:
             for _ in range(len(self.runtime.actions) // 2):
                 self.runtime.run_next()
-            os._exit(17)
+            lose_this_rank()
         return self._run_to_end(self.runtime)
 
     def _run_to_end(self, runtime: StageRuntime) -> StepRecord:
@@ -267,19 +265,10 @@ class StageWorker:
 
     def optimizer_step(self, lr: float) -> float:
         """Global-norm clipping and AdamW on synced gradients; returns the whole model's norm."""
-        if self.fsdp is not None:
-            from attnres_pp.train import fsdp
-
-            replicated = {id(p) for p in self.fsdp.replicated}
-            sharded = [p for p in self.untied if id(p) not in replicated]
-            reduce_sq = fsdp.norm_reducer(sharded, self.fsdp.replicated, self.tied, self.collectives, self.device)
-            return fsdp.optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip,
-                                       reduce_sq)
-        if self.tp.active:
-            reduce_sq = self.tp.norm_reducer(self.untied, self.tied, self.collectives, self.device)
-        else:
-            reduce_sq = norm_reducer(self.tied, self.collectives, self.device)
-        return optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip, reduce_sq)
+        groups = norm_groups(self.untied, self.tied, is_split=is_split, tensor_parallel=self.tp.active,
+                             fsdp_replicated=self.fsdp.replicated if self.fsdp is not None else None)
+        return optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip,
+                              norm_reducer(groups, self.collectives, self.device))
 
     def backward(self, step: int, batch: RankBatch | None = None) -> StepRecord:
         """Forward and backward of step `step`, then the gradient sync: the synced gradients are left

@@ -23,7 +23,6 @@ from attnres_pp.comm.plan import shard_tokens
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.pipeline.mesh import Collectives
-from attnres_pp.train.optim import sum_of_squares
 
 
 def is_sharded(param: nn.Parameter) -> bool:
@@ -127,28 +126,6 @@ class RankTensorParallel:
         """Ranks of a stage whose tied (MSAR convolution) gradients are the same: the T tp ranks on
         whole sequences; under SP each computed its own tokens' part (`grad_sync.sync_gradients`)."""
         return 1 if self.sp else self.size
-
-    def norm_reducer(self, untied: list[nn.Parameter], tied: list[nn.Parameter], collectives: Collectives,
-                     device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The `reduce_sq` of `optim.clip_grad_norm_` over a tp run's rank, each parameter counted
-        once: the split matrices' local shards summed over tp, the replicated untied parameters
-        (equal on the T ranks after `sum_partial_grads`) once per tp group, both summed over the
-        replica's P ranks, and the tied ones (equal on every rank after their sync) added once."""
-        def squares(params):
-            grads = [p.grad.detach() for p in params if p.grad is not None]
-            return sum_of_squares([g.to_local() if is_sharded(g) else g for g in grads]).to(device)
-
-        replicated_sq = squares([p for p in untied if not is_split(p)])
-        tied_sq = squares(tied)
-
-        def reduce_sq(local_sq: torch.Tensor) -> torch.Tensor:
-            sharded_sq = local_sq.to(device) - replicated_sq - tied_sq
-            collectives.all_reduce(sharded_sq, "tp")
-            total = sharded_sq + replicated_sq
-            collectives.all_reduce(total, "pp")
-            return total + tied_sq
-
-        return reduce_sq
 
 
 def _strided(value) -> bool:
