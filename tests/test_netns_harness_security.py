@@ -1,4 +1,5 @@
-"""scripts/netns_cluster.py runs as root and its Ray cluster runs jobs as root: its state dir, and
+"""The several-hosts harness (`python -m attnres_lab.netns_cluster`) runs as root and its Ray cluster
+runs jobs as root: its state dir, and
 what state.json names, are taken from no one else. Real attacks, in-process: a state dir of another
 uid, a symlinked or group-readable one, a world-writable directory above it; a planted state.json
 naming pid 1 or eth0; planted symlinks at auth_token, a log, state.json. Every command the harness
@@ -7,7 +8,6 @@ the machine, and each test asserts that nothing was acted on."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import secrets
@@ -27,10 +27,9 @@ ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="needs root, as the harness 
 
 @pytest.fixture(scope="module")
 def harness():
-    spec = importlib.util.spec_from_file_location("netns_cluster_checked", REPO / "scripts" / "netns_cluster.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from attnres_lab import netns_cluster
+
+    return netns_cluster
 
 
 class Recorder:

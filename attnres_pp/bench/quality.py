@@ -23,14 +23,13 @@ from pathlib import Path
 
 import torch
 
-from attnres_pp.bench.common import default_out_dir
 from attnres_pp.bench.common import results_stem as common_results_stem
 from attnres_pp.model import ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.train import RunConfig, TrainConfig, run_training
 from attnres_pp.train.single_process_engine import SingleProcessEngine
 
-RUNS = default_out_dir().parents[1] / "runs"  # the checkout's runs/ (benchmarks/results/ is two below it)
+RUNS = Path("runs")  # the working directory's runs/ (a checkout's own, run from its root), beside benchmarks/
 QUICK_STEPS = 40
 # 16 x 32 x 64 = 32,768 validation tokens, evaluated once at the end: 4x the training default,
 # because the differences between variants are a few hundredths of a nat.

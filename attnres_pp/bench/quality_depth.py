@@ -33,13 +33,12 @@ from pathlib import Path
 
 import torch
 
-from attnres_pp.bench.common import default_out_dir
 from attnres_pp.model import ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.train import RunConfig, TrainConfig, run_training
 from attnres_pp.train.single_process_engine import SingleProcessEngine
 
-RUNS = default_out_dir().parents[1] / "runs"  # the checkout's runs/ (benchmarks/results/ is two below it)
+RUNS = Path("runs")  # the working directory's runs/ (a checkout's own, run from its root), beside benchmarks/
 DEPTH_MODEL = dict(n_layers=12, d_model=48, n_heads=4, seq_len=64)
 BLOCK_RUN = "Block AttnRes (N=8)"
 VARIANTS = (

@@ -1,12 +1,12 @@
-#!/usr/bin/env python3
 """A Ray cluster of several "hosts" on one machine: one Linux network namespace per host, all on one
 bridge, each running a Ray node, with links that `tc` shapes and that can be cut.
 
-    netns_cluster.py up --hosts N [--cpus-per-host C] [--gbps X] [--latency-ms Y]
-    netns_cluster.py shape HOST --gbps X [--latency-ms Y]     netns_cluster.py unshape HOST
-    netns_cluster.py partition HOST                           netns_cluster.py heal HOST
-    netns_cluster.py kill HOST                                netns_cluster.py restart HOST
-    netns_cluster.py exec HOST -- CMD...                      netns_cluster.py down   (safe to run twice)
+    python -m attnres_lab.netns_cluster COMMAND, COMMAND one of:
+    up --hosts N [--cpus-per-host C] [--gbps X] [--latency-ms Y]
+    shape HOST --gbps X [--latency-ms Y]     unshape HOST
+    partition HOST                           heal HOST
+    kill HOST                                restart HOST
+    exec HOST -- CMD...                      down   (safe to run twice)
 
 `up` prints `{"head": "IP:6379", "dashboard": "http://IP:8265", "hosts": [{"name", "ip"}, ...],
 "auth_token_path": ...}`, host 0 (the Ray head) first; `name` is the namespace, for `ip netns exec`
@@ -17,7 +17,7 @@ http://IP:8265`, with RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH set to the pri
 
 Each host's Ray node (and every `exec`) has its own host name, the namespace's (a UTS namespace,
 where util-linux's `unshare` exists), its own `--temp-dir`, `--node-ip-address` and `--num-cpus`,
-token authentication on, and runs from the Python environment of this script. Every host resolves
+token authentication on, and runs from the Python environment of this harness. Every host resolves
 every host's name to its address and has no name server (`/etc/netns/NAME/hosts` and `resolv.conf`,
 which `ip netns exec` shows as /etc/hosts and /etc/resolv.conf): the machine's own resolver is out of
 reach from a namespace, so each lookup would wait out its timeout (10 s), and Ray's start-up makes
@@ -793,7 +793,7 @@ def cmd_down(args, store: State) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    top = argparse.ArgumentParser(prog="python -m attnres_lab.netns_cluster", description=__doc__.split("\n\n")[0])
     top.add_argument("--state-dir", default=os.environ.get("ATTNRES_NETNS_STATE"),
                      help=f"where the cluster's state lives (default {STATE_ROOT}/PREFIX; ATTNRES_NETNS_STATE)")
     top.add_argument("--prefix", default=None, help=f"the cluster, when --state-dir is not given ({DEFAULT_PREFIX})")
@@ -842,7 +842,7 @@ def state_store(args) -> State:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if os.geteuid() != 0:
-        print("error: netns_cluster.py needs root (ip netns, tc)", file=sys.stderr)
+        print("error: attnres_lab.netns_cluster needs root (ip netns, tc): run it with sudo", file=sys.stderr)
         return 2
     try:
         store = state_store(args)
