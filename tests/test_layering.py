@@ -153,14 +153,21 @@ def test_the_lab_reads_the_product_and_nothing_unknown():
     assert not unknown, "\n".join(unknown)
 
 
+HARNESS_MODULES = {"attnres_lab.netns_cluster", "attnres_lab.netns_host", "attnres_lab.netns_state"}
+
+
 def test_the_namespace_harness_needs_nothing_but_the_standard_library():
-    """The harness runs as root (`python -m attnres_lab.netns_cluster`): it imports nothing of the
-    project and no third-party package, so what it runs is only its own code."""
+    """The harness runs as root (`python -m attnres_lab.netns_cluster`): its modules import one
+    another and the standard library, nothing else of the project and no third-party package, so
+    what it runs is only its own code."""
     import sys
 
-    path = LAB_MODULES["attnres_lab.netns_cluster"]
-    outside = [f"line {line}: imports {name}" for name, line in _imports(path)
-               if name.split(".")[0] not in sys.stdlib_module_names]
+    assert HARNESS_MODULES <= set(LAB_MODULES)
+    outside = [f"{module} line {line}: imports {name}" for module in sorted(HARNESS_MODULES)
+               for name, line in _imports(LAB_MODULES[module])
+               if name.split(".")[0] not in sys.stdlib_module_names
+               and name not in HARNESS_MODULES | {"attnres_lab"}
+               and name.rsplit(".", 1)[0] not in HARNESS_MODULES]  # `from module import name`
     assert not outside, "\n".join(outside)
 
 
