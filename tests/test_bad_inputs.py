@@ -3,7 +3,7 @@ one `error:` line that names what to change, with no traceback, and no train cas
 or Ray. Run in this process (argparse's refusals arrive as SystemExit) so the table takes seconds.
 
 Placeholders in the argv: {tmp} a fresh folder, {file} an existing plain file, {toml} the case's TOML
-text written to a file, {calibration} a `attnres-lab fidelity` calibration file. Root ignores permission
+text written to a file, {calibration} an `attnres-lab fidelity` calibration file. Root ignores permission
 bits, so "unwritable" and "unreadable" are a path under an existing file, /proc (which refuses new
 entries) and /proc/self/mem (a regular file whose read fails).
 """

@@ -339,7 +339,7 @@ def test_a_delay_this_kernel_cannot_add_is_refused_in_one_line(two_host_cluster,
     """Without sch_netem no delay can be put on a link (tbf and htb add none): `up` and `shape` with
     --latency-ms > 0 exit 2 with one `error:` line saying why and what to do instead, `up` before it
     makes anything and `shape` before it touches the link; bandwidth alone still shapes."""
-    from attnres_lab import netns_cluster as harness
+    from attnres_lab import netns_host as harness
 
     if harness.netem_missing() is None:
         pytest.skip("this kernel has sch_netem: --latency-ms adds a real delay here")

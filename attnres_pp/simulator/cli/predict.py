@@ -1,5 +1,5 @@
 """`attnres-pp simulate predict`: a run the simulator has not seen, priced by a calibration that
-transfers (`simulator.transfer`), read from a `attnres-lab fidelity` result file (its "calibration") or
+transfers (`simulator.transfer`), read from an `attnres-lab fidelity` result file (its "calibration") or
 a file holding that object alone.
 
 Numbers are parsed by `attnres_pp.cli_flags`, not by argparse, so a bad value is one line `error: ...`
