@@ -6,7 +6,8 @@ built-in corpus (single process, the shared training loop) and tabulate validati
     attnres-pp bench quality --seeds 2       # mean over seeds 0..1
 
 Writes quality_<date>.json and .md (`_quick` with --quick, `_partial` with --only) under --out (the
-older spelling --out-dir is taken too); run directories go to the checkout's runs/quality_<date>/.
+older spelling --out-dir is taken too); run directories go to runs/quality_<date>/ under the working
+directory.
 Runs `--jobs` trainings at once, one torch thread each. The deep, narrow benchmark with paired seeds
 is `attnres-pp bench quality-depth`.
 """

@@ -17,7 +17,7 @@ its per-site routing table, a heatmap and its dilution curve against standard's.
     attnres-pp bench quality-depth --steps 2 --eval-bytes 4096 --seeds 1  # smoke run
 
 Writes quality_depth_<date>.{json,md} and quality_depth_<date>_{heatmap,dilution}.png under --out
-(the older spelling --out-dir is taken too); run directories go to the checkout's runs/.
+(the older spelling --out-dir is taken too); run directories go to runs/ under the working directory.
 """
 
 from __future__ import annotations
