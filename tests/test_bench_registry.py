@@ -155,3 +155,12 @@ def test_results_keep_no_path_of_this_checkout(tmp_path, monkeypatch):
                                   "other": "/elsewhere/trace.json"}
     assert written["n"] == 3
     assert md_path.read_text() == "see benchmarks/results/bubbles_x/trace_1f1b.json\n"
+
+
+def test_fit_memory_units_refuses_an_empty_fit_before_measuring(tmp_path, capsys):
+    from attnres_lab.cli import main as lab_main
+
+    out = tmp_path / "units.json"
+    assert lab_main(["fit-memory-units", "--cases", "0", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.splitlines() == ["error: --cases and --checkpoint-cases must be >= 1"]
+    assert not out.exists()
