@@ -343,3 +343,17 @@ def test_one_module_starts_ray_and_places_ranks():
     for call in ("ray.init(", "placement_group("):
         callers = {m for m, path in MODULES.items() if call in path.read_text()}
         assert callers == RAY_MODULES, call
+
+
+def test_the_product_finds_only_its_own_package_data_by_path():
+    """attnres_pp runs from an installed wheel: a module may find a file beside itself (package data,
+    `Path(__file__).with_name(...)`), never the checkout above the package (`parents[...]`,
+    `.parent.parent`) nor anything under scripts/."""
+    import re
+
+    climbing = re.compile(r"__file__.*(\.parents\b|\.parent\.parent|\.\./)")
+    found = [f"{module} line {number}: {line.strip()}" for module, path in MODULES.items()
+             for number, line in enumerate(path.read_text().splitlines(), start=1)
+             if climbing.search(line) or re.search(r"[\"'/]scripts/", line)]
+    assert not found, "\n".join(found)
+    assert climbing.search('HARNESS = Path(__file__).resolve().parents[2] / "scripts"')  # the check itself
