@@ -11,6 +11,7 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import Callable
 
 from attnres_pp.cli_flags import ArgumentParser
 
@@ -50,11 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.func(args) or 0)
 
 
-def console_main() -> int:
-    """The `attnres-pp` console script: `main`, and a reader that closes the pipe early (`| head`)
-    ends the command quietly, as Unix tools do, instead of with a BrokenPipeError traceback."""
+def console_main(entry: Callable[[], int] | None = None) -> int:
+    """The `attnres-pp` console script (or another command's `entry`, `attnres-lab`'s): `main`, and a
+    reader that closes the pipe early (`| head`) ends the command quietly, as Unix tools do, instead
+    of with a BrokenPipeError traceback."""
     try:
-        code = main()
+        code = (entry or main)()
         sys.stdout.flush()
         return code
     except BrokenPipeError:

@@ -1,4 +1,4 @@
-"""The runtime's cost per action (`bench.action_probe`, `UnitTimes.action`): added to every chunk,
+"""The runtime's cost per action (`attnres_lab.action_probe`, `UnitTimes.action`): added to every chunk,
 it prices a V = 2 run from a V = 1 calibration as a truth that has it does, where units alone
 price it too cheap; the probe recovers it from V = 1 and V = 4 runs (stubbed engines that take
 known seconds per unit and per action)."""
@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from attnres_pp.bench import action_probe
+from attnres_lab import action_probe
+from attnres_lab.transfer_fit import fit_transfer, unit_times_from_probe
 from attnres_pp.bench.common import BENCH_MODEL
 from attnres_pp.comm.partition import make_partition
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.schedule.schedules import build_schedule
 from attnres_pp.simulator.engine import simulate
-from attnres_pp.simulator.transfer import TransferCalibration, fit_transfer, unit_times_from_probe
+from attnres_pp.simulator.transfer import TransferCalibration
 from attnres_pp.simulator.units import chunk_work
 from tests.test_sim_fidelity import _FREE, _measured_steps, _probe, _shape
 

@@ -3,7 +3,7 @@ one `error:` line that names what to change, with no traceback, and no train cas
 or Ray. Run in this process (argparse's refusals arrive as SystemExit) so the table takes seconds.
 
 Placeholders in the argv: {tmp} a fresh folder, {file} an existing plain file, {toml} the case's TOML
-text written to a file, {calibration} a `bench fidelity` calibration file. Root ignores permission
+text written to a file, {calibration} an `attnres-lab fidelity` calibration file. Root ignores permission
 bits, so "unwritable" and "unreadable" are a path under an existing file, /proc (which refuses new
 entries) and /proc/self/mem (a regular file whose read fails).
 """
@@ -35,7 +35,7 @@ PLAN = ["simulate", "plan", "--layers", "8", "--d-model", "256", "--heads", "4",
 PROJECT = ["simulate", "project", "--layers", "8", "--d-model", "256", "--block-size", "4", "--tokens", "512",
            "--stages", "2", "--microbatches", "4"]
 LAYER_COUNTS = "--layer-counts '{}' is invalid: expected comma-separated positive integers"
-# A calibration as `bench fidelity` writes it (units in seconds), for the `simulate predict` cases.
+# A calibration as `attnres-lab fidelity` writes it (units in seconds), for the `simulate predict` cases.
 CALIBRATION = {
     "forward_units_s": {"layer": 1e-3, "add": 1e-5, "embed": 1e-4, "head": 3e-4, "merge": 2e-4,
                         "phase1_a_b_c_e": [1e-4, 1e-5, 0.0, 1e-5], "phase1_floor": 1e-4},

@@ -95,7 +95,7 @@ def test_row_buffer_routes_each_rows_gradient_to_its_segment():
 def test_a_reader_of_given_sources_may_hold_more_than_the_model_has():
     """The unit probe times reads of up to max(PHASE1_SOURCES) sources on a model with fewer blocks:
     a BlockReader over a list sizes its buffer to the list (it raised "source buffer full")."""
-    from attnres_pp.bench.unit_probe import PHASE1_SOURCES, probe_units
+    from attnres_lab.unit_probe import PHASE1_SOURCES, probe_units
 
     cfg = ModelConfig(vocab_size=64, n_layers=2, d_model=16, n_heads=2, seq_len=8, residual="attnres", block_size=2)
     assert max(PHASE1_SOURCES) > cfg.n_blocks + 1

@@ -1,6 +1,6 @@
-"""Every `attnres-pp ...` command that README.md and docs/*.md show must parse: its subcommand path
-exists (`attnres-pp simulate comm`, `attnres-pp bench bubbles`) and every `--flag` it uses is a flag of
-that subcommand, spelled in full (argparse would accept an abbreviation; a reader copying it should
+"""Every `attnres-pp ...` and `attnres-lab ...` command that README.md and docs/*.md show must parse:
+its subcommand path exists (`attnres-pp simulate comm`, `attnres-pp bench bubbles`) and every `--flag`
+it uses is a flag of that subcommand, spelled in full (argparse would accept an abbreviation; a reader copying it should
 not depend on that), with a value from the flag's choices where it has choices.
 
 Commands are taken from code blocks (fenced or indented) and from inline code spans. In a code
@@ -12,7 +12,8 @@ is a comment. What the docs write as a pattern rather than a literal command is 
 CLI's own business (`tests/test_bad_inputs.py`).
 
 The parser is built in this process from `attnres_pp.cli.build_parser`, which imports every
-subcommand's CLI module but not Ray (checked below in a fresh interpreter).
+subcommand's CLI module but not Ray (checked below in a fresh interpreter); an `attnres-lab` command
+is checked against the lab's own parser (`attnres_lab.cli.build_parser`).
 """
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ from pathlib import Path
 
 import pytest
 
+from attnres_lab.cli import build_parser as build_lab_parser
 from attnres_pp.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 PROGRAM = "attnres-pp"
-# `attnres-pp` as a word (not inside a path such as /abs/path/attnres-pp/configs) followed by a subcommand.
-COMMAND_START = re.compile(r"(?:^|(?<=[\s(]))attnres-pp\s+(?=[a-z])")
+LAB_PROGRAM = "attnres-lab"
+# `attnres-pp` (or `attnres-lab`) as a word (not inside a path such as /abs/path/attnres-pp/configs)
+# followed by a subcommand.
+COMMAND_START = re.compile(r"(?:^|(?<=[\s(]))(attnres-pp|attnres-lab)\s+(?=[a-z])")
 FENCE = re.compile(r"^\s*(```|~~~)")
 INLINE_CODE = re.compile(r"`([^`]+)`")
 ERROR_LINE = re.compile(r"(^|\s)error:")
@@ -63,7 +67,7 @@ def _commands_in_text(text: str) -> list[str]:
     if ERROR_LINE.search(text):
         return []  # a quoted error message (`error: ...`, `attnres-pp bench X: error: ...`) is output
     match = COMMAND_START.search(text)  # the rest of the line is that command's (`;` does not occur)
-    return [PROGRAM + " " + text[match.end():]] if match else []
+    return [match.group(1) + " " + text[match.end():]] if match else []
 
 
 def extract_commands(path: Path) -> list[tuple[int, str]]:
@@ -135,12 +139,12 @@ def check_command(parser: argparse.ArgumentParser, command: str) -> list[str]:
         tokens = shlex.split(command, comments=True)
     except ValueError as error:
         return [f"cannot split the command line: {error}"]
-    if not tokens or tokens[0] != PROGRAM:
-        return [f"does not start with {PROGRAM}"]
+    if not tokens or tokens[0] != parser.prog:
+        return [f"does not start with {parser.prog}"]
     tokens = [token.strip("[]") for token in tokens[1:]]
     tokens = [token for token in tokens if token and token not in ("...", "..")]
     problems: list[str] = []
-    path = PROGRAM
+    path = parser.prog
     # Walk the subcommands: `attnres-pp simulate comm ...`.
     while (sub := _subparsers(parser)) is not None:
         if not tokens:
@@ -207,6 +211,11 @@ def parser() -> argparse.ArgumentParser:
     return build_parser()
 
 
+@pytest.fixture(scope="module")
+def lab_parser() -> argparse.ArgumentParser:
+    return build_lab_parser()
+
+
 def test_docs_show_commands():
     # The extraction must find the docs' commands; were it broken, every case below would vanish.
     assert len(DOCUMENTED) >= 40, [f"{path}:{number}" for path, number, _ in DOCUMENTED]
@@ -219,8 +228,8 @@ def test_docs_show_commands():
     [(f"{path}:{number}", command) for path, number, command in DOCUMENTED],
     ids=[f"{path}:{number}:{command[:70]}" for path, number, command in DOCUMENTED],
 )
-def test_documented_command_parses(parser, where, command):
-    problems = check_command(parser, command)
+def test_documented_command_parses(parser, lab_parser, where, command):
+    problems = check_command(lab_parser if command.startswith(LAB_PROGRAM + " ") else parser, command)
     assert not problems, f"{where}: {command}\n" + "\n".join(problems)
 
 
@@ -251,6 +260,18 @@ def test_checker_rejects_mistakes(parser, command):
 ])
 def test_checker_accepts_patterns(parser, command):
     assert check_command(parser, command) == [], command
+
+
+def test_lab_commands_are_found_and_checked_against_the_labs_parser(lab_parser, parser):
+    """The docs name the lab's commands, and the checker holds them to the lab's parser: a real one
+    parses there and not as an `attnres-pp` command; a mistake is reported."""
+    assert any(command.startswith(LAB_PROGRAM + " ") for _, _, command in DOCUMENTED)
+    assert check_command(lab_parser, "attnres-lab fidelity --hosts --quick") == []
+    assert check_command(lab_parser, "attnres-lab fit-memory-units --out FILE") == []
+    assert check_command(lab_parser, "attnres-lab fidelity --no-such-flag")
+    assert check_command(lab_parser, "attnres-lab no-such-study")
+    assert check_command(parser, "attnres-lab fidelity")  # not a command of attnres-pp
+    assert check_command(parser, "attnres-pp bench fidelity")  # a study of the lab, not a benchmark
 
 
 def test_extraction_reads_blocks_continuations_and_inline_code(tmp_path):

@@ -14,6 +14,11 @@ function) of every module under attnres_pp must point down or sideways, never up
     simulator                        schedule and the torch-free parts of comm; never pipeline, train,
                                      torch, torch.distributed or ray
     bench                            on top: anything
+
+Beside the package, the measurement lab `attnres_lab` (probes, fidelity studies, the fitting of the
+simulator's units, the several-hosts harness) may import anything of attnres_pp; attnres_pp never
+imports the lab, so the product runs without it and the simulator reads the lab's calibration files,
+never its code.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "attnres_pp"
+LAB_ROOT = PACKAGE_ROOT.parent / "attnres_lab"
 
 # layer -> layers it may import (itself always allowed)
 ALLOWED = {
@@ -90,6 +96,7 @@ def _imports(path: Path) -> list[tuple[str, int]]:
 
 
 MODULES = {_module_name(p): p for p in sorted(PACKAGE_ROOT.rglob("*.py"))}
+LAB_MODULES = {_module_name(p): p for p in sorted(LAB_ROOT.rglob("*.py"))}
 
 
 def _layer(module: str) -> str:
@@ -121,6 +128,56 @@ def test_imports_run_one_way(module):
     uphill = _uphill(module, _project_imports(module))
     allowed = sorted(ALLOWED[_layer(module)] | {_layer(module)})
     assert not uphill, f"{module} (layer {_layer(module)}) may import only {allowed}:\n" + "\n".join(uphill)
+
+
+def test_the_product_never_imports_the_lab():
+    """No module of attnres_pp imports attnres_lab, not even inside a function: the product runs from
+    a wheel without the lab's code, and the simulator reads only the files the lab writes."""
+    assert len(LAB_MODULES) >= 10, sorted(LAB_MODULES)  # the lab is scanned: a rename would not hide it
+    importers = [f"{module} line {line}: imports {name}" for module, path in MODULES.items()
+                 for name, line in _imports(path) if name.split(".")[0] == "attnres_lab"]
+    assert not importers, "\n".join(importers)
+
+
+def test_the_lab_reads_the_product_and_nothing_unknown():
+    """Every project import of the lab names a module of attnres_pp or of the lab itself (a moved
+    module would otherwise leave an import of a name that no longer exists), and the lab does
+    import the product (it measures it)."""
+    known = set(MODULES) | set(LAB_MODULES)
+    unknown, reads_product = [], False
+    for module, path in LAB_MODULES.items():
+        for name, line in _imports(path):
+            top = name.split(".")[0]
+            if top in ("attnres_pp", "attnres_lab") and name not in known:
+                # `from attnres_pp.x import name`: the module is x (checked), `name` an attribute
+                if name.rsplit(".", 1)[0] not in known:
+                    unknown.append(f"{module} line {line}: imports {name}")
+            reads_product |= top == "attnres_pp"
+    assert reads_product
+    assert not unknown, "\n".join(unknown)
+
+
+HARNESS_MODULES = {"attnres_lab.netns_cluster", "attnres_lab.netns_host", "attnres_lab.netns_state"}
+
+
+def test_the_namespace_harness_needs_nothing_but_the_standard_library():
+    """The harness runs as root (`python -m attnres_lab.netns_cluster`): its modules import one
+    another and the standard library, nothing else of the project and no third-party package, so
+    what it runs is only its own code."""
+    import sys
+
+    assert HARNESS_MODULES <= set(LAB_MODULES)
+    outside = [f"{module} line {line}: imports {name}" for module in sorted(HARNESS_MODULES)
+               for name, line in _imports(LAB_MODULES[module])
+               if name.split(".")[0] not in sys.stdlib_module_names
+               and name not in HARNESS_MODULES | {"attnres_lab"}
+               and name.rsplit(".", 1)[0] not in HARNESS_MODULES]  # `from module import name`
+    assert not outside, "\n".join(outside)
+
+
+def test_no_import_circle_in_the_lab():
+    circles = import_circles(LAB_ROOT)
+    assert not circles, "\n".join(" <-> ".join(circle) for circle in circles)
 
 
 def test_a_reversed_import_between_schedule_and_pipeline_fails():
@@ -290,3 +347,17 @@ def test_one_module_starts_ray_and_places_ranks():
     for call in ("ray.init(", "placement_group("):
         callers = {m for m, path in MODULES.items() if call in path.read_text()}
         assert callers == RAY_MODULES, call
+
+
+def test_the_product_finds_only_its_own_package_data_by_path():
+    """attnres_pp runs from an installed wheel: a module may find a file beside itself (package data,
+    `Path(__file__).with_name(...)`), never the checkout above the package (`parents[...]`,
+    `.parent.parent`) nor anything under scripts/."""
+    import re
+
+    climbing = re.compile(r"__file__.*(\.parents\b|\.parent\.parent|\.\./)")
+    found = [f"{module} line {number}: {line.strip()}" for module, path in MODULES.items()
+             for number, line in enumerate(path.read_text().splitlines(), start=1)
+             if climbing.search(line) or re.search(r"[\"'/]scripts/", line)]
+    assert not found, "\n".join(found)
+    assert climbing.search('HARNESS = Path(__file__).resolve().parents[2] / "scripts"')  # the check itself

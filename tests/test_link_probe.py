@@ -1,4 +1,4 @@
-"""The link probe's fit (`bench.link_probe`) and how the simulator prices measured links
+"""The link probe's fit (`attnres_lab.link_probe`) and how the simulator prices measured links
 (`RunShape.rank_links`): each direction its own link, messages queue on the real link, an emulated
 link on top delivers no sooner than either. Synthetic numbers, no process: the probe ranks themselves
 run over real links in tests/test_multihost.py."""
@@ -10,12 +10,13 @@ import gzip
 
 import pytest
 
-from attnres_pp.bench.fidelity_hosts import CALIBRATION, EMULATED_LATENCY_US, HostCase, held_out_cases, probed_shape
-from attnres_pp.bench.link_probe import ACK_BYTES, LinkFit, fit_direction, fit_from_dict, fit_line, summarize
+from attnres_lab.fidelity_hosts import CALIBRATION, EMULATED_LATENCY_US, HostCase, held_out_cases, probed_shape
+from attnres_lab.link_probe import ACK_BYTES, LinkFit, fit_direction, fit_from_dict, fit_line, summarize
+from attnres_lab.transfer_fit import unit_times_from_probe
 from attnres_pp.comm.link import LinkModel
 from attnres_pp.schedule.schedules import build_schedule
 from attnres_pp.simulator.engine import simulate
-from attnres_pp.simulator.transfer import RunShape, TransferCalibration, unit_times_from_probe
+from attnres_pp.simulator.transfer import RunShape, TransferCalibration
 from tests.test_sim_fidelity import _FREE, _probe, _shape, _truth_costs
 
 SIZES = (16 * 1024, 256 * 1024, 2048 * 1024)
@@ -158,7 +159,7 @@ def test_the_host_cases_cover_the_issue():
 def test_a_run_shorter_than_its_priced_messages_is_refused_not_fitted_below_zero():
     """Calibrating on a run whose link, as priced, outlasts its measured step: no compute level fits
     (a negative one would price every action below zero), so the fit says so."""
-    from attnres_pp.simulator.transfer import fit_transfer
+    from attnres_lab.transfer_fit import fit_transfer
 
     probe = _probe(layer=(0.001, 0.002))
     crawl = LinkModel(gbps=1e-6, latency_s=1.0)  # seconds per message: far longer than the step below
@@ -176,7 +177,7 @@ def test_the_analysis_recovers_runs_simulated_from_known_costs_and_reads_its_kep
     of the kept file gives the same rows."""
     import json
 
-    from attnres_pp.bench.fidelity_hosts import analyse, reanalyse
+    from attnres_lab.fidelity_hosts import analyse, reanalyse
     from tests.test_sim_fidelity import _measured_steps
 
     probe = _probe(layer=(0.001, 0.002), embed=(0.0005, 0.0004), head=(0.0008, 0.001))

@@ -48,7 +48,7 @@ def test_full_checkpointing_under_the_local_launcher_is_predicted_within_10_perc
     """The issue's case: full checkpointing keeps each layer's inputs, which on the last rank are
     the received blocks; the local launcher counted rank 1's arena of all 4 forward messages
     (1,310,720 B) where one message (327,680 B) is kept at a time, 27% above the in-process count."""
-    from attnres_pp.bench.memory_predict import CASES, measure_case
+    from attnres_lab.memory_predict import CASES, measure_case
 
     name, case = next((n, c) for n, c in CASES if n == "AC full 1f1b S=2 seq 64")
     rows = measure_case(name, case, progress=lambda line: None, launchers=("local",))

@@ -1,4 +1,4 @@
-"""`attnres-pp bench memory --predict`: the simulator's memory against a real run's counted
+"""`attnres-lab memory-predict`: the simulator's memory against a real run's counted
 `memory_per_rank` (skipped, with the reason, on a tree whose runs do not count memory yet)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from attnres_pp.bench.memory_predict import CASES, compare, measure_case, predict_argv, train_argv
+from attnres_lab.memory_predict import CASES, compare, measure_case, predict_argv, train_argv
 from attnres_pp.cli import build_parser
 
 
@@ -28,7 +28,7 @@ def test_compare_reports_exact_mismatches_and_relative_errors():
 
 @pytest.mark.parametrize("name,case", CASES)
 def test_every_case_is_a_valid_prediction_command(name, case, tmp_path):
-    from attnres_pp.bench.memory_predict import case_flags
+    from attnres_lab.memory_predict import case_flags
 
     flags = case_flags(case)
     parser = build_parser(["simulate"])
@@ -38,7 +38,7 @@ def test_every_case_is_a_valid_prediction_command(name, case, tmp_path):
 
 
 def test_fsdp_cases_run_on_every_launcher_but_the_in_process_one():
-    from attnres_pp.bench.memory_predict import ALL_LAUNCHERS, RAY_CASES, case_flags, launchers_of
+    from attnres_lab.memory_predict import ALL_LAUNCHERS, RAY_CASES, case_flags, launchers_of
 
     assert launchers_of(case_flags(_case("D=2 fsdp zb_h1 S=2")[1]), ALL_LAUNCHERS) == ("local", "ray")
     assert launchers_of(case_flags(_case("zbv lr_attnres")[1]), ALL_LAUNCHERS) == ALL_LAUNCHERS
@@ -79,7 +79,7 @@ def test_prediction_matches_a_real_run():
     rows = measure_case(*CASES[1], progress=lambda line: None, launchers=("inprocess",))
     row = next(r for r in rows if r["counted_by"] == "run inprocess")
     if "skipped" in row:
-        pytest.skip(row["skipped"] + ": run `attnres-pp bench memory --predict` once runs write it")
+        pytest.skip(row["skipped"] + ": run `attnres-lab memory-predict` once runs write it")
     assert row["mismatches"] == []
     for key, errors in row["errors"].items():
         assert statistics.median(errors) <= 0.05 and max(errors) <= 0.10, (key, errors)

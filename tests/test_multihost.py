@@ -1,5 +1,5 @@
 """Several hosts for real, on one machine: network namespaces joined by a bridge, each running a Ray
-node (`scripts/netns_cluster.py`), with token authentication on. A job submitted from the root
+node (`python -m attnres_lab.netns_cluster`), with token authentication on. A job submitted from the root
 namespace runs D = 2 x P = 2 ranks over two hosts with the single process's losses, and T = 2 x P = 2
 keeps each tensor-parallel group on one host; a host killed
 mid-run, or cut off mid-step, is named (rank and node) and the run recovers onto the surviving hosts
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from attnres_pp.bench.fidelity_hosts import HostBench
+from attnres_lab.fidelity_hosts import HostBench
 from attnres_pp.cli import main
 
 pytestmark = [pytest.mark.ray, pytest.mark.multihost]
@@ -37,7 +37,7 @@ TWO_HOSTS = pytest.mark.xdist_group("multihost-two-hosts")
 THREE_HOSTS = pytest.mark.xdist_group("multihost-three-hosts")
 
 REPO = Path(__file__).resolve().parents[1]
-HARNESS = [sys.executable, str(REPO / "scripts" / "netns_cluster.py")]
+HARNESS = [sys.executable, "-m", "attnres_lab.netns_cluster"]
 CLI = [sys.executable, "-m", "attnres_pp.cli"]
 TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
         "--microbatches", "2"]
@@ -339,11 +339,8 @@ def test_a_delay_this_kernel_cannot_add_is_refused_in_one_line(two_host_cluster,
     """Without sch_netem no delay can be put on a link (tbf and htb add none): `up` and `shape` with
     --latency-ms > 0 exit 2 with one `error:` line saying why and what to do instead, `up` before it
     makes anything and `shape` before it touches the link; bandwidth alone still shapes."""
-    import importlib.util
+    from attnres_lab import netns_host as harness
 
-    spec = importlib.util.spec_from_file_location("netns_cluster", REPO / "scripts" / "netns_cluster.py")
-    harness = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(harness)
     if harness.netem_missing() is None:
         pytest.skip("this kernel has sch_netem: --latency-ms adds a real delay here")
     state_dir, prefix = f"/tmp/attnres-mh-{secrets.token_hex(3)}", f"t{secrets.token_hex(2)}"
@@ -375,9 +372,9 @@ def test_a_shaped_link_slows_naive_more_than_cached_as_the_simulator_predicts(tw
     cached vs naive step times on the real link, and the simulator's predictions for both from a
     calibration on the unshaped link and a probe of each link state (out of sample for the link),
     the three runs made by one driver. The errors are printed."""
+    from attnres_lab.fidelity_hosts import CALIBRATION, HostCase, evaluate
+    from attnres_lab.unit_probe import probe_units
     from attnres_pp.bench.common import MICROBATCH_SIZE
-    from attnres_pp.bench.fidelity_hosts import CALIBRATION, HostCase, evaluate
-    from attnres_pp.bench.unit_probe import probe_units
     from attnres_pp.model.config import ModelConfig
 
     probe = probe_units(ModelConfig.from_dict(CALIBRATION.fidelity_case().model()), MICROBATCH_SIZE, rounds=5)

@@ -1,4 +1,5 @@
-"""scripts/netns_cluster.py runs as root and its Ray cluster runs jobs as root: its state dir, and
+"""The several-hosts harness (`python -m attnres_lab.netns_cluster`) runs as root and its Ray cluster
+runs jobs as root: its state dir, and
 what state.json names, are taken from no one else. Real attacks, in-process: a state dir of another
 uid, a symlinked or group-readable one, a world-writable directory above it; a planted state.json
 naming pid 1 or eth0; planted symlinks at auth_token, a log, state.json. Every command the harness
@@ -7,7 +8,6 @@ the machine, and each test asserts that nothing was acted on."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import secrets
@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from attnres_lab import netns_state
+
 REPO = Path(__file__).resolve().parents[1]
 ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="needs root, as the harness does (its main refuses other "
                                                      "users; os.chown to another uid)")
@@ -27,10 +29,9 @@ ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="needs root, as the harness 
 
 @pytest.fixture(scope="module")
 def harness():
-    spec = importlib.util.spec_from_file_location("netns_cluster_checked", REPO / "scripts" / "netns_cluster.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from attnres_lab import netns_cluster
+
+    return netns_cluster  # its `hosts` is netns_host, what the harness does to the machine
 
 
 class Recorder:
@@ -67,7 +68,7 @@ class Recorder:
 @pytest.fixture
 def recorder(harness, monkeypatch):
     rec = Recorder()
-    monkeypatch.setattr(harness, "sh", rec.sh)
+    monkeypatch.setattr(harness.hosts, "sh", rec.sh)  # the one way the harness runs a command
     monkeypatch.setattr(harness.subprocess, "run", rec.refuse)
     monkeypatch.setattr(harness.subprocess, "Popen", rec.refuse)
     monkeypatch.setattr(harness.os, "kill", rec.kill)
@@ -240,17 +241,17 @@ def test_a_namespace_that_is_the_machines_own_is_not_emptied(harness, recorder, 
     netns = tmp_path / "netns"
     netns.mkdir()
     (netns / "tq-h0").symlink_to("/proc/1/ns/net" if os.access("/proc/1/ns/net", os.R_OK) else "/proc/self/ns/net")
-    monkeypatch.setattr(harness, "NETNS_DIR", str(netns))
+    monkeypatch.setattr(harness.hosts, "NETNS_DIR", str(netns))
     recorder.pids = f"1 {os.getppid()} {os.getpid()}"
-    assert harness.kill_namespace("tq-h0") == 0
+    assert harness.hosts.kill_namespace("tq-h0") == 0
     assert recorder.signals == [] and "is the machine's own" in capsys.readouterr().err
 
 
 def test_a_pid_must_be_the_harness_ray_node_of_that_host(harness, tmp_path):
     state = up_state(tmp_path)
     for pid in (1, 0, -1, os.getpid(), "1"):
-        assert harness.node_pid_problem(state, 0, pid) == f"pid {pid!r} is not one the harness starts"
-    assert "is not host 0's Ray node" in harness.node_pid_problem(state, 0, os.getppid())
+        assert harness.hosts.node_pid_problem(state, 0, pid) == f"pid {pid!r} is not one the harness starts"
+    assert "is not host 0's Ray node" in harness.hosts.node_pid_problem(state, 0, os.getppid())
 
 
 @pytest.mark.subprocess
@@ -260,8 +261,8 @@ def test_a_pid_whose_cmdline_is_the_hosts_ray_node_passes(harness, tmp_path):
         while b"--temp-dir" not in Path(f"/proc/{node.pid}/cmdline").read_bytes():  # until it has exec'd
             time.sleep(0.01)
         state = up_state(tmp_path)
-        assert harness.node_pid_problem(state, 1, node.pid) is None
-        assert "is not host 0's Ray node" in harness.node_pid_problem(state, 0, node.pid)  # another host's
+        assert harness.hosts.node_pid_problem(state, 1, node.pid) is None
+        assert "is not host 0's Ray node" in harness.hosts.node_pid_problem(state, 0, node.pid)  # another host's
     finally:
         node.send_signal(signal.SIGKILL)
         node.wait()
@@ -286,7 +287,7 @@ def test_logs_and_state_files_are_not_written_through_symlinks(harness, tmp_path
     target = tmp_path / "target"
     target.write_text("theirs")
     (directory / "tq-h0.log").symlink_to(target)
-    os.close(harness.open_log(directory, "tq-h0"))  # the earlier log is moved aside, a new one made
+    os.close(netns_state.open_log(directory, "tq-h0"))  # the earlier log is moved aside, a new one made
     log = os.lstat(directory / "tq-h0.log")
     assert stat.S_ISREG(log.st_mode) and stat.S_IMODE(log.st_mode) == 0o600
     assert (directory / "tq-h0.log.old").is_symlink() and target.read_text() == "theirs"

@@ -110,7 +110,7 @@ def test_math_correction_matches_the_cpu_math_kernel_bf16(residual):
     # The CPU runs both kernels: the derived difference is what the saved-tensor count sees.
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from attnres_pp.bench.memory_units import saved_bytes
+    from attnres_lab.memory_units import saved_bytes
     from attnres_pp.simulator.memory import attention_correction
 
     cfg = ModelConfig(vocab_size=48, n_layers=2, d_model=32, n_heads=4, d_ff=64, seq_len=16, residual=residual,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from attnres_lab.transfer_fit import fit_plane, fit_transfer, unit_times_from_probe
 from attnres_pp.comm.link import LinkModel
 from attnres_pp.comm.partition import make_partition
 from attnres_pp.model.config import ModelConfig
@@ -14,8 +15,8 @@ from attnres_pp.schedule.schedules import build_schedule
 from attnres_pp.simulator.costs import CostModel
 from attnres_pp.simulator.engine import simulate
 from attnres_pp.simulator.metrics import SPLIT_SCHEDULES
-from attnres_pp.simulator.transfer import RunShape, TransferCalibration, fit_transfer, unit_times_from_probe
-from attnres_pp.simulator.units import MessageCosts, chunk_work, fit_plane
+from attnres_pp.simulator.transfer import RunShape, TransferCalibration
+from attnres_pp.simulator.units import MessageCosts, chunk_work
 
 TOKENS_D = {"d_model": 32, "n_heads": 2, "seq_len": 16, "vocab_size": 64}
 
@@ -194,9 +195,9 @@ def test_calibration_refuses_another_microbatch_shape():
 
 
 def test_the_benchmark_cases_cover_what_the_issue_asks():
-    """`bench fidelity`: the calibration run is never predicted; >= 12 held-out runs (>= 8 quick) over
+    """`attnres-lab fidelity`: the calibration run is never predicted; >= 12 held-out runs (>= 8 quick) over
     the schedules, V, m, modes and depths, and a cached and a naive run over the slow link."""
-    from attnres_pp.bench.fidelity import CALIBRATION, CASES, QUICK_CASES, SLOW_LINK_GBPS
+    from attnres_lab.fidelity import CALIBRATION, CASES, QUICK_CASES, SLOW_LINK_GBPS
 
     assert CALIBRATION.to_dict() == {"schedule": "1f1b", "P": 2, "V": 1, "m": 4, "mode": "cached", "layers": 8}
     for groups, least in ((CASES, 12), (QUICK_CASES, 8)):

@@ -11,7 +11,7 @@ import statistics
 import pytest
 import torch
 
-from attnres_pp.bench.memory_units import VARIANTS, measure_case, random_case
+from attnres_lab.memory_units import COMMAND, VARIANTS, measure_case, random_case
 from attnres_pp.cli import main
 from attnres_pp.comm.partition import make_partition
 from attnres_pp.comm.plan import plan_for_model
@@ -79,7 +79,7 @@ def test_fsdp_shards_pad_dim0():
 
 def test_units_are_in_the_file_with_their_command():
     units = load_units()
-    assert units["command"].startswith("python -m attnres_pp.bench.memory_units")
+    assert units["command"] == COMMAND  # how to make the file again: `attnres-lab fit-memory-units --out FILE`
     assert units["features"] == list(FEATURES)
     for residual, key_mode in VARIANTS:
         for dtype in ("fp32", "bf16"):

@@ -10,7 +10,7 @@ import statistics
 import pytest
 import torch
 
-from attnres_pp.bench.memory_units import VARIANTS, checkpoint_bytes, random_case
+from attnres_lab.memory_units import VARIANTS, checkpoint_bytes, random_case
 from attnres_pp.comm.partition import make_partition
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.pipeline.chunk import build_rank_model

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from attnres_pp.bench.memory_predict import CASES, case_flags, microbatch_sequences, train_argv
+from attnres_lab.memory_predict import CASES, case_flags, microbatch_sequences, train_argv
 from attnres_pp.cli import build_parser, main
 from attnres_pp.train.cli import build_run_config, flag_overrides
 from tests import test_fsdp, test_memory_per_rank, test_sim_blocks_knobs, test_sim_held_bytes

@@ -1,6 +1,6 @@
 """The simulator's tensor-parallel terms in the transferred calibration (`RunShape.tensor_parallel`,
-`tensor_parallel.TensorParallelCosts`) and the analysis of `bench fidelity --tp` (`bench.fidelity_tp`,
-`bench.tp_probe`'s fits). Synthetic numbers, no process: the probe and the runs are the benchmark's."""
+`tensor_parallel.TensorParallelCosts`) and the analysis of `attnres-lab fidelity --tp` (`attnres_lab.fidelity_tp`,
+`attnres_lab.tp_probe`'s fits). Synthetic numbers, no process: the probe and the runs are the benchmark's."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from attnres_pp.bench.fidelity_tp import (
+from attnres_lab.fidelity_tp import (
     CALIBRATION,
     CASES,
     LAYER_PROBE_LAYERS,
@@ -21,14 +21,15 @@ from attnres_pp.bench.fidelity_tp import (
     layer_probe_case,
     reanalyse,
 )
-from attnres_pp.bench.tp_probe import KINDS, fit_links, fit_ring_link, host_costs
+from attnres_lab.tp_probe import KINDS, fit_links, fit_ring_link, host_costs
+from attnres_lab.transfer_fit import unit_times_from_probe
 from attnres_pp.simulator.tensor_parallel import (
     TensorParallel,
     TensorParallelCosts,
     layer_collective_s,
     layer_collectives,
 )
-from attnres_pp.simulator.transfer import RunShape, TransferCalibration, unit_times_from_probe
+from attnres_pp.simulator.transfer import RunShape, TransferCalibration
 from attnres_pp.simulator.units import chunk_work
 from tests.test_sim_fidelity import _FREE, _measured_steps, _probe, _rich_probe, _shape
 

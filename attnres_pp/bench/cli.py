@@ -1,11 +1,14 @@
 """`attnres-pp bench NAME [--quick] [--json] [--out DIR] [its own flags]`: the registry of benchmarks
 and the one harness that runs each of them.
 
-REGISTRY names every benchmark, its module (in this package) and its one-line help. `bench NAME` has a
+REGISTRY names every benchmark, its module (in this package) and its one-line help; a `Suite` is such a
+registry with its package and the command that runs it (`attnres-pp bench` here; the measurement lab,
+`attnres_lab.cli`, runs its studies through the same harness). `bench NAME` has a
 parser of its own: the common flags (`--quick` where the benchmark has a short version, `--json`,
 `--out DIR`) and what the module's `add_arguments(parser)` declares, so a flag exists only where it
 applies and argparse refuses it elsewhere. A `siblings` flag of the registry picks another module to
-run under the same name (`memory --predict` runs `memory_predict`); two of them at once are refused.
+run under the same name (`attnres-lab fidelity --hosts` runs `fidelity_hosts`); two of them at once are
+refused.
 A benchmark module provides
 
     run(quick, pictures_dir, progress, **options) -> dict | None   (None: nothing to write)
@@ -19,9 +22,9 @@ and, where it needs them,
     results_stem(args) -> str      the stem of its results files (default MODULE[_quick]_<date>)
 
 Every benchmark prints its table (or, with --json, one JSON object on stdout; progress goes to
-stderr) and writes STEM.json and STEM.md under --out (default: the checkout's benchmarks/results/)
-through `common.write_results`, with the machine and the `attnres-pp bench NAME ...` command that
-ran it; its pictures and traces go in the folder STEM/ beside them.
+stderr) and writes STEM.json and STEM.md under --out (default: benchmarks/results/ under the working
+directory) through `common.write_results`, with the machine and the `attnres-pp bench NAME ...` command
+that ran it; its pictures and traces go in the folder STEM/ beside them.
 
 A benchmark's module is imported only when its parser is looked up (to parse, or to show its
 --help): `bench kernels` runs on a GPU machine that has torch and Triton but no Ray.
@@ -44,13 +47,13 @@ from attnres_pp.cli_flags import ArgumentParser, refuse
 @dataclass(frozen=True)
 class Sibling:
     flag: str
-    module: str  # under attnres_pp.bench
+    module: str  # under the suite's package
     help: str
 
 
 @dataclass(frozen=True)
 class Benchmark:
-    module: str  # under attnres_pp.bench
+    module: str  # under the suite's package
     help: str
     quick: bool = True  # has a short version (--quick)
     out_aliases: tuple[str, ...] = ()  # older spellings of --out that the benchmark still takes
@@ -75,16 +78,7 @@ REGISTRY = {
     "inference": Benchmark("inference", "generation: prefill tokens/s and decode latency, Block AttnRes vs "
                                         "standard, 1 process and P=2 V=2"),
     "memory": Benchmark("memory", "peak resident memory per pipeline rank (rank-local chunks), 32 layers d = 512 "
-                                  "at P = 1, 2, 4",
-                        siblings=(Sibling("--predict", "memory_predict", "the simulator's per-rank prediction "
-                                          "against real runs' memory_per_rank (results memory_predict_<date>)"),)),
-    "fidelity": Benchmark("fidelity", "the simulator, calibrated on one run, predicts held-out runs (schedule, V, "
-                                      "m, mode, layers, link)",
-                          siblings=(Sibling("--hosts", "fidelity_hosts", "over real links between hosts (network "
-                                            "namespaces, tc; needs root; results fidelity_hosts_<date>)"),
-                                    Sibling("--tp", "fidelity_tp", "runs of T = 2 tensor-parallel ranks, with and "
-                                            "without sequence parallelism, priced by the simulator's tp terms on "
-                                            "probed collectives (results fidelity_tp_<date>)"))),
+                                  "at P = 1, 2, 4, and the counted memory_per_rank over D x dp_shard x AC x schedule"),
     "variants": Benchmark("variants", "step time of every residual variant over the standard one, one process "
                                       "and P=2 V=2, two shapes"),
     "quality": Benchmark("quality", "validation loss of every residual variant at an equal token budget (single "
@@ -102,12 +96,31 @@ REGISTRY = {
 }
 
 
+@dataclass(frozen=True)
+class Suite:
+    """Benchmarks run by one harness: their registry, the package of their modules, and the command
+    that runs them (recorded with every result)."""
+
+    registry: dict[str, Benchmark]
+    package: str
+    command: tuple[str, ...]
+
+    def module(self, module: str) -> ModuleType:
+        return importlib.import_module(f"{self.package}.{module}")
+
+    def module_of(self, name: str) -> ModuleType:
+        return self.module(self.registry[name].module)
+
+
+SUITE = Suite(REGISTRY, "attnres_pp.bench", ("attnres-pp", "bench"))
+
+
 def module_of(name: str) -> ModuleType:
-    return importlib.import_module(f"attnres_pp.bench.{REGISTRY[name].module}")
+    return SUITE.module_of(name)
 
 
-class _BenchmarkParser(ArgumentParser):
-    """`bench NAME`'s parser: refuses what it does not know itself (argparse would leave unknown flags
+class BenchmarkParser(ArgumentParser):
+    """A benchmark's parser: refuses what it does not know itself (argparse would leave unknown flags
     to the top-level parser), naming the benchmarks that have the flag, in the one refusal style."""
 
     siblings: _Parsers  # every benchmark's parser, this one's included
@@ -116,7 +129,7 @@ class _BenchmarkParser(ArgumentParser):
         namespace, extras = super().parse_known_args(args, namespace)
         if extras:
             flag = extras[0].split("=", 1)[0]
-            owners = [name for name in REGISTRY if flag in self.siblings.flags_of(name)]
+            owners = [name for name in self.siblings.suite.registry if flag in self.siblings.flags_of(name)]
             hint = f"; {flag} applies to {', '.join(owners)} only" if owners else ""
             self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
         return namespace, extras
@@ -126,15 +139,16 @@ class _Parsers(dict):
     """Benchmark name -> its parser. A benchmark's own flags are declared the first time its parser
     is looked up (to parse, or by a reader of the parser), so only that benchmark's module is imported."""
 
-    def __init__(self) -> None:
+    def __init__(self, suite: Suite) -> None:
         super().__init__()
+        self.suite = suite
         self.declared: set[str] = set()
 
     def __getitem__(self, name: str) -> argparse.ArgumentParser:
         parser = super().__getitem__(name)
-        if name not in self.declared:
+        if name in self.suite.registry and name not in self.declared:
             self.declared.add(name)
-            add_arguments = getattr(module_of(name), "add_arguments", None)
+            add_arguments = getattr(self.suite.module_of(name), "add_arguments", None)
             if add_arguments is not None:
                 add_arguments(parser)
         return parser
@@ -150,22 +164,29 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "bench", help="benchmarks: " + ", ".join(REGISTRY),
         description="Benchmarks of the real pipeline, the model and the kernels; `attnres-pp bench NAME --help` "
-                    "shows a benchmark's own flags. Results go to benchmarks/results/ of the checkout "
-                    "(or --out DIR).")
-    benchmarks = parser.add_subparsers(dest="name", required=True, metavar="NAME", parser_class=_BenchmarkParser)
-    parsers = _Parsers()
+                    "shows a benchmark's own flags. Results go to benchmarks/results/ under the working "
+                    "directory (or --out DIR).")
+    benchmarks = parser.add_subparsers(dest="name", required=True, metavar="NAME", parser_class=BenchmarkParser)
+    add_benchmarks(benchmarks, SUITE)
+
+
+def add_benchmarks(benchmarks: argparse._SubParsersAction, suite: Suite) -> _Parsers:
+    """One parser per benchmark of `suite` under `benchmarks` (made with `parser_class=BenchmarkParser`);
+    returns the map of them, where a caller may add parsers of its own."""
+    parsers = _Parsers(suite)
     benchmarks._name_parser_map = benchmarks.choices = parsers  # argparse looks parsers up in this map
-    for name, bench in REGISTRY.items():
+    for name, bench in suite.registry.items():
         sub = benchmarks.add_parser(name, help=bench.help, description=f"{name}: {bench.help}.")
         sub.siblings = parsers
         if bench.quick:
             sub.add_argument("--quick", action="store_true", help="the short version")
         sub.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
         sub.add_argument("--out", *bench.out_aliases, metavar="DIR", default=None,
-                         help="where results go (default: benchmarks/results/ of the checkout)")
+                         help="where results go (default: benchmarks/results/ under the working directory)")
         for sibling in bench.siblings:
             sub.add_argument(sibling.flag, action="store_true", help=sibling.help)
-        sub.set_defaults(func=run_benchmark, parser=sub, quick=False)
+        sub.set_defaults(func=run_benchmark, parser=sub, quick=False, suite=suite)
+    return parsers
 
 
 def recorded_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
@@ -194,11 +215,11 @@ def run_benchmark(args: argparse.Namespace) -> int:
     )
     from attnres_pp.out_paths import check_out_dir
 
-    parser = args.parser
-    picked = [s for s in REGISTRY[args.name].siblings if getattr(args, s.flag[2:].replace("-", "_"))]
+    parser, suite = args.parser, args.suite
+    picked = [s for s in suite.registry[args.name].siblings if getattr(args, s.flag[2:].replace("-", "_"))]
     if len(picked) > 1:
         return refuse(f"{' and '.join(s.flag for s in picked)} each pick another benchmark: give one of them")
-    module = importlib.import_module(f"attnres_pp.bench.{picked[0].module}") if picked else module_of(args.name)
+    module = suite.module(picked[0].module) if picked else suite.module_of(args.name)
     problem = module.check(args) if hasattr(module, "check") else None
     if problem:
         return refuse(problem)
@@ -222,7 +243,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
     payload = module.run(args.quick, out_dir / stem, progress, **options)
     if payload is None:  # the benchmark measured nothing here (no GPU) or was a dry run: it said so
         return 0
-    command = command_line(args.name, recorded_flags(parser, args))
+    command = command_line(args.name, recorded_flags(parser, args), suite.command)
     payload = {"benchmark": args.name, "quick": args.quick, **payload, "machine": info, "command": command,
                "elapsed_s": time.perf_counter() - started}
     markdown = "\n".join([module.to_markdown(payload), "",

@@ -1,7 +1,8 @@
 """What the benchmarks share: the benchmark model, run configs, a pipelined engine stepped one timed
 global batch at a time, the per-action time accounting of a step, and the one results writer every
 benchmark goes through: the machine description and its line, the recorded command, the stem
-`<name>[_quick]_<YYYY-MM-DD>` and the files STEM.json and STEM.md under `benchmarks/results/`.
+`<name>[_quick]_<YYYY-MM-DD>` and the files STEM.json and STEM.md under `benchmarks/results/` of the
+working directory. Nothing here looks for the source checkout: the benchmarks run from an installed wheel.
 The time accounting of a step lives in `attnres_pp.schedule.timeline`.
 """
 
@@ -28,9 +29,8 @@ MICROBATCH_SIZE = 4  # sequences per microbatch
 
 
 def default_out_dir() -> Path:
-    """`benchmarks/results/` of the source checkout this package runs from, else of the cwd."""
-    checkout = _checkout() / "benchmarks"
-    return (checkout if checkout.is_dir() else Path.cwd() / "benchmarks") / "results"
+    """`benchmarks/results/` under the working directory (a checkout's own folder when run from its root)."""
+    return Path.cwd() / "benchmarks" / "results"
 
 
 def run_config(model: dict, *, stages: int, virtual: int, schedule: str, microbatches: int,
@@ -153,27 +153,23 @@ def results_stem(name: str, quick: bool, suffix: str = "") -> str:
     return f"{name}{'_quick' if quick else ''}_{datetime.date.today().isoformat()}{suffix}"
 
 
-def _checkout() -> Path:
-    return Path(__file__).resolve().parents[2]
-
-
-def repo_relative(value):
-    """`value` (a payload: dicts, lists, strings) with every absolute path inside this checkout
-    written relative to it: results are committed, and a path of one machine's checkout means
-    nothing in another clone."""
-    prefix = f"{_checkout()}/"
+def repo_relative(value, root: str | Path | None = None):
+    """`value` (a payload: dicts, lists, strings) with every absolute path inside `root` (default:
+    the working directory, a checkout's root when run from there) written relative to it: results
+    are committed, and a path of one machine's checkout means nothing in another clone."""
+    prefix = f"{Path(root or Path.cwd()).resolve()}/"
     if isinstance(value, str):
         return value.replace(prefix, "")
     if isinstance(value, dict):
-        return {key: repo_relative(item) for key, item in value.items()}
+        return {key: repo_relative(item, prefix) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return [repo_relative(item) for item in value]
+        return [repo_relative(item, prefix) for item in value]
     return value
 
 
 def write_results(out_dir: str | Path, stem: str, payload: dict, markdown: str) -> list[Path]:
-    """Write STEM.json and STEM.md under `out_dir`, paths inside the checkout made relative to it
-    (`repo_relative`); returns their paths."""
+    """Write STEM.json and STEM.md under `out_dir`, paths inside the working directory made relative
+    to it (`repo_relative`); returns their paths."""
     from attnres_pp.train.summary import write_json_atomic
 
     out_dir = Path(out_dir)
@@ -201,6 +197,7 @@ def relative_link(path: str | Path) -> str:
     return f"{path.parent.name}/{path.name}"
 
 
-def command_line(name: str, flags: list[str]) -> str:
-    """The `attnres-pp bench NAME FLAGS...` command recorded with a result, quoted for a shell."""
-    return shlex.join(["attnres-pp", "bench", name, *flags])
+def command_line(name: str, flags: list[str], program: tuple[str, ...] = ("attnres-pp", "bench")) -> str:
+    """The `attnres-pp bench NAME FLAGS...` command (or another `program`'s) recorded with a result,
+    quoted for a shell."""
+    return shlex.join([*program, name, *flags])

@@ -6,7 +6,8 @@ built-in corpus (single process, the shared training loop) and tabulate validati
     attnres-pp bench quality --seeds 2       # mean over seeds 0..1
 
 Writes quality_<date>.json and .md (`_quick` with --quick, `_partial` with --only) under --out (the
-older spelling --out-dir is taken too); run directories go to the checkout's runs/quality_<date>/.
+older spelling --out-dir is taken too); run directories go to runs/quality_<date>/ under the working
+directory.
 Runs `--jobs` trainings at once, one torch thread each. The deep, narrow benchmark with paired seeds
 is `attnres-pp bench quality-depth`.
 """
@@ -23,14 +24,13 @@ from pathlib import Path
 
 import torch
 
-from attnres_pp.bench.common import default_out_dir
 from attnres_pp.bench.common import results_stem as common_results_stem
 from attnres_pp.model import ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.train import RunConfig, TrainConfig, run_training
 from attnres_pp.train.single_process_engine import SingleProcessEngine
 
-RUNS = default_out_dir().parents[1] / "runs"  # the checkout's runs/ (benchmarks/results/ is two below it)
+RUNS = Path("runs")  # the working directory's runs/ (a checkout's own, run from its root), beside benchmarks/
 QUICK_STEPS = 40
 # 16 x 32 x 64 = 32,768 validation tokens, evaluated once at the end: 4x the training default,
 # because the differences between variants are a few hundredths of a nat.

@@ -17,7 +17,7 @@ its per-site routing table, a heatmap and its dilution curve against standard's.
     attnres-pp bench quality-depth --steps 2 --eval-bytes 4096 --seeds 1  # smoke run
 
 Writes quality_depth_<date>.{json,md} and quality_depth_<date>_{heatmap,dilution}.png under --out
-(the older spelling --out-dir is taken too); run directories go to the checkout's runs/.
+(the older spelling --out-dir is taken too); run directories go to runs/ under the working directory.
 """
 
 from __future__ import annotations
@@ -33,13 +33,12 @@ from pathlib import Path
 
 import torch
 
-from attnres_pp.bench.common import default_out_dir
 from attnres_pp.model import ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.train import RunConfig, TrainConfig, run_training
 from attnres_pp.train.single_process_engine import SingleProcessEngine
 
-RUNS = default_out_dir().parents[1] / "runs"  # the checkout's runs/ (benchmarks/results/ is two below it)
+RUNS = Path("runs")  # the working directory's runs/ (a checkout's own, run from its root), beside benchmarks/
 DEPTH_MODEL = dict(n_layers=12, d_model=48, n_heads=4, seq_len=64)
 BLOCK_RUN = "Block AttnRes (N=8)"
 VARIANTS = (

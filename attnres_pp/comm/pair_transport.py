@@ -4,7 +4,7 @@ both at once in a mixed placement; and the bytes each way carried.
 
 "Same node" comes from the node map, the node identity each rank states (its Ray node id, or its
 host name for processes of one machine), gathered from every rank: never from a file being
-mappable, since network namespaces (several "hosts" of one machine, `scripts/netns_cluster.py`)
+mappable, since network namespaces (several "hosts" of one machine, `attnres_lab.netns_cluster`)
 share /dev/shm, and never from host names compared across the group. The pairs are decided one by
 one (`comm.node_map.shm_pairs`), so a replica spread over two nodes goes over gloo while another
 keeps its hops in shared memory; `shm_transport.connect_transport` makes the slots of those pairs,

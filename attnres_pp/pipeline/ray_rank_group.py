@@ -47,7 +47,7 @@ from attnres_pp.pipeline.stage_setup import bind_to_address
 
 # After one rank's task fails, how long to wait for Ray to report a dead peer that caused it: a lost
 # host resets its TCP connections at once, but Ray declares its node dead only after missed health
-# checks (3 s under scripts/netns_cluster.py's settings, ~30 s under Ray's defaults).
+# checks (3 s under attnres_lab/netns_host.py's settings, ~30 s under Ray's defaults).
 _DEATH_GRACE_S = 10.0
 
 

@@ -48,7 +48,7 @@ from pathlib import Path
 from attnres_pp.comm.partition import Partition
 from attnres_pp.comm.plan import PayloadPlan
 from attnres_pp.model.config import ModelConfig, completed_blocks
-from attnres_pp.simulator.memory_features import (  # noqa: F401 (re-exported: bench.memory_units, tests)
+from attnres_pp.simulator.memory_features import (  # noqa: F401 (re-exported: attnres_lab.memory_units, tests)
     CHECKPOINT_FEATURES,
     FEATURES,
     activation_features,

@@ -1,5 +1,5 @@
 """Shape features of one chunk's activation memory (pure Python, no torch): the columns that the
-units of `memory_units.json` multiply (`bench.memory_units` fits them, `simulator.memory` uses them).
+units of `memory_units.json` multiply (`attnres_lab.memory_units` fits them, `simulator.memory` uses them).
 
 - `activation_features` (FEATURES): without activation checkpointing, the chunk's forward is one
   depth-attention pass over its sublayers (one source buffer, phase-1 segments per block);

@@ -1,7 +1,7 @@
 """Tensor and sequence parallelism in the simulator (docs/spec.md section 10). Pure standard library.
 The per-layer collective bytes (`layer_collectives`) equal what the runtime's tp ranks send, counted
 (`pipeline/tp_bytes.py`; Block AttnRes, `tests/test_tensor_parallel_gloo.py`); their time on the
-intra-node link is derived from the link model. Measured CPU runs (`bench fidelity --tp`) need one
+intra-node link is derived from the link model. Measured CPU runs (`attnres-lab fidelity --tp`) need one
 more term, the host's cost per split layer (`TensorParallelCosts`, probed), which on gloo ranks is
 most of a tp step.
 
@@ -156,7 +156,7 @@ def token_share(tp: TensorParallel) -> float:
 
 @dataclass(frozen=True, kw_only=True)
 class TensorParallelCosts:
-    """What a probe of one machine's tp group measured (`bench.tp_probe`), for pricing its runs:
+    """What a probe of one machine's tp group measured (`attnres_lab.tp_probe`), for pricing its runs:
     `links`, each collective kind's ring link {kind: {"latency_s" per ring step, "bytes_per_s"}}
     (gloo's reduce-scatter, for one, runs at another rate than its all-gather), and `layer_host_s`,
     the host's own cost of one tp-split layer beyond its share of the layer's work and its

@@ -1,46 +1,32 @@
-"""A calibration that transfers: costs per unit of work fitted to ONE measured pipelined run, then
-priced for any other schedule, V, m, payload mode (standard / naive / cached), layer split, block
-size and link (`units` says what a unit is).
+"""A calibration that transfers: costs per unit of work, fitted to ONE measured pipelined run by the
+measurement lab (`attnres_lab.transfer_fit`), priced here for any other schedule, V, m, payload mode
+(standard / naive / cached), layer split, block size and link (`units` says what a unit is).
 
-Fitted from the run (its per-action timestamps, one clock for every rank):
-    compute   the probed unit times (`bench.unit_probe`) give only the split of a chunk's work
-              between units (layers, depth reads by sources and queries, embedding, head). One
-              factor per direction brings them to the run's median F (B) seconds summed over its
-              chunks; then one common factor sets the level so that the run itself, simulated, takes
-              its median measured step. On a quiet machine that factor is close to 1; on a loaded
-              one it spreads the time the ranks lose to other work (a preempted rank stalls its
-              peer) over the compute, which is how it stretches the other runs too.
-    messages  send work: the run's median send less the probed copy time of its bytes (packing),
-              plus that copy per byte; receive work: the median receive whose message was already
-              there; the link: clean deliveries (the receiver already waiting: send start to
-              receive end) less the send and receive work, with the copy cost per byte again;
-              dispatch: the median gap between a rank's actions.
-The split-backward schedules (zb_h1, interleaved_zb, zbv) run B as I then W: priced as the chunk's
-backward, W taking `weight_share` of it. A calibration run that splits fits the backward to its
-median I + W per chunk and the share to its W over I + W; one that does not leaves the share
-unknown (None: halves, as `CostModel.split_s`).
-A link emulated with `--link-gbps` replaces the link: latency + bytes / bandwidth per message, the
-messages from one rank to another one after the other on one shared link (`comm.link`).
-Measured links between ranks (`RunShape.rank_links`, one per direction: a probe of the real link,
-`bench.link_probe`) replace the fitted link the same way, each direction on its own; with an
-emulated link as well, a message arrives when both have delivered it (the emulation holds a
-message that the real link brought sooner) and queues on the real link.
+`TransferCalibration` is what a fit gives and what `attnres-pp simulate predict` reads from a
+calibration file (its `to_dict`, the "calibration" of an `attnres-lab fidelity` result): unit
+times already scaled to the run, message costs, the W share of a split backward (None: halves, as
+`CostModel.split_s`), and the `RunShape` it was fitted on. `costs` prices a `RunShape`:
+    compute   the chunk's units (`units.chunk_work`) at the fitted unit times, plus under tensor
+              parallelism the tp group's collectives and host cost (`RunShape.tp_costs`);
+    messages  the sender's and receiver's work and the fitted link; a link emulated with
+              `--link-gbps` replaces the link: latency + bytes / bandwidth per message, the messages
+              from one rank to another one after the other on one shared link (`comm.link`).
+Measured links between ranks (`RunShape.rank_links`, one per direction: a probe of the real link)
+replace the fitted link the same way, each direction on its own; with an emulated link as well, a
+message arrives when both have delivered it (the emulation holds a message that the real link
+brought sooner) and queues on the real link.
 Pure Python: no torch.
 """
 
 from __future__ import annotations
 
-import statistics
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from attnres_pp.comm.link import LinkModel
 from attnres_pp.comm.partition import Partition, make_partition
 from attnres_pp.comm.plan import PayloadPlan, plan_for_model, shard_tokens
 from attnres_pp.model.config import ModelConfig
-from attnres_pp.schedule.ir import Action, ActionKind
 from attnres_pp.schedule.schedules import build_schedule, schedule_placement
-from attnres_pp.schedule.timeline import Event, account, message_pairs
 from attnres_pp.simulator.costs import CostModel
 from attnres_pp.simulator.engine import simulate
 from attnres_pp.simulator.tensor_parallel import (
@@ -50,7 +36,7 @@ from attnres_pp.simulator.tensor_parallel import (
     layer_share,
     token_share,
 )
-from attnres_pp.simulator.units import MessageCosts, UnitTimes, chunk_work, fit_plane
+from attnres_pp.simulator.units import MessageCosts, UnitTimes, chunk_work
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,16 +107,6 @@ class RunShape:
         return [n * tokens * width * self.dtype_bytes for n in self.plan().fwd_hop_tensors]
 
 
-def unit_times_from_probe(probe: dict, direction: str) -> UnitTimes:
-    """The probe's median unit times for `direction` ("fwd" or "bwd"), phase 1 as a fitted plane,
-    with the runtime's cost per action where the probe has one (`bench.action_probe`)."""
-    key = f"{direction}_s"
-    points = [(p["sources"], p["queries"], p[key]) for p in probe["phase1"]]
-    return UnitTimes(layer=probe["layer"][key], add=probe["add"][key], embed=probe["embed"][key],
-                     head=probe["head"][key], merge=probe["merge"][key], phase1=fit_plane(points),
-                     phase1_floor=min(t for _, _, t in points), action=probe.get("action", {}).get(key, 0.0))
-
-
 @dataclass(frozen=True, kw_only=True)
 class TransferCalibration:
     """Unit times (already scaled to the run) and message costs; `costs` prices any RunShape."""
@@ -159,7 +135,7 @@ class TransferCalibration:
         send_bwd, recv_bwd = send, recv
         if shape.rank_links:
             (link, wire, send_cpu, recv_cpu), (link_bwd, wire_bwd, send_cpu_bwd, recv_cpu_bwd) = (
-                _measured_hops(shape, partition, hop_bytes, forward) for forward in (True, False))
+                measured_hops(shape, partition, hop_bytes, forward) for forward in (True, False))
             # the stack's CPU while a message is on the wire: taken from the compute of each end
             send, send_bwd = (_plus(send, extra) for extra in (send_cpu, send_cpu_bwd))
             recv, recv_bwd = (_plus(recv, extra) for extra in (recv_cpu, recv_cpu_bwd))
@@ -226,7 +202,7 @@ def _plus(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:
     return tuple(x + y for x, y in zip(a, b, strict=True))
 
 
-def _measured_hops(shape: RunShape, partition: Partition, hop_bytes: list[int], forward: bool) -> tuple[
+def measured_hops(shape: RunShape, partition: Partition, hop_bytes: list[int], forward: bool) -> tuple[
         tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
     """(hop seconds, wire seconds, sender's CPU, receiver's CPU) per hop in one direction over
     `shape.rank_links`; the CPU is each end's share of a core for the message's wire time."""
@@ -251,142 +227,3 @@ def _measured_hops(shape: RunShape, partition: Partition, hop_bytes: list[int], 
         send_cpu.append(real.sender_cpu_share * real.wire_s(n_bytes))
         recv_cpu.append(real.receiver_cpu_share * real.wire_s(n_bytes))
     return tuple(hops), tuple(wires), tuple(send_cpu), tuple(recv_cpu)
-
-
-def _median(values: list[float], default: float = 0.0) -> float:
-    return statistics.median(values) if values else default
-
-
-def fit_transfer(probe: dict, shape: RunShape, steps: list[list[Event]]) -> TransferCalibration:
-    """Fit unit and message costs to a measured run of `shape` (`steps`: each step's events)."""
-    partition = shape.partition()
-    n_chunks = partition.n_chunks
-    kinds = (ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W)
-    measured: dict[ActionKind, list[list[float]]] = {kind: [[] for _ in range(n_chunks)] for kind in kinds}
-    for events in steps:
-        for _rank, name, start, end, category in events:
-            if category == "compute":
-                action = Action.parse(name)
-                measured[action.kind][action.chunk_index].append(end - start)
-    weight_share = None
-    if any(measured[ActionKind.I]):  # a split-backward run: B = I + W per chunk, W's share kept
-        if any(not i or not w for i, w in zip(measured[ActionKind.I], measured[ActionKind.W], strict=True)):
-            raise ValueError("the calibration run has a chunk without I or W events: is its trace complete?")
-        inputs = [_median(t) for t in measured[ActionKind.I]]
-        weights = [_median(t) for t in measured[ActionKind.W]]
-        measured[ActionKind.B] = [[i + w] for i, w in zip(inputs, weights, strict=True)]
-        weight_share = sum(weights) / (sum(inputs) + sum(weights))
-    if any(not times for kind in (ActionKind.F, ActionKind.B) for times in measured[kind]):
-        raise ValueError("the calibration run has a chunk without F or B (or I and W) events: is its trace complete?")
-    works = [chunk_work(shape.model, partition, c) for c in range(n_chunks)]
-    probed = {direction: unit_times_from_probe(probe, direction) for direction in ("fwd", "bwd")}
-    factors = {direction: sum(_median(t) for t in measured[kind]) / sum(probed[direction].chunk_s(w) for w in works)
-               for kind, direction in ((ActionKind.F, "fwd"), (ActionKind.B, "bwd"))}
-    messages = fit_messages(probe, shape, steps)
-
-    def calibration(level: float) -> TransferCalibration:
-        return TransferCalibration(forward=probed["fwd"].scaled(level * factors["fwd"]),
-                                   backward=probed["bwd"].scaled(level * factors["bwd"]), messages=messages,
-                                   forward_scale=level * factors["fwd"], backward_scale=level * factors["bwd"],
-                                   calibrated_on=shape, weight_share=weight_share)
-
-    measured_step = _median([account(events, shape.n_stages)["step_s"] for events in steps])
-    return calibration(_solve_level(lambda level: calibration(level).predict_step_s(shape), measured_step))
-
-
-def _solve_level(step_at: Callable[[float], float], target_s: float) -> float:
-    """The compute level at which the simulated step equals `target_s` (the step grows with the
-    level, about linearly: a few secant steps from 1)."""
-    low, high = 1.0, 1.0
-    step_low = step_high = step_at(1.0)
-    if abs(step_low - target_s) <= 1e-9 * target_s:
-        return 1.0
-    while step_high < target_s:  # bracket the target
-        low, step_low, high = high, step_high, high * 2
-        step_high = step_at(high)
-    while step_low > target_s and low > 1e-6:
-        high, step_high, low = low, step_low, low / 2
-        step_low = step_at(low)
-    if step_low > target_s:
-        raise ValueError(f"the run's measured step ({target_s * 1e3:.3g} ms) is shorter than its messages and "
-                         "fixed work alone, as simulated: no compute level fits it (is its link priced too slow?)")
-    for _ in range(60):
-        level = low + (high - low) * (target_s - step_low) / (step_high - step_low) if step_high > step_low else high
-        step = step_at(level)
-        if abs(step - target_s) <= 1e-9 * target_s:
-            return level
-        if step < target_s:
-            low, step_low = level, step
-        else:
-            high, step_high = level, step
-    return level
-
-
-def fit_messages(probe: dict, shape: RunShape, steps: list[list[Event]]) -> MessageCosts:
-    """Send and receive work, link latency and dispatch from the run's communication events. Where
-    the shape names its links (`rank_links`, or an emulated `link`), a message is taken as there
-    only once that link can have delivered it (after the messages queued before it on the link):
-    on a slow link a receive that started after the send ended may still have waited for the
-    bytes, and that wait is not the receiver's work."""
-    hop_bytes = shape.hop_bytes()
-    per_byte = float(probe["pack_s_per_byte"])
-    known = _known_link_times(shape, hop_bytes)
-
-    def message_bytes(name: str) -> int:
-        return hop_bytes[_hop_of(name)]
-
-    send_fixed, ready, clean, dispatch = [], [], [], []
-    for events in steps:
-        dispatch.append(account(events, shape.n_stages)["dispatch_us_per_action"] * 1e-6)
-        for event in events:
-            if event[1][:2] in ("SF", "SB"):
-                send_fixed.append(event[3] - event[2] - per_byte * message_bytes(event[1]))
-        arrival = _arrivals(events, known) if known else {}
-        for send, receive in message_pairs(events):
-            if arrival.get(send[1], send[3]) <= receive[2]:  # already there: the receive's duration is its own work
-                ready.append(receive[3] - receive[2])
-            elif receive[2] <= send[2]:  # the receiver was waiting: a clean delivery
-                clean.append((receive[3] - send[2], message_bytes(send[1])))
-    send_s = max(0.0, _median(send_fixed))
-    recv_s = _median(ready)
-    latency = _median([total - send_s - 2 * per_byte * n_bytes - recv_s for total, n_bytes in clean])
-    return MessageCosts(send_fixed_s=send_s, send_s_per_byte=per_byte, recv_fixed_s=recv_s,
-                        link_latency_s=max(0.0, latency), link_s_per_byte=per_byte, dispatch_s=_median(dispatch))
-
-
-def _hop_of(name: str) -> int:
-    """The hop a send or receive event's message crosses."""
-    direction, sending_chunk, _ = Action.parse(name).message_id
-    return sending_chunk if direction == "F" else sending_chunk - 1
-
-
-def _known_link_times(shape: RunShape, hop_bytes: list[int]) -> dict[str, tuple[tuple[float, ...], tuple[float, ...]]]:
-    """{"F" | "B": (hop seconds, wire seconds) per hop} of the shape's named links; {} without."""
-    partition = shape.partition()
-    if shape.rank_links:
-        return {"F": _measured_hops(shape, partition, hop_bytes, True)[:2],
-                "B": _measured_hops(shape, partition, hop_bytes, False)[:2]}
-    if shape.link is not None:
-        hops = tuple(shape.link.message_s(b) for b in hop_bytes)
-        wires = tuple(shape.link.wire_s(b) for b in hop_bytes)
-        return {"F": (hops, wires), "B": (hops, wires)}
-    return {}
-
-
-def _arrivals(events: list[Event], known: dict) -> dict[str, float]:
-    """When each sent message can have arrived: it leaves when its send ends and the link from its
-    rank to its peer is free, occupies the link for its wire time and arrives after its hop time."""
-    receivers = {send[1]: receive[0] for send, receive in message_pairs(events)}
-    free: dict[tuple[int, int], float] = {}
-    arrival = {}
-    for rank, name, _start, end, _category in sorted((e for e in events if e[1][:2] in ("SF", "SB")),
-                                                     key=lambda e: e[3]):
-        if name not in receivers:
-            continue
-        hops, wires = known[name[1]]
-        hop = _hop_of(name)
-        link = (rank, receivers[name])
-        depart = max(end, free.get(link, end))
-        free[link] = depart + wires[hop]
-        arrival[name] = depart + hops[hop]
-    return arrival

@@ -11,7 +11,7 @@ A chunk's forward (and, with their own unit times, its backward) is, per microba
     chunk C - 1     the final read (phase 1 over every block, one query) and the head (output
                     norm, LM head, loss)
 exactly as `model.stack.forward_sublayers` and `pipeline.chunk` run them. Phase 1's time is a plane
-in (n, k, n k) fitted to probed points (`bench.unit_probe`). A message costs the sender
+in (n, k, n k) (fitted to probed points by the measurement lab, `attnres_lab.transfer_fit`). A message costs the sender
 send_fixed + bytes x send_per_byte of work, the link latency + bytes x link_per_byte, and the
 receiver recv_fixed of work; every action starts after a dispatch gap. Pure Python.
 """
@@ -63,7 +63,7 @@ def chunk_work(cfg: ModelConfig, partition: Partition, chunk_index: int) -> Chun
 class UnitTimes:
     """Seconds of each unit in one direction (forward or backward) for one microbatch.
     phase1 = (a, b, c, e): a + b n + c k + e n k for n sources and k queries. action: the runtime's
-    own cost of one chunk action beyond its units (`bench.action_probe`; 0 where not probed)."""
+    own cost of one chunk action beyond its units (`attnres_lab.action_probe`; 0 where not probed)."""
 
     layer: float
     add: float
@@ -107,33 +107,6 @@ class UnitTimes:
         return cls(layer=values["layer"], add=values["add"], embed=values["embed"], head=values["head"],
                    merge=values["merge"], phase1=tuple(values["phase1_a_b_c_e"]), phase1_floor=values["phase1_floor"],
                    action=values.get("action", 0.0))
-
-
-def fit_plane(points: list[tuple[int, int, float]]) -> tuple[float, float, float, float]:
-    """Least-squares (a, b, c, e) of t = a + b n + c k + e n k through (n, k, t) points."""
-    rows = [(1.0, float(n), float(k), float(n * k)) for n, k, _ in points]
-    normal = [[sum(r[i] * r[j] for r in rows) for j in range(4)] for i in range(4)]
-    rhs = [sum(r[i] * t for r, (_, _, t) in zip(rows, points, strict=True)) for i in range(4)]
-    return tuple(_solve(normal, rhs))
-
-
-def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting (a 4 x 4 system)."""
-    size = len(rhs)
-    a = [row[:] + [value] for row, value in zip(matrix, rhs, strict=True)]
-    for col in range(size):
-        pivot = max(range(col, size), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-300:
-            raise ValueError("phase-1 points do not determine a plane: probe more (sources, queries) pairs")
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(col + 1, size):
-            factor = a[r][col] / a[col][col]
-            for c in range(col, size + 1):
-                a[r][c] -= factor * a[col][c]
-    out = [0.0] * size
-    for r in reversed(range(size)):
-        out[r] = (a[r][size] - sum(a[r][c] * out[c] for c in range(r + 1, size))) / a[r][r]
-    return out
 
 
 @dataclass(frozen=True, kw_only=True)

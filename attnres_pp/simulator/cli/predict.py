@@ -1,5 +1,5 @@
 """`attnres-pp simulate predict`: a run the simulator has not seen, priced by a calibration that
-transfers (`simulator.transfer`), read from a `bench fidelity` result file (its "calibration") or
+transfers (`simulator.transfer`), read from an `attnres-lab fidelity` result file (its "calibration") or
 a file holding that object alone.
 
 Numbers are parsed by `attnres_pp.cli_flags`, not by argparse, so a bad value is one line `error: ...`
@@ -25,12 +25,12 @@ MODES = ("standard", "naive", "cached")
 
 def register(commands) -> None:
     parser = commands.add_parser(
-        "predict", help="predict a run's step from a calibration that transfers (bench fidelity's)",
+        "predict", help="predict a run's step from a calibration that transfers (attnres-lab fidelity's)",
         description="The step of a pipelined run of the calibrated model width and microbatch, for any "
                     "schedule, V, m, payload mode, depth, layer split, block size and emulated link, from the "
-                    "calibration `attnres-pp bench fidelity` writes (the 'calibration' object of its JSON).")
+                    "calibration `attnres-lab fidelity` writes (the 'calibration' object of its JSON).")
     parser.add_argument("--calibration", metavar="FILE", required=True,
-                        help="bench fidelity's result JSON, or a file holding its 'calibration' object")
+                        help="attnres-lab fidelity's result JSON, or a file holding its 'calibration' object")
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default=None, help="default: the calibration's")
     for flag, help_text in (("--stages", "P"), ("--virtual", "V"), ("--microbatches", "m"),
                             ("--layers", "transformer layers"), ("--block-size", "sublayers per block (1 = Full)")):
@@ -58,7 +58,7 @@ def load_calibration(path: str) -> TransferCalibration:
         return TransferCalibration.from_dict(values)
     except (KeyError, TypeError):
         raise ValueError(f"--calibration {path} holds no calibration: give a result file of "
-                         "`attnres-pp bench fidelity` (newer than its first version)") from None
+                         "`attnres-lab fidelity` (newer than its first version)") from None
 
 
 def target_shape(args: argparse.Namespace, base: RunShape) -> RunShape:

@@ -1,9 +1,9 @@
-#!/usr/bin/env python3
-"""How long one tensor takes over a link shaped by tc tbf, as `netns_cluster.py shape` shapes it:
+"""How long one tensor takes over a link shaped by tc tbf, as `netns_cluster shape` shapes it:
 two network namespaces joined by a veth pair, a token bucket on both ends (the harness's rate,
 bucket and queue), gloo point-to-point between a rank in each.
 
-    shaped_link_probe.py [--gbps 0.1 0.5 2] [--sizes-kib 16 128 512 2048] [--repeats 15] [--gap-ms 5] [--busy]
+    python -m attnres_lab.shaped_link_probe [--gbps 0.1 0.5 2] [--sizes-kib 16 128 512 2048] [--repeats 15]
+        [--gap-ms 5] [--busy]
 
 For each rate and size the sender sends the tensor, the receiver answers with one element, and the
 round trip less that of a one-element message is the tensor's transfer time (the fastest of the
@@ -26,7 +26,7 @@ import sys
 import time
 
 NET = "10.213.252"
-BURST_BYTES = 16 * 1024  # as scripts/netns_cluster.py
+BURST_BYTES = 16 * 1024  # as attnres_lab/netns_host.py (this file runs by path in each namespace: it stands alone)
 
 
 def sh(*cmd: str) -> None:
@@ -109,7 +109,7 @@ def main() -> int:
         rank_main(args.rank, f"{NET}.1", args.port, sizes, args.repeats, args.gap_ms / 1e3, args.busy)
         return 0
     if os.geteuid() != 0:
-        print("error: shaped_link_probe.py needs root (ip netns, tc)", file=sys.stderr)
+        print("error: attnres_lab.shaped_link_probe needs root (ip netns, tc): run it with sudo", file=sys.stderr)
         return 2
     tag = secrets.token_hex(2)
     names = [f"slp{tag}a", f"slp{tag}b"]

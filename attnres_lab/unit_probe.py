@@ -3,7 +3,7 @@ transformer layer, a residual / partial-sum add, the embedding, the head (output
 loss), phase 1 of a depth read over n sources for k queries, a phase-2 merge with the open partial,
 and packing a message (the copy inside every send).
 
-The result (`probe_units`, a JSON-able dict) is the shape of a chunk's cost: `simulator.transfer`
+The result (`probe_units`, a JSON-able dict) is the shape of a chunk's cost: `attnres_lab.transfer_fit`
 scales it to one measured pipelined run, so its level comes from the run and only the split between
 units comes from here. Times are CPU seconds of this thread (`time.thread_time`, page faults
 included): with one torch thread that is the unit's own work, and a machine shared with other work
@@ -24,7 +24,7 @@ from attnres_pp.model.depth import BlockReader, DepthRead
 from attnres_pp.model.layers import Embedding, TransformerLayer
 from attnres_pp.model.transformer import Head, lm_loss
 
-# Sources and queries at which phase 1 is timed; `simulator.transfer` fits a plane through them.
+# Sources and queries at which phase 1 is timed; `attnres_lab.transfer_fit` fits a plane through them.
 PHASE1_SOURCES = (1, 2, 4, 8, 16)
 PHASE1_QUERIES = (1, 2, 4)
 PACK_SIZES = (1, 4, 16)  # message sizes in tensors of [tokens, width]

@@ -1,5 +1,5 @@
 """Probe one machine's tensor-parallel group: what `simulator.tensor_parallel.TensorParallelCosts`
-needs to price runs with T > 1 (`bench fidelity --tensor-parallel`), measured on T gloo rank processes
+needs to price runs with T > 1 (`attnres-lab fidelity --tp`), measured on T gloo rank processes
 of this host, never on the runs it predicts.
 
 1. The collectives: all-gathers, reduce-scatters and all-reduces of whole buffers from 16 KiB to

@@ -1,4 +1,4 @@
-"""`attnres-pp bench fidelity`: the simulator predicts measured runs it has not seen.
+"""`attnres-lab fidelity`: the simulator predicts measured runs it has not seen.
 
 Calibrate on ONE run (P = 2, 1f1b, V = 1, m = 4, Block AttnRes with the cache, 8 layers) and
 predict held-out runs that differ in schedule, V, m, payload mode (standard / naive / cached),
@@ -6,13 +6,13 @@ layers, and link: two runs over a link emulated at 0.2 Gb/s (`--link-gbps`) show
 is for. The calibration run is never among the predicted cases (out of sample).
 
 How:
-1. `bench.unit_probe` times the units of a chunk in this process (CPU time of one thread): the
+1. `attnres_lab.unit_probe` times the units of a chunk in this process (CPU time of one thread): the
    split of a chunk's work between layers, depth reads (by sources and queries), embedding, head.
 2. The runs (local launcher, gloo, one thread per rank) are stepped in rotation groups. The
    calibration run is one engine kept alive through every group and stepped in every round with
    that group's runs (the order rotating each round), so load drifting on the machine falls on it
    and on the runs it predicts alike; each group's predictions use the calibration run's steps
-   from that group's rounds (`simulator.transfer.fit_transfer`: the probe scaled to the run,
+   from that group's rounds (`attnres_lab.transfer_fit.fit_transfer`: the probe scaled to the run,
    message costs from its trace).
 3. Each held-out case is then simulated (`TransferCalibration.predict_step_s`) and compared with
    its median measured pipeline window (first action start to last action end, as `bench
@@ -28,14 +28,15 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
+from attnres_lab.fidelity_cases import BLOCK_SIZE, N_STAGES, SLOW_LINK_GBPS, Case
+from attnres_lab.transfer_fit import fit_transfer
+from attnres_lab.unit_probe import probe_units
 from attnres_pp.bench.common import BENCH_MODEL, MICROBATCH_SIZE, TimedEngine, account, markdown_table
-from attnres_pp.bench.fidelity_cases import BLOCK_SIZE, N_STAGES, SLOW_LINK_GBPS, Case
-from attnres_pp.bench.unit_probe import probe_units
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.schedule.schedules import build_schedule
 from attnres_pp.simulator.engine import simulate
 from attnres_pp.simulator.metrics import summarize
-from attnres_pp.simulator.transfer import TransferCalibration, fit_transfer
+from attnres_pp.simulator.transfer import TransferCalibration
 
 CALIBRATION = Case("1f1b", 1, 4, "cached", 8)
 # Rotation groups of held-out cases (each group is stepped together with the calibration run).

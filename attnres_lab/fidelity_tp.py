@@ -1,11 +1,11 @@
-"""`attnres-pp bench fidelity --tp`: the simulator's tensor-parallel terms against measured runs.
+"""`attnres-lab fidelity --tp`: the simulator's tensor-parallel terms against measured runs.
 
 Runs of T = 2 tp ranks (local launcher, gloo, one thread per rank, P = 1: the two ranks fill this
 machine's two cores) with and without sequence parallelism, across schedule, V, m, payload mode and
 layers, predicted out of sample:
-1. the units of a chunk (`bench.unit_probe`) are scaled to ONE calibration run without tensor
-   parallelism (`bench.fidelity`'s: P = 2, 1f1b, V = 1, m = 4, Block AttnRes cached, 8 layers);
-2. a probe of a T = 2 group (`bench.tp_probe`, before the runs) measures each collective kind's
+1. the units of a chunk (`attnres_lab.unit_probe`) are scaled to ONE calibration run without tensor
+   parallelism (`attnres_lab.fidelity`'s: P = 2, 1f1b, V = 1, m = 4, Block AttnRes cached, 8 layers);
+2. a probe of a T = 2 group (`attnres_lab.tp_probe`, before the runs) measures each collective kind's
    ring link and one split layer's time alone, from which the host's cost per tp layer (beyond its
    share of the work and its collectives) is derived;
 3. a probe in the runtime (`probe_layers_in_runs`, before the runs): short runs of a standard
@@ -31,14 +31,15 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
+from attnres_lab.fidelity_cases import BLOCK_SIZE
+from attnres_lab.fidelity_cases import Case as CalibrationCase
+from attnres_lab.tp_probe import costs_from_probe, host_costs, run_tp_probe
+from attnres_lab.transfer_fit import fit_transfer
+from attnres_lab.unit_probe import probe_units
 from attnres_pp.bench.common import BENCH_MODEL, MICROBATCH_SIZE, TimedEngine, markdown_table, run_config
-from attnres_pp.bench.fidelity_cases import BLOCK_SIZE
-from attnres_pp.bench.fidelity_cases import Case as CalibrationCase
-from attnres_pp.bench.tp_probe import costs_from_probe, host_costs, run_tp_probe
-from attnres_pp.bench.unit_probe import probe_units
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.schedule.timeline import account
-from attnres_pp.simulator.transfer import RunShape, fit_transfer
+from attnres_pp.simulator.transfer import RunShape
 
 CALIBRATION = CalibrationCase("1f1b", 1, 4, "cached", 8)
 

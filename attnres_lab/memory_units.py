@@ -8,7 +8,7 @@ bf16 copies autocast makes of them are counted). `fit_units` least-squares fits,
 dtype, the bytes to the shape features of `simulator.memory.activation_features` over a seeded
 grid of tiny models, partitions and chunks (the in-sample set, listed in the JSON).
 
-    python -m attnres_pp.bench.memory_units --out attnres_pp/simulator/memory_units.json
+    attnres-lab fit-memory-units --out attnres_pp/simulator/memory_units.json
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ from attnres_pp.simulator.memory import (
 
 VARIANTS = (("standard", "projected"), ("attnres", "projected"), ("lr_attnres", "projected"),
             ("lr_attnres", "sliced"), ("msar", "projected"))
-COMMAND = "python -m attnres_pp.bench.memory_units --out attnres_pp/simulator/memory_units.json"
+COMMAND = "attnres-lab fit-memory-units --out attnres_pp/simulator/memory_units.json"
 # The units are fitted on the tiny grid of `random_case` (d_model <= 48, seq_len <= 24, vocab <= 80,
 # <= 6 layers; the cases are listed in the JSON) and checked on configurations outside it:
 OUT_OF_SAMPLE = ("tests/test_sim_memory.py: another seed, every size doubled (d_model up to 96, seq_len up to 48); "
-                 "bench.memory_predict CASES: whole pipelined steps of an 8-layer d_model 64, seq_len 32, vocab 256 "
-                 "model (other schedules, V, m, D, fsdp, block sizes), against the runtime's count")
+                 "attnres_lab.memory_predict CASES: whole pipelined steps of an 8-layer d_model 64, seq_len 32, "
+                 "vocab 256 model (other schedules, V, m, D, fsdp, block sizes), against the runtime's count")
 
 
 def saved_bytes(cfg: ModelConfig, partition, chunk_index: int, *, n_sequences: int, dtype: str,
@@ -256,13 +256,11 @@ def _describe(case: dict, dtype: str) -> str:
             f"Vc={case['n_virtual']} chunk={case['chunk']} B={case['n_sequences']}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="fit the simulator's activation memory units")
-    parser.add_argument("--out", required=True, help="the JSON to write (attnres_pp/simulator/memory_units.json)")
-    parser.add_argument("--cases", type=int, default=60, help="tiny chunks measured per variant and dtype")
-    parser.add_argument("--checkpoint-cases", type=int, default=120,
-                        help="tiny chunks measured per variant, dtype and checkpointing policy")
-    args = parser.parse_args(argv)
+def run_fit(args: argparse.Namespace) -> int:
+    """`attnres-lab fit-memory-units`: fit the units and write them to --out."""
+    if args.cases < 1 or args.checkpoint_cases < 1:
+        print("error: --cases and --checkpoint-cases must be >= 1", file=sys.stderr)
+        return 2
     result = fit_units(n_cases=args.cases, n_checkpoint_cases=args.checkpoint_cases,
                        progress=lambda line: print(line, file=sys.stderr))
     with open(args.out, "w") as handle:
@@ -270,7 +268,3 @@ def main(argv: list[str] | None = None) -> int:
         handle.write("\n")
     print(f"wrote {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,10 +1,10 @@
-"""`attnres-pp bench memory --predict`: the simulator's per-rank memory (`simulate memory`) against
+"""`attnres-lab memory-predict`: the simulator's per-rank memory (`simulate memory`) against
 what real training steps hold, on configurations the activation units were not fitted on (the units
 come from single tiny chunks; these are whole pipelined steps with other schedules, V, m, D, AC,
 block sizes and variants). Two counts, each a row of the table:
 
 - `hooks`: one step of the real runtime over the loopback transport in this process, counted by
-  `bench.memory_count` (saved tensors alive per rank, cache entries + deposits) and, for
+  `attnres_lab.memory_count` (saved tensors alive per rank, cache entries + deposits) and, for
   param/grad/optimizer, each rank's real modules and an AdamW after one step (fp32 and bf16; not
   for AC or fsdp, which this count does not run);
 - `run inprocess`, `run local` and `run ray`: `attnres-pp train ... --steps 2` (CPU) under each
@@ -169,7 +169,7 @@ def predict(flags: dict, launcher: str = "inprocess") -> dict:
     from attnres_pp.simulator.cli.memory import build
     from attnres_pp.simulator.memory import predict_memory
 
-    # The `simulate` parser alone (bench sits below the top-level CLI): the same flags, the same defaults.
+    # The `simulate` parser alone: the same flags, the same defaults.
     parser = argparse.ArgumentParser(prog="attnres-pp")
     simulate_cli.register(parser.add_subparsers(dest="command", required=True))
     argv = predict_argv(flags, launcher)
@@ -181,10 +181,10 @@ def predict(flags: dict, launcher: str = "inprocess") -> dict:
 
 def hook_count(flags: dict, cfg) -> list[dict]:
     """Per global rank, counted in this process: state bytes of the real modules and AdamW, and the
-    activation and cache peaks of one loopback step (`bench.memory_count`)."""
+    activation and cache peaks of one loopback step (`attnres_lab.memory_count`)."""
     import torch
 
-    from attnres_pp.bench.memory_count import count_step
+    from attnres_lab.memory_count import count_step
     from attnres_pp.comm.partition import make_partition
     from attnres_pp.pipeline.chunk import build_rank_model, rank_parameters
     from attnres_pp.schedule.schedules import schedule_placement
@@ -217,7 +217,11 @@ def hook_count(flags: dict, cfg) -> list[dict]:
 
 
 def _cli(argv: list[str], timeout_s: float) -> str:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    # The children import the attnres_pp this process imported (a checkout's or an installed one).
+    import attnres_pp
+
+    source = str(Path(attnres_pp.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-m", "attnres_pp.cli", *argv], capture_output=True, text=True,
                           timeout=timeout_s, env=env)
     if done.returncode:
@@ -310,7 +314,7 @@ def fitted_overlap(cases=CASES) -> list[str]:
     d_model, layers and tokens per sequence): none may be, so every row here is validation."""
     import re
 
-    units = json.loads((Path(__file__).resolve().parents[1] / "simulator" / "memory_units.json").read_text())
+    units = _fitted_units()
     fitted = set()
     for entry in units["in_sample"]:
         found = {k: int(v) for k, v in re.findall(r"\b(L|d|T)=(\d+)", entry)}
@@ -320,8 +324,14 @@ def fitted_overlap(cases=CASES) -> list[str]:
 
 
 def fitted_count() -> int:
-    units = json.loads((Path(__file__).resolve().parents[1] / "simulator" / "memory_units.json").read_text())
-    return len(units["in_sample"])
+    return len(_fitted_units()["in_sample"])
+
+
+def _fitted_units() -> dict:
+    """The activation units the simulator ships (`simulator.memory.UNITS_PATH`)."""
+    from attnres_pp.simulator.memory import UNITS_PATH
+
+    return json.loads(UNITS_PATH.read_text())
 
 
 def run(quick: bool, out_dir: Path, progress: Callable[[str], None]) -> dict:
@@ -359,7 +369,7 @@ def to_markdown(payload: dict) -> str:
              "bf16; fsdp not in-process; Ray for the cases `RAY_CASES` names). "
              f"Model {BASE} (dtype fp32 unless the case says bf16). "
              "Errors: median / max over ranks. Out of sample: the activation units "
-             "(`attnres_pp/simulator/memory_units.json`) are fitted by `python -m attnres_pp.bench.memory_units` "
+             "(`attnres_pp/simulator/memory_units.json`) are fitted by `attnres-lab fit-memory-units` "
              "on single chunks of tiny models (d_model <= 48, seq_len <= 24, vocab <= 80, <= 6 layers; every fitted "
              f"case is listed in the JSON's `in_sample`: {payload.get('fitted_cases', '?')} fitted cases). "
              "Every row below is **validated** (out of sample), none **fitted**: the fitted and validated sets "

@@ -1,6 +1,6 @@
-"""The runs of `bench fidelity` as data: a `Case` (schedule, V, m, payload mode, layers, link) and
-the model, shape and run config it stands for. `bench.fidelity` (emulated links) and
-`bench.fidelity_hosts` (real links between hosts) both build their runs from it.
+"""The runs of `attnres-lab fidelity` as data: a `Case` (schedule, V, m, payload mode, layers, link) and
+the model, shape and run config it stands for. `attnres_lab.fidelity` (emulated links) and
+`attnres_lab.fidelity_hosts` (real links between hosts) both build their runs from it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The runtime's own cost per chunk action: what a forward (backward) action costs beyond its units
-of work (`bench.unit_probe`), for entering the chunk, its inputs, its outputs and its autograd call.
+of work (`attnres_lab.unit_probe`), for entering the chunk, its inputs, its outputs and its autograd call.
 
 A run calibrated at V = 1 folds this cost into its units, so it prices V = 2 (twice the actions of
 half the size) too cheap. It is measured here before any run it helps predict, never fitted to
@@ -11,7 +11,7 @@ units say the extra chunk boundaries cost (depth reads split into more segments)
     action = (sum_V4 - sum_V1 - (units_V4 - units_V1)) / (4 - 1)
 
 with each sum the medians of the actions' wall seconds per (kind, chunk), taken over steps and then
-over rounds. Returned as {"fwd_s", "bwd_s"} (never below 0), which `simulator.transfer` adds to
+over rounds. Returned as {"fwd_s", "bwd_s"} (never below 0), which `attnres_lab.transfer_fit` adds to
 every chunk.
 """
 
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import statistics
 
+from attnres_lab.transfer_fit import unit_times_from_probe
 from attnres_pp.bench.common import MICROBATCH_SIZE, TimedEngine, run_config
 from attnres_pp.comm.partition import make_partition
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.schedule.timeline import median_action_s
-from attnres_pp.simulator.transfer import unit_times_from_probe
 from attnres_pp.simulator.units import chunk_work
 
 VIRTUALS = (1, 4)

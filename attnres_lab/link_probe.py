@@ -1,5 +1,5 @@
 """What one real link between two hosts costs a pipeline message: a probe over that link, run
-before the pipelined runs it is used to predict (`bench fidelity --hosts`), never fitted to them.
+before the pipelined runs it is used to predict (`attnres-lab fidelity --hosts`), never fitted to them.
 
 Two probe ranks, one in each host's namespace, talk gloo over TCP exactly as pipeline ranks do.
 For each direction (rank 0 -> 1 and 1 -> 0) and each size, the sender sends the tensor and the
@@ -297,7 +297,7 @@ def rank_main(rank: int, address: str, port: int, timeout_s: float) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="a link-probe rank (started by bench fidelity --hosts)")
+    parser = argparse.ArgumentParser(description="a link-probe rank (started by attnres-lab fidelity --hosts)")
     parser.add_argument("--rank", type=int, choices=(0, 1), required=True)
     parser.add_argument("--address", required=True, help="rank 0's address (its host's)")
     parser.add_argument("--port", type=int, required=True)
