@@ -73,7 +73,7 @@ def bind_to_address(address: str) -> str:
 
 def init_process_group(init_method: str, rank: int, world_size: int, timeout_s: float,
                        device: str = "cpu") -> tuple[str, torch.device]:
-    """Join the run's process group on the device the driver decided (`train.devices`): "cuda" is
+    """Join the run's process group on the device the launch layer decided (`launch.resolve`): "cuda" is
     nccl with this rank's own GPU (LOCAL_RANK when set: the Ray launcher shows the ranks of a node
     all its GPUs and names each rank's own; otherwise local processes take GPU `rank` (their
     global rank) of the node), "cpu" is gloo. Every collective and p2p op times out after
