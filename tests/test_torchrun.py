@@ -1,8 +1,9 @@
 """`--launcher torchrun`: `torchrun --standalone --nproc-per-node N -m attnres_pp train --launcher
 torchrun` trains with the local launcher's losses (P = 2, and D = 2), rank 0 alone writing the
 driver's files and every rank its checkpoint shard; a rank killed mid-run (one > 0, and rank 0)
-ends every process within the timeout with one `error:` line naming it and no traceback; a
-WORLD_SIZE that is not D x P x T, and the combinations torchrun cannot carry, are one line each.
+ends every process within the timeout with one `error:` line naming it and no traceback, and so
+does a cancelled job (SIGTERM to torchrun); a WORLD_SIZE that is not D x P x T, and the
+combinations torchrun cannot carry, are one line each.
 
 torchrun's own agent prints its report of a failed child (a traceback of its own) on its stderr;
 each rank's output is read from the files `--redirects 3 --log-dir` writes, one folder per rank."""
@@ -27,6 +28,7 @@ from attnres_pp.pipeline.torchrun_rank_group import check_torchrun_run
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--layers", "4", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
          "--microbatches", "2", "--eval-every", "0", "--threads", "1", "--quiet"]
+TIMEOUT_S = 20  # --timeout of the runs stopped mid-run
 FAKE_ENV = {"TORCHELASTIC_RUN_ID": "test", "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
             "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
@@ -117,14 +119,11 @@ def test_torchrun_trains_with_the_local_launchers_losses(tmp_path, layout):
     assert sorted(logs) == [0, 1] and not any(text.strip() for text in logs.values()), logs
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("victim", [1, 0])
-def test_a_killed_rank_ends_every_rank_with_one_line_naming_it(tmp_path, victim):
-    """SIGKILL one rank mid-run: every process ends well within --timeout, and the ranks' output is
-    one `error:` line naming the lost rank (rank 0 names rank 1; rank 1 names a lost rank 0)."""
-    timeout_s = 20
+def _stop_mid_run(tmp_path: Path, stop) -> tuple[float, dict[int, int], dict[int, str]]:
+    """A long P = 2 run, `stop(agent pid, {rank: pid})` once its first step is done: (seconds until
+    torchrun ended, the ranks' pids, each rank's stderr), every rank's process checked gone."""
     out = tmp_path / "run"
-    proc = _torchrun(2, [*SMALL, "--stages", "2", "--steps", "100000", "--timeout", str(timeout_s),
+    proc = _torchrun(2, [*SMALL, "--stages", "2", "--steps", "100000", "--timeout", str(TIMEOUT_S),
                          "--out", str(out)], tmp_path / "logs")
     try:
         pids = _rank_pids(proc.pid, 2)
@@ -133,24 +132,44 @@ def test_a_killed_rank_ends_every_rank_with_one_line_naming_it(tmp_path, victim)
         while not (metrics.is_file() and metrics.read_text().strip()):
             assert proc.poll() is None and time.monotonic() < deadline, _rank_logs(tmp_path / "logs")
             time.sleep(0.1)
-        os.kill(pids[victim], signal.SIGKILL)
-        killed_at = time.monotonic()
-        _finish(proc, timeout_s + 20)
-        took_s = time.monotonic() - killed_at
+        stop(proc.pid, pids)
+        stopped_at = time.monotonic()
+        _finish(proc, TIMEOUT_S + 20)
+        took_s = time.monotonic() - stopped_at
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0
-    assert took_s < timeout_s, f"the ranks took {took_s:.1f} s to end"
     time.sleep(0.5)
     assert not _running(pids.values())
     logs = _rank_logs(tmp_path / "logs")
+    assert "Traceback" not in "".join(logs.values()), logs
+    return took_s, pids, logs
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_killed_rank_ends_every_rank_with_one_line_naming_it(tmp_path, victim):
+    """SIGKILL one rank mid-run: every process ends well within --timeout, and the ranks' output is
+    one `error:` line naming the lost rank (rank 0 names rank 1; rank 1 names a lost rank 0)."""
+    took_s, _, logs = _stop_mid_run(tmp_path, lambda agent, pids: os.kill(pids[victim], signal.SIGKILL))
+    assert took_s < TIMEOUT_S, f"the ranks took {took_s:.1f} s to end"
     lines = [line for text in logs.values() for line in text.splitlines() if line.strip()]
     assert len(lines) == 1, logs
     label = f"rank {victim} (dp 0, pp {victim})"
-    assert lines[0].startswith("error: ") and label in lines[0], lines
-    assert "Traceback" not in "".join(logs.values())
+    assert lines[0].startswith("error: ") and label in lines[0] and "ended" in lines[0], lines
     assert logs[victim] == ""  # what named it is the survivor
+
+
+@pytest.mark.distributed
+def test_a_cancelled_job_ends_every_rank_with_one_line(tmp_path):
+    """SIGTERM to torchrun (a cancelled job): its agent stops the ranks with SIGTERM, rank 0 says so
+    in one line, the others end quietly, all within --timeout."""
+    took_s, _, logs = _stop_mid_run(tmp_path, lambda agent, pids: os.kill(agent, signal.SIGTERM))
+    assert took_s < TIMEOUT_S, f"the ranks took {took_s:.1f} s to end"
+    lines = [line for text in logs.values() for line in text.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: rank 0 was stopped by SIGTERM during "), logs
+    assert logs[1] == ""
 
 
 @pytest.mark.distributed

@@ -192,8 +192,8 @@ class TorchrunRankGroup:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if not closed:
             return WorkerLost(rank, what)
-        return WorkerLost(rank, f"{rank_label(rank, self.pipe)} ended during {what}: its control connection closed "
-                                "(torchrun stops the other ranks)")
+        return WorkerLost(rank, f"{rank_label(rank, self.pipe)} ended during {what} (its control connection "
+                                "closed)")
 
     def _on_sigterm(self, signum, frame) -> None:
         """torchrun's agent stops this rank because another one ended (or the job was cancelled): say
@@ -282,7 +282,7 @@ class _RankServer:
             try:
                 _send(self.conn, self.thread.take())
             except OSError:
-                self._driver_lost("closed its control connection")
+                self._driver_lost("ended (its control connection closed)")
             self.doing = "between calls"
 
     def _await_call(self, method: str) -> None:
@@ -304,7 +304,7 @@ class _RankServer:
         try:
             return pickle.loads(self.conn.recv_bytes())
         except (EOFError, OSError):
-            self._driver_lost("closed its control connection")
+            self._driver_lost("ended (its control connection closed)")
 
     def _close(self, clean: bool) -> int:
         if not clean:
@@ -334,7 +334,7 @@ class _RankServer:
             try:
                 self.conn.recv_bytes()
             except (EOFError, OSError):
-                self._driver_lost("ended")
+                self._driver_lost("ended (its control connection closed)")
         exit_now(1)
 
 
