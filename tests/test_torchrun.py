@@ -213,3 +213,11 @@ def test_what_torchrun_cannot_carry_is_refused_with_the_fix():
                            environ=FAKE_ENV)
     with pytest.raises(ValueError, match="= 4 ranks"):
         check_torchrun_run(PipelineConfig(launcher="torchrun", stages=4), fault_tolerance="off", environ=FAKE_ENV)
+
+
+def test_generate_refuses_the_torchrun_launcher_in_one_line(tmp_path, capsys):
+    assert main(["generate", "--resume", str(tmp_path), "--prompt", "x", "--max-new-tokens", "1",
+                 "--launcher", "torchrun"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --launcher torchrun runs `attnres-pp train` only: generate with --launcher local, ray, "
+                   "inprocess"]

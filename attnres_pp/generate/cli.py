@@ -39,6 +39,8 @@ from attnres_pp.generate.prompts import (
 from attnres_pp.pipeline.config import LAUNCHERS, P2P_SEMANTICS
 from attnres_pp.train.config import DEVICES, DTYPES
 
+GENERATE_LAUNCHERS = tuple(launcher for launcher in LAUNCHERS if launcher != "torchrun")  # torchrun: training only
+
 # (flag, GenerationConfig or PipelineConfig field, type, help); parsed as strings, converted here so a
 # bad value is one clear `error:` line.
 _GEN_FLAGS = (
@@ -60,8 +62,8 @@ _PIPE_FLAGS = (
     ("--tensor-parallel", "tensor_parallel", int,
      "tensor-parallel ranks T per stage (P x T rank processes; default 1): each layer split over T ranks, "
      "the prefill and every decode pass without sequence sharding; --launcher local or ray, on cpu"),
-    ("--launcher", "launcher", str, f"how ranks start: {' | '.join(LAUNCHERS)} (default local: one process "
-                                    "per rank, or this process alone for P = V = 1)"),
+    ("--launcher", "launcher", str, f"how ranks start: {' | '.join(GENERATE_LAUNCHERS)} (default local: one "
+                                    "process per rank, or this process alone for P = V = 1)"),
     ("--timeout", "timeout_s", float, "pipeline timeout in seconds (default 120)"),
     ("--p2p-semantics", "p2p_semantics", str,
      f"point-to-point rules: {' | '.join(P2P_SEMANTICS)} (nccl: messages go out in the order proven under NCCL's "
@@ -115,6 +117,9 @@ def configs_from_args(args: argparse.Namespace):
         pipe_values["layer_counts"] = layer_counts(args.layer_counts)
     if args.address is not None and pipe_values["launcher"] != "ray":
         raise ValueError(f"--address is for --launcher ray, not {pipe_values['launcher']}")
+    if pipe_values.get("launcher") == "torchrun":  # training's launcher only (`pipeline.torchrun_rank_group`)
+        raise ValueError("--launcher torchrun runs `attnres-pp train` only: generate with --launcher "
+                         f"{', '.join(GENERATE_LAUNCHERS)}")
     threads = number_flag("--threads", args.threads, int, bound="> 0", example="--threads 1") \
         if args.threads is not None else 1
     return gen_cfg, PipelineConfig(**pipe_values), threads
