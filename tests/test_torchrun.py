@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
 
 from attnres_pp.cli import main
 from attnres_pp.pipeline.config import PipelineConfig
-from attnres_pp.pipeline.torchrun_channel import TorchrunEnv
+from attnres_pp.pipeline.torchrun_channel import TorchrunEnv, _accept_rank, _digest
 from attnres_pp.pipeline.torchrun_rank_group import check_torchrun_run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -221,3 +225,33 @@ def test_generate_refuses_the_torchrun_launcher_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: --launcher torchrun runs `attnres-pp train` only: generate with --launcher local, ray, "
                    "inprocess"]
+
+
+def _handshake(server_key: bytes, client_key: bytes, rank: int, answer: bytes | None = None):
+    """rank 0's side of a new control connection (`_accept_rank`) against a client holding
+    `client_key` that claims `rank` (or sends `answer` instead): (the rank accepted, rank 0's proof)."""
+    a, b = socket.socketpair()
+    server, client = Connection(a.detach()), Connection(b.detach())
+    accepted: dict = {}
+    thread = threading.Thread(target=lambda: accepted.update(rank=_accept_rank(server, server_key, 2,
+                                                                                time.monotonic() + 5.0)))
+    thread.start()
+    challenge, mine, rank_bytes = client.recv_bytes(64), b"m" * 32, rank.to_bytes(4, "big")
+    client.send_bytes(answer if answer is not None else
+                      _digest(client_key, b"rank", challenge, rank_bytes) + mine + rank_bytes)
+    thread.join(10.0)
+    proof = client.recv_bytes(64) if accepted["rank"] is not None else None
+    server.close()
+    client.close()
+    return accepted["rank"], proof
+
+
+def test_the_control_channel_takes_only_the_jobs_ranks():
+    """A connection is accepted only with an answer keyed by the job's key, for a rank of the job;
+    rank 0 then proves it holds the key too. A pickle in place of the answer is never unpickled."""
+    key = b"k" * 32
+    assert _handshake(key, key, 1) == (1, _digest(key, b"driver", b"m" * 32))
+    assert _handshake(key, b"x" * 32, 1) == (None, None)
+    assert _handshake(key, key, 2) == (None, None)  # WORLD_SIZE is 2
+    assert _handshake(key, key, 1, answer=pickle.dumps(AssertionError("unpickled"))) == (None, None)
+    assert _handshake(key, key, 1, answer=b"z" * 4096) == (None, None)  # longer than an answer: not read
