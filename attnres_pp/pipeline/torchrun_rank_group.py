@@ -19,6 +19,9 @@ ranks with SIGTERM once one has ended (`--monitor-interval`, 0.1 s): that signal
 with at most that one line, never a traceback (rank 0 names a rank whose connection has closed; a
 rank > 0 first gives rank 0 up to 2 s to say it). Every wait is bounded by the pipeline timeout
 plus start-up slack.
+
+Of the project this module and `torchrun_channel` import only `pipeline.errors` and each other (the
+worker class comes with the "start" request), so the two move together wherever the rank groups go.
 """
 
 from __future__ import annotations
