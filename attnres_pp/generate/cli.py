@@ -39,6 +39,9 @@ from attnres_pp.generate.prompts import (
 )
 from attnres_pp.launch.flags import add_run_flags, run_values
 from attnres_pp.model_flags import add_layer_counts_flag, layer_counts_flag
+from attnres_pp.pipeline.config import LAUNCHERS
+
+GENERATE_LAUNCHERS = tuple(launcher for launcher in LAUNCHERS if launcher != "torchrun")  # torchrun: training only
 
 # (flag, GenerationConfig or PipelineConfig field, type, help); parsed as strings, converted here so a
 # bad value is one clear `error:` line.
@@ -61,6 +64,7 @@ _RUN_NOTES = {
                          "sharding; on cpu",
     "--timeout": "default 120",
     "--threads": "default 1",
+    "--launcher": f"generate takes {', '.join(GENERATE_LAUNCHERS)} (default local)",
 }
 
 
@@ -113,6 +117,9 @@ def configs_from_args(args: argparse.Namespace):
         pipe_values["layer_counts"] = layer_counts_flag(args)
     if args.address is not None and pipe_values["launcher"] != "ray":
         raise ValueError(f"--address is for --launcher ray, not {pipe_values['launcher']}")
+    if pipe_values["launcher"] == "torchrun":  # training's launcher only (`pipeline.torchrun_rank_group`)
+        raise ValueError("--launcher torchrun runs `attnres-pp train` only: generate with --launcher "
+                         f"{', '.join(GENERATE_LAUNCHERS)}")
     return gen_cfg, PipelineConfig(**pipe_values), threads
 
 

@@ -270,4 +270,8 @@ def make_rank_group(pipe: PipelineConfig, world_size: int, *, name: str, address
 
         return RayRankGroup(world_size, pipe.timeout_s, address=address, placement=placement or pipe.placement,
                             cpus=cpus, tensor_parallel=pipe.tensor_parallel)
-    raise ValueError(f"launcher={pipe.launcher!r} is unknown: choose local, inprocess or ray")
+    if pipe.launcher == "torchrun":  # the processes torchrun started; this one is rank 0
+        from attnres_pp.pipeline.torchrun_rank_group import TorchrunRankGroup
+
+        return TorchrunRankGroup(pipe)
+    raise ValueError(f"launcher={pipe.launcher!r} is unknown: choose one of {', '.join(LAUNCHERS)}")

@@ -1,7 +1,8 @@
 """make_engine: the training Engine a RunConfig asks for. `--launcher local` with one chunk and one
 replica trains in this process (`SingleProcessEngine`); a `--fault-tolerance replicas` run is an
 `FtEngine` (one rank group per replica); every other run is a `PipelineEngine` on the launcher's
-rank group: spawned processes (local), threads of this process (inprocess) or Ray actors (ray)."""
+rank group: spawned processes (local), threads of this process (inprocess), Ray actors (ray) or the
+processes torchrun started, rank 0 driving (torchrun)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,10 @@ def check_run(run_cfg: RunConfig, *, address: str | None = None, fail_at: tuple 
         require_torchft()
     if address is not None and pipe.launcher != "ray":
         raise ValueError(f"--address is for --launcher ray, not {pipe.launcher}")
+    if pipe.launcher == "torchrun":  # every process a rank, rank 0 drives (`pipeline.torchrun_rank_group`)
+        from attnres_pp.pipeline.torchrun_rank_group import check_torchrun_run
+
+        check_torchrun_run(pipe, fault_tolerance=train.fault_tolerance)
     if fail_at is not None and ranks_in_this_process(pipe):
         raise ValueError("--inject-failure needs rank workers to lose: use --launcher ray, or --launcher local "
                          "with --stages/--virtual > 1")
@@ -60,6 +65,14 @@ def make_pipeline_engine(run_cfg: RunConfig, out_dir=None, *, address: str | Non
     """A PipelineEngine on the launcher's rank group, even for one chunk (the benchmarks measure the
     ranks themselves); `options` as PipelineEngine's."""
     pipe = run_cfg.pipeline
-    return PipelineEngine(run_cfg, out_dir, **options,
-                          ranks=lambda: make_rank_group(pipe, pipe.world_size, name="attnres-pp", address=address,
-                                                        placement=placement))
+    engine = TorchrunPipelineEngine if pipe.launcher == "torchrun" else PipelineEngine
+    return engine(run_cfg, out_dir, **options,
+                  ranks=lambda: make_rank_group(pipe, pipe.world_size, name="attnres-pp", address=address,
+                                                placement=placement))
+
+
+class TorchrunPipelineEngine(PipelineEngine):
+    """A PipelineEngine on torchrun's processes, which only torchrun can start again (`torchrun
+    --max-restarts`): without `restart_workers` the loop ends the run at a lost rank, in one line."""
+
+    restart_workers = None
