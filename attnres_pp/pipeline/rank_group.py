@@ -39,7 +39,7 @@ import traceback
 from multiprocessing.reduction import ForkingPickler
 from typing import Protocol
 
-from attnres_pp.pipeline.config import PipelineConfig
+from attnres_pp.pipeline.config import LAUNCHERS, PipelineConfig
 from attnres_pp.pipeline.errors import WorkerLost
 
 
