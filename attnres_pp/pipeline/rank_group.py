@@ -13,8 +13,12 @@ instead); what each rank's join returns is `setup_results`. Then `call(method, p
 Every wait is bounded by the pipeline timeout (plus start-up slack): a rank that dies or stops
 answering becomes WorkerLost naming it, a rank whose set-up raises ValueError is one line
 (`rank R refused to start: ...`, a ValueError, so the CLI prints it as `error:`), any other
-failure a RuntimeError carrying the rank's traceback. `bytes_exchanged` counts what crossed between
-the driver and the ranks (pickled requests and replies), so engines can report it per step.
+failure a RuntimeError carrying the rank's traceback. When several ranks fail, the cause is raised,
+not what follows from it: a rank that exits after replying is its reply, not a death, and once one
+rank has reported a failure the others get FAILURE_GRACE_S to report theirs; then a refusal wins,
+then a rank gone without a word, then an error, lowest rank first in each. `bytes_exchanged` counts
+what crossed between the driver and the ranks (pickled requests and replies), so engines can report
+it per step.
 
 The process group's ranks rendezvous through a file in a temporary folder (no port hunting) and
 ignore Ctrl-C: the driver, which receives it too, stops them.
@@ -74,6 +78,11 @@ class RankGroup(Protocol):
     def stop(self, graceful: bool) -> None:
         """graceful: let each live worker close (leave its process group) first. Safe to call twice."""
 
+
+# Once a rank has reported a failure, how long the others get to report theirs before the driver names
+# the cause: ranks that refuse together (a full /dev/shm) reply moments apart, in any order, and the
+# lowest rank's report is the one raised whichever arrived first.
+FAILURE_GRACE_S = 3.0
 
 # What the fork server imports before it forks any rank: what every rank imports first.
 _PRELOAD = ["torch", "torch.distributed"]
@@ -159,36 +168,79 @@ class ProcessRankGroup:
         return self.setup_results
 
     def _gather(self, what: str) -> list:
-        """Each rank's next reply, waiting at most timeout_s (+ start-up slack) for each."""
-        results = []
+        """Each rank's next reply, waiting at most timeout_s (+ start-up slack) for each. A rank that
+        fails or exits is reported by `_raise_first_cause`, which reads every reply first."""
+        replies: list[tuple[str, object] | None] = [None] * len(self.conns)
         deadline = time.monotonic() + self.timeout_s + 30.0
         for rank, conn in enumerate(self.conns):
-            while not conn.poll(0.2):
-                # Any dead rank ends the wait: the others may be blocked on it until their timeout.
-                self._raise_if_a_rank_died(what)
-                if time.monotonic() > deadline:
+            while replies[rank] is None:
+                if conn.poll(0.2):
+                    replies[rank] = self._read(rank, what)
+                elif any(not proc.is_alive() for proc in self.procs):
+                    # Any exit ends the wait (the others may be blocked on it until their timeout).
+                    self._raise_first_cause(replies, what)
+                elif time.monotonic() > deadline:
                     raise WorkerLost(rank, f"rank {rank} did not answer {what} within {self.timeout_s:.0f} s")
-            try:
-                message = conn.recv_bytes()
-                self.bytes_exchanged += len(message)
-                status, value = ForkingPickler.loads(message)
-            except (EOFError, ConnectionResetError):
-                # A rank that dies with a request unread resets its end of the pipe rather than closing it.
-                raise WorkerLost(rank, f"rank {rank} closed its pipe during {what}") from None
-            if status == "refused":  # a ValueError, so the CLI prints it as one `error:` line
-                raise ValueError(f"rank {rank} refused to start: {value}")
-            if status == "error":
-                # A peer's death often surfaces first as this rank's failed receive: name the cause.
-                time.sleep(0.5)
-                self._raise_if_a_rank_died(what, f"\nrank {rank} then failed with:\n{value}")
-                raise RuntimeError(f"rank {rank} failed during {what}:\n{value}")
-            results.append(value)
-        return results
+            if replies[rank][0] != "ok":
+                self._raise_first_cause(replies, what)
+        return [value for _status, value in replies]
 
-    def _raise_if_a_rank_died(self, what: str, detail: str = "") -> None:
+    def _read(self, rank: int, what: str) -> tuple[str, object]:
+        """Rank `rank`'s next reply, which has arrived: (status, value), or ("lost", why) when the
+        rank's end of the pipe is gone."""
+        try:
+            message = self.conns[rank].recv_bytes()
+        except (EOFError, ConnectionResetError):
+            # A rank that dies with a request unread resets its end of the pipe rather than closing it.
+            return "lost", f"rank {rank} closed its pipe during {what}"
+        self.bytes_exchanged += len(message)
+        return ForkingPickler.loads(message)
+
+    def _read_arrived(self, replies: list, what: str) -> None:
+        """Read every reply that has arrived and is not read yet: a rank that has exited may have
+        left one, its report of why it stopped."""
+        for rank, conn in enumerate(self.conns):
+            if replies[rank] is None:
+                try:
+                    arrived = conn.poll(0)
+                except (EOFError, ConnectionResetError, OSError):
+                    arrived = True  # `_read` names the closed pipe
+                if arrived:
+                    replies[rank] = self._read(rank, what)
+
+    def _raise_first_cause(self, replies: list, what: str) -> None:
+        """A rank has failed or exited: raise the cause, not its consequences. The replies that have
+        arrived are read first, so an exit after a report is the report. Once a rank has reported a
+        failure the others get FAILURE_GRACE_S to report theirs (ranks that refuse together reply
+        moments apart, in any order). Then, lowest rank first: a refusal (ValueError, the one line
+        that names the fix), a rank gone without a report (WorkerLost: the others' errors follow from
+        it), a rank's error (RuntimeError with its traceback)."""
+        self._read_arrived(replies, what)
+        if any(reply is not None and reply[0] in ("refused", "error") for reply in replies):
+            grace_ends = time.monotonic() + FAILURE_GRACE_S
+            while time.monotonic() < grace_ends and not all(
+                    reply is not None or not proc.is_alive() for reply, proc in zip(replies, self.procs, strict=True)):
+                time.sleep(0.05)
+                self._read_arrived(replies, what)
+            self._read_arrived(replies, what)
+        errors = [(rank, reply[1]) for rank, reply in enumerate(replies) if reply is not None and reply[0] == "error"]
+        detail = "".join(f"\nrank {rank} then failed with:\n{value}" for rank, value in errors[:1])
+        for rank, reply in enumerate(replies):
+            if reply is not None and reply[0] == "refused":  # a ValueError, so the CLI prints it as one `error:` line
+                raise ValueError(f"rank {rank} refused to start: {reply[1]}")
+        for rank, (reply, proc) in enumerate(zip(replies, self.procs, strict=True)):
+            if reply is not None and reply[0] == "lost":
+                raise WorkerLost(rank, f"{reply[1]}{detail}")
+            if (reply is None or reply[0] == "ok") and not proc.is_alive():
+                raise WorkerLost(rank, f"rank {rank} exited (code {proc.exitcode}) during {what}{detail}")
+        if errors:
+            rank, value = errors[0]
+            raise RuntimeError(f"rank {rank} failed during {what}:\n{value}")
+
+    def _raise_if_a_rank_died(self, what: str) -> None:
         for rank, proc in enumerate(self.procs):
             if not proc.is_alive():
-                raise WorkerLost(rank, f"rank {rank} exited (code {proc.exitcode}) during {what}{detail}")
+                raise WorkerLost(rank, f"rank {rank} exited (code {proc.exitcode}) during {what}")
 
     def call(self, method: str, per_rank_args: list[tuple], what: str | None = None) -> list:
         self.send(method, per_rank_args)

@@ -147,7 +147,7 @@ def join_results(refs: list, init_method: str, timeout_s: float, rank_nodes: lis
     import ray
 
     ready, cut_short = _wait_for_setup(refs, timeout_s + 30.0)
-    failures, refusals, still_waiting = [], [], []
+    failures, refusals, still_waiting, lost = [], [], [], []
     for rank, ref in enumerate(refs):
         if ref not in ready:
             still_waiting.append(f"rank {rank} was still waiting for its peers" if cut_short
@@ -156,7 +156,7 @@ def join_results(refs: list, init_method: str, timeout_s: float, rank_nodes: lis
         try:
             ray.get(ref, timeout=1.0)
         except ray.exceptions.RayActorError as error:
-            raise WorkerLost(rank, f"{_where(rank_nodes, rank)} died during process-group setup: {error}") from None
+            lost.append(WorkerLost(rank, f"{_where(rank_nodes, rank)} died during process-group setup: {error}"))
         except ray.exceptions.RayTaskError as error:
             cause = getattr(error, "cause", None)
             if isinstance(cause, ValueError) and not isinstance(cause, RendezvousError):
@@ -164,8 +164,12 @@ def join_results(refs: list, init_method: str, timeout_s: float, rank_nodes: lis
             else:
                 failures.append(str(cause) if isinstance(cause, RendezvousError)
                                 else f"rank {rank}: {' '.join(str(error).split())[-300:]}")
-    if refusals:  # the cause, which the others' failures (a peer that gave up) only follow from
+    # Lowest rank first: a refusal (the cause, naming the fix), then an actor that died, then the
+    # failures that follow from either (a peer that gave up, a rank left waiting).
+    if refusals:
         raise ValueError(refusals[0])
+    if lost:
+        raise lost[0]
     failures += still_waiting  # a rank's own failure names the cause; a peer left waiting only follows from it
     if failures:
         where = ", ".join(f"rank {r} at {ip}" for r, (_node, ip) in enumerate(rank_nodes))

@@ -253,7 +253,7 @@ class ThreadRankGroup:
         if len(self.workers) == 1 and self._world is None:
             return [fn(self.workers[0], per_rank_args[0])]
         results: list = [None] * len(self.workers)
-        errors: list[BaseException] = []
+        errors: list[tuple[int, BaseException]] = []  # in the order they were raised
         done = threading.Condition()
         remaining = [len(self.workers)]
 
@@ -261,7 +261,7 @@ class ThreadRankGroup:
             try:
                 results[rank] = fn(self.workers[rank], per_rank_args[rank])
             except BaseException as error:  # noqa: BLE001  (re-raised below, on the caller's thread)
-                errors.append(error)
+                errors.append((rank, error))
                 self.peers.abort(error)
                 if self._world is not None:  # ranks waiting for it in a tp collective
                     self._world.wake_blocked(error)
@@ -283,7 +283,10 @@ class ThreadRankGroup:
                 self._world.clear_wake()
             self.peers = self._fresh_peers()
         if errors:
-            raise errors[0]
+            # A refusal (ValueError, lowest rank first) is the cause; otherwise the first error raised,
+            # since the others follow from it (`ThreadPeers.abort` stops them).
+            refusals = sorted((rank, error) for rank, error in errors if isinstance(error, ValueError))
+            raise (refusals or errors)[0][1]
         if not finished:
             raise RuntimeError(f"in-process ranks did not finish {what} within {self.timeout_s:.0f} s")
         return results
