@@ -6,8 +6,9 @@ function) of every module under attnres_pp must point down or sideways, never up
     comm                             model at most (plan, partition, cache, transports)
     schedule                         comm's partition at most; pure Python, no torch (IR, generators,
                                      passes, validators, timeline accounting, traces)
-    pipeline                         schedule, comm and below (runtime, chunks, rank start-up)
-    train                            pipeline and below (configs, optimiser step, engines, checkpoints)
+    pipeline                         schedule, comm and below (runtime, chunks, mesh, stage set-up)
+    launch                           pipeline and below (rank groups: processes, Ray, threads; the rank host)
+    train                            launch and below (configs, optimiser step, engines, checkpoints)
     generate                         train and below (reads checkpoints; generators, decode loop, its CLI)
     analysis                         train and below, beside generate (routing diagnostics, run plots)
     simulator                        schedule and the torch-free parts of comm; never pipeline, train,
@@ -36,15 +37,17 @@ ALLOWED = {
     "comm": {"model", "kernels", "config_tables"},
     "schedule": {"comm"},
     "pipeline": {"schedule", "comm", "model", "kernels", "config_tables", "out_paths"},
-    "train": {"pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths", "cli_flags",
-              "model_flags"},
+    # the rank groups and the rank host; training's and generation's workers are handed in as classes
+    "launch": {"pipeline", "schedule", "comm", "model", "kernels", "config_tables", "out_paths"},
+    "train": {"launch", "pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths",
+              "cli_flags", "model_flags"},
     "simulator": {"schedule", "comm", "model", "config_tables", "out_paths", "cli_flags", "model_flags"},
-    "generate": {"train", "pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths",
-                "cli_flags", "model_flags"},
-    "analysis": {"train", "pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths",
-                "cli_flags", "model_flags"},
-    "bench": {"analysis", "generate", "train", "simulator", "pipeline", "schedule", "comm", "model", "kernels", "data",
-              "config_tables", "out_paths", "cli_flags", "model_flags"},
+    "generate": {"train", "launch", "pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables",
+                 "out_paths", "cli_flags", "model_flags"},
+    "analysis": {"train", "launch", "pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables",
+                 "out_paths", "cli_flags", "model_flags"},
+    "bench": {"analysis", "generate", "train", "simulator", "launch", "pipeline", "schedule", "comm", "model",
+              "kernels", "data", "config_tables", "out_paths", "cli_flags", "model_flags"},
     "cli": {"cli_flags"},  # imports the subcommands by name, at run time
     "root": set(),  # attnres_pp/__init__.py
 }
@@ -57,7 +60,7 @@ SIMULATOR_MAY_READ = {
 }
 # The only comm module a schedule may read: where a chunk runs.
 SCHEDULE_MAY_READ = {"attnres_pp.comm.partition"}
-RAY_MODULES = {"attnres_pp.pipeline.ray_rank_group"}  # only the Ray rank group
+RAY_MODULES = {"attnres_pp.launch.ray_rank_group"}  # only the Ray rank group
 
 
 def _module_name(path: Path) -> str:
@@ -100,7 +103,8 @@ def _project_imports(module: str) -> list[tuple[str, int]]:
 def test_the_scan_sees_every_layer():
     """Guard against a scan that finds nothing (and so passes vacuously)."""
     layers = {_layer(m) for m in MODULES}
-    assert {"model", "kernels", "data", "comm", "schedule", "pipeline", "train", "simulator", "bench"} <= layers
+    assert {"model", "kernels", "data", "comm", "schedule", "pipeline", "launch", "train", "simulator",
+            "bench"} <= layers
     assert sum(len(_project_imports(m)) for m in MODULES) > 100
 
 

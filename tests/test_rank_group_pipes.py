@@ -1,4 +1,4 @@
-"""The local rank group's replies (pipeline/rank_group.py) when ranks fail: a rank that dies with a
+"""The local rank group's replies (launch/process_rank_group.py) when ranks fail: a rank that dies with a
 request unread resets its end of the socket pair rather than closing it, and the driver must still
 say which rank was lost (WorkerLost), not fail with a bare ConnectionResetError; a rank that exits
 after reporting why (a refusal, an error) is its report, not a death, and among the reports the
@@ -14,9 +14,9 @@ from multiprocessing.reduction import ForkingPickler
 
 import pytest
 
-from attnres_pp.pipeline import rank_group
+from attnres_pp.launch import rank_group
+from attnres_pp.launch.process_rank_group import ProcessRankGroup
 from attnres_pp.pipeline.errors import WorkerLost
-from attnres_pp.pipeline.rank_group import ProcessRankGroup
 
 
 class _Alive:
@@ -59,8 +59,11 @@ class _Exited:
         return False
 
 
+NO_ROOM = "/dev/shm has no room for this run's shared-memory hop slots"
+
+
 def _refusal(rank: int) -> bytes:
-    return ForkingPickler.dumps(("refused", f"rank {rank}: /dev/shm has no room for this run's shared-memory hop slots"))
+    return ForkingPickler.dumps(("refused", f"rank {rank}: {NO_ROOM}"))
 
 
 def _group_where_rank1_refused_and_exited() -> tuple[ProcessRankGroup, list]:
@@ -90,7 +93,7 @@ def test_a_partners_exit_after_its_refusal_is_not_reported_as_a_death():
     finally:
         late.cancel()
     assert not isinstance(info.value, WorkerLost)
-    assert str(info.value) == "rank 0 refused to start: rank 0: /dev/shm has no room for this run's shared-memory hop slots"
+    assert str(info.value) == f"rank 0 refused to start: rank 0: {NO_ROOM}"
 
 
 def test_a_refusal_wins_over_a_silent_partner_once_the_grace_is_over(monkeypatch):

@@ -283,7 +283,7 @@ class _RefusingWorker:
 def test_a_setup_refusal_reaches_the_driver_as_one_line():
     """The local launcher's driver raises a rank's SharedMemoryFull as a one-line ValueError, which
     the CLI prints as `error:` (exit 2), not as a traceback."""
-    from attnres_pp.pipeline.rank_group import ProcessRankGroup
+    from attnres_pp.launch.process_rank_group import ProcessRankGroup
 
     with pytest.raises(ValueError) as info:
         ProcessRankGroup(2, 30.0, name="attnres-pp-test").start(_RefusingWorker, [{"rank": rank} for rank in range(2)])
@@ -308,8 +308,8 @@ def test_a_refusal_is_reported_not_the_exit_of_a_partner_that_refused_first():
     """The set-up race with real rank processes, made certain: the driver waits on rank 0 and sees rank
     1 exit first. Rank 1's exit follows its own refusal, so it is not a lost rank; both ranks refused,
     and the lowest rank's refusal is the line raised."""
+    from attnres_pp.launch.process_rank_group import ProcessRankGroup
     from attnres_pp.pipeline.errors import WorkerLost
-    from attnres_pp.pipeline.rank_group import ProcessRankGroup
 
     with pytest.raises(ValueError) as info:
         ProcessRankGroup(2, 30.0, name="attnres-pp-test").start(_LateRefusingWorker,

@@ -5,7 +5,7 @@ rank group: spawned processes (local), threads of this process (inprocess) or Ra
 
 from __future__ import annotations
 
-from attnres_pp.pipeline.rank_group import make_rank_group
+from attnres_pp.launch.launchers import make_rank_group
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.pipeline_engine import PipelineEngine
 from attnres_pp.train.single_process_engine import SingleProcessEngine
@@ -43,7 +43,7 @@ def check_tensor_parallel_runs(run_cfg: RunConfig) -> None:
     does not run with tensor parallelism yet (each refusal names it). What runs: local rank
     processes, or Ray actors under any placement (each tp group one bundle, so on one node), over
     gloo on cpu, or in-process threads over the threaded process group
-    (`pipeline.threaded_process_group`), fp32 or bf16, the torch kernels, every schedule (the split
+    (`launch.threaded_process_group`), fp32 or bf16, the torch kernels, every schedule (the split
     backward's included), cache on or off, D replicas of replicated parameters or of FSDP2 shards (D
     dividing d_model), every activation checkpointing policy, and every variant with or without
     sequence parallelism."""

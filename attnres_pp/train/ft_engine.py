@@ -36,10 +36,10 @@ from pathlib import Path
 
 import torch
 
+from attnres_pp.launch.process_rank_group import ProcessRankGroup
 from attnres_pp.model import parameter_count
 from attnres_pp.model.routing import routing_metrics
 from attnres_pp.pipeline.errors import WorkerLost
-from attnres_pp.pipeline.rank_group import ProcessRankGroup
 from attnres_pp.pipeline.stage_setup import check_split
 from attnres_pp.schedule.trace import write_chrome_trace
 from attnres_pp.train.checkpoint import read_meta
@@ -154,7 +154,7 @@ class FtEngine:
         (the first group's Ray instance, when it starts one, has a CPU for every rank of the run)."""
         pipe = self.run_cfg.pipeline
         if pipe.launcher == "ray":
-            from attnres_pp.pipeline.ray_rank_group import RayRankGroup
+            from attnres_pp.launch.ray_rank_group import RayRankGroup
 
             return RayRankGroup(self.group_size, pipe.timeout_s, address=address, placement=placement or pipe.placement,
                                 cpus=pipe.world_size)

@@ -1,5 +1,5 @@
 """PipelineEngine: a pipelined training run (the `Engine` protocol of `attnres_pp.train.loop`) on top of
-a rank group (`pipeline.rank_group`: spawned processes, Ray actors or threads of this process, as
+a rank group (`launch.rank_group`: spawned processes, Ray actors or threads of this process, as
 the launcher says), each rank a `StageWorker` (D x P of them: D replicas of P pipeline ranks).
 
 The driver decides every rank's device (`train.devices`, against the GPUs the group can give:
@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 from attnres_pp.data import Corpus
+from attnres_pp.launch.rank_group import RankGroup
 from attnres_pp.model import parameter_count
 from attnres_pp.model.routing import routing_metrics
 from attnres_pp.pipeline.mesh import RankCoords
-from attnres_pp.pipeline.rank_group import RankGroup
 from attnres_pp.pipeline.stage_setup import check_split
 from attnres_pp.schedule.timeline import align_per_rank
 from attnres_pp.schedule.trace import write_chrome_trace

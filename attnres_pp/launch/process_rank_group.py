@@ -1,24 +1,13 @@
-"""How a driver starts and talks to the ranks of a pipeline: the `RankGroup` interface, and its
-spawned-process implementation (`--launcher local`). The others are `thread_rank_group` (every
-rank a thread of this process, `--launcher inprocess`) and `ray_rank_group` (one Ray actor per
-rank, `--launcher ray`); training (`train.pipeline_engine`) and generation (`generate.engines`) use
-whichever the launcher names, through this interface alone.
+"""`--launcher local`: a `RankGroup` (`rank_group`) of one process per rank on this machine,
+answering the driver's requests over a pipe.
 
-A group hosts one worker per rank: `start(worker_cls, rank_kwargs, device=...)` builds
-`worker_cls(**rank_kwargs[rank])` on every rank and joins them (`worker.join_process_group(
-init_method, world_size)` for processes and actors; the thread group wires loopback transports
-instead); what each rank's join returns is `setup_results`. Then `call(method, per_rank_args)` runs
-`worker.method(*per_rank_args[rank])` on every rank at once and returns the results in rank order.
-
-Every wait is bounded by the pipeline timeout (plus start-up slack): a rank that dies or stops
-answering becomes WorkerLost naming it, a rank whose set-up raises ValueError is one line
-(`rank R refused to start: ...`, a ValueError, so the CLI prints it as `error:`), any other
-failure a RuntimeError carrying the rank's traceback. When several ranks fail, the cause is raised,
-not what follows from it: a rank that exits after replying is its reply, not a death, and once one
-rank has reported a failure the others get FAILURE_GRACE_S to report theirs; then a refusal wins,
-then a rank gone without a word, then an error, lowest rank first in each. `bytes_exchanged` counts
-what crossed between the driver and the ranks (pickled requests and replies), so engines can report
-it per step.
+Each rank builds its worker and joins the process group (`worker.join_process_group(init_method,
+world_size)`); the setup result is its first reply, or ("refused", one line) when the set-up raises
+ValueError, or ("error", traceback). When several ranks fail, the cause is raised, not what follows
+from it: a rank that exits after replying is its reply, not a death, and once one rank has reported
+a failure the others get FAILURE_GRACE_S to report theirs; then a refusal wins, then a rank gone
+without a word, then an error, lowest rank first in each. `bytes_exchanged` counts what crossed
+between the driver and the ranks (pickled requests and replies), so engines can report it per step.
 
 The process group's ranks rendezvous through a file in a temporary folder (no port hunting) and
 ignore Ctrl-C: the driver, which receives it too, stops them.
@@ -41,48 +30,10 @@ import tempfile
 import time
 import traceback
 from multiprocessing.reduction import ForkingPickler
-from typing import Protocol
 
-from attnres_pp.pipeline.config import PipelineConfig
+from attnres_pp.launch import rank_group
+from attnres_pp.launch.rank_group import RankGroupBase
 from attnres_pp.pipeline.errors import WorkerLost
-
-
-class RankGroup(Protocol):
-    """What engines and generators need of the ranks, whoever hosts them."""
-
-    world_size: int
-    one_process: bool  # every rank in the driver's process (the device rules for one process apply)
-    spans_nodes: bool  # ranks may run on several nodes: `rank_nodes` and `lost_nodes` are meaningful
-    where: str  # where `gpus()` counts, for the device decision's messages
-    setup_results: list  # each rank's join result, in rank order
-    bytes_exchanged: int  # driver <-> rank traffic so far, both directions
-    rank_nodes: list[tuple[str, str]]  # (node id, node address) per rank, where the group knows them
-    lost_nodes: list[dict]  # each rank lost so far: rank, node, address and what it was doing
-
-    def gpus(self) -> int | None:
-        """GPUs the ranks can have (None: this machine's, as the driver counts them)."""
-
-    def start(self, worker_cls: type, rank_kwargs: list[dict], *, device: str) -> list:
-        """Build and join one worker per rank on `device` ("cpu" or "cuda"); returns `setup_results`."""
-
-    def call(self, method: str, per_rank_args: list[tuple], what: str | None = None) -> list:
-        """`worker.method(*per_rank_args[rank])` on every rank; `what` names the call in errors."""
-
-    def call_all(self, method: str, *args, what: str | None = None) -> list:
-        """`worker.method(*args)` on every rank."""
-
-    def restart(self, rank_kwargs: list[dict] | None = None) -> None:
-        """Stop every rank (survivors may be blocked on a lost one) and start fresh workers, with
-        `rank_kwargs` or the last ones."""
-
-    def stop(self, graceful: bool) -> None:
-        """graceful: let each live worker close (leave its process group) first. Safe to call twice."""
-
-
-# Once a rank has reported a failure, how long the others get to report theirs before the driver names
-# the cause: ranks that refuse together (a full /dev/shm) reply moments apart, in any order, and the
-# lowest rank's report is the one raised whichever arrived first.
-FAILURE_GRACE_S = 3.0
 
 # What the fork server imports before it forks any rank: what every rank imports first.
 _PRELOAD = ["torch", "torch.distributed"]
@@ -127,28 +78,18 @@ def _serve_rank(rank: int, init_method: str, world_size: int, conn, worker_cls: 
             conn.send(("error", traceback.format_exc()))
 
 
-class ProcessRankGroup:
+class ProcessRankGroup(RankGroupBase):
     """One process per rank on this machine (forked from the preloaded fork server), answering requests
     over a pipe."""
 
-    one_process = False
-    spans_nodes = False
-    where = "on this node"
-
     def __init__(self, world_size: int, timeout_s: float, *, name: str) -> None:
-        self.world_size, self.timeout_s, self.name = world_size, timeout_s, name
-        self.bytes_exchanged = 0
-        self.conns, self.procs, self.setup_results = [], [], []
-        self.rank_nodes: list[tuple[str, str]] = []
-        self.lost_nodes: list[dict] = []
+        super().__init__(world_size, timeout_s)
+        self.name = name
+        self.conns, self.procs = [], []
         self._rendezvous_dir: str | None = None
-        self._worker: tuple[type, list[dict]] | None = None
-
-    def gpus(self) -> int | None:
-        return None
 
     def start(self, worker_cls: type, rank_kwargs: list[dict], *, device: str = "cpu") -> list:
-        self._worker = (worker_cls, rank_kwargs)
+        self._worker = (worker_cls, rank_kwargs, device)
         self._rendezvous_dir = tempfile.mkdtemp(prefix=f"{self.name}-rdzv-")
         init_method = f"file://{self._rendezvous_dir}/rendezvous"
         ctx = rank_context(worker_cls.__module__)
@@ -161,15 +102,16 @@ class ProcessRankGroup:
                 proc.start()
                 self.conns.append(parent)
                 self.procs.append(proc)
-            self.setup_results = self._gather("setup")
+            self.setup_results = self.gather("setup")
         except BaseException:
             self.stop(graceful=False)
             raise
         return self.setup_results
 
-    def _gather(self, what: str) -> list:
-        """Each rank's next reply, waiting at most timeout_s (+ start-up slack) for each. A rank that
-        fails or exits is reported by `_raise_first_cause`, which reads every reply first."""
+    def gather(self, what: str) -> list:
+        """The replies to the last `send` (or the set-up), in rank order, waiting at most timeout_s (+
+        start-up slack) for each. A rank that fails or exits is reported by `_raise_first_cause`,
+        which reads every reply first."""
         replies: list[tuple[str, object] | None] = [None] * len(self.conns)
         deadline = time.monotonic() + self.timeout_s + 30.0
         for rank, conn in enumerate(self.conns):
@@ -217,7 +159,7 @@ class ProcessRankGroup:
         it), a rank's error (RuntimeError with its traceback)."""
         self._read_arrived(replies, what)
         if any(reply is not None and reply[0] in ("refused", "error") for reply in replies):
-            grace_ends = time.monotonic() + FAILURE_GRACE_S
+            grace_ends = time.monotonic() + rank_group.FAILURE_GRACE_S
             while time.monotonic() < grace_ends and not all(
                     reply is not None or not proc.is_alive() for reply, proc in zip(replies, self.procs, strict=True)):
                 time.sleep(0.05)
@@ -242,10 +184,6 @@ class ProcessRankGroup:
             if not proc.is_alive():
                 raise WorkerLost(rank, f"rank {rank} exited (code {proc.exitcode}) during {what}")
 
-    def call(self, method: str, per_rank_args: list[tuple], what: str | None = None) -> list:
-        self.send(method, per_rank_args)
-        return self._gather(what or method)
-
     def send(self, method: str, per_rank_args: list[tuple]) -> None:
         """The requests of `call` without waiting for the replies (`gather` collects them)."""
         for conn, args in zip(self.conns, per_rank_args, strict=True):
@@ -262,21 +200,9 @@ class ProcessRankGroup:
         """Whether `gather` would return or raise at once: every rank has replied, or one is dead."""
         return all(conn.poll(0) for conn in self.conns) or any(not proc.is_alive() for proc in self.procs)
 
-    def gather(self, what: str) -> list:
-        """The replies to the last `send`, in rank order (WorkerLost, ValueError or RuntimeError as `call`)."""
-        return self._gather(what)
-
     def stop_ranks(self) -> None:
         """Stop every rank at once (some may be blocked on a lost peer)."""
         self.stop(graceful=False)
-
-    def call_all(self, method: str, *args, what: str | None = None) -> list:
-        return self.call(method, [args] * self.world_size, what)
-
-    def restart(self, rank_kwargs: list[dict] | None = None) -> None:
-        worker_cls, last_kwargs = self._worker
-        self.stop(graceful=False)
-        self.start(worker_cls, rank_kwargs or last_kwargs)
 
     def stop(self, graceful: bool) -> None:
         if graceful:
@@ -301,24 +227,3 @@ class ProcessRankGroup:
         if self._rendezvous_dir is not None:
             shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
             self._rendezvous_dir = None
-
-
-def make_rank_group(pipe: PipelineConfig, world_size: int, *, name: str, address: str | None = None,
-                    placement: str | None = None, ledger=None) -> RankGroup:
-    """The rank group of `pipe.launcher` for `world_size` ranks (not yet started). `name` prefixes
-    local rank processes; `address` and `placement` (default `pipe.placement`) are Ray's; `ledger`
-    records the in-process ranks' hops."""
-    if pipe.launcher == "local":
-        return ProcessRankGroup(world_size, pipe.timeout_s, name=name)
-    if pipe.launcher == "inprocess":
-        from attnres_pp.pipeline.thread_rank_group import ThreadRankGroup
-
-        return ThreadRankGroup(world_size, stages=pipe.stages, timeout_s=pipe.timeout_s,
-                               tensor_parallel=pipe.tensor_parallel,
-                               nccl_rules=pipe.resolved_p2p("loopback") == "nccl", ledger=ledger)
-    if pipe.launcher == "ray":
-        from attnres_pp.pipeline.ray_rank_group import RayRankGroup
-
-        return RayRankGroup(world_size, pipe.timeout_s, address=address, placement=placement or pipe.placement,
-                            tensor_parallel=pipe.tensor_parallel)
-    raise ValueError(f"launcher={pipe.launcher!r} is unknown: choose local, inprocess or ray")

@@ -1,0 +1,6 @@
+"""How a run's ranks are started and hosted: the rank groups (local processes, Ray actors, threads of
+this process) behind one `RankGroup` interface, the launcher that names one (`launchers`), the Ray
+checks, and the rank host (`rank_host.RankHost`) whose contract training's and generation's workers
+share. It reads the pipeline and below; it never imports train or generate, whose workers it is
+handed as classes.
+"""
