@@ -171,10 +171,12 @@ class ProcessRankGroup(RankGroupBase):
             if reply is not None and reply[0] == "refused":  # a ValueError, so the CLI prints it as one `error:` line
                 raise ValueError(f"rank {rank} refused to start: {reply[1]}")
         for rank, (reply, proc) in enumerate(zip(replies, self.procs, strict=True)):
-            if reply is not None and reply[0] == "lost":
-                raise WorkerLost(rank, f"{reply[1]}{detail}")
-            if (reply is None or reply[0] == "ok") and not proc.is_alive():
+            if reply is not None and reply[0] == "error":
+                continue
+            if not proc.is_alive():  # gone without a report (its pipe closed with it, or after an answer)
                 raise WorkerLost(rank, f"rank {rank} exited (code {proc.exitcode}) during {what}{detail}")
+            if reply is not None and reply[0] == "lost":  # its pipe reset before its exit is seen
+                raise WorkerLost(rank, f"{reply[1]}{detail}")
         if errors:
             rank, value = errors[0]
             raise RuntimeError(f"rank {rank} failed during {what}:\n{value}")
