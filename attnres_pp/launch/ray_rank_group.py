@@ -34,7 +34,7 @@ import pickle
 import socket
 import time
 
-from attnres_pp.launch.rank_group import RankGroupBase
+from attnres_pp.launch.rank_group import FAILURE_GRACE_S, RankGroupBase
 from attnres_pp.launch.ray_checks import (
     check_placement,
     check_reachable,
@@ -181,14 +181,10 @@ def join_results(refs: list, init_method: str, timeout_s: float, rank_nodes: lis
     return ray.get(refs)
 
 
-# Once a rank's set-up has failed, how long the others get to report theirs: a peer of a mesh that
-# cannot connect would otherwise wait out its whole timeout for a rank that has given up.
-SETUP_GRACE_S = 3.0
-
-
 def _wait_for_setup(refs: list, timeout_s: float) -> tuple[list, bool]:
     """(the replies in, whether the wait was cut short by a failed rank): every reply, or what came
-    within `timeout_s`, or within SETUP_GRACE_S of the first failure."""
+    within `timeout_s`, or within FAILURE_GRACE_S of the first failure (a peer of a mesh that cannot
+    connect would otherwise wait out its whole timeout for a rank that has given up)."""
     import ray
 
     deadline = time.monotonic() + timeout_s
@@ -204,7 +200,7 @@ def _wait_for_setup(refs: list, timeout_s: float) -> tuple[list, bool]:
                 ray.get(ref, timeout=1.0)
             except Exception:  # its kind is sorted out by the caller
                 if not cut_short:
-                    cut_short, deadline = True, min(deadline, time.monotonic() + SETUP_GRACE_S)
+                    cut_short, deadline = True, min(deadline, time.monotonic() + FAILURE_GRACE_S)
     return ready, cut_short and bool(pending)
 
 
