@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from attnres_pp.pipeline.rank_group import ProcessRankGroup
+from attnres_pp.launch.process_rank_group import ProcessRankGroup
 from attnres_pp.simulator.tensor_parallel import (
     TensorParallel,
     TensorParallelCosts,
@@ -92,7 +92,7 @@ def costs_from_probe(probe: dict) -> TensorParallelCosts:
 
 
 class TpProbeWorker:
-    """One rank of the probe (`pipeline.rank_group` calls `join_process_group`, then `probe`)."""
+    """One rank of the probe (`launch.rank_group` calls `join_process_group`, then `probe`)."""
 
     def __init__(self, model: dict, microbatch_size: int, repeats: int, rank: int) -> None:
         self.model, self.microbatch_size, self.repeats, self.rank = model, microbatch_size, repeats, rank

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from attnres_pp.pipeline.rank_group import rank_context
+from attnres_pp.launch.process_rank_group import rank_context
 
 
 def in_environ(environ: dict[str, str], target, *args) -> None:

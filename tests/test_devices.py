@@ -220,7 +220,7 @@ def test_every_layout_sums_each_group_over_its_axes_once_in_one_order():
 def test_ranks_of_one_gpu_node_see_all_its_gpus_each_using_its_own():
     """Fake GPU ids as Ray assigns them (one per rank): node a holds ranks 0, 1 and 3 on GPUs 2, 0
     and 10; node b rank 2 on GPU 0. The ranks of node a all see "0,2,10" and each takes its own."""
-    from attnres_pp.pipeline.ray_checks import node_gpu_views
+    from attnres_pp.launch.ray_checks import node_gpu_views
 
     views = node_gpu_views(["a", "a", "b", "a"], [["2"], ["0"], ["0"], ["10"]])
     assert views == [("0,2,10", 1), ("0,2,10", 0), ("0", 0), ("0,2,10", 2)]

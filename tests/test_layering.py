@@ -6,8 +6,9 @@ function) of every module under attnres_pp must point down or sideways, never up
     comm                             model at most (plan, partition, cache, transports)
     schedule                         comm's partition at most; pure Python, no torch (IR, generators,
                                      passes, validators, timeline accounting, traces)
-    pipeline                         schedule, comm and below (runtime, chunks, rank start-up)
-    launch                           pipeline and below (the run decided once, the run flags)
+    pipeline                         schedule, comm and below (runtime, chunks, mesh, stage set-up)
+    launch                           pipeline and below (the run decided once, the run flags; rank groups:
+                                     processes, Ray, threads, torchrun; the rank host)
     train                            launch and below (configs, optimiser step, engines, checkpoints)
     generate                         train and below (reads checkpoints; generators, decode loop, its CLI)
     analysis                         train and below, beside generate (routing diagnostics, run plots)
@@ -43,7 +44,8 @@ ALLOWED = {
     "comm": {"model", "kernels", "config_tables"},
     "schedule": {"comm"},
     "pipeline": {"schedule", "comm", "model", "kernels", "config_tables", "out_paths"},
-    # the run decided once (device, dtype, engine, refusals), the run flags; the rank groups
+    # the run decided once, the run flags, the rank groups and the rank host; training's and generation's
+    # workers are handed in as classes
     "launch": {"pipeline", "schedule", "comm", "model", "kernels", "config_tables", "out_paths", "cli_flags",
                "model_flags"},
     "train": {"launch", "pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables", "out_paths",
@@ -68,7 +70,7 @@ SIMULATOR_MAY_READ = {
 }
 # The only comm module a schedule may read: where a chunk runs.
 SCHEDULE_MAY_READ = {"attnres_pp.comm.partition"}
-RAY_MODULES = {"attnres_pp.pipeline.ray_rank_group"}  # only the Ray rank group
+RAY_MODULES = {"attnres_pp.launch.ray_rank_group"}  # only the Ray rank group
 
 
 def _module_name(path: Path) -> str:
@@ -112,7 +114,8 @@ def _project_imports(module: str) -> list[tuple[str, int]]:
 def test_the_scan_sees_every_layer():
     """Guard against a scan that finds nothing (and so passes vacuously)."""
     layers = {_layer(m) for m in MODULES}
-    assert {"model", "kernels", "data", "comm", "schedule", "pipeline", "train", "simulator", "bench"} <= layers
+    assert {"model", "kernels", "data", "comm", "schedule", "pipeline", "launch", "train", "simulator",
+            "bench"} <= layers
     assert sum(len(_project_imports(m)) for m in MODULES) > 100
 
 

@@ -10,8 +10,8 @@ import traceback
 import pytest
 import torch
 
+from attnres_pp.launch.process_rank_group import rank_context
 from attnres_pp.pipeline.errors import WorkerLost
-from attnres_pp.pipeline.rank_group import rank_context
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.engines import make_engine
 from attnres_pp.train.single_process_engine import SingleProcessEngine

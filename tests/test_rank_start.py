@@ -1,4 +1,4 @@
-"""How the local launcher starts ranks (pipeline/rank_group.py): forked from the fork server, which
+"""How the local launcher starts ranks (launch/process_rank_group.py): forked from the fork server, which
 has torch imported, yet with the driver's environment as it is when each rank starts."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from attnres_pp.pipeline.rank_group import ProcessRankGroup
+from attnres_pp.launch.process_rank_group import ProcessRankGroup
 
 pytestmark = pytest.mark.distributed
 

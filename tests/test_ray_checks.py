@@ -7,9 +7,9 @@ import socket
 
 import pytest
 
+from attnres_pp.launch.ray_checks import address_host_port, check_placement, check_reachable, placement_bundles
+from attnres_pp.launch.ray_rank_group import ranks_by_node
 from attnres_pp.pipeline.mesh import RankCoords
-from attnres_pp.pipeline.ray_checks import address_host_port, check_placement, check_reachable, placement_bundles
-from attnres_pp.pipeline.ray_rank_group import ranks_by_node
 
 CPU = {"CPU": 1.0}
 GPU = {"CPU": 1.0, "GPU": 1.0}

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 DRIVER = textwrap.dedent("""
     import json, os, subprocess, sys
-    from attnres_pp.pipeline.ray_rank_group import RayRankGroup
+    from attnres_pp.launch.ray_rank_group import RayRankGroup
     import ray
 
     probe = '''

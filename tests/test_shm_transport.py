@@ -283,9 +283,37 @@ class _RefusingWorker:
 def test_a_setup_refusal_reaches_the_driver_as_one_line():
     """The local launcher's driver raises a rank's SharedMemoryFull as a one-line ValueError, which
     the CLI prints as `error:` (exit 2), not as a traceback."""
-    from attnres_pp.pipeline.rank_group import ProcessRankGroup
+    from attnres_pp.launch.process_rank_group import ProcessRankGroup
 
     with pytest.raises(ValueError) as info:
         ProcessRankGroup(2, 30.0, name="attnres-pp-test").start(_RefusingWorker, [{"rank": rank} for rank in range(2)])
     assert str(info.value) == ("rank 0 refused to start: rank 0: /dev/shm has no room for this run's shared-memory "
                                "hop slots (detail)")
+
+
+class _LateRefusingWorker:
+    """Rank 1 refuses at once (and its process exits, code 0); rank 0 refuses 0.5 s later."""
+
+    def __init__(self, rank: int) -> None:
+        import time
+
+        from attnres_pp.comm.shm_transport import SharedMemoryFull
+
+        if rank == 0:
+            time.sleep(0.5)
+        raise SharedMemoryFull(f"rank {rank}: /dev/shm has no room for this run's shared-memory hop slots")
+
+
+def test_a_refusal_is_reported_not_the_exit_of_a_partner_that_refused_first():
+    """The set-up race with real rank processes, made certain: the driver waits on rank 0 and sees rank
+    1 exit first. Rank 1's exit follows its own refusal, so it is not a lost rank; both ranks refused,
+    and the lowest rank's refusal is the line raised."""
+    from attnres_pp.launch.process_rank_group import ProcessRankGroup
+    from attnres_pp.pipeline.errors import WorkerLost
+
+    with pytest.raises(ValueError) as info:
+        ProcessRankGroup(2, 30.0, name="attnres-pp-test").start(_LateRefusingWorker,
+                                                                [{"rank": rank} for rank in range(2)])
+    assert not isinstance(info.value, WorkerLost)
+    assert str(info.value) == ("rank 0 refused to start: rank 0: /dev/shm has no room for this run's shared-memory "
+                               "hop slots")

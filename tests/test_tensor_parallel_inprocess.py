@@ -1,5 +1,5 @@
 """Tensor and sequence parallelism at T = 2 under the in-process launcher: every rank a thread of this
-process, joined to torch's threaded process group (`pipeline.threaded_process_group`), its layers
+process, joined to torch's threaded process group (`launch.threaded_process_group`), its layers
 split by DTensor over the threads' tp mesh. The pipeline runtime's ranks (`StageWorker`) at P = 1,
 P = 2 and D = 2, and every variant x schedule x cache at P = 2 (`RUNTIME_MATRIX`): loss and every
 gradient equal the single-process model's (fp32 to 1e-5, float64 to 1e-10), each hop pair carries
@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from attnres_pp.comm.plan import hop_bytes_per_rank, plan_for_model
+from attnres_pp.launch.thread_rank_group import ThreadRankGroup
 from attnres_pp.pipeline.stage_setup import run_partition
-from attnres_pp.pipeline.thread_rank_group import ThreadRankGroup
 from attnres_pp.simulator.tensor_parallel import TensorParallel, layer_collectives
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.stage_worker import StageWorker

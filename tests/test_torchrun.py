@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 
 from attnres_pp.cli import main
+from attnres_pp.launch.torchrun_channel import TorchrunEnv, _accept_rank, _digest
+from attnres_pp.launch.torchrun_rank_group import check_torchrun_run
 from attnres_pp.pipeline.config import PipelineConfig
-from attnres_pp.pipeline.torchrun_channel import TorchrunEnv, _accept_rank, _digest
-from attnres_pp.pipeline.torchrun_rank_group import check_torchrun_run
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["--layers", "4", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",

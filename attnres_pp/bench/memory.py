@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from attnres_pp.bench.common import markdown_table, random_batch, run_config
-from attnres_pp.pipeline.rank_group import rank_context
+from attnres_pp.launch.process_rank_group import rank_context
 
 MODEL = {"vocab_size": 256, "n_layers": 32, "d_model": 512, "n_heads": 8, "seq_len": 64,
          "residual": "attnres", "block_size": 4}

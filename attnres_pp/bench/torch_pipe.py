@@ -15,7 +15,7 @@ import time
 import torch
 from torch import nn
 
-from attnres_pp.pipeline.rank_group import ProcessRankGroup
+from attnres_pp.launch.process_rank_group import ProcessRankGroup
 from attnres_pp.train.config import RunConfig
 
 

@@ -117,7 +117,7 @@ def configs_from_args(args: argparse.Namespace):
         pipe_values["layer_counts"] = layer_counts_flag(args)
     if args.address is not None and pipe_values["launcher"] != "ray":
         raise ValueError(f"--address is for --launcher ray, not {pipe_values['launcher']}")
-    if pipe_values["launcher"] == "torchrun":  # training's launcher only (`pipeline.torchrun_rank_group`)
+    if pipe_values["launcher"] == "torchrun":  # training's launcher only (`launch.torchrun_rank_group`)
         raise ValueError("--launcher torchrun runs `attnres-pp train` only: generate with --launcher "
                          f"{', '.join(GENERATE_LAUNCHERS)}")
     return gen_cfg, PipelineConfig(**pipe_values), threads

@@ -6,7 +6,7 @@ caches between calls until `reset()`; `keep_rows(rows)` drops the other sequence
 - `SingleProcessGenerator`: the whole Transformer in this process (the ground truth; `--launcher
   local` with one chunk);
 - `PipelineGenerator`: one `GenerationWorker` per rank on the launcher's rank group
-  (`pipeline.rank_group`): spawned processes (local), Ray actors (ray), or threads of this process
+  (`launch.rank_group`): spawned processes (local), Ray actors (ray), or threads of this process
   over the loopback transport (inprocess: debugging, tests), under gloo's rules or, with
   `p2p_semantics="nccl"`, NCCL's, enforced (`pipeline.loopback_nccl`). With `tensor_parallel` T > 1
   there are P x T ranks, each stage's layers split over its T ranks (`generate.worker`); what that
@@ -25,11 +25,12 @@ import torch
 
 from attnres_pp.comm.transport import ByteLedger
 from attnres_pp.generate.worker import GenerationWorker, build_model, pipeline_partition
+from attnres_pp.launch.launchers import make_rank_group
+from attnres_pp.launch.rank_group import RankGroup
 from attnres_pp.launch.resolve import check_tensor_parallel, resolve_run, single_process, visible_gpus
 from attnres_pp.model import DecodeState, ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.pipeline.mesh import RankCoords
-from attnres_pp.pipeline.rank_group import RankGroup, make_rank_group
 
 
 def decide_generation(requested_device: str, dtype: str, pipe: PipelineConfig, gpus: int | None = None):

@@ -1,7 +1,8 @@
-"""GenerationWorker: one rank of a generation pipeline, hosted by a rank group (`pipeline.rank_group`):
+"""GenerationWorker: one rank of a generation pipeline, hosted by a rank group (`launch.rank_group`)
 in its own process (local launcher) or Ray actor, talking to its neighbours over torch.distributed
 with the pipeline's DistTransport, or as a thread of the driver over the loopback transport
-(in-process launcher, `join_threads`: the ranks take turns action by action).
+(in-process launcher, `join_threads`: the ranks take turns action by action). The hosting contract
+is `launch.rank_host.RankHost`'s; this class supplies generation's parts (its transport, layers).
 
 Like the training ranks, every rank builds the whole model from the seed, keeps its own chunks and
 takes its parameters by whole-model name, so a checkpoint of any split loads into any other.
@@ -18,8 +19,6 @@ rules (the nccl backend, or `p2p_semantics="nccl"` over gloo) the runtime issues
 
 from __future__ import annotations
 
-import socket
-
 import torch
 from torch import nn
 
@@ -27,13 +26,13 @@ from attnres_pp.comm.nccl_transport import BatchedDistTransport
 from attnres_pp.comm.partition import make_partition
 from attnres_pp.comm.plan import plan_for_model
 from attnres_pp.comm.transport import DistTransport
+from attnres_pp.launch.rank_host import RankHost
 from attnres_pp.model import ModelConfig, Transformer
 from attnres_pp.model.precision import activation_dtype
 from attnres_pp.pipeline.chunk import build_rank_chunks, rank_parameters
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.pipeline.generation_runtime import GenerationRuntime
 from attnres_pp.pipeline.mesh import MeshCollectives, RankCoords
-from attnres_pp.pipeline.stage_setup import init_process_group
 
 
 def build_model(cfg: ModelConfig, named: dict[str, torch.Tensor] | None, seed: int = 0, *,
@@ -77,7 +76,9 @@ def pipeline_partition(cfg: ModelConfig, pipe: PipelineConfig):
     return make_partition(cfg.n_layers, pipe.stages, pipe.virtual, pipe.layer_counts, placement="loop")
 
 
-class GenerationWorker:
+class GenerationWorker(RankHost):
+    """One generation rank, hosted by a rank group through the `RankHost` contract."""
+
     def __init__(self, model_cfg_dict: dict, pipe_cfg_dict: dict, pp_rank: int, seed: int = 0,
                  threads: int = 1, *, tp_rank: int = 0, device: str = "cpu", precision: str = "fp32") -> None:
         torch.set_num_threads(threads)
@@ -93,58 +94,53 @@ class GenerationWorker:
         self.params = rank_parameters(self.chunks, self.model)
         self.plan = plan_for_model(self.cfg, self.partition, cache=True)
         self.runtime: GenerationRuntime | None = None
-        self.peers = None  # where thread ranks meet to run their actions in turns (`join_threads`)
 
     @property
     def rank(self) -> int:
         """The global rank: generation runs one replica, so `pp_rank * T + tp_rank`."""
         return self.coords.rank
 
-    def join_process_group(self, init_method: str, world_size: int) -> dict:
-        """Join the process group (nccl on "cuda", gloo on "cpu") and, under tensor parallelism, the
-        ("dp", "pp", "tp") mesh whose tp axis splits the layers; returns `describe(backend)`."""
-        backend, device = init_process_group(init_method, self.rank, world_size, self.pipe.timeout_s,
-                                             device=self.device_name)
-        peers = [self.coords.global_rank(p) for p in range(self.pipe.stages)]
-        if self.pipe.resolved_p2p(backend) == "nccl":  # every rank resolves the same
-            transport = BatchedDistTransport(self.pp_rank, self.pipe.timeout_s, device, peer_ranks=peers)
-        else:
-            transport = DistTransport(self.pp_rank, self.pipe.timeout_s, device, peer_ranks=peers)
-        self._attach(device, transport)
-        if self.pipe.tensor_parallel > 1:
-            self._split_layers(MeshCollectives(self.coords, device.type).mesh["tp"])
-        return self.describe(backend)
+    # ---- set-up: the RankHost contract's generation parts ----
+    @property
+    def device_choice(self) -> str:
+        return self.device_name
 
-    def _split_layers(self, tp_mesh) -> None:
+    @property
+    def timeout_s(self) -> float:
+        return self.pipe.timeout_s
+
+    def open_transport(self, device: torch.device, backend: str) -> tuple:
+        """Batched groups under NCCL's rules (every rank resolves the same), else preposted p2p."""
+        peers = [self.coords.global_rank(p) for p in range(self.pipe.stages)]
+        if self.pipe.resolved_p2p(backend) == "nccl":
+            return BatchedDistTransport(self.pp_rank, self.pipe.timeout_s, device, peer_ranks=peers), None
+        return DistTransport(self.pp_rank, self.pipe.timeout_s, device, peer_ranks=peers), None
+
+    def make_collectives(self, device: torch.device) -> MeshCollectives | None:
+        """Generation needs no collectives of its own: only the ("dp", "pp", "tp") mesh whose tp axis
+        splits the layers, under tensor parallelism."""
+        return MeshCollectives(self.coords, device.type) if self.pipe.tensor_parallel > 1 else None
+
+    def split_layers(self, tp_mesh) -> None:
         from attnres_pp.pipeline.tensor_parallel import parallelize_layers
 
         layers = [layer for chunk in self.chunks.values() for layer in chunk.layers.values()]
         parallelize_layers(self.cfg, layers, tp_mesh, sequence_parallel=False)
         self.params = rank_parameters(self.chunks, self.model)
 
-    def join_threads(self, device: torch.device, transport, collectives, peers, tp_mesh=None) -> dict:
-        """Run as one of the threads of a `ThreadRankGroup`, over its loopback `transport` (generation
-        needs no collectives of its own); under tensor parallelism the layers split over `tp_mesh`
-        (the tp axis of the threads' own mesh)."""
-        self.peers = peers
-        self._attach(device, transport)
-        if self.pipe.tensor_parallel > 1:
-            self._split_layers(tp_mesh)
-        return self.describe("loopback")
-
-    def _attach(self, device: torch.device, transport) -> None:
+    def attach(self, device: torch.device, transport, collectives=None, eval_transport=None) -> None:
         self.device = device
         self.model.to(device)
         self.runtime = GenerationRuntime(pp_rank=self.pp_rank, chunks=self.chunks, plan=self.plan, transport=transport,
                                          dtype=activation_dtype(self.precision))
 
-    def describe(self, backend: str) -> dict:
+    def held_params(self) -> int:
         from torch.distributed.tensor import DTensor
 
-        held = [p.to_local() if isinstance(p, DTensor) else p for p in self.params.values()]
-        return {"backend": backend, "rank": self.rank, "pp_rank": self.pp_rank, "dp_rank": 0,
-                "tp_rank": self.tp_rank, "chunks": sorted(self.chunks), "params": sum(p.numel() for p in held),
-                "host": socket.gethostname()}
+        return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in self.params.values())
+
+    def describe(self, backend: str) -> dict:
+        return {**super().describe(backend), "tp_rank": self.tp_rank}
 
     def load_parameters(self, named: dict[str, torch.Tensor]) -> None:
         load_parameters(self.params, named)
@@ -168,9 +164,3 @@ class GenerationWorker:
             self.peers.run_together(self.rank, self.runtime, "generation pass")
             logits = self.runtime.finish_pass()
         return None if logits is None else logits.cpu()
-
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()

@@ -10,7 +10,7 @@ from attnres_pp.config_tables import from_table, to_table
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "interleaved_zb", "zbv", "dualpipev")
 LAUNCHERS = ("local", "ray", "inprocess", "torchrun")  # inprocess: loopback transport, for debugging; torchrun:
-# every process torchrun started is one rank (`pipeline.torchrun_rank_group`)
+# every process torchrun started is one rank (`launch.torchrun_rank_group`)
 # Ray placement-group strategies: STRICT_PACK keeps every rank on one node (fastest links); PACK
 # and SPREAD let a pipeline span nodes (PACK fills a node before the next, SPREAD balances).
 PLACEMENTS = ("STRICT_PACK", "PACK", "SPREAD")

@@ -183,13 +183,13 @@ def make_run_engine(run_cfg: RunConfig, out_dir: Path, *, address: str | None = 
 
 def main(args: argparse.Namespace) -> int:
     """`attnres-pp train`. In a process torchrun started, rank 0 runs it and every other rank serves
-    rank 0's calls (`--launcher torchrun`, `pipeline.torchrun_rank_group`)."""
-    from attnres_pp.pipeline.torchrun_channel import TorchrunEnv
+    rank 0's calls (`--launcher torchrun`, `launch.torchrun_rank_group`)."""
+    from attnres_pp.launch.torchrun_channel import TorchrunEnv
 
     torchrun = TorchrunEnv.from_environ()
     if torchrun is None:
         return _run(args)
-    from attnres_pp.pipeline.torchrun_rank_group import run_torchrun_rank
+    from attnres_pp.launch.torchrun_rank_group import run_torchrun_rank
 
     return run_torchrun_rank(torchrun, lambda: _run(args), lambda: build_run_config(args))
 

@@ -6,6 +6,7 @@ processes torchrun started, rank 0 driving (torchrun)."""
 
 from __future__ import annotations
 
+from attnres_pp.launch.launchers import make_rank_group
 from attnres_pp.launch.resolve import (
     check_tensor_parallel,
     decide_kernels,
@@ -13,7 +14,6 @@ from attnres_pp.launch.resolve import (
     ranks_in_this_process,
     require_torchft,
 )
-from attnres_pp.pipeline.rank_group import make_rank_group
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.pipeline_engine import PipelineEngine
 from attnres_pp.train.single_process_engine import SingleProcessEngine
@@ -51,8 +51,8 @@ def check_run(run_cfg: RunConfig, *, address: str | None = None, fail_at: tuple 
         require_torchft()
     if address is not None and pipe.launcher != "ray":
         raise ValueError(f"--address is for --launcher ray, not {pipe.launcher}")
-    if pipe.launcher == "torchrun":  # every process a rank, rank 0 drives (`pipeline.torchrun_rank_group`)
-        from attnres_pp.pipeline.torchrun_rank_group import check_torchrun_run
+    if pipe.launcher == "torchrun":  # every process a rank, rank 0 drives (`launch.torchrun_rank_group`)
+        from attnres_pp.launch.torchrun_rank_group import check_torchrun_run
 
         check_torchrun_run(pipe, fault_tolerance=train.fault_tolerance)
     if fail_at is not None and ranks_in_this_process(pipe):

@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
+from attnres_pp.launch.launchers import make_rank_group
 from attnres_pp.launch.resolve import require_torchft
 from attnres_pp.model.routing import routing_metrics
 from attnres_pp.pipeline.errors import WorkerLost
-from attnres_pp.pipeline.rank_group import make_rank_group
 from attnres_pp.train import ft_lighthouse
 from attnres_pp.train.checkpoint import read_meta
 from attnres_pp.train.config import RunConfig

@@ -1,5 +1,5 @@
 """PipelineEngine: a pipelined training run (the `Engine` protocol of `attnres_pp.train.loop`) on top of
-a rank group (`pipeline.rank_group`: spawned processes, Ray actors or threads of this process, as
+a rank group (`launch.rank_group`: spawned processes, Ray actors or threads of this process, as
 the launcher says), each rank a `StageWorker` (D x P of them: D replicas of P pipeline ranks).
 
 The launch layer decides every rank's device (`launch.resolve`, against the GPUs the group can give:
@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from attnres_pp.data import Corpus
+from attnres_pp.launch.rank_group import RankGroup
 from attnres_pp.launch.resolve import check_tensor_parallel, visible_gpus
 from attnres_pp.model.routing import routing_metrics
 from attnres_pp.pipeline.mesh import RankCoords
-from attnres_pp.pipeline.rank_group import RankGroup
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.rank_data import resolve_data_path

@@ -1,7 +1,8 @@
 """StageWorker: one rank of a data-parallel x pipeline-parallel run (docs/spec.md section 6), with its chunks,
-optimizer, data and runtimes. A rank group (`pipeline.rank_group`) hosts one per rank: in a
-spawned process or a Ray actor, joined to a process group (`join_process_group`), or as a thread of
-the driver's process over the loopback transport (`join_threads`). It lives in
+optimizer, data and runtimes. A rank group (`launch.rank_group`) hosts one per rank through the
+`launch.rank_host.RankHost` contract: in a spawned process or a Ray actor, joined to a process group
+(`join_process_group`), or as a thread of the driver's process over the loopback transport
+(`join_threads`); this class supplies the training parts (its transport, mesh, runtimes). It lives in
 the training layer because it owns the optimiser step and the checkpoint state; the pipeline below
 it provides the chunks, the schedules, the runtime, the transports and the mesh.
 
@@ -34,13 +35,14 @@ from attnres_pp.comm.plan import plan_for_model
 from attnres_pp.comm.shm_transport import SharedMemoryTransport
 from attnres_pp.comm.transport import DistTransport
 from attnres_pp.data import Corpus
+from attnres_pp.launch.rank_host import RankHost
 from attnres_pp.model.precision import activation_dtype
 from attnres_pp.model.routing import RoutingProbe, set_probe
 from attnres_pp.pipeline.chunk import build_rank_model, rank_module_names, rank_parameters
 from attnres_pp.pipeline.mesh import Collectives, MeshCollectives, RankCoords
 from attnres_pp.pipeline.routes import hop_shapes, wire_messages
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
-from attnres_pp.pipeline.stage_setup import init_process_group, lowered_schedule, run_partition
+from attnres_pp.pipeline.stage_setup import lowered_schedule, run_partition
 from attnres_pp.schedule.forward_schedule import forward_only_schedule
 from attnres_pp.schedule.validate_nccl import check_nccl
 from attnres_pp.train.background_save import BackgroundSave
@@ -60,9 +62,8 @@ from attnres_pp.train.tp_rank import RankTensorParallel, held_over_tp, is_split,
 RankBatch = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
-class StageWorker:
-    node_id: str | None = None  # the node this rank runs on, as its launcher knows it (Ray's node id)
-    node_ip: str | None = None  # that node's address, where the launcher knows it (Ray's node IP)
+class StageWorker(RankHost):
+    """One training rank, hosted by a rank group through the `RankHost` contract."""
 
     def __init__(self, run_cfg_dict: dict, rank: int, *, corpus: Corpus | None = None, data_path: str | None = None,
                  fail_at_step: int | None = None) -> None:
@@ -81,10 +82,7 @@ class StageWorker:
                                                    backend=train.kernels, precision=train.dtype,
                                                    activation_checkpoint=train.activation_checkpoint)
         self.owned_modules = rank_module_names(cfg, self.partition, self.pp_rank)
-        self.params = rank_parameters(self.chunks, self.model)
-        self.tied = [p for name, p in self.params.items() if name.startswith("stream_convs.")]
-        self.untied = [p for name, p in self.params.items() if not name.startswith("stream_convs.")]
-        self.optimizer = build_optimizer(self.params.items(), train)
+        self._build_params(fused=False)
         self.plan = plan_for_model(cfg, self.partition, pipe.cache)
         self.schedule = lowered_schedule(pipe, train.microbatches)
         self.eval_schedule = forward_only_schedule(pipe.stages, pipe.virtual, train.microbatches,
@@ -100,26 +98,39 @@ class StageWorker:
         self.fsdp = None  # FSDP2 units under dp_shard="fsdp" with D > 1 (`train.fsdp`)
         self.eval_runtime: StageRuntime | None = None
         self.collectives: Collectives | None = None
-        self.distributed = False  # in a torch.distributed process group (`connect`), or a thread rank
-        self.peers = None  # where thread ranks meet to run their actions in turns (`join_threads`)
         self.background_save: BackgroundSave | None = None  # --async-checkpoint's write in flight
 
-    # ---- set-up ----
-    def join_process_group(self, init_method: str, world_size: int) -> dict:
-        """Join the run's process group (gloo on CPU, nccl when this worker has a GPU) and its
-        ("dp", "pp") mesh; returns `describe(backend)`."""
-        backend, device = init_process_group(init_method, self.process_group_rank, world_size,
-                                             self.run_cfg.pipeline.timeout_s, self.run_cfg.train.device)
-        self.connect(device, backend)
-        return self.describe(backend)
+    def _build_params(self, *, fused: bool) -> None:
+        """This rank's parameters by whole-model name, split into those tied across ranks (MSAR's
+        stream convolutions, reduced over every rank) and the rest, and the optimizer over them
+        (`fused`: the fused AdamW of parameters on a GPU). Built again whenever the parameters
+        become other tensors: tensor-parallel DTensors, FSDP2 shards, or a move to the GPU."""
+        self.params = rank_parameters(self.chunks, self.model)
+        self.tied = [p for name, p in self.params.items() if name.startswith("stream_convs.")]
+        self.untied = [p for name, p in self.params.items() if not name.startswith("stream_convs.")]
+        self.optimizer = build_optimizer(self.params.items(), self.run_cfg.train, fused=fused)
+
+    # ---- set-up: the RankHost contract's training parts ----
+    @property
+    def device_choice(self) -> str:
+        return self.run_cfg.train.device
+
+    @property
+    def timeout_s(self) -> float:
+        return self.run_cfg.pipeline.timeout_s
 
     def connect(self, device: torch.device, backend: str = "gloo") -> None:
-        """Attach to the initialised default process group: p2p to this replica's pipeline peers,
-        collectives over the ("dp", "pp") mesh. Collective: the ranks agree on the transport. Under
-        NCCL's rules (the nccl backend, or p2p_semantics="nccl") the p2p messages go out in batched
-        groups (`BatchedDistTransport`); otherwise per peer (`comm.pair_transport`): shared memory to
-        a peer on this rank's node (`node_id`, else the host name) when no link is emulated, gloo p2p
-        to the others."""
+        """`RankHost.connect`, then under dp_shard="fsdp" with D > 1 the FSDP2 units over the replicas."""
+        super().connect(device, backend)
+        pipe = self.run_cfg.pipeline
+        if pipe.dp_shard == "fsdp" and pipe.data_parallel > 1:
+            self._shard(self.collectives.mesh["dp"])
+
+    def open_transport(self, device: torch.device, backend: str) -> tuple:
+        """Collective: the ranks agree on the transport. Under NCCL's rules (the nccl backend, or
+        p2p_semantics="nccl") the p2p messages go out in batched groups (`BatchedDistTransport`);
+        otherwise per peer (`comm.pair_transport`): shared memory to a peer on this rank's node
+        (`node_id`, else the host name) when no link is emulated, gloo p2p to the others."""
         pipe, cfg, train = self.run_cfg.pipeline, self.run_cfg.model, self.run_cfg.train
         peers = self.pipeline_peers()
         hop_dtype = activation_dtype(train.dtype, self.dtype)
@@ -131,24 +142,12 @@ class StageWorker:
                                                wire_messages(self.schedule, self.plan, shape_of), hop_dtype,
                                                node=self.node_id or socket.gethostname(), peer_ranks=peers,
                                                link=pipe.link)
-        eval_transport = transport
         if isinstance(transport, PairTransport) and isinstance(transport.inner, SharedMemoryTransport):
             # Evaluation's passes run back to back with no all-reduce between them, so a sender could
             # write a slot again before its receiver has read it: they go over plain p2p (same ledger).
-            eval_transport = DistTransport(self.pp_rank, pipe.timeout_s, device, ledger=transport.ledger,
-                                           peer_ranks=peers)
-        collectives = self.make_collectives(device)
-        self.attach(device, transport, collectives, eval_transport=eval_transport)
-        self.distributed = True
-        if self.tp.active:
-            self._split_layers(collectives.mesh["tp"])
-        if pipe.dp_shard == "fsdp" and pipe.data_parallel > 1:
-            self._shard(collectives.mesh["dp"])
-
-    @property
-    def process_group_rank(self) -> int:
-        """This rank's rank in the process group it joins: the global rank (one group of every rank)."""
-        return self.rank
+            return transport, DistTransport(self.pp_rank, pipe.timeout_s, device, ledger=transport.ledger,
+                                            peer_ranks=peers)
+        return transport, None
 
     def pipeline_peers(self) -> list[int]:
         """The process-group ranks of this replica's P pipeline ranks, in pp order."""
@@ -158,25 +157,12 @@ class StageWorker:
         """The collectives over the joined process group: the whole ("dp", "pp") mesh."""
         return MeshCollectives(self.coords, device.type)
 
-    def join_threads(self, device: torch.device, transport, collectives: Collectives, peers, tp_mesh=None) -> dict:
-        """Run as one of the threads of a `ThreadRankGroup`: hops over the loopback `transport`,
-        collectives between threads, actions in turns with the others (`peers.run_together`); under
-        tensor parallelism the layers split over `tp_mesh` (the tp axis of the threads' own mesh)."""
-        self.peers = peers
-        self.attach(device, transport, collectives)
-        if self.tp.active:
-            self._split_layers(tp_mesh)
-        return self.describe("loopback")
-
-    def _split_layers(self, tp_mesh) -> None:
+    def split_layers(self, tp_mesh) -> None:
         """Tensor parallelism (`train.tp_rank`): the chunks' layers split over the tp ranks, so the
         parameter list and the optimizer are built again over the DTensor weights."""
         self.tp.split(self.chunks, self.model.stream_convs, tp_mesh)
         self.tp_group = tp_mesh.get_group()
-        self.params = rank_parameters(self.chunks, self.model)
-        self.tied = [p for name, p in self.params.items() if name.startswith("stream_convs.")]
-        self.untied = [p for name, p in self.params.items() if not name.startswith("stream_convs.")]
-        self.optimizer = build_optimizer(self.params.items(), self.run_cfg.train, fused=self.device.type == "cuda")
+        self._build_params(fused=self.device.type == "cuda")
 
     def _shard(self, dp_mesh) -> None:
         """FSDP2 units over the replicas (`train.fsdp`): the parameters become shards, so the parameter
@@ -186,17 +172,15 @@ class StageWorker:
         pipe = self.run_cfg.pipeline
         self.fsdp = FsdpShards(self.model, self.chunks, self.owned_modules, dp_mesh,
                                pipe.fsdp_reshard_after_forward or "never", self.run_cfg.train.dtype)
-        self.params = rank_parameters(self.chunks, self.model)
-        self.tied = [p for name, p in self.params.items() if name.startswith("stream_convs.")]
-        self.untied = [p for name, p in self.params.items() if not name.startswith("stream_convs.")]
-        self.optimizer = build_optimizer(self.params.items(), self.run_cfg.train, fused=self.device.type == "cuda")
+        self._build_params(fused=self.device.type == "cuda")
         self.runtime.compute_hooks = self.fsdp
         self.eval_runtime.compute_hooks = self.fsdp
 
+    def held_params(self) -> int:
+        return sum(map(held_over_tp, self.params.values()))
+
     def describe(self, backend: str) -> dict:
-        return {"backend": backend, "rank": self.rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank,
-                "chunks": sorted(self.chunks), "params": sum(map(held_over_tp, self.params.values())),
-                "host": socket.gethostname(), "peak_rss_bytes": peak_rss_bytes()}
+        return {**super().describe(backend), "peak_rss_bytes": peak_rss_bytes()}
 
     def attach(self, device: torch.device, transport, collectives: Collectives, eval_transport=None) -> None:
         """Move to `device` and build the training and evaluation runtimes over `transport` (the
@@ -207,7 +191,7 @@ class StageWorker:
             self.model.get_submodule(name).to(device)
         cfg, train = self.run_cfg.model, self.run_cfg.train
         if device.type == "cuda":  # fused AdamW needs the parameters on the GPU; no state exists yet
-            self.optimizer = build_optimizer(self.params.items(), train, fused=True)
+            self._build_params(fused=True)
         hop_dtype = activation_dtype(train.dtype, next(iter(self.params.values())).dtype)
 
         def runtime(schedule, transport) -> StageRuntime:
@@ -420,12 +404,3 @@ class StageWorker:
             return Path(path).read_text() == token, socket.gethostname()
         except OSError:
             return False, socket.gethostname()
-
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        if self.runtime is not None:  # the shared-memory transport's doorbells
-            self.runtime.transport.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-

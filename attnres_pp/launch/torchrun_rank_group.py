@@ -36,8 +36,7 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import NoReturn
 
-from attnres_pp.pipeline.errors import WorkerLost
-from attnres_pp.pipeline.torchrun_channel import (
+from attnres_pp.launch.torchrun_channel import (
     SLACK_S,
     ControlError,
     DriverEnded,
@@ -48,6 +47,7 @@ from attnres_pp.pipeline.torchrun_channel import (
     note_early_exit,
     open_driver_channel,
 )
+from attnres_pp.pipeline.errors import WorkerLost
 
 _GRACE_S = 1.0  # after a rank's failure, how long a peer's death may take to show (it names the cause)
 

@@ -1,4 +1,4 @@
-"""`--launcher inprocess`: a `RankGroup` (see `rank_group`) whose ranks are threads of this process,
+"""`--launcher inprocess`: a `RankGroup` (`rank_group`) whose ranks are threads of this process,
 for debugging and fast tests.
 
 Every rank has a thread of its own for the group's life, and each call runs every rank's worker
@@ -34,10 +34,11 @@ import weakref
 import torch
 
 from attnres_pp.comm.transport import ByteLedger, LoopbackTransport
+from attnres_pp.launch.rank_group import RankGroupBase
+from attnres_pp.launch.threaded_process_group import ThreadedWorld
 from attnres_pp.pipeline.loopback import next_turn
 from attnres_pp.pipeline.loopback_nccl import NcclLoopbackTransport
 from attnres_pp.pipeline.mesh import MeshCollectives, RankCoords, thread_collectives
-from attnres_pp.pipeline.threaded_process_group import ThreadedWorld
 from attnres_pp.schedule.validate_nccl import NcclP2P
 
 
@@ -141,6 +142,17 @@ class ThreadPeers:
             self._cond.notify_all()
 
 
+class _InFlight:
+    """One call handed to the rank threads: each rank's result, the errors in the order they were
+    raised, and how many ranks are still running it (under `done`)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.results: list = [None] * world_size
+        self.errors: list[tuple[int, BaseException]] = []
+        self.remaining = world_size
+        self.done = threading.Condition()
+
+
 class _RankThread:
     """One rank's thread: runs the jobs handed to it, in order, until `stop`."""
 
@@ -170,32 +182,23 @@ def _end_threads(threads: list[_RankThread]) -> None:
             thread.thread.join(timeout=5.0)
 
 
-class ThreadRankGroup:
+class ThreadRankGroup(RankGroupBase):
     """Every rank a worker in this process, on a thread of its own; rank r is
     `mesh.RankCoords(r, replicas, stages, tensor_parallel)`. `nccl_rules`: each replica's loopback
     enforces NCCL's point-to-point rules. `ledger`, if given, records every rank's hops (else each
     transport keeps its own)."""
 
     one_process = True
-    spans_nodes = False
-    where = "on this node"
 
     def __init__(self, world_size: int, *, stages: int, timeout_s: float, tensor_parallel: int = 1,
                  nccl_rules: bool = False, ledger: ByteLedger | None = None) -> None:
-        self.world_size, self.stages, self.timeout_s = world_size, stages, timeout_s
-        self.tensor_parallel = tensor_parallel
+        super().__init__(world_size, timeout_s)
+        self.stages, self.tensor_parallel = stages, tensor_parallel
         self.nccl_rules, self.ledger = nccl_rules, ledger
-        self.bytes_exchanged = 0
         self.workers: list = []
-        self.setup_results: list = []
-        self.rank_nodes: list[tuple[str, str]] = []
-        self.lost_nodes: list[dict] = []
-        self._worker: tuple[type, list[dict], str] | None = None
+        self._in_flight: _InFlight | None = None  # `send`'s call, until `gather`
         self._threads: list[_RankThread] = []
         self._world: ThreadedWorld | None = None  # the threaded process group, under tensor parallelism
-
-    def gpus(self) -> int | None:
-        return None
 
     def start(self, worker_cls: type, rank_kwargs: list[dict], *, device: str = "cpu") -> list:
         self._worker = (worker_cls, rank_kwargs, device)
@@ -239,54 +242,76 @@ class ThreadRankGroup:
         t = self.tensor_parallel
         return [list(range(tp_rank, self.world_size, t)) for tp_rank in range(t)]
 
-    def call(self, method: str, per_rank_args: list[tuple], what: str | None = None) -> list:
+    def send(self, method: str, per_rank_args: list[tuple]) -> None:
+        """The requests of `call` handed to the rank threads without waiting (`gather` collects them)."""
         self.bytes_exchanged += sum(len(pickle.dumps((method, args))) for args in per_rank_args)
-        results = self._in_threads(lambda worker, args: getattr(worker, method)(*args), per_rank_args, what or method)
+        self._in_flight = self._launch(lambda worker, args: getattr(worker, method)(*args), per_rank_args)
+
+    def replied(self) -> bool:
+        """Whether `gather` would return or raise without waiting: every rank has finished, or one failed."""
+        return self._in_flight.remaining == 0 or bool(self._in_flight.errors)
+
+    def gather(self, what: str) -> list:
+        """The results of the last `send`, in rank order (the first cause of a failure raised)."""
+        in_flight, self._in_flight = self._in_flight, None
+        results = self._wait(in_flight, what)
         self.bytes_exchanged += sum(len(pickle.dumps(result)) for result in results)
         return results
 
-    def call_all(self, method: str, *args, what: str | None = None) -> list:
-        return self.call(method, [args] * self.world_size, what)
+    def stop_ranks(self) -> None:
+        """End the rank threads (`stop`); the group can `start` again."""
+        self.stop(graceful=False)
 
     def _in_threads(self, fn, per_rank_args: list[tuple], what: str) -> list:
         """fn(worker, args) for every worker, each on its rank's thread (they meet in collectives)."""
-        if len(self.workers) == 1 and self._world is None:
-            return [fn(self.workers[0], per_rank_args[0])]
-        results: list = [None] * len(self.workers)
-        errors: list[BaseException] = []
-        done = threading.Condition()
-        remaining = [len(self.workers)]
+        return self._wait(self._launch(fn, per_rank_args), what)
+
+    def _launch(self, fn, per_rank_args: list[tuple]) -> _InFlight:
+        """Hand fn(worker, args) to every rank's thread; a lone rank without a process group runs
+        on the caller's thread (there is nobody to meet)."""
+        in_flight = _InFlight(len(self.workers))
 
         def run(rank: int) -> None:
             try:
-                results[rank] = fn(self.workers[rank], per_rank_args[rank])
-            except BaseException as error:  # noqa: BLE001  (re-raised below, on the caller's thread)
-                errors.append(error)
+                in_flight.results[rank] = fn(self.workers[rank], per_rank_args[rank])
+            except BaseException as error:  # noqa: BLE001  (re-raised by `_wait`, on the caller's thread)
+                in_flight.errors.append((rank, error))
                 self.peers.abort(error)
                 if self._world is not None:  # ranks waiting for it in a tp collective
                     self._world.wake_blocked(error)
             finally:
-                with done:
-                    remaining[0] -= 1
-                    done.notify_all()
+                with in_flight.done:
+                    in_flight.remaining -= 1
+                    in_flight.done.notify_all()
 
-        for rank, thread in enumerate(self._threads):
-            thread.jobs.put(lambda rank=rank: run(rank))
-        with done:  # one bound for the call, not one per rank
-            finished = done.wait_for(lambda: remaining[0] == 0, self.timeout_s + 30.0)
+        if len(self.workers) == 1 and self._world is None:
+            run(0)
+        else:
+            for rank, thread in enumerate(self._threads):
+                thread.jobs.put(lambda rank=rank: run(rank))
+        return in_flight
+
+    def _wait(self, in_flight: _InFlight, what: str) -> list:
+        """The results of `in_flight` once every rank has finished, bounded by the pipeline timeout;
+        a failure raises its first cause."""
+        with in_flight.done:  # one bound for the call, not one per rank
+            finished = in_flight.done.wait_for(lambda: in_flight.remaining == 0, self.timeout_s + 30.0)
         if not finished and self._world is not None:
             self._world.wake_blocked(RuntimeError(f"{what} timed out"))
-            with done:
-                done.wait_for(lambda: remaining[0] == 0, 5.0)
-        if errors or not finished:
+            with in_flight.done:
+                in_flight.done.wait_for(lambda: in_flight.remaining == 0, 5.0)
+        if in_flight.errors or not finished:
             if self._world is not None:
                 self._world.clear_wake()
             self.peers = self._fresh_peers()
-        if errors:
-            raise errors[0]
+        if in_flight.errors:
+            # A refusal (ValueError, lowest rank first) is the cause; otherwise the first error raised,
+            # since the others follow from it (`ThreadPeers.abort` stops them).
+            refusals = sorted((rank, error) for rank, error in in_flight.errors if isinstance(error, ValueError))
+            raise (refusals or in_flight.errors)[0][1]
         if not finished:
             raise RuntimeError(f"in-process ranks did not finish {what} within {self.timeout_s:.0f} s")
-        return results
+        return in_flight.results
 
     def _fresh_peers(self) -> ThreadPeers:
         """After a failed call the old meeting point is aborted: the workers meet at a new one."""
@@ -294,11 +319,6 @@ class ThreadRankGroup:
         for worker in self.workers:
             worker.peers = peers
         return peers
-
-    def restart(self, rank_kwargs: list[dict] | None = None) -> None:
-        worker_cls, last_kwargs, device = self._worker
-        self.stop(graceful=False)
-        self.start(worker_cls, rank_kwargs or last_kwargs, device=device)
 
     def stop(self, graceful: bool) -> None:
         """End the rank threads; under tensor parallelism each leaves its process group first, and the

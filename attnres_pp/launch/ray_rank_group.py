@@ -1,4 +1,4 @@
-"""`--launcher ray`: a `RankGroup` (see `rank_group`) of one Ray actor per rank, placed by a placement
+"""`--launcher ray`: a `RankGroup` (`rank_group`) of one Ray actor per rank, placed by a placement
 group of one bundle per rank, or under tensor parallelism one per tp group of T ranks, which Ray then
 keeps on one node whatever the strategy (`ray_checks.placement_bundles`); the only module that
 starts Ray, places actors or imports `ray`.
@@ -34,15 +34,16 @@ import pickle
 import socket
 import time
 
-from attnres_pp.pipeline.config import PLACEMENTS
-from attnres_pp.pipeline.errors import WorkerLost
-from attnres_pp.pipeline.ray_checks import (
+from attnres_pp.launch.rank_group import FAILURE_GRACE_S, RankGroupBase
+from attnres_pp.launch.ray_checks import (
     check_placement,
     check_reachable,
     node_gpu_views,
     placement_bundles,
     require_ray,
 )
+from attnres_pp.pipeline.config import PLACEMENTS
+from attnres_pp.pipeline.errors import WorkerLost
 from attnres_pp.pipeline.stage_setup import bind_to_address
 
 # After one rank's task fails, how long to wait for Ray to report a dead peer that caused it: a lost
@@ -147,7 +148,7 @@ def join_results(refs: list, init_method: str, timeout_s: float, rank_nodes: lis
     import ray
 
     ready, cut_short = _wait_for_setup(refs, timeout_s + 30.0)
-    failures, refusals, still_waiting = [], [], []
+    failures, refusals, still_waiting, lost = [], [], [], []
     for rank, ref in enumerate(refs):
         if ref not in ready:
             still_waiting.append(f"rank {rank} was still waiting for its peers" if cut_short
@@ -156,7 +157,7 @@ def join_results(refs: list, init_method: str, timeout_s: float, rank_nodes: lis
         try:
             ray.get(ref, timeout=1.0)
         except ray.exceptions.RayActorError as error:
-            raise WorkerLost(rank, f"{_where(rank_nodes, rank)} died during process-group setup: {error}") from None
+            lost.append(WorkerLost(rank, f"{_where(rank_nodes, rank)} died during process-group setup: {error}"))
         except ray.exceptions.RayTaskError as error:
             cause = getattr(error, "cause", None)
             if isinstance(cause, ValueError) and not isinstance(cause, RendezvousError):
@@ -164,8 +165,12 @@ def join_results(refs: list, init_method: str, timeout_s: float, rank_nodes: lis
             else:
                 failures.append(str(cause) if isinstance(cause, RendezvousError)
                                 else f"rank {rank}: {' '.join(str(error).split())[-300:]}")
-    if refusals:  # the cause, which the others' failures (a peer that gave up) only follow from
+    # Lowest rank first: a refusal (the cause, naming the fix), then an actor that died, then the
+    # failures that follow from either (a peer that gave up, a rank left waiting).
+    if refusals:
         raise ValueError(refusals[0])
+    if lost:
+        raise lost[0]
     failures += still_waiting  # a rank's own failure names the cause; a peer left waiting only follows from it
     if failures:
         where = ", ".join(f"rank {r} at {ip}" for r, (_node, ip) in enumerate(rank_nodes))
@@ -176,14 +181,10 @@ def join_results(refs: list, init_method: str, timeout_s: float, rank_nodes: lis
     return ray.get(refs)
 
 
-# Once a rank's set-up has failed, how long the others get to report theirs: a peer of a mesh that
-# cannot connect would otherwise wait out its whole timeout for a rank that has given up.
-SETUP_GRACE_S = 3.0
-
-
 def _wait_for_setup(refs: list, timeout_s: float) -> tuple[list, bool]:
     """(the replies in, whether the wait was cut short by a failed rank): every reply, or what came
-    within `timeout_s`, or within SETUP_GRACE_S of the first failure."""
+    within `timeout_s`, or within FAILURE_GRACE_S of the first failure (a peer of a mesh that cannot
+    connect would otherwise wait out its whole timeout for a rank that has given up)."""
     import ray
 
     deadline = time.monotonic() + timeout_s
@@ -199,7 +200,7 @@ def _wait_for_setup(refs: list, timeout_s: float) -> tuple[list, bool]:
                 ray.get(ref, timeout=1.0)
             except Exception:  # its kind is sorted out by the caller
                 if not cut_short:
-                    cut_short, deadline = True, min(deadline, time.monotonic() + SETUP_GRACE_S)
+                    cut_short, deadline = True, min(deadline, time.monotonic() + FAILURE_GRACE_S)
     return ready, cut_short and bool(pending)
 
 
@@ -242,11 +243,10 @@ def _loopback_only(ray):
             os.environ[_CLUSTERS_OFF] = before_env
 
 
-class RayRankGroup:
+class RayRankGroup(RankGroupBase):
     """`world_size` actors placed with `placement` (STRICT_PACK, PACK, SPREAD), each tensor-parallel
     group of `tensor_parallel` consecutive ranks in one bundle, so on one node."""
 
-    one_process = False
     spans_nodes = True
     where = "in the Ray cluster"
 
@@ -257,15 +257,10 @@ class RayRankGroup:
 
         if placement not in PLACEMENTS:
             raise ValueError(f"placement={placement!r} is invalid: choose one of {', '.join(PLACEMENTS)}")
+        super().__init__(world_size, timeout_s)
         self._ray = ray
-        self.world_size, self.timeout_s, self.placement = world_size, timeout_s, placement
-        self.tensor_parallel = tensor_parallel
+        self.placement, self.tensor_parallel = placement, tensor_parallel
         self.actors, self._pg, self.started_ray = [], None, False
-        self.setup_results: list = []
-        self.rank_nodes: list[tuple[str, str]] = []
-        self.lost_nodes: list[dict] = []
-        self.bytes_exchanged = 0
-        self._worker: tuple[type, list[dict], str] | None = None
         self._in_flight: tuple[list, int] | None = None  # `send`'s refs and request bytes
         if not ray.is_initialized():
             source = "--address" if address else "RAY_ADDRESS"
@@ -341,23 +336,13 @@ class RayRankGroup:
                                           init_method, self.timeout_s, self.rank_nodes)
         return self.setup_results
 
-    def call(self, method: str, per_rank_args: list[tuple], what: str | None = None) -> list:
-        """Arguments shared by several ranks (the same object) go to the object store once."""
+    def send(self, method: str, per_rank_args: list[tuple]) -> None:
+        """The requests of `call` without waiting for the results (`gather` collects them). Arguments
+        shared by several ranks (the same object) go to the object store once."""
         shared, refs, sent = {}, [], 0
         for actor, args in zip(self.actors, per_rank_args, strict=True):
             sent += len(pickle.dumps(args))
             args = tuple(self._shared(arg, per_rank_args, shared) for arg in args)
-            refs.append(actor.call.remote(method, *args))
-        results = self._get(refs, what or method)
-        # What Ray serialises for these calls: their arguments and results, pickled.
-        self.bytes_exchanged += sent + sum(len(pickle.dumps(r)) for r in results)
-        return results
-
-    def send(self, method: str, per_rank_args: list[tuple]) -> None:
-        """The requests of `call` without waiting for the results (`gather` collects them)."""
-        refs, sent = [], 0
-        for actor, args in zip(self.actors, per_rank_args, strict=True):
-            sent += len(pickle.dumps(args))
             refs.append(actor.call.remote(method, *args))
         self._in_flight = (refs, sent)
 
@@ -379,6 +364,7 @@ class RayRankGroup:
         refs, sent = self._in_flight
         self._in_flight = None
         results = self._get(refs, what)
+        # What Ray serialises for these calls: their arguments and results, pickled.
         self.bytes_exchanged += sent + sum(len(pickle.dumps(r)) for r in results)
         return results
 
@@ -393,9 +379,6 @@ class RayRankGroup:
                 shared[id(arg)] = self._ray.put(arg)
             return shared[id(arg)]
         return arg
-
-    def call_all(self, method: str, *args, what: str | None = None) -> list:
-        return self.call(method, [args] * self.world_size, what)
 
     def _get(self, refs: list, what: str) -> list:
         """The results of `refs` (one per rank, in rank order), waiting at most the pipeline timeout.
@@ -452,12 +435,6 @@ class RayRankGroup:
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None
-
-    def restart(self, rank_kwargs: list[dict] | None = None) -> None:
-        """Fresh actors and process group on the same Ray instance."""
-        worker_cls, last_kwargs, device = self._worker
-        self._stop_actors()
-        self.start(worker_cls, rank_kwargs or last_kwargs, device=device)
 
     def stop(self, graceful: bool = True) -> None:
         """Kill the actors, free the placement group and stop a Ray instance this group started.

@@ -1,0 +1,231 @@
+"""`--launcher local`: a `RankGroup` (`rank_group`) of one process per rank on this machine,
+answering the driver's requests over a pipe.
+
+Each rank builds its worker and joins the process group (`worker.join_process_group(init_method,
+world_size)`); the setup result is its first reply, or ("refused", one line) when the set-up raises
+ValueError, or ("error", traceback). When several ranks fail, the cause is raised, not what follows
+from it: a rank that exits after replying is its reply, not a death, and once one rank has reported
+a failure the others get FAILURE_GRACE_S to report theirs; then a refusal wins, then a rank gone
+without a word, then an error, lowest rank first in each. `bytes_exchanged` counts what crossed
+between the driver and the ranks (pickled requests and replies), so engines can report it per step.
+
+The process group's ranks rendezvous through a file in a temporary folder (no port hunting) and
+ignore Ctrl-C: the driver, which receives it too, stops them.
+
+Rank processes are forked from multiprocessing's fork server, which imports torch and the worker's
+module once per driver: a spawned rank spent about 2 s of CPU importing them before it did anything,
+at every start and every restart. The server is a clean single-threaded process started on demand
+(not a fork of the driver, which may hold threads and locks), so a rank is what a spawned one would
+be with those imports done. Each rank takes the driver's environment as it is when the rank starts
+(the server's own is the driver's at the server's start).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from multiprocessing.reduction import ForkingPickler
+
+from attnres_pp.launch import rank_group
+from attnres_pp.launch.rank_group import RankGroupBase
+from attnres_pp.pipeline.errors import WorkerLost
+
+# What the fork server imports before it forks any rank: what every rank imports first.
+_PRELOAD = ["torch", "torch.distributed"]
+
+
+def rank_context(worker_module: str):
+    """The multiprocessing context rank processes start from: the fork server, preloaded with torch
+    and `worker_module` (the preload list is read when the server starts, once per process)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(dict.fromkeys([*_PRELOAD, worker_module])))
+    return ctx
+
+
+def _serve_rank(rank: int, init_method: str, world_size: int, conn, worker_cls: type, kwargs: dict,
+                environ: dict[str, str]) -> None:
+    """Rank-process body: take the driver's environment, build the worker and join the group (the
+    setup result is the first reply; a ValueError in the set-up is ("refused", its one-line
+    message)), then answer requests with ("ok", result) or ("error", traceback) until "close",
+    which closes the worker."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.clear()
+    os.environ.update(environ)
+    try:
+        worker = worker_cls(**kwargs)
+        setup_result = worker.join_process_group(init_method, world_size)
+        conn.send(("ok", setup_result))
+    except ValueError as error:  # a setting or resource this rank refuses, said in one line (no room in /dev/shm)
+        conn.send(("refused", " ".join(str(error).split())))
+        return
+    except Exception:  # report any setup failure to the driver rather than dying silently
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        method, args = conn.recv()
+        if method == "close":
+            worker.close()
+            conn.send(("ok", None))
+            return
+        try:
+            conn.send(("ok", getattr(worker, method)(*args)))
+        except Exception:  # the driver raises it with the rank's traceback
+            conn.send(("error", traceback.format_exc()))
+
+
+class ProcessRankGroup(RankGroupBase):
+    """One process per rank on this machine (forked from the preloaded fork server), answering requests
+    over a pipe."""
+
+    def __init__(self, world_size: int, timeout_s: float, *, name: str) -> None:
+        super().__init__(world_size, timeout_s)
+        self.name = name
+        self.conns, self.procs = [], []
+        self._rendezvous_dir: str | None = None
+
+    def start(self, worker_cls: type, rank_kwargs: list[dict], *, device: str = "cpu") -> list:
+        self._worker = (worker_cls, rank_kwargs, device)
+        self._rendezvous_dir = tempfile.mkdtemp(prefix=f"{self.name}-rdzv-")
+        init_method = f"file://{self._rendezvous_dir}/rendezvous"
+        ctx = rank_context(worker_cls.__module__)
+        try:
+            for rank in range(self.world_size):
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_serve_rank, name=f"{self.name}-rank{rank}", daemon=True,
+                                   args=(rank, init_method, self.world_size, child, worker_cls, rank_kwargs[rank],
+                                         dict(os.environ)))
+                proc.start()
+                self.conns.append(parent)
+                self.procs.append(proc)
+            self.setup_results = self.gather("setup")
+        except BaseException:
+            self.stop(graceful=False)
+            raise
+        return self.setup_results
+
+    def gather(self, what: str) -> list:
+        """The replies to the last `send` (or the set-up), in rank order, waiting at most timeout_s (+
+        start-up slack) for each. A rank that fails or exits is reported by `_raise_first_cause`,
+        which reads every reply first."""
+        replies: list[tuple[str, object] | None] = [None] * len(self.conns)
+        deadline = time.monotonic() + self.timeout_s + 30.0
+        for rank, conn in enumerate(self.conns):
+            while replies[rank] is None:
+                if conn.poll(0.2):
+                    replies[rank] = self._read(rank, what)
+                elif any(not proc.is_alive() for proc in self.procs):
+                    # Any exit ends the wait (the others may be blocked on it until their timeout).
+                    self._raise_first_cause(replies, what)
+                elif time.monotonic() > deadline:
+                    raise WorkerLost(rank, f"rank {rank} did not answer {what} within {self.timeout_s:.0f} s")
+            if replies[rank][0] != "ok":
+                self._raise_first_cause(replies, what)
+        return [value for _status, value in replies]
+
+    def _read(self, rank: int, what: str) -> tuple[str, object]:
+        """Rank `rank`'s next reply, which has arrived: (status, value), or ("lost", why) when the
+        rank's end of the pipe is gone."""
+        try:
+            message = self.conns[rank].recv_bytes()
+        except (EOFError, ConnectionResetError):
+            # A rank that dies with a request unread resets its end of the pipe rather than closing it.
+            return "lost", f"rank {rank} closed its pipe during {what}"
+        self.bytes_exchanged += len(message)
+        return ForkingPickler.loads(message)
+
+    def _read_arrived(self, replies: list, what: str) -> None:
+        """Read every reply that has arrived and is not read yet: a rank that has exited may have
+        left one, its report of why it stopped."""
+        for rank, conn in enumerate(self.conns):
+            if replies[rank] is None:
+                try:
+                    arrived = conn.poll(0)
+                except (EOFError, ConnectionResetError, OSError):
+                    arrived = True  # `_read` names the closed pipe
+                if arrived:
+                    replies[rank] = self._read(rank, what)
+
+    def _raise_first_cause(self, replies: list, what: str) -> None:
+        """A rank has failed or exited: raise the cause, not its consequences. The replies that have
+        arrived are read first, so an exit after a report is the report. Once a rank has reported a
+        failure the others get FAILURE_GRACE_S to report theirs (ranks that refuse together reply
+        moments apart, in any order). Then, lowest rank first: a refusal (ValueError, the one line
+        that names the fix), a rank gone without a report (WorkerLost: the others' errors follow from
+        it), a rank's error (RuntimeError with its traceback)."""
+        self._read_arrived(replies, what)
+        if any(reply is not None and reply[0] in ("refused", "error") for reply in replies):
+            grace_ends = time.monotonic() + rank_group.FAILURE_GRACE_S
+            while time.monotonic() < grace_ends and not all(
+                    reply is not None or not proc.is_alive() for reply, proc in zip(replies, self.procs, strict=True)):
+                time.sleep(0.05)
+                self._read_arrived(replies, what)
+            self._read_arrived(replies, what)
+        errors = [(rank, reply[1]) for rank, reply in enumerate(replies) if reply is not None and reply[0] == "error"]
+        detail = "".join(f"\nrank {rank} then failed with:\n{value}" for rank, value in errors[:1])
+        for rank, reply in enumerate(replies):
+            if reply is not None and reply[0] == "refused":  # a ValueError, so the CLI prints it as one `error:` line
+                raise ValueError(f"rank {rank} refused to start: {reply[1]}")
+        for rank, (reply, proc) in enumerate(zip(replies, self.procs, strict=True)):
+            if reply is not None and reply[0] == "error":
+                continue
+            if not proc.is_alive():  # gone without a report (its pipe closed with it, or after an answer)
+                raise WorkerLost(rank, f"rank {rank} exited (code {proc.exitcode}) during {what}{detail}")
+            if reply is not None and reply[0] == "lost":  # its pipe reset before its exit is seen
+                raise WorkerLost(rank, f"{reply[1]}{detail}")
+        if errors:
+            rank, value = errors[0]
+            raise RuntimeError(f"rank {rank} failed during {what}:\n{value}")
+
+    def _raise_if_a_rank_died(self, what: str) -> None:
+        for rank, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                raise WorkerLost(rank, f"rank {rank} exited (code {proc.exitcode}) during {what}")
+
+    def send(self, method: str, per_rank_args: list[tuple]) -> None:
+        """The requests of `call` without waiting for the replies (`gather` collects them)."""
+        for conn, args in zip(self.conns, per_rank_args, strict=True):
+            # What conn.send does, with the bytes counted (`bytes_exchanged`).
+            message = ForkingPickler.dumps((method, args))
+            self.bytes_exchanged += len(message)
+            try:
+                conn.send_bytes(message)
+            except (BrokenPipeError, ConnectionResetError):
+                self._raise_if_a_rank_died(method)
+                raise
+
+    def replied(self) -> bool:
+        """Whether `gather` would return or raise at once: every rank has replied, or one is dead."""
+        return all(conn.poll(0) for conn in self.conns) or any(not proc.is_alive() for proc in self.procs)
+
+    def stop_ranks(self) -> None:
+        """Stop every rank at once (some may be blocked on a lost peer)."""
+        self.stop(graceful=False)
+
+    def stop(self, graceful: bool) -> None:
+        if graceful:
+            for conn, proc in zip(self.conns, self.procs, strict=True):
+                if proc.is_alive():
+                    try:
+                        conn.send(("close", ()))
+                    except (BrokenPipeError, OSError):
+                        pass
+        for proc in self.procs:
+            if graceful:
+                proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
+        self.conns, self.procs = [], []
+        if self._rendezvous_dir is not None:
+            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+            self._rendezvous_dir = None

@@ -1,0 +1,114 @@
+"""How a driver starts and talks to the ranks of a pipeline, whoever hosts them: the `RankGroup`
+interface that training (`train.pipeline_engine`, `train.ft_engine`) and generation
+(`generate.engines`) use alone, and `RankGroupBase`, what its three implementations do the same way.
+The implementations: `process_rank_group` (one local process per rank, `--launcher local`),
+`thread_rank_group` (every rank a thread of this process, `--launcher inprocess`) and
+`ray_rank_group` (one Ray actor per rank, `--launcher ray`); `launchers.make_rank_group` gives the
+one a launcher names.
+
+A group hosts one worker per rank (a `rank_host.RankHost`): `start(worker_cls, rank_kwargs,
+device=...)` builds `worker_cls(**rank_kwargs[rank])` on every rank and joins them
+(`worker.join_process_group(init_method, world_size)` for processes and actors,
+`worker.join_threads(...)` for threads); what each rank's join returns is `setup_results`. Then
+`call(method, per_rank_args)` runs `worker.method(*per_rank_args[rank])` on every rank at once and
+returns the results in rank order; `send` and `gather` are its two halves, for a driver that steps
+several groups at once.
+
+Every wait is bounded by the pipeline timeout (plus start-up slack): a rank that dies or stops
+answering is WorkerLost naming it, a rank whose set-up raises ValueError is one line (`rank R
+refused to start: ...`, a ValueError, so the CLI prints it as `error:`), any other failure a
+RuntimeError carrying the rank's traceback. When several ranks fail, the cause is raised, not what
+follows from it: a refusal first, then a rank lost without a word, then an error, lowest rank first
+in each (see each group's gather).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+# Once a rank has reported a failure, how long the others get to report theirs before the driver names
+# the cause: ranks that refuse together (a full /dev/shm) reply moments apart, in any order, and the
+# lowest rank's report is the one raised whichever arrived first.
+FAILURE_GRACE_S = 3.0
+
+
+class RankGroup(Protocol):
+    """What engines and generators need of the ranks, whoever hosts them."""
+
+    world_size: int
+    one_process: bool  # every rank in the driver's process (the device rules for one process apply)
+    spans_nodes: bool  # ranks may run on several nodes: `rank_nodes` and `lost_nodes` are meaningful
+    where: str  # where `gpus()` counts, for the device decision's messages
+    setup_results: list  # each rank's join result, in rank order
+    bytes_exchanged: int  # driver <-> rank traffic so far, both directions
+    rank_nodes: list[tuple[str, str]]  # (node id, node address) per rank, where the group knows them
+    lost_nodes: list[dict]  # each rank lost so far: rank, node, address and what it was doing
+
+    def gpus(self) -> int | None:
+        """GPUs the ranks can have (None: this machine's, as the driver counts them)."""
+
+    def driver_address(self) -> str | None:
+        """The driver's node address as ranks on other nodes reach it (None: every rank is on this host)."""
+
+    def start(self, worker_cls: type, rank_kwargs: list[dict], *, device: str) -> list:
+        """Build and join one worker per rank on `device` ("cpu" or "cuda"); returns `setup_results`."""
+
+    def call(self, method: str, per_rank_args: list[tuple], what: str | None = None) -> list:
+        """`worker.method(*per_rank_args[rank])` on every rank; `what` names the call in errors."""
+
+    def call_all(self, method: str, *args, what: str | None = None) -> list:
+        """`worker.method(*args)` on every rank."""
+
+    def send(self, method: str, per_rank_args: list[tuple]) -> None:
+        """The requests of `call` without waiting for the replies (`gather` collects them)."""
+
+    def replied(self) -> bool:
+        """Whether `gather` would return or raise without waiting: every rank has replied, or one failed."""
+
+    def gather(self, what: str) -> list:
+        """The replies to the last `send`, in rank order (raising as `call` does)."""
+
+    def stop_ranks(self) -> None:
+        """Stop every rank at once (survivors may be blocked on a lost one); the group can `start` again."""
+
+    def restart(self, rank_kwargs: list[dict] | None = None) -> None:
+        """Stop every rank and start fresh workers, with `rank_kwargs` or the last ones."""
+
+    def stop(self, graceful: bool) -> None:
+        """graceful: let each live worker close (leave its process group) first. Safe to call twice."""
+
+
+class RankGroupBase:
+    """What every rank group does alike: its bookkeeping, `call` as `send` then `gather`, `call_all`,
+    `restart`. A subclass provides `start`, `send`, `replied`, `gather`, `stop_ranks` and `stop`,
+    and records `(worker_cls, rank_kwargs, device)` in `_worker` when it starts."""
+
+    one_process = False
+    spans_nodes = False
+    where = "on this node"
+
+    def __init__(self, world_size: int, timeout_s: float) -> None:
+        self.world_size, self.timeout_s = world_size, timeout_s
+        self.bytes_exchanged = 0
+        self.setup_results: list = []
+        self.rank_nodes: list[tuple[str, str]] = []
+        self.lost_nodes: list[dict] = []
+        self._worker: tuple[type, list[dict], str] | None = None
+
+    def gpus(self) -> int | None:
+        return None
+
+    def driver_address(self) -> str | None:
+        return None
+
+    def call(self, method: str, per_rank_args: list[tuple], what: str | None = None) -> list:
+        self.send(method, per_rank_args)
+        return self.gather(what or method)
+
+    def call_all(self, method: str, *args, what: str | None = None) -> list:
+        return self.call(method, [args] * self.world_size, what)
+
+    def restart(self, rank_kwargs: list[dict] | None = None) -> None:
+        worker_cls, last_kwargs, device = self._worker
+        self.stop_ranks()
+        self.start(worker_cls, rank_kwargs or last_kwargs, device=device)
