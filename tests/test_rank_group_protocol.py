@@ -14,6 +14,7 @@ from attnres_pp.launch.process_rank_group import ProcessRankGroup
 from attnres_pp.launch.rank_group import RankGroup
 from attnres_pp.launch.ray_rank_group import RayRankGroup
 from attnres_pp.launch.thread_rank_group import ThreadRankGroup
+from attnres_pp.launch.torchrun_rank_group import TorchrunRankGroup
 
 
 def _declared_methods() -> set[str]:
@@ -25,7 +26,7 @@ def test_the_protocol_declares_what_the_engines_call():
             "driver_address"} <= _declared_methods()
 
 
-@pytest.mark.parametrize("group_cls", [ProcessRankGroup, ThreadRankGroup, RayRankGroup])
+@pytest.mark.parametrize("group_cls", [ProcessRankGroup, ThreadRankGroup, RayRankGroup, TorchrunRankGroup])
 def test_every_rank_group_has_every_declared_method(group_cls):
     missing = sorted(name for name in _declared_methods() if not callable(getattr(group_cls, name, None)))
     assert not missing, f"{group_cls.__name__} lacks {missing}"

@@ -36,6 +36,7 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import NoReturn
 
+from attnres_pp.launch.rank_group import RankGroupBase
 from attnres_pp.launch.torchrun_channel import (
     SLACK_S,
     ControlError,
@@ -85,12 +86,11 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-class TorchrunRankGroup:
+class TorchrunRankGroup(RankGroupBase):
     """The ranks of this torchrun job, seen from rank 0: its own worker on a thread of this process,
-    the others over the control channel. `pipe` is the run's PipelineConfig."""
+    the others over the control channel. `pipe` is the run's PipelineConfig. Only torchrun starts
+    its processes, so `restart` and `stop_ranks` refuse: a lost rank ends the run."""
 
-    one_process = False
-    spans_nodes = False
     where = "on each node (torchrun's LOCAL_WORLD_SIZE ranks)"
 
     def __init__(self, pipe, *, environ=None) -> None:
@@ -98,11 +98,8 @@ class TorchrunRankGroup:
         self.env = TorchrunEnv.from_environ(environ)
         if self.env.rank != 0:
             raise ValueError(f"rank {self.env.rank} serves rank 0's calls (serve_rank); only rank 0 drives the run")
-        self.pipe, self.world_size, self.timeout_s = pipe, pipe.world_size, pipe.timeout_s
-        self.bytes_exchanged = 0  # what crossed the control channel, both directions
-        self.setup_results: list = []
-        self.rank_nodes: list[tuple[str, str]] = []
-        self.lost_nodes: list[dict] = []
+        super().__init__(pipe.world_size, pipe.timeout_s)  # bytes_exchanged: the control channel's, both ways
+        self.pipe = pipe
         self._conns: dict[int, Connection] = {}
         self._thread: WorkerThread | None = None
         self._doing: str | None = None  # the call in flight, for the lines that name a lost rank
@@ -128,15 +125,21 @@ class TorchrunRankGroup:
         self.setup_results = self.call("start", start, what="setup")
         return self.setup_results
 
-    def call(self, method: str, per_rank_args: list[tuple], what: str | None = None) -> list:
-        what = what or method
-        self._doing = what
+    def send(self, method: str, per_rank_args: list[tuple]) -> None:
+        self._doing = method
         for rank, conn in self._conns.items():
             try:
                 self.bytes_exchanged += _send(conn, (method, per_rank_args[rank]))
             except OSError:
-                raise self._lost(rank, what) from None
+                raise self._lost(rank, method) from None
         self._thread.submit(method, per_rank_args[0])
+
+    def replied(self) -> bool:
+        """Whether every rank's reply (or a closed connection) is waiting."""
+        return all(conn.poll(0) for conn in self._conns.values()) and self._thread.done.poll(0)
+
+    def gather(self, what: str) -> list:
+        self._doing = what
         try:
             replies = self._gather(what)
         except BaseException:
@@ -144,9 +147,6 @@ class TorchrunRankGroup:
             raise
         self._doing = None
         return [replies[rank] for rank in range(self.world_size)]
-
-    def call_all(self, method: str, *args, what: str | None = None) -> list:
-        return self.call(method, [args] * self.world_size, what)
 
     def _gather(self, what: str) -> dict:
         """Every rank's reply to the call in flight, waiting at most timeout_s (+ slack); a closed
@@ -237,6 +237,9 @@ class TorchrunRankGroup:
     def restart(self, rank_kwargs: list[dict] | None = None) -> None:
         raise RuntimeError("torchrun's processes are restarted by torchrun (torchrun --max-restarts), not from "
                            "inside the job")
+
+    def stop_ranks(self) -> None:
+        raise RuntimeError("torchrun's processes are stopped and started by torchrun, not from inside the job")
 
     def stop(self, graceful: bool = True) -> None:
         """Close every rank; after a failed call (ranks may be blocked on a lost peer) without waiting."""
