@@ -5,8 +5,6 @@ up to float rounding, the same as m = 1)."""
 
 from __future__ import annotations
 
-import sys
-
 import torch
 
 from attnres_pp.comm.partition import make_partition
@@ -17,22 +15,24 @@ from attnres_pp.model.routing import RoutingProbe, attach_probe, routing_metrics
 from attnres_pp.pipeline.chunk import PipelineChunk
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.pipeline.memory_meter import ActivationMeter
-from attnres_pp.train.background_save import ONE_PROCESS_TIMEOUT_S, BackgroundSave
+from attnres_pp.train.background_save import ONE_PROCESS_TIMEOUT_S
 from attnres_pp.train.config import TrainConfig
-from attnres_pp.train.faults import rehearse_rank_kill
 from attnres_pp.train.loop import StepResult
 from attnres_pp.train.memory_report import grad_bytes, memory_entry
 from attnres_pp.train.optim import build_optimizer, optimizer_step
-from attnres_pp.train.shards import load_shard, rng_stream, save_shard, shard_state
+from attnres_pp.train.shard_saves import ShardSaves
+from attnres_pp.train.shards import rng_stream
 
 
-class SingleProcessEngine:
+class SingleProcessEngine(ShardSaves):
     """Implements the `Engine` protocol of `attnres_pp.train.loop` in one process.
 
     Sets this process's torch thread count to `train_cfg.threads`; the initial weights are a function
     of `train_cfg.seed` and each parameter's name (`model.layers.init_weights`; drawn on the CPU,
     then moved: the same weights on any device). `train_cfg.device` "auto" takes the GPU if one is
     visible; `self.train_cfg` holds the resolved device, dtype and kernels."""
+
+    timeout_s = ONE_PROCESS_TIMEOUT_S  # bounds a background checkpoint write
 
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, *, corpus: Corpus | None = None) -> None:
         torch.set_num_threads(train_cfg.threads)
@@ -53,7 +53,6 @@ class SingleProcessEngine:
             self._whole = PipelineChunk(self.model, make_partition(model_cfg.n_layers, 1, 1), 0,
                                         self.model.stream_convs, train_cfg.activation_checkpoint)
         self.memory = ActivationMeter()  # what the forwards save for backward (docs/spec.md section 8)
-        self.background_save: BackgroundSave | None = None  # --async-checkpoint's write in flight
 
     @property
     def corpus(self) -> Corpus:
@@ -118,32 +117,25 @@ class SingleProcessEngine:
         self.model.train()
         return routing_metrics([probe.token_sums()])
 
+    # The engine's checkpoint calls are this process's rank's (`ShardSaves`): the whole model, one shard.
     def save_checkpoint(self, step_dir) -> None:
-        """The whole model as one shard, in the format every engine reads (see train.shards)."""
-        state = shard_state(self.model, dict(self.model.named_parameters()), self.optimizer, self.rng_stream)
-        save_shard(step_dir, state, distributed=False)
-        rehearse_rank_kill(step_dir, 0)  # this process is rank 0 (and the driver)
+        self.save_shard(step_dir)
 
     def begin_checkpoint(self, step_dir) -> float:
-        """`save_checkpoint` in the background (`train.background_save`); returns the seconds it blocked."""
-        if self.background_save is None:
-            self.background_save = BackgroundSave(ONE_PROCESS_TIMEOUT_S)
-        state = shard_state(self.model, dict(self.model.named_parameters()), self.optimizer, self.rng_stream)
-        return self.background_save.begin(step_dir, state, distributed=False,
-                                          on_written=lambda: rehearse_rank_kill(step_dir, 0))
+        return self.begin_save(step_dir)
 
     def checkpoint_written(self) -> bool:
-        return self.background_save is None or self.background_save.written()
+        return self.save_written()
 
     def finish_checkpoint(self) -> None:
-        if self.background_save is not None:
-            self.background_save.wait()
+        self.finish_save()
 
     def load_checkpoint(self, step_dir) -> None:
-        note = load_shard(step_dir, self.model, dict(self.model.named_parameters()), self.optimizer, self.rng_stream,
-                          distributed=False)
-        if note is not None:
-            print(f"note: {note}", file=sys.stderr, flush=True)
+        self.load_shard(step_dir)
+
+    @property
+    def params(self) -> dict:
+        return dict(self.model.named_parameters())
 
     @property
     def rng_stream(self) -> str:

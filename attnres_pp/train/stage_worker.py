@@ -24,7 +24,6 @@ with CUDA events and steps a fused AdamW. Under NCCL's point-to-point rules (the
 from __future__ import annotations
 
 import socket
-import sys
 from pathlib import Path
 
 import torch
@@ -47,22 +46,23 @@ from attnres_pp.schedule.forward_schedule import forward_only_schedule
 from attnres_pp.schedule.validate_nccl import check_nccl
 from attnres_pp.train.background_save import BackgroundSave
 from attnres_pp.train.config import RunConfig, resolve_training
-from attnres_pp.train.faults import lose_this_rank, rehearse_rank_kill
+from attnres_pp.train.faults import lose_this_rank
 from attnres_pp.train.grad_norm import norm_groups, norm_reducer
 from attnres_pp.train.grad_sync import ensure_grads, sync_gradients
 from attnres_pp.train.memory_report import grad_bytes, memory_entry, peak_rss_bytes, transport_buffer_bytes
 from attnres_pp.train.optim import build_optimizer, optimizer_step
 from attnres_pp.train.rank_data import MicrobatchLists, RankData
-from attnres_pp.train.shards import load_shard, rng_stream, save_shard, shard_state
+from attnres_pp.train.shard_saves import ShardSaves
+from attnres_pp.train.shards import rng_stream
 from attnres_pp.train.step_stats import StepReply
-from attnres_pp.train.tp_rank import RankTensorParallel, held_over_tp, is_split, whole_dtensors
+from attnres_pp.train.tp_rank import RankTensorParallel, held_over_tp, is_split
 
 # A driver-fed batch for one rank: its replica's rows of (inputs, targets), either half None when
 # the rank does not need it. Only tests and benchmarks feed batches; training runs read their own.
 RankBatch = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
-class StageWorker(RankHost):
+class StageWorker(ShardSaves, RankHost):
     """One training rank, hosted by a rank group through the `RankHost` contract."""
 
     def __init__(self, run_cfg_dict: dict, rank: int, *, corpus: Corpus | None = None, data_path: str | None = None,
@@ -338,57 +338,6 @@ class StageWorker(RankHost):
         return sums
 
     # ---- checkpoints and the run directory ----
-    def save_shard(self, step_dir: str) -> None:
-        """Write this rank's part of checkpoint `step_dir` (DCP; every rank calls this together).
-        Thread ranks hand their states to rank 0, which writes them as one (replicas' equal copies once).
-        The files are fsynced before this returns (`save_shard`), so a rank reports done only once
-        its part is on disk."""
-        state = shard_state(self.model, self.params, self.optimizer, self.rng_stream)
-        if self.peers is None:
-            save_shard(step_dir, state, distributed=self.distributed)
-        else:
-            states = self.peers.gather(self.rank, whole_dtensors(state))
-            if states is not None:
-                merged: dict = {}
-                for rank_state in states:
-                    merged.update(rank_state)
-                save_shard(step_dir, merged, distributed=False)
-        rehearse_rank_kill(step_dir, self.rank)
-
-    def begin_save(self, step_dir: str) -> float:
-        """`save_shard` in the background (`--async-checkpoint`, `train.background_save`): returns once
-        this rank's state is copied, with the seconds it blocked. Thread ranks hand their states to
-        rank 0, whose write carries them all."""
-        if self.background_save is None:
-            self.background_save = BackgroundSave(self.run_cfg.pipeline.timeout_s)
-        state = shard_state(self.model, self.params, self.optimizer, self.rng_stream)
-        if self.peers is not None:
-            states = self.peers.gather(self.rank, whole_dtensors(state))
-            if states is None:
-                return 0.0
-            state = {key: value for rank_state in states for key, value in rank_state.items()}
-        return self.background_save.begin(step_dir, state, distributed=self.distributed and self.peers is None,
-                                          on_written=lambda: rehearse_rank_kill(step_dir, self.rank))
-
-    def save_written(self) -> bool:
-        """Whether this rank has no checkpoint write in flight."""
-        return self.background_save is None or self.background_save.written()
-
-    def finish_save(self) -> None:
-        """Wait for this rank's checkpoint write in flight (bounded; a failed write raises)."""
-        if self.background_save is not None:
-            self.background_save.wait()
-
-    def load_shard(self, step_dir: str) -> str | None:
-        """Load this rank's parameters, optimizer state and RNG state from checkpoint `step_dir`, whatever
-        split wrote it (every rank calls this together). The RNG state is its stream's (`rng_stream`):
-        where the checkpoint has none, this rank keeps its own and says so on stderr (and returns it)."""
-        note = load_shard(step_dir, self.model, self.params, self.optimizer, self.rng_stream,
-                          distributed=self.distributed)
-        if note is not None:
-            print(f"note: rank {self.rank}: {note}", file=sys.stderr, flush=True)
-        return note
-
     @property
     def rng_stream(self) -> str:
         """What this rank's RNG state belongs to: its replica and the layers of its chunks."""

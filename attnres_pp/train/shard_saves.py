@@ -1,0 +1,72 @@
+"""ShardSaves: one rank's part of a checkpoint, written at once or in the background and read back,
+shared by the rank workers (`StageWorker`) and the one-process engine (`SingleProcessEngine`), which
+is rank 0 alone. A host provides `model`, `params` (by whole-model name), `optimizer`,
+`rng_stream`, `rank`, `distributed` (in a torch.distributed group), `peers` (the thread ranks of
+this process, or None) and `timeout_s` (bounding a background write); `background_save` starts None."""
+
+from __future__ import annotations
+
+import sys
+
+from attnres_pp.train.background_save import BackgroundSave
+from attnres_pp.train.faults import rehearse_rank_kill
+from attnres_pp.train.shards import load_shard, save_shard, shard_state
+from attnres_pp.train.tp_rank import whole_dtensors
+
+
+class ShardSaves:
+    background_save: BackgroundSave | None = None
+    distributed = False
+    peers = None
+    rank = 0
+
+    def save_shard(self, step_dir: str) -> None:
+        """Write this rank's part of checkpoint `step_dir` (DCP; every rank calls this together).
+        Thread ranks hand their states to rank 0, which writes them as one (replicas' equal copies once).
+        The files are fsynced before this returns (`save_shard`), so a rank reports done only once
+        its part is on disk."""
+        state = shard_state(self.model, self.params, self.optimizer, self.rng_stream)
+        if self.peers is None:
+            save_shard(step_dir, state, distributed=self.distributed)
+        else:
+            states = self.peers.gather(self.rank, whole_dtensors(state))
+            if states is not None:
+                merged: dict = {}
+                for rank_state in states:
+                    merged.update(rank_state)
+                save_shard(step_dir, merged, distributed=False)
+        rehearse_rank_kill(step_dir, self.rank)
+
+    def begin_save(self, step_dir: str) -> float:
+        """`save_shard` in the background (`--async-checkpoint`, `train.background_save`): returns once
+        this rank's state is copied, with the seconds it blocked. Thread ranks hand their states to
+        rank 0, whose write carries them all."""
+        if self.background_save is None:
+            self.background_save = BackgroundSave(self.timeout_s)
+        state = shard_state(self.model, self.params, self.optimizer, self.rng_stream)
+        if self.peers is not None:
+            states = self.peers.gather(self.rank, whole_dtensors(state))
+            if states is None:
+                return 0.0
+            state = {key: value for rank_state in states for key, value in rank_state.items()}
+        return self.background_save.begin(step_dir, state, distributed=self.distributed and self.peers is None,
+                                          on_written=lambda: rehearse_rank_kill(step_dir, self.rank))
+
+    def save_written(self) -> bool:
+        """Whether this rank has no checkpoint write in flight."""
+        return self.background_save is None or self.background_save.written()
+
+    def finish_save(self) -> None:
+        """Wait for this rank's checkpoint write in flight (bounded; a failed write raises)."""
+        if self.background_save is not None:
+            self.background_save.wait()
+
+    def load_shard(self, step_dir: str) -> str | None:
+        """Load this rank's parameters, optimizer state and RNG state from checkpoint `step_dir`, whatever
+        split wrote it (every rank calls this together). The RNG state is its stream's (`rng_stream`):
+        where the checkpoint has none, this rank keeps its own and says so on stderr (and returns it)."""
+        note = load_shard(step_dir, self.model, self.params, self.optimizer, self.rng_stream,
+                          distributed=self.distributed)
+        if note is not None:
+            print(f"note: rank {self.rank}: {note}", file=sys.stderr, flush=True)
+        return note
