@@ -30,9 +30,10 @@ from attnres_pp.train.checkpoint import (
 )
 from attnres_pp.train.config import RunConfig, TrainConfig, merge_tables, read_toml
 from attnres_pp.train.faults import kill_point, parse_failure
-from attnres_pp.train.loop import check_resume, nothing_to_do, run_training
+from attnres_pp.train.loop import run_training
 from attnres_pp.train.metadata_pickle import CheckpointRefused
 from attnres_pp.train.recovery import RunFailed
+from attnres_pp.train.resume import check_resume, nothing_to_do
 from attnres_pp.train.tensorboard import check_tensorboard
 
 

@@ -15,7 +15,6 @@ A run on a data folder keeps a copy of the folder's tokenizer.json in its run di
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -30,18 +29,16 @@ from attnres_pp.train.checkpoint import (
     CheckpointConfig,
     PendingCheckpoint,
     begin_checkpoint,
-    check_format,
     check_run_dir,
     latest_checkpoint,
     read_meta,
-    remove_interrupted_saves,
-    restore_replaced_checkpoints,
     save_checkpoint,
 )
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.optim import lr_at
 from attnres_pp.train.rank_data import replica_rows
 from attnres_pp.train.recovery import RunFailed, RunHistory, WorkerLost, describe_rank
+from attnres_pp.train.resume import nothing_to_do, restore, resume
 from attnres_pp.train.summary import MetricsLog, describe_summary, median, progress_line, write_json_atomic
 from attnres_pp.train.tensorboard import TensorBoardLog
 
@@ -114,7 +111,6 @@ def run_training(
     check_run_dir(out_dir, ckpt.resume)
     corpus = corpus if corpus is not None else load_corpus(train_cfg.data)
     corpus.check_fits(vocab_size=run_cfg.model.vocab_size, seq_len=seq_len)
-    tokens_per_step = train_cfg.batch_size * seq_len
     say = print if progress else (lambda *args, **kwargs: None)
     if ckpt.resume:
         idle = nothing_to_do(out_dir, latest_checkpoint(out_dir), train_cfg.steps)
@@ -124,77 +120,107 @@ def run_training(
     keep_tokenizer(corpus, out_dir)
     params = engine.param_count()
     say(f"training {params:,} parameters on {corpus.name} ({corpus.n_tokens:,} tokens) for "
-        f"{train_cfg.steps} steps of {tokens_per_step:,} tokens", flush=True)
-
-    history, last_checkpoint, final_checkpoint = RunHistory(), None, None
-    if ckpt.resume:
-        for name in restore_replaced_checkpoints(out_dir):
-            say(f"restored {name} from {name}.old: a crash came between the renames of a save that replaced it",
-                flush=True)
-        for name in remove_interrupted_saves(out_dir):
-            say(f"removed {name}: a checkpoint save that a crash interrupted", flush=True)
-        last_checkpoint = latest_checkpoint(out_dir)
-        check_resume(read_meta(last_checkpoint), run_cfg, corpus)
-        history = _restore(engine, last_checkpoint, _read_records(out_dir / "metrics.jsonl"))
-        say(f"resuming from {last_checkpoint} (continuing at step {history.steps_done + 1}; "
-            f"{_describe_settings(run_cfg, ckpt)})", flush=True)
-    log = MetricsLog(out_dir / "metrics.jsonl")
-    for record in history.records:
-        log.write(record)
+        f"{train_cfg.steps} steps of {train_cfg.batch_size * seq_len:,} tokens", flush=True)
+    history, last_checkpoint = (resume(engine, run_cfg, ckpt, out_dir, corpus, say) if ckpt.resume
+                                else (RunHistory(), None))
+    saves = _Saves(out_dir, engine, run_cfg, ckpt, corpus, last_checkpoint)
+    log = _metrics_log(out_dir, history)
     tb = TensorBoardLog(tensorboard) if tensorboard else None
     start = time.perf_counter()
-    pending: PendingCheckpoint | None = None  # --async-checkpoint: the save in flight
     try:
         step = history.steps_done
         while step < train_cfg.steps:
             try:
                 record = _train_one_step(engine, run_cfg, step, history)
-                if pending is not None:
-                    record["checkpoint_in_flight"] = True  # this step ran beside a background write
-                    if pending.written(engine):
-                        last_checkpoint, pending = pending.finish(engine), None
+                saves.note_step(record)
                 log.write(record)
                 if tb is not None:
                     tb.write(record, history.extras)
                 say(progress_line(step, train_cfg.steps, record["loss"], record["lr"], record["tokens_per_s"])
                     + (f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""), flush=True)
-                if ckpt.saves_after(step + 1, train_cfg.steps):
-                    meta = checkpoint_meta(run_cfg, ckpt, history, corpus)
-                    if ckpt.async_save:
-                        if pending is not None:  # at most one save in flight: the next waits for it
-                            last_checkpoint, pending = pending.finish(engine), None
-                        pending = begin_checkpoint(out_dir, step + 1, engine, meta, keep=train_cfg.keep_checkpoints)
-                    else:
-                        last_checkpoint = save_checkpoint(out_dir, step + 1, engine, meta,
-                                                          keep=train_cfg.keep_checkpoints)
-                if step + 1 == train_cfg.steps:
-                    if pending is not None:  # the run ends once its last save is complete
-                        last_checkpoint, pending = pending.finish(engine), None
-                    if ckpt.saves_after(step + 1, train_cfg.steps):
-                        final_checkpoint = last_checkpoint
+                saves.after_step(step, history)
             except WorkerLost as lost:
-                pending = None  # the lost ranks' write is gone with them: its .tmp is never committed
-                _restart_or_fail(engine, lost, step, history, last_checkpoint, ckpt, train_cfg.steps, say)
+                saves.lost()
+                _restart_or_fail(engine, lost, step, history, saves.last, ckpt, train_cfg.steps, say)
                 log.close()
-                log = MetricsLog(out_dir / "metrics.jsonl")
-                for kept in history.records:
-                    log.write(kept)
+                log = _metrics_log(out_dir, history)
             step = history.steps_done
     finally:
         log.close()
         if tb is not None:
             tb.close()
+    summary = _summary(run_cfg, history, corpus, params=params, final_checkpoint=saves.final,
+                       wall_time_s=time.perf_counter() - start)
+    write_json_atomic(out_dir / "summary.json", summary)
+    say(f"done: {describe_summary(summary)}; wrote {out_dir / 'summary.json'}"
+        + (f" and {saves.final}" if saves.final else ""), flush=True)
+    return summary
 
-    losses, step_times = history.losses, history.step_times
+
+def _metrics_log(out_dir: Path, history: RunHistory) -> MetricsLog:
+    """metrics.jsonl written anew with the records of `history` (what the run kept)."""
+    log = MetricsLog(out_dir / "metrics.jsonl")
+    for record in history.records:
+        log.write(record)
+    return log
+
+
+class _Saves:
+    """The run's checkpoint cadence: what is saved after each step, at once or in the background
+    (`--async-checkpoint`: at most one write in flight, the next waits for it), the last complete
+    checkpoint (`last`) and the final step's (`final`)."""
+
+    def __init__(self, out_dir: Path, engine: Engine, run_cfg: RunConfig, ckpt: CheckpointConfig, corpus: Corpus,
+                 last: Path | None) -> None:
+        self.out_dir, self.engine, self.run_cfg, self.ckpt, self.corpus = out_dir, engine, run_cfg, ckpt, corpus
+        self.last, self.final = last, None
+        self.pending: PendingCheckpoint | None = None
+
+    def _finish_pending(self) -> None:
+        self.last, self.pending = self.pending.finish(self.engine), None
+
+    def note_step(self, record: dict) -> None:
+        """Mark a step that ran beside a background write, and commit the write once it is done."""
+        if self.pending is not None:
+            record["checkpoint_in_flight"] = True
+            if self.pending.written(self.engine):
+                self._finish_pending()
+
+    def after_step(self, step: int, history: RunHistory) -> None:
+        steps, keep = self.run_cfg.train.steps, self.run_cfg.train.keep_checkpoints
+        saves = self.ckpt.saves_after(step + 1, steps)
+        if saves:
+            meta = checkpoint_meta(self.run_cfg, self.ckpt, history, self.corpus)
+            if self.ckpt.async_save:
+                if self.pending is not None:
+                    self._finish_pending()
+                self.pending = begin_checkpoint(self.out_dir, step + 1, self.engine, meta, keep=keep)
+            else:
+                self.last = save_checkpoint(self.out_dir, step + 1, self.engine, meta, keep=keep)
+        if step + 1 == steps:
+            if self.pending is not None:  # the run ends once its last save is complete
+                self._finish_pending()
+            if saves:
+                self.final = self.last
+
+    def lost(self) -> None:
+        """A rank was lost: its write in flight is gone with it (its .tmp is never committed)."""
+        self.pending = None
+
+
+def _summary(run_cfg: RunConfig, history: RunHistory, corpus: Corpus, *, params: int, final_checkpoint: Path | None,
+             wall_time_s: float) -> dict:
+    """summary.json's contents for a finished run."""
+    step_times = history.step_times
     train_time = sum(step_times)
-    summary = {
-        "losses": losses,
+    return {
+        "losses": history.losses,
         "val_loss": history.val_losses[-1][1],
         "val_losses": history.val_losses,
         "step_time_s": median(step_times),
         "tokens_per_s": history.tokens_seen / train_time if train_time > 0 else None,
         "train_time_s": train_time,
-        "wall_time_s": time.perf_counter() - start,
+        "wall_time_s": wall_time_s,
         "tokens_seen": history.tokens_seen,
         "final_checkpoint": None if final_checkpoint is None else str(final_checkpoint),
         "params": params,
@@ -204,10 +230,6 @@ def run_training(
         "config": run_cfg.to_dict(),
         **history.extras,
     }
-    write_json_atomic(out_dir / "summary.json", summary)
-    say(f"done: {describe_summary(summary)}; wrote {out_dir / 'summary.json'}"
-        + (f" and {final_checkpoint}" if final_checkpoint else ""), flush=True)
-    return summary
 
 
 def _train_one_step(engine: Engine, run_cfg: RunConfig, step: int, history: RunHistory) -> dict:
@@ -253,7 +275,7 @@ def _restart_or_fail(engine: Engine, lost: WorkerLost, step: int, history: RunHi
     say(f"{where}; restarting from {origin} (restart {restarts}/{ckpt.max_restarts})\n  cause: {cause}", flush=True)
     try:
         restart()
-        restored = _restore(engine, last_checkpoint, history.records) if last_checkpoint else None
+        restored = restore(engine, last_checkpoint, history.records) if last_checkpoint else None
     except RuntimeError as again:  # WorkerLost again, or no room for the new workers (a node is gone)
         raise RunFailed(f"{where}; the restart failed too: {again}") from again
     if restored is None:
@@ -262,20 +284,6 @@ def _restart_or_fail(engine: Engine, lost: WorkerLost, step: int, history: RunHi
         history.losses, history.step_times, history.tokens = restored.losses, restored.step_times, restored.tokens
         history.val_losses, history.records = restored.val_losses, restored.records
     history.restarts = restarts
-
-
-def _restore(engine: Engine, step_dir: Path, records: list[dict]) -> RunHistory:
-    """Load `step_dir` into the engine; returns the run history as of that checkpoint."""
-    check_format(step_dir)
-    meta = read_meta(step_dir)
-    history = RunHistory.from_meta(meta, records)
-    position = meta.get("data_position")
-    if position is not None and (position["next_step"], position["tokens_seen"]) != (history.steps_done,
-                                                                                   history.tokens_seen):
-        raise ValueError(f"checkpoint {step_dir} is inconsistent: its data position {position} does not match "
-                         f"{history.steps_done} steps of {history.tokens_seen} tokens")
-    engine.load_checkpoint(step_dir)
-    return history
 
 
 def data_record(corpus: Corpus | None) -> dict:
@@ -322,80 +330,3 @@ def checkpoint_meta(run_cfg: RunConfig, ckpt: CheckpointConfig, history: RunHist
                              for r in range(replicas) for rows in [replica_rows(train.batch_size, replicas, r)]]}
     return {"config": run_cfg.to_dict(), "checkpointing": ckpt.settings(), "final": steps_done == run_cfg.train.steps,
             "data_position": position, **history.to_meta()}
-
-
-def check_resume(meta: dict, run_cfg: RunConfig, corpus: Corpus | None = None, *,
-                 tokenizer_sha256: str | None = None, data: str | None = None, seed: bool = True) -> None:
-    """Raise ValueError if `run_cfg` cannot continue the checkpoint with `meta`: batches are keyed by
-    the seed, so another seed would read another data stream (and other validation batches); a data
-    folder with another tokenizer holds other tokens; and the recorded replica positions must be
-    those of one step of the recorded batch (any D then resumes: each reads its rows of that step).
-    `tokenizer_sha256` and `data` stand for `corpus` where it is not loaded yet; `seed=False` skips
-    the seed (the caller's config is not the run's yet)."""
-    position = meta.get("data_position", {})
-    saved = position.get("seed", meta.get("config", {}).get("train", {}).get("seed"))
-    if seed and saved is not None and saved != run_cfg.train.seed:
-        raise ValueError(f"--seed {run_cfg.train.seed} differs from the checkpoint's seed {saved}: the run's batches "
-                         f"are drawn from the stream of seed {saved}, so resume with --seed {saved} (or drop --seed)")
-    sha = position.get("tokenizer_sha256")
-    if corpus is not None:
-        tokenizer_sha256, data = corpus.tokenizer_sha256, corpus.name
-    if data is not None and sha is not None and tokenizer_sha256 != sha:
-        raise ValueError(f"--data {data} has tokenizer {_short(tokenizer_sha256)}, the checkpoint's "
-                         f"run used tokenizer {_short(sha)} (data {position.get('folder', position.get('data'))}): "
-                         "the tokens would mean other text; resume with that run's data folder")
-    replicas = position.get("replicas")
-    if replicas is not None:
-        batch = position.get("batch_size")
-        ok = isinstance(replicas, list) and all(isinstance(r, dict) for r in replicas) and isinstance(batch, int)
-        spans = [r.get("rows") for r in replicas] if ok else []
-        covered = ok and spans and all(isinstance(x, list) and len(x) == 2 for x in spans) and \
-            spans[0][0] == 0 and spans[-1][1] == batch and \
-            all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
-        same_step = ok and all(r.get("next_step") == position.get("next_step") for r in replicas)
-        if not (covered and same_step):
-            raise ValueError(f"the checkpoint's data position is inconsistent: its replicas {replicas} do not read "
-                             f"one step's batch of {batch} rows; load an earlier checkpoint")
-
-
-def _short(sha: str | None) -> str:
-    return "none" if sha is None else sha if len(sha) <= 16 else sha[:12] + ".."
-
-
-def nothing_to_do(out_dir: Path, step_dir: Path | None, steps: int) -> tuple[str, dict] | None:
-    """When checkpoint `step_dir` has `steps` or more steps done already: (what to tell the user, the
-    run's saved summary, `{}` if it has none or it cannot be read), and the run directory is left
-    as it is. None when there are steps left to train (or no checkpoint)."""
-    if step_dir is None:
-        return None
-    done = int(read_meta(step_dir)["steps_done"])
-    if done < steps:
-        return None
-    lines = [f"nothing to do: {step_dir} has {done} steps done and --steps {steps} asks for no more "
-             f"(give --steps above {done} to train on)"]
-    path = Path(out_dir) / "summary.json"
-    try:
-        summary = json.loads(path.read_text())
-        lines.append(f"the run's summary, kept: {describe_summary(summary)} ({path})")
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
-        summary = {}
-        lines.append(f"no readable {path}: the run stopped before its end; its checkpoints are kept")
-    return "\n".join(lines), summary
-
-
-def _describe_settings(run_cfg: RunConfig, ckpt: CheckpointConfig) -> str:
-    """The settings a resumed run goes on with (saved ones unless a flag overrode them), for the progress line."""
-    train_cfg = run_cfg.train
-    if ckpt.every:
-        saving = f"checkpoint every {ckpt.every} steps" + (" and at the end" if ckpt.final else ", none at the end")
-    else:
-        saving = "checkpoint at the end" if ckpt.final else "no checkpoints"
-    saving += f", keep {train_cfg.keep_checkpoints or 'all'}"
-    evaluating = f"eval every {train_cfg.eval_every} steps" if train_cfg.eval_every else "eval at the end"
-    return f"{saving}, max restarts {ckpt.max_restarts}, {evaluating}, data {train_cfg.data}"
-
-
-def _read_records(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
