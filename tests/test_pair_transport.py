@@ -86,7 +86,7 @@ def test_ranks_are_numbered_node_by_node_so_a_replica_shares_a_node():
     """SPREAD hands bundles out round-robin over nodes; numbering ranks node by node (as Ray Train
     orders workers) keeps each replica's pipeline ranks on one node where the placement allows."""
     from attnres_pp.comm.node_map import RankFacts, shm_pairs
-    from attnres_pp.launch.ray_rank_group import ranks_by_node
+    from attnres_pp.launch.ray_checks import ranks_by_node
 
     bundles = ranks_by_node({0: "a", 1: "b", 2: "a", 3: "b"}, 4)
     assert bundles == [0, 2, 1, 3]  # ranks 0, 1 on node a; ranks 2, 3 on node b

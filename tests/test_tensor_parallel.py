@@ -108,7 +108,7 @@ def test_the_layer_split_refuses_what_it_cannot_split():
 def test_ray_actor_labels_carry_the_tp_coordinate():
     from types import SimpleNamespace
 
-    from attnres_pp.launch.ray_rank_group import actor_label
+    from attnres_pp.launch.ray_checks import actor_label
     from attnres_pp.pipeline.mesh import RankCoords
 
     label = actor_label("StageActor", SimpleNamespace(coords=RankCoords(7, 2, 2, 2)))

@@ -1,8 +1,8 @@
 """What the ray launcher checks before it starts or joins Ray, so that a missing package, an address
 nobody answers at or a placement no node can hold is one `error:` line (ValueError) instead of a
-traceback or a wait that only a timeout ends, and which GPUs each rank of a GPU cluster sees. Pure
-functions: they import no ray and take the cluster's node resources as plain dicts, so they are
-tested without a cluster."""
+traceback or a wait that only a timeout ends, which GPUs each rank of a GPU cluster sees, the order
+of the ranks over the nodes, and how a rank is named in a message. Pure functions: they import no
+ray and take the cluster's node resources as plain dicts, so they are tested without a cluster."""
 
 from __future__ import annotations
 
@@ -165,3 +165,39 @@ def _describe_bundles(bundles: list[dict[str, float]]) -> str:
     if bundles and all(b == bundles[0] for b in bundles):
         return f"{len(bundles)} bundles of {{{_describe(bundles[0])}}}"
     return ", ".join(f"{{{_describe(b)}}}" for b in bundles)
+
+
+class RendezvousError(ValueError):
+    """The ranks' process group did not connect: one line naming the ranks and their addresses (a
+    ValueError, so the CLI prints it as `error:` and exits 2)."""
+
+
+def ranks_by_node(bundle_nodes: dict, n_bundles: int, ranks_per_bundle: int = 1) -> list[int]:
+    """Bundle index of each global rank such that ranks on one node are consecutive, nodes in the
+    order their first bundle comes (as Ray Train orders its workers): a replica's pipeline ranks
+    then share a node where the placement allows, and their hops stay in shared memory. With
+    `ranks_per_bundle` T > 1 a bundle is a tensor-parallel group: global ranks g T .. g T + T - 1
+    (the mesh's tp innermost) all take the g-th bundle of that order."""
+    order: dict = {}
+    for index in range(n_bundles):
+        order.setdefault(bundle_nodes.get(index, bundle_nodes.get(str(index))), []).append(index)
+    return [index for indices in order.values() for index in indices for _ in range(ranks_per_bundle)]
+
+
+def actor_label(name: str, worker) -> str:
+    """`name rank=R (dp d, pp p[, tp t])`: the worker's global rank and, where it has them
+    (`coords`, a `pipeline.mesh.RankCoords`), its mesh coordinates, tp only when T > 1."""
+    coords = getattr(worker, "coords", None)
+    if coords is None:
+        return f"{name} rank={getattr(worker, 'rank', getattr(worker, 'pp_rank', '?'))}"
+    tp = f", tp {coords.tp_rank}" if coords.tensor_parallel > 1 else ""
+    axes = f"dp {coords.dp_rank}, pp {coords.pp_rank}{tp}"
+    return f"{name} rank={coords.rank} ({axes})"
+
+
+def where_rank(rank_nodes: list[tuple[str, str]], rank: int) -> str:
+    """`rank R on node IP (id prefix)`, as far as the group knows the rank's node."""
+    if not rank_nodes or rank < 0 or rank >= len(rank_nodes):
+        return f"rank {rank}"
+    node_id, ip = rank_nodes[rank]
+    return f"rank {rank} on node {ip} ({node_id[:8]})"

@@ -36,11 +36,15 @@ import time
 
 from attnres_pp.launch.rank_group import FAILURE_GRACE_S, RankGroupBase
 from attnres_pp.launch.ray_checks import (
+    RendezvousError,
+    actor_label,
     check_placement,
     check_reachable,
     node_gpu_views,
     placement_bundles,
+    ranks_by_node,
     require_ray,
+    where_rank,
 )
 from attnres_pp.pipeline.config import PLACEMENTS
 from attnres_pp.pipeline.errors import WorkerLost
@@ -50,34 +54,6 @@ from attnres_pp.pipeline.stage_setup import bind_to_address
 # host resets its TCP connections at once, but Ray declares its node dead only after missed health
 # checks (3 s under attnres_lab/netns_host.py's settings, ~30 s under Ray's defaults).
 _DEATH_GRACE_S = 10.0
-
-
-class RendezvousError(ValueError):
-    """The ranks' process group did not connect: one line naming the ranks and their addresses (a
-    ValueError, so the CLI prints it as `error:` and exits 2)."""
-
-
-def ranks_by_node(bundle_nodes: dict, n_bundles: int, ranks_per_bundle: int = 1) -> list[int]:
-    """Bundle index of each global rank such that ranks on one node are consecutive, nodes in the
-    order their first bundle comes (as Ray Train orders its workers): a replica's pipeline ranks
-    then share a node where the placement allows, and their hops stay in shared memory. With
-    `ranks_per_bundle` T > 1 a bundle is a tensor-parallel group: global ranks g T .. g T + T - 1
-    (the mesh's tp innermost) all take the g-th bundle of that order."""
-    order: dict = {}
-    for index in range(n_bundles):
-        order.setdefault(bundle_nodes.get(index, bundle_nodes.get(str(index))), []).append(index)
-    return [index for indices in order.values() for index in indices for _ in range(ranks_per_bundle)]
-
-
-def actor_label(name: str, worker) -> str:
-    """`name rank=R (dp d, pp p[, tp t])`: the worker's global rank and, where it has them
-    (`coords`, a `pipeline.mesh.RankCoords`), its mesh coordinates, tp only when T > 1."""
-    coords = getattr(worker, "coords", None)
-    if coords is None:
-        return f"{name} rank={getattr(worker, 'rank', getattr(worker, 'pp_rank', '?'))}"
-    tp = f", tp {coords.tp_rank}" if coords.tensor_parallel > 1 else ""
-    axes = f"dp {coords.dp_rank}, pp {coords.pp_rank}{tp}"
-    return f"{name} rank={coords.rank} ({axes})"
 
 
 class RankActor:
@@ -157,7 +133,7 @@ def join_results(refs: list, init_method: str, timeout_s: float, rank_nodes: lis
         try:
             ray.get(ref, timeout=1.0)
         except ray.exceptions.RayActorError as error:
-            lost.append(WorkerLost(rank, f"{_where(rank_nodes, rank)} died during process-group setup: {error}"))
+            lost.append(WorkerLost(rank, f"{where_rank(rank_nodes, rank)} died during process-group setup: {error}"))
         except ray.exceptions.RayTaskError as error:
             cause = getattr(error, "cause", None)
             if isinstance(cause, ValueError) and not isinstance(cause, RendezvousError):
@@ -202,14 +178,6 @@ def _wait_for_setup(refs: list, timeout_s: float) -> tuple[list, bool]:
                 if not cut_short:
                     cut_short, deadline = True, min(deadline, time.monotonic() + FAILURE_GRACE_S)
     return ready, cut_short and bool(pending)
-
-
-def _where(rank_nodes: list[tuple[str, str]], rank: int) -> str:
-    """`rank R on node IP (id prefix)`, as far as the group knows the rank's node."""
-    if not rank_nodes or rank < 0 or rank >= len(rank_nodes):
-        return f"rank {rank}"
-    node_id, ip = rank_nodes[rank]
-    return f"rank {rank} on node {ip} ({node_id[:8]})"
 
 
 LOOPBACK = "127.0.0.1"
@@ -401,7 +369,7 @@ class RayRankGroup(RankGroupBase):
             ray.get(refs[rank], timeout=self.timeout_s)
         except ray.exceptions.RayActorError as error:
             self._note_lost(rank, what)
-            raise WorkerLost(rank, f"{_where(self.rank_nodes, rank)} stopped answering (its actor died) during "
+            raise WorkerLost(rank, f"{where_rank(self.rank_nodes, rank)} stopped answering (its actor died) during "
                                    f"{what}: {error}") from error
         except ray.exceptions.RayTaskError as error:
             # A peer's death often shows first as this rank's failed receive: name the dead one.
@@ -413,7 +381,7 @@ class RayRankGroup(RankGroupBase):
                 except ray.exceptions.RayActorError:
                     dead = refs.index(ref)
                     self._note_lost(dead, what)
-                    raise WorkerLost(dead, f"{_where(self.rank_nodes, dead)} stopped answering (its actor died) "
+                    raise WorkerLost(dead, f"{where_rank(self.rank_nodes, dead)} stopped answering (its actor died) "
                                            f"during {what}") from error
                 except Exception:  # another rank's own failure: the first one is reported below
                     pass
