@@ -1,5 +1,8 @@
-"""Pipelined steps over the in-process loopback transport against the single-process model:
-loss and every parameter gradient, for every variant x schedule x (P, V, m), cached and naive."""
+"""What pipelined steps over the in-process loopback transport carry: the wire hops of any placement
+against docs/spec.md section 4's rule and its golden table, the V placement's self-hop, projected
+keys beside their sources, and the block cache's own contract; a hand-built GPipe order on the V
+placement against the single-process model. The parity of every schedule and variant is
+tests/test_parity.py's curated case list."""
 
 from __future__ import annotations
 
@@ -26,79 +29,6 @@ from tests.pipeline_helpers import (
     reference_step,
 )
 from tests.reference_model import VARIANTS
-
-# (schedule, P, V, m, n_layers, block-size override): P = 3, uneven splits, and blocks whose edges
-# fall inside chunks (block_size 3 with 2 sublayers per layer) are all covered; so are the
-# split-backward schedules (I and W) and microbatch counts that are not multiples of P.
-LAYOUTS = [
-    ("interleaved_1f1b", 2, 2, 4, 4, None),
-    ("interleaved_1f1b", 3, 2, 3, 6, 5),
-    ("interleaved_1f1b", 2, 2, 3, 4, 3),
-    ("1f1b", 3, 1, 4, 5, None),
-    ("gpipe", 2, 2, 3, 5, 3),
-    ("zb_h1", 3, 1, 4, 5, None),
-    ("interleaved_zb", 2, 2, 3, 4, 3),
-    ("interleaved_zb", 3, 2, 4, 6, 5),
-    ("zbv", 2, 2, 3, 4, None),
-    ("zbv", 3, 2, 5, 6, 3),
-    ("dualpipev", 2, 2, 4, 4, None),
-    ("dualpipev", 3, 2, 7, 6, 3),
-]
-
-
-def pipelined_step(cfg, schedule_name, P, V, m, cache, dtype=torch.float32, ledger=None):
-    loss, grads, _ = loopback_step(cfg, schedule_name, P, V, m, cache, dtype=dtype, ledger=ledger)
-    return loss, grads
-
-
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x[0]}-P{x[1]}V{x[2]}m{x[3]}")
-@pytest.mark.parametrize("cache", [True, False], ids=["cached", "naive"])
-def test_pipelined_step_equals_single_process_fp32(variant, layout, cache):
-    schedule_name, P, V, m, n_layers, block_size = layout
-    overrides = {} if block_size is None or variant in ("standard", "full") else {"block_size": block_size}
-    cfg = model_config(variant, n_layers, **overrides)
-    loss, grads = pipelined_step(cfg, schedule_name, P, V, m, cache)
-    want_loss, want_grads = reference_step(cfg, *batch(m), m)
-    assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
-    assert_grads_match(grads, want_grads, rtol=1e-5)
-
-
-@pytest.mark.parametrize("variant", ["block", "lr_projected", "msar"])
-@pytest.mark.parametrize("schedule_name", ["interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"])
-def test_pipelined_step_equals_single_process_float64(variant, schedule_name):
-    cfg = model_config(variant, 6, block_size=5)
-    m = 6 if schedule_name == "dualpipev" else 3  # dualpipev runs m >= 2P
-    loss, grads = pipelined_step(cfg, schedule_name, 3, 2, m, True, dtype=torch.float64)
-    want_loss, want_grads = reference_step(cfg, *batch(m), m, dtype=torch.float64)
-    assert abs(loss - want_loss) <= 1e-12
-    assert_grads_match(grads, want_grads, rtol=1e-10)
-
-
-# One rank with V chunks: every hop joins two chunks of the same rank, so it must be handed over in
-# memory. Blocks of 2 and 4 sublayers close exactly at chunk edges (chunks hold 2 or 4 sublayers),
-# which makes cached hops carry nothing at all: the case that once crashed the runtime.
-ONE_RANK = [(V, n_layers, block_size, schedule)
-            for V, n_layers in ((2, 4), (3, 3), (4, 4))
-            for block_size, schedule in ((2, "interleaved_1f1b"), (4, "gpipe"), (3, "interleaved_1f1b"))]
-
-
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-@pytest.mark.parametrize("layout", ONE_RANK, ids=lambda x: f"V{x[0]}L{x[1]}S{x[2]}-{x[3]}")
-@pytest.mark.parametrize("cache", [True, False], ids=["cached", "naive"])
-def test_one_rank_with_virtual_stages_equals_single_process(variant, layout, cache):
-    V, n_layers, block_size, schedule_name = layout
-    overrides = {} if variant in ("standard", "full") else {"block_size": block_size}
-    cfg = model_config(variant, n_layers, **overrides)
-    ledger = ByteLedger()
-    loss, grads = pipelined_step(cfg, schedule_name, 1, V, 2, cache, ledger=ledger)
-    want_loss, want_grads = reference_step(cfg, *batch(2), 2)
-    assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
-    assert_grads_match(grads, want_grads, rtol=1e-5)
-    # Self-hops never touch the transport: nothing is sent, and the plan counts zero tensors.
-    assert ledger.records == []
-    plan = plan_for_model(cfg, make_partition(n_layers, 1, V), cache)
-    assert plan.fwd_hop_tensors == fwd_hop_tensors(ledger.records, V) == [0] * (V - 1)
 
 
 def _spec_rule_hops(n_layers: int, block_size: int, partition) -> list[list[str]]:
@@ -189,7 +119,7 @@ def test_v_placement_hop_counts_follow_the_spec_rule(schedule_name, P, block_siz
     cfg = model_config("block", n_layers, block_size=block_size)
     ledger = ByteLedger()
     m = 2 * P - 1 if schedule_name == "zbv" else 2 * P
-    pipelined_step(cfg, schedule_name, P, 2, m, True, ledger=ledger)
+    loopback_step(cfg, schedule_name, P, 2, m, True, ledger=ledger)
     partition = make_partition(n_layers, P, 2, placement="vshape")
     want = [len(hop) for hop in _spec_rule_hops(n_layers, block_size, partition)]
     assert fwd_hop_tensors(ledger.records, 2 * P) == plan_for_model(cfg, partition, True).fwd_hop_tensors == want
@@ -211,7 +141,7 @@ def test_measured_hop_counts_equal_spec_table_and_plan(row):
     for cache, want in ((False, naive), (True, cached)):
         cfg = model_config("block", L // 2, block_size=S, d_model=8)
         ledger = ByteLedger()
-        pipelined_step(cfg, "interleaved_1f1b", P, V, P, cache, ledger=ledger)
+        loopback_step(cfg, "interleaved_1f1b", P, V, P, cache, ledger=ledger)
         measured = fwd_hop_tensors(ledger.records, P * V)
         planned = plan_payloads(n_sublayers=L, block_size=S, partition=make_partition(L // 2, P, V),
                                 mode="cached" if cache else "naive").fwd_hop_tensors
@@ -225,7 +155,7 @@ def test_measured_hop_counts_equal_spec_table_and_plan(row):
 def test_projected_keys_travel_with_their_sources():
     cfg = model_config("lr_projected", 4)
     ledger = ByteLedger()
-    pipelined_step(cfg, "interleaved_1f1b", 2, 2, 2, True, ledger=ledger)
+    loopback_step(cfg, "interleaved_1f1b", 2, 2, 2, True, ledger=ledger)
     tensors = sum(r[3] for r in ledger.records if r[0] == "fwd")
     fwd = sum(r[4] for r in ledger.records if r[0] == "fwd")
     assert fwd == tensors * MICRO * SEQ * (cfg.d_model + cfg.key_rank) * 4
