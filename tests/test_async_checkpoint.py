@@ -6,7 +6,6 @@ with the uninterrupted run's losses."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
@@ -19,7 +18,8 @@ from attnres_pp.train import background_save
 from attnres_pp.train.background_save import BackgroundSave
 from attnres_pp.train.checkpoint import KILL_DURING_CHECKPOINT, latest_checkpoint, read_meta
 from attnres_pp.train.shards import read_parameters
-from tests.test_crash_consistent_saves import RANKS, SINGLE, losses, run_cli
+from tests.run_helpers import assert_same_losses, losses, metrics
+from tests.test_crash_consistent_saves import RANKS, SINGLE, run_cli
 
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
         "--microbatches", "2", "--eval-every", "0", "--steps", "6", "--checkpoint-every", "2", "--max-restarts", "0",
@@ -33,10 +33,6 @@ def reference(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("blocking") / "run"
     assert main(["train", *SINGLE, *TINY, "--out", str(out)]) == 0
     return out
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def same_parameters(run_dir: Path, reference: Path, step: int, exact: bool) -> None:
@@ -60,10 +56,9 @@ def test_background_saves_hold_their_steps_state(tmp_path, reference, split):
     assert read_meta(run / "checkpoints" / "step_4")["checkpointing"]["async_save"] is True
     assert read_meta(run / "checkpoints" / "step_4")["losses"] == losses(run)[:4]
     # The steps right after a save began ran beside its write; the first two steps saw no save.
-    in_flight = [r["step"] for r in records(run) if r.get("checkpoint_in_flight")]
+    in_flight = [r["step"] for r in metrics(run) if r.get("checkpoint_in_flight")]
     assert in_flight[:1] == [2] and 0 not in in_flight and 1 not in in_flight
-    for g, w in zip(losses(run), losses(reference), strict=True):
-        assert abs(g - w) <= 1e-5 * abs(w)
+    assert_same_losses(losses(run), losses(reference))
 
 
 @pytest.mark.distributed
@@ -94,8 +89,7 @@ def test_a_rank_killed_during_a_background_write_keeps_the_previous_checkpoint(t
     same_parameters(run, reference, 2, exact=False)
     assert main(["train", "--resume", str(run), "--quiet"]) == 0
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4", "step_6"]
-    for g, w in zip(losses(run), losses(reference), strict=True):
-        assert abs(g - w) <= 1e-5 * abs(w)
+    assert_same_losses(losses(run), losses(reference))
 
 
 @pytest.mark.subprocess
@@ -108,8 +102,7 @@ def test_the_driver_killed_before_committing_a_background_save_keeps_the_previou
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4.tmp"]
     assert list((root / "step_4.tmp").glob("*.distcp")), "the background write had finished"
     assert main(["train", "--resume", str(run), "--quiet"]) == 0
-    for g, w in zip(losses(run), losses(reference), strict=True):
-        assert abs(g - w) <= 1e-5 * abs(w)
+    assert_same_losses(losses(run), losses(reference))
 
 
 class _SlowWriter(background_save.FileSystemWriter):

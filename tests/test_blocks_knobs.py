@@ -5,7 +5,6 @@ process are cases of tests/test_parity.py."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
@@ -18,6 +17,7 @@ from attnres_pp.model.config import block_ends_of
 from attnres_pp.simulator.comm import comm_report
 from attnres_pp.simulator.units import chunk_work
 from tests.pipeline_helpers import batch, build_model, model_config
+from tests.run_helpers import summary
 
 
 def test_block_ends_follow_the_ceiling_rule():
@@ -137,5 +137,5 @@ def test_training_with_blocks_n_equals_training_with_block_size(tmp_path):
               "--key-rank", "4"]
     assert main([*common, "--block-size", "2", "--out", str(tmp_path / "size")]) == 0
     assert main([*common, "--blocks", "4", "--out", str(tmp_path / "count")]) == 0
-    losses = [json.loads((tmp_path / name / "summary.json").read_text())["losses"] for name in ("size", "count")]
+    losses = [summary(tmp_path / name)["losses"] for name in ("size", "count")]
     assert losses[0] == losses[1] and len(losses[0]) == 3

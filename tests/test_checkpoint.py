@@ -15,20 +15,10 @@ from attnres_pp.cli import main
 from attnres_pp.train.checkpoint import latest_checkpoint
 from attnres_pp.train.metadata_pickle import CheckpointRefused
 from attnres_pp.train.shards import checkpoint_tensors
+from tests.run_helpers import REPO, assert_same_losses, losses, metrics, summary
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
         "--microbatches", "2", "--eval-every", "3", "--quiet"]
-
-
-def losses(run_dir) -> list[float]:
-    return json.loads((run_dir / "summary.json").read_text())["losses"]
-
-
-def assert_same_losses(got: list[float], want: list[float]) -> None:
-    assert len(got) == len(want)
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert abs(g - w) <= 1e-5 * abs(w), (step, g, w)
 
 
 def test_resume_continues_with_the_same_losses_in_any_launcher(tmp_path):
@@ -50,10 +40,10 @@ def test_resume_continues_with_the_same_losses_in_any_launcher(tmp_path):
         shutil.copytree(run / "checkpoints" / "step_4", again / "checkpoints" / "step_4")
         (again / "metrics.jsonl").write_text("".join((run / "metrics.jsonl").read_text().splitlines(True)[:5]))
         assert main(["train", "--resume", str(again), *launcher, "--quiet"]) == 0
-        summary = json.loads((again / "summary.json").read_text())
-        assert_same_losses(summary["losses"], full)
-        assert summary["restarts"] == 0 and summary["config"]["train"]["steps"] == 6
-        records = [json.loads(line) for line in (again / "metrics.jsonl").read_text().splitlines()]
+        got = summary(again)
+        assert_same_losses(got["losses"], full)
+        assert got["restarts"] == 0 and got["config"]["train"]["steps"] == 6
+        records = metrics(again)
         assert [r["step"] for r in records] == list(range(6))
 
 
@@ -89,7 +79,7 @@ def test_resume_reshards_into_another_split(tmp_path):
     common = [*TINY, "--batch-size", "8", "--steps", "5", "--data", str(data)]
     assert main(["train", *common, "--launcher", "inprocess", "--stages", "2", "--virtual", "2",
                  "--out", str(tmp_path / "plain")]) == 0
-    want = json.loads((tmp_path / "plain" / "summary.json").read_text())
+    want = summary(tmp_path / "plain")
     run = tmp_path / "run"
     assert main(["train", *common, "--launcher", "local", "--stages", "2", "--virtual", "2", "--checkpoint-every", "2",
                  "--keep-checkpoints", "0", "--out", str(run)]) == 0
@@ -102,7 +92,7 @@ def test_resume_reshards_into_another_split(tmp_path):
         shutil.copytree(run / "checkpoints" / "step_2", again / "checkpoints" / "step_2")
         (again / "metrics.jsonl").write_text("".join((run / "metrics.jsonl").read_text().splitlines(True)[:3]))
         assert main(["train", "--resume", str(again), *split, "--quiet"]) == 0
-        got = json.loads((again / "summary.json").read_text())
+        got = summary(again)
         assert_same_losses(got["losses"], want["losses"])
         assert_same_losses([v for _, v in got["val_losses"]], [v for _, v in want["val_losses"]])
         pipe = got["config"]["pipeline"]
@@ -152,7 +142,7 @@ def test_local_launcher_restarts_from_scratch_without_a_checkpoint(tmp_path, cap
     out = capsys.readouterr().out
     assert "rank 1 lost at step 2/3; restarting from step 0 (no checkpoint yet) (restart 1/3)" in out
     assert_same_losses(losses(tmp_path / "hit"), losses(tmp_path / "plain"))
-    assert json.loads((tmp_path / "hit" / "summary.json").read_text())["restarts"] == 1
+    assert summary(tmp_path / "hit")["restarts"] == 1
 
     # Past --max-restarts the run stops with a message naming the rank and the step, and writes no summary.
     argv = ["train", *TINY, *split, "--launcher", "local", "--inject-failure", "0:2", "--max-restarts", "0"]

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from attnres_pp.cli import main
+from tests.run_helpers import summary
 
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
         "--microbatches", "2"]
@@ -19,11 +20,11 @@ def test_train_writes_summary_and_metrics(tmp_path, capsys):
                  "--key-mode", "sliced", "--key-rank", "4", "--block-size", "2", "--lr", "0.01",
                  "--seed", "3", "--eval-every", "2", "--out", str(out)])
     assert code == 0
-    summary = json.loads((out / "summary.json").read_text())
+    written = summary(out)
     for key in ("losses", "val_loss", "val_losses", "step_time_s", "tokens_per_s", "params", "config"):
-        assert key in summary, key
-    assert len(summary["losses"]) == 3 and summary["params"] > 0
-    config = summary["config"]
+        assert key in written, key
+    assert len(written["losses"]) == 3 and written["params"] > 0
+    config = written["config"]
     assert config["model"]["residual"] == "lr_attnres" and config["model"]["key_mode"] == "sliced"
     assert config["model"]["key_rank"] == 4 and config["train"]["seed"] == 3 and config["train"]["lr"] == 0.01
     assert config["pipeline"]["launcher"] == "local"
@@ -39,7 +40,7 @@ def test_flags_override_the_toml_file(tmp_path):
                       '[pipeline]\nlauncher = "local"\n')
     out = tmp_path / "run"
     assert main(["train", "--config", str(config), *TINY, "--steps", "2", "--quiet", "--out", str(out)]) == 0
-    resolved = json.loads((out / "summary.json").read_text())["config"]
+    resolved = summary(out)["config"]
     assert resolved["model"]["residual"] == "standard"  # from the file
     assert resolved["model"]["n_layers"] == 2 and resolved["train"]["steps"] == 2  # flags win
 

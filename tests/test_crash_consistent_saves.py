@@ -7,7 +7,6 @@ between the two renames of a save that replaces a complete step_N leaves it as s
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -28,17 +27,13 @@ from attnres_pp.train.checkpoint import (
     restore_replaced_checkpoints,
 )
 from attnres_pp.train.shards import read_parameters
+from tests.run_helpers import REPO, assert_same_losses, losses
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
         "--microbatches", "2", "--eval-every", "0", "--steps", "4", "--checkpoint-every", "2", "--max-restarts", "0",
         "--quiet"]
 SINGLE = ["--launcher", "local", "--stages", "1", "--virtual", "1"]  # the driver is the one rank
 RANKS = ["--launcher", "local", "--stages", "2", "--virtual", "1"]  # two rank processes
-
-
-def losses(run_dir: Path) -> list[float]:
-    return json.loads((run_dir / "summary.json").read_text())["losses"]
 
 
 def run_cli(argv: list[str], **env: str) -> subprocess.CompletedProcess:
@@ -102,8 +97,7 @@ def test_a_crash_at_each_kill_point_leaves_step_2_and_resume_ends_as_the_uninter
 
     assert main(["train", "--resume", str(run), "--quiet"]) == 0
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4"]
-    for step, (g, w) in enumerate(zip(losses(run), losses(reference), strict=True)):
-        assert abs(g - w) <= 1e-5 * abs(w), (kill, step, g, w)
+    assert_same_losses(losses(run), losses(reference), what=kill)
 
 
 def test_a_complete_old_copy_is_found_and_restored(tmp_path, reference, capsys):
@@ -119,8 +113,7 @@ def test_a_complete_old_copy_is_found_and_restored(tmp_path, reference, capsys):
     out = capsys.readouterr().out
     assert "restored step_2 from step_2.old" in out and "removed step_2.tmp" in out
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4"]
-    for g, w in zip(losses(tmp_path / "run"), losses(reference), strict=True):
-        assert abs(g - w) <= 1e-5 * abs(w)
+    assert_same_losses(losses(tmp_path / "run"), losses(reference))
 
 
 def test_an_old_copy_is_not_restored_over_a_complete_checkpoint_or_when_incomplete(tmp_path, reference):

@@ -18,8 +18,8 @@ from attnres_pp.cli import main
 from attnres_pp.data import batch_at, load_corpus, val_batch_at
 from attnres_pp.data.token_folder import ShardedTokens, open_token_folder
 from attnres_pp.data.tokenizer import END_OF_TEXT, Tokenizer
+from tests.run_helpers import REPO, assert_same_losses, summary
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
         "--microbatches", "2", "--eval-every", "0", "--launcher", "local", "--quiet"]
 
@@ -80,16 +80,6 @@ def write_folder(folder: Path, kind: str = "bpe", shard_tokens: int = 1000, dtyp
 def bpe_folder(tmp_path_factory) -> tuple[Path, np.ndarray]:
     folder = tmp_path_factory.mktemp("data") / "bpe"
     return folder, write_folder(folder)
-
-
-def summary(run: Path) -> dict:
-    return json.loads((run / "summary.json").read_text())
-
-
-def assert_same_losses(got: list[float], want: list[float]) -> None:
-    assert len(got) == len(want)
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert abs(g - w) <= 1e-5 * abs(w), (step, g, w)
 
 
 def test_sharded_windows_equal_the_concatenated_stream(tmp_path):

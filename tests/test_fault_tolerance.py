@@ -9,7 +9,6 @@ torchft the option is one error line."""
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import sys
@@ -18,6 +17,7 @@ import time
 import pytest
 
 from attnres_pp.cli import main
+from tests.run_helpers import metrics, summary
 
 STEPS = 8
 ARGS = ["train", "--launcher", "local", "--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16",
@@ -27,14 +27,6 @@ FT = ["--fault-tolerance", "replicas"]
 # One worker holds the module's reference run: under --dist loadgroup its tests would otherwise be
 # handed to both workers, each training `plain` again.
 pytestmark = pytest.mark.xdist_group("ft-plain-run")
-
-
-def summary(run) -> dict:
-    return json.loads((run / "summary.json").read_text())
-
-
-def records(run) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def skipped_share_tolerance(free_losses: list[float], participants: list[int], replicas: int) -> float:
@@ -71,7 +63,7 @@ def test_fault_free_replica_groups_train_as_the_plain_run(corpus, plain, tmp_pat
     assert got["participants_per_step"] == [2] * STEPS
     assert got["replicas_equal"] is True and got["restarts"] == 0 and got["recoveries"] == []
     assert got["lighthouse"].startswith("http://")
-    assert [r["participants"] for r in records(run)] == [2] * STEPS
+    assert [r["participants"] for r in metrics(run)] == [2] * STEPS
     again = tmp_path / "again"  # as a crash after step 5 would have left it
     shutil.copytree(run / "checkpoints" / "step_4", again / "checkpoints" / "step_4")
     (again / "metrics.jsonl").write_text("".join((run / "metrics.jsonl").read_text().splitlines(True)[:5]))
@@ -117,7 +109,7 @@ def check_recovered_alone(run, plain, rank: int = 3) -> dict:
     """What a run that lost global rank `rank` (of group 1) at step 3 and recovered it alone must show;
     its summary."""
     got = summary(run)
-    steps = records(run)
+    steps = metrics(run)
     assert [r["step"] for r in steps] == list(range(STEPS))
     assert all(0 in r["replica_groups"] for r in steps)  # group 0 never lost or repeated a step
     assert got["restarts"] == 0 and got["replica_restarts"] == [0, 1]

@@ -16,24 +16,15 @@ from attnres_pp.cli import main
 from attnres_pp.train import cli as train_cli
 from attnres_pp.train.checkpoint import latest_checkpoint, read_meta
 from attnres_pp.train.shards import read_parameters
+from tests.run_helpers import assert_same_losses, metrics, summary
 
 TINY = ["--launcher", "local", "--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16",
         "--batch-size", "4", "--microbatches", "2", "--eval-every", "0", "--quiet"]
 
 
-def summary(run: Path) -> dict:
-    return json.loads((run / "summary.json").read_text())
-
-
 def step_dirs(run: Path) -> list[str]:
     root = run / "checkpoints"
     return sorted((p.name for p in root.iterdir()), key=lambda n: int(n.split("_")[1])) if root.is_dir() else []
-
-
-def assert_same_losses(got: list[float], want: list[float]) -> None:
-    assert len(got) == len(want)
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert abs(g - w) <= 1e-5 * abs(w), (step, g, w)
 
 
 @pytest.fixture
@@ -134,7 +125,7 @@ def test_resume_extends_a_finished_run_to_the_uninterrupted_losses(tmp_path):
     assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
     assert got["tokens_seen"] == want["tokens_seen"] == 6 * 4 * 16
     assert step_dirs(run) == ["step_3", "step_6"] and latest_checkpoint(run).name == "step_6"
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    records = metrics(run)
     assert [r["step"] for r in records] == list(range(6))
 
 

@@ -7,12 +7,10 @@ compute copies, losses within a bf16 tolerance of replicate's bf16."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
 from attnres_pp.cli import main
+from tests.run_helpers import assert_same_losses, summary
 from tests.spawn_helpers import spawn_ranks
 
 pytestmark = pytest.mark.distributed
@@ -22,18 +20,8 @@ TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "
 D2P2V2 = [*TINY, "--stages", "2", "--virtual", "2"]
 
 
-def _summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
-
-
 def _state_bytes(entry: dict) -> int:
     return entry["param_bytes"] + entry["grad_bytes"] + entry["optimizer_bytes"]
-
-
-def _assert_losses(got: list[float], want: list[float]) -> None:
-    assert len(got) == len(want)
-    for g, w in zip(got, want, strict=True):
-        assert abs(g - w) <= 1e-5 * abs(w), (got, want)
 
 
 # The upper bound of a rank's sharded state over its whole state: MSAR's tied convolutions and gate
@@ -53,8 +41,8 @@ def test_fsdp_over_gloo_equals_the_replicated_run(tmp_path):
     assert main(["train", *layout, "--launcher", "inprocess", "--out", str(tmp_path / "replicate")]) == 0
     assert main(["train", *layout, "--launcher", "local", "--dp-shard", "fsdp", "--fsdp-reshard-after-forward",
                  "always", "--activation-checkpoint", "selective", "--out", str(tmp_path / "fsdp")]) == 0
-    want, got = _summary(tmp_path / "replicate"), _summary(tmp_path / "fsdp")
-    _assert_losses(got["losses"], want["losses"])
+    want, got = summary(tmp_path / "replicate"), summary(tmp_path / "fsdp")
+    assert_same_losses(got["losses"], want["losses"])
     _assert_sharded(want, got, 0.56)
 
 
@@ -64,23 +52,23 @@ def test_checkpoints_move_between_fsdp_and_replicate_at_another_split(tmp_path):
     replicated run resumes at P = 1 under fsdp; both to the uninterrupted losses."""
     layout = [*D2P2V2, "--residual", "attnres", "--block-size", "3", "--schedule", "interleaved_1f1b", "--steps", "3"]
     assert main(["train", *layout, "--launcher", "inprocess", "--out", str(tmp_path / "whole")]) == 0
-    whole = _summary(tmp_path / "whole")
+    whole = summary(tmp_path / "whole")
     want = whole["losses"]
     for name, first, then in (("from_fsdp", ["--dp-shard", "fsdp"], []), ("to_fsdp", [], ["--dp-shard", "fsdp"])):
         run = tmp_path / name
         # No final checkpoint: the resume continues from step_2 (with step_3 saved it would have nothing to do).
         assert main(["train", *layout, "--launcher", "local", *first, "--checkpoint-every", "2",
                      "--no-final-checkpoint", "--out", str(run)]) == 0
-        first_run = _summary(run)
-        _assert_losses(first_run["losses"], want)  # the uninterrupted run, local launcher, equals replicate's
+        first_run = summary(run)
+        assert_same_losses(first_run["losses"], want)  # the uninterrupted run, local launcher, equals replicate's
         if first:
             _assert_sharded(whole, first_run, 0.51)
         (run / "summary.json").unlink()
         assert main(["train", "--resume", str(run), "--launcher", "local", "--stages", "1", "--virtual", "1",
                      "--schedule", "1f1b", "--dp-shard", "replicate" if not then else "fsdp", "--quiet"]) == 0
-        resumed = _summary(run)
+        resumed = summary(run)
         assert resumed["config"]["pipeline"]["stages"] == 1
-        _assert_losses(resumed["losses"], want)
+        assert_same_losses(resumed["losses"], want)
 
 
 
@@ -96,14 +84,14 @@ def test_checkpoints_move_between_fsdp_and_replicate_at_another_d(tmp_path):
         run = tmp_path / name
         assert main(["train", *layout, "--launcher", "local", *first, "--checkpoint-every", "2",
                      "--no-final-checkpoint", "--out", str(run)]) == 0
-        uninterrupted.append(_summary(run)["losses"])
+        uninterrupted.append(summary(run)["losses"])
         (run / "summary.json").unlink()
         assert main(["train", "--resume", str(run), "--launcher", "local", *then, "--quiet"]) == 0
-        resumed = _summary(run)["config"]["pipeline"]
+        resumed = summary(run)["config"]["pipeline"]
         assert (resumed["data_parallel"], resumed["dp_shard"]) == ((1, "replicate") if name == "fsdp_to_d1"
                                                                   else (2, "fsdp"))
-        _assert_losses(_summary(run)["losses"], uninterrupted[-1])
-    _assert_losses(uninterrupted[1], uninterrupted[0])  # fsdp D = 2 and replicate D = 1 agree
+        assert_same_losses(summary(run)["losses"], uninterrupted[-1])
+    assert_same_losses(uninterrupted[1], uninterrupted[0])  # fsdp D = 2 and replicate D = 1 agree
 
 # bf16 under fsdp (FSDP2's MixedPrecisionPolicy) against bf16 under replicate (autocast over fp32
 # weights). The two differ by rounding only: under fsdp the ops autocast keeps in fp32 (norms, the
@@ -119,10 +107,9 @@ def test_fsdp_bf16_tracks_the_replicated_bf16_run(tmp_path):
               "--dtype", "bf16"]
     assert main(["train", *layout, "--launcher", "inprocess", "--out", str(tmp_path / "replicate")]) == 0
     assert main(["train", *layout, "--launcher", "local", "--dp-shard", "fsdp", "--out", str(tmp_path / "fsdp")]) == 0
-    want, got = _summary(tmp_path / "replicate")["losses"], _summary(tmp_path / "fsdp")["losses"]
+    want, got = summary(tmp_path / "replicate")["losses"], summary(tmp_path / "fsdp")["losses"]
     assert len(got) == len(want) == 3
-    for g, w in zip(got, want, strict=True):
-        assert abs(g - w) <= BF16_RTOL * abs(w), (got, want)
+    assert_same_losses(got, want, rtol=BF16_RTOL)
     assert got[-1] < got[0] - 0.1  # it trains
 
 

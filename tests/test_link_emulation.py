@@ -13,6 +13,7 @@ from attnres_pp.cli import main
 from attnres_pp.comm.link import LinkClock, LinkModel
 from attnres_pp.comm.wire import stamp_numel, wait_for_arrival, with_arrival
 from attnres_pp.pipeline.config import PipelineConfig
+from tests.run_helpers import summary
 
 
 def test_arrival_is_latency_plus_bytes_over_bandwidth():
@@ -87,7 +88,6 @@ def test_an_emulated_link_delays_steps_and_changes_neither_losses_nor_bytes(tmp_
     """Two gloo ranks, the same run with and without a 0.001 Gb/s link (125 kB/s): equal losses and
     counted bytes (the arrival stamp is not payload), and each step at least as long as the link needs
     for one direction's bytes (a lower bound only: the machine may be busy)."""
-    import json
 
     tiny = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
             "--microbatches", "2", "--steps", "2", "--eval-every", "0", "--quiet", "--launcher", "local",
@@ -95,7 +95,7 @@ def test_an_emulated_link_delays_steps_and_changes_neither_losses_nor_bytes(tmp_
     summaries = {}
     for name, extra in (("plain", []), ("slow", ["--link-gbps", "0.001", "--link-latency-us", "100"])):
         assert main(["train", *tiny, *extra, "--out", str(tmp_path / name)]) == 0
-        summaries[name] = json.loads((tmp_path / name / "summary.json").read_text())
+        summaries[name] = summary(tmp_path / name)
     plain, slow = summaries["plain"], summaries["slow"]
     assert slow["losses"] == plain["losses"]
     assert slow["bytes_sent_per_step"] == plain["bytes_sent_per_step"] > 0
@@ -109,7 +109,6 @@ def test_an_emulated_link_under_the_nccl_issue_order(tmp_path):
     """`--p2p-semantics nccl` over gloo (the batched transport, NCCL's issue order) stamps and delays
     its messages as the plain transport does: the losses and counted bytes of the plain run, each step
     at least as long as the link needs for one direction's bytes."""
-    import json
 
     tiny = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
             "--microbatches", "2", "--steps", "2", "--eval-every", "0", "--quiet", "--launcher", "local",
@@ -117,7 +116,7 @@ def test_an_emulated_link_under_the_nccl_issue_order(tmp_path):
     summaries = {}
     for name, extra in (("plain", []), ("slow_nccl_order", ["--p2p-semantics", "nccl", "--link-gbps", "0.001"])):
         assert main(["train", *tiny, *extra, "--out", str(tmp_path / name)]) == 0
-        summaries[name] = json.loads((tmp_path / name / "summary.json").read_text())
+        summaries[name] = summary(tmp_path / name)
     plain, slow = summaries["plain"], summaries["slow_nccl_order"]
     assert slow["losses"] == pytest.approx(plain["losses"], rel=1e-6)
     assert slow["bytes_sent_per_step"] == plain["bytes_sent_per_step"] > 0

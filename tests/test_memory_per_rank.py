@@ -5,9 +5,6 @@ actors: tests/test_ray.py, on its shared instance)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -22,6 +19,7 @@ from attnres_pp.schedule.passes import insert_comm
 from attnres_pp.schedule.schedules import build_schedule, schedule_placement
 from attnres_pp.simulator.memory import MemorySetup, predict_memory, transport_slot_bytes
 from attnres_pp.train.memory_report import MEMORY_KEYS
+from tests.run_helpers import summary
 
 TINY = ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--steps", "2", "--eval-every", "0",
         "--quiet"]
@@ -56,10 +54,6 @@ def test_a_retained_graph_keeps_its_storages_until_it_is_dropped():
     assert meter.live_bytes == 0
 
 
-def _summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
-
-
 def check_memory_entries(entries: list, n_ranks: int) -> None:
     assert len(entries) == n_ranks
     for entry in entries:
@@ -71,11 +65,11 @@ def check_memory_entries(entries: list, n_ranks: int) -> None:
 
 def test_every_in_this_process_launcher_writes_memory_per_rank(tmp_path):
     assert main(["train", *TINY, "--batch-size", "4", "--launcher", "local", "--out", str(tmp_path / "one")]) == 0
-    whole = _summary(tmp_path / "one")["memory_per_rank"]
+    whole = summary(tmp_path / "one")["memory_per_rank"]
     check_memory_entries(whole, 1)
     assert main(["train", *TINY, "--batch-size", "8", "--launcher", "inprocess", "--stages", "2",
                  "--data-parallel", "2", "--out", str(tmp_path / "inproc")]) == 0
-    entries = _summary(tmp_path / "inproc")["memory_per_rank"]
+    entries = summary(tmp_path / "inproc")["memory_per_rank"]
     check_memory_entries(entries, 4)
     # The ranks' parameters are the whole model's (MSAR's tied convs aside: none here), per replica.
     assert entries[0]["param_bytes"] + entries[1]["param_bytes"] == whole[0]["param_bytes"]
@@ -87,7 +81,7 @@ def test_local_processes_count_what_the_in_process_ranks_count(tmp_path):
     layout = [*TINY, "--batch-size", "4", "--stages", "2", "--schedule", "zb_h1", "--activation-checkpoint", "full"]
     assert main(["train", *layout, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
     assert main(["train", *layout, "--launcher", "local", "--out", str(tmp_path / "procs")]) == 0
-    want, got = (_summary(tmp_path / d)["memory_per_rank"] for d in ("inproc", "procs"))
+    want, got = (summary(tmp_path / d)["memory_per_rank"] for d in ("inproc", "procs"))
     check_memory_entries(got, 2)
     for w, g in zip(want, got, strict=True):
         for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "cache_peak_bytes"):

@@ -14,16 +14,13 @@ import pytest
 
 from attnres_pp.cli import main
 from attnres_pp.data.tokenizer import Tokenizer
+from tests.run_helpers import assert_same_losses, summary
 
 pytestmark = pytest.mark.distributed  # rank processes of the local launcher
 
 WORDS = ["def", "return", "self", "value", "print(", "):", "\n    ", "naïve", "x = 1", "# note"]
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
         "--microbatches", "2", "--eval-every", "0", "--quiet"]
-
-
-def _summary(run):
-    return json.loads((run / "summary.json").read_text())
 
 
 def test_prepare_train_at_d2_resume_and_generate_text(tmp_path, capsys):
@@ -47,17 +44,16 @@ def test_prepare_train_at_d2_resume_and_generate_text(tmp_path, capsys):
     assert main(["train", *common, "--steps", "6", "--launcher", "inprocess", "--out", str(single)]) == 0
     assert main(["train", *common, "--steps", "6", "--launcher", "local", "--data-parallel", "2",
                  "--out", str(run)]) == 0
-    want, got = _summary(single), _summary(run)
+    want, got = summary(single), summary(run)
     assert got["config"]["model"]["vocab_size"] == tokenizer.vocab_size
     assert got["config"]["pipeline"]["data_parallel"] == 2 and got["data"]["tokenizer_sha256"] == tokenizer.sha256
-    for g, w in zip(got["losses"], want["losses"], strict=True):
-        assert abs(g - w) <= 1e-5 * abs(w), (got["losses"], want["losses"])
+    assert_same_losses(got["losses"], want["losses"])
 
     resumed = tmp_path / "resumed"  # the run as a crash after step 5 leaves it: step_4 complete
     shutil.copytree(run / "checkpoints" / "step_4", resumed / "checkpoints" / "step_4")
     (resumed / "metrics.jsonl").write_text("".join((run / "metrics.jsonl").read_text().splitlines(True)[:5]))
     assert main(["train", "--resume", str(resumed), "--quiet"]) == 0
-    assert _summary(resumed)["losses"] == got["losses"]
+    assert summary(resumed)["losses"] == got["losses"]
 
     capsys.readouterr()
     assert main(["generate", "--resume", str(run), "--prompt", "def ", "--max-new-tokens", "12",

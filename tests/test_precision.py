@@ -20,6 +20,7 @@ from attnres_pp.train.optim import lr_at
 from attnres_pp.train.single_process_engine import SingleProcessEngine
 from tests.pipeline_helpers import model_config
 from tests.reference_model import VARIANTS
+from tests.run_helpers import summary
 
 
 def _run_cfg(variant: str, dtype: str, *, steps: int = 3, stages: int = 2, virtual: int = 2, m: int = 4,
@@ -98,13 +99,13 @@ def test_simulate_comm_dtype_agrees_byte_for_byte_with_the_runtime(tmp_path, cap
                  "--batch-size", str(micro * m), "--microbatches", str(m), "--steps", "1", "--eval-every", "0",
                  "--dtype", dtype, "--quiet", "--out", str(tmp_path / "run")]) == 0
     capsys.readouterr()
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["config"]["train"]["dtype"] == dtype
+    run = summary(tmp_path / "run")
+    assert run["config"]["train"]["dtype"] == dtype
     assert main(["simulate", "comm", *shape, *(block or ["--block-size", "8"]), *keys, "--residual", cfg.residual,
                  "--tokens", str(micro * cfg.seq_len), "--dtype", dtype, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     predicted = m * report["bytes_per_microbatch_both_directions"][mode]
-    assert summary["bytes_sent_per_step"] == predicted > 0
+    assert run["bytes_sent_per_step"] == predicted > 0
 
 
 def test_bf16_training_ends_within_2_percent_of_fp32():

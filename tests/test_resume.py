@@ -21,16 +21,12 @@ from attnres_pp.cli import build_parser, main
 from attnres_pp.train.checkpoint import KILL_DURING_CHECKPOINT, latest_checkpoint
 from attnres_pp.train.cli import build_run_config, checkpoint_config
 from attnres_pp.train.config import RunConfig, TrainConfig
+from tests.run_helpers import REPO, assert_same_losses, metrics, summary
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
         "--microbatches", "2", "--eval-every", "3", "--steps", "8"]
 # Non-default cadence and restart limit, so the resumed run can only have them from the checkpoint.
 SETTINGS = ["--checkpoint-every", "2", "--max-restarts", "1"]
-
-
-def summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
 
 
 def run_cli(argv: list[str], **env: str) -> subprocess.CompletedProcess:
@@ -77,8 +73,7 @@ def test_sigkill_during_a_checkpoint_then_resume_alone(tmp_path, split, capsys):
     got, want = summary(run), summary(clean)
     assert got["config"] == want["config"]  # model, train (eval cadence, data) and pipeline restored
     assert len(got["losses"]) == len(want["losses"]) == 8
-    for step, (g, w) in enumerate(zip(got["losses"], want["losses"], strict=True)):
-        assert abs(g - w) <= 1e-5 * abs(w), (step, g, w)
+    assert_same_losses(got["losses"], want["losses"])
     assert [entry[0] for entry in got["val_losses"]] == [entry[0] for entry in want["val_losses"]] == [2, 5, 7]
 
 
@@ -154,7 +149,7 @@ def test_another_batch_size_at_resume_continues_at_the_step_and_counts_its_token
     got, first = summary(again), summary(run)
     assert got["losses"][:2] == first["losses"][:2]
     assert got["tokens_seen"] == (2 * 4 + 2 * 8) * 16 and first["tokens_seen"] == 4 * 4 * 16
-    records = [json.loads(line) for line in (again / "metrics.jsonl").read_text().splitlines()]
+    records = metrics(again)
     assert [r["tokens_seen"] for r in records] == [64, 128, 256, 384]
     position = json.loads((again / "checkpoints" / "step_4" / "meta.json").read_text())["data_position"]
     assert {k: position[k] for k in ("next_step", "seed", "sequences_seen", "tokens_seen")} == {
@@ -167,8 +162,7 @@ def test_another_batch_size_at_resume_continues_at_the_step_and_counts_its_token
     twin = SingleProcessEngine(run_cfg.model, run_cfg.train)
     twin.load_checkpoint(run / "checkpoints" / "step_2")
     want = [twin.train_step(step, None, None, lr_at(step, run_cfg.train)).loss for step in (2, 3)]
-    for g, w in zip(got["losses"][2:], want, strict=True):
-        assert abs(g - w) <= 1e-6 * abs(w)
+    assert_same_losses(got["losses"][2:], want, rtol=1e-6)
 
 
 def test_another_data_parallel_at_resume_keeps_the_stream_and_the_tokens(tmp_path):
@@ -181,8 +175,7 @@ def test_another_data_parallel_at_resume_keeps_the_stream_and_the_tokens(tmp_pat
     assert main(["train", "--resume", str(again), "--data-parallel", "2", "--quiet"]) == 0
     got, want = summary(again), summary(run)
     assert got["config"]["pipeline"]["data_parallel"] == 2 and want["config"]["pipeline"]["data_parallel"] == 1
-    for step, (g, w) in enumerate(zip(got["losses"], want["losses"], strict=True)):
-        assert abs(g - w) <= 1e-5 * abs(w), (step, g, w)
+    assert_same_losses(got["losses"], want["losses"])
     assert got["tokens_seen"] == want["tokens_seen"] == 4 * 4 * 16
 
 

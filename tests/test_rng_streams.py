@@ -5,7 +5,6 @@ uninterrupted run."""
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -15,7 +14,8 @@ from attnres_pp.cli import main
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.shards import load_shard, rng_stream, save_shard, shard_state
 from attnres_pp.train.stage_worker import StageWorker
-from tests.test_checkpoint import TINY, assert_same_losses
+from tests.run_helpers import assert_same_losses, summary
+from tests.test_checkpoint import TINY
 
 MODEL = {"vocab_size": 32, "n_layers": 4, "d_model": 16, "n_heads": 2, "seq_len": 8, "residual": "attnres",
          "block_size": 3}
@@ -86,12 +86,12 @@ def test_an_inprocess_reshard_resume_ends_like_the_uninterrupted_run(tmp_path):
     run = tmp_path / "run"
     assert main(["train", *common, "--stages", "2", "--virtual", "2", "--checkpoint-every", "2",
                  "--out", str(run)]) == 0
-    want = json.loads((run / "summary.json").read_text())
+    want = summary(run)
     again = tmp_path / "again"
     shutil.copytree(run / "checkpoints" / "step_2", again / "checkpoints" / "step_2")
     (again / "metrics.jsonl").write_text("".join((run / "metrics.jsonl").read_text().splitlines(True)[:2]))
     assert main(["train", "--resume", str(again), "--launcher", "inprocess", "--stages", "2", "--virtual", "1",
                  "--data-parallel", "2", "--quiet"]) == 0
-    got = json.loads((again / "summary.json").read_text())
+    got = summary(again)
     assert_same_losses(got["losses"], want["losses"])
     assert got["config"]["pipeline"]["data_parallel"] == 2

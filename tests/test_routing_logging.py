@@ -3,18 +3,13 @@ sites equal the single process's; the TensorBoard events hold the numbers of met
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from attnres_pp.cli import main
+from tests.run_helpers import metrics
 
 TINY = ["--layers", "4", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
         "--microbatches", "2", "--steps", "4", "--eval-every", "2", "--quiet", "--lr", "0.02"]
-
-
-def _records(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("model", [["--residual", "attnres", "--blocks", "3"], ["--residual", "msar", "--blocks", "5"]],
@@ -25,7 +20,7 @@ def test_pipelined_routing_scalars_equal_single_process(tmp_path, model):
     assert main(["train", "--launcher", "local", *common, "--out", str(single)]) == 0
     assert main(["train", "--launcher", "inprocess", "--stages", "2", "--virtual", "2", "--schedule",
                  "interleaved_1f1b", *common, "--out", str(piped)]) == 0
-    want, got = _records(single), _records(piped)
+    want, got = metrics(single), metrics(piped)
     n_sites = 2 * 4 + 1
     for step in (1, 3):
         assert len(want[step]["routing_entropy"]) == len(got[step]["routing_embedding_weight"]) == n_sites
@@ -57,7 +52,7 @@ def test_tensorboard_events_equal_metrics_jsonl(tmp_path):
     events = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    records = _records(run)
+    records = metrics(run)
     want = {}
     for record in records:
         for tag, value in scalar_items(record):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from attnres_pp.cli import main
+from tests.run_helpers import assert_same_losses, metrics, summary
 
 # One worker holds the module's runs: under --dist loadgroup its tests would otherwise be handed to
 # both workers, each training the six runs of `runs` again.
@@ -23,16 +24,8 @@ RUN = ["train", "--launcher", "local", "--device", "cpu", "--steps", "3", "--lay
        "--eval-every", "2", "--checkpoint-every", "2", "--quiet"]
 
 
-def _summary(run_dir):
-    return json.loads((run_dir / "summary.json").read_text())
-
-
 def _grad_norms(run_dir):
-    return [json.loads(line)["grad_norm"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _close(got, want, rtol=1e-5):
-    return len(got) == len(want) and all(abs(g - w) <= rtol * abs(w) for g, w in zip(got, want, strict=True))
+    return [record["grad_norm"] for record in metrics(run_dir)]
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +51,14 @@ FSDP_TP = ["--tensor-parallel", "2", "--data-parallel", "2", "--dp-shard", "fsdp
 
 
 def test_a_tensor_parallel_run_trains_as_the_unsplit_one(runs):
-    t1, t2 = _summary(runs / "t1"), _summary(runs / "t2")
+    t1, t2 = summary(runs / "t1"), summary(runs / "t2")
     assert t2["config"]["pipeline"]["tensor_parallel"] == 2 and t2["config"]["pipeline"]["sequence_parallel"] is None
-    assert _close(t2["losses"], t1["losses"]), (t2["losses"], t1["losses"])
+    assert_same_losses(t2["losses"], t1["losses"])
     # the clipping norm (clipping acts: it is > 1) counts every split weight's shards and each replicated
     # parameter once
-    assert _close(_grad_norms(runs / "t2"), _grad_norms(runs / "t1")) and min(_grad_norms(runs / "t1")) > 1.0
-    assert _close([v for _step, v in t2["val_losses"]], [v for _step, v in t1["val_losses"]])
+    assert_same_losses(_grad_norms(runs / "t2"), _grad_norms(runs / "t1"))
+    assert min(_grad_norms(runs / "t1")) > 1.0
+    assert_same_losses([v for _step, v in t2["val_losses"]], [v for _step, v in t1["val_losses"]])
     # Ranks (pp, tp) = (0, 0), (0, 1), (1, 0), (1, 1): each tp rank sends its sequence shard's half.
     per_rank_t1, per_rank_t2 = t1["bytes_sent_per_step_per_rank"], t2["bytes_sent_per_step_per_rank"]
     assert len(per_rank_t2) == 4 and per_rank_t1[0] > 0
@@ -89,12 +83,12 @@ def test_fsdp_over_tensor_parallel_ranks_trains_as_the_unsplit_one(runs, capsys)
     """FSDP2 shards the tp-split weights over the replicas (the fused qkv weight by its columns):
     the losses, the clipping norms (each shard counted once over dp and tp) and the validation
     losses equal the unsplit run's, and each rank holds about 1 / (D T) of a split matrix."""
-    t1, f2 = _summary(runs / "t1"), _summary(runs / "f2")
+    t1, f2 = summary(runs / "t1"), summary(runs / "f2")
     pipe = f2["config"]["pipeline"]
     assert [pipe["tensor_parallel"], pipe["data_parallel"], pipe["dp_shard"]] == [2, 2, "fsdp"]
-    assert _close(f2["losses"], t1["losses"]), (f2["losses"], t1["losses"])
-    assert _close(_grad_norms(runs / "f2"), _grad_norms(runs / "t1"))
-    assert _close([v for _step, v in f2["val_losses"]], [v for _step, v in t1["val_losses"]])
+    assert_same_losses(f2["losses"], t1["losses"])
+    assert_same_losses(_grad_norms(runs / "f2"), _grad_norms(runs / "t1"))
+    assert_same_losses([v for _step, v in f2["val_losses"]], [v for _step, v in t1["val_losses"]])
     # the whole model (both t1 ranks) split over D x T = 4 ranks: the shards are disjoint, padding aside
     whole_bytes = sum(entry["param_bytes"] for entry in t1["memory_per_rank"])
     for entry in f2["memory_per_rank"]:
@@ -111,23 +105,23 @@ def test_fsdp_over_tensor_parallel_ranks_trains_as_the_unsplit_one(runs, capsys)
 
 
 def test_msar_under_sequence_parallelism_trains_as_the_unsplit_one(runs):
-    m1, m2 = _summary(runs / "m1"), _summary(runs / "m2")
+    m1, m2 = summary(runs / "m1"), summary(runs / "m2")
     assert m2["config"]["pipeline"]["tensor_parallel"] == 2 and m2["config"]["model"]["seq_len"] == 32
-    assert _close(m2["losses"], m1["losses"]), (m2["losses"], m1["losses"])
-    assert _close(_grad_norms(runs / "m2"), _grad_norms(runs / "m1"))
+    assert_same_losses(m2["losses"], m1["losses"])
+    assert_same_losses(_grad_norms(runs / "m2"), _grad_norms(runs / "m1"))
 
 
 def test_bf16_trains_as_the_unsplit_one(runs):
     """bf16 autocast (fp32 master weights, bf16 hops): the split sums in another order, so the losses
     agree to bf16's rounding rather than fp32's."""
-    b1, b2 = _summary(runs / "b1"), _summary(runs / "b2")
+    b1, b2 = summary(runs / "b1"), summary(runs / "b2")
     assert b2["config"]["train"]["dtype"] == "bf16"
-    assert _close(b2["losses"], b1["losses"], rtol=1e-3), (b2["losses"], b1["losses"])
+    assert_same_losses(b2["losses"], b1["losses"], rtol=1e-3)
     assert b2["bytes_sent_per_step_per_rank"] == [b // 2 for b in b1["bytes_sent_per_step_per_rank"] for _ in range(2)]
     # under FSDP2 too: bf16 all-gathered weights, fp32 shards, reduce-scatter and moments
-    bf = _summary(runs / "bf")
+    bf = summary(runs / "bf")
     assert bf["config"]["pipeline"]["dp_shard"] == "fsdp" and bf["config"]["train"]["dtype"] == "bf16"
-    assert _close(bf["losses"], b1["losses"], rtol=1e-3), (bf["losses"], b1["losses"])
+    assert_same_losses(bf["losses"], b1["losses"], rtol=1e-3)
 
 
 @pytest.mark.parametrize(("source", "flags"), [
@@ -146,15 +140,15 @@ def test_a_checkpoint_resumes_at_another_tensor_parallel_size(runs, tmp_path, so
     shutil.copytree(runs / source, run_dir)
     shutil.rmtree(run_dir / "checkpoints" / "step_3")  # resume from step 2
     assert main(["train", "--resume", str(run_dir), "--launcher", "local", "--quiet", *flags]) == 0
-    resumed, uninterrupted = _summary(run_dir), _summary(runs / "t1")
+    resumed, uninterrupted = summary(run_dir), summary(runs / "t1")
     pipe = resumed["config"]["pipeline"]
     assert [pipe["tensor_parallel"], pipe["stages"], pipe["data_parallel"]] == [
         int(flags[1]), int(flags[3]), int(flags[5]) if len(flags) > 4 else 1]
-    assert _close(resumed["losses"], uninterrupted["losses"]), (resumed["losses"], uninterrupted["losses"])
+    assert_same_losses(resumed["losses"], uninterrupted["losses"])
     # The one resumed step's training loss reads only the loaded weights; the validation loss after it
     # (step index 2) follows that step's AdamW update, so it checks the loaded moments too.
-    assert _close([v for _step, v in resumed["val_losses"]], [v for _step, v in uninterrupted["val_losses"]])
-    assert _close(_grad_norms(run_dir), _grad_norms(runs / "t1"))
+    assert_same_losses([v for _step, v in resumed["val_losses"]], [v for _step, v in uninterrupted["val_losses"]])
+    assert_same_losses(_grad_norms(run_dir), _grad_norms(runs / "t1"))
 
 
 def test_an_in_process_tensor_parallel_run_trains_as_the_local_one(runs, tmp_path):
@@ -166,11 +160,11 @@ def test_an_in_process_tensor_parallel_run_trains_as_the_local_one(runs, tmp_pat
     run_dir = tmp_path / "inprocess"
     assert main([*RUN, "--stages", "2", "--tensor-parallel", "2", "--launcher", "inprocess",
                  "--out", str(run_dir)]) == 0
-    threads, local = _summary(run_dir), _summary(runs / "t2")
+    threads, local = summary(run_dir), summary(runs / "t2")
     assert threads["config"]["pipeline"]["launcher"] == "inprocess"
-    assert _close(threads["losses"], local["losses"]), (threads["losses"], local["losses"])
-    assert _close(_grad_norms(run_dir), _grad_norms(runs / "t2"))
-    assert _close([v for _step, v in threads["val_losses"]], [v for _step, v in local["val_losses"]])
+    assert_same_losses(threads["losses"], local["losses"])
+    assert_same_losses(_grad_norms(run_dir), _grad_norms(runs / "t2"))
+    assert_same_losses([v for _step, v in threads["val_losses"]], [v for _step, v in local["val_losses"]])
     assert threads["bytes_sent_per_step_per_rank"] == local["bytes_sent_per_step_per_rank"]
     # the tp collectives' bytes too: the threads' sums of partial gradients pass no dispatcher
     assert threads["tp_bytes_per_step"] == local["tp_bytes_per_step"] > 0
@@ -183,9 +177,9 @@ def test_an_in_process_tensor_parallel_run_trains_as_the_local_one(runs, tmp_pat
         assert torch.allclose(got[name], value, rtol=1e-5, atol=1e-6), name
     shutil.rmtree(run_dir / "checkpoints" / "step_3")  # resume from step 2, in-process
     assert main(["train", "--resume", str(run_dir), "--launcher", "inprocess", "--quiet"]) == 0
-    resumed = _summary(run_dir)
-    assert _close(resumed["losses"], local["losses"]), (resumed["losses"], local["losses"])
-    assert _close(_grad_norms(run_dir), _grad_norms(runs / "t2"))
+    resumed = summary(run_dir)
+    assert_same_losses(resumed["losses"], local["losses"])
+    assert_same_losses(_grad_norms(run_dir), _grad_norms(runs / "t2"))
 
 
 def test_in_process_msar_counts_its_halos_as_the_local_ranks_do(runs, tmp_path):
@@ -196,6 +190,6 @@ def test_in_process_msar_counts_its_halos_as_the_local_ranks_do(runs, tmp_path):
     assert main([*RUN, "--stages", "2", "--tensor-parallel", "2", "--launcher", "inprocess", "--residual", "msar",
                  "--seq-len", "32", "--no-final-checkpoint", "--checkpoint-every", "0", "--eval-every", "0",
                  "--out", str(run_dir)]) == 0
-    threads, local = _summary(run_dir), _summary(runs / "m2")
-    assert _close(threads["losses"], local["losses"]), (threads["losses"], local["losses"])
+    threads, local = summary(run_dir), summary(runs / "m2")
+    assert_same_losses(threads["losses"], local["losses"])
     assert threads["tp_bytes_per_step"] == local["tp_bytes_per_step"] > 0
