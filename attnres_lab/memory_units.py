@@ -38,7 +38,8 @@ VARIANTS = (("standard", "projected"), ("attnres", "projected"), ("lr_attnres", 
 COMMAND = "attnres-lab fit-memory-units --out attnres_pp/simulator/memory_units.json"
 # The units are fitted on the tiny grid of `random_case` (d_model <= 48, seq_len <= 24, vocab <= 80,
 # <= 6 layers; the cases are listed in the JSON) and checked on configurations outside it:
-OUT_OF_SAMPLE = ("tests/test_sim_memory.py: another seed, every size doubled (d_model up to 96, seq_len up to 48); "
+OUT_OF_SAMPLE = ("tests/unit/test_sim_memory.py: another seed, every size doubled (d_model up to 96, seq_len up to "
+                 "48); "
                  "attnres_lab.memory_predict CASES: whole pipelined steps of an 8-layer d_model 64, seq_len 32, "
                  "vocab 256 model (other schedules, V, m, D, fsdp, block sizes), against the runtime's count")
 

@@ -15,7 +15,7 @@ generation pass is also proven deadlock-free under NCCL's point-to-point rules
 executor issues on NCCL ranks. Posting every receive of a pass up front, as the executor may under
 gloo's tag matching, is not such an order: one NCCL stream runs a rank's receive groups before its
 later sends, so at V >= 2 a rank waits for a message whose chain needs its own send
-(`tests/test_generate_nccl.py` checks the model rejects it).
+(`tests/parity/test_generate_nccl.py` checks the model rejects it).
 """
 
 from __future__ import annotations

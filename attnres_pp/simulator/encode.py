@@ -16,7 +16,7 @@ Two ways in, one result:
   deposits, is one of them). No Action object is made for the communication.
 - `encode_lowered` (the slow twin): `passes.insert_comm` and `validate.validate` themselves, then
   the lowered actions one by one. It takes any schedule the IR can hold (already lowered, parsed
-  from text). tests/test_sim_speed.py holds the two to equal op streams for every generator.
+  from text). tests/unit/test_sim_speed.py holds the two to equal op streams for every generator.
 Any failure of the fast path's checks is reported by `validate`, with its step x rank table. Up
 to FULL_VALIDATION_ACTIONS lowered actions `validate` runs as well, so small and medium schedules
 get every check it makes, including any it gains later.

@@ -1,6 +1,6 @@
 """Tensor and sequence parallelism in the simulator (docs/spec.md section 10). Pure standard library.
 The per-layer collective bytes (`layer_collectives`) equal what the runtime's tp ranks send, counted
-(`pipeline/tp_bytes.py`; Block AttnRes, `tests/test_tensor_parallel_gloo.py`); their time on the
+(`pipeline/tp_bytes.py`; Block AttnRes, `tests/distributed/test_tensor_parallel_gloo.py`); their time on the
 intra-node link is derived from the link model. Measured CPU runs (`attnres-lab fidelity --tp`) need one
 more term, the host's cost per split layer (`TensorParallelCosts`, probed), which on gloo ranks is
 most of a tp step.

@@ -28,7 +28,7 @@ BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 # Why not DistributedDataParallel, which buckets the same all-reduce: DDP reduces from hooks on
 # AccumulateGrad inside one backward call, but a rank here runs one engine call per chunk and
 # microbatch, and under the split two (I, then W, which writes linear weights' gradients into .grad
-# itself, past AccumulateGrad). Measured (tests/test_grad_sync_ddp.py, two gloo ranks): under one
+# itself, past AccumulateGrad). Measured (tests/distributed/test_grad_sync_ddp.py, two gloo ranks): under one
 # fused backward DDP's ranks agree exactly; under I then W their gradients stay unaveraged (max
 # difference 2.15) and DDP refuses the next forward ("Expected to have finished reduction in the
 # prior iteration"), while `sync_gradients` after the same split leaves them equal.

@@ -1,6 +1,6 @@
 """Tile sizing of the Triton launchers: every program's live tiles fit the register budget, d is
 chunked only when a row of every query does not fit, and CUDA launches state their register cap.
-(scripts/aot_kernels.py and tests/test_aot_kernels.py check the resulting builds for spills.)"""
+(scripts/aot_kernels.py and tests/kernels/test_aot_kernels.py check the resulting builds for spills.)"""
 
 import os
 

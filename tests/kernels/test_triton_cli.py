@@ -4,7 +4,6 @@ kernels' losses on a tiny model. Each Triton run is a fresh process, as a user w
 the interpreter variable is set before anything imports triton; the torch kernels' reference runs
 in the test's process."""
 
-import json
 import os
 import shutil
 import subprocess
@@ -15,8 +14,8 @@ import pytest
 import torch
 
 from attnres_pp.cli import main
+from tests.run_helpers import REPO, assert_same_losses, summary
 
-REPO = Path(__file__).resolve().parents[2]
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "2",
         "--microbatches", "1", "--steps", "3", "--lr", "0.01", "--eval-every", "0", "--seed", "4", "--quiet",
         "--launcher", "local", "--device", "cpu"]
@@ -33,14 +32,14 @@ def _train(tmp_path: Path, variant: str, kernels: str) -> dict:
     argv = ["train", "--config", str(config), *TINY, *VARIANTS[variant], "--kernels", kernels, "--out", str(out)]
     if kernels == "torch":  # the reference needs no fresh process: no Triton kernel runs in it
         assert main(argv) == 0
-        return json.loads((out / "summary.json").read_text())
+        return summary(out)
     console = shutil.which("attnres-pp")
     command = [console] if console else [sys.executable, "-m", "attnres_pp.cli"]
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     result = subprocess.run([*command, *argv], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    return json.loads((out / "summary.json").read_text())
+    return summary(out)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, scripts/gpu_check.sh trains with the compiled "
@@ -56,5 +55,4 @@ def test_interpreted_triton_kernels_train_to_the_torch_kernels_losses(tmp_path, 
         assert triton_run["config"]["model"]["stream_kernels"] == [2, 3]
     want, got = torch_run["losses"], triton_run["losses"]
     assert len(got) == len(want) == 3 and want[-1] < want[0]
-    for g, w in zip(got, want, strict=True):
-        assert abs(g - w) <= 1e-5 * abs(w), (got, want)
+    assert_same_losses(got, want)

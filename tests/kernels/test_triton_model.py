@@ -13,6 +13,7 @@ if not torch.cuda.is_available():  # before any kernel module is imported
 import pytest  # noqa: E402
 
 from attnres_pp.model import ModelConfig, Transformer  # noqa: E402
+from tests.run_helpers import assert_same_losses
 
 TINY = dict(vocab_size=32, n_layers=2, d_model=16, n_heads=2, seq_len=6)
 VARIANTS = {
@@ -74,5 +75,4 @@ def test_training_with_triton_backend_gives_the_torch_backend_losses(variant):
     want = _train_losses(cfg, "torch", batches)
     got = _train_losses(cfg, "triton", batches)
     assert want[-1] < want[0]
-    for g, w in zip(got, want, strict=True):
-        assert abs(g - w) <= 1e-5 * abs(w), (got, want)
+    assert_same_losses(got, want)

@@ -1,0 +1,345 @@
+"""`--fault-tolerance replicas` (docs/ray.md, "Fault tolerance across replicas"): D = 2 replica
+groups of P = 2 local rank processes, each a torchft replica group. A fault-free run trains as the
+plain D = 2 run (the same losses); a rank of group 1 lost mid-step restarts group 1 alone while
+group 0 commits every step, group 1 heals from group 0 and every group ends bitwise equal; the
+same with groups of P = 2 x T = 2 tensor-parallel ranks (their healing state as local shards); under
+`--min-replicas 2` group 0 waits for group 1 instead (again the plain run's losses); the wait is
+bounded by `--timeout`; under the Ray launcher only the lost group's actors restart; without
+torchft the option is one error line."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import sys
+import time
+
+import pytest
+
+from attnres_pp.cli import main
+from tests.run_helpers import metrics, summary
+
+STEPS = 8
+ARGS = ["train", "--launcher", "local", "--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16",
+        "--batch-size", "8", "--stages", "2", "--data-parallel", "2", "--steps", str(STEPS), "--quiet",
+        "--no-final-checkpoint"]
+FT = ["--fault-tolerance", "replicas"]
+# One worker holds the module's reference run: under --dist loadgroup its tests would otherwise be
+# handed to both workers, each training `plain` again.
+pytestmark = pytest.mark.xdist_group("ft-plain-run")
+
+
+def skipped_share_tolerance(free_losses: list[float], participants: list[int], replicas: int) -> float:
+    """docs/ray.md's tolerance for the final loss of a run whose steps had `participants` groups of
+    `replicas`: the skipped share of the batches, s = sum(1 - p / D) steps, counted as whole steps not
+    taken, i.e. what the fault-free run's loss fell over its last ceil(s) steps (plus float noise)."""
+    skipped = math.ceil(sum(1 - p / replicas for p in participants))
+    return free_losses[-1 - skipped] - free_losses[-1] + 1e-6 * abs(free_losses[-1])
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ft") / "tiny.txt"
+    path.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain(corpus, tmp_path_factory):
+    """Today's D = 2 run, without fault tolerance: the reference losses."""
+    run = tmp_path_factory.mktemp("ft") / "plain"
+    assert main([*ARGS, "--data", str(corpus), "--out", str(run)]) == 0
+    return summary(run)
+
+
+@pytest.mark.distributed
+def test_fault_free_replica_groups_train_as_the_plain_run(corpus, plain, tmp_path):
+    """Also its checkpoint (written by one group's ranks) resumes into both groups with the same losses."""
+    run = tmp_path / "ft"
+    assert main([*ARGS, *FT, "--data", str(corpus), "--checkpoint-every", "4", "--out", str(run)]) == 0
+    got = summary(run)
+    assert got["losses"] == plain["losses"]  # the same sums, divided by the same D: bitwise
+    assert got["val_loss"] == plain["val_loss"]
+    assert got["participants_per_step"] == [2] * STEPS
+    assert got["replicas_equal"] is True and got["restarts"] == 0 and got["recoveries"] == []
+    assert got["lighthouse"].startswith("http://")
+    assert [r["participants"] for r in metrics(run)] == [2] * STEPS
+    again = tmp_path / "again"  # as a crash after step 5 would have left it
+    shutil.copytree(run / "checkpoints" / "step_4", again / "checkpoints" / "step_4")
+    (again / "metrics.jsonl").write_text("".join((run / "metrics.jsonl").read_text().splitlines(True)[:5]))
+    assert main(["train", "--resume", str(again), "--quiet"]) == 0
+    resumed = summary(again)
+    assert resumed["losses"] == plain["losses"] and resumed["participants_per_step"] == [2] * STEPS
+    assert resumed["replicas_equal"] is True
+
+
+@pytest.mark.distributed
+def test_a_lost_rank_restarts_only_its_group_which_heals_from_the_live_one(corpus, plain, tmp_path):
+    """Global rank 3 (group 1, pp rank 1) exits mid-step 3: group 0 commits every step once, in order;
+    group 1 is restarted alone (no job restart), heals and commits again; all end bitwise equal."""
+    run = tmp_path / "hit"
+    assert main([*ARGS, *FT, "--data", str(corpus), "--inject-failure", "3:3", "--out", str(run)]) == 0
+    check_recovered_alone(run, plain)
+
+
+@pytest.mark.distributed
+def test_a_rank_lost_inside_the_replicas_all_reduce_recovers_the_same_way(corpus, plain, tmp_path):
+    """Global rank 3 exits at step 3 as it would join the gradient all-reduce that group 0's pp rank 1
+    has entered: group 0's collective fails, that step does not commit there, and the run recovers as
+    from a rank lost mid-pipeline (group 0 commits every step once, group 1 heals, all end equal)."""
+    run = tmp_path / "in_allreduce"
+    assert main([*ARGS, *FT, "--data", str(corpus), "--inject-failure", "3:3:allreduce", "--out", str(run)]) == 0
+    check_recovered_alone(run, plain)
+
+
+@pytest.mark.ray
+def test_under_ray_only_the_lost_groups_actors_restart(corpus, plain, tmp_path, monkeypatch):
+    """The same loss under --launcher ray: each group's actors in a placement group of their own, only
+    group 1's killed and placed again, on the private Ray instance the run starts."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    pytest.importorskip("ray")
+    run = tmp_path / "ray"
+    assert main([*ARGS, *FT, "--launcher", "ray", "--device", "cpu", "--data", str(corpus), "--inject-failure", "3:3",
+                 "--out", str(run)]) == 0
+    got = check_recovered_alone(run, plain)
+    assert "stopped answering (its actor died)" in got["recoveries"][0]["cause"]
+
+
+def check_recovered_alone(run, plain, rank: int = 3) -> dict:
+    """What a run that lost global rank `rank` (of group 1) at step 3 and recovered it alone must show;
+    its summary."""
+    got = summary(run)
+    steps = metrics(run)
+    assert [r["step"] for r in steps] == list(range(STEPS))
+    assert all(0 in r["replica_groups"] for r in steps)  # group 0 never lost or repeated a step
+    assert got["restarts"] == 0 and got["replica_restarts"] == [0, 1]
+    [recovery] = got["recoveries"]
+    assert recovery["replica"] == 1 and recovery["lost_at_step"] == 2 and f"global rank {rank}:" in recovery["cause"]
+    assert recovery["rejoined_at_step"] >= 2 and steps[-1]["replica_groups"] == [0, 1]
+    assert all(r["replica_groups"] == [0, 1] for r in steps[recovery["rejoined_at_step"]:])
+    assert got["participants_per_step"] == [len(r["replica_groups"]) for r in steps]
+    assert got["replicas_equal"] is True
+    tolerance = skipped_share_tolerance(plain["losses"], got["participants_per_step"], 2)
+    assert abs(got["losses"][-1] - plain["losses"][-1]) <= tolerance
+    return got
+
+
+# Tensor parallelism in the replica groups: D = 2 groups of P = 2 stages x T = 2 tp ranks (8 local
+# processes), each group a process group of its 4 ranks whose Managers pair group rank pp x T + tp
+# with the same group rank of the other group.
+TP = ["--stages", "2", "--tensor-parallel", "2"]
+
+
+@pytest.fixture(scope="module")
+def plain_tp(corpus, tmp_path_factory):
+    """The D = 2 x P = 2 x T = 2 run without fault tolerance: the reference losses."""
+    run = tmp_path_factory.mktemp("ft") / "plain_tp"
+    assert main([*ARGS, *TP, "--data", str(corpus), "--out", str(run)]) == 0
+    return summary(run)
+
+
+@pytest.mark.distributed
+def test_fault_free_tensor_parallel_replica_groups_train_as_the_plain_run(corpus, plain_tp, tmp_path):
+    """Each rank averages its local gradient shards with the same group rank of the other group, the
+    sequence-parallel partial gradients summed over tp first: the plain run's losses, bitwise."""
+    run = tmp_path / "ft_tp"
+    assert main([*ARGS, *TP, *FT, "--data", str(corpus), "--out", str(run)]) == 0
+    got = summary(run)
+    assert got["losses"] == plain_tp["losses"] and got["val_loss"] == plain_tp["val_loss"]
+    assert got["participants_per_step"] == [2] * STEPS
+    assert got["replicas_equal"] is True and got["restarts"] == 0 and got["recoveries"] == []
+    assert got["tp_bytes_per_step"] == plain_tp["tp_bytes_per_step"] > 0  # the replicas' reduction is not tp's
+
+
+@pytest.mark.distributed
+def test_a_lost_tensor_parallel_rank_restarts_its_group_of_p_x_t_ranks_which_heals(corpus, plain_tp, tmp_path):
+    """Global rank 5 (group 1, pp 0, tp 1) exits mid-step 3: group 0 commits every step once; group 1's
+    4 ranks restart together and heal, each from the same (pp, tp) rank of group 0 (its weight shards
+    and their AdamW moments as local tensors); all end bitwise equal, shard for shard."""
+    run = tmp_path / "hit_tp"
+    assert main([*ARGS, *TP, *FT, "--data", str(corpus), "--inject-failure", "5:3", "--out", str(run)]) == 0
+    got = check_recovered_alone(run, plain_tp, rank=5)
+    assert "rank 1 exited" in got["recoveries"][0]["cause"]  # its index in the group: pp 0 x T + tp 1
+
+
+def test_a_ranks_place_in_its_replica_group():
+    """Group rank = pp x T + tp (tp innermost, as the mesh lays ranks out) = the global rank less its
+    group's first; the same group rank in every group holds the same (pp, tp) coordinates, so the
+    Managers pair ranks that hold the same shards; the group's process group is a one-replica mesh."""
+    from attnres_pp.pipeline.mesh import RankCoords
+    from attnres_pp.train.ft_groups import replica_rank
+    from attnres_pp.train.ft_worker import group_coords, group_rank
+
+    d, p, t = 3, 2, 2
+    for rank in range(d * p * t):
+        coords = RankCoords(rank, d, p, t)
+        index = group_rank(coords)
+        assert index == rank % (p * t) and replica_rank(coords.dp_rank, index, p * t) == rank
+        inside = group_coords(coords)
+        assert (inside.dp_rank, inside.pp_rank, inside.tp_rank) == (0, coords.pp_rank, coords.tp_rank)
+        assert [group_rank(RankCoords(peer, d, p, t)) for peer in coords.axis_members("pp")] == \
+            [q * t + coords.tp_rank for q in range(p)]  # `pipeline_peers`: this tp rank's stages
+        for other in range(d):
+            twin = RankCoords(replica_rank(other, index, p * t), d, p, t)
+            assert (twin.dp_rank, twin.pp_rank, twin.tp_rank) == (other, coords.pp_rank, coords.tp_rank)
+    assert group_rank(RankCoords(3, 2, 2)) == 1  # T = 1: the pp rank, as before
+
+
+def test_healing_state_travels_as_local_shards_and_loads_as_dtensors_again():
+    """`local_state` holds plain tensors only (torchft's transport pickles it), and `load_local_state`
+    into another rank's parameters and a fresh AdamW rebuilds every moment of a DTensor parameter as a
+    DTensor with the parameter's placements (the fused qkv's strided shard included): the next AdamW
+    step of the two is bitwise the same. One process, a fake 2-rank process group (no collectives)."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from attnres_pp.train.config import TrainConfig
+    from attnres_pp.train.ft_worker import load_local_state, local_state
+    from attnres_pp.train.optim import build_optimizer
+    from attnres_pp.train.optim import local_shard as local
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+
+        def as_param_like(p, tensor):  # `tensor` (a local shard) laid out as `p`
+            if not isinstance(p, DTensor):
+                return tensor
+            return DTensor.from_local(tensor, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                      stride=p.stride())
+
+        def params(seed: int) -> dict:
+            generator = torch.Generator().manual_seed(seed)
+
+            def held(shape, placement):
+                whole = (shape[0] * (1 if placement.is_replicate() else 2), *shape[1:])
+                return torch.nn.Parameter(DTensor.from_local(
+                    torch.randn(shape, generator=generator), mesh, [placement], run_check=False,
+                    shape=torch.Size(whole), stride=torch.empty(whole).stride()))
+
+            return {"layers.0.attn.qkv.weight": held((6, 4), _StridedShard(0, split_factor=3)),
+                    "layers.0.mlp.up.weight": held((8, 4), Shard(0)),
+                    "layers.0.attn.norm.weight": held((4,), Replicate()),
+                    "embed.weight": torch.nn.Parameter(torch.randn(10, 4, generator=generator))}
+
+        def step(optimizer, grads: dict) -> None:
+            for p, grad in grads.items():
+                p.grad = as_param_like(p, grad.clone())
+            optimizer.step()
+
+        live = params(0)
+        live_optimizer = build_optimizer(live.items(), TrainConfig())
+        for seed in (1, 2):
+            generator = torch.Generator().manual_seed(seed)
+            step(live_optimizer, {p: torch.randn(local(p.detach()).shape, generator=generator)
+                                  for p in live.values()})
+        sent = local_state(live, live_optimizer)
+        leaves = [*sent["params"].values(), *(v for entry in sent["optimizer"]["state"].values()
+                                              for v in entry.values())]
+        assert leaves and all(type(v) is torch.Tensor for v in leaves)  # no DTensor travels
+        healed = params(3)
+        healed_optimizer = build_optimizer(healed.items(), TrainConfig())
+        load_local_state(healed, healed_optimizer, pickle.loads(pickle.dumps(sent)))
+        for name in live:
+            assert torch.equal(local(live[name].detach()), local(healed[name].detach()))
+        want, got = live_optimizer.state_dict()["state"], healed_optimizer.state_dict()["state"]
+        assert want.keys() == got.keys()
+        for index, entry in want.items():
+            for key, value in entry.items():
+                assert type(got[index][key]) is type(value)
+                if isinstance(value, DTensor):
+                    assert got[index][key].placements == value.placements and got[index][key].shape == value.shape
+                assert torch.equal(local(got[index][key]), local(value))
+        generator = torch.Generator().manual_seed(4)
+        grads = [torch.randn(local(p.detach()).shape, generator=generator) for p in live.values()]
+        step(live_optimizer, dict(zip(live.values(), grads, strict=True)))
+        step(healed_optimizer, dict(zip(healed.values(), grads, strict=True)))
+        for name in live:
+            assert torch.equal(local(live[name].detach()), local(healed[name].detach()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_min_replicas_2_makes_the_live_group_wait_for_the_lost_one(corpus, plain, tmp_path):
+    """Every step commits with both groups: group 0 waits at the quorum while group 1 restarts and
+    heals at the step it lost, so the run is the fault-free one, loss for loss."""
+    run = tmp_path / "wait"
+    assert main([*ARGS, *FT, "--min-replicas", "2", "--data", str(corpus), "--inject-failure", "3:3",
+                 "--out", str(run)]) == 0
+    got = summary(run)
+    assert got["participants_per_step"] == [2] * STEPS
+    assert got["losses"] == plain["losses"]
+    [recovery] = got["recoveries"]
+    assert recovery["rejoined_at_step"] == recovery["lost_at_step"] == 2
+    assert got["replicas_equal"] is True and got["restarts"] == 0
+
+
+@pytest.mark.distributed
+def test_a_quorum_never_reached_ends_the_run_within_the_timeout(corpus, tmp_path, capsys):
+    """A given Lighthouse that wants 3 groups never forms a quorum of these 2: each group's wait ends
+    at --timeout with one error line."""
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=3)
+    try:
+        start = time.monotonic()
+        code = main([*ARGS, *FT, "--steps", "1", "--timeout", "4", "--lighthouse", lighthouse.address(),
+                     "--data", str(corpus), "--out", str(tmp_path / "never")])
+        elapsed = time.monotonic() - start
+    finally:
+        lighthouse.shutdown()
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "error: replica group" in err and "no quorum of --min-replicas 1 replica groups within --timeout 4 s" in err
+    assert elapsed < 4 + 30
+
+
+def test_without_torchft_the_option_is_one_error_line(corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # `import torchft` raises ImportError
+    assert main([*ARGS, *FT, "--data", str(corpus), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --fault-tolerance replicas needs torchft: pip install 'attnres-pp[ft]'"]
+
+
+def test_the_lighthouse_status_counts_the_quorum_requests_it_holds():
+    """The engine sends the live groups their step only once a joining group's request is at the
+    Lighthouse (`ft_lighthouse.lighthouse_requests`, read from its /status page): 0, then 1 pending."""
+    import threading
+    from datetime import timedelta
+
+    from torchft.coordination import LighthouseClient, LighthouseServer
+
+    from attnres_pp.train.ft_lighthouse import lighthouse_requests
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    try:
+        assert lighthouse_requests(lighthouse.address()) == 0
+        client = LighthouseClient(lighthouse.address(), connect_timeout=timedelta(seconds=5))
+        asking = threading.Thread(target=lambda: _quorum_or_timeout(client), daemon=True)
+        asking.start()
+        deadline = time.monotonic() + 10
+        while lighthouse_requests(lighthouse.address()) != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert lighthouse_requests(lighthouse.address()) == 1
+    finally:
+        lighthouse.shutdown()
+    assert lighthouse_requests("http://127.0.0.1:1") is None  # nothing listening: the engine falls back
+
+
+def _quorum_or_timeout(client) -> None:
+    from datetime import timedelta
+
+    try:
+        client.quorum(replica_id="r0", timeout=timedelta(seconds=3), address="a", store_address="s", step=0,
+                      world_size=1)
+    except Exception:  # the quorum of 2 never forms: torchft's timeout
+        pass

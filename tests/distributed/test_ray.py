@@ -1,0 +1,328 @@
+"""The Ray launcher end to end: recovery from a lost actor ends with the undisturbed losses (and the
+other launchers'), tensor-parallel groups placed as one bundle each (training and generation at
+T = 2 under PACK), generation's greedy tokens, a placement no node can hold, a rank's set-up
+refusal, Ctrl-C and the private local instance (the restart limit, which no launcher changes:
+tests/unit/test_checkpoint.py). A real cluster job (a head started with `ray start`, token
+authentication on, a job submitted with `ray job submit`, refused without the token) is
+test_multihost.py's first test, on two hosts.
+
+Most tests share one private local Ray instance of 4 logical CPUs (the Ray rank group joins an
+initialised Ray and leaves it running), so Ray's start-up is paid once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from attnres_pp.cli import main
+
+from ..unit.test_memory_per_rank import check_memory_entries
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.ray
+
+REPO = Path(__file__).resolve().parents[2]
+# This checkout's CLI, whatever `attnres-pp` on the PATH would run (an editable install elsewhere).
+CLI = [sys.executable, "-m", "attnres_pp.cli"]
+TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
+        "--microbatches", "2", "--stages", "2", "--virtual", "2", "--eval-every", "3"]
+
+
+# The tests on the shared instance run on one worker: under --dist loadgroup they would otherwise be
+# handed to both, each starting an instance of its own.
+SHARED_RAY = pytest.mark.xdist_group("ray-local-instance")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    if os.environ.get("RAY_ADDRESS"):
+        pytest.skip("RAY_ADDRESS is set: these tests start their own private Ray instance")
+    # 4 logical CPUs (on however many cores): room for two tensor-parallel groups of 2
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
+    yield
+    ray.shutdown()
+
+
+def losses(run_dir: Path) -> list[float]:
+    return json.loads((run_dir / "summary.json").read_text())["losses"]
+
+
+def assert_same_losses(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want)
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert abs(g - w) <= 1e-5 * abs(w), (step, g, w)
+
+
+@SHARED_RAY
+def test_recovered_runs_end_with_the_undisturbed_losses(local_ray, tmp_path, capsys):
+    steps = ["--steps", "6"]
+    # The undisturbed run in one process: the recovered Ray run equals it, so the two launchers compute
+    # the same run and the recovery changes no number (the other tests here run Ray undisturbed).
+    assert main(["train", *TINY, *steps, "--launcher", "inprocess", "--out", str(tmp_path / "inproc"), "--quiet"]) == 0
+    want = losses(tmp_path / "inproc")
+    capsys.readouterr()
+
+    # Rank 1's actor exits during step 4: fresh actors load checkpoint step_2 and re-run 3..6.
+    assert main(["train", *TINY, *steps, "--checkpoint-every", "2", "--inject-failure", "1:4",
+                 "--out", str(tmp_path / "hit")]) == 0
+    out = capsys.readouterr().out
+    assert "rank 1 lost at step 4/6; restarting from checkpoint step 2 (restart 1/3)" in out
+    summary = json.loads((tmp_path / "hit" / "summary.json").read_text())
+    assert summary["restarts"] == 1
+    assert_same_losses(summary["losses"], want)
+    assert [entry[0] for entry in summary["val_losses"]] == [2, 5]
+
+
+@SHARED_RAY
+def test_zero_bubble_schedule_through_ray_actors(local_ray, tmp_path):
+    """`--schedule zbv` through the Ray launcher: the actors build the V placement from the schedule
+    and run I and W; the losses equal the in-process launcher's."""
+    argv = ["train", *TINY, "--steps", "2", "--schedule", "zbv", "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "ray")]) == 0
+    assert main([*argv, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
+    assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "inproc"))
+    summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
+    assert summary["fwd_hop_tensors"][1] == 0
+    check_memory_entries(summary["memory_per_rank"], 2)  # the actors count what they hold, as other ranks do
+
+
+@SHARED_RAY
+def test_tensor_parallel_groups_through_ray_actors_under_pack(local_ray, tmp_path):
+    """`--tensor-parallel 2 --stages 2 --placement PACK`: each tp group one bundle of 2 CPUs (so on one
+    node whatever the strategy), four actors whose losses equal the local launcher's, the hops
+    between tp lanes in shared memory on this one node, and their tp collectives counted."""
+    argv = ["train", *TINY, "--steps", "2", "--quiet", "--device", "cpu", "--no-final-checkpoint",
+            "--tensor-parallel", "2", "--eval-every", "0"]
+    assert main([*argv, "--placement", "PACK", "--out", str(tmp_path / "ray")]) == 0
+    assert main([*argv, "--launcher", "local", "--out", str(tmp_path / "local")]) == 0
+    assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "local"))
+    summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
+    assert summary["config"]["pipeline"]["tensor_parallel"] == 2 and summary["tp_bytes_per_step"] > 0
+    assert len(summary["nodes"]) == 4 and len(set(summary["nodes"])) == 1
+    assert summary["bytes_sent_per_step_by_transport"]["shm"] == summary["bytes_sent_per_step"] > 0
+
+
+@SHARED_RAY
+def test_fsdp_through_ray_actors(local_ray, tmp_path):
+    """`--dp-shard fsdp` at D = 2 through the Ray launcher: the actors shard over their mesh's "dp"
+    dimension, end with the local launcher's losses and count their shards in `memory_per_rank`."""
+    argv = ["train", *TINY, "--stages", "1", "--virtual", "1", "--batch-size", "8", "--data-parallel", "2",
+            "--steps", "2", "--dp-shard", "fsdp", "--eval-every", "0", "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "ray")]) == 0
+    assert main([*argv, "--launcher", "local", "--out", str(tmp_path / "local")]) == 0
+    assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "local"))
+    got, want = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("ray", "local"))
+    assert len(got["memory_per_rank"]) == 2
+    whole_bytes = 4 * got["params"]  # fp32: what each replica would hold unsharded
+    for entry, local_entry in zip(got["memory_per_rank"], want["memory_per_rank"], strict=True):
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+            assert entry[key] == local_entry[key], key
+        # Half of every parameter (FSDP2 pads dim 0 to a multiple of D), the 0-dim scales whole.
+        assert 0.5 * whole_bytes <= entry["param_bytes"] <= 0.52 * whole_bytes
+
+@SHARED_RAY
+def test_ray_actors_generate_the_single_process_tokens(local_ray):
+    """`generate --launcher ray`: one actor per rank joins the running instance (it starts none), gives
+    the single process's greedy tokens for one sequence and for a ragged batch, and leaves no
+    placement group behind."""
+    from attnres_pp.generate.config import GenerationConfig
+    from attnres_pp.generate.engines import SingleProcessGenerator, make_generator
+    from attnres_pp.generate.loop import generate, generate_batch
+    from attnres_pp.pipeline.config import PipelineConfig
+    from tests.pipeline_helpers import build_model, model_config
+
+    cfg = model_config("msar", n_layers=4, seq_len=16)
+    named = {name: p.detach().clone() for name, p in build_model(cfg).named_parameters()}
+    greedy = GenerationConfig(max_new_tokens=8, prefill_chunk=2, temperature=0)
+    want = generate(SingleProcessGenerator(cfg, named), [1, 2, 3, 4, 5], greedy).tokens
+    generator = make_generator(cfg, PipelineConfig(stages=2, virtual=2, launcher="ray", timeout_s=60.0), named)
+    try:
+        assert not generator.ranks.started_ray
+        assert generate(generator, [1, 2, 3, 4, 5], greedy).tokens == want
+        batch = [[1, 2], [1, 2, 3, 4, 5]]  # ragged: the first finishes first and leaves the batch
+        alone = [generate(SingleProcessGenerator(cfg, named), ids, greedy).tokens for ids in batch]
+        assert [r.tokens for r in generate_batch(generator, batch, greedy)] == alone
+    finally:
+        generator.close()
+    assert ray.is_initialized()  # the instance it joined is left running
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+@SHARED_RAY
+def test_ray_actors_generate_the_single_process_tokens_at_tensor_parallel_2(local_ray):
+    """`generate --launcher ray --tensor-parallel 2` at P = 2 under PACK: two tp groups of two actors,
+    each group one bundle, give the single process's greedy tokens."""
+    from attnres_pp.generate.config import GenerationConfig
+    from attnres_pp.generate.engines import SingleProcessGenerator, make_generator
+    from attnres_pp.generate.loop import generate
+    from attnres_pp.pipeline.config import PipelineConfig
+    from tests.pipeline_helpers import build_model, model_config
+
+    cfg = model_config("block", n_layers=4, seq_len=16, n_heads=2)
+    named = {name: p.detach().clone() for name, p in build_model(cfg).named_parameters()}
+    greedy = GenerationConfig(max_new_tokens=8, prefill_chunk=3, temperature=0)
+    want = generate(SingleProcessGenerator(cfg, named), [3, 1, 4, 1, 5], greedy).tokens
+    assert len(set(want)) > 1  # a real sequence, not one token repeated
+    pipe = PipelineConfig(stages=2, tensor_parallel=2, launcher="ray", placement="PACK", timeout_s=60.0)
+    generator = make_generator(cfg, pipe, named, device="cpu")
+    try:
+        assert [(r["pp_rank"], r["tp_rank"]) for r in generator.ranks.setup_results] == [(0, 0), (0, 1), (1, 0),
+                                                                                         (1, 1)]
+        assert generate(generator, [3, 1, 4, 1, 5], greedy).tokens == want
+    finally:
+        generator.close()
+
+
+@SHARED_RAY
+def test_a_placement_no_node_can_hold_is_refused_at_once(local_ray, tmp_path, capsys):
+    """local_ray has one node with 4 CPUs: STRICT_PACK of 5 one-CPU bundles is refused before the
+    placement group is created, not after the whole --timeout."""
+    argv = ["train", *TINY, "--stages", "5", "--virtual", "1", "--layers", "5", "--timeout", "60"]
+    started = time.monotonic()
+    assert main([*argv, "--out", str(tmp_path / "run"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --placement STRICT_PACK needs one node with 5 CPU for 5 bundles of {1 CPU}")
+    assert "node 0: 4 CPU" in err and time.monotonic() - started < 30
+
+
+class _SetUpRank:
+    """Stands in for a rank actor's process-group set-up: rank 1 refuses it as a rank does whose
+    /dev/shm has no room (SharedMemoryFull is raised on every rank, naming the one without room)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def join_process_group(self, init_method: str, world_size: int) -> dict:
+        from attnres_pp.comm.shm_transport import SharedMemoryFull
+
+        if self.rank == 1:
+            raise SharedMemoryFull("rank 1: /dev/shm has no room for this run's shared-memory hop slots\n(detail)")
+        raise RuntimeError("rank 0 gave up: its peer left the set-up")
+
+
+@SHARED_RAY
+def test_a_setup_refusal_through_ray_is_one_line_as_under_the_local_launcher(local_ray):
+    """The Ray driver raises a rank's set-up refusal (a ValueError, carried through Ray's task error)
+    as `rank R refused to start: ...`, one line that the CLI prints as `error:`, ahead of the other
+    ranks' failures it caused, and not as a rendezvous failure or a traceback."""
+    from attnres_pp.launch.ray_checks import RendezvousError
+    from attnres_pp.launch.ray_rank_group import join_results
+
+    actors = [ray.remote(num_cpus=0)(_SetUpRank).remote(rank) for rank in range(2)]
+    try:
+        with pytest.raises(ValueError) as info:
+            join_results([a.join_process_group.remote("tcp://10.0.0.1:1", 2) for a in actors], "tcp://10.0.0.1:1",
+                         30.0, [("n0", "10.0.0.1"), ("n1", "10.0.0.2")])
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+    assert not isinstance(info.value, RendezvousError)
+    assert str(info.value) == ("rank 1 refused to start: rank 1: /dev/shm has no room for this run's shared-memory "
+                               "hop slots (detail)")
+
+
+def test_ctrl_c_stops_the_actors_and_the_local_ray_instance(tmp_path):
+    """SIGINT to the whole process group, as a terminal sends it, once training is under way: the
+    command exits 130 and every process it started (Ray's and the actors) is gone."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen([*CLI, "train", *TINY, "--steps", "5000", "--out", str(tmp_path / "run")],
+                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=_as_from_a_terminal)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not any(line.startswith("step") and line.split()[1].startswith("2/") for line in list(lines)):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
+            time.sleep(0.2)
+        started = _descendants(proc.pid)
+        assert len(started) >= 3, started  # Ray's own processes and the two actors
+        os.killpg(proc.pid, signal.SIGINT)
+        try:  # a hang guard, not a timing check
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the interrupted command did not exit:\n" + "".join(lines)[-3000:]) from None
+        assert code == 130, "".join(lines)[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+    deadline = time.monotonic() + 20
+    while (left := [pid for pid in started if _running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes outlived the command: {left}"
+
+
+def _as_from_a_terminal() -> None:
+    """SIGINT handled by default, as in a shell: a pytest-xdist worker ignores it, and an ignored
+    signal stays ignored across exec (Python then installs no KeyboardInterrupt handler)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_data_parallel_pipeline_on_the_private_local_ray_instance(tmp_path):
+    """D = 2 replicas x P = 2 ranks: four actors placed by one placement group on a 2-core machine (the
+    private instance offers a CPU per rank, and listens on 127.0.0.1 only), ending with the in-process
+    launcher's losses, with scalars only between the driver and the actors."""
+    data = tmp_path / "corpus.txt"  # a small file: each end rank reads its own share of it
+    data.write_text("".join(p.read_text() for p in sorted((REPO / "attnres_pp" / "train").glob("*.py"))))
+    layout = [*TINY, "--virtual", "1", "--batch-size", "8", "--data-parallel", "2", "--steps", "3",
+              "--data", str(data), "--quiet"]
+    assert main(["train", *layout, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])), RAY_DEDUP_LOGS="0")
+    run = subprocess.run([*CLI, "train", *layout, "--launcher", "ray", "--out", str(tmp_path / "ray")], env=env,
+                         cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
+    assert_same_losses(summary["losses"], losses(tmp_path / "inproc"))
+    assert summary["data_parallel"] == 2 and len(summary["params_per_rank"]) == 2
+    assert sum(summary["params_per_rank"]) == summary["params"]
+    assert 0 < summary["driver_bytes_per_step"] < 4096
+    assert len(summary["cache_peak_bytes_per_rank"]) == 4
+    assert "StageActor rank=3 (dp 1, pp 1)" in run.stdout + run.stderr
+    # The private instance is the machine's alone: its node, and so the ranks' gloo, on loopback.
+    assert ", node 127.0.0.1 (" in run.stdout + run.stderr and ", lo)" in run.stdout + run.stderr
+
+
+def test_multinode_example_config_loads():
+    from attnres_pp.train.config import RunConfig
+
+    example = RunConfig.from_toml(REPO / "configs" / "multinode_example.toml")
+    assert example.pipeline.launcher == "ray" and example.pipeline.placement in ("PACK", "SPREAD")
+    assert example.pipeline.data_parallel == 2 and example.pipeline.world_size == 16  # D x P actors

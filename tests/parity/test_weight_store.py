@@ -1,0 +1,124 @@
+"""The split backward's weight-gradient store (`pipeline.weight_store`: I frees the graph, W drains
+the stashed operands) against its slow twin (I keeps the graph, `split_backward`): a whole step,
+and bit for bit per chunk, fp32 and bf16. Also: what I leaves alive is the store alone (the
+recomputed layers die with I), and the store lowers the counted peak of the checkpointed split
+schedules. Its parity with the single-process model (every variant, split schedule, cache mode and
+checkpointing policy, float64) is in tests/parity/test_parity.py's curated case list."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnres_pp.comm.plan import plan_for_model
+from attnres_pp.pipeline.chunk import build_rank_chunks
+from attnres_pp.pipeline.memory_meter import ActivationMeter
+from attnres_pp.pipeline.split_backward import backward_input, backward_weight
+from attnres_pp.pipeline.weight_store import drain_weight_store, stash_backward_input
+from tests.pipeline_helpers import (
+    MICRO,
+    SEQ,
+    assert_grads_match,
+    build_model,
+    loopback_step,
+    model_config,
+)
+from tests.reference_model import VARIANTS
+
+from .test_split_backward import P, V, _chunk_graph, _grads
+
+SPLIT_SCHEDULES = [("zb_h1", 2, 1, 2), ("interleaved_zb", 2, 2, 2), ("zbv", 2, 2, 2)]
+
+
+@pytest.mark.parametrize("policy", ["none", "full"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_store_equals_its_retained_graph_twin(variant, policy):
+    """Linear weights: the same products in the same order, to the last bit; the small weights the
+    store leaves to I (pseudo-queries, taps) add their flows in another order, to rounding."""
+    cfg = model_config(variant, 4)
+    _, stored, _ = loopback_step(cfg, "zbv", 2, 2, 2, True, policy)
+    _, retained, _ = loopback_step(cfg, "zbv", 2, 2, 2, True, policy, retain=True)
+    assert_grads_match(stored, retained, rtol=1e-6)
+    linear = [n for n in retained if n.endswith(("qkv.weight", "proj.weight", "up.weight", "down.weight"))]
+    assert linear and all(torch.equal(stored[n], retained[n]) for n in linear)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("chunk_index", range(P * V))
+def test_stash_then_drain_equals_the_retained_split_per_chunk(variant, chunk_index, precision):
+    model, roots, root_grads, inputs = _chunk_graph(variant, chunk_index, precision=precision)
+    backward_weight(backward_input(roots, root_grads, inputs))
+    want = {k: None if v is None else v.clone() for k, v in _grads(model, inputs).items()}
+
+    model, roots, root_grads, inputs = _chunk_graph(variant, chunk_index, precision=precision)
+    store = stash_backward_input(roots, root_grads, inputs)
+    for i, t in enumerate(inputs):  # complete after I alone: they go back over the hop before W
+        assert torch.equal(t.grad, want[f"input {i}"])
+    untouched = [n for n, p in model.named_parameters() if n.endswith(("qkv.weight", "down.weight")) and
+                 want[n] is not None]
+    assert chunk_index == 0 or untouched
+    assert all(model.get_parameter(n).grad is None for n in untouched)  # W's work
+    drain_weight_store(store)
+    got = _grads(model, inputs)
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        assert (got[name] is None) == (w is None), name
+        if w is not None:
+            assert not got[name].requires_grad, name
+            assert (got[name] - w).abs().max().item() <= 1e-5 * w.abs().max().item() + 1e-8, name
+            if name.endswith(("qkv.weight", "proj.weight", "up.weight", "down.weight")):
+                assert torch.equal(got[name], w), name  # the same product as the twin's
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "selective"])
+@pytest.mark.parametrize("variant", ["block", "msar"])
+def test_after_i_only_the_store_is_alive(variant, policy):
+    """A middle chunk's forward, its I: the meter then counts the store's storages alone (the graph's
+    saved tensors and every recomputed layer are gone); W leaves nothing."""
+    from attnres_pp.comm.partition import make_partition as partition_of
+
+    cfg = model_config(variant, 8)
+    model = build_model(cfg)
+    partition = partition_of(cfg.n_layers, 2, 1)
+    plan = plan_for_model(cfg, partition, cache=True)
+    chunk = build_rank_chunks(model, partition, 1, activation_checkpoint=policy)[1]
+    g = torch.Generator().manual_seed(0)
+    io = plan.chunks[1]
+    chunk_inputs = {s: torch.randn(MICRO, SEQ, cfg.source_width, generator=g).requires_grad_(True)
+                    for s in io.received + io.cache_reads}
+    idx = torch.randint(0, cfg.vocab_size, (MICRO, SEQ), generator=g)
+    meter = ActivationMeter()
+    meter.set_excluded(model.parameters())
+    produced, loss = chunk(chunk_inputs, idx, idx, meter=meter)
+    after_forward = meter.live_bytes
+    store = stash_backward_input([loss], [torch.ones_like(loss)], list(chunk_inputs.values()), meter=meter)
+    del produced, loss
+    held = {}
+    for stash in store.products:
+        for t in [stash.grad, *stash.operands.values()]:
+            tensor = meter.unpack(t)
+            held[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    for flow in store.flows:
+        tensor = meter.unpack(flow)
+        held[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    assert store.products and meter.live_bytes == sum(held.values())
+    if policy == "none":
+        assert meter.live_bytes < after_forward
+    del t, flow  # the loops' last handles
+    drain_weight_store(store)
+    assert meter.live_bytes == 0
+
+
+@pytest.mark.parametrize("schedule_name", ["zb_h1", "interleaved_zb", "zbv"])
+def test_the_store_lowers_the_checkpointed_split_peak(schedule_name):
+    """Under full checkpointing the retained graph kept every recomputed layer until W; the store keeps
+    only its operands, so the counted peak drops well below the twin's and below no checkpointing."""
+    layout = next(s for s in SPLIT_SCHEDULES if s[0] == schedule_name)
+    cfg = model_config("block", 8)
+    peaks = {}
+    for retain, policy in ((True, "full"), (False, "full"), (False, "none")):
+        *_, records = loopback_step(cfg, *layout, True, policy, retain=retain)
+        peaks[(retain, policy)] = max(r.activation_peak_bytes for r in records)
+    assert peaks[(False, "full")] < 0.8 * peaks[(True, "full")], peaks
+    assert peaks[(False, "full")] < peaks[(False, "none")], peaks
