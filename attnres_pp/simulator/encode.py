@@ -25,6 +25,7 @@ get every check it makes, including any it gains later.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from attnres_pp.schedule.ir import ActionKind, Schedule
 from attnres_pp.schedule.passes import insert_comm
@@ -90,12 +91,20 @@ def encode(schedule: Schedule, costs: CostModel) -> tuple[Encoded, Schedule | No
     fast = encode_compute_only(schedule, costs)
     if fast is not None:
         if sum(len(ops) for ops in fast.ops) <= FULL_VALIDATION_ACTIONS:
-            lowered = insert_comm(schedule)
-            validate(lowered)  # every check validate has (any it gains, too), while it is cheap
-            return fast, lowered
+            return fast, _validated_lowering(schedule)
         return fast, None
     lowered = schedule if schedule.has_comm else insert_comm(schedule)
     return encode_lowered(lowered, costs), lowered
+
+
+@lru_cache(maxsize=32)
+def _validated_lowering(schedule: Schedule) -> Schedule:
+    """`insert_comm` and every check `validate` has (any it gains, too), while it is cheap; once per
+    schedule (a frozen value), however many cost models simulate it (`simulate plan` prices one
+    schedule under many)."""
+    lowered = insert_comm(schedule)
+    validate(lowered)
+    return lowered
 
 
 def encode_compute_only(schedule: Schedule, costs: CostModel) -> Encoded | None:

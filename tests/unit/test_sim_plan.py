@@ -1,9 +1,12 @@
-"""`attnres-pp simulate plan`: every row fits and rows come fastest first, the top row's command
-parses with `attnres-pp train`, an impossible request says what is short, and the 48-layer
-d = 7168 model on 64 x 80 GiB is planned in under 10 s of CPU time at T = 1."""
+"""`attnres-pp simulate plan`: every row fits and rows come fastest first, an impossible request says
+what is short, the 48-layer d = 7168 model on 64 x 80 GiB (T searched) is planned in under 10 s of
+CPU time; the fast stage 1 (`plan_price`) equals `Planner.estimate` candidate by candidate and gives
+the rows the estimates give; every row's command goes through `attnres-pp train`'s parser and the
+checks train makes before it starts a rank, which accept it exactly when the row says `runnable`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import time
@@ -12,7 +15,9 @@ import pytest
 
 from attnres_pp.cli import build_parser, main
 from attnres_pp.model.config import ModelConfig
-from attnres_pp.simulator.plan import GIB, Infeasible, PlanRequest, plan
+from attnres_pp.simulator.plan import GIB, Infeasible, Planner, PlanRequest, candidates, make_plan, plan
+from attnres_pp.simulator.plan_price import price_all
+from attnres_pp.simulator.tensor_parallel import TP_SIZES
 
 
 def _small(**overrides) -> PlanRequest:
@@ -77,20 +82,19 @@ def test_cli_json_and_errors(capsys):
 
 
 def test_plans_the_48_layer_model_within_10_s(capsys):
+    """The README's command, T searched (about 3.5 s of CPU on a 2-core machine, docs/simulator.md)."""
     argv = ["simulate", "plan", "--layers", "48", "--d-model", "7168", "--heads", "56", "--seq-len", "4096",
-            "--vocab-size", "32000", "--global-batch", "512", "--gpus", "64", "--gpu-memory-gib", "80",
-            "--tensor-parallel", "1"]  # the T search takes about four times as long (docs/simulator.md)
+            "--vocab-size", "32000", "--global-batch", "512", "--gpus", "64", "--gpu-memory-gib", "80"]
     started = time.process_time()
     assert main(argv) == 0
     assert time.process_time() - started < 10.0
     out = capsys.readouterr().out
     assert "attnres-pp train --layers 48" in out
+    assert "has no --tensor-parallel" not in out
 
 
 def test_pruning_keeps_the_exact_optimum():
     """Against every candidate simulated exactly: the planner's top row is the fastest that fits."""
-    from attnres_pp.simulator.plan import Planner, candidates
-
     request = _small(gpus=4, global_batch=16)
     planner = Planner(request)
     exact = [planner.evaluate(c) for c in candidates(request)]
@@ -98,3 +102,166 @@ def test_pruning_keeps_the_exact_optimum():
     assert len(fitting) < len(exact)  # the memory limit binds here
     best = min(row["step_time_s"] for row in fitting)
     assert plan(request)[0]["step_time_s"] == pytest.approx(best)
+
+
+# ---- the fast stage 1 against Planner.estimate ----
+
+def _requests() -> list[PlanRequest]:
+    """Variants, uneven splits (7 layers), T searched on one node and across nodes, fsdp and tight memory."""
+    def model(**fields) -> ModelConfig:
+        return ModelConfig(**({"vocab_size": 32000, "n_layers": 8, "d_model": 512, "n_heads": 8, "seq_len": 256,
+                               "block_size": 4} | fields))
+
+    return [
+        PlanRequest(model=model(), global_batch=16, gpus=8, gpu_memory_gib=2.0, tensor_parallel_sizes=TP_SIZES),
+        PlanRequest(model=model(n_layers=7, residual="msar"), global_batch=12, gpus=4, gpu_memory_gib=1.0),
+        PlanRequest(model=model(residual="lr_attnres", key_norm_gain=True), global_batch=8, gpus=4,
+                    gpu_memory_gib=0.5, tensor_parallel_sizes=(1, 2), gpus_per_node=2),
+        PlanRequest(model=model(residual="standard", n_layers=6), global_batch=24, gpus=6, gpu_memory_gib=3.0,
+                    dtype="fp32", attention_kernel="math"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_fast_prices_equal_the_estimate_for_every_candidate(index):
+    request = _requests()[index]
+    found = candidates(request)
+    fast = price_all(Planner(request), found)
+    slow = Planner(request)
+    assert len(found) > 100
+    assert [(step, peak) for step, peak, _c in fast] == [slow.estimate(c) for c in found]  # equal, not close
+
+
+class _EstimatePricing:
+    """The slow twin of `plan_price.Pricing`: every price from `Planner.estimate`, all at once."""
+
+    def __init__(self, planner, found) -> None:
+        self.candidates = found
+        self._prices = [planner.estimate(c) for c in found]
+        self.steps = [step for step, _peak in self._prices]
+        self.by_step = sorted(range(len(found)), key=self.steps.__getitem__)
+
+    def peak(self, index: int) -> int:
+        return self._prices[index][1]
+
+    def leanest(self, indices: list[int], count: int) -> list[int]:
+        return sorted(indices, key=self.peak)[:count]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_the_rows_are_those_of_the_estimates(monkeypatch, index):
+    """Lazy peaks and shared terms change no row: the plan (and its run row, or what is short) equals
+    the plan priced by `estimate` for every candidate."""
+    import attnres_pp.simulator.plan as plan_module
+
+    request = _requests()[index]
+
+    def outcome():
+        try:
+            result = make_plan(request)
+        except Infeasible as error:
+            return str(error)
+        return json.dumps([result.rows, result.run, result.run_row])
+
+    fast = outcome()
+    monkeypatch.setattr(plan_module, "Pricing", _EstimatePricing)
+    assert outcome() == fast
+
+
+def test_the_run_row_is_the_plan_of_what_train_runs():
+    """No top row runs on GPUs (T = 2 leads): the run row is the plan's top row at T = 1 alone."""
+    request = PlanRequest(model=ModelConfig(vocab_size=32000, n_layers=8, d_model=4096, n_heads=16, seq_len=4096,
+                                            block_size=4), global_batch=4, gpus=4, gpu_memory_gib=16.0, top=1,
+                          tensor_parallel_sizes=(1, 2))
+    result = make_plan(request)
+    assert not result.rows[0]["runnable"] and result.run_row is None
+    assert result.rows[0]["not_runnable_reason"].startswith("train refuses --tensor-parallel")
+    alone = plan(dataclasses.replace(request, tensor_parallel_sizes=(1,)))[0]
+    assert result.run == alone and result.run["runnable"]
+
+
+# ---- every printed command against train's own checks ----
+
+class _Accepted(Exception):
+    """train's checks passed and it would start the ranks now."""
+
+
+def _train_accepts(command: str, request: PlanRequest, monkeypatch, tmp_path) -> str | None:
+    """None if `attnres-pp train` takes `command` up to starting its ranks on a cluster of the request's
+    nodes (G GPUs each; a private Ray instance is one node), else its `error:` line."""
+    from attnres_pp.launch.ray_checks import check_placement, placement_bundles
+    from attnres_pp.train import engines
+
+    nodes = request.gpus // request.gpus_per_node if "--address" in command else 1
+    node = {"CPU": 2.0 * request.gpus_per_node, "GPU": float(request.gpus_per_node)}
+
+    class Cluster:
+        one_process, where, spans_nodes = False, "in the cluster", nodes > 1
+
+        def __init__(self, pipe, world_size: int, **_options) -> None:
+            self.pipe, self.world_size = pipe, world_size
+
+        def gpus(self) -> int:
+            return nodes * request.gpus_per_node
+
+        def start(self, _worker_cls, _rank_kwargs, *, device: str):
+            bundles = placement_bundles(self.world_size, self.pipe.tensor_parallel, gpu=device == "cuda")
+            check_placement(bundles, self.pipe.placement, [dict(node) for _ in range(nodes)],
+                            ranks_per_bundle=self.pipe.tensor_parallel)
+            raise _Accepted
+
+        def stop(self, graceful: bool) -> None:
+            pass
+
+    monkeypatch.setattr(engines, "make_rank_group", Cluster)
+    monkeypatch.setattr("attnres_pp.launch.resolve.visible_gpus", lambda: request.gpus_per_node)
+    # The host memory of a GPU node (train checks the model's fp32 state against it without --address).
+    monkeypatch.setattr("attnres_pp.train.memory_fit.physical_memory_bytes", lambda: 2 * 1024 ** 4)
+    monkeypatch.chdir(tmp_path)
+    argv = shlex.split(command)
+    assert argv[:2] == ["attnres-pp", "train"]
+    try:
+        code = main(argv[1:])
+    except _Accepted:
+        return None
+    assert code == 2
+    return "refused"
+
+
+def test_every_row_command_is_what_train_accepts(monkeypatch, tmp_path, capsys):
+    """Rows at T = 2 and 4 lead (refused on GPUs), and the run row at T = 1 below the table (taken), on
+    two 4-GPU nodes (`--address auto --placement PACK`) and on one."""
+    model = ModelConfig(vocab_size=32000, n_layers=8, d_model=4096, n_heads=16, seq_len=4096, block_size=4)
+    requests = [PlanRequest(model=model, global_batch=gpus, gpus=gpus, gpus_per_node=4, gpu_memory_gib=16.0, top=4,
+                            tensor_parallel_sizes=(1, 2, 4)) for gpus in (8, 4)]
+    seen = set()
+    for request in requests:
+        result = make_plan(request)
+        for row in [*result.rows, result.run]:
+            refused = _train_accepts(row["command"], request, monkeypatch, tmp_path)
+            err = capsys.readouterr().err
+            assert (refused is None) == row["runnable"], (row["command"], err)
+            if not row["runnable"]:
+                assert err.startswith("error: --tensor-parallel") and err.count("\n") == 1
+            seen.add((row["runnable"], "--address auto" in row["command"]))
+    assert seen == {(True, True), (False, True), (True, False), (False, False)}  # both kinds, both clusters
+
+
+def test_the_table_names_the_rows_train_refuses_and_runs_another(capsys):
+    argv = ["simulate", "plan", "--layers", "8", "--d-model", "4096", "--heads", "16", "--seq-len", "4096",
+            "--vocab-size", "32000", "--global-batch", "4", "--gpus", "4", "--gpu-memory-gib", "16", "--top", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "row 1: train refuses --tensor-parallel" in out
+    title, command = out.splitlines()[-2:]
+    assert title.startswith("run the fastest configuration train runs, below the table")
+    assert "--tensor-parallel" not in command and command.startswith("  attnres-pp train")
+    assert main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["run_row"] is None and out["run"]["runnable"] and out["run"]["not_runnable_reason"] is None
+    assert not out["rows"][0]["runnable"]
+    # At 8192 tokens a sequence only T > 1 fits 8 GiB: the table says that nothing train runs fits.
+    assert main(["simulate", "plan", "--layers", "4", "--d-model", "4096", "--heads", "16", "--seq-len", "8192",
+                 "--vocab-size", "32000", "--global-batch", "4", "--gpus", "4", "--gpu-memory-gib", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == "none of the configurations train runs on these GPUs fits: see the rows' reasons"

@@ -1,5 +1,6 @@
 """`attnres-pp simulate plan`: flags -> PlanRequest -> the fastest configurations that fit
-(`simulator.plan`), as a table with the top row's `attnres-pp train` command, or `{"rows": [...]}`.
+(`simulator.plan`), as a table with the `attnres-pp train` command of the fastest row train runs on
+the GPUs, or `{"rows": [...], "run": {...}, "run_row": N}`.
 
 Numbers are parsed by `attnres_pp.cli_flags`' flag tables, so a bad value is one line `error: ...` and exit 2.
 """
@@ -19,7 +20,7 @@ from attnres_pp.simulator.cli.flags import (
 )
 from attnres_pp.simulator.comm import format_bytes
 from attnres_pp.simulator.memory import DTYPE_BYTES
-from attnres_pp.simulator.plan import GIB, Candidate, Planner, PlanRequest, plan
+from attnres_pp.simulator.plan import GIB, Candidate, Planner, PlanRequest, PlanResult, make_plan
 from attnres_pp.simulator.tensor_parallel import INTRA_NODE_GBPS, TP_SIZES
 
 # The planner's own numbers (the model's flags are train's, `model_flags`).
@@ -92,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         request = build(args)
-        rows = plan(request)
+        result = make_plan(request)
+        rows = result.rows
         why = _values(args)["why"]
         if why and why > len(rows):
             raise ValueError(f"--why {why}: the plan has {len(rows)} row{'s' if len(rows) > 1 else ''} "
@@ -101,13 +103,14 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         return refuse(error)
     if args.json:
-        out = {"attention_kernel": request.attention_kernel, "rows": rows}
+        out = {"attention_kernel": request.attention_kernel, "rows": rows, "run": result.run,
+               "run_row": result.run_row}
         if terms is not None:
             out["why"] = {"row": why, "pp_rank": terms["pp_rank"], "memory_bytes": dict(terms["memory"]),
                           "time_s": dict(terms["time"])}
         print(json.dumps(out))
         return 0
-    print(format_table(request, rows, time.perf_counter() - started))
+    print(format_table(request, result, time.perf_counter() - started))
     if terms is not None:
         print(format_why(why, rows[why - 1], terms))
     return 0
@@ -138,11 +141,11 @@ def format_why(index: int, row: dict, terms: dict) -> str:
     return "\n".join(lines)
 
 
-def format_table(request: PlanRequest, rows: list[dict], seconds: float) -> str:
+def format_table(request: PlanRequest, result: PlanResult, seconds: float) -> str:
     header = ["#", "schedule", "T", "P", "V", "D", "m", "S", "cache", "shard", "AC", "step", "tok/s/GPU", "MFU",
-              "bubble", "bytes/hop", "peak/rank", "dominated by"]
+              "bubble", "bytes/hop", "peak/rank", "dominated by", "train runs"]
     table = [header]
-    for i, row in enumerate(rows, 1):
+    for i, row in enumerate(result.rows, 1):
         c = row["config"]
         table.append([str(i), c["schedule"], str(c["tensor_parallel"]) + ("" if c["sequence_parallel"] or
                                                                             c["tensor_parallel"] == 1 else "/noSP"),
@@ -153,7 +156,8 @@ def format_table(request: PlanRequest, rows: list[dict], seconds: float) -> str:
                       c["activation_checkpoint"],
                       f"{row['step_time_s']:.2f} s", f"{row['tokens_per_s_per_gpu']:.0f}", f"{row['mfu']:.1%}",
                       f"{row['bubble_fraction']:.3f}", format_bytes(row["bytes_per_hop"]),
-                      f"{row['peak_memory_bytes'] / GIB:.1f} GiB", row["dominated_by"]])
+                      f"{row['peak_memory_bytes'] / GIB:.1f} GiB", row["dominated_by"],
+                      "yes" if row["runnable"] else "no"])
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in table]
     cfg = request.model
@@ -164,9 +168,35 @@ def format_table(request: PlanRequest, rows: list[dict], seconds: float) -> str:
         *lines,
         "peak/rank: the fullest rank's predicted peak (params + grads + AdamW + activations + cache at its peak); "
         "fsdp/reshard: --fsdp-reshard-after-forward always (a chunk all-gathered only from its backward to its "
-        "next F); T: tensor-parallel "
-        "ranks (GPUs = T x P x D; SP on unless /noSP; bytes/hop per tp rank; tp terms derived, and train has no "
-        "--tensor-parallel yet)",
-        "run the top row:",
-        "  " + rows[0]["command"],
+        "next F); T: tensor-parallel ranks (GPUs = T x P x D; SP on unless /noSP; bytes/hop per tp rank; tp "
+        "terms derived); train runs: whether `attnres-pp train --device cuda` runs the row",
+        *_not_runnable_notes(result.rows),
+        *_run_lines(result),
     ])
+
+
+def _not_runnable_notes(rows: list[dict]) -> list[str]:
+    """One line per reason a row is not run by train, naming its rows."""
+    by_reason: dict[str, list[int]] = {}
+    for i, row in enumerate(rows, 1):
+        if not row["runnable"]:
+            by_reason.setdefault(row["not_runnable_reason"], []).append(i)
+    return [f"row{'s' if len(numbers) > 1 else ''} {', '.join(map(str, numbers))}: {reason}"
+            for reason, numbers in by_reason.items()]
+
+
+def _run_lines(result: PlanResult) -> list[str]:
+    """The command of the fastest row train runs: the top row, a lower one, or one beyond the table."""
+    run = result.run
+    if run is None:
+        return ["none of the configurations train runs on these GPUs fits: see the rows' reasons"]
+    if result.run_row == 1:
+        title = "run the top row:"
+    elif result.run_row is not None:
+        title = f"run row {result.run_row}, the fastest that train runs:"
+    else:
+        c = run["config"]
+        title = (f"run the fastest configuration train runs, below the table ({c['schedule']} T={c['tensor_parallel']} "
+                 f"P={c['n_stages']} V={c['n_virtual']} D={c['data_parallel']} m={c['n_microbatches']}, "
+                 f"{run['step_time_s']:.2f} s, {run['peak_memory_bytes'] / GIB:.1f} GiB):")
+    return [title, "  " + run["command"]]

@@ -1,0 +1,135 @@
+"""Parameter shapes per rank and chunk, and the bytes they cost (docs/spec.md section 8): the fp32
+parameters, gradients and AdamW moments of a rank (`state_bytes`; FSDP2's padded dim-0 shards over D
+replicas, MSAR's stream convolutions whole on every rank), and the compute-dtype copies FSDP2
+all-gathers (`gathered_parameter_bytes`, `chunk_gathered_bytes`). On one of T tensor-parallel ranks
+the split matrices are its local shards (docs/spec.md section 10)."""
+
+from __future__ import annotations
+
+import math
+
+from attnres_pp.comm.partition import Partition
+from attnres_pp.model.config import ModelConfig
+from attnres_pp.simulator.memory_setup import DTYPE_BYTES
+
+
+def _read_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
+    """The parameters of one reading site (model.depth.DepthRead): its query (MSAR: per stream, and the
+    gate's weight, scale and bias), and with `key_norm_gain` the key gain, shaped as the query."""
+    if cfg.residual == "standard":
+        return []
+    if cfg.residual == "msar":
+        m, d = cfg.n_streams, cfg.d_model
+        return [(m, d), (m * d, m), (), (m,)] + [(m, d)] * cfg.key_norm_gain
+    return [(cfg.query_dim,)] * (1 + cfg.key_norm_gain)
+
+
+def rank_parameter_shapes(cfg: ModelConfig, partition: Partition, pp_rank: int,
+                          tensor_parallel: int = 1) -> list[tuple[int, ...]]:
+    """Shapes of every parameter rank `pp_rank` holds (`pipeline.chunk.rank_parameters`); on one of
+    `tensor_parallel` tp ranks (docs/spec.md section 10) the local shards of the split matrices (q, k, v
+    and the MLP's first projection column-parallel, dim 0 / T; the attention output and the MLP's
+    second projection row-parallel, dim 1 / T) and every other parameter whole (replicated over tp:
+    norms, depth-attention parameters, embedding, positions, key projection, head)."""
+    d, f, width, t = cfg.d_model, cfg.ff_dim, cfg.source_width, tensor_parallel
+    shapes: list[tuple[int, ...]] = []
+    chunks = partition.chunks_of(pp_rank)
+    if 0 in chunks:
+        shapes += [(cfg.vocab_size, d), (cfg.seq_len, d)]
+        if cfg.projected_key_rank:
+            shapes.append((cfg.projected_key_rank, d))
+    layer = [(d,), (3 * d // t, d), (width, d // t), *_read_shapes(cfg), (d,), (f // t, d), (width, f // t),
+             *_read_shapes(cfg)]
+    for c in chunks:
+        shapes += layer * partition.layers_per_chunk[c]
+    if partition.n_chunks - 1 in chunks:
+        shapes += [*_read_shapes(cfg), (d,), (cfg.vocab_size, d)]
+    return shapes + tied_parameter_shapes(cfg)
+
+
+def tied_parameter_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
+    """MSAR's stream convolutions (`model.depth.StreamConvs`), on every rank: FSDP2 leaves them whole
+    (`train.fsdp` shards only the layers, embedding and head), so they are never split over D."""
+    if cfg.residual != "msar":
+        return []
+    return [(k, cfg.d_model) for _source in range(cfg.n_blocks + 1) for k in cfg.stream_kernels]
+
+
+def shard_numel(shape: tuple[int, ...], data_parallel: int, dp_shard: str) -> int:
+    """Elements a rank holds of one parameter: all of it, or FSDP2's padded dim-0 shard."""
+    numel = math.prod(shape)
+    if dp_shard == "replicate" or data_parallel == 1 or not shape:
+        return numel
+    return -(-shape[0] // data_parallel) * (numel // shape[0])
+
+
+def local_numel(shape: tuple[int, ...], data_parallel: int, dp_shard: str, dp_rank: int) -> int:
+    """Elements of replica `dp_rank`'s unpadded shard (torch.chunk's rows; the last ranks may get fewer)."""
+    if dp_shard == "replicate" or data_parallel == 1 or not shape:
+        return math.prod(shape)
+    rows = -(-shape[0] // data_parallel)
+    return max(0, min(rows, shape[0] - dp_rank * rows)) * (math.prod(shape) // shape[0])
+
+
+def state_bytes(shapes: list[tuple[int, ...]], *, data_parallel: int, dp_shard: str, dp_rank: int = 0,
+                whole: list[tuple[int, ...]] = ()) -> dict[str, int]:
+    """param/grad/optimizer bytes of one rank (fp32 throughout; optimizer: AdamW's two moments).
+    `whole`: parameters among `shapes` that stay unsharded under FSDP2 (`tied_parameter_shapes`).
+
+    Under FSDP2 a parameter's shard storage and the reduce-scattered gradient buffer are padded to
+    ceil(dim0 / D) rows on every replica, while AdamW's moments are made like the unpadded local
+    shard (`zeros_like`), so replica `dp_rank`'s optimizer state can be smaller than its parameters."""
+    sharded = list(shapes)
+    for shape in whole:
+        sharded.remove(shape)
+    numel = sum(shard_numel(s, data_parallel, dp_shard) for s in sharded) + sum(math.prod(s) for s in whole)
+    local = sum(local_numel(s, data_parallel, dp_shard, dp_rank) for s in sharded) + sum(math.prod(s) for s in whole)
+    return {"param_bytes": 4 * numel, "grad_bytes": 4 * numel, "optimizer_bytes": 8 * local}
+
+
+
+def saved_parameter_shapes(cfg: ModelConfig, partition: Partition, chunk_index: int,
+                           tensor_parallel: int = 1) -> list[tuple[int, ...]]:
+    """Shapes of chunk `chunk_index`'s parameters that its autograd nodes save (a matrix product's
+    weight, a norm's gain, MSAR's gate weights): all but the embedding tables (a lookup saves the
+    indices), the AttnRes / LR-AttnRes pseudo-queries (their reads save the stacked queries, a copy)
+    and MSAR's gate scalars; MSAR's per-stream queries, a few d-vectors, are counted. With
+    `key_norm_gain` the scoring query's product (query x gain, `model.depth.DepthRead`) saves both."""
+    d, f, width, t = cfg.d_model, cfg.ff_dim, cfg.source_width, tensor_parallel
+    read = [(cfg.n_streams, d), (cfg.n_streams * d, cfg.n_streams)] if cfg.residual == "msar" else []
+    if cfg.key_norm_gain and cfg.uses_depth_attention:
+        read += [(cfg.n_streams, d)] if cfg.residual == "msar" else [(cfg.query_dim,)] * 2
+    shapes = [(d,), (3 * d // t, d), (width, d // t), *read, (d,), (f // t, d), (width, f // t), *read] * \
+        partition.layers_per_chunk[chunk_index]
+    if chunk_index == 0 and cfg.projected_key_rank:
+        shapes.append((cfg.projected_key_rank, d))
+    if chunk_index == partition.n_chunks - 1:
+        shapes += [*read, (d,), (cfg.vocab_size, d)]
+    return shapes
+
+
+def gathered_parameter_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, data_parallel: int,
+                             dtype: str, tensor_parallel: int = 1) -> int:
+    """Bytes of the FSDP2 all-gathered (unsharded) parameters chunk `chunk_index`'s nodes save: each
+    is a view of its all-gather buffer, whose storage holds D padded shards (ceil(dim0 / D) x D rows)."""
+    return sum(shard_numel(s, data_parallel, "fsdp") * data_parallel for s in
+               saved_parameter_shapes(cfg, partition, chunk_index, tensor_parallel)) * DTYPE_BYTES[dtype]
+
+
+def chunk_gathered_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, dtype: str,
+                         tensor_parallel: int = 1) -> int:
+    """Bytes of chunk `chunk_index`'s parameters all-gathered in the compute dtype while its FSDP2 units
+    are unsharded (`train.fsdp`: its layers, the embedding on chunk 0, the head on the last chunk;
+    MSAR's tied convolutions are not units). Summed over a rank's chunks it is the copy that
+    resharding never keeps through the step (`predict_ranks`)."""
+    d, f, width, t = cfg.d_model, cfg.ff_dim, cfg.source_width, tensor_parallel
+    shapes: list[tuple[int, ...]] = []
+    if chunk_index == 0:
+        shapes += [(cfg.vocab_size, d), (cfg.seq_len, d)]
+        if cfg.projected_key_rank:
+            shapes.append((cfg.projected_key_rank, d))
+    shapes += [(d,), (3 * d // t, d), (width, d // t), *_read_shapes(cfg), (d,), (f // t, d), (width, f // t),
+               *_read_shapes(cfg)] * partition.layers_per_chunk[chunk_index]
+    if chunk_index == partition.n_chunks - 1:
+        shapes += [*_read_shapes(cfg), (d,), (cfg.vocab_size, d)]
+    return sum(math.prod(s) for s in shapes) * DTYPE_BYTES[dtype]

@@ -1,0 +1,58 @@
+"""The `attnres-pp train` command line of a planned configuration, and whether train runs it on the
+plan's GPUs (`--device cuda`).
+
+The command starts the plan's T x P x D GPUs as Ray actors, one per GPU (train's default launcher):
+on one node in a private Ray instance; over several nodes in the `ray start` cluster (`--launcher ray
+--address auto`), whose nodes the placement group spans (`--placement PACK`: the default STRICT_PACK
+keeps every rank on one node). A configuration train refuses on GPUs keeps its command, and its row
+says why (`runnable`, `not_runnable_reason`): train runs tensor parallelism on cpu gloo ranks so far
+(`train.engines.check_tensor_parallel_runs`). tests/test_sim_plan.py puts every row's command through
+train's parser and the checks train makes before it starts a rank, on a cluster of the request's
+nodes, and holds `runnable` to what train accepts.
+"""
+
+from __future__ import annotations
+
+from attnres_pp.simulator.plan_request import Candidate, PlanRequest
+
+
+def not_runnable_reason(request: PlanRequest, candidate: Candidate) -> str | None:
+    """Why `attnres-pp train` refuses the candidate on the request's GPUs; None when it runs it."""
+    if candidate.tensor_parallel > 1:
+        return (f"train refuses --tensor-parallel {candidate.tensor_parallel} on --device cuda (it runs tensor "
+                "parallelism on cpu gloo ranks so far)")
+    return None
+
+
+def command_fields(request: PlanRequest, candidate: Candidate) -> dict:
+    """A row's `command`, `runnable` and `not_runnable_reason` (None where runnable)."""
+    reason = not_runnable_reason(request, candidate)
+    return {"command": train_command(request, candidate), "runnable": reason is None,
+            "not_runnable_reason": reason}
+
+
+def train_command(request: PlanRequest, candidate: Candidate) -> str:
+    """The `attnres-pp train` command line of a candidate (one optimiser step per --steps)."""
+    cfg = request.model
+    parts = ["attnres-pp train", f"--layers {cfg.n_layers}", f"--d-model {cfg.d_model}", f"--heads {cfg.n_heads}",
+             f"--seq-len {cfg.seq_len}", f"--vocab-size {cfg.vocab_size}", f"--residual {cfg.residual}"]
+    if cfg.uses_depth_attention:
+        parts.append(f"--blocks {cfg.blocks}" if cfg.blocks else f"--block-size {candidate.block_size}")
+        if cfg.key_norm_gain:
+            parts.append("--key-norm-gain")
+    if cfg.residual == "lr_attnres":
+        parts += [f"--key-mode {cfg.key_mode}", f"--key-rank {cfg.key_rank}"]
+    parts += [f"--batch-size {request.global_batch}", f"--microbatches {candidate.n_microbatches}",
+              f"--stages {candidate.n_stages}", f"--virtual {candidate.n_virtual}",
+              f"--data-parallel {candidate.data_parallel}", f"--schedule {candidate.schedule}",
+              f"--cache {'on' if candidate.cache else 'off'}",
+              f"--dtype {request.dtype}", "--device cuda", f"--dp-shard {candidate.dp_shard}",
+              f"--activation-checkpoint {candidate.activation_checkpoint}"]
+    if candidate.dp_shard == "fsdp" and candidate.reshard_after_forward != "never":
+        parts.append(f"--fsdp-reshard-after-forward {candidate.reshard_after_forward}")
+    if candidate.tensor_parallel > 1:  # docs/spec.md section 10; `not_runnable_reason` says what train does with it
+        parts.append(f"--tensor-parallel {candidate.tensor_parallel}"
+                     + ("" if candidate.sp else " --no-sequence-parallel"))
+    if request.gpus > request.gpus_per_node:
+        parts += ["--launcher ray", "--address auto", "--placement PACK"]
+    return " ".join(parts)
