@@ -22,6 +22,10 @@ class BlockCache:
     def __init__(self) -> None:
         self._values: dict[tuple[int, Source], torch.Tensor] = {}
         self._deposits: dict[tuple[int, Source], torch.Tensor] = {}
+        # Bytes of the entries and of the deposits, kept as they change: every put and deposit
+        # updates a peak, and summing the whole cache there would cost O(entries) per action.
+        self._entry_bytes = 0
+        self._deposit_bytes = 0
         self.peak_bytes = 0  # entries alone
         self.peak_held_bytes = 0  # entries plus deposits (docs/spec.md section 8's cache_peak_bytes)
 
@@ -30,7 +34,8 @@ class BlockCache:
         if key in self._values:
             raise CacheError(f"cache entry {source} of microbatch {microbatch_index} is stored twice")
         self._values[key] = value.detach()
-        self.peak_bytes = max(self.peak_bytes, self.nbytes)
+        self._entry_bytes += _bytes(value)
+        self.peak_bytes = max(self.peak_bytes, self._entry_bytes)
         self._note_held()
 
     def read(self, microbatch_index: int, source: Source) -> torch.Tensor:
@@ -45,19 +50,26 @@ class BlockCache:
         return value.detach().requires_grad_(True)
 
     def free(self, microbatch_index: int, source: Source) -> None:
-        self._values.pop((microbatch_index, source), None)
+        value = self._values.pop((microbatch_index, source), None)
+        if value is not None:
+            self._entry_bytes -= _bytes(value)
 
     def deposit(self, microbatch_index: int, source: Source, grad: torch.Tensor) -> None:
         key = (microbatch_index, source)
         held = self._deposits.get(key)
-        self._deposits[key] = grad if held is None else held + grad
+        total = grad if held is None else held + grad
+        self._deposits[key] = total
+        self._deposit_bytes += _bytes(total) - (0 if held is None else _bytes(held))
         self._note_held()
 
     def _note_held(self) -> None:
         self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
 
     def collect(self, microbatch_index: int, source: Source) -> torch.Tensor | None:
-        return self._deposits.pop((microbatch_index, source), None)
+        deposit = self._deposits.pop((microbatch_index, source), None)
+        if deposit is not None:
+            self._deposit_bytes -= _bytes(deposit)
+        return deposit
 
     def check_drained(self, microbatch_index: int) -> None:
         """Raise if a deposit of this microbatch was never collected."""
@@ -68,13 +80,17 @@ class BlockCache:
     @property
     def nbytes(self) -> int:
         """Bytes of the entries."""
-        return sum(t.numel() * t.element_size() for t in self._values.values())
+        return self._entry_bytes
 
     @property
     def held_bytes(self) -> int:
         """Bytes of the entries plus the gradient deposits not yet collected (what the memory meter
         counts as the cache at this moment; `peak_held_bytes` is its maximum)."""
-        return self.nbytes + sum(t.numel() * t.element_size() for t in self._deposits.values())
+        return self._entry_bytes + self._deposit_bytes
 
     def __len__(self) -> int:
         return len(self._values)
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

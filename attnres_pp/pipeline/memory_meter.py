@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import operator
 
 import torch
 
@@ -43,12 +44,31 @@ def storage_key(t: torch.Tensor) -> tuple[str, int]:
     """(device type, storage address); a DTensor (an FSDP2 shard, a tensor-parallel weight) is keyed
     by its local tensor, and the output of an async collective (the tensor-parallel layers'
     redistributions) by its result's, once it has arrived (a wrapper holds no storage of its own)."""
+    t = _storage_holder(t)
+    return (t.device.type, t.untyped_storage().data_ptr())
+
+
+def _storage_holder(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage `t`'s data lives in: `t` itself but for a wrapper subclass."""
+    if type(t) in _PLAIN:  # nearly every saved tensor: no attribute probes
+        return t
     if hasattr(t, "to_local"):
         t = t.to_local()
     if hasattr(t, "trigger_wait"):
         t = t.trigger_wait()
-    storage = t.untyped_storage()
-    return (t.device.type, storage.data_ptr())
+    return t
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+class _Kept:
+    """A saved tensor that is not counted (a parameter's storage, a meta tensor)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
 
 
 class _Held:
@@ -56,12 +76,18 @@ class _Held:
 
     __slots__ = ("tensor", "_meter", "_key")
 
-    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter | None, key) -> None:
+    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter, key) -> None:
         self.tensor, self._meter, self._key = tensor, meter, key
 
     def __del__(self) -> None:
-        if self._meter is not None:
-            self._meter._release(self._key)
+        meter = self._meter
+        entry = meter._refs.get(self._key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:  # the storage's last handle: its bytes are no longer held
+            del meter._refs[self._key]
+            meter.live_bytes -= entry[1]
 
 
 class ActivationMeter:
@@ -86,31 +112,38 @@ class ActivationMeter:
         self._slots = {key: ([start for start, _n in sorted(ranges)], [n for _s, n in sorted(ranges)])
                        for key, ranges in slots.items()}
 
-    def _unit(self, t: torch.Tensor, key: tuple[str, int]) -> tuple[tuple, int]:
-        """(the counting unit's key, its bytes): the storage, or the message slot a view lies in."""
-        slots = self._slots.get(key)
-        if slots is not None:
-            starts, sizes = slots
-            first = t.storage_offset() * t.element_size()
-            i = bisect.bisect_right(starts, first) - 1
-            if i >= 0 and first < starts[i] + sizes[i]:
-                return (*key, starts[i]), sizes[i]
-        return key, t.untyped_storage().nbytes()
+    def _slot(self, t: torch.Tensor, key: tuple[str, int]) -> tuple[tuple, int] | None:
+        """(the slot's key, its bytes) if `t` is a view into a message slot of storage `key`, else None."""
+        starts, sizes = self._slots[key]
+        first = t.storage_offset() * t.element_size()
+        i = bisect.bisect_right(starts, first) - 1
+        if i >= 0 and first < starts[i] + sizes[i]:
+            return (*key, starts[i]), sizes[i]
+        return None
 
     def reset_peak(self) -> None:
         """Start a step: the peak restarts from what is alive now (nothing, after a whole step)."""
         self.peak_bytes = self.live_bytes
 
-    def pack(self, t: torch.Tensor) -> _Held:
+    def pack(self, t: torch.Tensor) -> _Held | _Kept:
+        # Called for every tensor a forward saves, so it does the least it can in Python.
         # Detached: a node that saves its own output would otherwise hold itself through the tensor's
         # grad_fn (a reference cycle that only the garbage collector frees); same storage either way.
-        t = t.detach()
-        if t.is_meta or t.device.type == "meta":
-            return _Held(t, None, None)
-        key = storage_key(t)
+        # A leaf has no grad_fn, so it holds no node and is kept as it is.
+        if not t.is_leaf:
+            t = t.detach()
+        if t.is_meta or (type(t) not in _PLAIN and t.device.type == "meta"):
+            return _Kept(t)
+        holder = t if type(t) in _PLAIN else _storage_holder(t)
+        storage = holder.untyped_storage()
+        key = (holder.device.type, storage.data_ptr())
         if key in self._exclude:
-            return _Held(t, None, None)
-        key, n_bytes = self._unit(t, key)
+            return _Kept(t)
+        slot = self._slot(holder, key) if key in self._slots else None
+        if slot is None:
+            n_bytes = storage.nbytes()
+        else:
+            key, n_bytes = slot
         entry = self._refs.get(key)
         if entry is None:
             self._refs[key] = [1, n_bytes]
@@ -121,18 +154,8 @@ class ActivationMeter:
             entry[0] += 1
         return _Held(t, self, key)
 
-    @staticmethod
-    def unpack(held: _Held) -> torch.Tensor:
-        return held.tensor
-
-    def _release(self, key) -> None:
-        entry = self._refs.get(key)
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] == 0:
-            del self._refs[key]
-            self.live_bytes -= entry[1]
+    # What `pack` returned, back to its tensor (a C-level getter: it runs once per saved tensor).
+    unpack = staticmethod(operator.attrgetter("tensor"))
 
     def saving(self):
         """The context under which a forward's saved tensors are counted."""
