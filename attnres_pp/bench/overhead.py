@@ -158,7 +158,8 @@ def measure(model: dict, warmup: int, rounds: int, progress: Callable[[str], Non
                 "ratio_pipeline": mine["pipeline_step_s"] / base["pipeline_step_s"],
                 "ratio_compute": mine["compute_s_per_rank"] / base["compute_s_per_rank"]}
 
-    single = single_process_ratio(model, 6 if rounds < 20 else 20)
+    # 20 rounds even in --quick: the single-process ratio is the figure's largest noise, a few seconds.
+    single = single_process_ratio(model, 20)
     cached = ratios("block_cached")
     progress(f"  d={model['d_model']} ratio block_cached / standard = {cached['ratio']:.3f} (ratio of medians "
              f"{cached['ratio_of_medians']:.3f}; pipeline window {cached['ratio_pipeline']:.3f}, compute "
