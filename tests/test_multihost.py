@@ -22,6 +22,7 @@ import json
 import math
 import os
 import secrets
+import select
 import subprocess
 import sys
 import time
@@ -63,6 +64,24 @@ if _WHY_NOT is not None:
     pytestmark.append(pytest.mark.skip(reason=_WHY_NOT))
 
 
+# Asked a count of nodes per line: waits (up to 60 s) until that many nodes are alive with every CPU
+# free, then answers "alive free total". One driver for the module's checks: a fresh Python and
+# `ray.init` per check cost a few CPU-seconds each.
+PROBER = """
+import ray, sys, time
+ray.init(address='auto', logging_level='ERROR')
+for line in sys.stdin:
+    deadline = time.monotonic() + 60
+    while True:
+        free, total = ray.available_resources().get('CPU', 0), ray.cluster_resources().get('CPU', 0)
+        alive = sum(1 for n in ray.nodes() if n['Alive'])
+        if (free == total and alive == int(line)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    print(alive, free, total, flush=True)
+"""
+
+
 class Cluster:
     """One `netns_cluster.py` cluster with its own state directory, name prefix and address range."""
 
@@ -84,6 +103,7 @@ class Cluster:
         self.env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=self.info["auth_token_path"], RAY_DEDUP_LOGS="0",
                         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         self.hit: list[str] = []  # hosts killed or cut off, for `restore`
+        self.prober: subprocess.Popen | None = None
 
     def harness(self, *args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
         done = subprocess.run([*HARNESS, "--state-dir", str(self.state_dir), *args], capture_output=True, text=True,
@@ -121,22 +141,42 @@ class Cluster:
             qdiscs = subprocess.run(["tc", "qdisc", "show", "dev", host["veth"]], capture_output=True,
                                     text=True).stdout
             assert "tbf" not in qdiscs and "netem" not in qdiscs, f"{host['name']} is left shaped: {qdiscs}"
-        probe = ("import ray, sys, time\n"
-                 "ray.init(address='auto', logging_level='ERROR')\n"
-                 "deadline = time.monotonic() + 60\n"
-                 "while True:\n"
-                 "    free, total = ray.available_resources().get('CPU', 0), ray.cluster_resources().get('CPU', 0)\n"
-                 "    alive = sum(1 for n in ray.nodes() if n['Alive'])\n"
-                 "    if (free == total and alive == int(sys.argv[1])) or time.monotonic() > deadline:\n"
-                 "        break\n"
-                 "    time.sleep(0.2)\n"
-                 "print(alive, free, total)")
         nodes = len(self.info["hosts"]) - len(self.hit)
-        done = self.harness("exec", "0", "--", sys.executable, "-c", probe, str(nodes), timeout=120)
-        alive, free, total = done.stdout.split()[-3:]
-        assert int(alive) == nodes and float(free) == float(total) > 0, done.stdout
+        answer = self._ask_prober(str(nodes), timeout=120)
+        alive, free, total = answer.split()
+        assert int(alive) == nodes and float(free) == float(total) > 0, answer
+
+    def _ask_prober(self, line: str, timeout: float) -> str:
+        """`line` to the cluster's prober (a Ray driver in the head's namespace, started at the first
+        question and kept: one Python and one `ray.init` for all of the module's checks); its answer."""
+        if self.prober is None:
+            self.prober = subprocess.Popen([*HARNESS, "--state-dir", str(self.state_dir), "exec", "0", "--",
+                                            sys.executable, "-c", PROBER], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        self.prober.stdin.write(line + "\n")
+        self.prober.stdin.flush()
+        ready, _, _ = select.select([self.prober.stdout], [], [], timeout)
+        answer = self.prober.stdout.readline() if ready else ""
+        if not answer:
+            prober, self.prober = self.prober, None
+            prober.kill()
+            raise AssertionError(f"the cluster's prober gave no answer within {timeout:.0f} s: "
+                                 f"{prober.communicate(timeout=30)[1][-4000:]}")
+        return answer.strip()
+
+    def stop_prober(self) -> None:
+        """The prober ends at the end of its input; killed (with the harness that runs it) only if not."""
+        if self.prober is None or self.prober.poll() is not None:
+            return
+        self.prober.stdin.close()
+        try:
+            self.prober.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.prober.kill()
+            self.prober.wait(timeout=30)
 
     def down(self) -> None:
+        self.stop_prober()
         self.harness("down", timeout=120)
         left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert f"{self.prefix}-h" not in left, f"namespaces outlived `down`: {left}"
