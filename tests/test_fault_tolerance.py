@@ -54,9 +54,11 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(corpus, tmp_path_factory):
-    """Today's D = 2 run, without fault tolerance: the reference losses."""
+    """Today's D = 2 run, without fault tolerance: the reference losses. On thread ranks (the in-process
+    launcher starts no process; its losses and validation loss are the local rank processes' bitwise
+    here, so every comparison below holds the fault-tolerant local runs to the same numbers)."""
     run = tmp_path_factory.mktemp("ft") / "plain"
-    assert main([*ARGS, "--data", str(corpus), "--out", str(run)]) == 0
+    assert main([*ARGS, "--launcher", "inprocess", "--data", str(corpus), "--out", str(run)]) == 0
     return summary(run)
 
 
@@ -142,9 +144,10 @@ TP = ["--stages", "1", "--tensor-parallel", "2"]
 
 @pytest.fixture(scope="module")
 def plain_tp(corpus, tmp_path_factory):
-    """The D = 2 x P = 1 x T = 2 run without fault tolerance: the reference losses."""
+    """The D = 2 x P = 1 x T = 2 run without fault tolerance: the reference losses, on thread ranks as
+    `plain` (losses, validation loss and tp bytes the local rank processes' bitwise)."""
     run = tmp_path_factory.mktemp("ft") / "plain_tp"
-    assert main([*ARGS, *TP, "--data", str(corpus), "--out", str(run)]) == 0
+    assert main([*ARGS, *TP, "--launcher", "inprocess", "--data", str(corpus), "--out", str(run)]) == 0
     return summary(run)
 
 
