@@ -96,13 +96,14 @@ def test_zero_bubble_schedule_through_ray_actors(local_ray, tmp_path):
 @SHARED_RAY
 def test_tensor_parallel_groups_through_ray_actors_under_pack(local_ray, tmp_path):
     """`--tensor-parallel 2 --stages 2 --placement PACK`: each tp group one bundle of 2 CPUs (so on one
-    node whatever the strategy), four actors whose losses equal the local launcher's, the hops
+    node whatever the strategy), four actors whose losses equal the in-process launcher's (its rank
+    threads give the local rank processes' losses bitwise here, without starting four), the hops
     between tp lanes in shared memory on this one node, and their tp collectives counted."""
     argv = ["train", *TINY, "--steps", "2", "--quiet", "--device", "cpu", "--no-final-checkpoint",
             "--tensor-parallel", "2", "--eval-every", "0"]
     assert main([*argv, "--placement", "PACK", "--out", str(tmp_path / "ray")]) == 0
-    assert main([*argv, "--launcher", "local", "--out", str(tmp_path / "local")]) == 0
-    assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "local"))
+    assert main([*argv, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
+    assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "inproc"))
     summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
     assert summary["config"]["pipeline"]["tensor_parallel"] == 2 and summary["tp_bytes_per_step"] > 0
     assert len(summary["nodes"]) == 4 and len(set(summary["nodes"])) == 1
