@@ -521,10 +521,12 @@ FT_STEPS = 24
 FT_RUN = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "32",
           "--microbatches", "8", "--stages", "1", "--data-parallel", "2", "--steps", str(FT_STEPS),
           "--no-final-checkpoint"]
-# An evaluation of 32 batches after every step of the disturbed run (forward passes only: no training
-# loss changes) makes a step ~1 s, so that the lost replica, restarted in ~5 s, heals mid-run
-# rather than at the last step, which waits for it.
-FT_SLOW_EVAL = "[train]\neval_batches = 32\n"
+# An evaluation of 16 batches after every step of the disturbed run (forward passes only: no training
+# loss changes; most of a step's compute) slows the steps so that the lost replica, restarted in
+# ~5-10 s, heals mid-run rather than at the last step, which waits for it: several steps after the
+# kill, with steps left after the heal. 32 batches healed it at step 6 of 24 at load 10; this many
+# pace about twice as many steps before the heal at half the compute per step.
+FT_SLOW_EVAL = "[train]\neval_batches = 16\n"
 
 
 @THREE_HOSTS
