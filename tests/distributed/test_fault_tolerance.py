@@ -2,7 +2,7 @@
 groups of P = 2 local rank processes, each a torchft replica group. A fault-free run trains as the
 plain D = 2 run (the same losses); a rank of group 1 lost mid-step restarts group 1 alone while
 group 0 commits every step, group 1 heals from group 0 and every group ends bitwise equal; the
-same with groups of P = 2 x T = 2 tensor-parallel ranks (their healing state as local shards); under
+same with groups of T = 2 tensor-parallel ranks (their healing state as local shards); under
 `--min-replicas 2` group 0 waits for group 1 instead (again the plain run's losses); the wait is
 bounded by `--timeout`; under the Ray launcher only the lost group's actors restart; without
 torchft the option is one error line."""
@@ -46,9 +46,11 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(corpus, tmp_path_factory):
-    """Today's D = 2 run, without fault tolerance: the reference losses."""
+    """Today's D = 2 run, without fault tolerance: the reference losses. On thread ranks (the in-process
+    launcher starts no process; its losses and validation loss are the local rank processes' bitwise
+    here, so every comparison below holds the fault-tolerant local runs to the same numbers)."""
     run = tmp_path_factory.mktemp("ft") / "plain"
-    assert main([*ARGS, "--data", str(corpus), "--out", str(run)]) == 0
+    assert main([*ARGS, "--launcher", "inprocess", "--data", str(corpus), "--out", str(run)]) == 0
     return summary(run)
 
 
@@ -124,17 +126,20 @@ def check_recovered_alone(run, plain, rank: int = 3) -> dict:
     return got
 
 
-# Tensor parallelism in the replica groups: D = 2 groups of P = 2 stages x T = 2 tp ranks (8 local
-# processes), each group a process group of its 4 ranks whose Managers pair group rank pp x T + tp
-# with the same group rank of the other group.
-TP = ["--stages", "2", "--tensor-parallel", "2"]
+# Tensor parallelism in the replica groups: D = 2 groups of P = 1 stage x T = 2 tp ranks (4 local
+# processes), each group a process group of its 2 ranks whose Managers pair group rank pp x T + tp
+# with the same group rank of the other group. One stage: what a tp rank heals (its shards and their
+# moments) and the group restart do not depend on P; the pairing's arithmetic at P > 1 is
+# test_a_ranks_place_in_its_replica_group's, and P = 2 groups heal in the runs above.
+TP = ["--stages", "1", "--tensor-parallel", "2"]
 
 
 @pytest.fixture(scope="module")
 def plain_tp(corpus, tmp_path_factory):
-    """The D = 2 x P = 2 x T = 2 run without fault tolerance: the reference losses."""
+    """The D = 2 x P = 1 x T = 2 run without fault tolerance: the reference losses, on thread ranks as
+    `plain` (losses, validation loss and tp bytes the local rank processes' bitwise)."""
     run = tmp_path_factory.mktemp("ft") / "plain_tp"
-    assert main([*ARGS, *TP, "--data", str(corpus), "--out", str(run)]) == 0
+    assert main([*ARGS, *TP, "--launcher", "inprocess", "--data", str(corpus), "--out", str(run)]) == 0
     return summary(run)
 
 
@@ -153,12 +158,12 @@ def test_fault_free_tensor_parallel_replica_groups_train_as_the_plain_run(corpus
 
 @pytest.mark.distributed
 def test_a_lost_tensor_parallel_rank_restarts_its_group_of_p_x_t_ranks_which_heals(corpus, plain_tp, tmp_path):
-    """Global rank 5 (group 1, pp 0, tp 1) exits mid-step 3: group 0 commits every step once; group 1's
-    4 ranks restart together and heal, each from the same (pp, tp) rank of group 0 (its weight shards
+    """Global rank 3 (group 1, pp 0, tp 1) exits mid-step 3: group 0 commits every step once; group 1's
+    2 ranks restart together and heal, each from the same (pp, tp) rank of group 0 (its weight shards
     and their AdamW moments as local tensors); all end bitwise equal, shard for shard."""
     run = tmp_path / "hit_tp"
-    assert main([*ARGS, *TP, *FT, "--data", str(corpus), "--inject-failure", "5:3", "--out", str(run)]) == 0
-    got = check_recovered_alone(run, plain_tp, rank=5)
+    assert main([*ARGS, *TP, *FT, "--data", str(corpus), "--inject-failure", "3:3", "--out", str(run)]) == 0
+    got = check_recovered_alone(run, plain_tp, rank=3)
     assert "rank 1 exited" in got["recoveries"][0]["cause"]  # its index in the group: pp 0 x T + tp 1
 
 

@@ -1,8 +1,9 @@
 """The Ray launcher end to end: recovery from a lost actor ends with the undisturbed losses (and the
 other launchers'), tensor-parallel groups placed as one bundle each (training and generation at
 T = 2 under PACK), generation's greedy tokens, a placement no node can hold, a rank's set-up
-refusal, Ctrl-C and the private local instance (the restart limit, which no launcher changes:
-tests/unit/test_checkpoint.py). A real cluster job (a head started with `ray start`, token
+refusal and the private local instance (the restart limit, which no launcher changes:
+tests/unit/test_checkpoint.py; its token authentication and Ctrl-C, on one run: test_ray_private_auth.py).
+A real cluster job (a head started with `ray start`, token
 authentication on, a job submitted with `ray job submit`, refused without the token) is
 test_multihost.py's first test, on two hosts.
 
@@ -14,16 +15,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from attnres_pp.cli import main
+from tests.run_helpers import assert_same_losses, losses
 
 from ..unit.test_memory_per_rank import check_memory_entries
 
@@ -50,16 +50,6 @@ def local_ray():
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
     yield
     ray.shutdown()
-
-
-def losses(run_dir: Path) -> list[float]:
-    return json.loads((run_dir / "summary.json").read_text())["losses"]
-
-
-def assert_same_losses(got: list[float], want: list[float]) -> None:
-    assert len(got) == len(want)
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert abs(g - w) <= 1e-5 * abs(w), (step, g, w)
 
 
 @SHARED_RAY
@@ -98,13 +88,14 @@ def test_zero_bubble_schedule_through_ray_actors(local_ray, tmp_path):
 @SHARED_RAY
 def test_tensor_parallel_groups_through_ray_actors_under_pack(local_ray, tmp_path):
     """`--tensor-parallel 2 --stages 2 --placement PACK`: each tp group one bundle of 2 CPUs (so on one
-    node whatever the strategy), four actors whose losses equal the local launcher's, the hops
+    node whatever the strategy), four actors whose losses equal the in-process launcher's (its rank
+    threads give the local rank processes' losses bitwise here, without starting four), the hops
     between tp lanes in shared memory on this one node, and their tp collectives counted."""
     argv = ["train", *TINY, "--steps", "2", "--quiet", "--device", "cpu", "--no-final-checkpoint",
             "--tensor-parallel", "2", "--eval-every", "0"]
     assert main([*argv, "--placement", "PACK", "--out", str(tmp_path / "ray")]) == 0
-    assert main([*argv, "--launcher", "local", "--out", str(tmp_path / "local")]) == 0
-    assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "local"))
+    assert main([*argv, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
+    assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "inproc"))
     summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
     assert summary["config"]["pipeline"]["tensor_parallel"] == 2 and summary["tp_bytes_per_step"] > 0
     assert len(summary["nodes"]) == 4 and len(set(summary["nodes"])) == 1
@@ -228,71 +219,6 @@ def test_a_setup_refusal_through_ray_is_one_line_as_under_the_local_launcher(loc
     assert not isinstance(info.value, RendezvousError)
     assert str(info.value) == ("rank 1 refused to start: rank 1: /dev/shm has no room for this run's shared-memory "
                                "hop slots (detail)")
-
-
-def test_ctrl_c_stops_the_actors_and_the_local_ray_instance(tmp_path):
-    """SIGINT to the whole process group, as a terminal sends it, once training is under way: the
-    command exits 130 and every process it started (Ray's and the actors) is gone."""
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen([*CLI, "train", *TINY, "--steps", "5000", "--out", str(tmp_path / "run")],
-                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, preexec_fn=_as_from_a_terminal)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 120
-        while not any(line.startswith("step") and line.split()[1].startswith("2/") for line in list(lines)):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
-            time.sleep(0.2)
-        started = _descendants(proc.pid)
-        assert len(started) >= 3, started  # Ray's own processes and the two actors
-        os.killpg(proc.pid, signal.SIGINT)
-        try:  # a hang guard, not a timing check
-            code = proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            raise AssertionError("the interrupted command did not exit:\n" + "".join(lines)[-3000:]) from None
-        assert code == 130, "".join(lines)[-3000:]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-    deadline = time.monotonic() + 20
-    while (left := [pid for pid in started if _running(pid)]) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    assert not left, f"processes outlived the command: {left}"
-
-
-def _as_from_a_terminal() -> None:
-    """SIGINT handled by default, as in a shell: a pytest-xdist worker ignores it, and an ignored
-    signal stays ignored across exec (Python then installs no KeyboardInterrupt handler)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_data_parallel_pipeline_on_the_private_local_ray_instance(tmp_path):

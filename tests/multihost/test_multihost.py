@@ -22,6 +22,7 @@ import json
 import math
 import os
 import secrets
+import select
 import subprocess
 import sys
 import time
@@ -31,6 +32,7 @@ import pytest
 
 from attnres_lab.fidelity_hosts import HostBench
 from attnres_pp.cli import main
+from tests.run_helpers import assert_same_losses, losses
 
 pytestmark = [pytest.mark.ray, pytest.mark.multihost]
 TWO_HOSTS = pytest.mark.xdist_group("multihost-two-hosts")
@@ -63,6 +65,24 @@ if _WHY_NOT is not None:
     pytestmark.append(pytest.mark.skip(reason=_WHY_NOT))
 
 
+# Asked a count of nodes per line: waits (up to 60 s) until that many nodes are alive with every CPU
+# free, then answers "answer: alive free total" (Ray may print lines of its own). One driver for the
+# module's checks: a fresh Python and `ray.init` per check cost ~2 s each.
+PROBER = """
+import ray, sys, time
+ray.init(address='auto', logging_level='ERROR', log_to_driver=False)
+for line in sys.stdin:
+    deadline = time.monotonic() + 60
+    while True:
+        free, total = ray.available_resources().get('CPU', 0), ray.cluster_resources().get('CPU', 0)
+        alive = sum(1 for n in ray.nodes() if n['Alive'])
+        if (free == total and alive == int(line)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    print('answer:', alive, free, total, flush=True)
+"""
+
+
 class Cluster:
     """One `netns_cluster.py` cluster with its own state directory, name prefix and address range."""
 
@@ -84,6 +104,7 @@ class Cluster:
         self.env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=self.info["auth_token_path"], RAY_DEDUP_LOGS="0",
                         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         self.hit: list[str] = []  # hosts killed or cut off, for `restore`
+        self.prober: subprocess.Popen | None = None
 
     def harness(self, *args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
         done = subprocess.run([*HARNESS, "--state-dir", str(self.state_dir), *args], capture_output=True, text=True,
@@ -121,22 +142,45 @@ class Cluster:
             qdiscs = subprocess.run(["tc", "qdisc", "show", "dev", host["veth"]], capture_output=True,
                                     text=True).stdout
             assert "tbf" not in qdiscs and "netem" not in qdiscs, f"{host['name']} is left shaped: {qdiscs}"
-        probe = ("import ray, sys, time\n"
-                 "ray.init(address='auto', logging_level='ERROR')\n"
-                 "deadline = time.monotonic() + 60\n"
-                 "while True:\n"
-                 "    free, total = ray.available_resources().get('CPU', 0), ray.cluster_resources().get('CPU', 0)\n"
-                 "    alive = sum(1 for n in ray.nodes() if n['Alive'])\n"
-                 "    if (free == total and alive == int(sys.argv[1])) or time.monotonic() > deadline:\n"
-                 "        break\n"
-                 "    time.sleep(0.2)\n"
-                 "print(alive, free, total)")
         nodes = len(self.info["hosts"]) - len(self.hit)
-        done = self.harness("exec", "0", "--", sys.executable, "-c", probe, str(nodes), timeout=120)
-        alive, free, total = done.stdout.split()[-3:]
-        assert int(alive) == nodes and float(free) == float(total) > 0, done.stdout
+        answer = self._ask_prober(str(nodes), timeout=120)
+        alive, free, total = answer.split()
+        assert int(alive) == nodes and float(free) == float(total) > 0, answer
+
+    def _ask_prober(self, line: str, timeout: float) -> str:
+        """`line` to the cluster's prober (a Ray driver in the head's namespace, started at the first
+        question and kept: one Python and one `ray.init` for all of the module's checks); its answer."""
+        if self.prober is None:
+            self.prober = subprocess.Popen([*HARNESS, "--state-dir", str(self.state_dir), "exec", "0", "--",
+                                            sys.executable, "-c", PROBER], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        self.prober.stdin.write(line + "\n")
+        self.prober.stdin.flush()
+        deadline, said = time.monotonic() + timeout, []
+        while select.select([self.prober.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            said.append(self.prober.stdout.readline())
+            if "answer:" in said[-1]:  # a line of Ray's without its newline may precede it
+                return said[-1].split("answer:")[-1].strip()
+            if not said[-1]:  # the prober ended
+                break
+        prober, self.prober = self.prober, None
+        prober.kill()
+        raise AssertionError(f"the cluster's prober gave no answer within {timeout:.0f} s: "
+                             f"{''.join(said)[-2000:]}{prober.communicate(timeout=30)[1][-2000:]}")
+
+    def stop_prober(self) -> None:
+        """The prober ends at the end of its input; killed (with the harness that runs it) only if not."""
+        if self.prober is None or self.prober.poll() is not None:
+            return
+        self.prober.stdin.close()
+        try:
+            self.prober.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.prober.kill()
+            self.prober.wait(timeout=30)
 
     def down(self) -> None:
+        self.stop_prober()
         self.harness("down", timeout=120)
         left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert f"{self.prefix}-h" not in left, f"namespaces outlived `down`: {left}"
@@ -190,16 +234,6 @@ def three_host_cluster(three_hosts):
         three_hosts.assert_as_found()
     yield three_hosts
     three_hosts.assert_as_found()
-
-
-def losses(run_dir: Path) -> list[float]:
-    return json.loads((run_dir / "summary.json").read_text())["losses"]
-
-
-def assert_same_losses(got: list[float], want: list[float]) -> None:
-    assert len(got) == len(want)
-    for step, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert abs(g - w) <= 1e-5 * abs(w), (step, g, w)
 
 
 def _wait_for_line(log: Path, proc: subprocess.Popen, needle: str, timeout: float) -> str:
@@ -475,10 +509,12 @@ FT_STEPS = 24
 FT_RUN = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "32",
           "--microbatches", "8", "--stages", "1", "--data-parallel", "2", "--steps", str(FT_STEPS),
           "--no-final-checkpoint"]
-# An evaluation of 32 batches after every step of the disturbed run (forward passes only: no training
-# loss changes) makes a step ~1 s, so that the lost replica, restarted in ~5 s, heals mid-run
-# rather than at the last step, which waits for it.
-FT_SLOW_EVAL = "[train]\neval_batches = 32\n"
+# An evaluation of 16 batches after every step of the disturbed run (forward passes only: no training
+# loss changes; most of a step's compute) slows the steps so that the lost replica, restarted in
+# ~5-10 s, heals mid-run rather than at the last step, which waits for it: several steps after the
+# kill, with steps left after the heal. 32 batches healed it at step 6 of 24 at load 10; this many
+# pace about twice as many steps before the heal at half the compute per step.
+FT_SLOW_EVAL = "[train]\neval_batches = 16\n"
 
 
 @THREE_HOSTS
@@ -493,7 +529,9 @@ def test_a_host_lost_under_fault_tolerance_costs_only_its_replica_group(three_ho
     from ..distributed.test_fault_tolerance import skipped_share_tolerance
 
     free = tmp_path / "free"
-    assert main(["train", *FT_RUN, "--eval-every", "0", "--launcher", "local", "--out", str(free), "--quiet"]) == 0
+    # the fault-free reference on thread ranks: the local rank processes' losses bitwise, no process started
+    assert main(["train", *FT_RUN, "--eval-every", "0", "--launcher", "inprocess", "--out", str(free),
+                 "--quiet"]) == 0
     cluster = three_host_cluster
     head = cluster.info["hosts"][0]["ip"]
     out, log = tmp_path / "run", tmp_path / "driver.log"
