@@ -59,6 +59,17 @@ SWEEP_RUNS += [(SWEEP_STANDARD, 1, "replicate", "none", "1f1b")]
 SWEEP_QUICK_RUNS = [r for r in SWEEP_RUNS if r[1] <= 2]
 
 
+def _timed_steps(engine, run_cfg, model: dict, steps: int) -> tuple[list[float], object]:
+    """(seconds of each step, the last StepResult) of `steps` driver-fed steps on random batches."""
+    step_s, result = [], None
+    for step in range(steps):
+        inputs_BT, targets_BT = random_batch(step, run_cfg.train.batch_size, model["seq_len"], model["vocab_size"])
+        began = time.perf_counter()
+        result = engine.train_step(step, inputs_BT, targets_BT, 1e-4)
+        step_s.append(time.perf_counter() - began)
+    return step_s, result
+
+
 def _probe(model: dict | None, queue) -> None:
     """A fresh process's peak RSS after importing torch (and building the whole model if given)."""
     import torch
@@ -94,12 +105,7 @@ def _measure(model: dict, n_stages: int, progress: Callable[[str], None]) -> dic
     try:
         build = [d["peak_rss_bytes"] for d in engine.rank_descriptions]
         params = [d["params"] for d in engine.rank_descriptions]
-        step_s, result = [], None
-        for step in range(2):
-            inputs_BT, targets_BT = random_batch(step, run_cfg.train.batch_size, model["seq_len"], model["vocab_size"])
-            began = time.perf_counter()
-            result = engine.train_step(step, inputs_BT, targets_BT, 1e-4)
-            step_s.append(time.perf_counter() - began)
+        step_s, result = _timed_steps(engine, run_cfg, model, 2)
     finally:
         engine.close()
     row = {"stages": n_stages, "params_per_rank": params, "state_bytes_per_rank": [16 * n for n in params],
@@ -162,12 +168,7 @@ def _counted_run(model: dict, data_parallel: int, dp_shard: str, ac: str, schedu
         pipeline=dataclasses.replace(run_cfg.pipeline, data_parallel=data_parallel, dp_shard=dp_shard))
     engine = make_engine(run_cfg)
     try:
-        step_s, result = [], None
-        for step in range(3):
-            inputs_BT, targets_BT = random_batch(step, run_cfg.train.batch_size, model["seq_len"], model["vocab_size"])
-            began = time.perf_counter()
-            result = engine.train_step(step, inputs_BT, targets_BT, 1e-4)
-            step_s.append(time.perf_counter() - began)
+        step_s, result = _timed_steps(engine, run_cfg, model, 3)
     finally:
         engine.close()
     return {"residual": model["residual"], "data_parallel": data_parallel, "dp_shard": dp_shard,
