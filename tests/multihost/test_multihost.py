@@ -105,6 +105,11 @@ class Cluster:
                         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         self.hit: list[str] = []  # hosts killed or cut off, for `restore`
         self.prober: subprocess.Popen | None = None
+        self.prober_said = b""  # what the prober printed and no answer has consumed yet
+        # The prober's stderr goes to a file: Ray forwards its raylets' logs (state dumps after every
+        # kill and restart) to a driver's stderr, and a pipe nobody drains fills at 64 KiB and stops
+        # the prober mid-print, before its answer.
+        self.prober_log = Path("/tmp") / f"attnres-mh-prober-{secrets.token_hex(3)}.log"
 
     def harness(self, *args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
         done = subprocess.run([*HARNESS, "--state-dir", str(self.state_dir), *args], capture_output=True, text=True,
@@ -143,41 +148,65 @@ class Cluster:
                                     text=True).stdout
             assert "tbf" not in qdiscs and "netem" not in qdiscs, f"{host['name']} is left shaped: {qdiscs}"
         nodes = len(self.info["hosts"]) - len(self.hit)
-        answer = self._ask_prober(str(nodes), timeout=120)
+        try:
+            answer = self._ask_prober(str(nodes), timeout=120)
+        except AssertionError as first:  # a driver stuck in a Ray call: one more try with a fresh one
+            print(f"a fresh prober after: {first}")
+            answer = self._ask_prober(str(nodes), timeout=120)
         alive, free, total = answer.split()
         assert int(alive) == nodes and float(free) == float(total) > 0, answer
 
     def _ask_prober(self, line: str, timeout: float) -> str:
         """`line` to the cluster's prober (a Ray driver in the head's namespace, started at the first
-        question and kept: one Python and one `ray.init` for all of the module's checks); its answer."""
+        question and kept: one Python and one `ray.init` for all of the module's checks); its answer.
+        Its stdout is read as raw bytes and split here: a buffered reader could hold the answer in
+        its buffer while `select` waits on an empty pipe."""
         if self.prober is None:
-            self.prober = subprocess.Popen([*HARNESS, "--state-dir", str(self.state_dir), "exec", "0", "--",
-                                            sys.executable, "-c", PROBER], stdin=subprocess.PIPE,
-                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
-        self.prober.stdin.write(line + "\n")
+            with self.prober_log.open("ab") as log:
+                self.prober = subprocess.Popen([*HARNESS, "--state-dir", str(self.state_dir), "exec", "0", "--",
+                                                sys.executable, "-c", PROBER], stdin=subprocess.PIPE,
+                                               stdout=subprocess.PIPE, stderr=log, start_new_session=True)
+            self.prober_said = b""
+        self.prober.stdin.write((line + "\n").encode())
         self.prober.stdin.flush()
-        deadline, said = time.monotonic() + timeout, []
-        while select.select([self.prober.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
-            said.append(self.prober.stdout.readline())
-            if "answer:" in said[-1]:  # a line of Ray's without its newline may precede it
-                return said[-1].split("answer:")[-1].strip()
-            if not said[-1]:  # the prober ended
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = self.prober_said.split(b"\n")
+            for i, said in enumerate(lines[:-1]):
+                if b"answer:" in said:  # a line of Ray's without its newline may precede it
+                    self.prober_said = b"\n".join(lines[i + 1:])
+                    return said.split(b"answer:")[-1].decode().strip()
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.prober.stdout], [], [], left)[0]:
                 break
+            chunk = os.read(self.prober.stdout.fileno(), 65536)
+            if not chunk:  # the prober ended
+                break
+            self.prober_said += chunk
         prober, self.prober = self.prober, None
-        prober.kill()
-        raise AssertionError(f"the cluster's prober gave no answer within {timeout:.0f} s: "
-                             f"{''.join(said)[-2000:]}{prober.communicate(timeout=30)[1][-2000:]}")
+        self._kill(prober)
+        log = self.prober_log.read_bytes().decode(errors="replace")
+        raise AssertionError(f"the cluster's prober gave no answer within {timeout:.0f} s (exit {prober.returncode}): "
+                             f"{self.prober_said.decode(errors='replace')[-2000:]}{log[-2000:]}")
 
     def stop_prober(self) -> None:
         """The prober ends at the end of its input; killed (with the harness that runs it) only if not."""
-        if self.prober is None or self.prober.poll() is not None:
-            return
-        self.prober.stdin.close()
+        if self.prober is not None and self.prober.poll() is None:
+            self.prober.stdin.close()
+            try:
+                self.prober.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._kill(self.prober)
+        self.prober_log.unlink(missing_ok=True)
+
+    @staticmethod
+    def _kill(prober: subprocess.Popen) -> None:
+        """The prober's whole session: the harness, `ip netns exec` and the Ray driver it runs."""
         try:
-            self.prober.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.prober.kill()
-            self.prober.wait(timeout=30)
+            os.killpg(prober.pid, 9)
+        except ProcessLookupError:
+            pass
+        prober.wait(timeout=30)
 
     def down(self) -> None:
         self.stop_prober()
