@@ -177,7 +177,7 @@ class TpProbeWorker:
         out = {"whole": times(whole, torch.randn(self.microbatch_size, seq, cfg.d_model, requires_grad=True))}
         for plan, sp in (("sp", True), ("no_sp", False)):
             torch.manual_seed(0)
-            layer = parallelize_module(TransformerLayer(cfg), mesh, layer_plan(sp))
+            layer = parallelize_module(TransformerLayer(cfg), mesh, layer_plan(cfg, sp))
             rows = seq // group if sp else seq
             out[plan] = times(layer, torch.randn(self.microbatch_size, rows, cfg.d_model, requires_grad=True))
         return out  # this rank's own times: the driver takes the median over ranks

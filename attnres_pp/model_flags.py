@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from attnres_pp.cli_flags import convert_flag, layer_counts
-from attnres_pp.model.config import KEY_MODES, RESIDUALS, ModelConfig
+from attnres_pp.model.config import KEY_MODES, MLPS, POSITIONS, RESIDUALS, ModelConfig
 
 # (flag, ModelConfig field, type, help)
 MODEL_FLAGS = (
@@ -28,8 +28,18 @@ MODEL_FLAGS = (
     ("--heads", "n_heads", int, "attention heads"),
     ("--seq-len", "seq_len", int, "tokens per sequence"),
     ("--vocab-size", "vocab_size", int, "vocabulary size (256 for byte corpora)"),
+    ("--positions", "positions", str, f"positions: {' | '.join(POSITIONS)} (rotary, default; or a learned table)"),
+    ("--rope-theta", "rope_theta", float, "rotary base theta (default 10000)"),
+    ("--mlp", "mlp", str, f"MLP: {' | '.join(MLPS)} (default swiglu)"),
+    ("--kv-heads", "n_kv_heads", int, "key/value heads, dividing --heads (equal: multi-head, 1: multi-query; "
+     "default as many as --heads)"),
 )
 KEY_NORM_GAIN = "--key-norm-gain"
+# Switches that turn a recipe part on (default off): flag -> (ModelConfig field, help).
+SWITCHES = {
+    "--qk-norm": ("qk_norm", "a per-head RMSNorm with a gain on q and k, before the rotation"),
+    "--tie-embeddings": ("tie_embeddings", "the LM head reads the token embedding's matrix"),
+}
 LAYER_COUNTS = "--layer-counts"
 
 
@@ -46,6 +56,9 @@ def add_model_flags(parser: argparse.ArgumentParser, *, notes: dict[str, str] | 
     parser.add_argument(KEY_NORM_GAIN, action="store_true", default=None,
                         help=_noted("a learned gain (init 1) on the depth-attention key RMSNorm (default off)",
                                     notes.get(KEY_NORM_GAIN)))
+    for flag, (_field, help_text) in SWITCHES.items():
+        parser.add_argument(flag, action="store_true", default=None,
+                            help=_noted(f"{help_text} (default off)", notes.get(flag)))
 
 
 def add_layer_counts_flag(parser: argparse.ArgumentParser, *, note: str | None = None) -> None:
@@ -67,6 +80,9 @@ def model_overrides(args: argparse.Namespace) -> dict:
             overrides[field] = convert_flag(flag, raw, kind)
     if getattr(args, _dest(KEY_NORM_GAIN)):
         overrides["key_norm_gain"] = True
+    for flag, (field, _help) in SWITCHES.items():
+        if getattr(args, _dest(flag), None):
+            overrides[field] = True
     if {"block_size", "blocks"} <= set(overrides):
         raise ValueError("give one of --block-size S (sublayers per block) and --blocks N (number of blocks)")
     return overrides

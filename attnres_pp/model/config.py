@@ -14,6 +14,12 @@ from attnres_pp.config_tables import from_table, to_table
 
 RESIDUALS = ("standard", "attnres", "lr_attnres", "msar")
 KEY_MODES = ("projected", "sliced")
+POSITIONS = ("rope", "learned")
+MLPS = ("swiglu", "gelu")
+# The layer recipe of every checkpoint written before the recipe was configurable (docs/spec.md
+# section 11): a saved [model] table without these keys was trained with these values, whatever
+# today's defaults are (`train.checkpoint_meta.read_meta` fills them in).
+LEGACY_RECIPE = {"positions": "learned", "mlp": "gelu", "n_kv_heads": 0, "qk_norm": False, "tie_embeddings": False}
 
 
 def _fail(field_name: str, value, fix: str) -> None:
@@ -32,13 +38,18 @@ def _is_real(value) -> bool:
 class ModelConfig:
     """One model of the family. `block_size` counts sublayers (two per transformer layer); `blocks` > 0
     names the number of blocks N instead (docs/spec.md section 1.2: block i ends after sublayer ceil(L i / N)) and then
-    decides the boundaries alone. `key_norm_gain` adds a learned gain (init 1) to the key RMSNorm."""
+    decides the boundaries alone. `key_norm_gain` adds a learned gain (init 1) to the key RMSNorm.
+
+    The layer recipe (docs/spec.md section 11): `positions` rope (q and k rotated, base `rope_theta`)
+    or learned (a position table); `mlp` swiglu or gelu; `n_kv_heads` key/value heads (0: as many as
+    query heads); `qk_norm` a per-head RMSNorm on q and k; `tie_embeddings` the LM head reads the
+    token embedding's matrix."""
 
     vocab_size: int = 256
     n_layers: int = 4
     d_model: int = 64
     n_heads: int = 4
-    d_ff: int = 0  # 0 means 4 * d_model
+    d_ff: int = 0  # 0: 64 * ceil(8 d / 3 / 64) under swiglu, 4 * d_model under gelu
     seq_len: int = 64
     residual: str = "attnres"
     block_size: int = 2
@@ -50,6 +61,12 @@ class ModelConfig:
     norm_eps: float = 1e-6
     init_std: float = 0.02
     key_norm_gain: bool = False
+    positions: str = "rope"
+    rope_theta: float = 10000.0
+    mlp: str = "swiglu"
+    n_kv_heads: int = 0  # 0: n_heads (multi-head attention)
+    qk_norm: bool = False
+    tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "n_layers", "d_model", "n_heads", "seq_len")
@@ -60,7 +77,9 @@ class ModelConfig:
         if self.d_model % self.n_heads:
             _fail("n_heads", self.n_heads, f"must divide d_model={self.d_model} (e.g. a power of two)")
         if not _is_int(self.d_ff) or self.d_ff < 0:
-            _fail("d_ff", self.d_ff, "must be >= 1, or 0 for 4 * d_model")
+            _fail("d_ff", self.d_ff, "must be >= 1, or 0 for the recipe's default (SwiGLU 8 d / 3 rounded up "
+                  "to 64, GELU 4 d)")
+        self._check_recipe()
         if self.residual not in RESIDUALS:
             _fail("residual", self.residual, f"choose one of {', '.join(RESIDUALS)}")
         if not _is_int(self.block_size) or self.block_size < 1:
@@ -86,6 +105,23 @@ class ModelConfig:
         if not self.stream_kernels or any(not _is_int(k) or k < 1 for k in self.stream_kernels):
             _fail("stream_kernels", self.stream_kernels, "must be a non-empty tuple of integers >= 1")
 
+    def _check_recipe(self) -> None:
+        if self.positions not in POSITIONS:
+            _fail("positions", self.positions, f"choose one of {', '.join(POSITIONS)}")
+        if self.mlp not in MLPS:
+            _fail("mlp", self.mlp, f"choose one of {', '.join(MLPS)}")
+        if not _is_real(self.rope_theta) or self.rope_theta <= 0:
+            _fail("rope_theta", self.rope_theta, "must be a finite number > 0, e.g. 10000 (--rope-theta)")
+        if self.positions == "rope" and self.head_dim % 2:
+            _fail("positions", self.positions, f"rotary positions need an even head dimension, and d_model / "
+                  f"n_heads = {self.head_dim}: choose --d-model and --heads so it is even")
+        if not _is_int(self.n_kv_heads) or self.n_kv_heads < 0 or (self.n_kv_heads and self.n_heads % self.n_kv_heads):
+            _fail("n_kv_heads", self.n_kv_heads, f"must divide the {self.n_heads} query heads (--kv-heads: equal is "
+                  "multi-head attention, 1 is multi-query), or 0 for as many as query heads")
+        for name in ("qk_norm", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "must be true or false")
+
     @classmethod
     def from_dict(cls, values: dict) -> ModelConfig:
         return from_table(cls, values, table="model")
@@ -105,9 +141,14 @@ class ModelConfig:
         if self.n_heads % t:
             raise ValueError(f"--tensor-parallel {t} does not divide {whose or 'the '}{self.n_heads} heads (--heads): "
                              "each tp rank runs 1/T of the heads; choose T dividing the head count")
+        if self.kv_heads % t:
+            raise ValueError(f"--tensor-parallel {t} does not divide {whose or 'the '}{self.kv_heads} key/value heads "
+                             "(--kv-heads): each tp rank holds 1/T of them with the query heads that read them; "
+                             "choose T dividing the kv head count")
         if self.ff_dim % t:
-            raise ValueError(f"--tensor-parallel {t} does not divide d_ff = {self.ff_dim} ([model] d_ff, 4 x d_model "
-                             "when 0): each tp rank holds 1/T of the MLP's hidden units; choose T dividing d_ff")
+            raise ValueError(f"--tensor-parallel {t} does not divide d_ff = {self.ff_dim} ([model] d_ff, the "
+                             "recipe's default when 0): each tp rank holds 1/T of the MLP's hidden units; choose T "
+                             "dividing d_ff")
         if sequence_parallel and self.seq_len % t:
             raise ValueError(f"--tensor-parallel {t} does not divide --seq-len {self.seq_len}: sequence parallelism "
                              "gives each tp rank 1/T of every sequence; choose T dividing it, or give "
@@ -122,7 +163,27 @@ class ModelConfig:
     # ---- derived sizes ----
     @property
     def ff_dim(self) -> int:
-        return self.d_ff or 4 * self.d_model
+        if self.d_ff:
+            return self.d_ff
+        if self.mlp == "swiglu":  # 8 d / 3 keeps SwiGLU's three matrices at GELU's two's parameters
+            return 64 * math.ceil(8 * self.d_model / 3 / 64)
+        return 4 * self.d_model
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: query head h reads kv head h // (n_heads / kv_heads)."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def fused_qkv(self) -> bool:
+        """One `[3 d, d]` qkv projection (multi-head attention, the layout of every checkpoint before
+        grouped heads) rather than a query projection and a key/value one: grouped kv heads make the
+        three parts unequal, which no strided tp split of one matrix can cut by heads."""
+        return self.kv_heads == self.n_heads
 
     @property
     def n_sublayers(self) -> int:

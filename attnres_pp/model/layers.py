@@ -18,6 +18,7 @@ from torch import nn
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.model.decode_state import KVSlot
 from attnres_pp.model.depth import DepthRead
+from attnres_pp.model.rotary import apply_rotary, rotary_cos_sin
 
 
 class RMSNorm(nn.Module):
@@ -35,48 +36,89 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention: d -> d (+ r key columns)."""
+    """Causal self-attention: d -> d (+ r key columns), with `n_heads` query heads reading
+    `kv_heads` key/value heads (query head h reads kv head h // (n_heads / kv_heads), transformers'
+    `repeat_kv`), an optional per-head RMSNorm on q and k, then rotary positions (docs/spec.md
+    section 11). Multi-head attention keeps one fused `qkv` projection (`ModelConfig.fused_qkv`);
+    grouped heads have a query projection `q` and a key/value one `kv` (k rows, then v rows)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.cfg = cfg
         self.n_heads = cfg.n_heads
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        kv_width = 2 * cfg.kv_heads * cfg.head_dim
+        if cfg.fused_qkv:
+            self.qkv = nn.Linear(cfg.d_model, cfg.d_model + kv_width, bias=False)
+        else:
+            self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+            self.kv = nn.Linear(cfg.d_model, kv_width, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.proj = nn.Linear(cfg.d_model, cfg.source_width, bias=False)
         self.read = DepthRead(cfg)
 
     def forward(self, h_BTD: torch.Tensor, kv: KVSlot | None = None) -> torch.Tensor:
         """`kv` (incremental decoding): this layer's cache; the T tokens of h sit at its pass's positions.
 
-        Split over tensor-parallel ranks (`pipeline.tensor_parallel`) the projection returns this
-        rank's heads' q, k and v (n_heads / T of them) and, under sequence parallelism, the whole
-        sequence gathered from the rank's shard `h_BTD`: both are read off its output's shape."""
-        batch, _, width = h_BTD.shape
-        head_dim = width // self.n_heads
-        qkv_BTC = self.qkv(self.norm(h_BTD))
-        seq, heads = qkv_BTC.shape[1], qkv_BTC.shape[2] // (3 * head_dim)
-        qkv = qkv_BTC.view(batch, seq, 3, heads, head_dim)
-        q_BHTE, k_BHTE, v_BHTE = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        Split over tensor-parallel ranks (`pipeline.tensor_parallel`) the projections return this
+        rank's heads' q, k and v (n_heads / T query heads, kv_heads / T kv heads) and, under
+        sequence parallelism, the whole sequence gathered from the rank's shard `h_BTD`: both are
+        read off their outputs' shapes."""
+        batch = h_BTD.shape[0]
+        q_BHTE, k_BGTE, v_BGTE = self._heads(self.norm(h_BTD), batch)
+        heads, seq = q_BHTE.shape[1], q_BHTE.shape[2]
+        if self.cfg.qk_norm:
+            q_BHTE, k_BGTE = self.q_norm(q_BHTE), self.k_norm(k_BGTE)
+        if self.cfg.positions == "rope":
+            start = 0 if kv is None else kv.step.start
+            positions_T = torch.arange(start, start + seq, device=h_BTD.device)
+            cos_TE, sin_TE = rotary_cos_sin(positions_T, self.cfg.head_dim, self.cfg.rope_theta, q_BHTE.dtype)
+            q_BHTE, k_BGTE = apply_rotary(q_BHTE, cos_TE, sin_TE), apply_rotary(k_BGTE, cos_TE, sin_TE)
+        grouped = {"enable_gqa": True} if k_BGTE.shape[1] != heads else {}
         if kv is None:
-            y_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BHTE, v_BHTE, is_causal=True)
+            y_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BGTE, v_BGTE, is_causal=True, **grouped)
         else:
-            k_BHSE, v_BHSE = kv.append(k_BHTE, v_BHTE)
-            y_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BHSE, v_BHSE, **kv.sdpa_mask(h_BTD.device))
-        return self.proj(y_BHTE.transpose(1, 2).reshape(batch, seq, heads * head_dim))
+            k_BGSE, v_BGSE = kv.append(k_BGTE, v_BGTE)
+            y_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BGSE, v_BGSE, **kv.sdpa_mask(h_BTD.device), **grouped)
+        return self.proj(y_BHTE.transpose(1, 2).reshape(batch, seq, heads * self.cfg.head_dim))
+
+    def _heads(self, x_BTD: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q `[B, H, T, E]`, k and v `[B, G, T, E]` of the heads this rank holds (G kv heads)."""
+        head_dim, group = self.cfg.head_dim, self.cfg.n_heads // self.cfg.kv_heads
+        if self.cfg.fused_qkv:
+            qkv_BTC = self.qkv(x_BTD)
+            seq, heads = qkv_BTC.shape[1], qkv_BTC.shape[2] // (3 * head_dim)
+            qkv = qkv_BTC.view(batch, seq, 3, heads, head_dim)
+            q_BHTE, k_BGTE, v_BGTE = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            return q_BHTE, k_BGTE, v_BGTE
+        q_BTC, kv_BTC = self.q(x_BTD), self.kv(x_BTD)
+        seq, heads = q_BTC.shape[1], q_BTC.shape[2] // head_dim
+        q_BHTE = q_BTC.view(batch, seq, heads, head_dim).transpose(1, 2)
+        kv_heads = heads // group
+        k_BGTE, v_BGTE = kv_BTC.view(batch, seq, 2, kv_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        return q_BHTE, k_BGTE, v_BGTE
 
 
 class MLP(nn.Module):
-    """GELU MLP: d -> d_ff -> d (+ r key columns)."""
+    """SwiGLU (`down(silu(gate x) * up x)`) or GELU (`down(gelu(up x))`) MLP: d -> d_ff -> d (+ r key
+    columns: under projected low-rank keys the down projection emits them, the LR-AttnRes paper's
+    equation 12)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.gate = nn.Linear(cfg.d_model, cfg.ff_dim, bias=False) if cfg.mlp == "swiglu" else None
         self.up = nn.Linear(cfg.d_model, cfg.ff_dim, bias=False)
         self.down = nn.Linear(cfg.ff_dim, cfg.source_width, bias=False)
         self.read = DepthRead(cfg)
 
     def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(self.norm(h_BTD))))
+        x_BTD = self.norm(h_BTD)
+        if self.gate is None:
+            return self.down(F.gelu(self.up(x_BTD)))
+        return self.down(F.silu(self.gate(x_BTD)) * self.up(x_BTD))
 
 
 class TransformerLayer(nn.Module):
@@ -92,18 +134,20 @@ class TransformerLayer(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token + learned position embedding; under projected keys also the embedding key (d -> r)."""
+    """Token embedding (+ a learned position table under `positions = learned`; rotary positions
+    enter in attention); under projected keys also the embedding key (d -> r)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.pos = nn.Embedding(cfg.seq_len, cfg.d_model) if cfg.positions == "learned" else None
         self.key_proj = nn.Linear(cfg.d_model, cfg.projected_key_rank, bias=False) if cfg.projected_key_rank else None
 
     def forward(self, idx_BT: torch.Tensor, start: int = 0) -> torch.Tensor:
         """`start`: the position of the first token (incremental decoding)."""
-        positions_T = torch.arange(start, start + idx_BT.shape[1], device=idx_BT.device)
-        o_emb_BTD = self.tok(idx_BT) + self.pos(positions_T)
+        o_emb_BTD = self.tok(idx_BT)
+        if self.pos is not None:
+            o_emb_BTD = o_emb_BTD + self.pos(torch.arange(start, start + idx_BT.shape[1], device=idx_BT.device))
         if self.key_proj is None:
             return o_emb_BTD
         return torch.cat([o_emb_BTD, self.key_proj(o_emb_BTD)], dim=-1)
@@ -123,7 +167,7 @@ def _init_value(module_name: str, module: nn.Module, param_name: str, shape: tor
     if isinstance(module, nn.Linear | nn.Embedding):
         std = cfg.init_std
         # GPT-2: output projections scaled by 1/sqrt(2 n_layers) so the sums of sublayer outputs stay O(1).
-        if module_name.endswith(("proj", "down")) and not module_name.endswith("key_proj"):
+        if module_name.endswith(("attn.proj", "down")):
             std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         return torch.empty(shape).normal_(0.0, std, generator=generator)
     if isinstance(module, RMSNorm):
@@ -148,10 +192,12 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
     drawn in float32 on the CPU and then copied, so they do not depend on the device or dtype either.
     Parameters still on the meta device (other ranks' chunks) are skipped.
     """
+    seen = set()  # a tied parameter (the LM head's, under tie_embeddings) by its first name only
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
-            if param.is_meta:
+            if param.is_meta or id(param) in seen:
                 continue
+            seen.add(id(param))
             name = f"{module_name}.{param_name}" if module_name else param_name
             generator = torch.Generator().manual_seed(parameter_seed(seed, name))
             param.copy_(_init_value(module_name, module, param_name, param.shape, cfg, generator))

@@ -80,6 +80,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(cfg.n_layers))
         self.head = Head(cfg)
         self.stream_convs = StreamConvs(cfg) if cfg.residual == "msar" else None
+        self.tie_embeddings()
         init_weights(self, cfg, seed)  # skips meta parameters: nothing to do on the meta device
         self.compiled = compile
         if compile:
@@ -87,6 +88,12 @@ class Transformer(nn.Module):
                 for module in (layer.attn, layer.mlp, layer.attn.read, layer.mlp.read):
                     module.compile(backend=compile_backend, dynamic=False)
             self.head.read.compile(backend=compile_backend, dynamic=False)
+
+    def tie_embeddings(self) -> None:
+        """Under `tie_embeddings` the LM head reads the token embedding's matrix (one parameter, named
+        `embed.tok.weight`); again after the embedding is materialised (`pipeline.chunk`)."""
+        if self.cfg.tie_embeddings:
+            self.head.lm_head.weight = self.embed.tok.weight
 
     def forward(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor | None = None, *,
                 decode: DecodeStep | None = None) -> torch.Tensor:
@@ -106,17 +113,20 @@ class Transformer(nn.Module):
 def parameter_count(cfg: ModelConfig) -> int:
     """Closed-form parameter count (documented in docs/training.md; tests check it against the modules).
 
-    embedding V d + seq d (+ d r projected); per layer 2 d (norms) + 3 d^2 + d (d + r_p) + d f + f (d + r_p);
-    per reading site (L + 1 of them): attnres d, lr_attnres r, msar m d + m^2 d + 1 + m;
-    head d + d V; msar convs (n_blocks + 1) d sum(kappa).
+    embedding V d (+ seq d learned positions) (+ d r projected); per layer 2 d (norms)
+    + d (d + 2 G E) (q, k, v with G kv heads of E) (+ 2 E qk-norm) + d (d + r_p) (out)
+    + (2 under swiglu, else 1) d f + f (d + r_p); per reading site (L + 1 of them): attnres d,
+    lr_attnres r, msar m d + m^2 d + 1 + m; head d (+ d V untied); msar convs (n_blocks + 1) d sum(kappa).
     """
     d, f, r_p = cfg.d_model, cfg.ff_dim, cfg.projected_key_rank
-    count = cfg.vocab_size * d + cfg.seq_len * d + d * r_p
-    count += cfg.n_layers * (2 * d + 3 * d * d + d * (d + r_p) + d * f + f * (d + r_p))
+    count = cfg.vocab_size * d + d * r_p + (cfg.seq_len * d if cfg.positions == "learned" else 0)
+    attention = d * (d + 2 * cfg.kv_heads * cfg.head_dim) + (2 * cfg.head_dim if cfg.qk_norm else 0) + d * (d + r_p)
+    mlp = (2 if cfg.mlp == "swiglu" else 1) * d * f + f * (d + r_p)
+    count += cfg.n_layers * (2 * d + attention + mlp)
     m = cfg.n_streams
     per_site = {"standard": 0, "attnres": d, "lr_attnres": cfg.key_rank, "msar": m * d + m * m * d + 1 + m}
     count += (cfg.n_sublayers + 1) * per_site[cfg.residual]
-    count += d + d * cfg.vocab_size
+    count += d + (0 if cfg.tie_embeddings else d * cfg.vocab_size)
     if cfg.residual == "msar":
         count += (cfg.n_blocks + 1) * d * sum(cfg.stream_kernels)
     return count

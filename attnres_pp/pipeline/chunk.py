@@ -167,16 +167,29 @@ def rank_module_names(cfg: ModelConfig, partition: Partition, pp_rank: int) -> l
     return names
 
 
+def check_tied_placement(cfg: ModelConfig, partition: Partition) -> None:
+    """ValueError unless tied embeddings have the embedding and the head on one rank: a matrix two
+    ranks held would need its two gradients summed between them every step, which no schedule here
+    does yet (docs/roadmap.md)."""
+    first, last = partition.rank_of(0), partition.rank_of(partition.n_chunks - 1)
+    if cfg.tie_embeddings and first != last:
+        raise ValueError(f"--tie-embeddings needs the embedding and the LM head on one pipeline rank, and this split "
+                         f"puts them on ranks {first} and {last}: use --stages 1, or a V-shaped schedule (zbv, "
+                         "dualpipev), whose first and last chunks share rank 0, or drop --tie-embeddings")
+
+
 def build_rank_model(cfg: ModelConfig, partition: Partition, pp_rank: int, *, seed: int, backend: str = "auto",
                      device: torch.device | str = "cpu", precision: str = "fp32",
                      activation_checkpoint: str = "none") -> tuple[Transformer, dict[int, PipelineChunk]]:
     """The model skeleton of rank `pp_rank` (other ranks' parameters stay on the meta device, with no
     storage) and its chunks, whose parameters equal `Transformer(cfg, seed=seed)`'s; the chunks
     compute in `precision` (`model.precision`)."""
+    check_tied_placement(cfg, partition)
     with torch.device("meta"):
         model = Transformer(cfg, backend=backend, seed=seed, precision=precision)
     for name in rank_module_names(cfg, partition, pp_rank):
         model.get_submodule(name).to_empty(device=device)
+    model.tie_embeddings()  # to_empty gave the embedding a new matrix: the head reads that one
     init_weights(model, cfg, seed)
     return model, build_rank_chunks(model, partition, pp_rank, activation_checkpoint=activation_checkpoint)
 

@@ -46,37 +46,51 @@ from attnres_pp.model.transformer import Transformer, embed_state, lm_loss
 from attnres_pp.pipeline.mesh import Collectives
 from attnres_pp.pipeline.tp_bytes import count_outside_dispatch
 
-QKV_PARTS = 3  # the fused projection's q, k and v row blocks
+QKV_PARTS = 3  # multi-head attention's fused projection: its q, k and v row blocks
+KV_PARTS = 2  # grouped heads' key/value projection: its k and v row blocks
 
 
 class HeadwiseColwiseParallel(ColwiseParallel):
-    """Column-parallel for the fused qkv projection: each rank holds the q, k and v rows of its
-    heads (`_StridedShard` over the three thirds), and its output is those heads' q, k and v."""
+    """Column-parallel for a fused projection of `parts` equal row blocks by heads (multi-head
+    attention's qkv: 3; grouped heads' kv: 2): each rank holds its heads' rows of every block
+    (`_StridedShard` over the blocks), and its output is those heads' parts side by side."""
 
-    def __init__(self, *, input_layouts=None) -> None:
-        super().__init__(input_layouts=input_layouts, output_layouts=_StridedShard(-1, split_factor=QKV_PARTS))
+    def __init__(self, parts: int, *, input_layouts=None) -> None:
+        super().__init__(input_layouts=input_layouts, output_layouts=_StridedShard(-1, split_factor=parts))
+        self.parts = parts
 
     def _partition_linear_fn(self, name, module, device_mesh):
         for param_name, param in module.named_parameters():
-            placements = [_StridedShard(0, split_factor=QKV_PARTS)]
+            placements = [_StridedShard(0, split_factor=self.parts)]
             sharded = distribute_tensor(param, device_mesh, placements, src_data_rank=self.src_data_rank)
             module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
-def layer_plan(sequence_parallel: bool) -> dict:
-    """The `parallelize_module` plan of one `TransformerLayer` (module name -> ParallelStyle)."""
-    if not sequence_parallel:
-        return {"attn.qkv": HeadwiseColwiseParallel(), "attn.proj": RowwiseParallel(),
-                "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()}
-    sequence = Shard(1)
-    return {
-        "attn.norm": SequenceParallel(),
-        "attn.qkv": HeadwiseColwiseParallel(input_layouts=sequence),
-        "attn.proj": RowwiseParallel(output_layouts=sequence),
-        "mlp.norm": SequenceParallel(),
-        "mlp.up": ColwiseParallel(input_layouts=sequence),
-        "mlp.down": RowwiseParallel(output_layouts=sequence),
-    }
+def layer_plan(cfg: ModelConfig, sequence_parallel: bool) -> dict:
+    """The `parallelize_module` plan of one `TransformerLayer` (module name -> ParallelStyle).
+
+    Multi-head attention's fused qkv is split by heads over its three blocks. With grouped kv
+    heads the query projection is split in T contiguous row blocks (query heads h T / n ..) and the
+    kv projection by kv heads over its two blocks: rank t then holds the kv heads its query heads
+    read (h // group), since T divides both head counts. SwiGLU's gate is split as up is."""
+    sequence = Shard(1) if sequence_parallel else None
+    column = {"input_layouts": sequence} if sequence_parallel else {}
+    row = {"output_layouts": sequence} if sequence_parallel else {}
+    if cfg.fused_qkv:
+        plan = {"attn.qkv": HeadwiseColwiseParallel(QKV_PARTS, **column)}
+    else:
+        plan = {"attn.q": ColwiseParallel(**column), "attn.kv": HeadwiseColwiseParallel(KV_PARTS, **column)}
+    plan |= {"attn.proj": RowwiseParallel(**row), "mlp.up": ColwiseParallel(**column),
+             "mlp.down": RowwiseParallel(**row)}
+    if cfg.mlp == "swiglu":
+        plan["mlp.gate"] = ColwiseParallel(**column)
+    if cfg.qk_norm:  # per-head gains every tp rank holds whole, applied to its heads (dim 1 of [B, H, T, E]):
+        # a replicated DTensor whose gradient (its heads' part) is a partial sum, reduced as the
+        # sequence-parallel norms' are (`train.tp_rank.sum_partial_grads`)
+        plan |= {"attn.q_norm": SequenceParallel(sequence_dim=1), "attn.k_norm": SequenceParallel(sequence_dim=1)}
+    if sequence_parallel:
+        plan |= {"attn.norm": SequenceParallel(), "mlp.norm": SequenceParallel()}
+    return plan
 
 
 def parallelize_layers(cfg: ModelConfig, layers: Iterable[TransformerLayer], tp_mesh, *,
@@ -85,7 +99,7 @@ def parallelize_layers(cfg: ModelConfig, layers: Iterable[TransformerLayer], tp_
     Every tp rank must hold the same values first (`layers.init_weights` from the same seed)."""
     cfg.check_tensor_split(tp_mesh.size(), sequence_parallel=sequence_parallel)
     for layer in layers:
-        parallelize_module(layer, tp_mesh, layer_plan(sequence_parallel))
+        parallelize_module(layer, tp_mesh, layer_plan(cfg, sequence_parallel))
 
 
 class _HaloExchange(torch.autograd.Function):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from attnres_pp.model.config import LEGACY_RECIPE
 from attnres_pp.train.metadata_pickle import CheckpointRefused, brief, read_regular_file
 
 # meta.json holds a run's records (a loss and a time per step): a million steps is tens of MB.
@@ -26,6 +27,9 @@ def read_meta(step_dir: str | Path) -> dict:
     if not isinstance(meta, dict):
         raise CheckpointRefused(f"{path} does not hold a JSON object")
     check_meta_fields(meta, str(path))
+    model = meta["config"].get("model")
+    if isinstance(model, dict):  # written before the layer recipe was configurable: it was trained with this one
+        meta["config"]["model"] = {**LEGACY_RECIPE, **model}
     return meta
 
 

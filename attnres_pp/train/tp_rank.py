@@ -100,20 +100,22 @@ class RankTensorParallel:
 
     def sum_partial_grads(self, params: list[nn.Parameter], collectives: Collectives) -> None:
         """Under SP, add the T ranks' gradients of the parameters each holds whole (each computed on
-        its own tokens). The sequence-parallel norms' gains are replicated DTensors whose gradients
-        DTensor leaves as partial sums (`Partial`): they are reduced to their parameters' placement
-        here, so that every later step (the dp sync, the clipping norm, AdamW) reads whole values.
+        its own tokens). The sequence-parallel norms' gains, and QK-norm's gains (applied to each
+        rank's heads, with or without SP), are replicated DTensors whose gradients DTensor leaves as
+        partial sums (`Partial`): they are reduced to their parameters' placement here, so that
+        every later step (the dp sync, the clipping norm, AdamW) reads whole values.
         Under FSDP2 call it after the reduce-scatter (`FsdpShards.reduce`), which has reduced those
         gains itself (FSDP2 redistributes a partial gradient to its parameter's tp placement)."""
-        if not self.sp:
-            return
         from attnres_pp.pipeline.tensor_parallel import sum_replicated_grads
 
-        sum_replicated_grads(params, collectives)
+        if self.sp:
+            sum_replicated_grads(params, collectives)
         for p in params:
             if p.grad is None or not is_sharded(p):
                 continue
             if _tp_placement(p) is None:
+                if not self.sp:  # computed on whole sequences: every tp rank's gradient is already whole
+                    continue
                 # FSDP2's shard over dp of a tensor every tp rank holds whole: the T ranks hold the same
                 # rows of it, each with its tokens' part (summing after the reduce-scatter over dp is
                 # the same sum: both are linear)
