@@ -58,7 +58,7 @@ def test_incomplete_checkpoints_are_ignored_and_loading_unpickles_only_checkpoin
     assert latest_checkpoint(run).name == "step_2"
 
     saved = checkpoint_tensors(root / "step_2")  # keyed by whole-model names
-    assert {"embed.pos.weight", "optim.embed.pos.weight.exp_avg", "optim.embed.pos.weight.step",
+    assert {"embed.tok.weight", "optim.embed.tok.weight.exp_avg", "optim.embed.tok.weight.step",
             "rng.dp0.layers0:4"} <= set(saved)
     # DCP reads .metadata with plain pickle; ours admits checkpoint metadata only.
     (root / "step_2" / ".metadata").write_bytes(pickle.dumps(_Unpicklable()))
