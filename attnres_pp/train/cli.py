@@ -149,8 +149,6 @@ def _initial_weights(args: argparse.Namespace, run_cfg: RunConfig) -> dict | Non
     from attnres_pp.launch.resolve import engine_of
     from attnres_pp.train.init_from import read_init_folder
 
-    if args.resume:
-        raise ConfigError("--init-from starts a new run and --resume continues one: give one of them")
     if engine_of(run_cfg.pipeline, run_cfg.train.fault_tolerance) != "single":
         raise ConfigError("--init-from runs in one process: use --launcher local with one stage and chunk "
                           "(no --stages, --virtual, --data-parallel, --tensor-parallel or --fault-tolerance)")
@@ -220,6 +218,8 @@ def _run(args: argparse.Namespace) -> int:
     # all but one rank's lines; read at Ray's import, so set before the engine imports it.
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     try:
+        if getattr(args, "init_from", None) and args.resume:
+            raise ConfigError("--init-from starts a new run and --resume continues one: give one of them")
         run_cfg = build_run_config(args)
         checkpoints = checkpoint_config(args)
         kill_point()  # a bad rehearsal value fails here, not at the first save

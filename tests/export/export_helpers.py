@@ -3,7 +3,6 @@ transformers' own classes, our model's logits and greedy tokens, and the parity 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -11,9 +10,6 @@ import torch
 from attnres_pp.cli import main
 from attnres_pp.generate.cli import find_checkpoint, load_checkpoint
 from attnres_pp.model import ModelConfig, Transformer
-
-# Local folders only: transformers must never reach for the Hub in a test.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 TINY = ["--launcher", "local", "--layers", "2", "--d-model", "32", "--heads", "4", "--seq-len", "16",
         "--batch-size", "2", "--microbatches", "1", "--steps", "2", "--lr", "0.05", "--eval-every", "0", "--quiet"]

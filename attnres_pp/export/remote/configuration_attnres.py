@@ -1,5 +1,5 @@
-"""The config of an exported attnres-pp model (docs/spec.md sections 1 and 11): the fields of
-attnres_pp's ModelConfig, under their own names, beside the ones transformers reads."""
+"""The config of an exported attnres-pp model: the fields of attnres_pp's ModelConfig under their own
+names (block boundaries and sizes resolved), beside the ones transformers reads."""
 
 from __future__ import annotations
 

@@ -1,6 +1,14 @@
-"""An exported attnres-pp model for transformers (`trust_remote_code=True`): the forward of
-docs/spec.md sections 1 and 11 written out plainly, one softmax over all sources per depth read, with
-the parameter names of attnres_pp's Transformer so its weights load as saved.
+"""An exported attnres-pp model for transformers (`trust_remote_code=True`): the forward of the
+attnres-pp model family written out plainly, with the parameter names of attnres_pp's Transformer so
+its weights load as saved.
+
+Every sublayer (PreNorm attention, then MLP) reads its input from the sources before it: under
+`standard` the residual sum; otherwise by depth attention, a softmax over the sources of the
+pseudo-query times RMSNorm(key) (no gain), weighing the values. The sources are the embedding, the
+sum of each completed block's outputs and the open block's partial sum; low-rank keys (`lr_attnres`)
+are the value's last r channels (sliced) or r extra output columns, RMS-normalised as each output is
+emitted (projected); MSAR reads m streams, causal depthwise convolutions of each source along the
+sequence with that source's taps, and gates them into one. A final read feeds the output norm.
 
 Imports only torch and transformers. Generation recomputes the whole sequence at every new token
 (no key/value cache: `use_cache` is ignored); sequences hold at most `seq_len` tokens under learned
