@@ -99,3 +99,16 @@ def test_the_written_weights_are_the_checkpoints(byte_run, tmp_path):
     _, named = load_checkpoint(find_checkpoint(str(byte_run)))
     written = load_file(folder / "model.safetensors")
     assert set(written) == set(named) and all(torch.equal(written[n], t) for n, t in named.items())
+
+
+def test_a_damaged_checkpoint_is_one_error_line(byte_run, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "copy"
+    shutil.copytree(byte_run, run)
+    step = run / "checkpoints" / "step_2"
+    shard = next(step.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated
+    err = _refused(capsys, ["export", "--resume", str(run), "--out", str(tmp_path / "hf")])
+    assert "truncated" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"]
