@@ -36,7 +36,8 @@ VARIANTS = {
     "lr_projected_tied": dict(residual="lr_attnres", key_mode="projected", key_rank=4, block_size=2,
                               tie_embeddings=True, logit_scale=2.0),
     "lr_sliced": dict(residual="lr_attnres", key_mode="sliced", key_rank=4, block_size=3, n_kv_heads=1),
-    "msar": dict(residual="msar", block_size=3, stream_kernels=(2, 3), n_kv_heads=2),
+    "msar": dict(residual="msar", block_size=3, stream_kernels=(2, 3), n_kv_heads=2, key_norm_gain=True),
+    "msar_full_default_kernels": dict(residual="msar", block_size=1, qk_norm=True),
     "standard_learned_gelu": dict(residual="standard", positions="learned", mlp="gelu"),
     "standard_rope_gelu_tied": dict(residual="standard", mlp="gelu", tie_embeddings=True),
 }
@@ -69,7 +70,10 @@ def test_remote_code_gives_our_logits_and_greedy_tokens(variant, tmp_path):
     theirs = load_hf(tmp_path)
     assert type(theirs).__name__ == "AttnResForCausalLM"
     ours = ours_from(cfg, named)
-    assert_same_logits(ours, theirs, tokens(cfg.vocab_size, 3, 16, seed=1))
+    idx = tokens(cfg.vocab_size, 3, 16, seed=1)
+    assert_same_logits(ours, theirs, idx)
+    with torch.no_grad():  # transformers' convention: labels are the inputs, shifted inside
+        torch.testing.assert_close(theirs(idx, labels=idx).loss, ours(idx[:, :-1], idx[:, 1:]), rtol=1e-5, atol=0)
     prompt = tokens(cfg.vocab_size, 1, 5, seed=2)
     assert hf_greedy(theirs, prompt, 11) == greedy(ours, prompt, 11)
     if cfg.tie_embeddings:

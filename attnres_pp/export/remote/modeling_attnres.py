@@ -235,6 +235,8 @@ class AttnResForCausalLM(PreTrainedModel, GenerationMixin):
     def hidden(self, idx_BT: torch.Tensor) -> torch.Tensor:
         """The hidden state that enters the output norm, [B, T, d]."""
         cfg, d = self.config, self.config.d_model
+        if cfg.positions == "learned" and idx_BT.shape[1] > cfg.seq_len:
+            raise ValueError(f"{idx_BT.shape[1]} tokens exceed the {cfg.seq_len} positions this model learned")
         o_emb = self.embed.tok(idx_BT)
         if cfg.positions == "learned":
             o_emb = o_emb + self.embed.pos(torch.arange(idx_BT.shape[1], device=idx_BT.device))
