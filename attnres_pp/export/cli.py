@@ -72,6 +72,7 @@ def export(run: str, out: Path, max_shard_size: str = DEFAULT_SHARD_SIZE) -> lis
                          ) from None
     cfg, named = load_checkpoint(step_dir)
     staging = out.parent / f".{out.name}.export-{os.getpid()}"
+    missing = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
@@ -83,8 +84,11 @@ def export(run: str, out: Path, max_shard_size: str = DEFAULT_SHARD_SIZE) -> lis
         if out.is_dir():
             out.rmdir()  # empty (checked): replaced by the assembled folder
         staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+    except BaseException as error:
+        shutil.rmtree(missing[-1] if missing else staging, ignore_errors=True)  # the folders made here too
+        if isinstance(error, OSError):
+            raise ValueError(f"--out {out} could not be written ({error.strerror or error}): free space or "
+                             "choose another folder") from None
         raise
     tok_line = ("tokenizer: the run's BPE (tokenizer.json, tokenizer_config.json)" if tokenizer.kind != "bytes"
                 else "tokenizer: none written (the run reads raw bytes: token ids are the bytes 0-255)")

@@ -112,3 +112,16 @@ def test_a_damaged_checkpoint_is_one_error_line(byte_run, tmp_path, capsys):
     err = _refused(capsys, ["export", "--resume", str(run), "--out", str(tmp_path / "hf")])
     assert "truncated" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy"]
+
+
+def test_a_failed_write_leaves_nothing_not_even_the_folders_it_made(byte_run, tmp_path, capsys, monkeypatch):
+    import attnres_pp.export.weights as weights
+
+    def disk_full(tensors, out, max_bytes):
+        (out / "model.safetensors").write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(weights, "write_weights", disk_full)
+    err = _refused(capsys, ["export", "--resume", str(byte_run), "--out", str(tmp_path / "a" / "b" / "hf")])
+    assert "No space left on device" in err
+    assert list(tmp_path.iterdir()) == []
