@@ -65,10 +65,10 @@ def greedy(ours: Transformer, prompt_BT: torch.Tensor, new_tokens: int) -> list[
     return seq.tolist()
 
 
-def hf_greedy(theirs, prompt_BT: torch.Tensor, new_tokens: int) -> list[list[int]]:
+def hf_greedy(theirs, prompt_BT: torch.Tensor, new_tokens: int, **options) -> list[list[int]]:
     with torch.no_grad():
         out = theirs.generate(prompt_BT, attention_mask=torch.ones_like(prompt_BT), max_new_tokens=new_tokens,
-                              do_sample=False)
+                              do_sample=False, **options)
     return out.tolist()
 
 

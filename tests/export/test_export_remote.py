@@ -75,7 +75,9 @@ def test_remote_code_gives_our_logits_and_greedy_tokens(variant, tmp_path):
     with torch.no_grad():  # transformers' convention: labels are the inputs, shifted inside
         torch.testing.assert_close(theirs(idx, labels=idx).loss, ours(idx[:, :-1], idx[:, 1:]), rtol=1e-5, atol=0)
     prompt = tokens(cfg.vocab_size, 1, 5, seed=2)
-    assert hf_greedy(theirs, prompt, 11) == greedy(ours, prompt, 11)
+    want = greedy(ours, prompt, 11)
+    assert hf_greedy(theirs, prompt, 11) == want
+    assert hf_greedy(theirs, prompt, 11, use_cache=True) == want  # asked for a cache: still the whole sequence
     if cfg.tie_embeddings:
         assert theirs.head.lm_head.weight.data_ptr() == theirs.embed.tok.weight.data_ptr()
 

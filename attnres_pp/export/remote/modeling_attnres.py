@@ -223,6 +223,16 @@ class AttnResForCausalLM(PreTrainedModel, GenerationMixin):
             self.head.lm_head.weight = self.embed.tok.weight
         self.post_init()
 
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # no key/value cache: generate must not make one
+
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+                                      **kwargs) -> dict:
+        """The whole sequence at every step, whatever `use_cache` says: a cache handed to `forward`
+        would make generate pass only the new token, which this model cannot continue from."""
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
     def _init_weights(self, module: nn.Module) -> None:
         """Nothing: every parameter comes from the exported weights."""
 
