@@ -111,6 +111,9 @@ def model_fields(hf: dict) -> dict:
         raise ValueError(f"config.json lacks a valid {error} for a {hf.get('model_type')} model") from None
     if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ValueError("config.json asks for biases or an activation other than silu, which this model has not")
+    if rope.get("rope_type", "default") != "default" or hf.get("rope_scaling") or hf.get("use_sliding_window"):
+        raise ValueError("config.json asks for scaled rotary positions or sliding-window attention, which this "
+                         "model has not (plain rope over the whole sequence)")
     return fields
 
 

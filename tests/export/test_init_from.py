@@ -24,7 +24,10 @@ ROUND_TRIPS = {
 def exported(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     run = train(root / "run", *ROUND_TRIPS[request.param])
-    return root, run, export(run, root / "hf"), ROUND_TRIPS[request.param]
+    sharded = ["--max-shard-size", "4KB"] if request.param.startswith("qwen3") else []  # read through the index
+    folder = export(run, root / "hf", *sharded)
+    assert (folder / "model.safetensors.index.json").is_file() == bool(sharded)
+    return root, run, folder, ROUND_TRIPS[request.param]
 
 
 def test_init_from_starts_with_the_exported_parameters_bitwise(exported, monkeypatch):
@@ -94,7 +97,10 @@ def test_folders_that_cannot_start_a_run_are_refused(tmp_path, capsys):
                                           tmp_path / "never")
     (folder / "model.safetensors").rename(tmp_path / "moved.safetensors")
     assert "neither model.safetensors" in _refused(capsys, [*base, "--init-from", str(folder)], out)
-    broken = json.loads((folder / "config.json").read_text())
+    scaled = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**scaled, "rope_parameters": {"rope_type": "yarn"}}))
+    assert "scaled rotary" in _refused(capsys, [*base, "--init-from", str(folder)], out)
+    broken = dict(scaled)
     del broken["hidden_size"]
     (folder / "config.json").write_text(json.dumps(broken))
     assert "hidden_size" in _refused(capsys, [*base, "--init-from", str(folder)], out)
