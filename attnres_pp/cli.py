@@ -1,5 +1,5 @@
-"""`attnres-pp` command line: `prepare`, `train`, `simulate`, `generate`, `analyze`, `plot`, `bench`. Each subcommand
-lives beside its owner and registers itself here, so this file only wires them together.
+"""`attnres-pp` command line: `prepare`, `train`, `simulate`, `generate`, `export`, `analyze`, `plot`, `bench`.
+Each subcommand lives beside its owner and registers itself here, so this file only wires them together.
 
 Only the module of the subcommand being run is imported: `simulate` must start fast and run where
 torch is missing, so it never pays for (or needs) the training side's imports.
@@ -21,6 +21,7 @@ SUBCOMMANDS = (
     ("train", "attnres_pp.train.cli", "train a model (single process or pipelined)"),
     ("simulate", "attnres_pp.simulator.cli", "simulate communication volumes and pipeline schedules (no torch needed)"),
     ("generate", "attnres_pp.generate.cli", "generate text from a trained checkpoint (single process or pipelined)"),
+    ("export", "attnres_pp.export.cli", "write a trained run as a Hugging Face model folder (transformers)"),
     ("analyze", "attnres_pp.analysis.analyze_cli", "depth-routing diagnostics of a trained checkpoint"),
     ("plot", "attnres_pp.analysis.plot_cli", "loss and val loss against tokens for several runs"),
     ("bench", "attnres_pp.bench.cli", "benchmarks (attnres-pp bench NAME --help for each one's flags)"),

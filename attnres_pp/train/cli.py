@@ -75,6 +75,10 @@ def register(subparsers) -> None:
     parser.add_argument("--resume", metavar="DIR",
                         help="continue the run in DIR from its newest complete checkpoint, with its saved config, "
                              "checkpoint cadence and restart limit (flags override them)")
+    parser.add_argument("--init-from", metavar="DIR",
+                        help="start a new standard-residual run from the weights of a Hugging Face Llama or Qwen3 "
+                             "folder (e.g. from attnres-pp export) instead of the seeded ones; the model flags must "
+                             "match its shapes (one process: --launcher local, one chunk)")
     parser.add_argument("--max-restarts", metavar="N",
                         help="restarts after a lost rank before the run stops (default 3; --resume: as saved; "
                              "ray and local launchers)")
@@ -135,6 +139,20 @@ def _resumed_meta(run_dir: str) -> dict:
     if step_dir is None:
         check_run_dir(run_dir, resume=True)  # raises the message that says what is missing
     return read_meta(step_dir)
+
+
+def _initial_weights(args: argparse.Namespace, run_cfg: RunConfig) -> dict | None:
+    """The `--init-from` folder's weights under our names, checked against the run's model; None
+    without the flag. ValueError for a folder that does not fit the run."""
+    if not getattr(args, "init_from", None):
+        return None
+    from attnres_pp.launch.resolve import engine_of
+    from attnres_pp.train.init_from import read_init_folder
+
+    if engine_of(run_cfg.pipeline, run_cfg.train.fault_tolerance) != "single":
+        raise ConfigError("--init-from runs in one process: use --launcher local with one stage and chunk "
+                          "(no --stages, --virtual, --data-parallel, --tensor-parallel or --fault-tolerance)")
+    return read_init_folder(args.init_from, run_cfg.model)
 
 
 def checkpoint_config(args: argparse.Namespace) -> CheckpointConfig:
@@ -200,6 +218,8 @@ def _run(args: argparse.Namespace) -> int:
     # all but one rank's lines; read at Ray's import, so set before the engine imports it.
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     try:
+        if getattr(args, "init_from", None) and args.resume:
+            raise ConfigError("--init-from starts a new run and --resume continues one: give one of them")
         run_cfg = build_run_config(args)
         checkpoints = checkpoint_config(args)
         kill_point()  # a bad rehearsal value fails here, not at the first save
@@ -222,10 +242,15 @@ def _run(args: argparse.Namespace) -> int:
                 print(idle[0])
                 return 0
             check_resume(read_meta(latest_checkpoint(out_dir)), run_cfg, corpus)
+        initial = _initial_weights(args, run_cfg)
         engine = make_run_engine(run_cfg, out_dir, address=args.address, fail_at=fail_at, corpus=corpus)
     except ValueError as error:  # config mistakes: one line, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if initial is not None:  # before step 0: the run starts from the folder's weights
+        from attnres_pp.train.init_from import load_initial
+
+        load_initial(engine.model, initial)
     # The engine resolved device, dtype and kernels ("auto"); the summary records what ran.
     run_cfg = dataclasses.replace(run_cfg, train=engine.train_cfg)
     try:

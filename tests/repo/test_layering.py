@@ -12,6 +12,8 @@ function) of every module under attnres_pp must point down or sideways, never up
     train                            launch and below (configs, optimiser step, engines, checkpoints)
     generate                         train and below (reads checkpoints; generators, decode loop, its CLI)
     analysis                         train and below, beside generate (routing diagnostics, run plots)
+    export                           generate and below (a run as a Hugging Face folder; the code it
+                                     copies into the folder imports only torch and transformers)
     simulator                        schedule and the torch-free parts of comm; never pipeline, train,
                                      torch, torch.distributed or ray
     bench                            on top: anything
@@ -55,6 +57,8 @@ ALLOWED = {
                  "out_paths", "cli_flags", "model_flags"},
     "analysis": {"train", "launch", "pipeline", "schedule", "comm", "model", "kernels", "data", "config_tables",
                  "out_paths", "cli_flags", "model_flags"},
+    "export": {"generate", "train", "launch", "pipeline", "schedule", "comm", "model", "kernels", "data",
+               "config_tables", "out_paths", "cli_flags", "model_flags"},
     "bench": {"analysis", "generate", "train", "launch", "simulator", "pipeline", "schedule", "comm", "model",
               "kernels", "data", "config_tables", "out_paths", "cli_flags", "model_flags"},
     "cli": {"cli_flags"},  # imports the subcommands by name, at run time

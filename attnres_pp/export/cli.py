@@ -1,0 +1,130 @@
+"""`attnres-pp export --resume RUN --out DIR`: the newest checkpoint of a run as a Hugging Face model
+folder that transformers loads with `AutoModelForCausalLM.from_pretrained(DIR)`.
+
+A standard-residual model of the Llama recipe (rope, SwiGLU) is written as transformers' own
+`LlamaForCausalLM` (with QK-norm `Qwen3ForCausalLM`); every other model (the AttnRes variants,
+learned positions, GELU) as `AttnResForCausalLM`, whose code the folder carries (load it with
+`trust_remote_code=True`). The folder is assembled beside DIR and renamed into place, so a failure
+leaves nothing behind; every mistake is one `error:` line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from attnres_pp.out_paths import check_out_dir
+
+DEFAULT_SHARD_SIZE = "5GB"
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "export", help="write a trained run as a Hugging Face model folder (transformers)",
+        description="Write the newest checkpoint of a run as a Hugging Face model folder: config.json, "
+                    "model.safetensors (sharded above --max-shard-size), generation_config.json, the run's "
+                    "BPE tokenizer, and for AttnRes models the code transformers runs them with "
+                    "(trust_remote_code=True).")
+    parser.add_argument("--resume", metavar="RUN", required=True,
+                        help="the run directory of `attnres-pp train --out RUN` (or one checkpoint folder)")
+    parser.add_argument("--out", metavar="DIR", required=True, help="the folder to write (new, or empty)")
+    parser.add_argument("--max-shard-size", metavar="SIZE", default=DEFAULT_SHARD_SIZE,
+                        help=f"split the weights into shards of at most SIZE (default {DEFAULT_SHARD_SIZE})")
+    parser.set_defaults(func=main)
+
+
+def check_out(out: Path) -> None:
+    """ValueError unless `out` is missing or an empty folder we may write beside."""
+    if out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"--out {out} is a folder that is not empty: give a new or empty folder")
+    check_out_dir(out, "--out")
+    check_out_dir(out.parent, "--out")  # the folder is assembled beside DIR
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        lines = export(args.resume, Path(args.out), args.max_shard_size)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    return 0
+
+
+def export(run: str, out: Path, max_shard_size: str = DEFAULT_SHARD_SIZE) -> list[str]:
+    """Write the folder; returns the lines to print. ValueError (nothing written) for a mistake."""
+    from attnres_pp.export.weights import parse_size
+    from attnres_pp.generate.cli import find_checkpoint, load_checkpoint
+    from attnres_pp.generate.prompts import run_tokenizer
+    from attnres_pp.train.checkpoint import read_meta
+
+    max_bytes = parse_size(max_shard_size)
+    check_out(out)
+    step_dir = find_checkpoint(run)
+    tokenizer = run_tokenizer(step_dir, read_meta(step_dir))
+    try:
+        import safetensors  # noqa: F401
+    except ImportError:
+        raise ValueError("export writes safetensors: pip install 'attnres-pp[hf]' (or: pip install safetensors)"
+                         ) from None
+    cfg, named = load_checkpoint(step_dir)
+    staging = out.parent / f".{out.name}.export-{os.getpid()}"
+    missing = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        from attnres_pp.export.tokenizer import tokenizer_source
+
+        source = tokenizer_source(step_dir) if tokenizer.kind != "bytes" else None
+        files, what = write_folder(staging, cfg, named, max_bytes=max_bytes, tokenizer_file=source,
+                                   eot_id=tokenizer.eot_id)
+        if out.is_dir():
+            out.rmdir()  # empty (checked): replaced by the assembled folder
+        staging.rename(out)
+    except BaseException as error:
+        shutil.rmtree(missing[-1] if missing else staging, ignore_errors=True)  # the folders made here too
+        if isinstance(error, OSError):
+            raise ValueError(f"--out {out} could not be written ({error.strerror or error}): free space or "
+                             "choose another folder") from None
+        raise
+    tok_line = ("tokenizer: the run's BPE (tokenizer.json, tokenizer_config.json)" if tokenizer.kind != "bytes"
+                else "tokenizer: none written (the run reads raw bytes: token ids are the bytes 0-255)")
+    shards = [f for f in files if f.startswith("model-")]
+    if shards:  # one line, however many shards
+        files = [f"{len(shards)} weight shards (model-*.safetensors)", *(f for f in files if f not in shards)]
+    return [f"exported {step_dir} as {what} to {out}", f"files: {', '.join(files)}", tok_line]
+
+
+def write_folder(out: Path, cfg, named: dict, *, max_bytes: int, tokenizer_file: Path | None = None,
+                 eot_id: int | None = None) -> tuple[list[str], str]:
+    """The folder's files into the existing folder `out` from a model config and its parameters by
+    whole-model name: (the files' names, the class transformers loads). `tokenizer_file`: the
+    run's BPE tokenizer.json (None: raw bytes, no tokenizer written)."""
+    import json
+
+    from attnres_pp.export.configs import copy_code, generation_config, model_config
+    from attnres_pp.export.tokenizer import write_tokenizer
+    from attnres_pp.export.weights import write_weights
+    from attnres_pp.train.hf_llama import ARCHITECTURES, llama_type, to_llama
+
+    kind = llama_type(cfg)
+    if kind:
+        tensors = to_llama(named, cfg)
+        what = ARCHITECTURES[kind]
+    else:  # our own names; a tied head is the embedding's matrix, written once
+        tensors = {n: t.detach().contiguous() for n, t in named.items()
+                   if not (cfg.tie_embeddings and n == "head.lm_head.weight")}
+        what = "AttnResForCausalLM (trust_remote_code=True)"
+    files = write_weights(tensors, out, max_bytes)
+    eot_id = eot_id if tokenizer_file is not None else None
+    for name, table in (("config.json", model_config(cfg)), ("generation_config.json", generation_config(cfg, eot_id))):
+        (out / name).write_text(json.dumps(table, indent=2) + "\n")
+        files.append(name)
+    if not kind:
+        files += copy_code(out)
+    if tokenizer_file is not None:
+        files += write_tokenizer(tokenizer_file, out, eot_id=eot_id, seq_len=cfg.seq_len)
+    return files, what

@@ -1,0 +1,47 @@
+"""config.json and generation_config.json of an exported folder, and the code files an AttnRes folder
+carries: a model of the Llama recipe is transformers' own class (`train.hf_llama`), every other one
+`AttnResForCausalLM` from `remote/`, named in config.json's `auto_map`."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from attnres_pp.model.config import ModelConfig
+from attnres_pp.train.hf_llama import llama_config, llama_type
+
+REMOTE = Path(__file__).parent / "remote"
+CODE_FILES = ("configuration_attnres.py", "modeling_attnres.py")
+AUTO_MAP = {"AutoConfig": "configuration_attnres.AttnResConfig",
+            "AutoModelForCausalLM": "modeling_attnres.AttnResForCausalLM"}
+
+
+def remote_config(cfg: ModelConfig) -> dict:
+    """config.json of `AttnResForCausalLM`: ModelConfig's fields as its config reads them (block
+    boundaries and sizes resolved, so the code needs none of ModelConfig's rules)."""
+    return {
+        "architectures": ["AttnResForCausalLM"], "model_type": "attnres_pp", "auto_map": dict(AUTO_MAP),
+        "vocab_size": cfg.vocab_size, "n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_heads": cfg.n_heads,
+        "n_kv_heads": cfg.kv_heads, "ff_dim": cfg.ff_dim, "seq_len": cfg.seq_len, "residual": cfg.residual,
+        "block_ends": list(cfg.block_ends), "key_mode": cfg.key_mode, "key_rank": cfg.key_rank,
+        "logit_scale": cfg.logit_scale, "stream_kernels": list(cfg.stream_kernels), "norm_eps": cfg.norm_eps,
+        "key_norm_gain": cfg.key_norm_gain, "positions": cfg.positions, "rope_theta": cfg.rope_theta,
+        "mlp": cfg.mlp, "qk_norm": cfg.qk_norm, "tie_embeddings": cfg.tie_embeddings,
+        "tie_word_embeddings": cfg.tie_embeddings, "use_cache": False, "torch_dtype": "float32",
+    }
+
+
+def model_config(cfg: ModelConfig) -> dict:
+    return llama_config(cfg) if llama_type(cfg) else remote_config(cfg)
+
+
+def generation_config(cfg: ModelConfig, eos_id: int | None) -> dict:
+    """Greedy by default as transformers' defaults are; the remote code keeps no cache."""
+    return {"eos_token_id": eos_id, "bos_token_id": None, "pad_token_id": eos_id,
+            "use_cache": llama_type(cfg) is not None}
+
+
+def copy_code(out: Path) -> list[str]:
+    for name in CODE_FILES:
+        shutil.copyfile(REMOTE / name, out / name)
+    return list(CODE_FILES)

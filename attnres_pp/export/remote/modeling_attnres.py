@@ -1,0 +1,283 @@
+"""An exported attnres-pp model for transformers (`trust_remote_code=True`): the forward of the
+attnres-pp model family written out plainly, with the parameter names of attnres_pp's Transformer so
+its weights load as saved.
+
+Every sublayer (PreNorm attention, then MLP) reads its input from the sources before it: under
+`standard` the residual sum; otherwise by depth attention, a softmax over the sources of the
+pseudo-query times RMSNorm(key) (no gain), weighing the values. The sources are the embedding, the
+sum of each completed block's outputs and the open block's partial sum; low-rank keys (`lr_attnres`)
+are the value's last r channels (sliced) or r extra output columns, RMS-normalised as each output is
+emitted (projected); MSAR reads m streams, causal depthwise convolutions of each source along the
+sequence with that source's taps, and gates them into one. A final read feeds the output norm.
+
+Imports only torch and transformers. Generation recomputes the whole sequence at every new token
+(no key/value cache: `use_cache` is ignored); sequences hold at most `seq_len` tokens under learned
+positions, and padding is not supported (a batch holds sequences of one length).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration_attnres import AttnResConfig
+
+# A tied LM head reads the token embedding's matrix; transformers 5 names the pair, 4 the tied one.
+_TIED = {"head.lm_head.weight": "embed.tok.weight"}
+
+
+def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last axis, in at least fp32 (no gain)."""
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (rms(x, self.eps) * self.weight).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, positions_T: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary positions, half-split (Llama's convention): x cos + [-x2, x1] sin."""
+    half = x.shape[-1] // 2
+    math = torch.promote_types(x.dtype, torch.float32)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, 2 * half, 2, device=x.device, dtype=torch.int64).to(math) / (2 * half)))
+    angles = positions_T.to(math).unsqueeze(1) * inv_freq.unsqueeze(0)
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def width(cfg: AttnResConfig) -> int:
+    """Numbers per token of a sublayer's output: d, plus r key columns under projected low-rank keys."""
+    projected = cfg.residual == "lr_attnres" and cfg.key_mode == "projected"
+    return cfg.d_model + (cfg.key_rank if projected else 0)
+
+
+class DepthRead(nn.Module):
+    """One reading site's pseudo-queries (and MSAR's stream gate)."""
+
+    def __init__(self, cfg: AttnResConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        if cfg.residual == "msar":
+            m, d = 1 + len(cfg.stream_kernels), cfg.d_model
+            self.query = nn.Parameter(torch.zeros(m, d))
+            self.gate_weight = nn.Parameter(torch.zeros(m * d, m))
+            self.gate_alpha = nn.Parameter(torch.ones(()))
+            self.gate_bias = nn.Parameter(torch.zeros(m))
+        else:
+            self.query = nn.Parameter(torch.zeros(cfg.key_rank if cfg.residual == "lr_attnres" else cfg.d_model))
+        self.key_gain = nn.Parameter(torch.ones_like(self.query)) if cfg.key_norm_gain else None
+
+    def scoring_query(self) -> torch.Tensor:
+        return self.query if self.key_gain is None else self.query * self.key_gain
+
+    def forward(self, sources: list[torch.Tensor], conv_ids: list[int], convs: nn.Module | None) -> torch.Tensor:
+        """h [B, T, d]: softmax over the sources (packed [B, T, W]) of q . RMSNorm(key), times the values."""
+        cfg, d = self.cfg, self.cfg.d_model
+        if cfg.residual == "msar":
+            return self._streams(sources, conv_ids, convs)
+        values = [s[..., :d] for s in sources]
+        if cfg.residual == "lr_attnres":
+            keys = [s[..., d:] if cfg.key_mode == "projected" else s[..., d - cfg.key_rank:d] for s in sources]
+        else:
+            keys = values
+        return self._attend(values, keys, self.scoring_query() * cfg.logit_scale)
+
+    def _attend(self, values: list[torch.Tensor], keys: list[torch.Tensor], query: torch.Tensor) -> torch.Tensor:
+        scores = torch.stack([rms(k, self.cfg.norm_eps) @ query.float() for k in keys], dim=-1)
+        weights = torch.softmax(scores, dim=-1)
+        return sum(weights[..., i:i + 1] * v.float() for i, v in enumerate(values)).to(values[0].dtype)
+
+    def _streams(self, sources, conv_ids, convs) -> torch.Tensor:
+        """MSAR: stream s reads causal-convolution views of the sources; a gate mixes the streams."""
+        queries, z = self.scoring_query(), []
+        for s in range(queries.shape[0]):
+            views = [v if s == 0 else convs.stream(j, s, v) for v, j in zip(sources, conv_ids, strict=True)]
+            z.append(self._attend(views, views, queries[s]))
+        flat = rms(torch.cat(z, dim=-1), self.cfg.norm_eps)
+        gate = torch.sigmoid(self.gate_alpha * (flat @ self.gate_weight.float()) + self.gate_bias)
+        return sum(gate[..., s:s + 1] * z_s.float() for s, z_s in enumerate(z)).to(z[0].dtype)
+
+
+class StreamConvs(nn.Module):
+    """MSAR's causal depthwise convolutions: weights[j][s-1] [kappa_s, d] for source j's stream s."""
+
+    def __init__(self, cfg: AttnResConfig) -> None:
+        super().__init__()
+        self.weights = nn.ModuleList(
+            nn.ParameterList(nn.Parameter(torch.full((k, cfg.d_model), 1.0 / k)) for k in cfg.stream_kernels)
+            for _ in range(len(cfg.block_ends) + 1))
+
+    def stream(self, source: int, s: int, v_BTD: torch.Tensor) -> torch.Tensor:
+        """sum over delta < kappa of taps[delta] * v[t - delta], v[t < 0] = 0."""
+        taps_KD, seq = self.weights[source][s - 1], v_BTD.shape[1]
+        out = v_BTD * taps_KD[0]
+        for delta in range(1, min(taps_KD.shape[0], seq)):
+            out = out + F.pad(v_BTD[:, :seq - delta], (0, 0, delta, 0)) * taps_KD[delta]
+        return out
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: AttnResConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.head_dim, self.kv_heads = cfg.d_model // cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        kv_width = 2 * self.kv_heads * self.head_dim
+        if self.kv_heads == cfg.n_heads:  # one fused projection, rows [q | k | v]
+            self.qkv = nn.Linear(cfg.d_model, cfg.d_model + kv_width, bias=False)
+        else:  # a query projection and a key/value one, rows [k | v]
+            self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+            self.kv = nn.Linear(cfg.d_model, kv_width, bias=False)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps), RMSNorm(self.head_dim, cfg.norm_eps)
+        self.proj = nn.Linear(cfg.d_model, width(cfg), bias=False)
+        if cfg.residual != "standard":
+            self.read = DepthRead(cfg)
+
+    def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        cfg, (batch, seq, _), e = self.cfg, h_BTD.shape, self.head_dim
+        x = self.norm(h_BTD)
+        if hasattr(self, "qkv"):
+            q, k, v = self.qkv(x).split([cfg.d_model, self.kv_heads * e, self.kv_heads * e], dim=-1)
+        else:
+            q, (k, v) = self.q(x), self.kv(x).chunk(2, dim=-1)
+        q = q.view(batch, seq, cfg.n_heads, e).transpose(1, 2)
+        k, v = (t.view(batch, seq, self.kv_heads, e).transpose(1, 2) for t in (k, v))
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.positions == "rope":
+            positions = torch.arange(seq, device=h_BTD.device)
+            q, k = rotate(q, positions, cfg.rope_theta), rotate(k, positions, cfg.rope_theta)
+        group = cfg.n_heads // self.kv_heads  # query head h reads kv head h // group
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, cfg.d_model))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: AttnResConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.gate = nn.Linear(cfg.d_model, cfg.ff_dim, bias=False) if cfg.mlp == "swiglu" else None
+        self.up = nn.Linear(cfg.d_model, cfg.ff_dim, bias=False)
+        self.down = nn.Linear(cfg.ff_dim, width(cfg), bias=False)
+        if cfg.residual != "standard":
+            self.read = DepthRead(cfg)
+
+    def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        x = self.norm(h_BTD)
+        if self.gate is None:
+            return self.down(F.gelu(self.up(x)))
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: AttnResConfig) -> None:
+        super().__init__()
+        self.attn, self.mlp = Attention(cfg), MLP(cfg)
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: AttnResConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        if cfg.positions == "learned":
+            self.pos = nn.Embedding(cfg.seq_len, cfg.d_model)
+        if width(cfg) > cfg.d_model:
+            self.key_proj = nn.Linear(cfg.d_model, width(cfg) - cfg.d_model, bias=False)
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: AttnResConfig) -> None:
+        super().__init__()
+        if cfg.residual != "standard":
+            self.read = DepthRead(cfg)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+
+class AttnResForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = AttnResConfig
+    base_model_prefix = "attnres"
+    _no_split_modules = ["Layer"]
+    _tied_weights_keys = _TIED if int(transformers.__version__.split(".")[0]) >= 5 else list(_TIED)
+
+    def __init__(self, config: AttnResConfig) -> None:
+        super().__init__(config)
+        self.embed = Embedding(config)
+        self.layers = nn.ModuleList(Layer(config) for _ in range(config.n_layers))
+        self.head = Head(config)
+        self.stream_convs = StreamConvs(config) if config.residual == "msar" else None
+        if config.tie_embeddings:
+            self.head.lm_head.weight = self.embed.tok.weight
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # no key/value cache: generate must not make one
+
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+                                      **kwargs) -> dict:
+        """The whole sequence at every step, whatever `use_cache` says: a cache handed to `forward`
+        would make generate pass only the new token, which this model cannot continue from."""
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """Nothing: every parameter comes from the exported weights."""
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed.tok
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.head.lm_head
+
+    def hidden(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        """The hidden state that enters the output norm, [B, T, d]."""
+        cfg, d = self.config, self.config.d_model
+        if cfg.positions == "learned" and idx_BT.shape[1] > cfg.seq_len:
+            raise ValueError(f"{idx_BT.shape[1]} tokens exceed the {cfg.seq_len} positions this model learned")
+        o_emb = self.embed.tok(idx_BT)
+        if cfg.positions == "learned":
+            o_emb = o_emb + self.embed.pos(torch.arange(idx_BT.shape[1], device=idx_BT.device))
+        sublayers = [getattr(layer, part) for layer in self.layers for part in ("attn", "mlp")]
+        if cfg.residual == "standard":
+            h = o_emb
+            for sublayer in sublayers:
+                h = h + sublayer(h)
+            return h
+        emit = width(cfg) > d  # projected keys are RMS-normalised as they are emitted, before block sums
+        if emit:
+            o_emb = torch.cat([o_emb, rms(self.embed.key_proj(o_emb), cfg.norm_eps).to(o_emb.dtype)], dim=-1)
+        blocks, partial = [o_emb], None
+        for l, sublayer in enumerate(sublayers):
+            sources = blocks + ([] if partial is None else [partial])
+            out = sublayer(sublayer.read(sources, list(range(len(sources))), self.stream_convs))
+            if emit:
+                out = torch.cat([out[..., :d], rms(out[..., d:], cfg.norm_eps).to(out.dtype)], dim=-1)
+            partial = out if partial is None else partial + out
+            if l + 1 in cfg.block_ends:
+                blocks, partial = blocks + [partial], None
+        return self.head.read(blocks, list(range(len(blocks))), self.stream_convs)
+
+    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
+                labels: torch.LongTensor | None = None, **kwargs) -> CausalLMOutputWithPast:
+        """Logits of every position (the whole sequence, every call: no cache), and with `labels` the
+        mean next-token loss (labels shifted inside, -100 ignored)."""
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("padded batches are not supported: give sequences of one length, unpadded")
+        logits = self.head.lm_head(self.head.norm(self.hidden(input_ids)))
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
