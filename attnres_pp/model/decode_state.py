@@ -7,8 +7,9 @@ passes in any order that keeps each layer's own passes in position order:
 
 - per transformer layer, the attention keys and values of the last `window` positions (`KVSlot`), in
   a ring of `window` slots (position p in slot p % window): a token attends to at most `window`
-  tokens, itself included, and the cache does not grow with the generated length. Keys are stored
-  rotated (rope), so a key's slot order does not matter to a one-token pass;
+  tokens, itself included, and the cache does not grow with the generated length. A key carries
+  its position already (rotated, or a learned embedding), and attention does not depend on the
+  order of its keys, so a one-token pass reads the ring in slot order;
 - under MSAR, every depth-attention source the process reads, at its last positions: a source's
   streams are causal convolutions over the sequence (docs/spec.md section 1.4), so the streams of new
   tokens need the last (kappa - 1) positions of that source. A completed block b_j is keyed

@@ -56,7 +56,8 @@ def banded_attention(attn: Attention, h_BTD: torch.Tensor, window: int) -> torch
     k_BGTE, v_BGTE = (t.view(batch, seq, groups, head_dim).transpose(1, 2) for t in (k, v))
     if cfg.qk_norm:
         q_BHTE, k_BGTE = attn.q_norm(q_BHTE), attn.k_norm(k_BGTE)
-    q_BHTE, k_BGTE = _rope(q_BHTE, cfg.rope_theta), _rope(k_BGTE, cfg.rope_theta)
+    if cfg.positions == "rope":  # learned positions entered with the embedding
+        q_BHTE, k_BGTE = _rope(q_BHTE, cfg.rope_theta), _rope(k_BGTE, cfg.rope_theta)
     per_group = heads // groups  # query head h reads kv head h // per_group
     k_BHTE, v_BHTE = k_BGTE.repeat_interleave(per_group, 1), v_BGTE.repeat_interleave(per_group, 1)
     scores = q_BHTE @ k_BHTE.transpose(-1, -2) / math.sqrt(head_dim)
@@ -168,6 +169,16 @@ def test_the_cache_does_not_grow_with_the_generated_length(variant):
     assert (history_bytes > 0) == (variant == "msar")
 
 
+@pytest.mark.parametrize("variant", ["standard", "msar"])
+def test_a_learned_position_model_slides_within_its_context(variant, monkeypatch):
+    cfg = _cfg(variant, positions="learned")
+    model = build_model(cfg, torch.float64)
+    idx_BT = _long(cfg, length=SEQ_LEN)
+    with torch.no_grad():
+        want = banded_reference(model, idx_BT, 3, monkeypatch)
+        torch.testing.assert_close(_decode(model, idx_BT, (5, 1, 2), 3), want, rtol=1e-10, atol=1e-10)
+
+
 def test_a_learned_position_model_keeps_its_context_limit():
     cfg = _cfg("block", positions="learned")
     state = DecodeState(cfg, window=3)
@@ -232,6 +243,13 @@ def _assert_same_tokens(cfg, named, pipe: PipelineConfig, window: int | None) ->
 def test_pipelined_greedy_tokens_past_the_trained_length(variant, window):
     cfg, named = _setup(variant)
     _assert_same_tokens(cfg, named, PipelineConfig(stages=2, virtual=2, launcher="inprocess", timeout_s=60.0), window)
+
+
+def test_greedy_tokens_past_the_trained_length_under_nccl_rules():
+    """The in-process pipeline under the loopback that enforces NCCL's point-to-point rules."""
+    cfg, named = _setup("msar")
+    _assert_same_tokens(cfg, named, PipelineConfig(stages=2, virtual=2, launcher="inprocess", p2p_semantics="nccl",
+                                                   timeout_s=60.0), 5)
 
 
 @pytest.mark.parametrize("variant", ["block", "msar"])
