@@ -2,7 +2,7 @@
 pipelined over the same stages (docs/spec.md section 7), for one prompt or a batch of them.
 
     attnres-pp generate --resume RUN (--prompt TEXT [--prompt TEXT ..] | --prompt-file F | --prompts-file F)
-        --max-new-tokens N [--temperature T --top-k K --seed S --prefill-chunk N --stop S ..]
+        --max-new-tokens N [--temperature T --top-k K --seed S --prefill-chunk N --window N --stop S ..]
         [--device auto|cpu|cuda --dtype auto|fp32|bf16]
         [--stages P --virtual V --tensor-parallel T --launcher local|inprocess|ray --p2p-semantics auto|gloo|nccl
          --layer-counts .. --timeout S] [--json]
@@ -53,6 +53,10 @@ _GEN_FLAGS = (
     ("--prefill-chunk", "prefill_chunk", int,
      "prompt tokens per prefill piece; 0 = the whole prompt in one piece (default). Pieces let the "
      "pipeline's ranks work on the prompt at once"),
+    ("--window", "window", int,
+     "attention window: the keys each token attends to, itself included (default the model's trained seq_len). "
+     "A rotary-position model generates past its trained length, each layer's key/value cache holding the "
+     "last N positions; a learned-position model stops at seq_len"),
 )
 # The run flags generation shares with training (`launch.flags`); --device and --dtype fill the
 # GenerationConfig, the others the PipelineConfig.
@@ -240,7 +244,8 @@ def main(args: argparse.Namespace) -> int:
                  f"d={model_cfg.d_model}) on {where}, {request.device} {request.precision}")
         started = time.perf_counter()
         generator = make_generator(model_cfg, pipe, request.named, threads=request.threads, address=args.address,
-                                   device=request.device, precision=request.precision)
+                                   device=request.device, precision=request.precision,
+                                   window=request.gen_cfg.window)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -25,7 +25,10 @@ class GenerationConfig:
     once). temperature 0 is greedy (argmax); top_k 0 keeps the whole vocabulary; seed seeds each
     sequence's sampler. stop: byte strings; a sequence ends where it first generates one of them,
     which is left out of its output. device: auto | cpu | cuda and dtype: auto | fp32 | bf16, as in
-    training (`launch.resolve` decides; auto: cuda when every rank gets a GPU, bf16 there, fp32 on cpu)."""
+    training (`launch.resolve` decides; auto: cuda when every rank gets a GPU, bf16 there, fp32 on cpu).
+    window: the keys and values a token attends to, itself included (None: the model's trained
+    seq_len); the generator's key/value cache holds that many positions per layer, however long
+    the run (`model.decode_state`)."""
 
     max_new_tokens: int = 64
     prefill_chunk: int = 0
@@ -35,6 +38,7 @@ class GenerationConfig:
     stop: tuple[bytes, ...] = ()
     device: str = "auto"
     dtype: str = "auto"
+    window: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -47,6 +51,9 @@ class GenerationConfig:
         if (not isinstance(self.temperature, int | float) or isinstance(self.temperature, bool)
                 or not math.isfinite(self.temperature) or self.temperature < 0):
             _fail("temperature", self.temperature, "must be a finite number >= 0 (0 = greedy)")
+        if self.window is not None and (not _is_int(self.window) or self.window < 1):
+            _fail("window", self.window, "must be an integer >= 1 (--window N: the keys each new token attends "
+                                         "to, itself included; default the model's seq_len)")
         if not isinstance(self.stop, tuple) or any(not isinstance(s, bytes) or not s for s in self.stop):
             _fail("stop", self.stop, "must be a tuple of non-empty byte strings (--stop S, S not empty)")
         for name, choices in (("device", DEVICES), ("dtype", DTYPES)):

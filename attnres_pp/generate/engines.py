@@ -12,6 +12,8 @@ caches between calls until `reset()`; `keep_rows(rows)` drops the other sequence
   there are P x T ranks, each stage's layers split over its T ranks (`generate.worker`); what that
   runs on is `check_tensor_parallel_generation`'s to say.
 
+`window` is the key/value caches' attention window (None: the trained seq_len; `model.decode_state`):
+a rotary-position model decodes past its trained length with caches of that many positions.
 `device` is "cpu" or "cuda", decided by the launch layer (`decide_generation`, `launch.resolve`);
 `precision` "fp32" or "bf16" (bf16 autocast over the checkpoint's fp32 weights, as training
 computes, with bf16 hops).
@@ -55,14 +57,15 @@ def _split(tokens_BT: torch.Tensor, pieces: list[tuple[int, int]]) -> list[torch
 
 class SingleProcessGenerator:
     def __init__(self, cfg: ModelConfig, named: dict | None, seed: int = 0, *, device: str = "cpu",
-                 precision: str = "fp32") -> None:
+                 precision: str = "fp32", window: int | None = None) -> None:
         self.cfg = cfg
+        self.window = window
         self.device = torch.device(device)
         self.model = build_model(cfg, named, seed, precision=precision).to(self.device)
         self.reset()
 
     def reset(self) -> None:
-        self.state = DecodeState(self.cfg)
+        self.state = DecodeState(self.cfg, window=self.window)
 
     def keep_rows(self, rows: list[int]) -> None:
         self.state.keep_rows(rows)
@@ -86,8 +89,9 @@ class PipelineGenerator:
 
     def __init__(self, cfg: ModelConfig, pipe: PipelineConfig, named: dict | None, seed: int = 0,
                  threads: int = 1, *, ranks: Callable[[], RankGroup], device: str = "cpu",
-                 precision: str = "fp32", ledger: ByteLedger | None = None) -> None:
+                 precision: str = "fp32", ledger: ByteLedger | None = None, window: int | None = None) -> None:
         self.cfg = cfg
+        self.window = window
         partition = pipeline_partition(cfg, pipe)  # a bad split fails here, before any rank starts
         self.coords = [RankCoords(rank, 1, pipe.stages, pipe.tensor_parallel)
                        for rank in range(pipe.stages * pipe.tensor_parallel)]
@@ -105,7 +109,7 @@ class PipelineGenerator:
             self.device, self.precision = resolved.device, resolved.dtype
             kwargs = [{"model_cfg_dict": cfg.to_dict(), "pipe_cfg_dict": pipe.to_dict(), "pp_rank": coords.pp_rank,
                        "tp_rank": coords.tp_rank, "seed": seed, "threads": threads, "device": self.device,
-                       "precision": self.precision} for coords in self.coords]
+                       "precision": self.precision, "window": window} for coords in self.coords]
             self.ranks.start(GenerationWorker, kwargs, device=self.device)
             if named is not None:
                 self.ranks.call_all("load_parameters", named, what="parameter load")
@@ -132,15 +136,17 @@ class PipelineGenerator:
 
 
 def make_generator(cfg: ModelConfig, pipe: PipelineConfig, named: dict | None, *, seed: int = 0, threads: int = 1,
-                   address: str | None = None, device: str = "cpu", precision: str = "fp32"):
+                   address: str | None = None, device: str = "cpu", precision: str = "fp32",
+                   window: int | None = None):
     """One process for a single chunk under the local launcher, else a `PipelineGenerator` on the
     launcher's rank group. `device` is decided (`decide_generation`), except under Ray, which
     decides "auto" and checks "cuda" against the cluster's GPUs; `precision` is "fp32", "bf16" or
-    (Ray) "auto"."""
+    (Ray) "auto"; `window` the caches' attention window (None: the trained seq_len)."""
     if single_process(pipe):
-        return SingleProcessGenerator(cfg, named, seed, device=device, precision=precision)
+        return SingleProcessGenerator(cfg, named, seed, device=device, precision=precision, window=window)
     ledger = ByteLedger() if pipe.launcher == "inprocess" else None
     return PipelineGenerator(cfg, pipe, named, seed, threads, device=device, precision=precision, ledger=ledger,
+                             window=window,
                              ranks=lambda: make_rank_group(pipe, pipe.stages * pipe.tensor_parallel,
                                                            name="attnres-pp-generate",
                                                            address=address, ledger=ledger))

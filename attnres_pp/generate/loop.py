@@ -1,6 +1,9 @@
 """The decode loop over a batch of sequences: prefill the prompts in one pass (in pieces of
-`prefill_chunk` tokens), then one pass per position, each feeding back the tokens the driver's
-samplers chose. Works with any generator of `generate.engines`; only token ids and last-position
+`prefill_chunk` tokens; a prompt longer than the trained seq_len in several passes of at most
+that), then one pass per position, each feeding back the tokens the driver's samplers chose. A
+rotary-position model runs past its trained length (its caches slide over the generator's
+attention window); a learned-position one stops at seq_len (`check_fits`). Works with any
+generator of `generate.engines`; only token ids and last-position
 logits cross to the driver.
 
 Prompts of different lengths run ragged, without padding or masks: every sequence of the batch is
@@ -56,20 +59,28 @@ class GenerationResult:
         return statistics.fmean(self.decode_s) if self.decode_s else 0.0
 
 
-def prefill_pieces(n_prompt: int, chunk: int) -> list[tuple[int, int]]:
-    """(start, n) of each prefill piece: `chunk` tokens each, the last one shorter; chunk 0 = one piece."""
-    chunk = chunk or n_prompt
-    return [(start, min(chunk, n_prompt - start)) for start in range(0, n_prompt, chunk)]
+def prefill_passes(n_prompt: int, chunk: int, longest: int) -> list[list[tuple[int, int]]]:
+    """The prefill's passes, each a list of (start, n) pieces of `chunk` tokens (the last one of a
+    pass shorter; chunk 0 = one piece per pass). A pass spans at most `longest` positions (the
+    trained seq_len): a piece, like a training sequence, holds at most that many tokens, and the
+    decode state keeps a source's history for one such pass (`model.decode_state`), so a longer
+    rotary-position prompt is prefilled in several passes."""
+    chunk = min(chunk or longest, longest)
+    return [[(start, min(chunk, stop - start)) for start in range(first, stop, chunk)]
+            for first in range(0, n_prompt, longest) for stop in [min(first + longest, n_prompt)]]
 
 
 def check_fits(cfg: ModelConfig, n_prompt: int, max_new_tokens: int) -> None:
     """Raise ValueError saying what to change if the prompt or the request does not fit the model.
 
-    The last new token is never fed back, so a run needs n_prompt + max_new_tokens - 1 positions.
-    Longer runs are refused rather than slid: the learned positions end at seq_len.
+    Rotary positions continue past the trained length (the key/value cache slides: `DecodeState`),
+    so only learned positions bound a run: it needs n_prompt + max_new_tokens - 1 positions (the
+    last new token is never fed back), and the learned table ends at seq_len.
     """
     if n_prompt < 1:
         raise ValueError("the prompt is empty: give at least one token (--prompt TEXT or --prompt-file FILE)")
+    if cfg.positions != "learned":
+        return
     needed = n_prompt + max_new_tokens - 1
     if needed > cfg.seq_len:
         room = cfg.seq_len - n_prompt + 1
@@ -129,8 +140,9 @@ def generate_batch(generator, prompts: list[list[int]], gen_cfg: GenerationConfi
     active = [True] * batch
     generator.reset()
     started = pass_started = time.perf_counter()
-    logits_BV = generator.forward(prefill_pieces(n_common, gen_cfg.prefill_chunk),
-                                  torch.tensor([ids[:n_common] for ids in prompts], dtype=torch.long))
+    common_BT = torch.tensor([ids[:n_common] for ids in prompts], dtype=torch.long)
+    for pieces in prefill_passes(n_common, gen_cfg.prefill_chunk, generator.cfg.seq_len):
+        logits_BV = generator.forward(pieces, common_BT[:, pieces[0][0]:sum(pieces[-1])])
     position = n_common  # the position whose token the last pass's logits predict
     fed = [ids[n_common - 1] for ids in prompts]
     in_batch = list(range(batch))  # the prompt of each row the generator holds

@@ -80,7 +80,8 @@ class GenerationWorker(RankHost):
     """One generation rank, hosted by a rank group through the `RankHost` contract."""
 
     def __init__(self, model_cfg_dict: dict, pipe_cfg_dict: dict, pp_rank: int, seed: int = 0,
-                 threads: int = 1, *, tp_rank: int = 0, device: str = "cpu", precision: str = "fp32") -> None:
+                 threads: int = 1, *, tp_rank: int = 0, device: str = "cpu", precision: str = "fp32",
+                 window: int | None = None) -> None:
         torch.set_num_threads(threads)
         self.cfg = ModelConfig.from_dict(model_cfg_dict)
         self.pipe = PipelineConfig.from_dict(pipe_cfg_dict)
@@ -88,6 +89,7 @@ class GenerationWorker(RankHost):
         self.coords = RankCoords(pp_rank * self.pipe.tensor_parallel + tp_rank, 1, self.pipe.stages,
                                  self.pipe.tensor_parallel)
         self.device_name, self.precision = device, precision
+        self.window = window  # the key/value caches' attention window (None: the trained seq_len)
         self.model = build_model(self.cfg, None, seed, precision=precision)
         self.partition = pipeline_partition(self.cfg, self.pipe)
         self.chunks = build_rank_chunks(self.model, self.partition, pp_rank)
@@ -132,7 +134,7 @@ class GenerationWorker(RankHost):
         self.device = device
         self.model.to(device)
         self.runtime = GenerationRuntime(pp_rank=self.pp_rank, chunks=self.chunks, plan=self.plan, transport=transport,
-                                         dtype=activation_dtype(self.precision))
+                                         dtype=activation_dtype(self.precision), window=self.window)
 
     def held_params(self) -> int:
         from torch.distributed.tensor import DTensor

@@ -33,11 +33,13 @@ from attnres_pp.schedule.ir import Action
 
 class GenerationRuntime(ExecutorView):
     """Rank `pp_rank` of a generation pipeline. `start_pass` / `run_next` / `finish_pass`, or
-    `run_pass` at once; `reset` starts a new batch of sequences (empty caches)."""
+    `run_pass` at once; `reset` starts a new batch of sequences (empty caches). `window`: the
+    key/value cache's attention window (`DecodeState`)."""
 
     def __init__(self, *, pp_rank: int, chunks: dict[int, PipelineChunk], plan: PayloadPlan, transport: Transport,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, window: int | None = None) -> None:
         self.pp_rank = pp_rank
+        self.window = window  # the decode state's attention window (None: the trained seq_len)
         self.chunks = chunks
         self.plan = plan
         self.dtype = dtype
@@ -50,7 +52,7 @@ class GenerationRuntime(ExecutorView):
 
     def reset(self) -> None:
         """Forget every earlier token: the next pass starts a new batch of sequences at position 0."""
-        self.decode_state = DecodeState(self.cfg)
+        self.decode_state = DecodeState(self.cfg, window=self.window)
 
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only the sequences at batch indices `rows` (the others are done)."""

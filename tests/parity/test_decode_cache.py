@@ -66,7 +66,8 @@ def test_keep_rows_continues_the_kept_sequences(variant):
 
 
 def test_a_pass_past_seq_len_is_refused_with_the_limit():
-    cfg = model_config("block", n_layers=2, seq_len=SEQ_LEN)
+    """Learned positions end at seq_len (rotary ones go on: tests/parity/test_generate_window.py)."""
+    cfg = model_config("block", n_layers=2, seq_len=SEQ_LEN, positions="learned")
     state = DecodeState(cfg)
     state.step(SEQ_LEN - 1, 1)
     with pytest.raises(ContextFull, match=f"seq_len={SEQ_LEN}"):

@@ -97,7 +97,9 @@ def test_seeded_samples_do_not_depend_on_the_batch():
 
 
 def test_a_batch_too_long_for_the_context_is_refused():
-    cfg, named = _setup("standard")
+    """Learned positions end at seq_len (rotary ones go on: tests/parity/test_generate_window.py)."""
+    cfg = model_config("standard", n_layers=4, seq_len=SEQ_LEN, positions="learned")
+    named = {name: p.detach().clone() for name, p in build_model(cfg).named_parameters()}
     too_long = GenerationConfig(max_new_tokens=SEQ_LEN - 10 + 2, temperature=0)
     with pytest.raises(ValueError, match="seq_len=24"):
         generate_batch(SingleProcessGenerator(cfg, named), PROMPTS, too_long)

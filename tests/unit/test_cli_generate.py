@@ -35,6 +35,18 @@ def run_dir(tmp_path_factory) -> Path:
     return run
 
 
+@pytest.fixture(scope="module")
+def learned_run_dir(tmp_path_factory) -> Path:
+    """The same tiny model with learned positions (the recipe of older checkpoints): its context ends at seq_len."""
+    root = tmp_path_factory.mktemp("generate_learned")
+    data = root / "ascii.txt"
+    data.write_text("def add(a, b):\n    return a + b\n\n" * 100)
+    run = root / "run"
+    assert main(["train", "--launcher", "local", *TINY, "--positions", "learned", "--data", str(data), "--steps", "1",
+                 "--eval-every", "0", "--quiet", "--out", str(run)]) == 0
+    return run
+
+
 def generate_cli(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "attnres_pp.cli", "generate", *argv], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
@@ -107,6 +119,23 @@ def test_a_batch_prints_one_object_per_prompt_in_order_each_as_alone(run_dir, tm
     assert _lines(capsys.readouterr().out)[0]["tokens"] == alone[2]["tokens"]
 
 
+def test_generation_runs_past_the_trained_length_the_same_pipelined(run_dir, capsys):
+    """A rotary-position run (seq_len 16) generates 40 tokens after a 20-byte prompt, its caches
+    sliding over a window of 6: the same greedy tokens in one process, pipelined, and tensor-parallel."""
+    argv = ["generate", "--resume", str(run_dir), "--prompt", "def add(a, b): retur", "--max-new-tokens", "40",
+            "--window", "6", "--temperature", "0", "--json"]
+    assert main(argv) == 0
+    single = _lines(capsys.readouterr().out)[0]
+    assert len(single["tokens"]) == 40 and single["prompt_tokens"] == 20
+    assert main([*argv, "--stages", "2", "--launcher", "inprocess", "--prefill-chunk", "3"]) == 0
+    assert _lines(capsys.readouterr().out)[0]["tokens"] == single["tokens"]
+    assert main([*argv, "--stages", "2", "--tensor-parallel", "2", "--launcher", "inprocess"]) == 0
+    assert _lines(capsys.readouterr().out)[0]["tokens"] == single["tokens"]
+    without_window = [a for a in argv if a not in ("--window", "6")]
+    assert main(without_window) == 0  # the default window: the trained 16 positions
+    assert _lines(capsys.readouterr().out)[0]["tokens"] != single["tokens"]
+
+
 def test_stop_ends_a_sequence_before_the_string(run_dir, capsys):
     common = ["generate", "--resume", str(run_dir), "--prompt", "def ", "--max-new-tokens", "8", "--temperature",
               "0", "--json"]
@@ -153,11 +182,14 @@ MISTAKES = [
     (["--resume", "{run}", "--prompt", "x", "--prompt-file", "f", "--max-new-tokens", "2"], "exactly one of"),
     (["--resume", "{run}", "--prompt-file", "{missing}", "--max-new-tokens", "2"], "cannot read it"),
     (["--resume", "{run}", "--prompt", "caf\u00e9", "--max-new-tokens", "2"], "outside the model's vocabulary"),
-    (["--resume", "{run}", "--prompt", "x" * 10, "--max-new-tokens", "8"], "--max-new-tokens 7 or less"),
+    (["--resume", "{learned}", "--prompt", "x" * 10, "--max-new-tokens", "8"], "--max-new-tokens 7 or less"),
     # A lone surrogate no argv byte maps to (argv's own non-UTF-8 bytes are taken as the bytes they are).
     (["--resume", "{run}", "--prompt", "x\ud800", "--max-new-tokens", "2"], "--prompt holds '\\ud800' at character 1"),
     (["--resume", "{run}", "--prompt", "x", "--stop", "\udfff", "--max-new-tokens", "2"], "--stop holds"),
-    (["--resume", "{run}", "--prompt", "x" * 17, "--max-new-tokens", "1"], "seq_len=16"),
+    (["--resume", "{learned}", "--prompt", "x" * 17, "--max-new-tokens", "1"], "seq_len=16 (no sliding window)"),
+    (["--resume", "{run}", "--prompt", "x", "--max-new-tokens", "2", "--window", "0"], "window=0"),
+    (["--resume", "{run}", "--prompt", "x", "--max-new-tokens", "2", "--window", "4.5"],
+     "--window '4.5' is invalid: expected an integer"),
     (["--resume", "{run}", "--prompt", "x"], "--max-new-tokens N is required"),
     (["--resume", "{run}", "--prompt", "x", "--max-new-tokens", "two"], "expected an integer"),
     (["--resume", "{run}", "--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens=0"),
@@ -176,7 +208,7 @@ MISTAKES = [
     (["--resume", "{run}", "--prompt", "x", "--prompts-file", "{blank}", "--max-new-tokens", "2"],
      "got --prompt and --prompts-file"),
     (["--resume", "{run}", "--prompt", "x", "--prompt", "", "--max-new-tokens", "2"], "prompt 2: the prompt is empty"),
-    (["--resume", "{run}", "--prompt", "x", "--prompt", "x" * 10, "--max-new-tokens", "8"],
+    (["--resume", "{learned}", "--prompt", "x", "--prompt", "x" * 10, "--max-new-tokens", "8"],
      "prompt 2: the prompt (10 tokens)"),
     (["--resume", "{run}", "--prompt", "x", "--prompt", "caf\u00e9", "--max-new-tokens", "2"],
      "prompt 2: prompt byte 0xc3"),
@@ -199,7 +231,7 @@ MISTAKES = [
 
 
 @pytest.mark.parametrize(("argv", "needle"), MISTAKES)
-def test_input_mistakes_exit_2_with_one_line(run_dir, tmp_path, capsys, monkeypatch, argv, needle):
+def test_input_mistakes_exit_2_with_one_line(run_dir, learned_run_dir, tmp_path, capsys, monkeypatch, argv, needle):
     monkeypatch.setenv("ATTNRES_PP_FORCE_CPU", "1")  # --device cuda must fail the same way on a GPU machine
     (tmp_path / "empty").mkdir()
     (tmp_path / "nothing").write_bytes(b"")
@@ -213,7 +245,7 @@ def test_input_mistakes_exit_2_with_one_line(run_dir, tmp_path, capsys, monkeypa
     assert shards, "the checkpoint format changed: damage its data files instead"
     for shard in shards:
         shard.write_bytes(b"\x80garbage")
-    names = {"run": str(run_dir), "broken": str(broken),
+    names = {"run": str(run_dir), "learned": str(learned_run_dir), "broken": str(broken),
              **{name: str(tmp_path / name) for name in ("missing", "empty", "file", "nothing", "blank")}}
     names.update({name.replace(".", "_"): str(tmp_path / name) for name in ("bad.jsonl", "noprompt.jsonl")})
     argv = [a.replace(".jsonl}", "_jsonl}") for a in argv]
