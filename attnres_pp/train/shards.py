@@ -322,8 +322,12 @@ def model_tensors(step_dir: str | Path, *, tensor_count: int) -> dict[str, tuple
     if cfg.n_layers > tensor_count or len(cfg.stream_kernels) > tensor_count:
         raise CheckpointRefused(f"checkpoint {step_dir}: meta.json describes a model of {cfg.n_layers} layers, "
                                 f"more than the checkpoint's {tensor_count} tensors could hold")
-    with torch.device("meta"):
-        model = Transformer(cfg, backend="torch")
+    try:
+        with torch.device("meta"):
+            model = Transformer(cfg, backend="torch")
+    except (TypeError, RuntimeError, OverflowError) as error:  # sizes past what a tensor can have (2^63 rows)
+        raise CheckpointRefused(f"checkpoint {step_dir}: meta.json describes a model no tensor can hold "
+                                f"({type(error).__name__}: {brief(str(error))})") from None
     return {name: (tuple(p.shape), p.dtype) for name, p in model.named_parameters()}
 
 
