@@ -166,7 +166,7 @@ class ModelConfig:
         if self.d_ff:
             return self.d_ff
         if self.mlp == "swiglu":  # 8 d / 3 keeps SwiGLU's three matrices at GELU's two's parameters
-            return 64 * math.ceil(8 * self.d_model / 3 / 64)
+            return 64 * -(-8 * self.d_model // (3 * 64))
         return 4 * self.d_model
 
     @property
@@ -179,11 +179,10 @@ class ModelConfig:
         return self.n_kv_heads or self.n_heads
 
     @property
-    def fused_qkv(self) -> bool:
-        """One `[3 d, d]` qkv projection (multi-head attention, the layout of every checkpoint before
-        grouped heads) rather than a query projection and a key/value one: grouped kv heads make the
-        three parts unequal, which no strided tp split of one matrix can cut by heads."""
-        return self.kv_heads == self.n_heads
+    def qkv_parts(self) -> int:
+        """Row blocks of the fused qkv projection (`layers.Attention`): n_heads / kv_heads query
+        blocks, then k and v, each of kv_heads heads."""
+        return self.n_heads // self.kv_heads + 2
 
     @property
     def n_sublayers(self) -> int:

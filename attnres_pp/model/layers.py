@@ -37,22 +37,23 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Causal self-attention: d -> d (+ r key columns), with `n_heads` query heads reading
-    `kv_heads` key/value heads (query head h reads kv head h // (n_heads / kv_heads), transformers'
-    `repeat_kv`), an optional per-head RMSNorm on q and k, then rotary positions (docs/spec.md
-    section 11). Multi-head attention keeps one fused `qkv` projection (`ModelConfig.fused_qkv`);
-    grouped heads have a query projection `q` and a key/value one `kv` (k rows, then v rows)."""
+    `kv_heads` key/value heads (query head h reads kv head h // group, group = n_heads / kv_heads,
+    transformers' `repeat_kv`), an optional per-head RMSNorm on q and k, then rotary positions
+    (docs/spec.md section 11).
+
+    One fused projection `qkv` of `group + 2` equal row blocks of `kv_heads` heads each:
+    `[Q_0 | .. | Q_{group-1} | K | V]`, where block Q_j holds query head g group + j of every kv
+    head g. A tensor-parallel split by heads over every block (`pipeline.tensor_parallel`) then
+    gives rank t its kv heads and exactly the query heads that read them, in one matrix product and
+    one collective; with as many kv heads as query heads it is the `[q | k | v]` of multi-head
+    attention."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.n_heads = cfg.n_heads
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        kv_width = 2 * cfg.kv_heads * cfg.head_dim
-        if cfg.fused_qkv:
-            self.qkv = nn.Linear(cfg.d_model, cfg.d_model + kv_width, bias=False)
-        else:
-            self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-            self.kv = nn.Linear(cfg.d_model, kv_width, bias=False)
+        self.qkv = nn.Linear(cfg.d_model, cfg.qkv_parts * cfg.kv_heads * cfg.head_dim, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
@@ -62,12 +63,11 @@ class Attention(nn.Module):
     def forward(self, h_BTD: torch.Tensor, kv: KVSlot | None = None) -> torch.Tensor:
         """`kv` (incremental decoding): this layer's cache; the T tokens of h sit at its pass's positions.
 
-        Split over tensor-parallel ranks (`pipeline.tensor_parallel`) the projections return this
-        rank's heads' q, k and v (n_heads / T query heads, kv_heads / T kv heads) and, under
-        sequence parallelism, the whole sequence gathered from the rank's shard `h_BTD`: both are
-        read off their outputs' shapes."""
+        Split over tensor-parallel ranks the projection returns this rank's heads' q, k and v
+        (n_heads / T query heads, kv_heads / T kv heads) and, under sequence parallelism, the whole
+        sequence gathered from the rank's shard `h_BTD`: both are read off its output's shape."""
         batch = h_BTD.shape[0]
-        q_BHTE, k_BGTE, v_BGTE = self._heads(self.norm(h_BTD), batch)
+        q_BHTE, k_BGTE, v_BGTE = self._heads(self.qkv(self.norm(h_BTD)))
         heads, seq = q_BHTE.shape[1], q_BHTE.shape[2]
         if self.cfg.qk_norm:
             q_BHTE, k_BGTE = self.q_norm(q_BHTE), self.k_norm(k_BGTE)
@@ -84,41 +84,42 @@ class Attention(nn.Module):
             y_BHTE = F.scaled_dot_product_attention(q_BHTE, k_BGSE, v_BGSE, **kv.sdpa_mask(h_BTD.device), **grouped)
         return self.proj(y_BHTE.transpose(1, 2).reshape(batch, seq, heads * self.cfg.head_dim))
 
-    def _heads(self, x_BTD: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q `[B, H, T, E]`, k and v `[B, G, T, E]` of the heads this rank holds (G kv heads)."""
-        head_dim, group = self.cfg.head_dim, self.cfg.n_heads // self.cfg.kv_heads
-        if self.cfg.fused_qkv:
-            qkv_BTC = self.qkv(x_BTD)
-            seq, heads = qkv_BTC.shape[1], qkv_BTC.shape[2] // (3 * head_dim)
-            qkv = qkv_BTC.view(batch, seq, 3, heads, head_dim)
-            q_BHTE, k_BGTE, v_BGTE = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-            return q_BHTE, k_BGTE, v_BGTE
-        q_BTC, kv_BTC = self.q(x_BTD), self.kv(x_BTD)
-        seq, heads = q_BTC.shape[1], q_BTC.shape[2] // head_dim
-        q_BHTE = q_BTC.view(batch, seq, heads, head_dim).transpose(1, 2)
-        kv_heads = heads // group
-        k_BGTE, v_BGTE = kv_BTC.view(batch, seq, 2, kv_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    def _heads(self, qkv_BTC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q `[B, H, T, E]` (query head g group + j at index g group + j), k and v `[B, G, T, E]`
+        of the heads this rank holds."""
+        batch, seq, width = qkv_BTC.shape
+        parts, head_dim = self.cfg.qkv_parts, self.cfg.head_dim
+        kv_heads = width // (parts * head_dim)
+        qkv_BTPGE = qkv_BTC.view(batch, seq, parts, kv_heads, head_dim)
+        q_BGJTE = qkv_BTPGE[:, :, :parts - 2].permute(0, 3, 2, 1, 4)
+        q_BHTE = q_BGJTE.reshape(batch, kv_heads * (parts - 2), seq, head_dim)
+        k_BGTE, v_BGTE = qkv_BTPGE[:, :, parts - 2].transpose(1, 2), qkv_BTPGE[:, :, parts - 1].transpose(1, 2)
         return q_BHTE, k_BGTE, v_BGTE
 
 
 class MLP(nn.Module):
     """SwiGLU (`down(silu(gate x) * up x)`) or GELU (`down(gelu(up x))`) MLP: d -> d_ff -> d (+ r key
     columns: under projected low-rank keys the down projection emits them, the LR-AttnRes paper's
-    equation 12)."""
+    equation 12). SwiGLU's gate and up are one projection `gate_up` of rows `[gate | up]`, split
+    over tensor-parallel ranks by hidden unit in both halves: one matrix product, one collective."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.gate = nn.Linear(cfg.d_model, cfg.ff_dim, bias=False) if cfg.mlp == "swiglu" else None
-        self.up = nn.Linear(cfg.d_model, cfg.ff_dim, bias=False)
+        if cfg.mlp == "swiglu":
+            self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.ff_dim, bias=False)
+        else:
+            self.up = nn.Linear(cfg.d_model, cfg.ff_dim, bias=False)
         self.down = nn.Linear(cfg.ff_dim, cfg.source_width, bias=False)
         self.read = DepthRead(cfg)
+        self.swiglu = cfg.mlp == "swiglu"
 
     def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
         x_BTD = self.norm(h_BTD)
-        if self.gate is None:
+        if not self.swiglu:
             return self.down(F.gelu(self.up(x_BTD)))
-        return self.down(F.silu(self.gate(x_BTD)) * self.up(x_BTD))
+        gate_BTF, up_BTF = self.gate_up(x_BTD).chunk(2, dim=-1)
+        return self.down(F.silu(gate_BTF) * up_BTF)
 
 
 class TransformerLayer(nn.Module):
@@ -201,3 +202,21 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
             name = f"{module_name}.{param_name}" if module_name else param_name
             generator = torch.Generator().manual_seed(parameter_seed(seed, name))
             param.copy_(_init_value(module_name, module, param_name, param.shape, cfg, generator))
+
+
+def split_qkv_rows(cfg: ModelConfig, qkv_Rd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused qkv weight's query, key and value rows in head order (`[H E, d]`, `[G E, d]`,
+    `[G E, d]`: transformers' q_proj, k_proj, v_proj), from its blocks `[Q_0 | .. | K | V]`."""
+    parts, kv_heads, head_dim = cfg.qkv_parts, cfg.kv_heads, cfg.head_dim
+    blocks_PGEd = qkv_Rd.reshape(parts, kv_heads, head_dim, -1)
+    q_Rd = blocks_PGEd[:parts - 2].transpose(0, 1).reshape(cfg.n_heads * head_dim, -1)
+    return q_Rd, blocks_PGEd[parts - 2].reshape(kv_heads * head_dim, -1), blocks_PGEd[parts - 1].reshape(
+        kv_heads * head_dim, -1)
+
+
+def fuse_qkv_rows(cfg: ModelConfig, q_Rd: torch.Tensor, k_Rd: torch.Tensor, v_Rd: torch.Tensor) -> torch.Tensor:
+    """The inverse of `split_qkv_rows`."""
+    group, kv_heads, head_dim = cfg.qkv_parts - 2, cfg.kv_heads, cfg.head_dim
+    q_JGEd = q_Rd.reshape(kv_heads, group, head_dim, -1).transpose(0, 1)
+    kv_2GEd = torch.stack([k_Rd.reshape(kv_heads, head_dim, -1), v_Rd.reshape(kv_heads, head_dim, -1)])
+    return torch.cat([q_JGEd, kv_2GEd]).reshape(cfg.qkv_parts * kv_heads * head_dim, -1)

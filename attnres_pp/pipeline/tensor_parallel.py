@@ -3,19 +3,22 @@ split over the T ranks of a tp mesh with torch's DTensor tensor-parallel API, an
 then does with the rest of the model on its sequence shard.
 
 The plan per layer (`layer_plan`), as Megatron-LM and torchtitan split a layer:
-    attn.qkv, mlp.up      column-parallel: each rank 1/T of the heads or of the hidden units
-    attn.proj, mlp.down   row-parallel: each rank's partial output, summed over tp
-    attn.norm, mlp.norm   under sequence parallelism, sequence-parallel (run on the rank's shard)
+    attn.qkv, mlp.gate_up (mlp.up)   column-parallel: each rank 1/T of the heads or of the hidden units
+    attn.proj, mlp.down              row-parallel: each rank's partial output, summed over tp
+    attn.q_norm, attn.k_norm         QK-norm's gains, replicated, applied to the rank's heads
+    attn.norm, mlp.norm              under sequence parallelism, sequence-parallel (the rank's shard)
 Without sequence parallelism a row-parallel output is all-reduced and every rank holds the whole
 `[B, T_seq, d]` between layers; with it the output is reduce-scattered along the sequence and the
 next column-parallel input all-gathered, so between the two rank t holds tokens
 `[t T_seq / T, (t + 1) T_seq / T)` of every tensor. That is where depth attention runs: it is per
 token, so it needs no communication, and the embedding and the head run on the shard too.
 
-The fused qkv weight `[3 d, d]` is not split into T contiguous row blocks (rank 0 would get all the
-queries): `_StridedShard(0, split_factor=3)` splits each of its q, k and v thirds over tp, so rank t
-holds the rows of its heads' q, k and v and the projection's output is `[q_t | k_t | v_t]`, which
-`Attention.forward` views as `n_heads / T` heads.
+The fused qkv weight (`group + 2` equal row blocks of kv_heads heads: the query blocks, k, v; see
+`layers.Attention`) is not split into T contiguous row blocks (rank 0 would get all the queries):
+`_StridedShard(0, split_factor=group + 2)` splits each block over tp, so rank t holds the rows of
+its kv heads and of the query heads that read them, and the projection's output is those blocks'
+slices side by side, which `Attention.forward` views as `n_heads / T` query heads. SwiGLU's
+`gate_up` is split the same way over its two blocks.
 
 Under sequence parallelism the parameters every tp rank holds whole (embedding, positions, depth
 attention's pseudo-queries and key norms, the head) get from each rank the gradient of its own
@@ -46,14 +49,14 @@ from attnres_pp.model.transformer import Transformer, embed_state, lm_loss
 from attnres_pp.pipeline.mesh import Collectives
 from attnres_pp.pipeline.tp_bytes import count_outside_dispatch
 
-QKV_PARTS = 3  # multi-head attention's fused projection: its q, k and v row blocks
-KV_PARTS = 2  # grouped heads' key/value projection: its k and v row blocks
+SWIGLU_PARTS = 2  # SwiGLU's fused projection: its gate and up row blocks
 
 
-class HeadwiseColwiseParallel(ColwiseParallel):
-    """Column-parallel for a fused projection of `parts` equal row blocks by heads (multi-head
-    attention's qkv: 3; grouped heads' kv: 2): each rank holds its heads' rows of every block
-    (`_StridedShard` over the blocks), and its output is those heads' parts side by side."""
+class BlockwiseColwiseParallel(ColwiseParallel):
+    """Column-parallel for a projection of `parts` equal row blocks (attention's fused qkv:
+    n_heads / kv_heads query blocks, k and v; SwiGLU's gate and up): each rank holds its slice of
+    every block (`_StridedShard` over the blocks: its heads' rows, its hidden units' rows), and its
+    output is its slices side by side, `parts` blocks as the whole output has."""
 
     def __init__(self, parts: int, *, input_layouts=None) -> None:
         super().__init__(input_layouts=input_layouts, output_layouts=_StridedShard(-1, split_factor=parts))
@@ -67,27 +70,23 @@ class HeadwiseColwiseParallel(ColwiseParallel):
 
 
 def layer_plan(cfg: ModelConfig, sequence_parallel: bool) -> dict:
-    """The `parallelize_module` plan of one `TransformerLayer` (module name -> ParallelStyle).
-
-    Multi-head attention's fused qkv is split by heads over its three blocks. With grouped kv
-    heads the query projection is split in T contiguous row blocks (query heads h T / n ..) and the
-    kv projection by kv heads over its two blocks: rank t then holds the kv heads its query heads
-    read (h // group), since T divides both head counts. SwiGLU's gate is split as up is."""
+    """The `parallelize_module` plan of one `TransformerLayer` (module name -> ParallelStyle). The
+    fused qkv and SwiGLU's gate_up are split block by block (`BlockwiseColwiseParallel`): since T
+    divides the kv heads, rank t holds kv heads t G / T .. and the query heads that read them."""
     sequence = Shard(1) if sequence_parallel else None
     column = {"input_layouts": sequence} if sequence_parallel else {}
     row = {"output_layouts": sequence} if sequence_parallel else {}
-    if cfg.fused_qkv:
-        plan = {"attn.qkv": HeadwiseColwiseParallel(QKV_PARTS, **column)}
-    else:
-        plan = {"attn.q": ColwiseParallel(**column), "attn.kv": HeadwiseColwiseParallel(KV_PARTS, **column)}
-    plan |= {"attn.proj": RowwiseParallel(**row), "mlp.up": ColwiseParallel(**column),
-             "mlp.down": RowwiseParallel(**row)}
+    plan = {"attn.qkv": BlockwiseColwiseParallel(cfg.qkv_parts, **column), "attn.proj": RowwiseParallel(**row),
+            "mlp.down": RowwiseParallel(**row)}
     if cfg.mlp == "swiglu":
-        plan["mlp.gate"] = ColwiseParallel(**column)
+        plan["mlp.gate_up"] = BlockwiseColwiseParallel(SWIGLU_PARTS, **column)
+    else:
+        plan["mlp.up"] = ColwiseParallel(**column)
     if cfg.qk_norm:  # per-head gains every tp rank holds whole, applied to its heads (dim 1 of [B, H, T, E]):
         # a replicated DTensor whose gradient (its heads' part) is a partial sum, reduced as the
         # sequence-parallel norms' are (`train.tp_rank.sum_partial_grads`)
-        plan |= {"attn.q_norm": SequenceParallel(sequence_dim=1), "attn.k_norm": SequenceParallel(sequence_dim=1)}
+        heads = SequenceParallel(sequence_dim=1, use_local_output=True)
+        plan |= {"attn.q_norm": heads, "attn.k_norm": heads}
     if sequence_parallel:
         plan |= {"attn.norm": SequenceParallel(), "mlp.norm": SequenceParallel()}
     return plan

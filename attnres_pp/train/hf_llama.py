@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from attnres_pp.model.config import ModelConfig
+from attnres_pp.model.layers import fuse_qkv_rows, split_qkv_rows
 
 LLAMA = "llama"
 QWEN3 = "qwen3"
@@ -28,24 +29,19 @@ def llama_type(cfg: ModelConfig) -> str | None:
 def to_llama(named: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our parameters (whole-model names) under transformers' names, each a contiguous tensor; a tied
     LM head is left out (transformers ties it to the embedding from `tie_word_embeddings`)."""
-    d, kv_width = cfg.d_model, cfg.kv_heads * cfg.head_dim
     out = {"model.embed_tokens.weight": named["embed.tok.weight"], "model.norm.weight": named["head.norm.weight"]}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = named["head.lm_head.weight"]
     for i in range(cfg.n_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        if cfg.fused_qkv:  # rows [q | k | v], each head-major as q_proj / k_proj / v_proj are
-            q, k, v = named[ours + "attn.qkv.weight"].split([d, kv_width, kv_width])
-        else:
-            q = named[ours + "attn.q.weight"]
-            k, v = named[ours + "attn.kv.weight"].split([kv_width, kv_width])
+        q, k, v = split_qkv_rows(cfg, named[ours + "attn.qkv.weight"])
+        gate, up = named[ours + "mlp.gate_up.weight"].chunk(2)
         attn = theirs + "self_attn."
         out.update({attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v,
                     attn + "o_proj.weight": named[ours + "attn.proj.weight"],
                     theirs + "input_layernorm.weight": named[ours + "attn.norm.weight"],
                     theirs + "post_attention_layernorm.weight": named[ours + "mlp.norm.weight"],
-                    theirs + "mlp.gate_proj.weight": named[ours + "mlp.gate.weight"],
-                    theirs + "mlp.up_proj.weight": named[ours + "mlp.up.weight"],
+                    theirs + "mlp.gate_proj.weight": gate, theirs + "mlp.up_proj.weight": up,
                     theirs + "mlp.down_proj.weight": named[ours + "mlp.down.weight"]})
         if cfg.qk_norm:
             out[attn + "q_norm.weight"] = named[ours + "attn.q_norm.weight"]
@@ -62,15 +58,13 @@ def from_llama(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
         attn = theirs + "self_attn."
         q, k, v = (tensors[attn + f"{p}_proj.weight"] for p in "qkv")
-        if cfg.fused_qkv:
-            out[ours + "attn.qkv.weight"] = torch.cat([q, k, v])
-        else:
-            out[ours + "attn.q.weight"], out[ours + "attn.kv.weight"] = q, torch.cat([k, v])
+        out[ours + "attn.qkv.weight"] = fuse_qkv_rows(cfg, q, k, v)
         out[ours + "attn.proj.weight"] = tensors[attn + "o_proj.weight"]
         out[ours + "attn.norm.weight"] = tensors[theirs + "input_layernorm.weight"]
         out[ours + "mlp.norm.weight"] = tensors[theirs + "post_attention_layernorm.weight"]
-        for ours_name, theirs_name in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-            out[ours + f"mlp.{ours_name}.weight"] = tensors[theirs + f"mlp.{theirs_name}.weight"]
+        out[ours + "mlp.gate_up.weight"] = torch.cat([tensors[theirs + "mlp.gate_proj.weight"],
+                                                      tensors[theirs + "mlp.up_proj.weight"]])
+        out[ours + "mlp.down.weight"] = tensors[theirs + "mlp.down_proj.weight"]
         if cfg.qk_norm:
             out[ours + "attn.q_norm.weight"] = tensors[attn + "q_norm.weight"]
             out[ours + "attn.k_norm.weight"] = tensors[attn + "k_norm.weight"]

@@ -150,13 +150,13 @@ def tp_run_dict(case):
 
     variant, schedule, P, V, m, cache, sp, *rest = case
     extra = rest[0] if rest else {}
-    cfg = model_config(variant, 4, block_size=3)
+    cfg = model_config(variant, 4, block_size=3, **extra.get("model", {}))  # "model": a layer recipe's fields
     pipeline_keys = ("data_parallel", "dp_shard", "fsdp_reshard_after_forward")
     D = extra.get("data_parallel", 1)
     return RunConfig.from_dict({
         "model": cfg.to_dict(),
         "train": {"steps": 2, "batch_size": MICRO * m * D, "microbatches": m, "seed": 0, "warmup_steps": 1,
-                  **{k: v for k, v in extra.items() if k not in pipeline_keys}},
+                  **{k: v for k, v in extra.items() if k not in (*pipeline_keys, "model")}},
         "pipeline": {"stages": P, "virtual": V, "schedule": schedule, "cache": cache, "launcher": "local",
                      "timeout_s": 60.0, "tensor_parallel": T, "sequence_parallel": sp, "data_parallel": D,
                      **{k: v for k, v in extra.items() if k in pipeline_keys}},

@@ -19,6 +19,11 @@ What the list holds, group by group (a case in two groups is listed once):
   V placements and DualPipeV.
 - FLOAT64_CASES: the subset at 1e-10: the fused and split backwards, P = 3, both placements, every
   checkpointing policy on the split backward, and `blocks = N` (uneven block boundaries).
+- RECIPE_CASES: the layer recipes beside the default one (rope, SwiGLU, as many kv heads as query
+  heads; every case above): grouped kv heads with QK-norm, one kv head with tied embeddings (on
+  schedules whose first and last chunks share a rank), and the recipe of every checkpoint written
+  before (learned positions, GELU), each variant on the loop and the V layouts, under both
+  checkpointing policies, and in float64.
 """
 
 from __future__ import annotations
@@ -35,6 +40,14 @@ from tests.pipeline_helpers import model_config
 from tests.reference_model import VARIANTS
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# Layer recipes (docs/spec.md section 11) beside the default: ModelConfig fields over model_config's
+# d_model 16 (4 query heads of 4 channels where kv heads are grouped).
+RECIPES = {
+    "default": {},
+    "grouped": {"n_heads": 4, "n_kv_heads": 2, "qk_norm": True},
+    "mqa-tied": {"n_heads": 4, "n_kv_heads": 1, "tie_embeddings": True},
+    "legacy": {"positions": "learned", "mlp": "gelu"},
+}
 
 # Schedules whose backward is split into I and W (they run through the weight store).
 SPLIT_SCHEDULES = ("zb_h1", "interleaved_zb", "zbv", "dualpipev")
@@ -58,6 +71,7 @@ class ParityCase:
     cache: bool = True
     policy: str = "none"
     dtype: str = "float32"
+    recipe: str = "default"
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
@@ -66,6 +80,8 @@ class ParityCase:
             raise ValueError(f"schedule={self.schedule!r} is unknown: choose one of {', '.join(SCHEDULES)}")
         if self.policy not in AC_POLICIES:
             raise ValueError(f"policy={self.policy!r} is unknown: choose one of {', '.join(AC_POLICIES)}")
+        if self.recipe not in RECIPES:
+            raise ValueError(f"recipe={self.recipe!r} is unknown: choose one of {', '.join(RECIPES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is unknown: choose one of {', '.join(DTYPES)}")
         if self.n_layers < self.n_stages * self.n_virtual:
@@ -76,7 +92,8 @@ class ParityCase:
     def id(self) -> str:
         blocks = f"N{self.blocks}" if self.blocks else f"S{self.config().block_size}"
         return (f"{self.variant}-{self.schedule}-P{self.n_stages}V{self.n_virtual}m{self.n_microbatches}"
-                f"L{self.n_layers}{blocks}-{'cached' if self.cache else 'naive'}-{self.policy}-{self.dtype}")
+                f"L{self.n_layers}{blocks}-{'cached' if self.cache else 'naive'}-{self.policy}-{self.dtype}"
+                + ("" if self.recipe == "default" else f"-{self.recipe}"))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -93,7 +110,7 @@ class ParityCase:
                 overrides["block_size"] = self.block_size
             if self.blocks:
                 overrides["blocks"] = self.blocks
-        return model_config(self.variant, self.n_layers, **overrides)
+        return model_config(self.variant, self.n_layers, **overrides, **RECIPES[self.recipe])
 
     def partition(self) -> Partition:
         return make_partition(self.n_layers, self.n_stages, self.n_virtual,
@@ -181,4 +198,18 @@ FLOAT64_CASES = [
         ("msar", ("zbv", 2, 2, 3, 6, None)))),
 ]
 
-CASES = list(dict.fromkeys([*SCHEDULE_CASES, *VARIANT_CASES, *ONE_RANK_CASES, *CHECKPOINT_CASES, *FLOAT64_CASES]))
+# Tied embeddings need the embedding and the head on one rank: the V layouts (ZB-V, DualPipeV) and P = 1.
+_V_LAYOUTS = (("dualpipev", 2, 2, 4, 4, None), ("zbv", 3, 2, 5, 6, 5))
+RECIPE_CASES = [
+    *(_case(layout, variant, recipe=recipe) for recipe in ("grouped", "legacy") for variant in VARIANTS
+      for layout in VARIANT_LAYOUTS),
+    *(_case(layout, variant, recipe="mqa-tied") for variant in VARIANTS for layout in _V_LAYOUTS),
+    _case(("interleaved_1f1b", 1, 2, 2, 4, 2), "block", recipe="mqa-tied", cache=False),
+    *(_case(layout, variant, policy=policy, recipe="grouped") for variant in ("block", "msar")
+      for layout, policy in ((_AC_SPLIT, "full"), (_AC_FUSED, "selective"))),
+    *(_case(layout, variant, recipe=recipe, dtype="float64") for recipe in ("grouped", "mqa-tied", "legacy")
+      for variant, layout in (("block", _V_LAYOUTS[1]), ("lr_projected", _V_LAYOUTS[0]), ("msar", _V_LAYOUTS[1]))),
+]
+
+CASES = list(dict.fromkeys([*SCHEDULE_CASES, *VARIANT_CASES, *ONE_RANK_CASES, *CHECKPOINT_CASES, *FLOAT64_CASES,
+                            *RECIPE_CASES]))

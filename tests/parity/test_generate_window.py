@@ -47,18 +47,15 @@ def banded_attention(attn: Attention, h_BTD: torch.Tensor, window: int) -> torch
     cfg, (batch, seq, _d) = attn.cfg, h_BTD.shape
     heads, groups, head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
     x_BTD = attn.norm(h_BTD)
-    if cfg.fused_qkv:
-        q, k, v = (x_BTD @ attn.qkv.weight.T).split(cfg.d_model, dim=-1)
-    else:
-        q = x_BTD @ attn.q.weight.T
-        k, v = (x_BTD @ attn.kv.weight.T).split(groups * head_dim, dim=-1)
-    q_BHTE = q.view(batch, seq, heads, head_dim).transpose(1, 2)
-    k_BGTE, v_BGTE = (t.view(batch, seq, groups, head_dim).transpose(1, 2) for t in (k, v))
+    per_group = heads // groups  # query head h reads kv head h // per_group
+    # the fused rows: blocks Q_0 .. Q_{per_group - 1}, K, V of `groups` heads; Q_j holds head g per_group + j
+    blocks = (x_BTD @ attn.qkv.weight.T).view(batch, seq, per_group + 2, groups, head_dim)
+    q_BHTE = torch.stack([blocks[:, :, h % per_group, h // per_group] for h in range(heads)], 1)
+    k_BGTE, v_BGTE = blocks[:, :, per_group].transpose(1, 2), blocks[:, :, per_group + 1].transpose(1, 2)
     if cfg.qk_norm:
         q_BHTE, k_BGTE = attn.q_norm(q_BHTE), attn.k_norm(k_BGTE)
     if cfg.positions == "rope":  # learned positions entered with the embedding
         q_BHTE, k_BGTE = _rope(q_BHTE, cfg.rope_theta), _rope(k_BGTE, cfg.rope_theta)
-    per_group = heads // groups  # query head h reads kv head h // per_group
     k_BHTE, v_BHTE = k_BGTE.repeat_interleave(per_group, 1), v_BGTE.repeat_interleave(per_group, 1)
     scores = q_BHTE @ k_BHTE.transpose(-1, -2) / math.sqrt(head_dim)
     query, key = torch.arange(seq)[:, None], torch.arange(seq)[None, :]

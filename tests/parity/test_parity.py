@@ -20,6 +20,8 @@ from .parity_cases import (
     CHECKPOINT_CASES,
     FLOAT64_CASES,
     ONE_RANK_CASES,
+    RECIPE_CASES,
+    RECIPES,
     SCHEDULE_CASES,
     VARIANT_CASES,
     ParityCase,
@@ -91,3 +93,15 @@ def test_the_float64_subset_spans_both_backwards_placements_and_policies():
     assert {c.schedule for c in FLOAT64_CASES} >= {"interleaved_1f1b", "dualpipev", "zbv", "1f1b"}
     assert {c.policy for c in FLOAT64_CASES if c.split} == set(AC_POLICIES)
     assert any(c.blocks for c in FLOAT64_CASES) and any(c.n_stages == 3 for c in FLOAT64_CASES)
+
+
+def test_every_recipe_runs_every_variant_on_two_layouts_and_in_float64():
+    for recipe in RECIPES:
+        if recipe == "default":
+            continue
+        for variant in VARIANTS:
+            ran = [c for c in RECIPE_CASES if c.recipe == recipe and c.variant == variant]
+            assert len({_layout(c) for c in ran}) >= 2 and {c.split for c in ran} >= {True}, (recipe, variant)
+        assert any(c.dtype == "float64" for c in RECIPE_CASES if c.recipe == recipe), recipe
+    grouped = {c.policy for c in RECIPE_CASES if c.recipe == "grouped"}
+    assert grouped == set(AC_POLICIES), grouped

@@ -27,13 +27,19 @@ from tests.reference_model import randomize_depth_params
 
 from ..distributed.test_tensor_parallel_gloo import T, tp_run_dict, variant_has_plain_collectives
 
-# (variant, schedule, P, V, m, cache, sequence parallel[, train and data_parallel keys]); block size 3
+GROUPED = {"n_heads": 4, "n_kv_heads": 2, "qk_norm": True}  # head_dim 4, two query heads per kv head
+# (variant, schedule, P, V, m, cache, sequence parallel[, train, data_parallel and model keys]); block size 3
 # puts block edges inside chunks. ZB-V runs the split backward (I, then W from the weight store).
 RUNTIME_P1 = [("block", "interleaved_1f1b", 1, 2, 2, True, True), ("block", "gpipe", 1, 1, 2, True, False),
               ("block", "zbv", 1, 2, 2, True, True),
               ("block", "interleaved_1f1b", 1, 2, 2, True, True, {"activation_checkpoint": "full"}),
               ("block", "interleaved_1f1b", 1, 2, 2, True, True, {"activation_checkpoint": "selective"}),
-              ("msar", "zbv", 1, 2, 2, True, True)]
+              ("msar", "zbv", 1, 2, 2, True, True),
+              # grouped kv heads split over T with the query heads that read them; QK-norm's gains
+              # replicated, their gradients summed over tp with and without SP; tied embeddings
+              ("block", "interleaved_1f1b", 1, 2, 2, True, True, {"model": GROUPED}),
+              ("msar", "zbv", 1, 2, 2, True, False, {"model": GROUPED}),
+              ("lr_projected", "zbv", 1, 2, 2, False, True, {"model": {**GROUPED, "tie_embeddings": True}})]
 RUNTIME_FOUR = [("block", "1f1b", 2, 1, 3, True, True), ("block", "interleaved_1f1b", 2, 2, 4, False, True),
                 ("block", "interleaved_1f1b", 2, 2, 2, True, False), ("lr_projected", "1f1b", 2, 1, 2, True, True),
                 ("block", "zbv", 2, 2, 3, True, True), ("msar", "interleaved_1f1b", 2, 2, 2, True, False),
@@ -56,12 +62,15 @@ CASES = [*RUNTIME_P1, *(pytest.param(case, marks=pytest.mark.matrix) for case in
 # float64 at P = 1 and P = 2: Block AttnRes and MSAR (its halos), loop and V placements, both caches.
 FLOAT64 = [("block", "interleaved_1f1b", 1, 2, 2, True, True), ("msar", "zbv", 1, 2, 2, True, True),
            ("block", "interleaved_1f1b", 2, 2, 2, False, True), ("msar", "zbv", 2, 2, 2, True, True),
-           ("msar", "1f1b", 2, 1, 2, True, False), ("block", "zbv", 2, 2, 3, True, False)]
+           ("msar", "1f1b", 2, 1, 2, True, False), ("block", "zbv", 2, 2, 3, True, False),
+           ("block", "1f1b", 2, 1, 2, True, False, {"model": GROUPED}),
+           ("msar", "interleaved_1f1b", 1, 2, 2, True, True, {"model": {**GROUPED, "positions": "learned"}})]
 
 
 def _case_id(case) -> str:
     variant, schedule, P, V, m, cache, sp, *rest = case
-    extra = "-".join(f"{k}={v}" for k, v in (rest[0] if rest else {}).items())
+    extra = "-".join(f"{k}={v}" if k != "model" else "-".join(f"{f}={x}" for f, x in v.items())
+                     for k, v in (rest[0] if rest else {}).items())
     return "-".join(filter(None, [variant, schedule, f"P{P}V{V}m{m}", "cached" if cache else "naive",
                                   "sp" if sp else "nosp", extra]))
 

@@ -128,17 +128,17 @@ class StreamConvs(nn.Module):
 
 
 class Attention(nn.Module):
+    """One fused projection `qkv` of group + 2 equal row blocks of kv_heads heads each,
+    [Q_0 | .. | Q_{group-1} | K | V], block Q_j holding query head g group + j of every kv head g
+    (group = n_heads / kv_heads; query head h reads kv head h // group)."""
+
     def __init__(self, cfg: AttnResConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.head_dim, self.kv_heads = cfg.d_model // cfg.n_heads, cfg.n_kv_heads or cfg.n_heads
+        self.group = cfg.n_heads // self.kv_heads
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        kv_width = 2 * self.kv_heads * self.head_dim
-        if self.kv_heads == cfg.n_heads:  # one fused projection, rows [q | k | v]
-            self.qkv = nn.Linear(cfg.d_model, cfg.d_model + kv_width, bias=False)
-        else:  # a query projection and a key/value one, rows [k | v]
-            self.q = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
-            self.kv = nn.Linear(cfg.d_model, kv_width, bias=False)
+        self.qkv = nn.Linear(cfg.d_model, (self.group + 2) * self.kv_heads * self.head_dim, bias=False)
         if cfg.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps), RMSNorm(self.head_dim, cfg.norm_eps)
         self.proj = nn.Linear(cfg.d_model, width(cfg), bias=False)
@@ -146,40 +146,41 @@ class Attention(nn.Module):
             self.read = DepthRead(cfg)
 
     def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
-        cfg, (batch, seq, _), e = self.cfg, h_BTD.shape, self.head_dim
-        x = self.norm(h_BTD)
-        if hasattr(self, "qkv"):
-            q, k, v = self.qkv(x).split([cfg.d_model, self.kv_heads * e, self.kv_heads * e], dim=-1)
-        else:
-            q, (k, v) = self.q(x), self.kv(x).chunk(2, dim=-1)
-        q = q.view(batch, seq, cfg.n_heads, e).transpose(1, 2)
-        k, v = (t.view(batch, seq, self.kv_heads, e).transpose(1, 2) for t in (k, v))
+        cfg, (batch, seq, _), e, group = self.cfg, h_BTD.shape, self.head_dim, self.group
+        blocks = self.qkv(self.norm(h_BTD)).view(batch, seq, group + 2, self.kv_heads, e)
+        q = blocks[:, :, :group].permute(0, 3, 2, 1, 4).reshape(batch, cfg.n_heads, seq, e)
+        k, v = blocks[:, :, group].transpose(1, 2), blocks[:, :, group + 1].transpose(1, 2)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.positions == "rope":
             positions = torch.arange(seq, device=h_BTD.device)
             q, k = rotate(q, positions, cfg.rope_theta), rotate(k, positions, cfg.rope_theta)
-        group = cfg.n_heads // self.kv_heads  # query head h reads kv head h // group
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, cfg.d_model))
 
 
 class MLP(nn.Module):
+    """SwiGLU with one projection `gate_up` of rows [gate | up], or GELU with `up`."""
+
     def __init__(self, cfg: AttnResConfig) -> None:
         super().__init__()
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.gate = nn.Linear(cfg.d_model, cfg.ff_dim, bias=False) if cfg.mlp == "swiglu" else None
-        self.up = nn.Linear(cfg.d_model, cfg.ff_dim, bias=False)
+        self.swiglu = cfg.mlp == "swiglu"
+        if self.swiglu:
+            self.gate_up = nn.Linear(cfg.d_model, 2 * cfg.ff_dim, bias=False)
+        else:
+            self.up = nn.Linear(cfg.d_model, cfg.ff_dim, bias=False)
         self.down = nn.Linear(cfg.ff_dim, width(cfg), bias=False)
         if cfg.residual != "standard":
             self.read = DepthRead(cfg)
 
     def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
         x = self.norm(h_BTD)
-        if self.gate is None:
+        if not self.swiglu:
             return self.down(F.gelu(self.up(x)))
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class Layer(nn.Module):
