@@ -107,3 +107,14 @@ def make_partition(
             f"{n_layers} layers: make them add up"
         )
     return partition
+
+
+def check_tied_placement(tied_embeddings: bool, partition: Partition) -> None:
+    """ValueError unless tied embeddings have the embedding (chunk 0) and the LM head (the last chunk)
+    on one rank: a matrix two ranks held would need its two gradients summed between them every
+    step, which no schedule here does yet (docs/roadmap.md)."""
+    first, last = partition.rank_of(0), partition.rank_of(partition.n_chunks - 1)
+    if tied_embeddings and first != last:
+        raise ValueError(f"--tie-embeddings needs the embedding and the LM head on one pipeline rank, and this split "
+                         f"puts them on ranks {first} and {last}: use --stages 1, or a V-shaped schedule (zbv, "
+                         "dualpipev), whose first and last chunks share rank 0, or drop --tie-embeddings")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnres_pp.comm.partition import Partition
+from attnres_pp.comm.partition import Partition, check_tied_placement
 from attnres_pp.comm.plan import RESIDUAL, Source
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.model.decode_state import DecodeStep
@@ -167,24 +167,13 @@ def rank_module_names(cfg: ModelConfig, partition: Partition, pp_rank: int) -> l
     return names
 
 
-def check_tied_placement(cfg: ModelConfig, partition: Partition) -> None:
-    """ValueError unless tied embeddings have the embedding and the head on one rank: a matrix two
-    ranks held would need its two gradients summed between them every step, which no schedule here
-    does yet (docs/roadmap.md)."""
-    first, last = partition.rank_of(0), partition.rank_of(partition.n_chunks - 1)
-    if cfg.tie_embeddings and first != last:
-        raise ValueError(f"--tie-embeddings needs the embedding and the LM head on one pipeline rank, and this split "
-                         f"puts them on ranks {first} and {last}: use --stages 1, or a V-shaped schedule (zbv, "
-                         "dualpipev), whose first and last chunks share rank 0, or drop --tie-embeddings")
-
-
 def build_rank_model(cfg: ModelConfig, partition: Partition, pp_rank: int, *, seed: int, backend: str = "auto",
                      device: torch.device | str = "cpu", precision: str = "fp32",
                      activation_checkpoint: str = "none") -> tuple[Transformer, dict[int, PipelineChunk]]:
     """The model skeleton of rank `pp_rank` (other ranks' parameters stay on the meta device, with no
     storage) and its chunks, whose parameters equal `Transformer(cfg, seed=seed)`'s; the chunks
     compute in `precision` (`model.precision`)."""
-    check_tied_placement(cfg, partition)
+    check_tied_placement(cfg.tie_embeddings, partition)
     with torch.device("meta"):
         model = Transformer(cfg, backend=backend, seed=seed, precision=precision)
     for name in rank_module_names(cfg, partition, pp_rank):

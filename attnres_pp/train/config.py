@@ -9,6 +9,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attnres_pp.comm.partition import check_tied_placement, make_partition
 from attnres_pp.config_tables import from_table, to_table
 from attnres_pp.launch.resolve import (
     DEVICES,
@@ -22,7 +23,7 @@ from attnres_pp.launch.resolve import (
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.pipeline.config import AC_POLICIES as ACTIVATION_CHECKPOINTS
 from attnres_pp.pipeline.config import PipelineConfig
-from attnres_pp.schedule.schedules import SIZE_CHECKS
+from attnres_pp.schedule.schedules import SIZE_CHECKS, schedule_placement
 
 
 def _fail(field_name: str, value, fix: str) -> None:
@@ -172,6 +173,10 @@ class RunConfig:
         if check_sizes is not None:  # one error line before any rank starts, not one per rank
             check_sizes(self.pipeline.stages, self.pipeline.virtual, m)
         self.model.check_tensor_split(self.pipeline.tensor_parallel, sequence_parallel=self.pipeline.sp)
+        if self.model.tie_embeddings and self.pipeline.stages > 1:  # one error line before any rank starts
+            pipe = self.pipeline
+            check_tied_placement(True, make_partition(self.model.n_layers, pipe.stages, pipe.virtual, pipe.layer_counts,
+                                                      placement=schedule_placement(pipe.schedule)))
         check_fault_tolerance(self.train, self.pipeline)
         if self.pipeline.layer_counts is not None and sum(self.pipeline.layer_counts) != self.model.n_layers:
             raise ValueError(
