@@ -142,7 +142,11 @@ RUNTIME_GLOO = [("block", "interleaved_1f1b", 2, 2, 2, True, True), ("block", "z
                 ("msar", "zbv", 1, 2, 2, True, True, {"data_parallel": 2, "dp_shard": "fsdp"}),
                 ("block", "interleaved_1f1b", 1, 2, 2, True, True, {"data_parallel": 2, "dp_shard": "fsdp",
                                                                    "fsdp_reshard_after_forward": "always",
-                                                                   "activation_checkpoint": "full"})]
+                                                                   "activation_checkpoint": "full"}),
+                # grouped kv heads: the fused qkv's four row blocks split over tp, FSDP2's columns over
+                # dp; QK-norm's replicated gains, their gradients summed over tp without SP
+                ("block", "zbv", 1, 2, 2, True, False, {"data_parallel": 2, "dp_shard": "fsdp",
+                                                        "model": {"n_heads": 4, "n_kv_heads": 2, "qk_norm": True}})]
 
 
 def tp_run_dict(case):

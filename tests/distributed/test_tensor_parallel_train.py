@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from attnres_pp.cli import main
+from attnres_pp.model.config import ModelConfig
 from tests.run_helpers import assert_same_losses, metrics, summary
 
 # One worker holds the module's runs: under --dist loadgroup its tests would otherwise be handed to
@@ -75,9 +76,11 @@ def test_a_tensor_parallel_run_trains_as_the_unsplit_one(runs):
         whole = t1["memory_per_rank"][rank // 2]
         for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
             assert whole[key] / 2 < entry[key] < whole[key], (rank, key, entry[key], whole[key])
-    # params_per_rank: one entry per (pp, tp) rank, each the rank's layer (d = 32, d_ff = 4d) with its
-    # split matrices (q, k, v, the attention output, the MLP's two: 12 d^2) halved, the rest whole
-    held = [whole - 12 * 32**2 // 2 for whole in t1["params_per_rank"] for _ in range(2)]
+    # params_per_rank: one entry per (pp, tp) rank, each the rank's layer with its split matrices
+    # (q, k, v and the attention output: 4 d^2; SwiGLU's gate, up and down: 3 d f) halved, the rest whole
+    model = ModelConfig.from_dict(t1["config"]["model"])
+    split = 4 * model.d_model**2 + 3 * model.d_model * model.ff_dim
+    held = [whole - split // 2 for whole in t1["params_per_rank"] for _ in range(2)]
     assert len(t1["params_per_rank"]) == 2 and t2["params_per_rank"] == held
     assert [4 * n for n in t2["params_per_rank"]] == [e["param_bytes"] for e in t2["memory_per_rank"]]
 
