@@ -33,11 +33,16 @@ def _train(model: Transformer, steps: int) -> list[float]:
 
 
 # Inductor compiles C++ with the system compiler, in child processes.
-@pytest.mark.parametrize("variant,backend", [(v, "aot_eager") for v in sorted(VARIANTS)]
-                         + [pytest.param("msar", "inductor", marks=pytest.mark.subprocess)])
-def test_compiled_training_equals_eager_over_20_steps(variant, backend):
+# The last recipe: grouped kv heads (SDPA's enable_gqa inside the graph), QK-norm, tied embeddings.
+GROUPED = {"n_heads": 4, "n_kv_heads": 2, "qk_norm": True, "tie_embeddings": True}
+
+
+@pytest.mark.parametrize("variant,backend,recipe", [(v, "aot_eager", {}) for v in sorted(VARIANTS)]
+                         + [("msar", "aot_eager", GROUPED), ("lr_projected", "aot_eager", GROUPED),
+                            pytest.param("msar", "inductor", {}, marks=pytest.mark.subprocess)])
+def test_compiled_training_equals_eager_over_20_steps(variant, backend, recipe):
     torch._dynamo.reset()
-    cfg = ModelConfig(**{**TINY, **VARIANTS[variant]})
+    cfg = ModelConfig(**{**TINY, **VARIANTS[variant], **recipe})
     # float64: what is compared is the compiled graphs' math, not fp32 rounding amplified by AdamW.
     eager = Transformer(cfg, backend="torch", seed=3).double()
     compiled = Transformer(cfg, backend="torch", seed=3, compile=True, compile_backend=backend).double()

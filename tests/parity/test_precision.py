@@ -48,9 +48,11 @@ def _train(engine, run_cfg, batches):
     return losses
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_bf16_pipelined_steps_equal_the_bf16_single_process(variant):
-    run_cfg = _run_cfg(variant, "bf16")
+@pytest.mark.parametrize("variant,recipe", [(v, {}) for v in sorted(VARIANTS)]
+                         + [("block", {"n_heads": 4, "n_kv_heads": 1, "qk_norm": True}),
+                            ("msar", {"n_heads": 4, "n_kv_heads": 2, "positions": "learned", "mlp": "gelu"})])
+def test_bf16_pipelined_steps_equal_the_bf16_single_process(variant, recipe):
+    run_cfg = _run_cfg(variant, "bf16", **recipe)
     batches = _batches(3, run_cfg)
     single = _train(SingleProcessEngine(run_cfg.model, run_cfg.train), run_cfg, batches)
     piped_engine = make_engine(run_cfg)
