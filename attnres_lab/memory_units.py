@@ -166,15 +166,19 @@ def measure_case(case: dict, dtype: str) -> tuple[dict[str, float], int]:
     return features, saved_bytes(cfg, partition, case["chunk"], n_sequences=case["n_sequences"], dtype=dtype)
 
 
-def _lstsq(rows: list[list[float]], targets: list[float], scale: list[float] | None = None
-           ) -> tuple[torch.Tensor, float]:
+def _lstsq(rows: list[list[float]], targets: list[float], scale: list[float] | None = None, *,
+           relative: bool = False) -> tuple[torch.Tensor, float]:
     """(coefficients, max in-sample error) of the least-squares fit of targets to rows; the error of
-    a case is relative to its `scale` (default: the target itself)."""
+    a case is relative to its `scale` (default: the target itself). `relative`: minimise the squared
+    relative errors (each row weighted by 1 / target), the measure the units are held to, rather
+    than the absolute ones, which let the largest chunks of the grid decide the fit."""
     a = torch.tensor(rows, dtype=torch.float64)
     b = torch.tensor(targets, dtype=torch.float64)
+    weight = 1 / b.clamp_min(1.0) if relative else torch.ones_like(b)
     # Columns scaled to unit norm so that the tiny constant features are not ignored.
-    norms = a.norm(dim=0).clamp_min(1e-12)
-    solution = torch.linalg.lstsq(a / norms, b.unsqueeze(1), driver="gelsd").solution.squeeze(1) / norms
+    norms = (a * weight[:, None]).norm(dim=0).clamp_min(1e-12)
+    solution = torch.linalg.lstsq(a * weight[:, None] / norms, (b * weight).unsqueeze(1),
+                                  driver="gelsd").solution.squeeze(1) / norms
     predicted = (a @ solution).clamp_min(0)
     reference = b if scale is None else torch.tensor(scale, dtype=torch.float64)
     return solution, float(((predicted - b).abs() / reference.clamp_min(1.0)).max())
@@ -200,7 +204,7 @@ def fit_units(*, n_cases: int = 80, n_checkpoint_cases: int = 200, seed: int = 0
                 rows.append([float(features[name]) for name in FEATURES])
                 targets.append(float(measured))
                 in_sample.append(_describe(case, dtype))
-            solution, error = _lstsq(rows, targets)
+            solution, error = _lstsq(rows, targets, relative=True)
             key = units_key(case["cfg"], dtype)
             units[key] = {"coefficients": _coefficients(FEATURES, solution), "max_rel_error": error}
             if progress:
