@@ -48,11 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     parsers = add_benchmarks(studies, SUITE)
     fit = studies.add_parser("fit-memory-units", help="fit the simulator's activation memory units on tiny chunks",
                              description="fit-memory-units: measure what tiny chunks save for backward and fit the "
-                                         "simulator's activation units (writes --out, 4-8 min on 2 cores).")
+                                         "simulator's activation units (writes --out, 10-15 min on 2 cores).")
     fit.siblings = parsers
     fit.add_argument("--out", required=True, help="the JSON to write (attnres_pp/simulator/memory_units.json)")
-    fit.add_argument("--cases", type=int, default=60, help="tiny chunks measured per variant and dtype")
-    fit.add_argument("--checkpoint-cases", type=int, default=120,
+    fit.add_argument("--cases", type=int, default=80, help="tiny chunks measured per variant and dtype")
+    fit.add_argument("--checkpoint-cases", type=int, default=200,
                      help="tiny chunks measured per variant, dtype and checkpointing policy")
     fit.set_defaults(func=_fit_memory_units)
     return parser

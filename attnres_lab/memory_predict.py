@@ -33,94 +33,12 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from attnres_lab.memory_cases import BASE, CASES, QUICK, RAY_CASES  # noqa: F401 (CASES re-exported)
 from attnres_pp.bench.common import markdown_table
 
 EXACT_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 PEAK_KEYS = ("activation_peak_bytes", "cache_peak_bytes")
 SLOT_KEY = "transport_buffer_bytes"  # the shared-memory receive slots: exact, like the held bytes
-BASE = {"layers": 8, "d_model": 64, "heads": 4, "seq_len": 32, "vocab_size": 256, "batch_size": 4}
-# (name, flags): each differs from the others in schedule, V, m, D, AC, block size or variant.
-CASES = (
-    ("1f1b attnres S=4", {"schedule": "1f1b", "stages": 2, "microbatches": 4, "residual": "attnres", "block_size": 4}),
-    ("interleaved V=2 S=2", {"schedule": "interleaved_1f1b", "stages": 2, "virtual": 2, "microbatches": 4,
-                             "residual": "attnres", "block_size": 2}),
-    ("zb_h1 standard", {"schedule": "zb_h1", "stages": 2, "microbatches": 4, "residual": "standard"}),
-    ("interleaved_zb full AttnRes", {"schedule": "interleaved_zb", "stages": 2, "virtual": 2, "microbatches": 4,
-                                     "residual": "attnres", "block_size": 1}),
-    ("zbv lr_attnres", {"schedule": "zbv", "stages": 2, "virtual": 2, "microbatches": 4, "residual": "lr_attnres",
-                        "block_size": 4}),
-    ("1f1b msar m=2", {"schedule": "1f1b", "stages": 2, "microbatches": 2, "residual": "msar", "block_size": 4}),
-    ("D=2 fsdp interleaved", {"schedule": "interleaved_1f1b", "stages": 2, "virtual": 2, "microbatches": 2,
-                              "data_parallel": 2, "dp_shard": "fsdp", "residual": "attnres", "block_size": 4}),
-    ("AC full 1f1b", {"schedule": "1f1b", "stages": 2, "microbatches": 4, "residual": "attnres", "block_size": 4,
-                      "activation_checkpoint": "full"}),
-    ("AC selective zb_h1", {"schedule": "zb_h1", "stages": 2, "microbatches": 4, "residual": "attnres",
-                            "block_size": 2, "activation_checkpoint": "selective"}),
-    ("bf16 interleaved_zb S=2", {"schedule": "interleaved_zb", "stages": 2, "virtual": 2, "microbatches": 4,
-                                 "residual": "attnres", "block_size": 2, "dtype": "bf16"}),
-    ("dualpipev attnres S=2", {"schedule": "dualpipev", "stages": 2, "virtual": 2, "microbatches": 4,
-                               "residual": "attnres", "block_size": 2}),
-    ("AC selective dualpipev msar", {"schedule": "dualpipev", "stages": 2, "virtual": 2, "microbatches": 4,
-                                     "residual": "msar", "block_size": 2, "activation_checkpoint": "selective"}),
-    ("bf16 zbv msar", {"schedule": "zbv", "stages": 2, "virtual": 2, "microbatches": 4, "residual": "msar",
-                       "block_size": 2, "dtype": "bf16"}),
-    ("D=2 replicate P=4 V=2", {"schedule": "interleaved_1f1b", "stages": 4, "virtual": 2, "microbatches": 4,
-                               "data_parallel": 2, "batch_size": 8, "residual": "attnres", "block_size": 3}),
-    ("AC full interleaved_zb lr_attnres", {"schedule": "interleaved_zb", "stages": 2, "virtual": 2, "microbatches": 4,
-                                           "residual": "lr_attnres", "block_size": 2, "activation_checkpoint": "full"}),
-    ("AC selective 1f1b msar", {"schedule": "1f1b", "stages": 2, "microbatches": 4, "residual": "msar",
-                                "block_size": 4, "activation_checkpoint": "selective"}),
-    ("AC full zbv standard bf16", {"schedule": "zbv", "stages": 2, "virtual": 2, "microbatches": 4,
-                                   "residual": "standard", "activation_checkpoint": "full", "dtype": "bf16"}),
-    ("AC selective interleaved full AttnRes", {"schedule": "interleaved_1f1b", "stages": 2, "virtual": 2,
-                                               "microbatches": 4, "residual": "attnres", "block_size": 1,
-                                               "activation_checkpoint": "selective"}),
-    ("D=2 fsdp zb_h1 S=2", {"schedule": "zb_h1", "stages": 2, "microbatches": 2, "data_parallel": 2,
-                            "dp_shard": "fsdp", "residual": "attnres", "block_size": 2}),
-    ("D=2 fsdp AC full 1f1b", {"schedule": "1f1b", "stages": 2, "microbatches": 2, "data_parallel": 2,
-                               "dp_shard": "fsdp", "residual": "attnres", "block_size": 4,
-                               "activation_checkpoint": "full"}),
-    # The local launcher's received hops are views of a shared-memory arena, and full AC keeps them.
-    ("AC full 1f1b S=2 seq 64", {"schedule": "1f1b", "stages": 2, "microbatches": 4, "residual": "attnres",
-                                 "block_size": 2, "activation_checkpoint": "full", "seq_len": 64,
-                                 "batch_size": 16}),
-    # Shapes the units never saw (seq 40-56, d 80-96) over V 1, 2, 4, m 3 and 6, and the rest of the grid.
-    ("AC selective zbv S-LR sliced bf16 m=6 seq 48", {"schedule": "zbv", "stages": 2, "virtual": 2,
-                                                     "microbatches": 6, "residual": "lr_attnres",
-                                                     "key_mode": "sliced", "block_size": 2,
-                                                     "activation_checkpoint": "selective", "dtype": "bf16",
-                                                     "seq_len": 48, "batch_size": 12}),
-    ("AC full interleaved V=4 standard seq 40", {"schedule": "interleaved_1f1b", "stages": 2, "virtual": 4,
-                                                 "microbatches": 4, "residual": "standard",
-                                                 "activation_checkpoint": "full", "seq_len": 40, "batch_size": 8}),
-    ("D=2 fsdp zb_h1 S=1 d=80 seq 40", {"schedule": "zb_h1", "stages": 2, "microbatches": 2, "data_parallel": 2,
-                                        "dp_shard": "fsdp", "residual": "attnres", "block_size": 1, "d_model": 80,
-                                        "seq_len": 40}),
-    ("AC full 1f1b msar S=4 m=3 seq 56", {"schedule": "1f1b", "stages": 2, "microbatches": 3, "residual": "msar",
-                                          "block_size": 4, "activation_checkpoint": "full", "seq_len": 56,
-                                          "batch_size": 6}),
-    ("interleaved V=4 attnres S=1 d=96 bf16", {"schedule": "interleaved_1f1b", "stages": 2, "virtual": 4,
-                                               "microbatches": 4, "residual": "attnres", "block_size": 1,
-                                               "d_model": 96, "dtype": "bf16", "seq_len": 40, "batch_size": 8}),
-    ("AC full interleaved V=2 P-LR S=2 seq 64", {"schedule": "interleaved_1f1b", "stages": 2, "virtual": 2,
-                                                 "microbatches": 4, "residual": "lr_attnres", "block_size": 2,
-                                                 "activation_checkpoint": "full", "seq_len": 64, "batch_size": 16}),
-    # Blocks of 4 layers over chunks of 1 (V = 4): each block summary is built across four chunks.
-    ("interleaved V=4 attnres S=4 seq 48", {"schedule": "interleaved_1f1b", "stages": 2, "virtual": 4,
-                                            "microbatches": 4, "residual": "attnres", "block_size": 4,
-                                            "seq_len": 48, "batch_size": 8}),
-    # fsdp's gathered copies and reduce-scatter buffers in bf16, under the V schedule.
-    ("D=2 fsdp bf16 zbv msar", {"schedule": "zbv", "stages": 2, "virtual": 2, "microbatches": 2,
-                                "data_parallel": 2, "dp_shard": "fsdp", "residual": "msar", "block_size": 2,
-                                "dtype": "bf16"}),
-)
-QUICK = CASES[:3]
-# The cases also run under `--launcher ray` (a private local Ray instance per run, so about 10 s more
-# each): one per AC policy, fsdp, bf16 and V = 4. Ray ranks hand hops over through the same shared
-# memory as local ranks, so their counts should equal local's.
-RAY_CASES = ("zbv lr_attnres", "AC full 1f1b S=2 seq 64", "AC selective dualpipev msar", "D=2 fsdp zb_h1 S=2",
-             "bf16 interleaved_zb S=2", "interleaved V=4 attnres S=4 seq 48")
-
 
 def case_flags(case: dict) -> dict:
     flags = {**BASE, **case}
@@ -144,8 +62,16 @@ def train_argv(flags: dict, out_dir: Path, launcher: str | None = None) -> list[
     argv = ["train", "--steps", "2", "--launcher", launcher, "--device", "cpu", "--threads", "1", "--quiet",
             "--out", str(out_dir), "--cache", "on"]
     for key, value in {"dtype": "fp32", **flags}.items():
-        argv += [f"--{key.replace('_', '-')}", str(value)]
+        argv += _flag(key, value)
     return argv
+
+
+def _flag(key: str, value) -> list[str]:
+    """A case's key as command-line tokens: a switch (True) is its flag alone."""
+    flag = f"--{key.replace('_', '-')}"
+    if isinstance(value, bool):
+        return [flag] if value else []
+    return [flag, str(value)]
 
 
 def microbatch_sequences(flags: dict) -> int:
@@ -157,7 +83,7 @@ def predict_argv(flags: dict, launcher: str = "inprocess") -> list[str]:
             "--launcher", launcher]
     for key, value in {"dtype": "fp32", **flags}.items():
         if key != "batch_size":
-            argv += [f"--{key.replace('_', '-')}", str(value)]
+            argv += _flag(key, value)
     return argv
 
 
@@ -367,7 +293,8 @@ def to_markdown(payload: dict) -> str:
              "this process (`hooks`: loopback runtime, every rank) or by a training run's `memory_per_rank` "
              "(`run inprocess` / `run local` / `run ray`: 2 steps under that launcher, fp32 unless the case says "
              "bf16; fsdp not in-process; Ray for the cases `RAY_CASES` names). "
-             f"Model {BASE} (dtype fp32 unless the case says bf16). "
+             f"Model {BASE} (dtype fp32 unless the case says bf16; the default layer recipe, rotary positions, "
+             "SwiGLU and multi-head attention, unless the case names another). "
              "Errors: median / max over ranks. Out of sample: the activation units "
              "(`attnres_pp/simulator/memory_units.json`) are fitted by `attnres-lab fit-memory-units` "
              "on single chunks of tiny models (d_model <= 48, seq_len <= 24, vocab <= 80, <= 6 layers; every fitted "

@@ -135,16 +135,24 @@ def checkpoint_bytes(cfg: ModelConfig, partition, chunk_index: int, *, n_sequenc
 
 
 def random_case(rng: random.Random, residual: str, key_mode: str, *, scale: int = 1) -> dict:
-    """A tiny model, partition and chunk drawn from `rng` (`scale` widens every size for held-out cases)."""
+    """A tiny model, partition and chunk drawn from `rng` (`scale` widens every size for held-out
+    cases), with a layer recipe drawn too (docs/spec.md section 11): rotary or learned positions,
+    SwiGLU or GELU, grouped kv heads or not, QK-norm or not, and tied embeddings where the split
+    keeps the embedding and the head on one rank."""
     d = rng.choice((16, 24, 32, 48)) * scale
     n_layers = rng.choice((2, 3, 4, 6))
     n_stages, n_virtual = rng.choice(((1, 1), (2, 1), (2, 2), (3, 1), (1, 2)))
     while n_stages * n_virtual > n_layers:
         n_stages, n_virtual = 1, 1
+    n_heads = rng.choice((1, 2, 4))
+    recipe = {"positions": rng.choice(("rope", "learned")), "mlp": rng.choice(("swiglu", "gelu")),
+              "n_kv_heads": rng.choice([0] + [g for g in (1, 2) if n_heads % g == 0 and g < n_heads]),
+              "qk_norm": rng.random() < 0.5, "tie_embeddings": n_stages == 1 and rng.random() < 0.5}
     cfg = ModelConfig(vocab_size=rng.choice((32, 48, 80)) * scale, n_layers=n_layers, d_model=d,
-                      n_heads=rng.choice((1, 2, 4)), d_ff=rng.choice((0, 3 * d, 2 * d + 8)),
+                      n_heads=n_heads, d_ff=rng.choice((0, 3 * d, 2 * d + 8)),
                       seq_len=rng.choice((8, 12, 16, 24)) * scale, residual=residual,
-                      block_size=rng.randint(1, 2 * n_layers), key_mode=key_mode, key_rank=rng.choice((4, 8)))
+                      block_size=rng.randint(1, 2 * n_layers), key_mode=key_mode, key_rank=rng.choice((4, 8)),
+                      **recipe)
     return {"cfg": cfg, "n_stages": n_stages, "n_virtual": n_virtual,
             "chunk": rng.randrange(n_stages * n_virtual), "n_sequences": rng.choice((1, 2, 3))}
 
@@ -158,15 +166,19 @@ def measure_case(case: dict, dtype: str) -> tuple[dict[str, float], int]:
     return features, saved_bytes(cfg, partition, case["chunk"], n_sequences=case["n_sequences"], dtype=dtype)
 
 
-def _lstsq(rows: list[list[float]], targets: list[float], scale: list[float] | None = None
-           ) -> tuple[torch.Tensor, float]:
+def _lstsq(rows: list[list[float]], targets: list[float], scale: list[float] | None = None, *,
+           relative: bool = False) -> tuple[torch.Tensor, float]:
     """(coefficients, max in-sample error) of the least-squares fit of targets to rows; the error of
-    a case is relative to its `scale` (default: the target itself)."""
+    a case is relative to its `scale` (default: the target itself). `relative`: minimise the squared
+    relative errors (each row weighted by 1 / target), the measure the units are held to, rather
+    than the absolute ones, which let the largest chunks of the grid decide the fit."""
     a = torch.tensor(rows, dtype=torch.float64)
     b = torch.tensor(targets, dtype=torch.float64)
+    weight = 1 / b.clamp_min(1.0) if relative else torch.ones_like(b)
     # Columns scaled to unit norm so that the tiny constant features are not ignored.
-    norms = a.norm(dim=0).clamp_min(1e-12)
-    solution = torch.linalg.lstsq(a / norms, b.unsqueeze(1), driver="gelsd").solution.squeeze(1) / norms
+    norms = (a * weight[:, None]).norm(dim=0).clamp_min(1e-12)
+    solution = torch.linalg.lstsq(a * weight[:, None] / norms, (b * weight).unsqueeze(1),
+                                  driver="gelsd").solution.squeeze(1) / norms
     predicted = (a @ solution).clamp_min(0)
     reference = b if scale is None else torch.tensor(scale, dtype=torch.float64)
     return solution, float(((predicted - b).abs() / reference.clamp_min(1.0)).max())
@@ -176,7 +188,7 @@ def _coefficients(names, solution: torch.Tensor) -> dict[str, float]:
     return {name: round(float(v), 6) for name, v in zip(names, solution, strict=True) if abs(float(v)) > 1e-9}
 
 
-def fit_units(*, n_cases: int = 60, n_checkpoint_cases: int = 120, seed: int = 0, progress=None) -> dict:
+def fit_units(*, n_cases: int = 80, n_checkpoint_cases: int = 200, seed: int = 0, progress=None) -> dict:
     """{"command", "features", "units": {variant/dtype: {"coefficients", "max_rel_error"}},
     "checkpoint_features", "checkpoint_units": {policy/variant/dtype: {"coefficients": {target: ...},
     "max_rel_error": {target: ...}}}, "in_sample", "out_of_sample"}."""
@@ -192,7 +204,7 @@ def fit_units(*, n_cases: int = 60, n_checkpoint_cases: int = 120, seed: int = 0
                 rows.append([float(features[name]) for name in FEATURES])
                 targets.append(float(measured))
                 in_sample.append(_describe(case, dtype))
-            solution, error = _lstsq(rows, targets)
+            solution, error = _lstsq(rows, targets, relative=True)
             key = units_key(case["cfg"], dtype)
             units[key] = {"coefficients": _coefficients(FEATURES, solution), "max_rel_error": error}
             if progress:
@@ -254,7 +266,8 @@ def _describe(case: dict, dtype: str) -> str:
     cfg = case["cfg"]
     return (f"{cfg.residual}/{cfg.key_mode} {dtype} L={cfg.n_layers} d={cfg.d_model} H={cfg.n_heads} f={cfg.ff_dim} "
             f"T={cfg.seq_len} V={cfg.vocab_size} S={cfg.block_size} r={cfg.key_rank} P={case['n_stages']} "
-            f"Vc={case['n_virtual']} chunk={case['chunk']} B={case['n_sequences']}")
+            f"Vc={case['n_virtual']} chunk={case['chunk']} B={case['n_sequences']} {cfg.positions} {cfg.mlp} "
+            f"G={cfg.kv_heads}{' qk-norm' if cfg.qk_norm else ''}{' tied' if cfg.tie_embeddings else ''}")
 
 
 def run_fit(args: argparse.Namespace) -> int:

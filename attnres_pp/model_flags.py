@@ -26,6 +26,7 @@ MODEL_FLAGS = (
     ("--layers", "n_layers", int, "transformer layers (two sublayers each)"),
     ("--d-model", "d_model", int, "model width d"),
     ("--heads", "n_heads", int, "attention heads"),
+    ("--d-ff", "d_ff", int, "MLP width (0 = the recipe's default: SwiGLU 64 x ceil(8 d / 3 / 64), GELU 4 d)"),
     ("--seq-len", "seq_len", int, "tokens per sequence"),
     ("--vocab-size", "vocab_size", int, "vocabulary size (256 for byte corpora)"),
     ("--positions", "positions", str, f"positions: {' | '.join(POSITIONS)} (rotary, default; or a learned table)"),

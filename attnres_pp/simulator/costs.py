@@ -21,6 +21,7 @@ from attnres_pp.model.config import ModelConfig, block_of, has_partial_before
 
 # The ring collectives' prices, used here and by the tensor-parallel terms (`tensor_parallel`).
 from attnres_pp.simulator.collectives import ring_all_gather_s, ring_all_reduce_s, ring_reduce_scatter_s  # noqa: F401
+from attnres_pp.simulator.layer_recipe import attention_flops_per_token, mlp_flops_per_token
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,14 +139,16 @@ PROFILES = {
 def sublayer_forward_flops(cfg: ModelConfig, sublayer: int, tokens: int) -> float:
     """Forward FLOPs of one sublayer for `tokens` tokens (matmuls, causal attention, depth read).
 
+    The layer recipe's part (`simulator.layer_recipe`): the qkv projection d -> (H + 2 G) E, SwiGLU's
+    three d x f matrices or GELU's two, QK-norm and the rotation of q and k (elementwise, small).
     A depth read costs about 5 FLOPs per source element (key norm, score, weighted sum); its
     keys are r wide under low-rank keys, but the weighted sum over d-wide values dominates.
     """
-    d, width_out = cfg.d_model, cfg.d_model + cfg.projected_key_rank
-    if sublayer % 2 == 0:  # attention: q, k, v projections, output projection, causal scores
-        flops = 2 * tokens * (3 * d * d + d * width_out) + 2 * tokens * cfg.seq_len * d
-    else:  # MLP: up and down projection
-        flops = 2 * tokens * (d * cfg.ff_dim + cfg.ff_dim * width_out)
+    d = cfg.d_model
+    if sublayer % 2 == 0:  # attention: q, k, v projections (G kv heads), output projection, causal scores
+        flops = tokens * attention_flops_per_token(cfg)
+    else:  # MLP: SwiGLU's gate, up and down projections (GELU: up and down)
+        flops = tokens * mlp_flops_per_token(cfg)
     if cfg.uses_depth_attention:
         ends = cfg.block_ends
         sources = block_of(sublayer, ends) + (1 if has_partial_before(sublayer, ends) else 0)
@@ -155,8 +158,9 @@ def sublayer_forward_flops(cfg: ModelConfig, sublayer: int, tokens: int) -> floa
 
 def chunk_forward_flops(cfg: ModelConfig, partition: Partition, chunk_index: int, tokens: int) -> float:
     flops = sum(sublayer_forward_flops(cfg, s, tokens) for s in partition.sublayer_range(chunk_index))
-    if chunk_index == partition.n_chunks - 1:  # final read, LM head
-        flops += 5 * (cfg.n_blocks + 1) * tokens * cfg.d_model + 2 * tokens * cfg.d_model * cfg.vocab_size
+    if chunk_index == partition.n_chunks - 1:  # final read (depth attention only), LM head (tied or not)
+        final_read = 5 * (cfg.n_blocks + 1) * tokens * cfg.d_model if cfg.uses_depth_attention else 0
+        flops += final_read + 2 * tokens * cfg.d_model * cfg.vocab_size
     return flops
 
 

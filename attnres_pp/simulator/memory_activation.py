@@ -17,6 +17,7 @@ from pathlib import Path
 from attnres_pp.comm.partition import Partition
 from attnres_pp.comm.plan import PayloadPlan
 from attnres_pp.model.config import ModelConfig, completed_blocks
+from attnres_pp.simulator.layer_recipe import kv_width, qkv_rows
 from attnres_pp.simulator.memory_features import activation_features, checkpoint_features, recompute_passes
 from attnres_pp.simulator.memory_setup import ATTENTION_KERNELS, DTYPE_BYTES
 
@@ -59,14 +60,16 @@ class ChunkActivation:
 def stored_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype: str,
                  tensor_parallel: int = 1, sequence_parallel: bool = False) -> int:
     """What I leaves in the W store of one chunk and microbatch (`pipeline.weight_store`): each
-    linear layer's input and output gradient, per token and layer (d + 3d) for qkv, (d + width)
-    for the output projection, (d + ff) and (ff + width) for the MLP, plus (d + vocab) for the last
-    chunk's head; the small weights' gradients (norm gains, queries) that I computes are left out.
-    Chunk 0 keeps none: its I has no inputs and leaves the whole backward to W.
+    linear layer's input and output gradient, per token and layer (d + (H + 2G) E) for the q, k and v
+    projections (one input storage, fused or not), (d + width) for the output projection,
+    (d + 2 f) for SwiGLU's gate and up (one input; GELU's up: d + f) and (f + width) for the down
+    projection, plus (d + vocab) for the last chunk's head; the small weights' gradients (norm gains,
+    queries) that I computes are left out. Chunk 0 keeps none: its I has no inputs and leaves the
+    whole backward to W.
 
     On a tp rank (derived): under sequence parallelism all of it for the rank's tokens / T (the
     all-gathered inputs are gathered again for W, as Megatron does); without it the split operands
-    1/T: (d + 3d/T), (d/T + width), (d + f/T), (f/T + width) per token and layer."""
+    1/T: the projections' outputs, the output projection's input and the hidden units."""
     if chunk_index == 0:
         return 0
     layer, head = store_bytes_per_layer(cfg, tokens=tokens, dtype=dtype, tensor_parallel=tensor_parallel,
@@ -78,11 +81,11 @@ def store_bytes_per_layer(cfg: ModelConfig, *, tokens: int, dtype: str, tensor_p
                           sequence_parallel: bool = False) -> tuple[int, int]:
     """(one transformer layer's, the head's) share of `stored_bytes` for one microbatch."""
     d, f, width, t = cfg.d_model, cfg.ff_dim, cfg.source_width, tensor_parallel
+    hidden_outputs = 2 if cfg.mlp == "swiglu" else 1  # gate and up, or up
     if sequence_parallel and t > 1:
         tokens //= t
-        per_layer = (d + 3 * d) + (d + width) + (d + f) + (f + width)
-    else:
-        per_layer = (d + 3 * d // t) + (d // t + width) + (d + f // t) + (f // t + width)
+        t = 1
+    per_layer = ((d + qkv_rows(cfg) // t) + (d // t + width) + (d + hidden_outputs * f // t) + (f // t + width))
     return tokens * per_layer * DTYPE_BYTES[dtype], tokens * (d + cfg.vocab_size) * DTYPE_BYTES[dtype]
 
 
@@ -118,27 +121,36 @@ def input_peak_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, t
 #
 # The units are fitted on CPU runs, where torch's scaled_dot_product_attention runs its CPU flash
 # kernel (`_scaled_dot_product_flash_attention_for_cpu`, as the CUDA flash / efficient kernels): it
-# saves q, k, v (views of the qkv projection's one storage), its output (a view whose storage the
-# output projection saves too) and the log-sum-exp, fp32 H x T per sequence (the `layer_th` column).
-# So the fitted units are flash's. The math path (`SDPBackend.MATH`) is derived from shapes, not
-# fitted: it saves sqrt(scale) q and k as new tensors, the softmax probabilities H x T x T per
-# sequence and v, all fp32 (it upcasts bf16 inputs unless `allow_fp16_bf16_reduction_math_sdp`),
-# and no log-sum-exp.
+# saves q, k, v (views of the projections' storages, or the rotated / normalised q and k), its output
+# (a view whose storage the output projection saves too) and the log-sum-exp, fp32 H x T per
+# sequence (the `layer_th` column). So the fitted units are flash's. The math path
+# (`SDPBackend.MATH`) is derived from shapes, not fitted: it saves sqrt(scale) q and k and a
+# contiguous v as new tensors, H heads wide, and the softmax probabilities H x T x T per sequence,
+# all fp32 (it upcasts bf16 inputs unless `allow_fp16_bf16_reduction_math_sdp`), and no log-sum-exp;
+# its output is a new tensor that the output projection's input replaces (a copy either way).
 
 def flash_attention_saved(cfg: ModelConfig, *, seq_len: int, dtype: str) -> int:
-    """Bytes one layer's flash attention saves per sequence beyond the output projection's input:
-    q, k, v (one qkv storage, compute dtype) and the fp32 log-sum-exp."""
-    t, d = seq_len, cfg.d_model
-    return 3 * t * d * DTYPE_BYTES[dtype] + 4 * cfg.n_heads * t
+    """Bytes one layer's flash attention saves per sequence beyond the output projection's input (its
+    output's storage) and beyond what the layer saves anyway: q, k, v and the fp32 log-sum-exp. q and
+    k are views of the projections' storages (one under multi-head attention, q's and kv's with
+    grouped kv heads), unless rotary positions or QK-norm made them new tensors, H E + G E numbers
+    per token; v is a view of its projection's storage. Under fp32 QK-norm's RMSNorms save those
+    storages themselves (their input), so the views add nothing."""
+    t, elem = seq_len, DTYPE_BYTES[dtype]
+    lse = 4 * cfg.n_heads * t
+    held = cfg.qk_norm and dtype == "fp32"  # bf16: the norms save an fp32 copy of their input instead
+    if cfg.positions == "rope" or cfg.qk_norm:
+        value_rows = qkv_rows(cfg) if cfg.fused_qkv else 2 * kv_width(cfg)
+        return t * (cfg.d_model + kv_width(cfg)) * elem + (0 if held else t * value_rows * elem) + lse
+    return t * qkv_rows(cfg) * elem + lse
 
 
 def math_attention_saved(cfg: ModelConfig, *, seq_len: int, dtype: str) -> int:
     """Bytes one layer's math attention saves per sequence beyond the output projection's input:
-    scaled q and k, fp32 copies; the fp32 probabilities H x T x T; v, an fp32 copy under bf16, else a
-    view that keeps the qkv storage (fp32) alive."""
+    sqrt(scale) q and k and v, new fp32 tensors H heads wide (bf16 upcast; grouped kv heads repeated
+    to the query heads; v made contiguous), and the fp32 probabilities H x T x T."""
     t, d = seq_len, cfg.d_model
-    v = 4 * t * d if dtype == "bf16" else 3 * t * d * DTYPE_BYTES[dtype]
-    return 4 * t * d + 4 * t * d + v + 4 * cfg.n_heads * t * t
+    return 3 * 4 * t * d + 4 * cfg.n_heads * t * t
 
 
 def attention_correction(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype: str,
@@ -166,8 +178,7 @@ def attention_correction(cfg: ModelConfig, partition: Partition, chunk_index: in
     if activation_checkpoint == "full":
         return {"transient": n_sequences * (math_ - flash)}
     lse = 4 * cfg.n_heads * cfg.seq_len
-    qkv_view = 0 if dtype == "bf16" else 3 * cfg.seq_len * cfg.d_model * DTYPE_BYTES[dtype]
-    return {"saved": -layers * n_sequences * lse, "transient": n_sequences * (math_ - qkv_view)}
+    return {"saved": -layers * n_sequences * lse, "transient": n_sequences * math_}
 
 
 def activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype: str,

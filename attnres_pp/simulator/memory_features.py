@@ -17,18 +17,43 @@ from __future__ import annotations
 
 from attnres_pp.comm.partition import Partition
 from attnres_pp.model.config import ModelConfig, block_of, block_stop, completed_blocks, has_partial_before
+from attnres_pp.simulator.layer_recipe import layer_matmul_elements
 
+# The layer recipe's columns (docs/spec.md section 11), per layer: the kv heads' width; q and k as
+# new tensors (rotated, or normalised by QK-norm) and, with grouped heads, the query projection's
+# storage that no v view then keeps; QK-norm's own saves; rotary's cos and sin; SwiGLU's two more
+# hidden-unit tensors (gate output, SiLU output) beside GELU's.
+RECIPE_FEATURES = ("layer_tkv", "newqk_tqk", "newqk_grouped_td", "qkn_tqk", "qkn_th", "qkn_grouped_td", "rope_te",
+                   "glu_tf")
 FEATURES = ("layer_td", "layer_th", "layer_tf", "sub_tw", "sub_t", "sub_tr", "seg_ntw", "seg_nkt", "seg_ktd",
             "seg_nt", "seg_ntr", "seg_nbd", "merge_td", "merge_t", "merge_tr", "merge_bd", "head_tv", "head_td",
             "head_t", "embed_t", "embed_td", "matmul_params", "sub_1", "seg_1", "seg_kq", "sub_d",
-            "buf_tw", "buf_tk")
+            "buf_tw", "buf_tk", *RECIPE_FEATURES, "embed_pos")
+
+
+def recipe_layer_features(cfg: ModelConfig, *, tokens: int, split: int = 1) -> dict[str, int]:
+    """The `RECIPE_FEATURES` of one transformer layer for `tokens` tokens; `split` divides what is
+    per head or per hidden unit (tp without sequence parallelism)."""
+    t, d, kv = tokens, cfg.d_model, cfg.kv_heads * cfg.head_dim
+    new_qk = cfg.positions == "rope" or cfg.qk_norm
+    grouped = not cfg.fused_qkv
+    return {
+        "layer_tkv": t * kv // split, "newqk_tqk": new_qk * t * (d + kv) // split,
+        "newqk_grouped_td": (new_qk and grouped) * t * d // split,
+        "qkn_tqk": cfg.qk_norm * t * (d + kv) // split,
+        "qkn_th": cfg.qk_norm * t * (cfg.n_heads + cfg.kv_heads) // split,
+        "qkn_grouped_td": (cfg.qk_norm and grouped) * t * d // split,
+        # cos and sin [T, E], made once per layer and pass (whole on every tp rank)
+        "rope_te": (cfg.positions == "rope") * cfg.seq_len * cfg.head_dim,
+        "glu_tf": (cfg.mlp == "swiglu") * t * cfg.ff_dim // split,
+    }
 
 
 def matmul_parameters(cfg: ModelConfig, partition: Partition, chunk_index: int, tensor_parallel: int = 1) -> int:
     """Elements of the weights a chunk multiplies with (bf16 autocast keeps a bf16 copy of each); a
     tp rank holds 1/T of each layer's split matrices and the whole (replicated) key projection and head."""
-    d, f, width = cfg.d_model, cfg.ff_dim, cfg.source_width
-    count = partition.layers_per_chunk[chunk_index] * (3 * d * d + width * d + f * d + width * f) // tensor_parallel
+    d = cfg.d_model
+    count = partition.layers_per_chunk[chunk_index] * layer_matmul_elements(cfg, tensor_parallel)
     if chunk_index == 0:
         count += cfg.projected_key_rank * d
     if chunk_index == partition.n_chunks - 1:
@@ -99,16 +124,18 @@ def activation_features(cfg: ModelConfig, partition: Partition, chunk_index: int
         # A pass's sources live in preallocated buffers of n_blocks + 1 rows (model.depth.DepthSources)
         # that phase 1 reads as views: autograd saves the whole storage, values and normalised keys.
         "buf_tw": source_rows * t * width * streams, "buf_tk": source_rows * t * key_width * streams,
-    }
+        # a learned position table's lookup saves its T indices
+        "embed_pos": is_first * (cfg.positions == "learned") * cfg.seq_len,
+    } | {name: n_layers * value for name, value in recipe_layer_features(cfg, tokens=t, split=split).items()}
 
 
 # Per layer pass, under checkpointing; each name is used as all_<name> and last_<name>.
 _PASS = ("layer_td", "layer_th", "layer_tf", "sub_tw", "sub_t", "sub_tr", "sub_1", "seg_ntw", "seg_nkt",
          "seg_ktd", "seg_ntr", "seg_nbd", "seg_kq", "merge_td", "merge_tr", "merge_bd", "buf_tw", "buf_tk",
-         "matmul_params", "in_partial_tw")
+         "matmul_params", "in_partial_tw", *RECIPE_FEATURES)
 _OUTSIDE = ("out_single_tw", "out_held_blocks_tw",
             "out_head_tv", "out_head_td", "out_head_t", "out_embed_t", "out_embed_td", "out_final_ntw",
-            "out_final_buf", "out_matmul_params")
+            "out_final_buf", "out_matmul_params", "out_embed_pos")
 CHECKPOINT_FEATURES = tuple(f"all_{n}" for n in _PASS) + tuple(f"last_{n}" for n in _PASS) + _OUTSIDE
 
 
@@ -132,11 +159,11 @@ def _layer_pass(cfg: ModelConfig, sublayers: range, *, tokens: int, n_sequences:
         "seg_kq": sum(k * cfg.query_dim * cfg.n_streams for _n, k in segments),
         "merge_td": merges * t * d, "merge_tr": merges * t * r, "merge_bd": merges * n_sequences * d,
         "buf_tw": rows * t * width * streams, "buf_tk": rows * t * key_width * streams,
-        "matmul_params": (3 * d * d + width * d + f * d + width * f) // tensor_parallel if dtype == "bf16" else 0,
+        "matmul_params": layer_matmul_elements(cfg, tensor_parallel) if dtype == "bf16" else 0,
         # The pass's input partial (or residual) is saved as it is, by the norm and merge that read it.
         "in_partial_tw": t * width if cfg.residual == "standard" or has_partial_before(sublayers.start,
                                                                                        cfg.block_ends) else 0,
-    }
+    } | recipe_layer_features(cfg, tokens=t, split=split)
 
 
 def checkpoint_features(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int,
@@ -172,6 +199,7 @@ def checkpoint_features(cfg: ModelConfig, partition: Partition, chunk_index: int
         "out_final_ntw": is_last * rows * t * width, "out_final_buf": is_last * rows * t * width * streams,
         "out_matmul_params": (is_last * cfg.vocab_size * d + is_first * cfg.projected_key_rank * d)
         if dtype == "bf16" else 0,
+        "out_embed_pos": is_first * (cfg.positions == "learned") * cfg.seq_len,
     }
     return features
 

@@ -10,6 +10,11 @@ import math
 
 from attnres_pp.comm.partition import Partition
 from attnres_pp.model.config import ModelConfig
+from attnres_pp.simulator.layer_recipe import (
+    embedding_shapes,
+    head_shapes,
+    layer_parameter_shapes,
+)
 from attnres_pp.simulator.memory_setup import DTYPE_BYTES
 
 
@@ -26,24 +31,22 @@ def _read_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
 
 def rank_parameter_shapes(cfg: ModelConfig, partition: Partition, pp_rank: int,
                           tensor_parallel: int = 1) -> list[tuple[int, ...]]:
-    """Shapes of every parameter rank `pp_rank` holds (`pipeline.chunk.rank_parameters`); on one of
-    `tensor_parallel` tp ranks (docs/spec.md section 10) the local shards of the split matrices (q, k, v
-    and the MLP's first projection column-parallel, dim 0 / T; the attention output and the MLP's
-    second projection row-parallel, dim 1 / T) and every other parameter whole (replicated over tp:
-    norms, depth-attention parameters, embedding, positions, key projection, head)."""
-    d, f, width, t = cfg.d_model, cfg.ff_dim, cfg.source_width, tensor_parallel
+    """Shapes of every parameter rank `pp_rank` holds (`pipeline.chunk.rank_parameters`), in the
+    modules' order (`simulator.layer_recipe`); on one of `tensor_parallel` tp ranks (docs/spec.md
+    section 10) the local shards of the split matrices (q, k, v, SwiGLU's gate and the MLP's up
+    projection column-parallel, dim 0 / T; the attention output and the MLP's down projection
+    row-parallel, dim 1 / T) and every other parameter whole (replicated over tp: norms, QK-norm's
+    gains, depth-attention parameters, embedding, positions, key projection, head). Under tied
+    embeddings the LM head is the embedding's matrix, held once."""
     shapes: list[tuple[int, ...]] = []
     chunks = partition.chunks_of(pp_rank)
     if 0 in chunks:
-        shapes += [(cfg.vocab_size, d), (cfg.seq_len, d)]
-        if cfg.projected_key_rank:
-            shapes.append((cfg.projected_key_rank, d))
-    layer = [(d,), (3 * d // t, d), (width, d // t), *_read_shapes(cfg), (d,), (f // t, d), (width, f // t),
-             *_read_shapes(cfg)]
+        shapes += embedding_shapes(cfg)
+    layer = layer_parameter_shapes(cfg, _read_shapes(cfg), tensor_parallel)
     for c in chunks:
         shapes += layer * partition.layers_per_chunk[c]
     if partition.n_chunks - 1 in chunks:
-        shapes += [*_read_shapes(cfg), (d,), (cfg.vocab_size, d)]
+        shapes += head_shapes(cfg, _read_shapes(cfg), holds_embedding=0 in chunks)
     return shapes + tied_parameter_shapes(cfg)
 
 
@@ -95,15 +98,14 @@ def saved_parameter_shapes(cfg: ModelConfig, partition: Partition, chunk_index: 
     indices), the AttnRes / LR-AttnRes pseudo-queries (their reads save the stacked queries, a copy)
     and MSAR's gate scalars; MSAR's per-stream queries, a few d-vectors, are counted. With
     `key_norm_gain` the scoring query's product (query x gain, `model.depth.DepthRead`) saves both."""
-    d, f, width, t = cfg.d_model, cfg.ff_dim, cfg.source_width, tensor_parallel
+    d, t = cfg.d_model, tensor_parallel
     read = [(cfg.n_streams, d), (cfg.n_streams * d, cfg.n_streams)] if cfg.residual == "msar" else []
     if cfg.key_norm_gain and cfg.uses_depth_attention:
         read += [(cfg.n_streams, d)] if cfg.residual == "msar" else [(cfg.query_dim,)] * 2
-    shapes = [(d,), (3 * d // t, d), (width, d // t), *read, (d,), (f // t, d), (width, f // t), *read] * \
-        partition.layers_per_chunk[chunk_index]
+    shapes = layer_parameter_shapes(cfg, read, t) * partition.layers_per_chunk[chunk_index]
     if chunk_index == 0 and cfg.projected_key_rank:
         shapes.append((cfg.projected_key_rank, d))
-    if chunk_index == partition.n_chunks - 1:
+    if chunk_index == partition.n_chunks - 1:  # the LM head's product saves its matrix, tied or not
         shapes += [*read, (d,), (cfg.vocab_size, d)]
     return shapes
 
@@ -122,14 +124,10 @@ def chunk_gathered_bytes(cfg: ModelConfig, partition: Partition, chunk_index: in
     are unsharded (`train.fsdp`: its layers, the embedding on chunk 0, the head on the last chunk;
     MSAR's tied convolutions are not units). Summed over a rank's chunks it is the copy that
     resharding never keeps through the step (`predict_ranks`)."""
-    d, f, width, t = cfg.d_model, cfg.ff_dim, cfg.source_width, tensor_parallel
     shapes: list[tuple[int, ...]] = []
     if chunk_index == 0:
-        shapes += [(cfg.vocab_size, d), (cfg.seq_len, d)]
-        if cfg.projected_key_rank:
-            shapes.append((cfg.projected_key_rank, d))
-    shapes += [(d,), (3 * d // t, d), (width, d // t), *_read_shapes(cfg), (d,), (f // t, d), (width, f // t),
-               *_read_shapes(cfg)] * partition.layers_per_chunk[chunk_index]
-    if chunk_index == partition.n_chunks - 1:
-        shapes += [*_read_shapes(cfg), (d,), (cfg.vocab_size, d)]
+        shapes += embedding_shapes(cfg)
+    shapes += layer_parameter_shapes(cfg, _read_shapes(cfg), tensor_parallel) * partition.layers_per_chunk[chunk_index]
+    if chunk_index == partition.n_chunks - 1:  # tied: gathered with the embedding (on the same rank)
+        shapes += head_shapes(cfg, _read_shapes(cfg), holds_embedding=True)
     return sum(math.prod(s) for s in shapes) * DTYPE_BYTES[dtype]

@@ -13,6 +13,7 @@ nodes, and holds `runnable` to what train accepts.
 
 from __future__ import annotations
 
+from attnres_pp.model.config import ModelConfig
 from attnres_pp.simulator.plan_request import Candidate, PlanRequest
 
 
@@ -31,6 +32,24 @@ def command_fields(request: PlanRequest, candidate: Candidate) -> dict:
             "not_runnable_reason": reason}
 
 
+# The layer recipe's fields (docs/spec.md section 11) and train's flags for them (`model_flags`).
+_RECIPE_FLAGS = (("d_ff", "--d-ff"), ("positions", "--positions"), ("rope_theta", "--rope-theta"), ("mlp", "--mlp"),
+                 ("n_kv_heads", "--kv-heads"), ("qk_norm", "--qk-norm"), ("tie_embeddings", "--tie-embeddings"))
+
+
+def recipe_flags(cfg: ModelConfig) -> list[str]:
+    """train's flags for the recipe fields where `cfg` differs from ModelConfig's defaults (what
+    train builds without them), so the command trains the model the plan priced."""
+    parts = []
+    for field, flag in _RECIPE_FLAGS:
+        value, default = getattr(cfg, field), ModelConfig.__dataclass_fields__[field].default
+        if value == default or (field == "rope_theta" and cfg.positions != "rope"):
+            continue
+        parts.append(flag if isinstance(value, bool) else f"{flag} {value:g}" if isinstance(value, float)
+                     else f"{flag} {value}")
+    return parts
+
+
 def train_command(request: PlanRequest, candidate: Candidate) -> str:
     """The `attnres-pp train` command line of a candidate (one optimiser step per --steps)."""
     cfg = request.model
@@ -42,6 +61,7 @@ def train_command(request: PlanRequest, candidate: Candidate) -> str:
             parts.append("--key-norm-gain")
     if cfg.residual == "lr_attnres":
         parts += [f"--key-mode {cfg.key_mode}", f"--key-rank {cfg.key_rank}"]
+    parts += recipe_flags(cfg)
     parts += [f"--batch-size {request.global_batch}", f"--microbatches {candidate.n_microbatches}",
               f"--stages {candidate.n_stages}", f"--virtual {candidate.n_virtual}",
               f"--data-parallel {candidate.data_parallel}", f"--schedule {candidate.schedule}",

@@ -14,6 +14,7 @@ from attnres_pp.comm.plan import plan_for_model, shard_tokens
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.schedule.schedules import schedule_placement
 from attnres_pp.simulator.costs import ring_all_gather_s, ring_all_reduce_s, ring_reduce_scatter_s
+from attnres_pp.simulator.layer_recipe import layer_matmul_elements
 from attnres_pp.simulator.memory import (
     DTYPE_BYTES,
     activation_bytes,
@@ -279,8 +280,7 @@ class PlanCosts:
 
     def _tp_grad_all_reduce(self, candidate: Candidate, partition) -> dict:
         t, cfg = candidate.tensor_parallel, self.model_for(candidate)
-        split = (3 * cfg.d_model ** 2 + cfg.source_width * cfg.d_model + cfg.ff_dim * cfg.d_model
-                 + cfg.source_width * cfg.ff_dim) // t
+        split = layer_matmul_elements(cfg, t)
         replicated = max(sum(math.prod(s) for s in rank_parameter_shapes(cfg, partition, r, t))
                          - split * sum(partition.layers_per_chunk[c] for c in partition.chunks_of(r))
                          for r in range(candidate.n_stages))

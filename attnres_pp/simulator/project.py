@@ -29,6 +29,12 @@ from attnres_pp.schedule.schedules import build_schedule, schedule_placement
 from attnres_pp.simulator.comm import COMM_MODES
 from attnres_pp.simulator.costs import CostModel, sublayer_forward_flops
 from attnres_pp.simulator.engine import simulate
+from attnres_pp.simulator.layer_recipe import (
+    check_tied_placement,
+    embedding_shapes,
+    head_shapes,
+    layer_parameter_shapes,
+)
 from attnres_pp.simulator.metrics import peak_cache_tensors
 from attnres_pp.simulator.units import chunk_work
 
@@ -125,17 +131,18 @@ def project_costs(cfg: ModelConfig, partition: Partition, plan: PayloadPlan, *, 
 
 
 def rank_parameters(cfg: ModelConfig, partition: Partition) -> list[int]:
-    """Parameters each pipeline rank holds (its layers, the embedding on chunk 0's, the head on the last's)."""
-    d, f, r_p = cfg.d_model, cfg.ff_dim, cfg.projected_key_rank
-    per_layer = 2 * d + 3 * d * d + d * (d + r_p) + d * f + f * (d + r_p) + 2 * cfg.query_dim * cfg.uses_depth_attention
+    """Parameters each pipeline rank holds (its layers, the embedding on chunk 0's, the head on the
+    last's; under tied embeddings the LM head's matrix is the embedding's, counted once)."""
+    per_layer = sum(math.prod(s) for s in layer_parameter_shapes(cfg, [(cfg.query_dim,)] * cfg.uses_depth_attention))
     counts = [0] * partition.n_stages
     for c in range(partition.n_chunks):
         rank = partition.rank_of(c)
         counts[rank] += per_layer * partition.layers_per_chunk[c]
         if c == 0:
-            counts[rank] += cfg.vocab_size * d + cfg.seq_len * d
+            counts[rank] += sum(math.prod(s) for s in embedding_shapes(cfg))
         if c == partition.n_chunks - 1:
-            counts[rank] += d + d * cfg.vocab_size
+            holds_embedding = partition.rank_of(0) == rank
+            counts[rank] += sum(math.prod(s) for s in head_shapes(cfg, [], holds_embedding=holds_embedding))
     return counts
 
 
@@ -166,6 +173,7 @@ def project(cfg: ModelConfig, *, tokens: int, dtype_bytes: int, cluster: Cluster
         model, cache = mode_model(cfg, mode)
         partition = make_partition(model.n_layers, cluster.n_stages, cluster.n_virtual,
                                    placement=schedule_placement(cluster.schedule))
+        check_tied_placement(model, partition.rank_of(0), partition.rank_of(partition.n_chunks - 1))
         plan = plan_for_model(model, partition, cache)
         costs = project_costs(model, partition, plan, tokens=tokens, dtype_bytes=dtype_bytes, cluster=cluster)
         schedule = build_schedule(cluster.schedule, cluster.n_stages, cluster.n_virtual, cluster.n_microbatches)

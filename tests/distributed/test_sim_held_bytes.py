@@ -43,3 +43,24 @@ def test_predicted_held_bytes_equal_a_real_run(tmp_path, schedule, virtual, dp_s
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         assert {k: g[k] for k in HELD} == {k: w.terms[k] for k in HELD}
+
+
+# The layer recipe (docs/spec.md section 11) in the held bytes: multi-query heads with QK-norm and
+# tied embeddings (V-shaped: the embedding and the head on rank 0), and grouped heads under FSDP2.
+RECIPE_RUNS = (("zbv", "replicate", ["--kv-heads", "1", "--qk-norm", "--tie-embeddings"],
+                {"n_kv_heads": 1, "qk_norm": True, "tie_embeddings": True}),
+               ("zbv", "fsdp", ["--kv-heads", "1", "--qk-norm", "--mlp", "gelu"],
+                {"n_kv_heads": 1, "qk_norm": True, "mlp": "gelu"}))
+
+
+@pytest.mark.parametrize("schedule,dp_shard,flags,recipe", RECIPE_RUNS)
+def test_predicted_held_bytes_follow_the_recipe(tmp_path, schedule, dp_shard, flags, recipe):
+    m = MODEL
+    assert main([*train_argv(schedule, 2, dp_shard, tmp_path), *flags]) == 0
+    got = json.loads((tmp_path / "summary.json").read_text())["memory_per_rank"]
+    setup = MemorySetup(schedule=schedule, n_stages=2, n_virtual=2, n_microbatches=2, tokens=4 * m["seq_len"],
+                        dtype="fp32", data_parallel=2, dp_shard=dp_shard)
+    want = predict_memory(ModelConfig(**m, **recipe), setup)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert {k: g[k] for k in HELD} == {k: w.terms[k] for k in HELD}

@@ -62,7 +62,11 @@ def _case(name: str) -> tuple[str, dict]:
                                   # frames keep: one storage, counted once (`shared_cache_bytes`).
                                   "AC full interleaved V=2 P-LR S=2 seq 64",
                                   "AC selective zbv S-LR sliced bf16 m=6 seq 48", "AC full 1f1b msar S=4 m=3 seq 56",
-                                  "interleaved V=4 attnres S=4 seq 48"])
+                                  "interleaved V=4 attnres S=4 seq 48",
+                                  # The layer recipe: grouped / multi-query kv heads, QK-norm, tied
+                                  # embeddings, the legacy learned positions and GELU.
+                                  "1f1b GQA kv=2 qk-norm", "zbv MQA tied S=2", "legacy recipe interleaved S=2",
+                                  "AC full GQA qk-norm bf16 zb_h1", "AC selective gelu MQA interleaved_zb P-LR"])
 def test_prediction_matches_hook_counts_of_a_real_step(name):
     """The runtime's own step (loopback, every rank in this process, the case's checkpointing
     policy) counted by the runtime's meter."""

@@ -41,9 +41,10 @@ def test_math_difference_is_scores_minus_lse_per_layer_in_flight():
     flash = predict_ranks(cfg, _setup("flash"), schedule, partition, None)
     math_ = predict_ranks(cfg, _setup("math"), schedule, partition, None)
     # Math saves sqrt(scale) q and k and v as fp32 copies (bf16 inputs upcast) and the fp32
-    # probabilities; flash the bf16 qkv storage and the fp32 log-sum-exp.
+    # probabilities; flash the rotated q and k (bf16 copies: rotary positions, the default), the bf16
+    # qkv storage (v is a view of it) and the fp32 log-sum-exp.
     scores, lse = 4 * heads * t_seq * t_seq, 4 * heads * t_seq
-    per_layer = scores + 3 * 4 * t_seq * d - 3 * 2 * t_seq * d - lse
+    per_layer = scores + 3 * 4 * t_seq * d - 2 * 2 * t_seq * d - 3 * 2 * t_seq * d - lse
     layers_per_chunk = cfg.n_layers // 2
     for rank, in_flight in ((0, 2), (1, 1)):
         diff = math_[rank].terms["activation_peak_bytes"] - flash[rank].terms["activation_peak_bytes"]
@@ -105,8 +106,18 @@ def test_json_names_the_kernel(capsys):
     assert json.loads(_cli(capsys, *base, "--attention-kernel", "math")[1])["attention_kernel"] == "math"
 
 
+# The layer recipes change what each kernel saves (docs/spec.md section 11): rotated or normalised
+# q and k are new tensors, grouped kv heads have their own storage and math repeats them.
+RECIPES = {"legacy": {"positions": "learned", "mlp": "gelu"}, "rope": {}, "rope_gqa": {"n_kv_heads": 2},
+           "learned_gqa": {"positions": "learned", "n_kv_heads": 2}, "rope_qk_norm": {"qk_norm": True},
+           "learned_mqa_qk_norm": {"positions": "learned", "n_kv_heads": 1, "qk_norm": True},
+           "rope_gqa_qk_norm": {"n_kv_heads": 2, "qk_norm": True}}
+
+
 @pytest.mark.parametrize("residual", ["standard", "attnres"])
-def test_math_correction_matches_the_cpu_math_kernel_bf16(residual):
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_math_correction_matches_the_cpu_math_kernel(residual, dtype, recipe):
     # The CPU runs both kernels: the derived difference is what the saved-tensor count sees.
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -114,11 +125,11 @@ def test_math_correction_matches_the_cpu_math_kernel_bf16(residual):
     from attnres_pp.simulator.memory import attention_correction
 
     cfg = ModelConfig(vocab_size=48, n_layers=2, d_model=32, n_heads=4, d_ff=64, seq_len=16, residual=residual,
-                      block_size=2)
+                      block_size=2, **RECIPES[recipe])
     partition = make_partition(2, 1, 1, None)
-    flash = saved_bytes(cfg, partition, 0, n_sequences=2, dtype="bf16")
+    flash = saved_bytes(cfg, partition, 0, n_sequences=2, dtype=dtype)
     with sdpa_kernel([SDPBackend.MATH]):
-        math_ = saved_bytes(cfg, partition, 0, n_sequences=2, dtype="bf16")
-    derived = attention_correction(cfg, partition, 0, tokens=32, dtype="bf16", activation_checkpoint="none",
+        math_ = saved_bytes(cfg, partition, 0, n_sequences=2, dtype=dtype)
+    derived = attention_correction(cfg, partition, 0, tokens=32, dtype=dtype, activation_checkpoint="none",
                                    attention_kernel="math")
     assert math_ - flash == derived["saved"]

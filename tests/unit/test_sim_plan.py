@@ -1,8 +1,9 @@
 """`attnres-pp simulate plan`: every row fits and rows come fastest first, an impossible request says
-what is short, the 48-layer d = 7168 model on 64 x 80 GiB (T searched) is planned in under 10 s of
-CPU time; the fast stage 1 (`plan_price`) equals `Planner.estimate` candidate by candidate and gives
-the rows the estimates give; every row's command goes through `attnres-pp train`'s parser and the
-checks train makes before it starts a rank, which accept it exactly when the row says `runnable`."""
+what is short, the README's Llama-3-8B- and 70B-shaped models on 64 and 512 x 80 GiB (T searched)
+are planned in under 10 s of CPU time each; the fast stage 1 (`plan_price`) equals
+`Planner.estimate` candidate by candidate and gives the rows the estimates give; every row's
+command goes through `attnres-pp train`'s parser and the checks train makes before it starts a
+rank, which accept it exactly when the row says `runnable`."""
 
 from __future__ import annotations
 
@@ -81,16 +82,27 @@ def test_cli_json_and_errors(capsys):
     assert "--global-batch is required" in capsys.readouterr().err
 
 
-def test_plans_the_48_layer_model_within_10_s(capsys):
-    """The README's command, T searched (about 3.5 s of CPU on a 2-core machine, docs/simulator.md)."""
-    argv = ["simulate", "plan", "--layers", "48", "--d-model", "7168", "--heads", "56", "--seq-len", "4096",
-            "--vocab-size", "32000", "--global-batch", "512", "--gpus", "64", "--gpu-memory-gib", "80"]
+LLAMA_3_8B = ["--layers", "32", "--d-model", "4096", "--heads", "32", "--kv-heads", "8", "--d-ff", "14336",
+              "--vocab-size", "128256", "--rope-theta", "500000", "--seq-len", "8192"]
+LLAMA_3_70B = ["--layers", "80", "--d-model", "8192", "--heads", "64", "--kv-heads", "8", "--d-ff", "28672",
+               "--vocab-size", "128256", "--rope-theta", "500000", "--seq-len", "8192"]
+
+
+@pytest.mark.parametrize("model,cluster", [
+    (LLAMA_3_8B, ["--global-batch", "512", "--gpus", "64", "--gpu-memory-gib", "80"]),
+    (LLAMA_3_70B, ["--global-batch", "1024", "--gpus", "512", "--gpu-memory-gib", "80"]),
+])
+def test_plans_the_readmes_llama_shaped_models_within_10_s(model, cluster, capsys):
+    """The README's commands, T searched (about 2 and 5 s of CPU on a 2-core machine,
+    docs/simulator.md); the train command they print builds the model the plan priced."""
     started = time.process_time()
-    assert main(argv) == 0
+    assert main(["simulate", "plan", *model, *cluster]) == 0
     assert time.process_time() - started < 10.0
     out = capsys.readouterr().out
-    assert "attnres-pp train --layers 48" in out
-    assert "has no --tensor-parallel" not in out
+    command = next(line for line in out.splitlines() if line.strip().startswith("attnres-pp train"))
+    recipe = " ".join(model[model.index("--d-ff"):model.index("--d-ff") + 2] + ["--rope-theta", "500000"]
+                      + model[model.index("--kv-heads"):model.index("--kv-heads") + 2])
+    assert recipe in command and f"--layers {model[1]}" in command
 
 
 def test_pruning_keeps_the_exact_optimum():

@@ -9,12 +9,13 @@ import argparse
 import dataclasses
 
 from attnres_pp.cli_flags import number_type
-from attnres_pp.model.config import KEY_MODES, RESIDUALS, ModelConfig
+from attnres_pp.model.config import KEY_MODES, MLPS, POSITIONS, RESIDUALS, ModelConfig
 from attnres_pp.simulator.comm import DTYPE_BYTES
 
 # argparse types of the counts: argparse names the flag in its refusal.
 positive_int = number_type(int, bound="> 0")
 non_negative_int = number_type(int, bound=">= 0")
+D_FF_HELP = "MLP width (0 = the recipe's default: SwiGLU 64 x ceil(8 d / 3 / 64), GELU 4 d)"
 
 
 def real(*, positive: bool, example: str):
@@ -34,27 +35,54 @@ def model_flags(parser: argparse.ArgumentParser, *, required: bool) -> None:
     parser.add_argument("--key-mode", choices=KEY_MODES, default="projected")
     parser.add_argument("--key-rank", type=positive_int, default=8, help="r of low-rank keys (lr_attnres)")
     parser.add_argument("--d-model", type=positive_int, default=4096)
-    parser.add_argument("--d-ff", type=non_negative_int, default=0, help="MLP width (0 = 4 x d-model)")
+    parser.add_argument("--d-ff", type=non_negative_int, default=0, help=D_FF_HELP)
     parser.add_argument("--heads", type=positive_int, default=None,
-                        help="attention heads (only --tensor-parallel reads them: T must divide them; default "
-                             "unchecked)")
+                        help="attention heads (read by --kv-heads, which must divide them, and by "
+                             "--tensor-parallel: T must divide them; default unchecked)")
+    add_recipe_flags(parser)
     parser.add_argument("--seq-len", type=positive_int, default=4096)
     parser.add_argument("--vocab-size", type=positive_int, default=32000)
     parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per microbatch")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
 
 
+def add_recipe_flags(parser: argparse.ArgumentParser, *, kv_heads: bool = True) -> None:
+    """The layer recipe (docs/spec.md section 11) as train's flags name it (`model_flags`): what it
+    changes here is the FLOPs and the parameters of a layer (`simulator.layer_recipe`). `kv_heads`:
+    also --kv-heads (a command whose number table declares it passes False)."""
+    parser.add_argument("--positions", choices=POSITIONS, default="rope",
+                        help="rope (rotary, default: no position table) or learned (a position table)")
+    parser.add_argument("--mlp", choices=MLPS, default="swiglu",
+                        help="swiglu (default: gate, up and down d x d_ff matrices) or gelu (up and down)")
+    if kv_heads:
+        parser.add_argument("--kv-heads", type=non_negative_int, default=0,
+                            help="key/value heads, dividing --heads (0, default: as many as --heads)")
+    parser.add_argument("--qk-norm", action="store_true", help="a per-head RMSNorm on q and k (default off)")
+    parser.add_argument("--tie-embeddings", action="store_true",
+                        help="the LM head reads the token embedding's matrix (default off)")
+
+
+def recipe_fields(args: argparse.Namespace) -> dict:
+    """ModelConfig's recipe fields of `add_recipe_flags`; ValueError if --kv-heads comes without --heads."""
+    if args.kv_heads and getattr(args, "heads", 0) is None:
+        raise ValueError(f"--kv-heads {args.kv_heads} needs --heads (the query heads it divides, which set the head "
+                         "dimension)")
+    return {"positions": args.positions, "mlp": args.mlp, "n_kv_heads": args.kv_heads, "qk_norm": args.qk_norm,
+            "tie_embeddings": args.tie_embeddings}
+
+
 def model_config(args: argparse.Namespace) -> ModelConfig:
     """The ModelConfig of `model_flags`; ValueError unless exactly one of --block-size and --blocks is given."""
     if (args.block_size is None) == (args.blocks is None):
         raise ValueError("give exactly one of --block-size S and --blocks N to place the blocks")
-    # Heads do not change FLOPs or bytes here, and one head divides every width; given, they are kept
-    # for --tensor-parallel's check (T must divide them).
+    # Heads change FLOPs and bytes only through grouped kv heads (--kv-heads, which needs them), and
+    # one head divides every width; given, they are kept for --tensor-parallel's check too.
+    recipe = recipe_fields(args)
     heads = getattr(args, "heads", None) or 1
     return ModelConfig(vocab_size=args.vocab_size, n_layers=args.layers, d_model=args.d_model, n_heads=heads,
                        d_ff=args.d_ff, seq_len=args.seq_len, residual=args.residual,
                        block_size=args.block_size or 1, blocks=args.blocks or 0, key_mode=args.key_mode,
-                       key_rank=args.key_rank)
+                       key_rank=args.key_rank, **recipe)
 
 
 def add_attention_kernel_flag(parser: argparse.ArgumentParser, *, default: str) -> None:

@@ -15,7 +15,6 @@ from attnres_pp.schedule.schedules import SCHEDULES
 from attnres_pp.simulator.cli.flags import (
     add_attention_kernel_flag,
     add_tensor_parallel_flags,
-    non_negative_int,
     positive_int,
     tensor_parallel_from,
 )
@@ -42,7 +41,6 @@ def register(commands) -> None:
     parser.add_argument("--microbatches", type=positive_int, required=True, help="m, microbatches per step and replica")
     # The model flags are train's own (same names, defaults and meaning); the simulator adds these.
     add_model_flags(parser)
-    parser.add_argument("--d-ff", type=non_negative_int, default=0, help="MLP width (0 = 4 x d-model)")
     parser.add_argument("--tokens", type=positive_int, default=4096, help="tokens per microbatch")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     add_layer_counts_flag(parser)
@@ -65,7 +63,7 @@ def register(commands) -> None:
 
 
 def build(args: argparse.Namespace) -> tuple[ModelConfig, MemorySetup]:
-    cfg = model_from_flags(args, d_ff=args.d_ff)
+    cfg = model_from_flags(args)
     tp = tensor_parallel_from(args, cfg, tokens=args.tokens, n_stages=args.stages, data_parallel=args.data_parallel)
     setup = MemorySetup(schedule=args.schedule, n_stages=args.stages, n_virtual=args.virtual,
                         n_microbatches=args.microbatches, tokens=args.tokens, dtype=args.dtype,

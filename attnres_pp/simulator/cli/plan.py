@@ -19,6 +19,7 @@ from attnres_pp.simulator.cli.flags import (
     add_tensor_parallel_flags,
 )
 from attnres_pp.simulator.comm import format_bytes
+from attnres_pp.simulator.layer_recipe import describe_recipe
 from attnres_pp.simulator.memory import DTYPE_BYTES
 from attnres_pp.simulator.plan import GIB, Candidate, Planner, PlanRequest, PlanResult, make_plan
 from attnres_pp.simulator.tensor_parallel import INTRA_NODE_GBPS, TP_SIZES
@@ -29,7 +30,6 @@ _NUMBERS = (
     ("--global-batch", "global_batch", int, None, "sequences per optimiser step (all replicas)"),
     ("--gpus", "gpus", int, None, "GPUs in all"),
     ("--gpu-memory-gib", "gpu_memory_gib", float, None, "memory per GPU, GiB"),
-    ("--d-ff", "d_ff", int, 0, "MLP width (0 = 4 d)"),
     ("--gpus-per-node", "gpus_per_node", int, 8, "GPUs per node"),
     ("--intra-node-gbps", "intra_node_gbps", float, INTRA_NODE_GBPS,
      "link inside a node, Gb/s per direction (NVLink 4: 450 GB/s); hops and the tp collectives"),
@@ -63,7 +63,7 @@ def register(commands) -> None:
     parser.set_defaults(func=run)
 
 
-_NON_NEGATIVE = ("--d-ff", "--why")
+_NON_NEGATIVE = ("--why",)
 
 
 def _values(args: argparse.Namespace) -> dict:
@@ -75,7 +75,7 @@ def build(args: argparse.Namespace) -> PlanRequest:
     if args.layer_counts is not None:
         raise ValueError("--layer-counts: simulate plan searches over it; drop it")
     values = _values(args)
-    cfg = model_from_flags(args, d_ff=values["d_ff"])
+    cfg = model_from_flags(args)
     fixed_block_size = args.block_size is not None or args.blocks is not None
     return PlanRequest(model=cfg, global_batch=values["global_batch"], gpus=values["gpus"],
                        gpu_memory_gib=values["gpu_memory_gib"], gpus_per_node=values["gpus_per_node"],
@@ -162,7 +162,8 @@ def format_table(request: PlanRequest, result: PlanResult, seconds: float) -> st
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in table]
     cfg = request.model
     return "\n".join([
-        f"{cfg.n_layers} layers, d={cfg.d_model}, {cfg.residual}, batch {request.global_batch} x {cfg.seq_len} tokens; "
+        f"{cfg.n_layers} layers, d={cfg.d_model}, {describe_recipe(cfg)}, {cfg.residual}, "
+        f"batch {request.global_batch} x {cfg.seq_len} tokens; "
         f"{request.gpus} GPUs x {request.gpu_memory_gib:g} GiB ({request.gpus_per_node} per node), "
         f"{request.tflops:g} TFLOP/s achieved; planned in {seconds:.1f} s",
         *lines,

@@ -12,6 +12,7 @@ import json
 from attnres_pp.cli_flags import add_number_flags, parse_number_flags, refuse
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.schedule.schedules import SCHEDULES
+from attnres_pp.simulator.cli.flags import D_FF_HELP, add_recipe_flags
 from attnres_pp.simulator.comm import DTYPE_BYTES, format_bytes
 from attnres_pp.simulator.project import Cluster, project
 
@@ -21,7 +22,9 @@ _NUMBERS = (
     ("--d-model", "d_model", int, None, "model width d"),
     ("--block-size", "block_size", int, None, "sublayers per Block AttnRes block"),
     ("--tokens", "tokens", int, None, "tokens per microbatch"),
-    ("--d-ff", "d_ff", int, 0, "MLP width (0 = 4 d)"),
+    ("--d-ff", "d_ff", int, 0, D_FF_HELP),
+    ("--heads", "heads", int, 1, "attention heads (read by --kv-heads, which must divide them)"),
+    ("--kv-heads", "kv_heads", int, 0, "key/value heads, dividing --heads (0: as many as --heads)"),
     ("--seq-len", "seq_len", int, 4096, "tokens per sequence (attention FLOPs)"),
     ("--vocab-size", "vocab_size", int, 32000, "vocabulary"),
     ("--key-rank", "key_rank", int, 0, "projected low-rank keys: r extra numbers per source (0: none)"),
@@ -46,6 +49,7 @@ def register(commands) -> None:
                     "overhead over the standard residual, for standard / Full AttnRes naive / Block naive / "
                     "Block cached, from a model and a cluster (see docs/simulator.md's worked example).")
     add_number_flags(parser, _NUMBERS, _REQUIRED)
+    add_recipe_flags(parser, kv_heads=False)
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="interleaved_1f1b")
     parser.add_argument("--residual", choices=("attnres", "lr_attnres"), default="attnres",
                         help="the AttnRes variant of the three AttnRes rows (lr_attnres: --key-rank r keys)")
@@ -66,9 +70,14 @@ def build(args: argparse.Namespace) -> tuple[ModelConfig, Cluster, int]:
     key_rank = values["key_rank"]
     if args.residual == "lr_attnres" and not key_rank:
         raise ValueError("--residual lr_attnres needs --key-rank r (the width of the projected keys)")
+    if values["kv_heads"] and args.heads is None:
+        raise ValueError(f"--kv-heads {values['kv_heads']} needs --heads (the query heads it divides, which set the "
+                         "head dimension)")
     cfg = ModelConfig(vocab_size=values["vocab_size"], n_layers=values["layers"], d_model=values["d_model"],
-                      n_heads=1, d_ff=values["d_ff"], seq_len=values["seq_len"], residual=args.residual,
-                      block_size=values["block_size"], key_mode="projected", key_rank=key_rank or 8)
+                      n_heads=values["heads"], d_ff=values["d_ff"], seq_len=values["seq_len"], residual=args.residual,
+                      block_size=values["block_size"], key_mode="projected", key_rank=key_rank or 8,
+                      positions=args.positions, mlp=args.mlp, n_kv_heads=values["kv_heads"], qk_norm=args.qk_norm,
+                      tie_embeddings=args.tie_embeddings)
     cluster = Cluster(schedule=args.schedule, **{k: values[k] for k in (
         "n_stages", "n_virtual", "n_microbatches", "data_parallel", "tflops", "hbm_tbs", "link_gbs",
         "link_latency_us", "dp_link_gbs", "dp_latency_us")})

@@ -1,0 +1,121 @@
+"""What the layer recipe (docs/spec.md section 11) puts in one transformer layer, as the simulator
+prices it: the shapes of its parameters in the real modules' order (`model.layers`), the elements of
+the matrices it multiplies with, and its forward FLOPs per token. One place for what every other
+simulator module reads: the qkv projection `d -> (H + 2 G) E` (one fused matrix under multi-head
+attention, a query and a key/value matrix with grouped kv heads), SwiGLU's three `d x f` matrices or
+GELU's two, QK-norm's per-head gains, rotary positions (no position table) and tied embeddings (the
+LM head's matrix is the token embedding's). Pure Python: no torch."""
+
+from __future__ import annotations
+
+from attnres_pp.model.config import ModelConfig
+
+# Elementwise FLOPs per element of q and k: rotary `x cos + rotate_half(x) sin` (two products, one
+# sum); QK-norm's RMSNorm with a gain (square, mean, rsqrt, two products). The MLP's activation
+# (GELU or SiLU and the gate product) is left out, as the sublayer norms are: a few FLOPs per hidden
+# unit beside 2 d per matrix.
+ROPE_FLOPS = 3
+NORM_FLOPS = 5
+
+
+def kv_width(cfg: ModelConfig) -> int:
+    """Numbers per token of the keys (as many of the values): G kv heads of E."""
+    return cfg.kv_heads * cfg.head_dim
+
+
+def qkv_rows(cfg: ModelConfig) -> int:
+    """Output width of the q, k and v projections together: (H + 2 G) E = d + 2 G E."""
+    return cfg.d_model + 2 * kv_width(cfg)
+
+
+def attention_matrix_shapes(cfg: ModelConfig, tensor_parallel: int = 1) -> list[tuple[int, int]]:
+    """The attention's split matrices in module order: qkv [d + 2GE, d] (multi-head) or q [d, d] and
+    kv [2GE, d], column-parallel by heads (dim 0 / T); the output projection [width, d / T]."""
+    d, t = cfg.d_model, tensor_parallel
+    if cfg.fused_qkv:
+        projections = [(qkv_rows(cfg) // t, d)]
+    else:
+        projections = [(d // t, d), (2 * kv_width(cfg) // t, d)]
+    return [*projections, (cfg.source_width, d // t)]
+
+
+def mlp_matrix_shapes(cfg: ModelConfig, tensor_parallel: int = 1) -> list[tuple[int, int]]:
+    """The MLP's matrices in module order: gate (SwiGLU only) and up [f / T, d], down [width, f / T]."""
+    d, f, t = cfg.d_model, cfg.ff_dim, tensor_parallel
+    gate = [(f // t, d)] if cfg.mlp == "swiglu" else []
+    return [*gate, (f // t, d), (cfg.source_width, f // t)]
+
+
+def layer_parameter_shapes(cfg: ModelConfig, read: list[tuple[int, ...]], tensor_parallel: int = 1
+                           ) -> list[tuple[int, ...]]:
+    """One TransformerLayer's parameters in the modules' order (`named_parameters`), `read` the shapes
+    of one reading site: attn.norm, qkv | q, kv, q_norm and k_norm [E] (qk-norm), proj, attn.read,
+    mlp.norm, gate, up, down, mlp.read. On one of T tp ranks the split matrices are its shards; the
+    norms' gains (QK-norm's included) are whole on every rank."""
+    d = cfg.d_model
+    qk_norm = [(cfg.head_dim,), (cfg.head_dim,)] if cfg.qk_norm else []
+    *projections, out = attention_matrix_shapes(cfg, tensor_parallel)
+    return [(d,), *projections, *qk_norm, out, *read, (d,), *mlp_matrix_shapes(cfg, tensor_parallel), *read]
+
+
+def embedding_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """The embedding's parameters: tokens [V, d], the position table [seq, d] only under learned
+    positions, the embedding key projection [r, d] under projected low-rank keys."""
+    shapes = [(cfg.vocab_size, cfg.d_model)]
+    if cfg.positions == "learned":
+        shapes.append((cfg.seq_len, cfg.d_model))
+    if cfg.projected_key_rank:
+        shapes.append((cfg.projected_key_rank, cfg.d_model))
+    return shapes
+
+
+def head_shapes(cfg: ModelConfig, read: list[tuple[int, ...]], *, holds_embedding: bool) -> list[tuple[int, ...]]:
+    """The head's parameters: its read, the output norm and the LM head [V, d], which under tied
+    embeddings is the token embedding's matrix: one parameter, counted where the embedding is
+    (`holds_embedding`: the same rank or chunk group also holds chunk 0)."""
+    lm_head = [] if cfg.tie_embeddings and holds_embedding else [(cfg.vocab_size, cfg.d_model)]
+    return [*read, (cfg.d_model,), *lm_head]
+
+
+def layer_matmul_elements(cfg: ModelConfig, tensor_parallel: int = 1) -> int:
+    """Elements of one layer's matrices on one of T tp ranks (each a weight a token multiplies with)."""
+    shapes = attention_matrix_shapes(cfg, tensor_parallel) + mlp_matrix_shapes(cfg, tensor_parallel)
+    return sum(a * b for a, b in shapes)
+
+
+def attention_flops_per_token(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of one attention sublayer, without its depth read: the q, k, v and
+    output projections, the causal scores and weighted sum over H query heads (T / 2 keys on average,
+    whatever the kv heads), QK-norm and the rotation of q and k."""
+    flops = 2 * (cfg.d_model * qkv_rows(cfg) + cfg.d_model * cfg.source_width) + 2 * cfg.seq_len * cfg.d_model
+    rotated = cfg.d_model + kv_width(cfg)  # q and k numbers per token
+    if cfg.qk_norm:
+        flops += NORM_FLOPS * rotated
+    if cfg.positions == "rope":
+        flops += ROPE_FLOPS * rotated
+    return float(flops)
+
+
+def mlp_flops_per_token(cfg: ModelConfig) -> float:
+    """Forward FLOPs per token of one MLP sublayer, without its depth read: SwiGLU's gate, up and down
+    products (GELU: up and down)."""
+    return float(2 * sum(a * b for a, b in mlp_matrix_shapes(cfg)))
+
+
+def describe_recipe(cfg: ModelConfig) -> str:
+    """The recipe in a few words for a table's heading: heads (and kv heads), the MLP and its width,
+    positions, QK-norm and tied embeddings where on."""
+    heads = f"{cfg.n_heads} heads" + (f" / {cfg.kv_heads} kv" if not cfg.fused_qkv else "")
+    extras = [name for name, on in (("qk-norm", cfg.qk_norm), ("tied", cfg.tie_embeddings)) if on]
+    return ", ".join([heads, f"{cfg.mlp} d_ff={cfg.ff_dim}", cfg.positions, *extras])
+
+
+def check_tied_placement(cfg: ModelConfig, rank_of_first: int, rank_of_last: int) -> None:
+    """ValueError unless tied embeddings have the embedding and the LM head on one pipeline rank (the
+    runtime's rule, `pipeline.chunk.check_tied_placement`: the shared matrix's two gradients are
+    never summed between ranks)."""
+    if cfg.tie_embeddings and rank_of_first != rank_of_last:
+        raise ValueError(f"--tie-embeddings needs the embedding and the LM head on one pipeline rank, and this split "
+                         f"puts them on ranks {rank_of_first} and {rank_of_last}: use --stages 1, or a V-shaped "
+                         "schedule (zbv, dualpipev), whose first and last chunks share rank 0, or drop "
+                         "--tie-embeddings")
