@@ -2,7 +2,7 @@
 prices it: the shapes of its parameters in the real modules' order (`model.layers`), the elements of
 the matrices it multiplies with, and its forward FLOPs per token. One place for what every other
 simulator module reads: the qkv projection `d -> (H + 2 G) E` (one fused matrix under multi-head
-attention, a query and a key/value matrix with grouped kv heads), SwiGLU's three `d x f` matrices or
+attention and grouped kv heads alike), SwiGLU's three `d x f` matrices (gate and up fused) or
 GELU's two, QK-norm's per-head gains, rotary positions (no position table) and tied embeddings (the
 LM head's matrix is the token embedding's). Pure Python: no torch."""
 
@@ -29,28 +29,25 @@ def qkv_rows(cfg: ModelConfig) -> int:
 
 
 def attention_matrix_shapes(cfg: ModelConfig, tensor_parallel: int = 1) -> list[tuple[int, int]]:
-    """The attention's split matrices in module order: qkv [d + 2GE, d] (multi-head) or q [d, d] and
-    kv [2GE, d], column-parallel by heads (dim 0 / T); the output projection [width, d / T]."""
+    """The attention's split matrices in module order: the fused qkv [d + 2GE, d] (every head count:
+    `model.layers.Attention`), column-parallel by heads (dim 0 / T); the output projection [width, d / T]."""
     d, t = cfg.d_model, tensor_parallel
-    if cfg.fused_qkv:
-        projections = [(qkv_rows(cfg) // t, d)]
-    else:
-        projections = [(d // t, d), (2 * kv_width(cfg) // t, d)]
-    return [*projections, (cfg.source_width, d // t)]
+    return [(qkv_rows(cfg) // t, d), (cfg.source_width, d // t)]
 
 
 def mlp_matrix_shapes(cfg: ModelConfig, tensor_parallel: int = 1) -> list[tuple[int, int]]:
-    """The MLP's matrices in module order: gate (SwiGLU only) and up [f / T, d], down [width, f / T]."""
+    """The MLP's matrices in module order: SwiGLU's fused gate_up [2f / T, d] or GELU's up [f / T, d],
+    then down [width, f / T]."""
     d, f, t = cfg.d_model, cfg.ff_dim, tensor_parallel
-    gate = [(f // t, d)] if cfg.mlp == "swiglu" else []
-    return [*gate, (f // t, d), (cfg.source_width, f // t)]
+    first = (2 * f // t, d) if cfg.mlp == "swiglu" else (f // t, d)
+    return [first, (cfg.source_width, f // t)]
 
 
 def layer_parameter_shapes(cfg: ModelConfig, read: list[tuple[int, ...]], tensor_parallel: int = 1
                            ) -> list[tuple[int, ...]]:
     """One TransformerLayer's parameters in the modules' order (`named_parameters`), `read` the shapes
-    of one reading site: attn.norm, qkv | q, kv, q_norm and k_norm [E] (qk-norm), proj, attn.read,
-    mlp.norm, gate, up, down, mlp.read. On one of T tp ranks the split matrices are its shards; the
+    of one reading site: attn.norm, qkv, q_norm and k_norm [E] (qk-norm), proj, attn.read,
+    mlp.norm, gate_up | up, down, mlp.read. On one of T tp ranks the split matrices are its shards; the
     norms' gains (QK-norm's included) are whole on every rank."""
     d = cfg.d_model
     qk_norm = [(cfg.head_dim,), (cfg.head_dim,)] if cfg.qk_norm else []
@@ -105,17 +102,6 @@ def mlp_flops_per_token(cfg: ModelConfig) -> float:
 def describe_recipe(cfg: ModelConfig) -> str:
     """The recipe in a few words for a table's heading: heads (and kv heads), the MLP and its width,
     positions, QK-norm and tied embeddings where on."""
-    heads = f"{cfg.n_heads} heads" + (f" / {cfg.kv_heads} kv" if not cfg.fused_qkv else "")
+    heads = f"{cfg.n_heads} heads" + (f" / {cfg.kv_heads} kv" if cfg.kv_heads != cfg.n_heads else "")
     extras = [name for name, on in (("qk-norm", cfg.qk_norm), ("tied", cfg.tie_embeddings)) if on]
     return ", ".join([heads, f"{cfg.mlp} d_ff={cfg.ff_dim}", cfg.positions, *extras])
-
-
-def check_tied_placement(cfg: ModelConfig, rank_of_first: int, rank_of_last: int) -> None:
-    """ValueError unless tied embeddings have the embedding and the LM head on one pipeline rank (the
-    runtime's rule, `pipeline.chunk.check_tied_placement`: the shared matrix's two gradients are
-    never summed between ranks)."""
-    if cfg.tie_embeddings and rank_of_first != rank_of_last:
-        raise ValueError(f"--tie-embeddings needs the embedding and the LM head on one pipeline rank, and this split "
-                         f"puts them on ranks {rank_of_first} and {rank_of_last}: use --stages 1, or a V-shaped "
-                         "schedule (zbv, dualpipev), whose first and last chunks share rank 0, or drop "
-                         "--tie-embeddings")

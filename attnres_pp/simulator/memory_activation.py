@@ -132,16 +132,14 @@ def input_peak_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, t
 def flash_attention_saved(cfg: ModelConfig, *, seq_len: int, dtype: str) -> int:
     """Bytes one layer's flash attention saves per sequence beyond the output projection's input (its
     output's storage) and beyond what the layer saves anyway: q, k, v and the fp32 log-sum-exp. q and
-    k are views of the projections' storages (one under multi-head attention, q's and kv's with
-    grouped kv heads), unless rotary positions or QK-norm made them new tensors, H E + G E numbers
-    per token; v is a view of its projection's storage. Under fp32 QK-norm's RMSNorms save those
-    storages themselves (their input), so the views add nothing."""
+    k are views of the fused projection's storage, unless rotary positions or QK-norm made them new
+    tensors, H E + G E numbers per token; v is a view of that storage, which it keeps whole. Under
+    fp32 QK-norm's RMSNorms save those storages themselves (their input), so the views add nothing."""
     t, elem = seq_len, DTYPE_BYTES[dtype]
     lse = 4 * cfg.n_heads * t
     held = cfg.qk_norm and dtype == "fp32"  # bf16: the norms save an fp32 copy of their input instead
     if cfg.positions == "rope" or cfg.qk_norm:
-        value_rows = qkv_rows(cfg) if cfg.fused_qkv else 2 * kv_width(cfg)
-        return t * (cfg.d_model + kv_width(cfg)) * elem + (0 if held else t * value_rows * elem) + lse
+        return t * (cfg.d_model + kv_width(cfg)) * elem + (0 if held else t * qkv_rows(cfg) * elem) + lse
     return t * qkv_rows(cfg) * elem + lse
 
 

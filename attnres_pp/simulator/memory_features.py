@@ -36,7 +36,7 @@ def recipe_layer_features(cfg: ModelConfig, *, tokens: int, split: int = 1) -> d
     per head or per hidden unit (tp without sequence parallelism)."""
     t, d, kv = tokens, cfg.d_model, cfg.kv_heads * cfg.head_dim
     new_qk = cfg.positions == "rope" or cfg.qk_norm
-    grouped = not cfg.fused_qkv
+    grouped = cfg.kv_heads != cfg.n_heads  # grouped query heads are a copy (`Attention._heads`)
     return {
         "layer_tkv": t * kv // split, "newqk_tqk": new_qk * t * (d + kv) // split,
         "newqk_grouped_td": (new_qk and grouped) * t * d // split,

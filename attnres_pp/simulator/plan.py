@@ -74,7 +74,7 @@ def candidates(request: PlanRequest) -> list[Candidate]:
             caches = (True, False) if cfg.uses_depth_attention and n_stages * n_virtual > 1 else (True,)
             for schedule in schedules_for(n_stages, n_virtual):
                 if cfg.tie_embeddings and n_stages > 1 and schedule_placement(schedule) != "vshape":
-                    continue  # tied: the embedding and the head on one rank (`layer_recipe.check_tied_placement`)
+                    continue  # tied: the embedding and the head on one rank (`comm.partition.check_tied_placement`)
                 for m in _divisors(per_replica):
                     if n_stages > 1 and m < n_stages or (schedule == "zbv" and m < 2 * n_stages - 1) or (
                             schedule == "dualpipev" and m < 2 * n_stages):

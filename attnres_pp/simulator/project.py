@@ -22,7 +22,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from attnres_pp.comm.partition import Partition, make_partition
+from attnres_pp.comm.partition import Partition, check_tied_placement, make_partition
 from attnres_pp.comm.plan import PayloadPlan, plan_for_model
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.schedule.schedules import build_schedule, schedule_placement
@@ -30,7 +30,6 @@ from attnres_pp.simulator.comm import COMM_MODES
 from attnres_pp.simulator.costs import CostModel, sublayer_forward_flops
 from attnres_pp.simulator.engine import simulate
 from attnres_pp.simulator.layer_recipe import (
-    check_tied_placement,
     embedding_shapes,
     head_shapes,
     layer_parameter_shapes,
@@ -173,7 +172,7 @@ def project(cfg: ModelConfig, *, tokens: int, dtype_bytes: int, cluster: Cluster
         model, cache = mode_model(cfg, mode)
         partition = make_partition(model.n_layers, cluster.n_stages, cluster.n_virtual,
                                    placement=schedule_placement(cluster.schedule))
-        check_tied_placement(model, partition.rank_of(0), partition.rank_of(partition.n_chunks - 1))
+        check_tied_placement(model.tie_embeddings, partition)
         plan = plan_for_model(model, partition, cache)
         costs = project_costs(model, partition, plan, tokens=tokens, dtype_bytes=dtype_bytes, cluster=cluster)
         schedule = build_schedule(cluster.schedule, cluster.n_stages, cluster.n_virtual, cluster.n_microbatches)
