@@ -91,8 +91,10 @@ class Attention(nn.Module):
         parts, head_dim = self.cfg.qkv_parts, self.cfg.head_dim
         kv_heads = width // (parts * head_dim)
         qkv_BTPGE = qkv_BTC.view(batch, seq, parts, kv_heads, head_dim)
-        q_BGJTE = qkv_BTPGE[:, :, :parts - 2].permute(0, 3, 2, 1, 4)
-        q_BHTE = q_BGJTE.reshape(batch, kv_heads * (parts - 2), seq, head_dim)
+        # Grouped heads: a copy into head order, laid out [B, T, H, E] as a view of the projection
+        # would be (attention's output then follows it, and the output projection reads a view).
+        q_BTHE = qkv_BTPGE[:, :, :parts - 2].transpose(2, 3).reshape(batch, seq, kv_heads * (parts - 2), head_dim)
+        q_BHTE = q_BTHE.transpose(1, 2)
         k_BGTE, v_BGTE = qkv_BTPGE[:, :, parts - 2].transpose(1, 2), qkv_BTPGE[:, :, parts - 1].transpose(1, 2)
         return q_BHTE, k_BGTE, v_BGTE
 

@@ -140,7 +140,9 @@ def flash_attention_saved(cfg: ModelConfig, *, seq_len: int, dtype: str) -> int:
     held = cfg.qk_norm and dtype == "fp32"  # bf16: the norms save an fp32 copy of their input instead
     if cfg.positions == "rope" or cfg.qk_norm:
         return t * (cfg.d_model + kv_width(cfg)) * elem + (0 if held else t * qkv_rows(cfg) * elem) + lse
-    return t * qkv_rows(cfg) * elem + lse
+    # grouped heads: q is a copy in head order (`layers.Attention._heads`), saved beside the storage
+    copied_q = t * cfg.d_model * elem if cfg.kv_heads != cfg.n_heads else 0
+    return t * qkv_rows(cfg) * elem + copied_q + lse
 
 
 def math_attention_saved(cfg: ModelConfig, *, seq_len: int, dtype: str) -> int:

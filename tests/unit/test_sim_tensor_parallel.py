@@ -16,6 +16,7 @@ from attnres_pp.comm.plan import hop_bytes_per_rank, plan_for_model, shard_token
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.simulator.comm import COMM_MODES, comm_report
 from attnres_pp.simulator.costs import ring_all_gather_s
+from attnres_pp.simulator.layer_recipe import qkv_rows
 from attnres_pp.simulator.memory import MemorySetup, predict_memory, rank_parameter_shapes
 from attnres_pp.simulator.memory_features import activation_features
 from attnres_pp.simulator.plan import Planner, PlanRequest, candidates, plan
@@ -123,7 +124,8 @@ def test_sequence_parallel_defaults_on_when_t_above_1():
 
 def _split(shape: tuple[int, ...], cfg: ModelConfig) -> bool:
     d, f, w = cfg.d_model, cfg.ff_dim, cfg.source_width
-    return shape in {(3 * d, d), (w, d), (f, d), (w, f)}
+    gate_up = 2 * f if cfg.mlp == "swiglu" else f
+    return shape in {(qkv_rows(cfg), d), (w, d), (gate_up, d), (w, f)}
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
