@@ -138,8 +138,9 @@ def pipelined(shape: dict, block_size: int, warmup: int, rounds: int) -> dict:
         for engine in engines.values():
             engine.close()
     times = {name: [s.wall_s for s in engine.samples[warmup:]] for name, engine in engines.items()}
+    # Every round's times kept: the spread of the paired ratios is the run's noise.
     return {"step_s": {name: statistics.median(t) for name, t in times.items()}, "ratios": paired_ratios(times),
-            "bytes_per_step": {name: e.samples[-1].bytes_sent for name, e in engines.items()}}
+            "step_s_all": times, "bytes_per_step": {name: e.samples[-1].bytes_sent for name, e in engines.items()}}
 
 
 def profile_growth(shape: dict, block_size: int, variants: tuple[str, ...], top: int = 10) -> dict[str, list[dict]]:

@@ -99,6 +99,7 @@ def test_pipelined_steps_every_variant_on_the_global_batch_in_rotation(monkeypat
         assert cfg.model.seq_len == 256 and cfg.model.n_layers == 16
     assert order[:6] != order[6:12] and sorted(order[:6]) == sorted(order[6:12])  # shifted each round
     assert out["ratios"]["msar"] == 2.0 and out["step_s"]["standard"] == 2.5  # steps 2 and 3 of standard
+    assert out["step_s_all"]["standard"] == [2.0, 3.0] and out["bytes_per_step"]["msar"] == 7
 
 
 def _payload(names, single_ratio, piped_ratio):
