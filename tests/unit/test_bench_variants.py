@@ -39,16 +39,95 @@ def test_cli_parses_variants_and_refuses_compile_elsewhere(tmp_path, capsys):
     assert "--compile applies to variants only" in capsys.readouterr().err
 
 
-def test_markdown_lists_ratios_and_targets():
+def test_target_shape_steps_1024_tokens_with_the_default_recipe_in_both_modes():
+    shape, _ = variants.SHAPES[variants.TARGET_LABEL]
+    cfg = ModelConfig.from_dict(dict(shape))
+    assert (cfg.n_layers, cfg.d_model) == (16, 256)
+    assert (cfg.positions, cfg.mlp) == ("rope", "swiglu")  # nothing in the shape overrides the defaults
+    assert variants.SINGLE_BATCH * cfg.seq_len >= 1024
+    pipe = variants.PIPELINE
+    assert (pipe["stages"], pipe["virtual"], pipe["cache"]) == (2, 2, True)
+    # The pipelined step is the same global batch split into whole microbatches.
+    assert variants.SINGLE_BATCH % pipe["microbatches"] == 0
+    assert variants.TARGETS == {"block_attnres": 1.10, "s_lr_attnres": 1.10, "full_attnres": 1.5, "msar": 2.0}
+
+
+def test_targets_are_judged_in_every_mode_measured_at_the_target_shape():
+    ratios = {"block_attnres": 1.10, "s_lr_attnres": 1.11, "full_attnres": 1.2, "msar": 2.5, "p_lr_attnres": 9.0}
+    piped = {name: r - 0.05 for name, r in ratios.items()}
+    results = {"single_process": {"4L_d64": {"ratios": {}}, variants.TARGET_LABEL: {"ratios": ratios}},
+               "pipelined": {variants.TARGET_LABEL: {"ratios": piped}}}
+    judged = variants.judge_targets(results)
+    assert {name: t["met"] for name, t in judged["single_process"].items()} == {
+        "block_attnres": True, "s_lr_attnres": False, "full_attnres": True, "msar": False}
+    assert {name: t["met"] for name, t in judged["pipelined"].items()} == {
+        "block_attnres": True, "s_lr_attnres": True, "full_attnres": True, "msar": False}
+    assert judged["pipelined"]["msar"]["measured"] == 2.45
+    # --quick pipelines the small shape only: no pipelined verdict is made up.
+    assert set(variants.judge_targets({"single_process": results["single_process"],
+                                       "pipelined": {"4L_d64": {"ratios": ratios}}})) == {"single_process"}
+
+
+def test_pipelined_steps_every_variant_on_the_global_batch_in_rotation(monkeypatch):
+    """Each engine is built from the shape, its variant and PIPELINE with the global batch split into
+    microbatches; the engines step in rotation and the warm-up steps are dropped (a fake engine: the
+    real ones run as the benchmark)."""
+    from types import SimpleNamespace
+
+    order, built = [], {}
+
+    class FakeEngine:
+        def __init__(self, run_cfg):
+            self.run_cfg, self.samples = run_cfg, []
+            built[run_cfg.model.residual, run_cfg.model.block_size, run_cfg.model.key_mode] = run_cfg
+
+        def step(self):
+            order.append(self.run_cfg.model.residual)
+            wall_s = (2.0 if self.run_cfg.model.residual == "msar" else 1.0) * (1 + len(self.samples))
+            self.samples.append(SimpleNamespace(wall_s=wall_s, bytes_sent=7))
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(variants, "TimedEngine", FakeEngine)
+    shape, block_size = variants.SHAPES[variants.TARGET_LABEL]
+    out = variants.pipelined(shape, block_size, warmup=1, rounds=2)
+    assert len(built) == len(variants.variant_overrides(block_size)) == 6
+    for cfg in built.values():
+        assert cfg.train.batch_size == variants.SINGLE_BATCH and cfg.train.microbatches == 4
+        assert (cfg.pipeline.stages, cfg.pipeline.virtual, cfg.pipeline.cache) == (2, 2, True)
+        assert cfg.model.seq_len == 256 and cfg.model.n_layers == 16
+    assert order[:6] != order[6:12] and sorted(order[:6]) == sorted(order[6:12])  # shifted each round
+    assert out["ratios"]["msar"] == 2.0 and out["step_s"]["standard"] == 2.5  # steps 2 and 3 of standard
+    assert out["step_s_all"]["standard"] == [2.0, 3.0] and out["bytes_per_step"]["msar"] == 7
+
+
+def _payload(names, single_ratio, piped_ratio):
+    shapes = {label: variants._shape_record(s, b) for label, (s, b) in variants.SHAPES.items()}
+    single = {label: {"step_s": {"standard": 0.1}, "ratios": dict.fromkeys(names, single_ratio)}
+              for label in variants.SHAPES}
+    piped = {label: {"step_s": {"standard": 0.2}, "ratios": dict.fromkeys(names, piped_ratio)}
+             for label in variants.SHAPES}
+    return {"ratios": {n: {"single_process": dict.fromkeys(variants.SHAPES, single_ratio),
+                           "pipelined": dict.fromkeys(variants.SHAPES, piped_ratio)} for n in names},
+            "single_process": single, "pipelined": piped, "single_batch": 4, "pipeline": variants.PIPELINE,
+            "rounds": 8, "warmup_rounds": 2, "pipeline_rounds": 4, "pipeline_warmup_rounds": 1, "shapes": shapes,
+            f"targets_{variants.TARGET_LABEL}": variants.judge_targets({"single_process": single,
+                                                                        "pipelined": piped}),
+            "load_average": {"before": [1.5, 2.0, 2.5], "after": [3.0, 2.0, 1.0]}}
+
+
+def test_markdown_lists_ratios_targets_per_mode_shapes_and_load():
     names = [n for n in variants.variant_overrides(1) if n != "standard"]
-    single = {label: {"step_s": {"standard": 0.1}, "ratios": dict.fromkeys(names, 1.5)} for label in variants.SHAPES}
-    payload = {"ratios": {n: {"single_process": dict.fromkeys(variants.SHAPES, 1.5), "pipelined": {}} for n in names},
-               "single_process": single, "pipelined": {}, "single_batch": 4, "pipeline": variants.PIPELINE,
-               "rounds": 8, "warmup_rounds": 2, "pipeline_rounds": 4, "pipeline_warmup_rounds": 1,
-               "shapes": {label: {} for label in variants.SHAPES},
-               "targets_16L_d256_single_process": {"msar": {"target": 2.0, "measured": 1.5, "met": True}}}
-    text = variants.to_markdown(payload)
-    assert "| msar | 1.500 | 1.500 |" in text and "msar: 1.500 (target <= 2.0) met" in text
+    text = variants.to_markdown(_payload(names, 1.05, 1.3))
+    assert "| msar | 1.050 | 1.050 | 1.300 | 1.300 |" in text
+    single, piped = text.split("Targets at 16L_d256, pipelined:")
+    assert "Targets at 16L_d256, single process:" in single
+    assert "- s_lr_attnres: 1.050 (target <= 1.1) met" in single
+    assert "- s_lr_attnres: 1.300 (target <= 1.1) missed" in piped and "- msar: 1.300 (target <= 2.0) met" in piped
+    assert "seq_len 256, 1024 tokens a step, block size 4; rope positions, swiglu" in text
+    assert "cache on" in text
+    assert "Load average (1, 5, 15 min) before [1.5, 2.0, 2.5], after [3.0, 2.0, 1.0]." in text
 
 
 @pytest.mark.parametrize("name", ["variants"])
@@ -106,7 +185,7 @@ def test_markdown_lists_the_compile_speedup_and_compile_time():
                "single_process": single, "pipelined": {}, "compiled": compiled, "single_batch": 4,
                "pipeline": variants.PIPELINE, "rounds": 8, "warmup_rounds": 2, "pipeline_rounds": 4,
                "pipeline_warmup_rounds": 1, "shapes": {label: {} for label in variants.SHAPES},
-               "targets_16L_d256_single_process": {}}
+               "targets_16L_d256": {}}
     text = variants.to_markdown(payload)
     assert "| msar | 1.500 | 1.500 | 1.200 | 1.200 |" in text
     assert "first step (compiles) standard 12.0 s, msar 30.0 s" in text
