@@ -23,28 +23,27 @@ JSON_KEYS = {"text", "tokens", "prompt_ids", "tokenizer", "prefill_s", "decode_s
              "checkpoint", "stages", "virtual", "tensor_parallel", "launcher"}
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
-    """A tiny MSAR model trained for two steps on ASCII text, checkpointed every step."""
-    root = tmp_path_factory.mktemp("generate")
+def _trained(tmp_path_factory, name: str, *flags: str) -> Path:
+    """A tiny model trained on ASCII text with `flags`, in a fresh folder of its own."""
+    root = tmp_path_factory.mktemp(name)
     data = root / "ascii.txt"
     data.write_text("def add(a, b):\n    return a + b\n\n" * 100)
     run = root / "run"
-    assert main(["train", "--launcher", "local", *TINY, "--data", str(data), "--steps", "2", "--eval-every", "0",
-                 "--checkpoint-every", "1", "--quiet", "--out", str(run)]) == 0
+    assert main(["train", "--launcher", "local", *TINY, "--data", str(data), "--eval-every", "0", *flags, "--quiet",
+                 "--out", str(run)]) == 0
     return run
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A tiny MSAR model trained for two steps on ASCII text, checkpointed every step."""
+    return _trained(tmp_path_factory, "generate", "--steps", "2", "--checkpoint-every", "1")
 
 
 @pytest.fixture(scope="module")
 def learned_run_dir(tmp_path_factory) -> Path:
     """The same tiny model with learned positions (the recipe of older checkpoints): its context ends at seq_len."""
-    root = tmp_path_factory.mktemp("generate_learned")
-    data = root / "ascii.txt"
-    data.write_text("def add(a, b):\n    return a + b\n\n" * 100)
-    run = root / "run"
-    assert main(["train", "--launcher", "local", *TINY, "--positions", "learned", "--data", str(data), "--steps", "1",
-                 "--eval-every", "0", "--quiet", "--out", str(run)]) == 0
-    return run
+    return _trained(tmp_path_factory, "generate_learned", "--positions", "learned", "--steps", "1")
 
 
 def generate_cli(*argv: str) -> subprocess.CompletedProcess:
