@@ -324,7 +324,7 @@ def test_a_usage_error_of_the_top_level_command_is_one_error_line(capsys):
         main(["simulat", "comm"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err == ("error: argument command: invalid choice: 'simulat' (choose from 'prepare', "
-                                       "'train', 'simulate', 'generate', 'analyze', 'plot', 'bench'); "
+                                       "'train', 'simulate', 'generate', 'export', 'analyze', 'plot', 'bench'); "
                                        "see attnres-pp --help\n")
 
 
