@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from attnres_pp.cli_flags import convert_flag, layer_counts
-from attnres_pp.model.config import KEY_MODES, MLPS, POSITIONS, RESIDUALS, ModelConfig
+from attnres_pp.model.config import KEY_MODES, MLPS, MOE_BALANCES, MOE_ROUTERS, POSITIONS, RESIDUALS, ModelConfig
 
 # (flag, ModelConfig field, type, help)
 MODEL_FLAGS = (
@@ -34,6 +34,18 @@ MODEL_FLAGS = (
     ("--mlp", "mlp", str, f"MLP: {' | '.join(MLPS)} (default swiglu)"),
     ("--kv-heads", "n_kv_heads", int, "key/value heads, dividing --heads (equal: multi-head, 1: multi-query; "
      "default as many as --heads)"),
+    ("--moe-experts", "moe_experts", int, "routed experts E per MoE layer (default 0: every MLP dense)"),
+    ("--moe-top-k", "moe_top_k", int, "routed experts each token reaches, K <= E (default 2)"),
+    ("--moe-shared-experts", "moe_shared_experts", int, "shared experts every token reaches (default 0)"),
+    ("--moe-d-ff", "moe_d_ff", int, "hidden width of each expert, >= 1 (default: d_ff / 4 rounded up to 64)"),
+    ("--moe-dense-layers", "moe_dense_layers", int, "the first N layers keep a dense MLP (default 0)"),
+    ("--moe-router", "moe_router", str, f"router affinities: {' | '.join(MOE_ROUTERS)} (default softmax)"),
+    ("--moe-balance", "moe_balance", str, f"load balancing: {' | '.join(MOE_BALANCES)} (default aux_free: a "
+     "selection bias moved after each step)"),
+    ("--moe-aux-loss-coef", "moe_aux_loss_coef", float, "the aux loss's coefficient under --moe-balance aux_loss "
+     "(default 0.01)"),
+    ("--moe-bias-gamma", "moe_bias_gamma", float, "the selection bias's step under --moe-balance aux_free "
+     "(default 0.001)"),
 )
 KEY_NORM_GAIN = "--key-norm-gain"
 # Switches that turn a recipe part on (default off): flag -> (ModelConfig field, help).
@@ -84,6 +96,9 @@ def model_overrides(args: argparse.Namespace) -> dict:
     for flag, (field, _help) in SWITCHES.items():
         if getattr(args, _dest(flag), None):
             overrides[field] = True
+    if overrides.get("moe_d_ff") == 0:
+        raise ValueError("--moe-d-ff 0 is invalid: each expert needs a hidden width >= 1; leave the flag out for "
+                         "the default (d_ff / 4 rounded up to 64)")
     if {"block_size", "blocks"} <= set(overrides):
         raise ValueError("give one of --block-size S (sublayers per block) and --blocks N (number of blocks)")
     return overrides

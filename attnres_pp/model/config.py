@@ -16,6 +16,8 @@ RESIDUALS = ("standard", "attnres", "lr_attnres", "msar")
 KEY_MODES = ("projected", "sliced")
 POSITIONS = ("rope", "learned")
 MLPS = ("swiglu", "gelu")
+MOE_ROUTERS = ("softmax", "sigmoid")
+MOE_BALANCES = ("aux_free", "aux_loss", "none")
 # The layer recipe of every checkpoint written before the recipe was configurable (docs/spec.md
 # section 11): a saved [model] table without these keys was trained with these values, whatever
 # today's defaults are (`train.checkpoint_meta.read_meta` fills them in).
@@ -43,7 +45,13 @@ class ModelConfig:
     The layer recipe (docs/spec.md section 11): `positions` rope (q and k rotated, base `rope_theta`)
     or learned (a position table); `mlp` swiglu or gelu; `n_kv_heads` key/value heads (0: as many as
     query heads); `qk_norm` a per-head RMSNorm on q and k; `tie_embeddings` the LM head reads the
-    token embedding's matrix."""
+    token embedding's matrix.
+
+    Mixtures of experts (docs/spec.md section 12): with `moe_experts` E > 0 the MLP of every layer
+    from `moe_dense_layers` on is an MoE sublayer of E routed SwiGLU experts of width `moe_d_ff`, of
+    which each token reaches `moe_top_k`, plus `moe_shared_experts` that every token reaches;
+    `moe_router` softmax or sigmoid affinities; `moe_balance` aux_free (a selection bias moved by
+    `moe_bias_gamma` after each step), aux_loss (`moe_aux_loss_coef`) or none."""
 
     vocab_size: int = 256
     n_layers: int = 4
@@ -67,6 +75,15 @@ class ModelConfig:
     n_kv_heads: int = 0  # 0: n_heads (multi-head attention)
     qk_norm: bool = False
     tie_embeddings: bool = False
+    moe_experts: int = 0  # 0: every MLP dense
+    moe_top_k: int = 2
+    moe_shared_experts: int = 0
+    moe_d_ff: int = 0  # 0: d_ff / 4 rounded up to 64 (fine-grained experts)
+    moe_dense_layers: int = 0
+    moe_router: str = "softmax"
+    moe_balance: str = "aux_free"
+    moe_aux_loss_coef: float = 1e-2
+    moe_bias_gamma: float = 1e-3
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "n_layers", "d_model", "n_heads", "seq_len")
@@ -80,6 +97,7 @@ class ModelConfig:
             _fail("d_ff", self.d_ff, "must be >= 1, or 0 for the recipe's default (SwiGLU 8 d / 3 rounded up "
                   "to 64, GELU 4 d)")
         self._check_recipe()
+        self._check_moe()
         if self.residual not in RESIDUALS:
             _fail("residual", self.residual, f"choose one of {', '.join(RESIDUALS)}")
         if not _is_int(self.block_size) or self.block_size < 1:
@@ -121,6 +139,33 @@ class ModelConfig:
         for name in ("qk_norm", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "must be true or false")
+
+    def _check_moe(self) -> None:
+        e = self.moe_experts
+        if not _is_int(e) or e < 0:
+            _fail("moe_experts", e, "must be an integer >= 0 (--moe-experts: routed experts per MoE layer, 0 = dense)")
+        if not e:
+            return
+        if not _is_int(self.moe_top_k) or not 1 <= self.moe_top_k <= e:
+            _fail("moe_top_k", self.moe_top_k, f"must be in 1..{e}, the routed experts "
+                  "(--moe-top-k K <= --moe-experts)")
+        if not _is_int(self.moe_shared_experts) or self.moe_shared_experts < 0:
+            _fail("moe_shared_experts", self.moe_shared_experts, "must be an integer >= 0 (--moe-shared-experts)")
+        if not _is_int(self.moe_d_ff) or self.moe_d_ff < 0:
+            _fail("moe_d_ff", self.moe_d_ff, "must be >= 1, or 0 for the default d_ff / 4 rounded up to 64 "
+                  "(--moe-d-ff)")
+        if not _is_int(self.moe_dense_layers) or not 0 <= self.moe_dense_layers < self.n_layers:
+            _fail("moe_dense_layers", self.moe_dense_layers, f"must be in 0..{self.n_layers - 1}: the first N "
+                  f"of the {self.n_layers} layers keep a dense MLP and at least one must be MoE "
+                  "(--moe-dense-layers < --layers)")
+        if self.moe_router not in MOE_ROUTERS:
+            _fail("moe_router", self.moe_router, f"choose one of {', '.join(MOE_ROUTERS)} (--moe-router)")
+        if self.moe_balance not in MOE_BALANCES:
+            _fail("moe_balance", self.moe_balance, f"choose one of {', '.join(MOE_BALANCES)} (--moe-balance)")
+        for name, flag in (("moe_aux_loss_coef", "--moe-aux-loss-coef"), ("moe_bias_gamma", "--moe-bias-gamma")):
+            value = getattr(self, name)
+            if not _is_real(value) or value < 0:
+                _fail(name, value, f"must be a finite number >= 0 ({flag})")
 
     @classmethod
     def from_dict(cls, values: dict) -> ModelConfig:
@@ -168,6 +213,25 @@ class ModelConfig:
         if self.mlp == "swiglu":  # 8 d / 3 keeps SwiGLU's three matrices at GELU's two's parameters
             return 64 * -(-8 * self.d_model // (3 * 64))
         return 4 * self.d_model
+
+    @property
+    def expert_dim(self) -> int:
+        """Hidden width of one routed or shared expert (SwiGLU)."""
+        if self.moe_d_ff:
+            return self.moe_d_ff
+        return 64 * -(-self.ff_dim // (4 * 64))
+
+    @property
+    def moe(self) -> bool:
+        return self.moe_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether transformer layer `layer`'s MLP sublayer is an MoE sublayer."""
+        return self.moe and layer >= self.moe_dense_layers
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.moe_dense_layers if self.moe else 0
 
     @property
     def head_dim(self) -> int:

@@ -18,21 +18,9 @@ from torch import nn
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.model.decode_state import KVSlot
 from attnres_pp.model.depth import DepthRead
+from attnres_pp.model.moe import MoE, RoutedExperts
+from attnres_pp.model.norm import RMSNorm
 from attnres_pp.model.rotary import apply_rotary, rotary_cos_sin
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm with a learned gain (the sublayers' and the output norm)."""
-
-    def __init__(self, width: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # At least fp32 math (a bf16 activation under autocast), back in the input's dtype.
-        math = x.to(torch.promote_types(x.dtype, torch.float32))
-        return (math * torch.rsqrt(math.pow(2).mean(dim=-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -125,14 +113,15 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Two sublayers; sublayer 2i is layer i's attention, 2i + 1 its MLP."""
+    """Two sublayers; sublayer 2i is layer i's attention, 2i + 1 its MLP (an MoE sublayer from
+    `moe_dense_layers` on when the model has experts, `model.moe`)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(index) else MLP(cfg)
 
-    def sublayer(self, which: int) -> Attention | MLP:
+    def sublayer(self, which: int) -> Attention | MLP | MoE:
         return self.mlp if which else self.attn
 
 
@@ -165,7 +154,7 @@ def parameter_seed(seed: int, name: str) -> int:
 
 
 def _init_value(module_name: str, module: nn.Module, param_name: str, shape: torch.Size, cfg: ModelConfig,
-                generator: torch.Generator) -> torch.Tensor:
+                generator: torch.Generator, seed: int) -> torch.Tensor:
     """The initial float32 value of `module.<param_name>`; `module_name` is the module's whole-model name."""
     if isinstance(module, nn.Linear | nn.Embedding):
         std = cfg.init_std
@@ -173,6 +162,16 @@ def _init_value(module_name: str, module: nn.Module, param_name: str, shape: tor
         if module_name.endswith(("attn.proj", "down")):
             std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
         return torch.empty(shape).normal_(0.0, std, generator=generator)
+    if isinstance(module, RoutedExperts):
+        # One stream per expert, by its global index: a rank holding a slice of the experts
+        # (expert parallelism) draws exactly the single process's values for them.
+        std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if param_name == "down" else cfg.init_std
+        return torch.stack([
+            torch.empty(shape[1:]).normal_(0.0, std, generator=torch.Generator().manual_seed(
+                parameter_seed(seed, f"{module_name}.{param_name}.{module.first_expert + e}")))
+            for e in range(shape[0])])
+    if isinstance(module, MoE):  # the aux-free selection bias
+        return torch.zeros(shape)
     if isinstance(module, RMSNorm):
         return torch.ones(shape)
     if isinstance(module, DepthRead):
@@ -203,7 +202,7 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
             seen.add(id(param))
             name = f"{module_name}.{param_name}" if module_name else param_name
             generator = torch.Generator().manual_seed(parameter_seed(seed, name))
-            param.copy_(_init_value(module_name, module, param_name, param.shape, cfg, generator))
+            param.copy_(_init_value(module_name, module, param_name, param.shape, cfg, generator, seed))
 
 
 def split_qkv_rows(cfg: ModelConfig, qkv_Rd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

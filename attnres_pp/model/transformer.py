@@ -10,6 +10,7 @@ from attnres_pp.model.config import ModelConfig
 from attnres_pp.model.decode_state import DecodeStep
 from attnres_pp.model.depth import BlockReader, DepthRead, StreamConvs, emit_source
 from attnres_pp.model.layers import Embedding, RMSNorm, TransformerLayer, init_weights
+from attnres_pp.model.moe import MoE
 from attnres_pp.model.precision import PRECISIONS, compute_context, to_activation
 from attnres_pp.model.routing import record_read
 from attnres_pp.model.stack import DepthState, depth_sources, forward_sublayers
@@ -77,7 +78,7 @@ class Transformer(nn.Module):
         self.seed = seed
         self.precision = precision
         self.embed = Embedding(cfg)
-        self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(TransformerLayer(cfg, i) for i in range(cfg.n_layers))
         self.head = Head(cfg)
         self.stream_convs = StreamConvs(cfg) if cfg.residual == "msar" else None
         self.tie_embeddings()
@@ -85,7 +86,9 @@ class Transformer(nn.Module):
         self.compiled = compile
         if compile:
             for layer in self.layers:
-                for module in (layer.attn, layer.mlp, layer.attn.read, layer.mlp.read):
+                # An MoE sublayer stays eager: its grouped shapes change with the routing every step.
+                dense_mlp = () if isinstance(layer.mlp, MoE) else (layer.mlp,)
+                for module in (layer.attn, *dense_mlp, layer.attn.read, layer.mlp.read):
                     module.compile(backend=compile_backend, dynamic=False)
             self.head.read.compile(backend=compile_backend, dynamic=False)
 
@@ -117,12 +120,14 @@ def parameter_count(cfg: ModelConfig) -> int:
     + d (d + 2 G E) (q, k, v with G kv heads of E) (+ 2 E qk-norm) + d (d + r_p) (out)
     + (2 under swiglu, else 1) d f + f (d + r_p); per reading site (L + 1 of them): attnres d,
     lr_attnres r, msar m d + m^2 d + 1 + m; head d (+ d V untied); msar convs (n_blocks + 1) d sum(kappa).
+    An MoE sublayer replaces its layer's MLP: `moe_parameters`.
     """
     d, f, r_p = cfg.d_model, cfg.ff_dim, cfg.projected_key_rank
     count = cfg.vocab_size * d + d * r_p + (cfg.seq_len * d if cfg.positions == "learned" else 0)
     attention = d * (d + 2 * cfg.kv_heads * cfg.head_dim) + (2 * cfg.head_dim if cfg.qk_norm else 0) + d * (d + r_p)
     mlp = (2 if cfg.mlp == "swiglu" else 1) * d * f + f * (d + r_p)
-    count += cfg.n_layers * (2 * d + attention + mlp)
+    count += cfg.n_layers * (2 * d + attention) + (cfg.n_layers - cfg.n_moe_layers) * mlp
+    count += cfg.n_moe_layers * moe_parameters(cfg, cfg.moe_experts)
     m = cfg.n_streams
     per_site = {"standard": 0, "attnres": d, "lr_attnres": cfg.key_rank, "msar": m * d + m * m * d + 1 + m}
     count += (cfg.n_sublayers + 1) * per_site[cfg.residual]
@@ -130,3 +135,17 @@ def parameter_count(cfg: ModelConfig) -> int:
     if cfg.residual == "msar":
         count += (cfg.n_blocks + 1) * d * sum(cfg.stream_kernels)
     return count
+
+
+def moe_parameters(cfg: ModelConfig, experts: int) -> int:
+    """One MoE sublayer's parameters with `experts` routed experts counted (all E: the total; K: what
+    one token uses, the active count): router d E and its bias E, and (experts + S) SwiGLU experts of
+    width F, each 2 d F + F (d + r_p)."""
+    d, f, r_p = cfg.d_model, cfg.expert_dim, cfg.projected_key_rank
+    return d * cfg.moe_experts + cfg.moe_experts + (experts + cfg.moe_shared_experts) * (2 * d * f + f * (d + r_p))
+
+
+def active_parameter_count(cfg: ModelConfig) -> int:
+    """Parameters one token's forward uses: `parameter_count` with K of the E routed experts."""
+    return parameter_count(cfg) - cfg.n_moe_layers * (moe_parameters(cfg, cfg.moe_experts)
+                                                      - moe_parameters(cfg, cfg.moe_top_k))

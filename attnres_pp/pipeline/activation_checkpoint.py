@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from attnres_pp.model.moe import recomputing
 from attnres_pp.pipeline.memory_meter import ActivationMeter, storage_key
 
 _ATTENTION_OPS = frozenset(
@@ -143,7 +144,7 @@ class _Frame:
         enabled, dtype = self.autocast
         mode = self.recompute_mode if self.recompute_mode is not None else contextlib.nullcontext()
         with torch.enable_grad(), torch.autocast(self.device_type, dtype=dtype, enabled=enabled), mode, \
-                torch.autograd.graph.saved_tensors_hooks(collect, lambda _unused: None):
+                torch.autograd.graph.saved_tensors_hooks(collect, lambda _unused: None), recomputing():
             self.fn(*self.args)
         saved = [self._wrap(t.wait().detach()) if _pending(t) else t for t in saved]
         if len(saved) != self.n_packed:

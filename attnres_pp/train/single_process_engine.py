@@ -11,6 +11,14 @@ from attnres_pp.comm.partition import make_partition
 from attnres_pp.data import Corpus, batch_at, load_corpus, val_batch_at, val_batches
 from attnres_pp.launch.resolve import resolve_run, visible_gpus
 from attnres_pp.model import ModelConfig, Transformer
+from attnres_pp.model.moe import (
+    expert_load_stats,
+    moe_sublayers,
+    set_aux_scale,
+    take_aux,
+    take_loads,
+    update_expert_bias,
+)
 from attnres_pp.model.routing import RoutingProbe, attach_probe, routing_metrics
 from attnres_pp.pipeline.chunk import PipelineChunk
 from attnres_pp.pipeline.config import PipelineConfig
@@ -76,6 +84,7 @@ class SingleProcessEngine(ShardSaves):
         inputs_BT, targets_BT = inputs_BT.to(self.device), targets_BT.to(self.device)
         self.memory.set_excluded(self.model.parameters())
         self.memory.reset_peak()
+        set_aux_scale(self.model, 1.0 / m)
         for inputs_bT, targets_bT in zip(inputs_BT.chunk(m), targets_BT.chunk(m), strict=True):
             if self._whole is None:
                 with self.memory.saving():
@@ -89,7 +98,19 @@ class SingleProcessEngine(ShardSaves):
         memory = memory_entry(self.model.parameters(), self.optimizer, grad_bytes=held_grad_bytes,
                               activation_peak_bytes=self.memory.peak_bytes,
                               cache_peak_bytes=0, device=self.device)
-        return StepResult(loss=total_loss / m, metrics={"grad_norm": grad_norm}, extras={"memory_per_rank": [memory]})
+        moe_extras, moe_metrics = self._balance_experts()
+        return StepResult(loss=total_loss / m, metrics={"grad_norm": grad_norm, **moe_metrics},
+                          extras={"memory_per_rank": [memory], **moe_extras})
+
+    def _balance_experts(self) -> tuple[dict, dict]:
+        """The MoE sublayers' loads of the step: the aux-free bias moves, and the step's MoE figures."""
+        moes = moe_sublayers(self.model)
+        if not moes:
+            return {}, {}
+        loads_LE = take_loads(moes)
+        update_expert_bias(moes, loads_LE)
+        return expert_load_stats({name: load_E.tolist() for name, load_E in zip(moes, loads_LE, strict=True)},
+                                 [take_aux(moes)])
 
     @torch.no_grad()
     def eval_loss(self, inputs_BT: torch.Tensor, targets_BT: torch.Tensor) -> float:

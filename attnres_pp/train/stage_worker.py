@@ -35,6 +35,7 @@ from attnres_pp.comm.shm_transport import SharedMemoryTransport
 from attnres_pp.comm.transport import DistTransport
 from attnres_pp.data import Corpus
 from attnres_pp.launch.rank_host import RankHost
+from attnres_pp.model.moe import moe_sublayers, set_aux_scale, take_aux, take_loads, update_expert_bias
 from attnres_pp.model.precision import activation_dtype
 from attnres_pp.model.routing import RoutingProbe, set_probe
 from attnres_pp.pipeline.chunk import build_rank_model, rank_module_names, rank_parameters
@@ -107,7 +108,8 @@ class StageWorker(ShardSaves, RankHost):
         become other tensors: tensor-parallel DTensors, FSDP2 shards, or a move to the GPU."""
         self.params = rank_parameters(self.chunks, self.model)
         self.tied = [p for name, p in self.params.items() if name.startswith("stream_convs.")]
-        self.untied = [p for name, p in self.params.items() if not name.startswith("stream_convs.")]
+        # MoE's selection bias is a parameter for the checkpoints, without gradient (`model.moe`).
+        self.untied = [p for name, p in self.params.items() if not name.startswith("stream_convs.") and p.requires_grad]
         self.optimizer = build_optimizer(self.params.items(), self.run_cfg.train, fused=fused)
 
     # ---- set-up: the RankHost contract's training parts ----
@@ -214,8 +216,9 @@ class StageWorker(ShardSaves, RankHost):
         inputs, targets = self._microbatches(self.data.train_microbatches(step) if batch is None
                                              else self.data.split(*batch))
         self.runtime.transport.ledger.clear()
-        self.runtime.start_step(self.tp.shard(inputs), self.tp.shard(targets),
-                                self.tp.loss_scale(self.run_cfg.train.microbatches))
+        loss_scale = self.tp.loss_scale(self.run_cfg.train.microbatches)
+        set_aux_scale(self.model, loss_scale)
+        self.runtime.start_step(self.tp.shard(inputs), self.tp.shard(targets), loss_scale)
 
     def run_step(self, step: int) -> StepRecord:
         """This rank's action list to the end; gradients accumulate in the parameters."""
@@ -278,9 +281,28 @@ class StageWorker(ShardSaves, RankHost):
                             transport_buffer_bytes=getattr(self, "_transport_buffer_bytes", 0))
 
     def train_step(self, step: int, lr: float, batch: RankBatch | None = None, want_events: bool = False) -> StepReply:
-        """One optimiser step: forward/backward, gradient sync, global-norm clipping, AdamW."""
+        """One optimiser step: forward/backward, gradient sync, global-norm clipping, AdamW, then the
+        MoE sublayers' balancing (`balance_experts`)."""
         record = self.backward(step, batch)
-        return self.reply(record, self.optimizer_step(lr), want_events)
+        grad_norm = self.optimizer_step(lr)
+        return self.reply(record, grad_norm, want_events)._replace(moe=self.balance_experts())
+
+    def balance_experts(self) -> dict | None:
+        """After the optimiser step: this rank's MoE sublayers' loads of the step, summed over the
+        data-parallel group (every replica then moves its aux-free bias the same way), and its aux
+        losses; None without MoE sublayers."""
+        moes = moe_sublayers(self.model)
+        if not moes:
+            return None
+        loads_LE = take_loads(moes)
+        if self.run_cfg.pipeline.data_parallel > 1:
+            on_device = loads_LE.to(self.device)
+            self.collectives.all_reduce(on_device, "dp")
+            loads_LE = on_device.cpu()
+        update_expert_bias(moes, loads_LE)
+        aux_sum, aux_count = take_aux(moes)
+        return {"loads": {name: load_E.tolist() for name, load_E in zip(moes, loads_LE, strict=True)},
+                "aux_sum": aux_sum, "aux_count": aux_count}
 
     def _microbatches(self, lists: MicrobatchLists) -> MicrobatchLists:
         return tuple(None if mbs is None else [t.to(self.device) for t in mbs] for mbs in lists)

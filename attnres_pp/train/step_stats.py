@@ -33,6 +33,7 @@ class StepReply(NamedTuple):
     events: tuple | None  # (rank, action name, start_s, end_s, category) per action, when asked
     memory: dict | None = None  # the rank's `memory_per_rank` entry (`train.memory_report`)
     tp_bytes: int = 0  # what its tensor-parallel collectives send per step (`pipeline.tp_bytes`)
+    moe: dict | None = None  # its MoE sublayers' loads (summed over dp) and aux losses (`StageWorker.balance_experts`)
 
 
 def fwd_hop_tensors(ledger: list[tuple[str, int, int, int, int]], n_chunks: int) -> list[int]:
@@ -103,4 +104,20 @@ class StepStatsLog:
         }
         metrics = {"bubble_fraction": bubble, "rank_bubbles": [round(b, 4) for b in rank_bubbles(replies)],
                    "grad_norm": replies[0].grad_norm, "driver_bytes": driver_bytes}
+        moe_extras, moe_metrics = expert_stats([r.moe for r in replies if r.rank in self.replica0_ranks],
+                                               [r.moe for r in replies])
+        extras.update(moe_extras)
+        metrics.update(moe_metrics)
         return sum(r.loss_sum for r in replies) / n_losses, extras, metrics
+
+
+def expert_stats(replica0: list[dict | None], every: list[dict | None]) -> tuple[dict, dict]:
+    """summary.json's and metrics.jsonl's MoE entries from the ranks' `moe` reports: the step's
+    tokens per expert of each MoE sublayer (summed over the replicas; read from replica 0's ranks,
+    which hold every layer once), max / mean load per layer, and the mean aux loss of every rank's
+    microbatches and sublayers. Empty without MoE sublayers."""
+    from attnres_pp.model.moe import expert_load_stats
+
+    loads = {name: load for report in replica0 if report for name, load in report["loads"].items()}
+    aux = [(report["aux_sum"], report["aux_count"]) for report in every if report]
+    return expert_load_stats(loads, aux)
