@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from attnres_pp.model import ModelConfig, Transformer
+from attnres_pp.model.moe import set_aux_scale
 from tests.reference_model import VARIANTS, randomize_depth_params
 
 SEQ = 8
@@ -39,12 +40,13 @@ def batch(n_microbatches: int, seed: int = 2) -> tuple[torch.Tensor, torch.Tenso
 def reference_step(cfg: ModelConfig, inputs, targets, n_microbatches: int, dtype=torch.float32):
     """Loss and every parameter gradient of the single-process model, accumulated over microbatches."""
     model = build_model(cfg, dtype)
+    set_aux_scale(model, 1.0 / n_microbatches)  # an MoE aux loss weighs in the step as its microbatch's loss
     total = 0.0
     for i, t in zip(inputs.chunk(n_microbatches), targets.chunk(n_microbatches), strict=True):
         loss = model(i, t)
         (loss / n_microbatches).backward()
         total += float(loss.detach())
-    return total / n_microbatches, {n: p.grad.clone() for n, p in model.named_parameters()}
+    return total / n_microbatches, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def loopback_step(cfg: ModelConfig, schedule_name: str, P: int, V: int, m: int, cache: bool, policy: str = "none", *,
@@ -78,7 +80,7 @@ def loopback_step(cfg: ModelConfig, schedule_name: str, P: int, V: int, m: int, 
     records = run_loopback_step(runtimes, list(inputs.chunk(m)), list(targets.chunk(m)), 1.0 / m)
     losses = {mb: loss for r in records for mb, loss in r.losses.items()}
     assert sorted(losses) == list(range(m))
-    return sum(losses.values()) / m, {n: p.grad for n, p in model.named_parameters()}, records
+    return sum(losses.values()) / m, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}, records
 
 
 def assert_grads_match(got: dict, want: dict, rtol: float) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from attnres_pp.comm.plan import PayloadPlan, Source
 from attnres_pp.comm.transport_protocol import Transport
+from attnres_pp.model.moe import set_aux_scale
 from attnres_pp.pipeline.chunk import PipelineChunk
 from attnres_pp.pipeline.clock import make_clock
 from attnres_pp.pipeline.executor import ActionExecutor, ExecutorView
@@ -101,6 +102,8 @@ class StageRuntime(ExecutorView):
         without autograd and keep no context for a backward."""
         self._inputs_by_mb, self._targets_by_mb, self._loss_scale = inputs_by_mb, targets_by_mb, loss_scale
         self._forward_only = forward_only
+        for chunk in self.chunks.values():  # an MoE aux loss counts in the objective as the loss does
+            set_aux_scale(chunk, loss_scale)
         self._contexts: dict[tuple[int, int], _ChunkContext] = {}
         self._weight_work: dict[tuple[int, int], WeightWork | WeightStore] = {}  # I done, W to come
         self.memory.set_excluded(p for chunk in self.chunks.values() for p in chunk.parameters())

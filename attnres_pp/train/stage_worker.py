@@ -35,7 +35,7 @@ from attnres_pp.comm.shm_transport import SharedMemoryTransport
 from attnres_pp.comm.transport import DistTransport
 from attnres_pp.data import Corpus
 from attnres_pp.launch.rank_host import RankHost
-from attnres_pp.model.moe import moe_sublayers, set_aux_scale, take_aux, take_loads, update_expert_bias
+from attnres_pp.model.moe import moe_sublayers, take_aux, take_loads, update_expert_bias
 from attnres_pp.model.precision import activation_dtype
 from attnres_pp.model.routing import RoutingProbe, set_probe
 from attnres_pp.pipeline.chunk import build_rank_model, rank_module_names, rank_parameters
@@ -216,9 +216,8 @@ class StageWorker(ShardSaves, RankHost):
         inputs, targets = self._microbatches(self.data.train_microbatches(step) if batch is None
                                              else self.data.split(*batch))
         self.runtime.transport.ledger.clear()
-        loss_scale = self.tp.loss_scale(self.run_cfg.train.microbatches)
-        set_aux_scale(self.model, loss_scale)
-        self.runtime.start_step(self.tp.shard(inputs), self.tp.shard(targets), loss_scale)
+        self.runtime.start_step(self.tp.shard(inputs), self.tp.shard(targets),
+                                self.tp.loss_scale(self.run_cfg.train.microbatches))
 
     def run_step(self, step: int) -> StepRecord:
         """This rank's action list to the end; gradients accumulate in the parameters."""

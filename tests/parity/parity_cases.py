@@ -24,6 +24,9 @@ What the list holds, group by group (a case in two groups is listed once):
   schedules whose first and last chunks share a rank), and the recipe of every checkpoint written
   before (learned positions, GELU), each variant on the loop and the V layouts, under both
   checkpointing policies, and in float64.
+- MOE_CASES: mixtures of experts (a dense first layer, routed and shared experts, the aux loss in
+  the backward; a sigmoid router with one expert per token), every variant on the loop and V
+  layouts, both checkpointing policies, one rank, and float64.
 """
 
 from __future__ import annotations
@@ -47,6 +50,12 @@ RECIPES = {
     "grouped": {"n_heads": 4, "n_kv_heads": 2, "qk_norm": True},
     "mqa-tied": {"n_heads": 4, "n_kv_heads": 1, "tie_embeddings": True},
     "legacy": {"positions": "learned", "mlp": "gelu"},
+    # Mixtures of experts (docs/spec.md section 12): the first layer dense, then four routed experts of
+    # which each token reaches two, one shared expert, and the aux loss in the backward.
+    "moe": {"moe_experts": 4, "moe_top_k": 2, "moe_shared_experts": 1, "moe_d_ff": 8, "moe_dense_layers": 1,
+            "moe_balance": "aux_loss"},
+    "moe-sigmoid": {"moe_experts": 4, "moe_top_k": 1, "moe_d_ff": 12, "moe_router": "sigmoid",
+                    "n_kv_heads": 1},
 }
 
 # Schedules whose backward is split into I and W (they run through the weight store).
@@ -211,5 +220,18 @@ RECIPE_CASES = [
       for variant, layout in (("block", _V_LAYOUTS[1]), ("lr_projected", _V_LAYOUTS[0]), ("msar", _V_LAYOUTS[1]))),
 ]
 
+# Mixtures of experts: every variant on the loop and V layouts (the fused and the split backward),
+# both checkpointing policies, the one-rank layout, and float64; the sigmoid router on V layouts.
+MOE_CASES = [
+    *(_case(layout, variant, recipe="moe", cache=cache) for variant in VARIANTS
+      for layout, cache in ((VARIANT_LAYOUTS[0], True), (VARIANT_LAYOUTS[1], False))),
+    *(_case(layout, variant, policy=policy, recipe="moe") for variant in ("block", "msar")
+      for layout, policy in ((_AC_SPLIT, "full"), (_AC_FUSED, "selective"))),
+    _case(("interleaved_1f1b", 1, 2, 2, 4, 2), "lr_projected", recipe="moe"),
+    *(_case(_V_LAYOUTS[1], variant, recipe="moe-sigmoid") for variant in ("standard", "block", "msar")),
+    *(_case(layout, variant, recipe="moe", dtype="float64")
+      for variant, layout in (("block", _V_LAYOUTS[1]), ("lr_projected", _F64_LOOP), ("msar", _V_LAYOUTS[0]))),
+]
+
 CASES = list(dict.fromkeys([*SCHEDULE_CASES, *VARIANT_CASES, *ONE_RANK_CASES, *CHECKPOINT_CASES, *FLOAT64_CASES,
-                            *RECIPE_CASES]))
+                            *RECIPE_CASES, *MOE_CASES]))

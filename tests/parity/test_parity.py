@@ -19,6 +19,7 @@ from .parity_cases import (
     CASES,
     CHECKPOINT_CASES,
     FLOAT64_CASES,
+    MOE_CASES,
     ONE_RANK_CASES,
     RECIPE_CASES,
     RECIPES,
@@ -97,7 +98,7 @@ def test_the_float64_subset_spans_both_backwards_placements_and_policies():
 
 def test_every_recipe_runs_every_variant_on_two_layouts_and_in_float64():
     for recipe in RECIPES:
-        if recipe == "default":
+        if recipe == "default" or recipe.startswith("moe"):
             continue
         for variant in VARIANTS:
             ran = [c for c in RECIPE_CASES if c.recipe == recipe and c.variant == variant]
@@ -105,3 +106,13 @@ def test_every_recipe_runs_every_variant_on_two_layouts_and_in_float64():
         assert any(c.dtype == "float64" for c in RECIPE_CASES if c.recipe == recipe), recipe
     grouped = {c.policy for c in RECIPE_CASES if c.recipe == "grouped"}
     assert grouped == set(AC_POLICIES), grouped
+
+
+def test_moe_runs_every_variant_on_both_backwards_every_policy_one_rank_and_float64():
+    assert {c.recipe for c in MOE_CASES} == {r for r in RECIPES if r.startswith("moe")}
+    for variant in VARIANTS:
+        ran = [c for c in MOE_CASES if c.variant == variant and c.recipe == "moe"]
+        assert {c.split for c in ran} == {True, False} and {c.cache for c in ran} == {True, False}, variant
+    assert {c.policy for c in MOE_CASES} == set(AC_POLICIES)
+    assert any(c.n_stages == 1 for c in MOE_CASES)
+    assert {c.variant for c in MOE_CASES if c.dtype == "float64"} >= {"block", "lr_projected", "msar"}

@@ -1,0 +1,212 @@
+"""The MoE sublayer of docs/spec.md section 12 against independent float64 references: the router's
+choice (ties to the lower index, the bias only selecting), the routed and shared experts token by
+token, the grouped matmul against its per-expert twin, the aux loss's gradient, the aux-free bias
+rule, the loads (not counted twice under activation checkpointing), and the parameter counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from attnres_pp.model import ModelConfig, Transformer
+from attnres_pp.model.moe import (
+    MoE,
+    _grouped_mm_fits,
+    expert_load_stats,
+    grouped_matmul,
+    grouped_matmul_loop,
+    moe_sublayers,
+    route,
+    take_loads,
+    update_expert_bias,
+)
+from attnres_pp.model.transformer import active_parameter_count, parameter_count
+from attnres_pp.train.config import TrainConfig
+from attnres_pp.train.single_process_engine import SingleProcessEngine
+
+BASE = dict(vocab_size=32, n_layers=3, d_model=16, n_heads=2, seq_len=8, moe_experts=4, moe_top_k=2,
+            moe_d_ff=8, moe_dense_layers=1)
+
+
+def reference_choice(affinity: list[float], bias: list[float], k: int) -> list[int]:
+    """Top k of affinity + bias, ties to the lower index, by plain sorting of (score, index) pairs."""
+    scored = sorted(range(len(affinity)), key=lambda e: (-(affinity[e] + bias[e]), e))
+    return scored[:k]
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_the_router_chooses_the_top_k_of_affinity_plus_bias_with_ties_to_the_lower_index(router):
+    cfg = ModelConfig(**{**BASE, "moe_experts": 6, "moe_top_k": 3, "moe_router": router})
+    g = torch.Generator().manual_seed(0)
+    x_ND = torch.randn(40, 16, generator=g, dtype=torch.float64)
+    router_ED = torch.randn(6, 16, generator=g, dtype=torch.float64)
+    router_ED[3] = router_ED[1]  # experts 1 and 3 always tie, as do 0 and 5 below
+    router_ED[5] = router_ED[0]
+    bias_E = torch.tensor([0.0, 0.25, 0.0, 0.25, -0.5, 0.0], dtype=torch.float64)
+    affinity_NE, expert_NK, gate_NK = route(cfg, x_ND, router_ED, bias_E)
+    logits = x_ND @ router_ED.t()
+    want_affinity = logits.softmax(-1) if router == "softmax" else logits.sigmoid()
+    torch.testing.assert_close(affinity_NE, want_affinity, rtol=1e-12, atol=0)
+    for n in range(40):
+        chosen = reference_choice(want_affinity[n].tolist(), bias_E.tolist(), 3)
+        assert expert_NK[n].tolist() == chosen, n
+        picked = want_affinity[n, chosen]  # the bias only selects: gates are the affinities' own shares
+        torch.testing.assert_close(gate_NK[n], picked / picked.sum(), rtol=1e-12, atol=0)
+    assert (expert_NK == 1).any() and not ((expert_NK == 3) & ~(expert_NK == 1).any(-1, keepdim=True)).any()
+
+
+def _expert(x, gate_up, down):
+    gate, up = (gate_up @ x).chunk(2)
+    return down @ (F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"moe_shared_experts": 2, "moe_router": "sigmoid"},
+    {"residual": "lr_attnres", "key_mode": "projected", "key_rank": 4, "moe_shared_experts": 1},
+], ids=["routed", "shared-sigmoid", "projected-keys"])
+def test_an_moe_sublayer_equals_its_experts_summed_token_by_token_in_float64(overrides):
+    cfg = ModelConfig(**{**BASE, **overrides})
+    model = Transformer(cfg, seed=3).double()
+    moe = model.layers[1].mlp
+    assert isinstance(moe, MoE) and not isinstance(model.layers[0].mlp, MoE)
+    with torch.no_grad():
+        moe.expert_bias.copy_(torch.tensor([0.1, 0.0, -0.1, 0.05]))
+    h_BTD = torch.randn(2, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    out_BTW = moe(h_BTD)
+    assert out_BTW.shape == (2, 5, cfg.source_width)
+    x_ND = moe.norm(h_BTD).reshape(-1, 16)
+    for n, x in enumerate(x_ND):
+        logits = moe.router.weight @ x
+        affinity = logits.softmax(-1) if cfg.moe_router == "softmax" else logits.sigmoid()
+        chosen = reference_choice(affinity.tolist(), moe.expert_bias.tolist(), cfg.moe_top_k)
+        gates = affinity[chosen] / affinity[chosen].sum()
+        want = sum(g * _expert(x, moe.experts.gate_up[e], moe.experts.down[e])
+                   for g, e in zip(gates, chosen, strict=True))
+        if moe.shared is not None:
+            f = cfg.expert_dim
+            gate_w, up_w = moe.shared.gate_up.weight.chunk(2)
+            for s in range(cfg.moe_shared_experts):  # the shared experts one by one
+                rows = slice(s * f, (s + 1) * f)
+                want = want + _expert(x, torch.cat([gate_w[rows], up_w[rows]]), moe.shared.down.weight[:, rows])
+        torch.testing.assert_close(out_BTW.reshape(-1, cfg.source_width)[n], want, rtol=1e-12, atol=1e-14)
+
+
+def test_the_grouped_matmul_equals_one_matmul_per_expert_forward_and_backward():
+    g = torch.Generator().manual_seed(5)
+    counts = [5, 0, 9, 2]  # an expert without tokens in the middle
+    x = torch.randn(16, 32, generator=g, requires_grad=True)
+    w = torch.randn(4, 24, 32, generator=g, requires_grad=True)
+    assert _grouped_mm_fits(x, w.transpose(1, 2))  # the fast path is the one under test
+    y = grouped_matmul(x, w, counts)
+    grad = torch.randn(y.shape, generator=g)
+    gx, gw = torch.autograd.grad(y, (x, w), grad)
+    y_ref = grouped_matmul_loop(x, w, counts)
+    gx_ref, gw_ref = torch.autograd.grad(y_ref, (x, w), grad)
+    for got, want in ((y, y_ref), (gx, gx_ref), (gw, gw_ref)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(gw[1], torch.zeros_like(gw[1]))
+    assert not _grouped_mm_fits(x.double(), w.double().transpose(1, 2))  # float64 takes the twin
+
+
+def _moe_inputs(model: Transformer) -> dict[int, torch.Tensor]:
+    inputs = {}
+    for i, layer in enumerate(model.layers):
+        if isinstance(layer.mlp, MoE):
+            layer.mlp.norm.register_forward_hook(lambda _m, _args, out, i=i: inputs.__setitem__(i, out))
+    return inputs
+
+
+def test_the_aux_loss_trains_the_router_as_coef_e_sum_f_p_added_to_the_loss():
+    cfg = ModelConfig(**BASE, moe_balance="aux_loss", moe_aux_loss_coef=0.3)
+    idx = torch.randint(0, 32, (3, 8), generator=torch.Generator().manual_seed(6))
+    model = Transformer(cfg, seed=1).double()
+    model(idx[:, :-1], idx[:, 1:]).backward()
+    got = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    # The same weights without the aux loss, which is then added by hand from the MoE inputs.
+    plain = Transformer(ModelConfig(**BASE, moe_balance="none"), seed=1).double()
+    inputs = _moe_inputs(plain)
+    loss = plain(idx[:, :-1], idx[:, 1:])
+    for i, x_BTD in inputs.items():
+        x_ND = x_BTD.reshape(-1, 16)
+        affinity_NE = (x_ND @ plain.layers[i].mlp.router.weight.t()).softmax(-1)
+        f_E = torch.zeros(4, dtype=torch.float64)
+        for row in affinity_NE.detach():
+            for e in reference_choice(row.tolist(), [0.0] * 4, 2):
+                f_E[e] += 1 / (x_ND.shape[0] * 2)
+        loss = loss + 0.3 * 4 * (f_E * affinity_NE.mean(0)).sum()
+    loss.backward()
+    for name, p in plain.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(got[name], p.grad, rtol=1e-10, atol=1e-13, msg=name)
+    assert got["layers.1.mlp.router.weight"].abs().sum() > 0
+
+
+def test_the_aux_free_bias_moves_gamma_toward_the_mean_load_and_only_under_aux_free():
+    free = MoE(ModelConfig(**BASE, moe_bias_gamma=0.01))
+    off = MoE(ModelConfig(**BASE, moe_balance="none"))
+    loads = torch.tensor([[30.0, 10.0, 20.0, 20.0]], dtype=torch.float64)
+    update_expert_bias({"a": free}, loads)
+    update_expert_bias({"b": off}, loads)
+    torch.testing.assert_close(free.expert_bias.detach(), torch.tensor([-0.01, 0.01, 0.0, 0.0]))
+    assert torch.equal(off.expert_bias.detach(), torch.zeros(4))
+    assert not free.expert_bias.requires_grad
+
+
+def _engine_step(policy: str) -> tuple[dict, dict]:
+    cfg = ModelConfig(**BASE, moe_balance="aux_loss")
+    engine = SingleProcessEngine(cfg, TrainConfig(steps=1, batch_size=4, microbatches=2, seed=0, device="cpu",
+                                                  activation_checkpoint=policy))
+    idx = torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(7))
+    result = engine.train_step(0, idx[:, :-1], idx[:, 1:], lr=1e-3)
+    return result.extras["moe_expert_loads"], result.metrics
+
+
+def test_a_step_counts_every_token_choice_once_also_under_activation_checkpointing():
+    loads, metrics = _engine_step("none")
+    recomputed_loads, recomputed_metrics = _engine_step("full")
+    assert loads == recomputed_loads
+    assert set(loads) == {"1", "2"} and all(sum(per_expert) == 4 * 8 * 2 for per_expert in loads.values())
+    for key in ("moe_aux_loss", "moe_load_max_over_mean", "moe_load_max_over_mean/1"):
+        assert recomputed_metrics[key] == pytest.approx(metrics[key], rel=1e-6), key
+    assert metrics["moe_load_max_over_mean"] >= 1.0
+
+
+def test_load_stats_name_each_layer_and_the_worst():
+    extras, metrics = expert_load_stats({"layers.2.mlp": [4, 4, 4, 4], "layers.5.mlp": [8, 0, 4, 4]}, [(0.5, 2)])
+    assert extras == {"moe_expert_loads": {"2": [4, 4, 4, 4], "5": [8, 0, 4, 4]}}
+    assert metrics == {"moe_load_max_over_mean/2": 1.0, "moe_load_max_over_mean/5": 2.0,
+                       "moe_load_max_over_mean": 2.0, "moe_aux_loss": 0.25}
+
+
+def test_evaluation_counts_no_loads_and_take_loads_empties_them():
+    model = Transformer(ModelConfig(**BASE), seed=0)
+    idx = torch.randint(0, 32, (2, 8))
+    with torch.no_grad():
+        model(idx)
+    moes = moe_sublayers(model)
+    assert list(moes) == ["layers.1.mlp", "layers.2.mlp"]
+    assert float(take_loads(moes).sum()) == 0
+    model(idx)
+    assert take_loads(moes).sum(1).tolist() == [2 * 8 * 2] * 2
+    assert float(take_loads(moes).sum()) == 0
+
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"moe_shared_experts": 2, "moe_dense_layers": 0}, {"residual": "lr_attnres", "key_mode": "projected"},
+    {"residual": "msar", "moe_top_k": 4, "moe_experts": 4},
+])
+def test_parameter_counts_total_and_active_in_closed_form(overrides):
+    cfg = ModelConfig(**{**BASE, **overrides})
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    assert parameter_count(cfg) == total
+    routed = sum(m.experts.gate_up.numel() + m.experts.down.numel() for m in moe_sublayers_meta(model))
+    unused = routed * (cfg.moe_experts - cfg.moe_top_k) // cfg.moe_experts
+    assert active_parameter_count(cfg) == total - unused
+
+
+def moe_sublayers_meta(model: Transformer) -> list[MoE]:
+    return [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
