@@ -29,6 +29,7 @@ from datetime import timedelta
 
 import torch
 
+from attnres_pp.model.moe import moe_sublayers, take_aux, take_loads
 from attnres_pp.pipeline.mesh import MeshCollectives, RankCoords
 from attnres_pp.train.faults import lose_this_rank
 from attnres_pp.train.grad_sync import ensure_grads, flat_buckets, reduce_flat
@@ -221,7 +222,16 @@ class FtStageWorker(StageWorker):
         if self.tied:
             reduce_flat(self.tied, lambda flat: self.collectives.all_reduce(flat, "world"), self.tp.tied_copies)
             self._average(self.tied)
+        moes = moe_sublayers(self.model)
+        if moes:  # inside the step, before should_commit: the Manager reduces only within a step
+            self._loads_LE = take_loads(moes).to(self.device)
+            self.manager.allreduce(self._loads_LE).wait()
         self._grad_bytes = grad_bytes(self.params.values())  # before the optimizer step drops them
+
+    def step_loads(self, moes: dict) -> torch.Tensor:
+        """The loads `sync_gradients` averaged over the participating groups, back to their sum (token
+        counts: whole numbers, so the rounding restores them exactly)."""
+        return torch.round(self._loads_LE.cpu() * self.manager.num_participants())
 
     def _average(self, params: list) -> None:
         reduce_flat(params, lambda flat: self.manager.allreduce(flat).wait())
@@ -240,9 +250,11 @@ class FtStageWorker(StageWorker):
         record = self.backward(step)
         participants = self.manager.num_participants()
         if self.manager.should_commit():
-            return step, True, participants, self.reply(record, self.optimizer_step(lr_at(step, self.run_cfg.train)),
-                                                         want_events)
+            grad_norm = self.optimizer_step(lr_at(step, self.run_cfg.train))
+            return step, True, participants, self.reply(record, grad_norm, want_events)._replace(
+                moe=self.balance_experts())
         self.optimizer.zero_grad(set_to_none=True)
+        take_aux(moe_sublayers(self.model))  # the step did not happen: neither did its aux losses
         return step, False, participants, self.reply(record, math.nan, want_events)
 
     def ft_heal(self) -> int:

@@ -293,15 +293,20 @@ class StageWorker(ShardSaves, RankHost):
         moes = moe_sublayers(self.model)
         if not moes:
             return None
+        loads_LE = self.step_loads(moes)
+        update_expert_bias(moes, loads_LE)
+        aux_sum, aux_count = take_aux(moes)
+        return {"loads": {name: load_E.tolist() for name, load_E in zip(moes, loads_LE, strict=True)},
+                "aux_sum": aux_sum, "aux_count": aux_count}
+
+    def step_loads(self, moes: dict) -> torch.Tensor:
+        """`[layers, E]`: the step's token-choices per expert of `moes`, summed over the replicas."""
         loads_LE = take_loads(moes)
         if self.run_cfg.pipeline.data_parallel > 1:
             on_device = loads_LE.to(self.device)
             self.collectives.all_reduce(on_device, "dp")
             loads_LE = on_device.cpu()
-        update_expert_bias(moes, loads_LE)
-        aux_sum, aux_count = take_aux(moes)
-        return {"loads": {name: load_E.tolist() for name, load_E in zip(moes, loads_LE, strict=True)},
-                "aux_sum": aux_sum, "aux_count": aux_count}
+        return loads_LE
 
     def _microbatches(self, lists: MicrobatchLists) -> MicrobatchLists:
         return tuple(None if mbs is None else [t.to(self.device) for t in mbs] for mbs in lists)

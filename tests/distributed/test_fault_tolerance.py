@@ -348,3 +348,20 @@ def _quorum_or_timeout(client) -> None:
                       world_size=1)
     except Exception:  # the quorum of 2 never forms: torchft's timeout
         pass
+
+
+MOE = ["--moe-experts", "4", "--moe-top-k", "2", "--moe-d-ff", "16", "--moe-bias-gamma", "0.5"]
+
+
+@pytest.mark.distributed
+def test_moe_replica_groups_move_the_aux_free_bias_as_the_plain_run(corpus, tmp_path):
+    """The bias moves by the loads of every participating group's tokens (a large step, so that
+    another sum would route otherwise): the fault-free groups' losses equal the plain D = 2 run's,
+    and the groups end bitwise equal, the bias included."""
+    plain_run, run = tmp_path / "plain", tmp_path / "ft"
+    short = [a if a != str(STEPS) else "4" for a in ARGS]
+    assert main([*short, *MOE, "--launcher", "inprocess", "--data", str(corpus), "--out", str(plain_run)]) == 0
+    assert main([*short, *MOE, *FT, "--data", str(corpus), "--out", str(run)]) == 0
+    got = summary(run)
+    assert got["losses"] == summary(plain_run)["losses"] and got["replicas_equal"] is True
+    assert got["moe_expert_loads"] == summary(plain_run)["moe_expert_loads"]

@@ -38,6 +38,21 @@ def test_incremental_logits_equal_the_whole_forward(variant, pieces):
         assert torch.equal(got_BTV, want_BTV)
 
 
+@pytest.mark.parametrize("variant", ["block", "msar"])
+def test_moe_incremental_logits_equal_the_whole_forward(variant):
+    """An MoE sublayer is per token: decoding one token at a time routes each as the whole forward did."""
+    cfg = model_config(variant, n_layers=3, seq_len=SEQ_LEN, moe_experts=4, moe_top_k=2, moe_shared_experts=1,
+                       moe_d_ff=8, moe_dense_layers=1)
+    model = build_model(cfg, torch.float64)
+    idx_BT = _sequence(cfg)
+    with torch.no_grad():
+        want_BTV = model(idx_BT)
+        state = DecodeState(cfg)
+        first = model(idx_BT[:, :5], decode=state.step(0, 5))
+        rest = [model(idx_BT[:, t:t + 1], decode=state.step(t, 1)) for t in range(5, SEQ_LEN)]
+    torch.testing.assert_close(torch.cat([first, *rest], dim=1), want_BTV, rtol=1e-10, atol=1e-10)
+
+
 def test_msar_history_covers_the_longest_kernel():
     """A kernel longer than the pieces: history must reach several passes back."""
     cfg = model_config("msar", n_layers=2, seq_len=SEQ_LEN, stream_kernels=(2, 7))

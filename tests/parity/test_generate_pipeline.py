@@ -24,8 +24,11 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2]
 GREEDY = GenerationConfig(max_new_tokens=SEQ_LEN - len(PROMPT) + 1, prefill_chunk=3, temperature=0)
 
 
-def _setup(variant: str):
-    cfg = model_config(variant, n_layers=4, seq_len=SEQ_LEN)
+MOE = dict(moe_experts=4, moe_top_k=2, moe_shared_experts=1, moe_d_ff=8, moe_dense_layers=1)
+
+
+def _setup(variant: str, **overrides):
+    cfg = model_config(variant, n_layers=4, seq_len=SEQ_LEN, **overrides)
     named = {name: p.detach().clone() for name, p in build_model(cfg).named_parameters()}
     return cfg, named
 
@@ -41,6 +44,15 @@ def test_greedy_tokens_are_identical_in_process(variant):
     got = generate(make_generator(cfg, _pipe("inprocess"), named), PROMPT, GREEDY).tokens
     assert got == want
     assert len(want) == GREEDY.max_new_tokens and len(set(want)) > 1  # a real sequence, not one token repeated
+
+
+@pytest.mark.parametrize("variant", ["block", "lr_projected"])
+def test_moe_greedy_tokens_are_identical_in_process(variant):
+    cfg, named = _setup(variant, **MOE)
+    assert "layers.1.mlp.experts.gate_up" in named and "layers.1.mlp.expert_bias" in named
+    want = generate(SingleProcessGenerator(cfg, named), PROMPT, GREEDY).tokens
+    got = generate(make_generator(cfg, _pipe("inprocess"), named), PROMPT, GREEDY).tokens
+    assert got == want and len(set(want)) > 1
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

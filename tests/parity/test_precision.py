@@ -50,7 +50,9 @@ def _train(engine, run_cfg, batches):
 
 @pytest.mark.parametrize("variant,recipe", [(v, {}) for v in sorted(VARIANTS)]
                          + [("block", {"n_heads": 4, "n_kv_heads": 1, "qk_norm": True}),
-                            ("msar", {"n_heads": 4, "n_kv_heads": 2, "positions": "learned", "mlp": "gelu"})])
+                            ("msar", {"n_heads": 4, "n_kv_heads": 2, "positions": "learned", "mlp": "gelu"}),
+                            ("block", {"moe_experts": 4, "moe_top_k": 2, "moe_shared_experts": 1, "moe_d_ff": 8,
+                                       "moe_dense_layers": 1, "moe_balance": "aux_loss"})])
 def test_bf16_pipelined_steps_equal_the_bf16_single_process(variant, recipe):
     run_cfg = _run_cfg(variant, "bf16", **recipe)
     batches = _batches(3, run_cfg)
