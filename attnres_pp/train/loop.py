@@ -25,6 +25,7 @@ import torch
 
 from attnres_pp.data import Corpus, load_corpus
 from attnres_pp.data.tokenizer import TOKENIZER_FILE
+from attnres_pp.model.transformer import active_parameter_count
 from attnres_pp.train.checkpoint import (
     CheckpointConfig,
     PendingCheckpoint,
@@ -119,7 +120,8 @@ def run_training(
             return idle[1]
     keep_tokenizer(corpus, out_dir)
     params = engine.param_count()
-    say(f"training {params:,} parameters on {corpus.name} ({corpus.n_tokens:,} tokens) for "
+    active = f" ({active_parameter_count(run_cfg.model):,} active per token)" if run_cfg.model.moe else ""
+    say(f"training {params:,} parameters{active} on {corpus.name} ({corpus.n_tokens:,} tokens) for "
         f"{train_cfg.steps} steps of {train_cfg.batch_size * seq_len:,} tokens", flush=True)
     history, last_checkpoint = (resume(engine, run_cfg, ckpt, out_dir, corpus, say) if ckpt.resume
                                 else (RunHistory(), None))
@@ -224,6 +226,8 @@ def _summary(run_cfg: RunConfig, history: RunHistory, corpus: Corpus, *, params:
         "tokens_seen": history.tokens_seen,
         "final_checkpoint": None if final_checkpoint is None else str(final_checkpoint),
         "params": params,
+        # what one token's forward uses: K of the E routed experts of each MoE sublayer
+        "active_params": active_parameter_count(run_cfg.model) if run_cfg.model.moe else params,
         "restarts": history.restarts,
         "data": {"name": corpus.name, "train_tokens": len(corpus.train_tokens_N),
                  "val_tokens": len(corpus.val_tokens_N), **data_record(corpus)},

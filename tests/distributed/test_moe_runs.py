@@ -10,6 +10,8 @@ import shutil
 import pytest
 
 from attnres_pp.cli import main
+from attnres_pp.model import ModelConfig
+from attnres_pp.model.transformer import active_parameter_count, parameter_count
 from tests.run_helpers import assert_same_losses, losses, metrics, summary
 
 pytestmark = pytest.mark.distributed  # rank processes of the local launcher
@@ -28,6 +30,8 @@ def test_the_aux_free_bias_moves_alike_on_every_replica_and_as_in_one_process(tm
                  "--stages", "2", "--out", str(two)]) == 0
     assert_same_losses(losses(two), losses(one), what="D2 x P2 against one process")
     model = summary(one)["config"]["model"]
+    assert summary(one)["active_params"] == active_parameter_count(ModelConfig.from_dict(model))
+    assert summary(one)["active_params"] < summary(one)["params"] == parameter_count(ModelConfig.from_dict(model))
     assert (model["moe_experts"], model["moe_top_k"], model["moe_shared_experts"], model["moe_dense_layers"]) == (
         4, 2, 1, 1)
     for run in (one, two):
