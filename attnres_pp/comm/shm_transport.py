@@ -43,11 +43,8 @@ slow link (`comm.link`) every rank takes DistTransport, which applies the link's
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
 import platform
-import re
 import secrets
 import select
 import shutil
@@ -59,14 +56,20 @@ import torch
 
 from attnres_pp.comm.link import LinkModel
 from attnres_pp.comm.node_map import RankFacts, shm_pairs
+from attnres_pp.comm.shm_files import (
+    Message,
+    SharedMemoryFull,
+    create_files,
+    file_stem,
+    open_files,
+    remove_stale,
+    slot_layout,
+    slot_views,
+    unlink_run,
+)
 from attnres_pp.comm.transport import ByteLedger, DistTransport, TransportTimeout
 
 SHM_DIR = "/dev/shm"
-# A file of this project's set-up: the run's token, the pair's global ranks, its creator's pid.
-_FILE_NAME = re.compile(r"attnres-pp-[0-9a-f]{16}-\d+-to-\d+-p(\d+)\.(?:data|count|bell)")
-ALIGN_ELEMENTS = 64  # slots start on 256-byte boundaries (fp32)
-
-Message = tuple[int, int, int, tuple[torch.Size, ...]]  # (src, dst, tag, shapes), see pipeline.routes
 
 
 class SlotPair:
@@ -98,10 +101,6 @@ class MessageOutOfStep(RuntimeError):
 
 class PeerGone(TransportTimeout):
     """A peer's process ended in the middle of an exchange with this rank."""
-
-
-class SharedMemoryFull(ValueError):
-    """The shared-memory directory has no room for the slots: a setup error that names the fix."""
 
 
 class SharedMemoryTransport(DistTransport):
@@ -264,7 +263,7 @@ def connect_transport(pp_rank: int, n_stages: int, device: torch.device, timeout
     # keeps both the sender's stores and the receiver's loads in order, weaker memory models do not.
     able = (device.type == "cpu" and os.environ.get("ATTNRES_PP_SHM", "1") != "0"
             and platform.machine() in ("x86_64", "AMD64") and os.path.isdir(directory))
-    incoming = {global_rank(src): n * element for (src, dst), (n, _offsets) in _layout(messages).items()
+    incoming = {global_rank(src): n * element for (src, dst), (n, _offsets) in slot_layout(messages).items()
                 if dst == pp_rank and src != pp_rank}
     if able:
         remove_stale(directory)
@@ -276,7 +275,7 @@ def connect_transport(pp_rank: int, n_stages: int, device: torch.device, timeout
     pairs = shm_pairs(facts)
     if not pairs:  # every rank sees the same facts: none of them takes the set-up's collectives
         return dist_transport()
-    layout = _layout([m for m in messages if (global_rank(m[0]), global_rank(m[1])) in pairs])
+    layout = slot_layout([m for m in messages if (global_rank(m[0]), global_rank(m[1])) in pairs])
     base = os.path.join(directory, f"attnres-pp-{facts[0].token}")
     mine = [pair for pair in layout if pp_rank in pair]
     stems = {(src, dst): file_stem(base, global_rank(src), global_rank(dst), facts[global_rank(dst)].pid)
@@ -285,15 +284,15 @@ def connect_transport(pp_rank: int, n_stages: int, device: torch.device, timeout
     try:
         # The receiver makes the files, allocated in full, and opens the pipe's reading end first.
         _agree(pp_rank, "allocating the shared-memory slots", lambda: [
-            _create(pair, stems[pair], *layout[pair], dtype, arenas, fds) for pair in mine if pair[1] == pp_rank])
+            create_files(pair, stems[pair], *layout[pair], dtype, arenas, fds) for pair in mine if pair[1] == pp_rank])
         _agree(pp_rank, "opening the peers' shared-memory slots", lambda: [
-            _open(pair, stems[pair], *layout[pair], dtype, arenas, fds) for pair in mine if pair[0] == pp_rank])
+            open_files(pair, stems[pair], *layout[pair], dtype, arenas, fds) for pair in mine if pair[0] == pp_rank])
     except BaseException:
         for fd in fds.values():
             os.close(fd)
         raise
     finally:  # every rank has opened its files (or the setup failed): no name is needed any more
-        _unlink_run(base)
+        unlink_run(base)
     if not mine:  # this rank took part in the set-up for the others' sake
         return dist_transport()
     shapes_of = {(src, dst, tag): shapes for src, dst, tag, shapes in messages}
@@ -301,7 +300,7 @@ def connect_transport(pp_rank: int, n_stages: int, device: torch.device, timeout
     for src, dst in mine:
         offsets = layout[(src, dst)][1]
         data, counters = arenas[(src, dst)]
-        views = {tag: _views(data, offset, shapes_of[(src, dst, tag)]) for tag, offset in offsets.items()}
+        views = {tag: slot_views(data, offset, shapes_of[(src, dst, tag)]) for tag, offset in offsets.items()}
         pair = SlotPair(views, {tag: i for i, tag in enumerate(offsets)}, counters, fds[(src, dst)])
         (inbox if dst == pp_rank else outbox)[src if dst == pp_rank else dst] = pair
     return SharedMemoryTransport(pp_rank, timeout_s, inbox, outbox, peer_ranks=peer_ranks)
@@ -333,102 +332,3 @@ def _agree(pp_rank: int, what: str, work) -> None:
         raise RuntimeError(f"{what} failed: " + "; ".join(message for _kind, message in failed))
 
 
-def _create(pair: tuple[int, int], stem: str, n_elements: int, offsets: dict[int, int], dtype: torch.dtype,
-            arenas: dict, fds: dict) -> None:
-    """The receiver's files of `pair` (src, dst), every page allocated now (posix_fallocate): a tmpfs
-    that fills up later cannot take a page from a mapping mid-step (which would be a SIGBUS)."""
-    os.mkfifo(f"{stem}.bell", 0o600)
-    fds[pair] = os.open(f"{stem}.bell", os.O_RDONLY | os.O_NONBLOCK)
-    element = torch.empty((), dtype=dtype).element_size()
-    for path, n_bytes in ((f"{stem}.data", max(n_elements, 1) * element), (f"{stem}.count", (len(offsets) + 1) * 8)):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, n_bytes)
-        except OSError as error:
-            if error.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            where = os.path.dirname(path)
-            raise SharedMemoryFull(
-                f"{where} has no room for this run's shared-memory hop slots ({n_bytes} bytes for "
-                f"{os.path.basename(path)}: {os.strerror(error.errno)}); free space in {where} (a container may "
-                "need a larger /dev/shm), or set ATTNRES_PP_SHM=0 to send the hops over gloo") from None
-        finally:
-            os.close(fd)
-    arenas[pair] = _map(stem, n_elements, offsets, dtype)
-
-
-def _open(pair: tuple[int, int], stem: str, n_elements: int, offsets: dict[int, int], dtype: torch.dtype,
-          arenas: dict, fds: dict) -> None:
-    """The sender's side of `pair`: the receiver's files, and the pipe's writing end."""
-    arenas[pair] = _map(stem, n_elements, offsets, dtype)
-    fds[pair] = os.open(f"{stem}.bell", os.O_WRONLY | os.O_NONBLOCK)
-
-
-def file_stem(base: str, src: int, dst: int, creator_pid: int) -> str:
-    """The files of pair (src, dst) of the run `base`, made by the receiver, whose pid they carry."""
-    return f"{base}-{src}-to-{dst}-p{creator_pid}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
-
-
-def remove_stale(directory: str) -> list[str]:
-    """Remove this project's set-up files in `directory` whose creator pid is not alive (a run
-    whose every rank died inside its set-up); returns their names. A live creator's, another
-    user's (the sticky /dev/shm refuses) and any other file are left alone."""
-    removed = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        match = _FILE_NAME.fullmatch(name)
-        if match is None or int(match.group(1)) <= 0 or _alive(int(match.group(1))):
-            continue
-        with contextlib.suppress(FileNotFoundError, PermissionError):
-            os.unlink(os.path.join(directory, name))
-            removed.append(name)
-    return removed
-
-
-def _unlink_run(base: str) -> None:
-    """Remove every file of this run (its unique name prefix), whichever rank made it: a rank that
-    died during the setup leaves its files to the others."""
-    directory, prefix = os.path.split(base)
-    for name in os.listdir(directory):
-        if name.startswith(prefix + "-"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(directory, name))
-
-
-def _map(stem: str, n_elements: int, offsets: dict[int, int], dtype: torch.dtype):
-    data = torch.from_file(f"{stem}.data", shared=True, size=max(n_elements, 1), dtype=dtype)
-    counters = torch.from_file(f"{stem}.count", shared=True, size=len(offsets) + 1, dtype=torch.int64)
-    return data, counters
-
-
-def _layout(messages: list[Message]) -> dict[tuple[int, int], tuple[int, dict[int, int]]]:
-    """Per (src, dst): (elements of its data file, tag -> first element of the message's slot)."""
-    layout: dict[tuple[int, int], tuple[int, dict[int, int]]] = {}
-    for src, dst, tag, shapes in sorted(messages, key=lambda m: (m[0], m[1], m[2])):
-        size, offsets = layout.get((src, dst), (0, {}))
-        offsets[tag] = size
-        numel = sum(torch.Size(s).numel() for s in shapes)
-        layout[(src, dst)] = (size + -(-numel // ALIGN_ELEMENTS) * ALIGN_ELEMENTS, offsets)
-    return layout
-
-
-def _views(arena: torch.Tensor, offset: int, shapes: tuple[torch.Size, ...]) -> tuple[torch.Tensor, ...]:
-    views, first = [], offset
-    for shape in shapes:
-        numel = torch.Size(shape).numel()
-        views.append(arena[first:first + numel].view(shape))
-        first += numel
-    return tuple(views)

@@ -11,7 +11,7 @@ import torch
 from attnres_pp.cli import main
 from attnres_pp.comm.partition import make_partition
 from attnres_pp.comm.plan import plan_for_model
-from attnres_pp.comm.shm_transport import _layout
+from attnres_pp.comm.shm_files import slot_layout
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.pipeline.memory_meter import ActivationMeter
 from attnres_pp.pipeline.routes import hop_shapes, wire_messages
@@ -113,7 +113,7 @@ def test_the_slots_the_simulator_prices_are_the_shared_memory_transports_layout(
     plan = plan_for_model(cfg, partition, True)
     lowered = insert_comm(schedule_)
     element = {"fp32": 4, "bf16": 2}[dtype]
-    layout = _layout(wire_messages(lowered, plan, hop_shapes((n_sequences, cfg.seq_len), cfg.source_width,
+    layout = slot_layout(wire_messages(lowered, plan, hop_shapes((n_sequences, cfg.seq_len), cfg.source_width,
                                                              cfg.d_model)))
     for pp_rank in range(n_stages):
         allocated = sum(n for (_src, dst), (n, _offsets) in layout.items() if dst == pp_rank) * element

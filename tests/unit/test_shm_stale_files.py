@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from attnres_pp.comm.shm_transport import _FILE_NAME, file_stem, remove_stale
+from attnres_pp.comm.shm_files import FILE_NAME, file_stem, remove_stale
 
 
 def _gone_pid() -> int:
@@ -19,7 +19,7 @@ def test_a_files_name_carries_its_creators_pid():
     stem = file_stem("/dev/shm/attnres-pp-0123456789abcdef", 2, 3, 4242)
     assert stem == "/dev/shm/attnres-pp-0123456789abcdef-2-to-3-p4242"
     for suffix in (".data", ".count", ".bell"):
-        assert _FILE_NAME.fullmatch(os.path.basename(stem) + suffix).group(1) == "4242"
+        assert FILE_NAME.fullmatch(os.path.basename(stem) + suffix).group(1) == "4242"
 
 
 def test_files_of_a_gone_creator_are_removed_and_nothing_else(tmp_path):
