@@ -105,7 +105,8 @@ def llama_config(cfg: ModelConfig, model_type: str | None = None) -> dict:
 
 def model_fields(hf: dict) -> dict:
     """The ModelConfig fields a Llama or Qwen3 config.json fixes (shapes and the function they compute),
-    read as `ModelConfig` spells them; ValueError naming a missing or mistyped key."""
+    read as `ModelConfig` spells them (the experts of a Mixtral or Qwen3-MoE one: `hf_moe.folder_fields`);
+    ValueError naming a missing or mistyped key."""
     try:
         rope = hf.get("rope_parameters") or {}
         theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))

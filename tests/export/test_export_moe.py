@@ -41,6 +41,8 @@ CASES = {  # name: (ModelConfig fields, a nonzero selection bias, the class tran
                                         moe_top_k=3, tie_embeddings=True, moe_balance="none"), False,
                                    "Qwen3MoeForCausalLM"),
     "mixtral_shaped_with_bias": (dict(n_layers=2, residual="standard", n_kv_heads=2), True, "AttnResForCausalLM"),
+    "standard_dense_first_no_qk_norm": (dict(n_layers=2, residual="standard", moe_dense_layers=1), False,
+                                        "AttnResForCausalLM"),  # Mixtral has no dense layers
     "standard_shared_sigmoid": (dict(n_layers=2, residual="standard", moe_shared_experts=1, moe_router="sigmoid"),
                                 False, "AttnResForCausalLM"),
     "block_attnres_shared_bias": (dict(n_layers=3, residual="attnres", block_size=3, moe_shared_experts=2,
@@ -94,7 +96,8 @@ def test_the_selection_bias_is_read_and_moves_choices(exported):
     fail if the remote code ignored the bias."""
     cfg, named, folder, _files, _what, cls = exported
     if not bool(named[f"layers.{cfg.n_layers - 1}.mlp.expert_bias"].any()):
-        assert cls != "AttnResForCausalLM" or cfg.moe_router == "sigmoid" or cfg.moe_shared_experts
+        assert cls != "AttnResForCausalLM" or cfg.moe_router == "sigmoid" or cfg.moe_shared_experts \
+            or (cfg.moe_dense_layers and not cfg.qk_norm)  # remote for another reason
         return
     theirs = load_hf(folder)
     idx = tokens(cfg.vocab_size, 3, 16, seed=1)
