@@ -2,9 +2,10 @@
 folder that transformers loads with `AutoModelForCausalLM.from_pretrained(DIR)`.
 
 A standard-residual model of the Llama recipe (rope, SwiGLU) is written as transformers' own
-`LlamaForCausalLM` (with QK-norm `Qwen3ForCausalLM`); every other model (the AttnRes variants,
-learned positions, GELU) as `AttnResForCausalLM`, whose code the folder carries (load it with
-`trust_remote_code=True`). The folder is assembled beside DIR and renamed into place, so a failure
+`LlamaForCausalLM` (with QK-norm `Qwen3ForCausalLM`; a mixture of experts that routes as they do,
+`MixtralForCausalLM` or `Qwen3MoeForCausalLM`); every other model (the AttnRes variants, learned
+positions, GELU, other mixtures of experts) as `AttnResForCausalLM`, whose code the folder carries
+(load it with `trust_remote_code=True`). The folder is assembled beside DIR and renamed into place, so a failure
 leaves nothing behind; every mistake is one `error:` line, exit 2.
 """
 
@@ -108,19 +109,24 @@ def write_folder(out: Path, cfg, named: dict, *, max_bytes: int, tokenizer_file:
     from attnres_pp.export.configs import copy_code, generation_config, model_config
     from attnres_pp.export.tokenizer import write_tokenizer
     from attnres_pp.export.weights import write_weights
-    from attnres_pp.train.hf_llama import ARCHITECTURES, llama_type, to_llama
+    from attnres_pp.train.hf_llama import ARCHITECTURES
+    from attnres_pp.train.hf_moe import hf_type, moe_type, to_hf
 
-    kind = llama_type(cfg)
+    kind = hf_type(cfg, named)
     if kind:
-        tensors = to_llama(named, cfg)
+        tensors = to_hf(named, cfg, kind)
         what = ARCHITECTURES[kind]
     else:  # our own names; a tied head is the embedding's matrix, written once
         tensors = {n: t.detach().contiguous() for n, t in named.items()
                    if not (cfg.tie_embeddings and n == "head.lm_head.weight")}
         what = "AttnResForCausalLM (trust_remote_code=True)"
+        if moe_type(cfg):  # the options are a built-in class's, the trained selection bias is not
+            what = (f"AttnResForCausalLM (trust_remote_code=True: the aux-free selection bias is nonzero, which "
+                    f"{ARCHITECTURES[moe_type(cfg)]} has not)")
     files = write_weights(tensors, out, max_bytes)
     eot_id = eot_id if tokenizer_file is not None else None
-    for name, table in (("config.json", model_config(cfg)), ("generation_config.json", generation_config(cfg, eot_id))):
+    for name, table in (("config.json", model_config(cfg, kind)), ("generation_config.json",
+                                                                   generation_config(eot_id, kind))):
         (out / name).write_text(json.dumps(table, indent=2) + "\n")
         files.append(name)
     if not kind:

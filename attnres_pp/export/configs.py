@@ -1,6 +1,7 @@
 """config.json and generation_config.json of an exported folder, and the code files an AttnRes folder
-carries: a model of the Llama recipe is transformers' own class (`train.hf_llama`), every other one
-`AttnResForCausalLM` from `remote/`, named in config.json's `auto_map`."""
+carries: a model of the Llama recipe is transformers' own class (`train.hf_llama`; a mixture of
+experts Mixtral or Qwen3-MoE, `train.hf_moe`), every other one `AttnResForCausalLM` from `remote/`,
+named in config.json's `auto_map`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from attnres_pp.model.config import ModelConfig
-from attnres_pp.train.hf_llama import llama_config, llama_type
+from attnres_pp.train.hf_moe import hf_config
 
 REMOTE = Path(__file__).parent / "remote"
 CODE_FILES = ("configuration_attnres.py", "modeling_attnres.py")
@@ -28,17 +29,21 @@ def remote_config(cfg: ModelConfig) -> dict:
         "key_norm_gain": cfg.key_norm_gain, "positions": cfg.positions, "rope_theta": cfg.rope_theta,
         "mlp": cfg.mlp, "qk_norm": cfg.qk_norm, "tie_embeddings": cfg.tie_embeddings,
         "tie_word_embeddings": cfg.tie_embeddings, "use_cache": False, "torch_dtype": "float32",
+        # Mixtures of experts (0 experts: every MLP dense); the experts' width resolved.
+        "moe_experts": cfg.moe_experts, "moe_top_k": cfg.moe_top_k if cfg.moe else 0,
+        "moe_shared_experts": cfg.moe_shared_experts, "moe_d_ff": cfg.expert_dim if cfg.moe else 0,
+        "moe_dense_layers": cfg.moe_dense_layers, "moe_router": cfg.moe_router,
     }
 
 
-def model_config(cfg: ModelConfig) -> dict:
-    return llama_config(cfg) if llama_type(cfg) else remote_config(cfg)
+def model_config(cfg: ModelConfig, kind: str | None) -> dict:
+    """config.json: of transformers' class `kind` (`hf_moe.hf_type`), or of the remote code (None)."""
+    return hf_config(cfg, kind) if kind else remote_config(cfg)
 
 
-def generation_config(cfg: ModelConfig, eos_id: int | None) -> dict:
+def generation_config(eos_id: int | None, kind: str | None) -> dict:
     """Greedy by default as transformers' defaults are; the remote code keeps no cache."""
-    return {"eos_token_id": eos_id, "bos_token_id": None, "pad_token_id": eos_id,
-            "use_cache": llama_type(cfg) is not None}
+    return {"eos_token_id": eos_id, "bos_token_id": None, "pad_token_id": eos_id, "use_cache": kind is not None}
 
 
 def copy_code(out: Path) -> list[str]:

@@ -4,7 +4,8 @@ parameter names, the split of our fused projections, and the config fields that 
 
 Both directions live here, beside training, because `attnres-pp train --init-from` reads such a
 folder and `attnres-pp export` (a layer above) writes one: the same map, so a round trip is exact.
-Pure torch: no transformers import.
+Mixture-of-experts models (Mixtral, Qwen3-MoE) share everything here but their MoE sublayers, which
+`hf_moe` adds. Pure torch: no transformers import.
 """
 
 from __future__ import annotations
@@ -16,33 +17,44 @@ from attnres_pp.model.layers import fuse_qkv_rows, split_qkv_rows
 
 LLAMA = "llama"
 QWEN3 = "qwen3"
-ARCHITECTURES = {LLAMA: "LlamaForCausalLM", QWEN3: "Qwen3ForCausalLM"}
+MIXTRAL = "mixtral"
+QWEN3_MOE = "qwen3_moe"
+ARCHITECTURES = {LLAMA: "LlamaForCausalLM", QWEN3: "Qwen3ForCausalLM", MIXTRAL: "MixtralForCausalLM",
+                 QWEN3_MOE: "Qwen3MoeForCausalLM"}
+
+
+def llama_recipe(cfg: ModelConfig) -> bool:
+    """Standard residual, rope, SwiGLU: the recipe all four transformers classes share."""
+    return cfg.residual == "standard" and cfg.positions == "rope" and cfg.mlp == "swiglu"
 
 
 def llama_type(cfg: ModelConfig) -> str | None:
-    """"llama" or "qwen3" when `cfg` is exactly that transformers model, else None (remote code)."""
-    if cfg.residual != "standard" or cfg.positions != "rope" or cfg.mlp != "swiglu":
+    """"llama" or "qwen3" when the dense `cfg` is exactly that transformers model, else None (an MoE
+    model: `hf_moe.hf_type`; any other: remote code)."""
+    if not llama_recipe(cfg) or cfg.moe:
         return None
     return QWEN3 if cfg.qk_norm else LLAMA
 
 
 def to_llama(named: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Our parameters (whole-model names) under transformers' names, each a contiguous tensor; a tied
-    LM head is left out (transformers ties it to the embedding from `tie_word_embeddings`)."""
+    LM head is left out (transformers ties it to the embedding from `tie_word_embeddings`). MoE
+    sublayers but their norm are left to `hf_moe`."""
     out = {"model.embed_tokens.weight": named["embed.tok.weight"], "model.norm.weight": named["head.norm.weight"]}
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = named["head.lm_head.weight"]
     for i in range(cfg.n_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
         q, k, v = split_qkv_rows(cfg, named[ours + "attn.qkv.weight"])
-        gate, up = named[ours + "mlp.gate_up.weight"].chunk(2)
         attn = theirs + "self_attn."
         out.update({attn + "q_proj.weight": q, attn + "k_proj.weight": k, attn + "v_proj.weight": v,
                     attn + "o_proj.weight": named[ours + "attn.proj.weight"],
                     theirs + "input_layernorm.weight": named[ours + "attn.norm.weight"],
-                    theirs + "post_attention_layernorm.weight": named[ours + "mlp.norm.weight"],
-                    theirs + "mlp.gate_proj.weight": gate, theirs + "mlp.up_proj.weight": up,
-                    theirs + "mlp.down_proj.weight": named[ours + "mlp.down.weight"]})
+                    theirs + "post_attention_layernorm.weight": named[ours + "mlp.norm.weight"]})
+        if not cfg.is_moe_layer(i):
+            gate, up = named[ours + "mlp.gate_up.weight"].chunk(2)
+            out.update({theirs + "mlp.gate_proj.weight": gate, theirs + "mlp.up_proj.weight": up,
+                        theirs + "mlp.down_proj.weight": named[ours + "mlp.down.weight"]})
         if cfg.qk_norm:
             out[attn + "q_norm.weight"] = named[ours + "attn.q_norm.weight"]
             out[attn + "k_norm.weight"] = named[ours + "attn.k_norm.weight"]
@@ -51,7 +63,8 @@ def to_llama(named: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
 
 def from_llama(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The inverse of `to_llama`: our parameter names (a tied model's LM head is its embedding).
-    KeyError naming the first transformers tensor that is missing."""
+    KeyError naming the first transformers tensor that is missing. MoE sublayers but their norm are
+    left to `hf_moe`."""
     out = {"embed.tok.weight": tensors["model.embed_tokens.weight"], "head.norm.weight": tensors["model.norm.weight"]}
     out["head.lm_head.weight"] = out["embed.tok.weight"] if cfg.tie_embeddings else tensors["lm_head.weight"]
     for i in range(cfg.n_layers):
@@ -62,19 +75,21 @@ def from_llama(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
         out[ours + "attn.proj.weight"] = tensors[attn + "o_proj.weight"]
         out[ours + "attn.norm.weight"] = tensors[theirs + "input_layernorm.weight"]
         out[ours + "mlp.norm.weight"] = tensors[theirs + "post_attention_layernorm.weight"]
-        out[ours + "mlp.gate_up.weight"] = torch.cat([tensors[theirs + "mlp.gate_proj.weight"],
-                                                      tensors[theirs + "mlp.up_proj.weight"]])
-        out[ours + "mlp.down.weight"] = tensors[theirs + "mlp.down_proj.weight"]
+        if not cfg.is_moe_layer(i):
+            out[ours + "mlp.gate_up.weight"] = torch.cat([tensors[theirs + "mlp.gate_proj.weight"],
+                                                          tensors[theirs + "mlp.up_proj.weight"]])
+            out[ours + "mlp.down.weight"] = tensors[theirs + "mlp.down_proj.weight"]
         if cfg.qk_norm:
             out[ours + "attn.q_norm.weight"] = tensors[attn + "q_norm.weight"]
             out[ours + "attn.k_norm.weight"] = tensors[attn + "k_norm.weight"]
     return out
 
 
-def llama_config(cfg: ModelConfig) -> dict:
-    """config.json of the transformers model `cfg` is (`llama_type`). Both spellings of the rotary
-    base are written: `rope_theta` (transformers 4) and `rope_parameters` (transformers 5)."""
-    model_type = llama_type(cfg)
+def llama_config(cfg: ModelConfig, model_type: str | None = None) -> dict:
+    """config.json of the transformers model `cfg` is (`llama_type`, or the MoE type `hf_moe` gives,
+    which adds its own fields). Both spellings of the rotary base are written: `rope_theta`
+    (transformers 4) and `rope_parameters` (transformers 5)."""
+    model_type = model_type or llama_type(cfg)
     return {
         "architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.ff_dim,
@@ -84,13 +99,14 @@ def llama_config(cfg: ModelConfig) -> dict:
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "attention_dropout": 0.0,
         "mlp_bias": False, "use_cache": True, "torch_dtype": "float32", "initializer_range": cfg.init_std,
-        **({"use_sliding_window": False, "sliding_window": None} if model_type == QWEN3 else {}),
+        **({"use_sliding_window": False, "sliding_window": None} if model_type in (QWEN3, QWEN3_MOE) else {}),
     }
 
 
 def model_fields(hf: dict) -> dict:
     """The ModelConfig fields a Llama or Qwen3 config.json fixes (shapes and the function they compute),
-    read as `ModelConfig` spells them; ValueError naming a missing or mistyped key."""
+    read as `ModelConfig` spells them (the experts of a Mixtral or Qwen3-MoE one: `hf_moe.folder_fields`);
+    ValueError naming a missing or mistyped key."""
     try:
         rope = hf.get("rope_parameters") or {}
         theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
@@ -99,7 +115,8 @@ def model_fields(hf: dict) -> dict:
                   "d_model": int(hf["hidden_size"]), "n_layers": int(hf["num_hidden_layers"]), "n_heads": heads,
                   "kv_heads": int(hf.get("num_key_value_heads") or heads), "ff_dim": int(hf["intermediate_size"]),
                   "head_dim": int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-                  "qk_norm": hf["model_type"] == QWEN3, "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+                  "qk_norm": hf["model_type"] in (QWEN3, QWEN3_MOE),
+                  "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
                   "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "rope_theta": float(theta)}
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise ValueError(f"config.json lacks a valid {error} for a {hf.get('model_type')} model") from None

@@ -1,6 +1,7 @@
 """`attnres-pp train --init-from DIR`: a new standard-residual run that starts from the weights of a
-Hugging Face folder of the Llama recipe (`LlamaForCausalLM`, or `Qwen3ForCausalLM` with QK-norm;
-what `attnres-pp export` writes for such a run) instead of the seeded initialisation.
+Hugging Face folder of the Llama recipe (`LlamaForCausalLM`, or `Qwen3ForCausalLM` with QK-norm; the
+mixtures of experts `MixtralForCausalLM` and `Qwen3MoeForCausalLM`, whose selection bias starts at
+zero; what `attnres-pp export` writes for such a run) instead of the seeded initialisation.
 
 The folder is read (config.json, then the safetensors through the `safetensors` library, which runs
 no code) and checked against the run's model before anything starts: a differing field is one
@@ -15,7 +16,8 @@ from pathlib import Path
 import torch
 
 from attnres_pp.model.config import ModelConfig
-from attnres_pp.train.hf_llama import LLAMA, QWEN3, from_llama, model_fields, run_fields, to_llama
+from attnres_pp.train.hf_llama import ARCHITECTURES
+from attnres_pp.train.hf_moe import folder_fields, from_hf, our_fields, to_hf
 from attnres_pp.train.metadata_pickle import read_regular_file
 
 MAX_CONFIG_BYTES = 1 << 20
@@ -23,7 +25,10 @@ MAX_CONFIG_BYTES = 1 << 20
 FLAGS = {"residual": "--residual", "positions": "--positions", "mlp": "--mlp", "vocab_size": "--vocab-size",
          "d_model": "--d-model", "n_layers": "--layers", "n_heads": "--heads", "kv_heads": "--kv-heads",
          "ff_dim": "[model] d_ff", "head_dim": "--d-model / --heads", "qk_norm": "--qk-norm",
-         "tie_embeddings": "--tie-embeddings", "norm_eps": "[model] norm_eps", "rope_theta": "--rope-theta"}
+         "tie_embeddings": "--tie-embeddings", "norm_eps": "[model] norm_eps", "rope_theta": "--rope-theta",
+         "moe_experts": "--moe-experts", "moe_top_k": "--moe-top-k", "expert_dim": "--moe-d-ff",
+         "moe_dense_layers": "--moe-dense-layers", "moe_shared_experts": "--moe-shared-experts",
+         "moe_router": "--moe-router"}
 # Tensors a Llama folder may hold beside the parameters: rotary tables of older saves, a tied head.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -82,24 +87,27 @@ def read_init_folder(folder: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
         raise ValueError(f"--init-from {folder} has no config.json: give a Hugging Face model folder "
                          "(e.g. written by attnres-pp export)")
     hf = _json(path / "config.json", "a model config")
-    if hf.get("model_type") not in (LLAMA, QWEN3):
-        raise ValueError(f"--init-from {folder} holds a {hf.get('model_type')!r} model: only llama and qwen3 "
-                         "folders (a standard-residual rope + swiglu model) start a run")
-    theirs, ours = model_fields(hf), run_fields(cfg)
-    differ = [k for k in ours if ours[k] != theirs[k]]
+    kind = hf.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise ValueError(f"--init-from {folder} holds a {kind!r} model: only {', '.join(ARCHITECTURES)} folders "
+                         "(a standard-residual rope + swiglu model) start a run")
+    theirs, ours = folder_fields(hf), our_fields(cfg)
+    differ = [k for k in ours if k in theirs and ours[k] != theirs[k]]
     if differ:
         detail = "; ".join(f"{k} {ours[k]!r} vs {theirs[k]!r} ({FLAGS[k]})" for k in differ)
         raise ValueError(f"--init-from {folder}: the run's model differs from the folder's in {detail} "
                          "(run vs folder): give the flags that match the folder")
     tensors = read_safetensors(path)
     try:
-        named = from_llama(tensors, cfg)
+        named = from_hf(tensors, cfg, kind)
     except KeyError as error:
         raise ValueError(f"--init-from {folder}: the weights lack the tensor {error}") from None
-    return _checked(folder, cfg, named, tensors)
+    except RuntimeError as error:  # experts of differing shapes cannot be stacked
+        raise ValueError(f"--init-from {folder}: the experts' weights do not have one shape ({error})") from None
+    return _checked(folder, cfg, named, tensors, kind)
 
 
-def _checked(folder: str, cfg: ModelConfig, named: dict, tensors: dict) -> dict[str, torch.Tensor]:
+def _checked(folder: str, cfg: ModelConfig, named: dict, tensors: dict, kind: str) -> dict[str, torch.Tensor]:
     from attnres_pp.model.transformer import Transformer
 
     with torch.device("meta"):
@@ -109,7 +117,7 @@ def _checked(folder: str, cfg: ModelConfig, named: dict, tensors: dict) -> dict[
         if tuple(got.shape) != tuple(param.shape) or not got.is_floating_point():
             raise ValueError(f"--init-from {folder}: {name} has shape {tuple(got.shape)} ({got.dtype}), the run's "
                              f"model needs {tuple(param.shape)} floats")
-    used = set(to_llama(named, cfg)) | {"lm_head.weight"} | {n for n in tensors if n.endswith(IGNORED_SUFFIXES)}
+    used = set(to_hf(named, cfg, kind)) | {"lm_head.weight"} | {n for n in tensors if n.endswith(IGNORED_SUFFIXES)}
     unknown = sorted(set(tensors) - used)
     if unknown:
         raise ValueError(f"--init-from {folder}: the weights hold {len(unknown)} tensors this model has no place "

@@ -25,13 +25,13 @@ def export(run: Path, out: Path, *flags: str) -> Path:
     return out
 
 
-def load_hf(folder: Path):
+def load_hf(folder: Path, *, trust_remote_code: bool = True):
     """The folder's model as transformers loads it, checked to have loaded every tensor it holds and
     to have left none of its own parameters unloaded."""
     from transformers import AutoModelForCausalLM
 
-    model, info = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=True, dtype=torch.float32,
-                                                       output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=trust_remote_code,
+                                                       dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     return model.eval()
 

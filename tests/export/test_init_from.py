@@ -1,6 +1,6 @@
-"""`attnres-pp train --init-from DIR`: an exported Llama/Qwen3 folder starts a new run with exactly
-the exported parameters (bitwise, read from the engine's model before step 0, through the whole
-command), and every folder that does not fit the run is one `error:` line, exit 2, nothing written."""
+"""`attnres-pp train --init-from DIR`: an exported Llama/Qwen3 (or Mixtral/Qwen3-MoE) folder starts a
+new run with exactly the exported parameters (bitwise, read from the engine's model before step 0,
+through the whole command), and every folder that does not fit the run is one `error:` line, exit 2, nothing written."""
 
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ from attnres_pp.cli import main
 from attnres_pp.generate.cli import find_checkpoint, load_checkpoint
 from tests.export.export_helpers import TINY, export, train
 
+MOE = ["--moe-experts", "4", "--moe-top-k", "2", "--moe-d-ff", "16", "--moe-balance", "aux_loss"]
 ROUND_TRIPS = {
     "llama_grouped_kv": ["--residual", "standard", "--kv-heads", "2"],
     "qwen3_tied_mha": ["--residual", "standard", "--qk-norm", "--tie-embeddings"],
+    "mixtral": ["--residual", "standard", "--kv-heads", "2", *MOE],
+    "qwen3_moe_dense_first": ["--residual", "standard", "--qk-norm", *MOE, "--moe-dense-layers", "1"],
 }
 
 
@@ -27,6 +30,8 @@ def exported(request, tmp_path_factory):
     sharded = ["--max-shard-size", "4KB"] if request.param.startswith("qwen3") else []  # read through the index
     folder = export(run, root / "hf", *sharded)
     assert (folder / "model.safetensors.index.json").is_file() == bool(sharded)
+    kind = json.loads((folder / "config.json").read_text())["model_type"]
+    assert kind == request.param.split("_")[0] if "moe" not in request.param else kind == "qwen3_moe"
     return root, run, folder, ROUND_TRIPS[request.param]
 
 
@@ -73,6 +78,31 @@ def test_a_run_whose_model_differs_is_refused_naming_the_fields(tmp_path, capsys
     assert [f for f in ("d_model", "head_dim", "kv_heads", "qk_norm", "rope_theta", "residual") if f" {f} " in err] \
         == named, err
     assert not (root / "b").exists()
+
+
+@pytest.mark.parametrize("change, named", [
+    (["--moe-top-k", "3"], ["moe_top_k"]),
+    (["--moe-d-ff", "32"], ["expert_dim"]),
+    (["--moe-shared-experts", "1"], ["moe_shared_experts"]),
+    (["--moe-router", "sigmoid"], ["moe_router"]),
+    (["--moe-dense-layers", "1"], ["moe_dense_layers"]),
+])
+def test_a_run_whose_experts_differ_is_refused_naming_the_fields(exported_mixtral, capsys, change, named):
+    root, folder = exported_mixtral
+    capsys.readouterr()
+    flags = ["--residual", "standard", "--kv-heads", "2", *MOE, *change]
+    assert main(["train", *TINY, *flags, "--init-from", str(folder), "--out", str(root / "b")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --init-from") and len(err.splitlines()) == 1
+    fields = ("moe_top_k", "expert_dim", "moe_shared_experts", "moe_router", "moe_dense_layers", "moe_experts")
+    assert [f for f in fields if f" {f} " in err] == named, err
+    assert not (root / "b").exists()
+
+
+@pytest.fixture(scope="module")
+def exported_mixtral(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixtral_refusals")
+    return root, export(train(root / "run", "--residual", "standard", "--kv-heads", "2", *MOE), root / "hf")
 
 
 def _refused(capsys, argv, out) -> str:

@@ -1,5 +1,6 @@
 """The config of an exported attnres-pp model: the fields of attnres_pp's ModelConfig under their own
-names (block boundaries and sizes resolved), beside the ones transformers reads."""
+names (block boundaries and sizes resolved), beside the ones transformers reads. `moe_experts` > 0:
+the MLP of every layer from `moe_dense_layers` on is a mixture of experts of width `moe_d_ff`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ class AttnResConfig(PretrainedConfig):
                  block_ends: list | None = None, key_mode: str = "projected", key_rank: int = 8,
                  logit_scale: float = 1.0, stream_kernels: list | None = None, norm_eps: float = 1e-6,
                  key_norm_gain: bool = False, positions: str = "rope", rope_theta: float = 10000.0,
-                 mlp: str = "swiglu", qk_norm: bool = False, tie_embeddings: bool = False, **kwargs) -> None:
+                 mlp: str = "swiglu", qk_norm: bool = False, tie_embeddings: bool = False, moe_experts: int = 0,
+                 moe_top_k: int = 0, moe_shared_experts: int = 0, moe_d_ff: int = 0, moe_dense_layers: int = 0,
+                 moe_router: str = "softmax", **kwargs) -> None:
         self.n_layers, self.d_model, self.n_heads, self.n_kv_heads = n_layers, d_model, n_heads, n_kv_heads
         self.ff_dim, self.seq_len, self.residual = ff_dim, seq_len, residual
         self.block_ends = list(block_ends or [2 * n_layers])
@@ -22,6 +25,8 @@ class AttnResConfig(PretrainedConfig):
         self.stream_kernels = list(stream_kernels or [4, 8, 12])
         self.norm_eps, self.key_norm_gain, self.positions = norm_eps, key_norm_gain, positions
         self.rope_theta, self.mlp, self.qk_norm, self.tie_embeddings = rope_theta, mlp, qk_norm, tie_embeddings
+        self.moe_experts, self.moe_top_k, self.moe_shared_experts = moe_experts, moe_top_k, moe_shared_experts
+        self.moe_d_ff, self.moe_dense_layers, self.moe_router = moe_d_ff, moe_dense_layers, moe_router
         # The names transformers itself reads (generation, size reports).
         self.vocab_size, self.hidden_size, self.num_hidden_layers = vocab_size, d_model, n_layers
         self.num_attention_heads, self.max_position_embeddings = n_heads, seq_len

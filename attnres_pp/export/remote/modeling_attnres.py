@@ -9,6 +9,7 @@ sum of each completed block's outputs and the open block's partial sum; low-rank
 are the value's last r channels (sliced) or r extra output columns, RMS-normalised as each output is
 emitted (projected); MSAR reads m streams, causal depthwise convolutions of each source along the
 sequence with that source's taps, and gates them into one. A final read feeds the output norm.
+With experts, the MLP of every layer from `moe_dense_layers` on is a mixture of experts (`MoE`).
 
 Imports only torch and transformers. Generation recomputes the whole sequence at every new token
 (no key/value cache: `use_cache` is ignored); sequences hold at most `seq_len` tokens under learned
@@ -183,10 +184,72 @@ class MLP(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
-class Layer(nn.Module):
+def swiglu(x: torch.Tensor, gate_up_2FD: torch.Tensor, down_WF: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, gate_up_2FD).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down_WF)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts stacked: `gate_up` [E, 2F, d] (rows [gate | up] of each), `down` [E, W, F]."""
+
+    def __init__(self, cfg: AttnResConfig, experts: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.zeros(experts, 2 * cfg.moe_d_ff, cfg.d_model))
+        self.down = nn.Parameter(torch.zeros(experts, width(cfg), cfg.moe_d_ff))
+
+
+class MoE(nn.Module):
+    """A mixture of experts in place of an MLP: the router's affinities a = softmax or sigmoid of
+    x W_r (fp32) choose the top K experts of a + expert_bias, ties to the lower index (a stable
+    sort; the bias only selects); the chosen affinities over their sum weight the chosen experts'
+    outputs, summed in the order of choice, after the shared experts' (S experts as one SwiGLU of
+    width S F, rows [gate | up]). Under projected low-rank keys every expert's down projection emits
+    the r key columns too, combined with the same weights."""
+
     def __init__(self, cfg: AttnResConfig) -> None:
         super().__init__()
-        self.attn, self.mlp = Attention(cfg), MLP(cfg)
+        self.cfg = cfg
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.router = nn.Linear(cfg.d_model, cfg.moe_experts, bias=False)
+        self.expert_bias = nn.Parameter(torch.zeros(cfg.moe_experts), requires_grad=False)
+        self.experts = Experts(cfg, cfg.moe_experts)
+        if cfg.moe_shared_experts:
+            shared = cfg.moe_shared_experts * cfg.moe_d_ff
+            self.shared = nn.Module()
+            self.shared.gate_up = nn.Linear(cfg.d_model, 2 * shared, bias=False)
+            self.shared.down = nn.Linear(shared, width(cfg), bias=False)
+        if cfg.residual != "standard":
+            self.read = DepthRead(cfg)
+
+    def route(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chosen experts [N, K] and their gate weights [N, K] (at least fp32)."""
+        math = torch.promote_types(x_ND.dtype, torch.float32)
+        logits = F.linear(x_ND.to(math), self.router.weight.to(math))
+        affinity = logits.softmax(-1) if self.cfg.moe_router == "softmax" else logits.sigmoid()
+        score = affinity + self.expert_bias.to(math)
+        expert_NK = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, :self.cfg.moe_top_k]
+        chosen = affinity.gather(1, expert_NK)
+        return expert_NK, chosen / chosen.sum(-1, keepdim=True)
+
+    def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        x_ND = self.norm(h_BTD).reshape(-1, self.cfg.d_model)
+        expert_NK, gate_NK = self.route(x_ND)
+        y_NKW = x_ND.new_zeros(*expert_NK.shape, width(self.cfg))
+        for e in range(self.cfg.moe_experts):  # each expert on the tokens that chose it
+            token_M, slot_M = (expert_NK == e).nonzero(as_tuple=True)
+            if len(token_M):
+                y_NKW[token_M, slot_M] = swiglu(x_ND[token_M], self.experts.gate_up[e], self.experts.down[e])
+        out_NW = (gate_NK.unsqueeze(-1).to(y_NKW.dtype) * y_NKW).sum(1)
+        if self.cfg.moe_shared_experts:
+            out_NW = swiglu(x_ND, self.shared.gate_up.weight, self.shared.down.weight) + out_NW
+        return out_NW.view(*h_BTD.shape[:-1], -1)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: AttnResConfig, index: int) -> None:
+        super().__init__()
+        moe = cfg.moe_experts > 0 and index >= cfg.moe_dense_layers
+        self.attn, self.mlp = Attention(cfg), MoE(cfg) if moe else MLP(cfg)
 
 
 class Embedding(nn.Module):
@@ -217,7 +280,7 @@ class AttnResForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: AttnResConfig) -> None:
         super().__init__(config)
         self.embed = Embedding(config)
-        self.layers = nn.ModuleList(Layer(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(Layer(config, i) for i in range(config.n_layers))
         self.head = Head(config)
         self.stream_convs = StreamConvs(config) if config.residual == "msar" else None
         if config.tie_embeddings:
