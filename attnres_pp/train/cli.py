@@ -76,9 +76,9 @@ def register(subparsers) -> None:
                         help="continue the run in DIR from its newest complete checkpoint, with its saved config, "
                              "checkpoint cadence and restart limit (flags override them)")
     parser.add_argument("--init-from", metavar="DIR",
-                        help="start a new standard-residual run from the weights of a Hugging Face Llama or Qwen3 "
-                             "folder (e.g. from attnres-pp export) instead of the seeded ones; the model flags must "
-                             "match its shapes (one process: --launcher local, one chunk)")
+                        help="start a new standard-residual run from the weights of a Hugging Face Llama, Qwen3, "
+                             "Mixtral or Qwen3-MoE folder (e.g. from attnres-pp export) instead of the seeded ones; "
+                             "the model flags must match its shapes (one process: --launcher local, one chunk)")
     parser.add_argument("--max-restarts", metavar="N",
                         help="restarts after a lost rank before the run stops (default 3; --resume: as saved; "
                              "ray and local launchers)")
