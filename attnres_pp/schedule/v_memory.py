@@ -31,8 +31,9 @@ _FORWARD_LANES, _INPUT_LANES = (0, 1), (2, 3)
 
 
 def min_microbatches(n_stages: int) -> int:
-    """The fewest microbatches V-Half and V-Min take: 2P, as DualPipeV (below it the building
-    blocks of a rank's warm-up and cool-down overlap and the memory bound is not the steady one)."""
+    """The fewest microbatches V-Half and V-Min take: 2P, as DualPipeV. From 2P on the squeezed
+    warm-up and cool-down leave the same idle time whatever m (`closed_form_idle_per_rank`); below,
+    they overlap and the idle time varies with m (V-Half, P = 4: 4 instead of 2.5 at m = 5)."""
     return 2 * n_stages
 
 
@@ -60,6 +61,36 @@ def steady_offsets(name: str, n_stages: int) -> list[list[int]]:
         return [[2 * r, 3 * p - r - 2, 3 * p + gap + 2 * r - 1, 6 * p + gap - r - 2] for r in range(p)]
     raise ValueError(f"schedule {name!r} is not a controllable-memory V schedule: choose one of "
                      f"{', '.join(V_MEMORY_SCHEDULES)}")
+
+
+def closed_form_peak_held(name: str, n_stages: int) -> int:
+    """The most chunk-microbatches (activation sets of half a rank's layers) the fullest rank
+    holds, F to W, for any m >= 2P: V-Half 2 (P // 2 + 1), V-Min 2 ((P + 4) // 3). 1F1B and ZB-V
+    hold 2P such halves (P whole-stage microbatches), so these are about 1/2 and 1/3 of theirs."""
+    steady_offsets(name, n_stages)  # refuses an unknown name
+    if name == "v_half":
+        return 2 * (n_stages // 2 + 1)
+    return 2 * ((n_stages + 4) // 3)
+
+
+def closed_form_idle_per_rank(name: str, n_stages: int) -> float:
+    """Idle time of every rank under the unit costs (F = 1, I = W = 1 per rank and microbatch,
+    half each per chunk; free links) for any m >= 2P; makespan 3m plus it. Derived from the
+    orders (the paper gives no closed form for the squeezed ends): V-Half 3 ((P - 1) // 2) - 1/2,
+    V-Min 2P - 5/2 (2P - 7/2 where 3 divides P, whose block has the extra gap); P = 1 idles 0, and
+    V-Half at P = 2 idles 1/2."""
+    steady_offsets(name, n_stages)
+    if n_stages == 1:
+        return 0.0
+    if name == "v_half":
+        return 0.5 if n_stages == 2 else 3 * ((n_stages - 1) // 2) - 0.5
+    return 2 * n_stages - (3.5 if n_stages % 3 == 0 else 2.5)
+
+
+def closed_form_bubble_fraction(name: str, n_stages: int, n_microbatches: int) -> float:
+    """Idle over (ranks x makespan) under the unit costs, m >= 2P: idle / (3m + idle)."""
+    idle = closed_form_idle_per_rank(name, n_stages)
+    return idle / (3 * n_microbatches + idle)
 
 
 def _repeat(offsets: list[int], n_microbatches: int) -> list[list[int]]:
