@@ -90,6 +90,9 @@ def test_unit_cost_bubble_is_the_closed_form(name, n_stages):
         assert report["per_rank"]["idle_s"] == pytest.approx([idle] * p)
         assert result.makespan == pytest.approx(3 * m + idle)
         assert report["bubble_fraction"] == pytest.approx(closed_form_bubble_fraction(name, p, m))
+        # `simulate schedule` prints the simulator's closed forms beside what it measured.
+        assert report["closed_form_bubble_fraction"] == pytest.approx(report["bubble_fraction"])
+        assert report["closed_form_bubble_ratio"] == pytest.approx(report["bubble_ratio"])
 
 
 def test_the_memory_is_the_price_of_the_bubble_at_p4():
