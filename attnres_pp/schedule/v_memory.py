@@ -11,7 +11,7 @@ backward's store).
 
 The construction is the one the paper's authors publish as their greedy V builder: the same
 offsets, squeeze passes and tie-breaks, so its per-rank orders are theirs action for action
-(tests/unit/test_v_memory_reference.py holds their orders for three shapes). Pure standard library.
+(tests/unit/test_v_memory_reference.py holds their orders for P = 4, m = 8 and P = 3, m = 6). Pure standard library.
 
 Slot plans. A rank's plan is a list of lanes, each the slot times of one kind of action for
 microbatches 0, 1, ...: lane 0 forwards of the first arm, 1 forwards of the second arm, 2 input
@@ -170,8 +170,8 @@ def _earliest_allowed(plans: list[list[list[int]]], rank: int, lane: int, mb: in
 
 def squeeze(plans: list[list[list[int]]], with_weights: bool) -> list[list[list[int]]]:
     """Move actions to earlier free slots, rank by rank in slot order, without raising the peak
-    any rank holds. The steady state (from rank 0's first first-arm I to the first rank's last
-    first-arm F) stays as the block repeats it; the warm-up is squeezed only `with_weights`
+    any rank holds. The steady state (from rank 0's first first-arm I to the first forward of the
+    last microbatch's first arm, rank 0's) stays as the block repeats it; the warm-up is squeezed only `with_weights`
     (the W lane placed), the cool-down always."""
     plans = [place_weights(plan, split_by_arm=False) if with_weights else [list(s) for s in plan]
              for plan in plans]
@@ -194,8 +194,11 @@ def squeeze(plans: list[list[list[int]]], with_weights: bool) -> list[list[list[
     return plans
 
 
-def _first_free_within_bound(plans, rank: int, lane: int, mb: int, planned: int, taken: set[int],
-                             bound: int) -> int:
+def _first_free_within_bound(plans: list[list[list[int]]], rank: int, lane: int, mb: int, planned: int,
+                             taken: set[int], bound: int) -> int:
+    """The earliest slot before `planned` that is free on the rank and keeps its peak within
+    `bound`, else `planned`. Only slots before `planned` are free or taken by now: every action
+    planned earlier has been placed (the squeeze goes in slot order)."""
     plan = plans[rank]
     for slot in range(_earliest_allowed(plans, rank, lane, mb), planned):
         if slot not in taken:
