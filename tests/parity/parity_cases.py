@@ -235,9 +235,9 @@ MOE_CASES = [
 
 # The controllable-memory V schedules (V-Half, V-Min: the split backward on the V placement, m >= 2P):
 # Block AttnRes and MSAR where chunk edges are block edges and where blocks cross them (P = 3),
-# cached; Block AttnRes naive; and both under full checkpointing, whose W store holds each
-# chunk-microbatch longest under these schedules. They join SCHEDULE_CASES, which covers every
-# generator, and the split schedules.
+# cached; Block AttnRes naive; and both under full checkpointing (the W store keeps the
+# recomputation's operands from I to W). They join SCHEDULE_CASES, which covers every generator,
+# and the split schedules.
 SPLIT_SCHEDULES = (*SPLIT_SCHEDULES, "v_half", "v_min")
 V_MEMORY_LAYOUTS = {
     "v_half": [("v_half", 2, 2, 4, 4, 2), ("v_half", 3, 2, 6, 6, 5)],
