@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from attnres_pp.cli import main
 from attnres_pp.comm.partition import make_partition
 from attnres_pp.comm.plan import plan_payloads
 from attnres_pp.schedule.ir import ActionKind
@@ -145,3 +146,13 @@ def test_refusals_name_the_rule(name, n_virtual, n_microbatches, needle):
                    lambda: SIZE_CHECKS[name](4, n_virtual, n_microbatches)):
         with pytest.raises(ValueError, match=f"^{name} " + needle.replace("(", r"\(").replace(")", r"\)")):
             refuse()
+
+
+@pytest.mark.parametrize("command", ["train", "simulate"])
+def test_train_and_simulate_refuse_too_few_microbatches_in_one_line(command, capsys, tmp_path):
+    layout = ["--schedule", "v_min", "--stages", "2", "--virtual", "2", "--microbatches", "3", "--layers", "4"]
+    argv = (["train", "--batch-size", "3", "--steps", "1", "--launcher", "inprocess", "--quiet", "--out", str(tmp_path)]
+            if command == "train" else ["simulate", "schedule"])
+    assert main(argv + layout) == 2
+    assert capsys.readouterr().err.strip() == "error: v_min needs m >= 2P=4 microbatches, got m=3: use any m >= 4"
+
