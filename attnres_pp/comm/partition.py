@@ -116,5 +116,6 @@ def check_tied_placement(tied_embeddings: bool, partition: Partition) -> None:
     first, last = partition.rank_of(0), partition.rank_of(partition.n_chunks - 1)
     if tied_embeddings and first != last:
         raise ValueError(f"--tie-embeddings needs the embedding and the LM head on one pipeline rank, and this split "
-                         f"puts them on ranks {first} and {last}: use --stages 1, or a V-shaped schedule (zbv, "
-                         "dualpipev), whose first and last chunks share rank 0, or drop --tie-embeddings")
+                         f"puts them on ranks {first} and {last}: use --stages 1, or a V-shaped schedule "
+                         "(zbv, dualpipev, v_half, v_min), whose first and last chunks share rank 0, "
+                         "or drop --tie-embeddings")

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from attnres_pp.comm.link import LinkModel
 from attnres_pp.config_tables import from_table, to_table
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "interleaved_zb", "zbv", "dualpipev")
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "interleaved_zb", "zbv", "dualpipev",
+                  "v_half", "v_min")
 LAUNCHERS = ("local", "ray", "inprocess", "torchrun")  # inprocess: loopback transport, for debugging; torchrun:
 # every process torchrun started is one rank (`launch.torchrun_rank_group`)
 # Ray placement-group strategies: STRICT_PACK keeps every rank on one node (fastest links); PACK

@@ -1,9 +1,10 @@
 """Schedule generators: pure functions (P, V, m) -> compute-only `Schedule` (docs/spec.md section 5).
 
 Each returns, per rank, the ordered F and B (or, for the zero-bubble schedules, I and W) actions of
-that rank's chunks under the placement it declares: loop (chunk c = v * P + rank) for all but zbv
-and dualpipev (its own module), which place their two chunks per rank in a V. Communication is added later by
-`passes.insert_comm`. Pure standard library.
+that rank's chunks under the placement it declares: loop (chunk c = v * P + rank) for all but zbv,
+dualpipev and the controllable-memory v_half and v_min (the last three in their own modules), which
+place their two chunks per rank in a V. Communication is added later by `passes.insert_comm`. Pure
+standard library.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable
 
 from attnres_pp.schedule.dualpipev import check_dualpipev_sizes, dualpipev
 from attnres_pp.schedule.ir import Action, B, F, I, Schedule, W
+from attnres_pp.schedule.v_memory import check_v_memory_sizes, v_half, v_min
 
 
 def _check_sizes(n_stages: int, n_virtual: int, n_microbatches: int) -> None:
@@ -231,17 +233,23 @@ SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
     "interleaved_zb": interleaved_zb,
     "zbv": zbv,
     "dualpipev": dualpipev,
+    "v_half": v_half,
+    "v_min": v_min,
 }
 
 
 # The chunk -> rank placement each schedule declares (docs/spec.md section 3); the partition a run builds
 # for a schedule must use it, so that chunks live where the schedule runs them.
-PLACEMENT_OF = {name: "vshape" if name in ("zbv", "dualpipev") else "loop" for name in SCHEDULES}
+PLACEMENT_OF = {name: "vshape" if name in ("zbv", "dualpipev", "v_half", "v_min") else "loop" for name in SCHEDULES}
 
 
 # Size rules a run's config checks before any rank starts, for the schedules whose generator would
 # otherwise refuse only on the ranks (each raises the generator's own message).
-SIZE_CHECKS: dict[str, Callable[[int, int, int], None]] = {"dualpipev": check_dualpipev_sizes}
+SIZE_CHECKS: dict[str, Callable[[int, int, int], None]] = {
+    "dualpipev": check_dualpipev_sizes,
+    "v_half": lambda p, v, m: check_v_memory_sizes("v_half", p, v, m),
+    "v_min": lambda p, v, m: check_v_memory_sizes("v_min", p, v, m),
+}
 
 
 def schedule_placement(name: str) -> str:

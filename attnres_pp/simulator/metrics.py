@@ -16,6 +16,7 @@ cheaper than that.
 from __future__ import annotations
 
 from attnres_pp.comm.plan import PayloadPlan
+from attnres_pp.schedule import v_memory
 from attnres_pp.schedule.ir import INPUT_GRAD_KINDS, ActionKind, Schedule
 from attnres_pp.simulator.comm import format_bytes
 from attnres_pp.simulator.engine import SimResult
@@ -28,13 +29,18 @@ SPLIT_SCHEDULES = frozenset({"zb_h1", "interleaved_zb", "zbv", "dualpipev"})
 def closed_form_bubble_fraction(n_stages: int, n_virtual: int, n_microbatches: int,
                                 schedule: str = "1f1b") -> float:
     """(P-1)/(k V m + P - 1) with k = 3 for the split schedules (they hold for m >= P; ZB-V for
-    m >= 2P - 1, DualPipeV for every m it runs, m >= 2P), k = 1 for GPipe, 1F1B and interleaved 1F1B."""
+    m >= 2P - 1, DualPipeV for every m it runs, m >= 2P), k = 1 for GPipe, 1F1B and interleaved 1F1B.
+    V-Half and V-Min: I / (3m + I), I their idle per rank (`v_memory.closed_form_idle_per_rank`)."""
+    if schedule in v_memory.V_MEMORY_SCHEDULES:
+        return v_memory.closed_form_bubble_fraction(schedule, n_stages, n_microbatches)
     k = 3 if schedule in SPLIT_SCHEDULES else 1
     return (n_stages - 1) / (k * n_virtual * n_microbatches + n_stages - 1)
 
 
 def closed_form_bubble_ratio(n_stages: int, n_virtual: int, n_microbatches: int, schedule: str = "1f1b") -> float:
-    """Idle over compute: (P-1)/(k V m), k as in `closed_form_bubble_fraction`."""
+    """Idle over compute: (P-1)/(k V m), k as in `closed_form_bubble_fraction`; V-Half, V-Min I / (3m)."""
+    if schedule in v_memory.V_MEMORY_SCHEDULES:
+        return v_memory.closed_form_idle_per_rank(schedule, n_stages) / (3 * n_microbatches)
     k = 3 if schedule in SPLIT_SCHEDULES else 1
     return (n_stages - 1) / (k * n_virtual * n_microbatches)
 
@@ -44,13 +50,15 @@ def closed_form_min_microbatches(schedule: str, n_stages: int) -> int:
     the fewest it runs; zb_h1: P)."""
     if schedule == "zbv":
         return 2 * n_stages - 1
-    if schedule == "dualpipev":
+    if schedule == "dualpipev" or schedule in v_memory.V_MEMORY_SCHEDULES:
         return 2 * n_stages
     return n_stages if schedule in SPLIT_SCHEDULES else 1
 
 
 def closed_form_label(schedule: str) -> tuple[str, str]:
     """How the closed forms of `schedule` print: (fraction, ratio)."""
+    if schedule in v_memory.V_MEMORY_SCHEDULES:
+        return "I/(3m+I) (I: idle per rank)", "I/(3m)"
     k = "3" if schedule in SPLIT_SCHEDULES else ""
     return f"(P-1)/({k}Vm+P-1)", f"(P-1)/({k}Vm)"
 

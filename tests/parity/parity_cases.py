@@ -233,5 +233,24 @@ MOE_CASES = [
       for variant, layout in (("block", _V_LAYOUTS[1]), ("lr_projected", _F64_LOOP), ("msar", _V_LAYOUTS[0]))),
 ]
 
+# The controllable-memory V schedules (V-Half, V-Min: the split backward on the V placement, m >= 2P):
+# Block AttnRes and MSAR where chunk edges are block edges and where blocks cross them (P = 3),
+# cached; Block AttnRes naive; and both under full checkpointing (the W store keeps the
+# recomputation's operands from I to W). They join SCHEDULE_CASES, which covers every generator,
+# and the split schedules.
+SPLIT_SCHEDULES = (*SPLIT_SCHEDULES, "v_half", "v_min")
+V_MEMORY_LAYOUTS = {
+    "v_half": [("v_half", 2, 2, 4, 4, 2), ("v_half", 3, 2, 6, 6, 5)],
+    "v_min": [("v_min", 2, 2, 5, 4, 2), ("v_min", 3, 2, 7, 6, 3)],
+}
+V_MEMORY_CASES = [
+    *(_case(layout, variant) for layouts in V_MEMORY_LAYOUTS.values() for layout in layouts
+      for variant in ("block", "msar")),
+    *(_case(layouts[1], "block", cache=False) for layouts in V_MEMORY_LAYOUTS.values()),
+    _case(("v_min", 2, 2, 4, 4, None), "block", policy="full"),
+    _case(("v_half", 2, 2, 4, 4, None), "msar", policy="full", cache=False),
+]
+SCHEDULE_CASES += V_MEMORY_CASES[:10]
+
 CASES = list(dict.fromkeys([*SCHEDULE_CASES, *VARIANT_CASES, *ONE_RANK_CASES, *CHECKPOINT_CASES, *FLOAT64_CASES,
-                            *RECIPE_CASES, *MOE_CASES]))
+                            *RECIPE_CASES, *MOE_CASES, *V_MEMORY_CASES]))

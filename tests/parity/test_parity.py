@@ -24,6 +24,7 @@ from .parity_cases import (
     RECIPE_CASES,
     RECIPES,
     SCHEDULE_CASES,
+    V_MEMORY_CASES,
     VARIANT_CASES,
     ParityCase,
 )
@@ -116,3 +117,14 @@ def test_moe_runs_every_variant_on_both_backwards_every_policy_one_rank_and_floa
     assert {c.policy for c in MOE_CASES} == set(AC_POLICIES)
     assert any(c.n_stages == 1 for c in MOE_CASES)
     assert {c.variant for c in MOE_CASES if c.dtype == "float64"} >= {"block", "lr_projected", "msar"}
+
+
+def test_the_controllable_memory_v_schedules_run_both_caches_both_edges_and_full_checkpointing():
+    for schedule in ("v_half", "v_min"):
+        ran = [c for c in V_MEMORY_CASES if c.schedule == schedule]
+        assert all(c.split and c.n_virtual == 2 and c.n_microbatches >= 2 * c.n_stages for c in ran)
+        for variant in ("block", "msar"):
+            assert {c.edges_meet() for c in ran if c.variant == variant and c.cache} == {True, False}
+        assert any(not c.cache for c in ran) and any(c.policy == "full" for c in ran), schedule
+    assert {c.variant for c in V_MEMORY_CASES if c.policy == "full"} == {"block", "msar"}
+    assert set(V_MEMORY_CASES) <= set(CASES)

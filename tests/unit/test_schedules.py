@@ -20,8 +20,9 @@ from attnres_pp.schedule.schedules import (
 )
 from attnres_pp.schedule.validate import validate
 
-SPLIT = ("zb_h1", "interleaved_zb", "zbv")
-V_SHAPED = ("zbv", "dualpipev")
+SPLIT = ("zb_h1", "interleaved_zb", "zbv", "v_half", "v_min")
+V_SHAPED = ("zbv", "dualpipev", "v_half", "v_min")
+AT_LEAST_2P = ("dualpipev", "v_half", "v_min")  # the V schedules that need m >= 2P
 
 
 def _cases():
@@ -33,7 +34,7 @@ def _cases():
                 for n_microbatches in (1, 2, 3, 4, 5, 7, 8, 12):
                     if name.startswith("interleaved") and n_virtual > 1 and n_microbatches < n_stages:
                         continue
-                    if name == "dualpipev" and n_microbatches < 2 * n_stages:
+                    if name in AT_LEAST_2P and n_microbatches < 2 * n_stages:
                         continue
                     yield name, n_stages, n_virtual, n_microbatches
 

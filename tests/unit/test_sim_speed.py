@@ -16,17 +16,19 @@ from attnres_pp.simulator.costs import CostModel, unit_costs
 from attnres_pp.simulator.encode import encode_compute_only, encode_lowered
 from attnres_pp.simulator.engine import simulate
 
+V_SHAPED = ("zbv", "dualpipev", "v_half", "v_min")
+
 
 def _grid():
     for name in sorted(SCHEDULES):
         for n_stages in (1, 2, 3, 4):
             for n_virtual in (1, 2, 3):
-                if (name in ("1f1b", "zb_h1") and n_virtual > 1) or (name in ("zbv", "dualpipev") and n_virtual != 2):
+                if (name in ("1f1b", "zb_h1") and n_virtual > 1) or (name in V_SHAPED and n_virtual != 2):
                     continue
                 for n_microbatches in (n_stages, 2 * n_stages, 3):
                     if name.startswith("interleaved") and n_virtual > 1 and n_microbatches < n_stages:
                         continue
-                    if name == "dualpipev" and n_microbatches < 2 * n_stages:
+                    if name in ("dualpipev", "v_half", "v_min") and n_microbatches < 2 * n_stages:
                         continue
                     yield name, n_stages, n_virtual, n_microbatches
 
