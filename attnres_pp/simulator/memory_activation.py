@@ -20,7 +20,12 @@ from attnres_pp.model.config import ModelConfig, completed_blocks
 from attnres_pp.simulator.layer_recipe import kv_width, qkv_rows
 from attnres_pp.simulator.memory_features import activation_features, checkpoint_features, recompute_passes
 from attnres_pp.simulator.memory_setup import ATTENTION_KERNELS, DTYPE_BYTES
-from attnres_pp.simulator.moe import chunk_moe_layers, moe_saved_bytes, moe_store_correction
+from attnres_pp.simulator.moe import (
+    chunk_moe_layers,
+    moe_saved_bytes,
+    moe_store_correction,
+    moe_weight_store_bytes,
+)
 
 UNITS_PATH = Path(__file__).with_name("memory_units.json")
 # What the checkpointing units predict per chunk and microbatch (the fields of ChunkActivation).
@@ -190,7 +195,8 @@ def activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *
     layer's router and routed experts added (`simulator.moe.moe_saved_bytes`, derived): to what F
     saves without checkpointing; under `full` and `selective` to the recomputation inside B and I
     (the checkpointed layer saves its input only, and the selective policy keeps no grouped-matmul
-    output), the last layer of a chunk with MoE layers being one of them (dense layers come first)."""
+    output), the last layer of a chunk with MoE layers being one of them (dense layers come first);
+    the W store (`moe_store_correction`, `moe_weight_store_bytes`) under a split backward."""
     unit = dense_activation_bytes(cfg, partition, chunk_index, tokens=tokens, dtype=dtype,
                                   activation_checkpoint=activation_checkpoint, weight_copies=weight_copies,
                                   attention_kernel=attention_kernel, tensor_parallel=tensor_parallel,
@@ -204,7 +210,12 @@ def activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *
         store = 0 if chunk_index == 0 else layers * moe_store_correction(cfg, tokens=tokens, dtype=dtype,
                                                                           expert_parallel=expert_parallel)
         return replace(unit, saved=unit.saved + layers * extra, stored=max(0, unit.stored + store))
-    return replace(unit, transient=unit.transient + extra)
+    # I recomputes the layer and leaves the router's and routed experts' store until W (chunk 0's I
+    # has no inputs: W is its whole backward).
+    kept = 0 if chunk_index == 0 else layers * moe_weight_store_bytes(cfg, tokens=tokens, dtype=dtype,
+                                                                       expert_parallel=expert_parallel)
+    return replace(unit, transient=unit.transient + extra, input_kept=unit.input_kept + kept,
+                   stored=unit.stored + kept)
 
 
 def dense_activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype: str,

@@ -81,12 +81,20 @@ def moe_store_correction(cfg: ModelConfig, *, tokens: int, dtype: str, expert_pa
     - the routed experts' grouped products are no linear layer: I computes the flows into their
       weights, E / EP x (2 F d + width F) in the compute dtype, kept until W."""
     d, f, width, shared = cfg.d_model, cfg.ff_dim, cfg.source_width, cfg.moe_shared_experts * cfg.expert_dim
-    elem = DTYPE_BYTES[dtype]
     dense = (d + (2 if cfg.mlp == "swiglu" else 1) * f) + (f + width)
     moe = (d + 2 * shared) + (shared + width) if shared else 0
+    return (tokens * (moe - dense) * DTYPE_BYTES[dtype]
+            + moe_weight_store_bytes(cfg, tokens=tokens, dtype=dtype, expert_parallel=expert_parallel))
+
+
+def moe_weight_store_bytes(cfg: ModelConfig, *, tokens: int, dtype: str, expert_parallel: int = 1) -> int:
+    """The router's and the routed experts' part of an MoE layer's W store (`moe_store_correction`):
+    the router product's output gradient N E and input N d (fp32; the input only where the shared
+    experts do not keep that storage already) and the flows into the local experts' weights. Under
+    checkpointing it adds to the fitted units' store (`input_kept`), which price the shared experts."""
+    d, shared = cfg.d_model, cfg.moe_shared_experts
     router = tokens * 4 * (cfg.moe_experts + (d if not shared or dtype == "bf16" else 0))
-    flows = sum(math.prod(s) for s in routed_expert_shapes(cfg, expert_parallel)) * elem
-    return tokens * (moe - dense) * elem + router + flows
+    return router + sum(math.prod(s) for s in routed_expert_shapes(cfg, expert_parallel)) * DTYPE_BYTES[dtype]
 
 
 # ---- expert parallelism's all-to-all ----

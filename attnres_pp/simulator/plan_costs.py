@@ -278,7 +278,8 @@ class PlanCosts:
             gathers = [1 if candidate.reshard_after_forward == "never" else candidate.n_microbatches + 1] * len(numels)
         cfg = self.model_for(candidate)
         tied = (cfg.n_blocks + 1) * sum(cfg.stream_kernels) * cfg.d_model if cfg.residual == "msar" else 0
-        experts = replicas // candidate.expert_parallel  # the replicas that hold the same experts
+        # The replicas that hold the same experts; none for a dense model (no collective, no latency).
+        experts = replicas // candidate.expert_parallel if cfg.moe else 1
         per_rank = []
         for rank in range(candidate.n_stages):
             chunks = partition.chunks_of(rank)

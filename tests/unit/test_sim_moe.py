@@ -1,7 +1,7 @@
 """The simulator and the planner know mixtures of experts (docs/spec.md section 12): total and active
 parameters equal the modules' counts, the FLOPs per token count the MoE sublayer's real products,
 what an MoE sublayer saves for backward is what the meter counts, the held bytes equal a real run's,
-the all-to-all bytes and time follow SPEC 12's rule, and the plan searches EP and prints runnable
+the all-to-all bytes and time follow docs/spec.md section 12's rule, and the plan searches EP and prints runnable
 MoE commands."""
 
 from __future__ import annotations
