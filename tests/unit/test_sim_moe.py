@@ -24,7 +24,7 @@ from attnres_pp.pipeline.memory_meter import ActivationMeter
 from attnres_pp.simulator.collectives import all_to_all_s
 from attnres_pp.simulator.costs import chunk_forward_flops
 from attnres_pp.simulator.layer_recipe import mlp_flops_per_token, moe_flops_per_token
-from attnres_pp.simulator.memory import rank_parameter_shapes
+from attnres_pp.simulator.memory import local_numel, rank_parameter_shapes, rank_state_bytes
 from attnres_pp.simulator.moe import all_to_all_bytes, moe_saved_bytes, parameter_counts
 from attnres_pp.simulator.plan import PlanRequest, make_plan
 
@@ -198,3 +198,24 @@ def test_plan_table_has_an_ep_column_and_bad_ep_is_one_error_line(capsys):
                  "--moe-experts", "4", "--data-parallel", "2", "--expert-parallel", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not divide --data-parallel 2" in err[0]
+
+
+def test_routed_experts_shard_over_the_replicas_that_hold_them():
+    # E = 6 over EP = 2: 3 experts a rank, FSDP2-sharded over D / EP = 2 replicas (ceil(3 / 2) = 2 rows,
+    # the second replica's AdamW moments 1 row); the rest over D = 4
+    cfg = ModelConfig(n_layers=1, d_model=8, n_heads=2, seq_len=8, vocab_size=16, residual="standard",
+                      moe_experts=6, moe_top_k=2, moe_d_ff=4)
+    partition = make_partition(1, 1, 1)
+    expert = 2 * 4 * 8 + 8 * 4  # gate_up and down rows of one expert
+    rest = [s for s in rank_parameter_shapes(cfg, partition, 0) if len(s) != 3]
+    rest_rows = sum(-(-s[0] // 4) * math.prod(s[1:]) for s in rest if s)
+    frozen = -(-6 // 4)  # the selection bias [E]: sharded, no gradient
+    for dp_rank, local_experts in ((0, 2), (1, 2), (2, 1), (3, 1)):  # replica dp_rank holds dp_rank // 2's shard
+        terms = rank_state_bytes(cfg, partition, 0, data_parallel=4, dp_shard="fsdp", dp_rank=dp_rank,
+                                 expert_parallel=2)
+        assert terms["param_bytes"] == 4 * (rest_rows + 2 * expert)
+        assert terms["grad_bytes"] == 4 * (rest_rows - frozen + 2 * expert)
+        assert terms["optimizer_bytes"] // 8 - local_experts * expert == sum(
+            local_numel(s, 4, "fsdp", dp_rank) for s in rest) - local_numel((6,), 4, "fsdp", dp_rank)
+    replicated = rank_state_bytes(cfg, partition, 0, data_parallel=4, dp_shard="replicate", expert_parallel=2)
+    assert replicated["param_bytes"] == 4 * (sum(math.prod(s) for s in rest) + 3 * expert)
