@@ -47,8 +47,9 @@ def layer_ff(cfg: ModelConfig, layer: int | None = None) -> int:
 def mlp_matrix_shapes(cfg: ModelConfig, tensor_parallel: int = 1, layer: int | None = None) -> list[tuple[int, int]]:
     """The MLP's matrices in module order: SwiGLU's fused gate_up [2f / T, d] or GELU's up [f / T, d],
     then down [width, f / T]; in an MoE layer the shared experts' (SwiGLU of width S F, none if S = 0)."""
-    d, f, t = cfg.d_model, layer_ff(cfg, layer), tensor_parallel
-    if layer is not None and cfg.is_moe_layer(layer):
+    d, f, t = cfg.d_model, cfg.ff_dim, tensor_parallel
+    if layer is not None and cfg.moe and cfg.is_moe_layer(layer):
+        f = layer_ff(cfg, layer)
         return [(2 * f // t, d), (cfg.source_width, f // t)] if f else []
     first = (2 * f // t, d) if cfg.mlp == "swiglu" else (f // t, d)
     return [first, (cfg.source_width, f // t)]
@@ -128,7 +129,7 @@ def attention_flops_per_token(cfg: ModelConfig) -> float:
 def mlp_flops_per_token(cfg: ModelConfig, layer: int | None = None) -> float:
     """Forward FLOPs per token of one MLP sublayer, without its depth read: SwiGLU's gate, up and down
     products (GELU: up and down); of an MoE sublayer (`moe_flops_per_token`) where `layer` is one."""
-    if layer is not None and cfg.is_moe_layer(layer):
+    if layer is not None and cfg.moe and cfg.is_moe_layer(layer):
         return moe_flops_per_token(cfg)
     return float(2 * sum(a * b for a, b in mlp_matrix_shapes(cfg)))
 

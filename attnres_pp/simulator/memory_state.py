@@ -45,6 +45,8 @@ def rank_moe_shapes(cfg: ModelConfig, partition: Partition, pp_rank: int,
     """(routed, frozen) shapes among rank `pp_rank`'s parameters: the routed experts' (E / EP per MoE
     layer, replicated over the D / EP replicas that hold the same experts) and the aux-free selection
     biases (no gradient, no AdamW state)."""
+    if not cfg.moe:
+        return [], []
     layers = sum(1 for c in partition.chunks_of(pp_rank) for layer in partition.layer_range(c)
                  if cfg.is_moe_layer(layer))
     return routed_expert_shapes(cfg, expert_parallel) * layers, [(cfg.moe_experts,)] * layers
@@ -111,20 +113,15 @@ def state_bytes(shapes: list[tuple[int, ...]], *, data_parallel: int, dp_shard: 
     for shape in (*whole, *routed):
         sharded.remove(shape)
     expert_dp, expert_rank = data_parallel // expert_parallel, dp_rank // expert_parallel
-
-    def count(local: bool, skip: list) -> int:
-        kept = list(sharded)
-        for shape in skip:
-            kept.remove(shape)
-        if local:
-            return (sum(local_numel(s, data_parallel, dp_shard, dp_rank) for s in kept)
-                    + sum(local_numel(s, expert_dp, dp_shard, expert_rank) for s in routed)
-                    + sum(math.prod(s) for s in whole))
-        return (sum(shard_numel(s, data_parallel, dp_shard) for s in kept)
-                + sum(shard_numel(s, expert_dp, dp_shard) for s in routed) + sum(math.prod(s) for s in whole))
-
-    return {"param_bytes": 4 * count(False, []), "grad_bytes": 4 * count(False, list(frozen)),
-            "optimizer_bytes": 8 * count(True, list(frozen))}
+    held = sum(math.prod(s) for s in whole)
+    numel = (sum(shard_numel(s, data_parallel, dp_shard) for s in sharded)
+             + sum(shard_numel(s, expert_dp, dp_shard) for s in routed) + held)
+    local = (sum(local_numel(s, data_parallel, dp_shard, dp_rank) for s in sharded)
+             + sum(local_numel(s, expert_dp, dp_shard, expert_rank) for s in routed) + held)
+    # The frozen ones (among `sharded`) hold parameters but no gradient and no moments.
+    no_grad = sum(shard_numel(s, data_parallel, dp_shard) for s in frozen)
+    no_moments = sum(local_numel(s, data_parallel, dp_shard, dp_rank) for s in frozen)
+    return {"param_bytes": 4 * numel, "grad_bytes": 4 * (numel - no_grad), "optimizer_bytes": 8 * (local - no_moments)}
 
 
 def rank_state_bytes(cfg: ModelConfig, partition: Partition, pp_rank: int, *, data_parallel: int, dp_shard: str,
