@@ -15,6 +15,7 @@ from attnres_pp.simulator.costs import CostModel, sublayer_forward_flops
 from attnres_pp.simulator.engine import simulate
 from attnres_pp.simulator.memory import MemorySetup, predict_ranks
 from attnres_pp.simulator.metrics import closed_form_bubble_fraction
+from attnres_pp.simulator.moe import all_to_all_bytes
 from attnres_pp.simulator.plan_command import command_fields
 from attnres_pp.simulator.plan_costs import PlanCosts, fsdp_gathers
 from attnres_pp.simulator.plan_request import SPLIT, Candidate
@@ -110,7 +111,24 @@ class Planner(PlanCosts):
             "peak_action": fullest.peak_action,
             **command_fields(request, candidate),
         }
+        if cfg.moe:
+            row["moe_all_to_all"] = self.all_to_all_terms(candidate, partition)
         return row, fullest, fullest_rank, result, costs, schedule, collectives
+
+    def all_to_all_terms(self, candidate: Candidate, partition) -> dict:
+        """An MoE row's dispatch and combine (docs/spec.md section 12): bytes per MoE layer and
+        microbatch in each direction (the backward moves the same again), the share that leaves the
+        rank, and the seconds a step the busiest rank spends in them (forward, backward, full AC's
+        recomputation)."""
+        moved = all_to_all_bytes(self.model_for(candidate), tokens=self.tokens(candidate),
+                                 expert_parallel=candidate.expert_parallel, dtype=self.request.dtype)
+        recompute = 2 if candidate.activation_checkpoint == "full" else 1
+        seconds = max(candidate.n_microbatches * sum((1 + recompute) * self.chunk_all_to_all(candidate, partition, c)
+                                                     for c in partition.chunks_of(rank))
+                      for rank in range(candidate.n_stages))
+        return {"dispatch_bytes_per_layer_and_microbatch": moved.dispatch_bytes,
+                "combine_bytes_per_layer_and_microbatch": moved.combine_bytes,
+                "off_rank_share": moved.off_rank_share, "seconds_per_step": seconds}
 
     def schedule(self, candidate: Candidate):
         """The candidate's schedule, built once for every candidate that runs it."""

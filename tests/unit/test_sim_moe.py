@@ -165,10 +165,14 @@ def _request(**fields) -> PlanRequest:
 def test_plan_searches_expert_parallelism_and_prints_moe_commands():
     request = _request()
     result = make_plan(request)
-    assert result.rows
-    for row in result.rows:
+    fixed = make_plan(dataclasses.replace(request, expert_parallel=2))
+    assert result.rows and {row["expert_parallel"] for row in fixed.rows} == {2}
+    for row in result.rows + fixed.rows:
         ep, c = row["expert_parallel"], row["config"]
         assert ep == c["expert_parallel"] and c["data_parallel"] % ep == 0 and 8 % ep == 0
+        moved = row["moe_all_to_all"]  # K copies of each token's d values, (EP - 1) / EP off the rank
+        assert moved["dispatch_bytes_per_layer_and_microbatch"] == c["tokens_per_microbatch"] * 2 * 256 * 2
+        assert moved["off_rank_share"] == (ep - 1) / ep and (moved["seconds_per_step"] > 0) == (ep > 1)
         command = row["command"].split()
         for flag, value in (("--moe-experts", "8"), ("--moe-top-k", "2"), ("--moe-shared-experts", "1"),
                             ("--moe-d-ff", str(request.model.expert_dim)), ("--moe-dense-layers", "1")):
@@ -179,8 +183,6 @@ def test_plan_searches_expert_parallelism_and_prints_moe_commands():
         # train's parser takes the command (--expert-parallel once train has it)
         _args, unknown = build_parser(command[1:]).parse_known_args(command[1:])
         assert unknown in ([], ["--expert-parallel", str(ep)])
-    fixed = make_plan(dataclasses.replace(request, expert_parallel=2))
-    assert {row["expert_parallel"] for row in fixed.rows} == {2}
     assert all(row["config"]["tensor_parallel"] == 1 for row in result.rows)  # MoE layers are priced at T = 1
 
 
