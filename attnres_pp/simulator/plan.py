@@ -124,6 +124,10 @@ def _plan(request: PlanRequest, *, evaluate_at_most: int, find_run: bool) -> Pla
     planner = Planner(request)
     budget = request.gpu_memory_gib * GIB
     found = candidates(request)
+    if not found and request.expert_parallel not in (None, 1):
+        raise Infeasible(f"--expert-parallel {request.expert_parallel} divides no data-parallel degree D = GPUs / "
+                         f"(T x P) of {request.gpus} GPUs that the batch allows: give an EP dividing D, or leave "
+                         "it out to search")
     if not found:
         raise Infeasible(f"no layout of {request.model.n_layers} layers and a batch of {request.global_batch} "
                          f"sequences over {request.gpus} GPUs: give a batch divisible by the replicas")

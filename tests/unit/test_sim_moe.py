@@ -200,6 +200,9 @@ def test_plan_table_has_an_ep_column_and_bad_ep_is_one_error_line(capsys):
                  "--moe-experts", "4", "--data-parallel", "2", "--expert-parallel", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "does not divide --data-parallel 2" in err[0]
+    assert main([*base, "--expert-parallel", "8", "--gpus", "4"]) == 2  # D <= 4 here
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --expert-parallel 8 divides no data-parallel degree")
     assert main([*base, "--tensor-parallel", "2"]) == 2  # MoE layers are priced at T = 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --tensor-parallel 2 with --moe-experts is not modelled")
