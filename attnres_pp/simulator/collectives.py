@@ -1,5 +1,6 @@
 """Ring collectives' prices (no contention, no overlap with compute): the data-parallel all-reduce,
-FSDP's all-gather and reduce-scatter, and the tensor-parallel layers' collectives.
+FSDP's all-gather and reduce-scatter, the tensor-parallel layers' collectives, and expert
+parallelism's all-to-all (`all_to_all_s`).
 """
 
 from __future__ import annotations
@@ -24,3 +25,17 @@ def ring_all_reduce_s(n_bytes: float, group: int, bytes_per_s: float, latency_s:
     """Ring all-reduce = reduce-scatter + all-gather of the same buffer: 2 (g - 1) / g x bytes / bandwidth."""
     return (ring_reduce_scatter_s(n_bytes, group, bytes_per_s, latency_s)
             + ring_all_gather_s(n_bytes, group, bytes_per_s, latency_s))
+
+
+def all_to_all_s(n_bytes: float, group: int, *, peers_in_node: int, intra_bytes_per_s: float,
+                 inter_bytes_per_s: float, latency_s: float) -> float:
+    """Seconds of one all-to-all in which each of `group` ranks holds `n_bytes` and sends n_bytes / group
+    to each other rank: the peers on its node (`peers_in_node` of the group, itself included) over the
+    intra-node link, the others over its network link, both at once, plus one latency (the counts'
+    exchange goes before it: one more latency). 0 for a group of one."""
+    if group == 1:
+        return 0.0
+    piece = n_bytes / group
+    inside = (peers_in_node - 1) * piece / intra_bytes_per_s
+    across = (group - peers_in_node) * piece / inter_bytes_per_s
+    return max(inside, across) + 2 * latency_s

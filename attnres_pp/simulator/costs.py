@@ -147,8 +147,8 @@ def sublayer_forward_flops(cfg: ModelConfig, sublayer: int, tokens: int) -> floa
     d = cfg.d_model
     if sublayer % 2 == 0:  # attention: q, k, v projections (G kv heads), output projection, causal scores
         flops = tokens * attention_flops_per_token(cfg)
-    else:  # MLP: SwiGLU's gate, up and down projections (GELU: up and down)
-        flops = tokens * mlp_flops_per_token(cfg)
+    else:  # MLP: SwiGLU's gate, up and down projections (GELU: up and down); an MoE sublayer's K + S experts
+        flops = tokens * mlp_flops_per_token(cfg, sublayer // 2)
     if cfg.uses_depth_attention:
         ends = cfg.block_ends
         sources = block_of(sublayer, ends) + (1 if has_partial_before(sublayer, ends) else 0)

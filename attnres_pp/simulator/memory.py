@@ -88,7 +88,9 @@ from attnres_pp.simulator.memory_state import (  # noqa: F401 (re-exported)
     chunk_gathered_bytes,
     gathered_parameter_bytes,
     local_numel,
+    rank_moe_shapes,
     rank_parameter_shapes,
+    rank_state_bytes,
     saved_parameter_shapes,
     shard_numel,
     state_bytes,
@@ -143,11 +145,11 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
     from attnres_pp.comm.plan import shard_tokens
 
     copies = not (setup.dp_shard == "fsdp" and setup.data_parallel > 1)
-    t = setup.tensor_parallel
+    t, ep = setup.tensor_parallel, setup.expert_parallel
     saved = [activation_bytes(cfg, partition, c, tokens=setup.tokens, dtype=setup.dtype,
                               activation_checkpoint=setup.activation_checkpoint, weight_copies=copies,
                               attention_kernel=setup.attention_kernel, tensor_parallel=t,
-                              sequence_parallel=setup.sp)
+                              sequence_parallel=setup.sp, expert_parallel=ep)
              for c in range(partition.n_chunks)]
     uses_cache = plan is not None and plan.mode == "cached"
     # A cache entry or deposit is the rank's sequence shard under SP (docs/spec.md section 10).
@@ -157,10 +159,10 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
             cfg, partition, plan, c, schedule, tensor_bytes=tensor_bytes))) for c, unit in enumerate(saved)]
     fsdp = setup.dp_shard == "fsdp" and setup.data_parallel > 1
     resident = [gathered_parameter_bytes(cfg, partition, c, data_parallel=setup.data_parallel, dtype=setup.dtype,
-                                         tensor_parallel=t)
+                                         tensor_parallel=t, expert_parallel=ep)
                 for c in range(partition.n_chunks)] if fsdp else None
     always = fsdp and setup.reshard_after_forward == "always"
-    gathered = [chunk_gathered_bytes(cfg, partition, c, dtype=setup.dtype, tensor_parallel=t)
+    gathered = [chunk_gathered_bytes(cfg, partition, c, dtype=setup.dtype, tensor_parallel=t, expert_parallel=ep)
                 for c in range(partition.n_chunks)] if always else None
     # The slots' shapes are the hops' (the whole microbatch: the shared-memory transport is not
     # modelled under tensor parallelism, whose ranks keep their sequence shard).
@@ -174,9 +176,9 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
     ranks = []
     for dp_rank in dp_ranks if dp_ranks is not None else range(setup.data_parallel):
         for pp_rank, (act_peak, cache_peak, peak, action, gathered_at_peak) in enumerate(walks):
-            shapes = rank_parameter_shapes(cfg, partition, pp_rank, t)
-            terms = state_bytes(shapes, data_parallel=setup.data_parallel, dp_shard=setup.dp_shard, dp_rank=dp_rank,
-                                whole=tied_parameter_shapes(cfg))
+            shapes = rank_parameter_shapes(cfg, partition, pp_rank, t, ep)
+            terms = rank_state_bytes(cfg, partition, pp_rank, data_parallel=setup.data_parallel,
+                                     dp_shard=setup.dp_shard, dp_rank=dp_rank, tensor_parallel=t, expert_parallel=ep)
             terms.update(activation_peak_bytes=act_peak, cache_peak_bytes=cache_peak,
                          transport_buffer_bytes=slots[pp_rank])
             fixed = terms["param_bytes"] + terms["grad_bytes"] + terms["optimizer_bytes"] + slots[pp_rank]
@@ -197,7 +199,9 @@ def predict_memory(cfg: ModelConfig, setup: MemorySetup) -> list[RankMemory]:
     from attnres_pp.comm.partition import check_tied_placement, make_partition
     from attnres_pp.comm.plan import plan_for_model
     from attnres_pp.schedule.schedules import build_schedule, schedule_placement
+    from attnres_pp.simulator.moe import check_expert_parallel
 
+    check_expert_parallel(cfg, setup.expert_parallel, setup.data_parallel, setup.tensor_parallel)
     schedule = build_schedule(setup.schedule, setup.n_stages, setup.n_virtual, setup.n_microbatches)
     partition = make_partition(cfg.n_layers, setup.n_stages, setup.n_virtual, setup.layer_counts,
                                placement=schedule_placement(setup.schedule))

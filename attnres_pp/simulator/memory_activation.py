@@ -10,7 +10,7 @@ cache entries two chunks of a rank both keep (`shared_cache_bytes`). Pure Python
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
@@ -20,6 +20,12 @@ from attnres_pp.model.config import ModelConfig, completed_blocks
 from attnres_pp.simulator.layer_recipe import kv_width, qkv_rows
 from attnres_pp.simulator.memory_features import activation_features, checkpoint_features, recompute_passes
 from attnres_pp.simulator.memory_setup import ATTENTION_KERNELS, DTYPE_BYTES
+from attnres_pp.simulator.moe import (
+    chunk_moe_layers,
+    moe_saved_bytes,
+    moe_store_correction,
+    moe_weight_store_bytes,
+)
 
 UNITS_PATH = Path(__file__).with_name("memory_units.json")
 # What the checkpointing units predict per chunk and microbatch (the fields of ChunkActivation).
@@ -184,7 +190,38 @@ def attention_correction(cfg: ModelConfig, partition: Partition, chunk_index: in
 def activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype: str,
                      activation_checkpoint: str = "none", weight_copies: bool = True,
                      attention_kernel: str = "flash", tensor_parallel: int = 1,
-                     sequence_parallel: bool = False) -> ChunkActivation:
+                     sequence_parallel: bool = False, expert_parallel: int = 1) -> ChunkActivation:
+    """What F(chunk_index, mb) saves for backward, in bytes (`dense_activation_bytes`), with each MoE
+    layer's router and routed experts added (`simulator.moe.moe_saved_bytes`, derived): to what F
+    saves without checkpointing; under `full` and `selective` to the recomputation inside B and I
+    (the checkpointed layer saves its input only, and the selective policy keeps no grouped-matmul
+    output), the last layer of a chunk with MoE layers being one of them (dense layers come first);
+    the W store (`moe_store_correction`, `moe_weight_store_bytes`) under a split backward."""
+    unit = dense_activation_bytes(cfg, partition, chunk_index, tokens=tokens, dtype=dtype,
+                                  activation_checkpoint=activation_checkpoint, weight_copies=weight_copies,
+                                  attention_kernel=attention_kernel, tensor_parallel=tensor_parallel,
+                                  sequence_parallel=sequence_parallel)
+    layers = chunk_moe_layers(cfg, partition, chunk_index)
+    if not layers:
+        return unit
+    extra = moe_saved_bytes(cfg, tokens=tokens, dtype=dtype, expert_parallel=expert_parallel,
+                            weight_copies=weight_copies)
+    if activation_checkpoint == "none":
+        store = 0 if chunk_index == 0 else layers * moe_store_correction(cfg, tokens=tokens, dtype=dtype,
+                                                                          expert_parallel=expert_parallel)
+        return replace(unit, saved=unit.saved + layers * extra, stored=max(0, unit.stored + store))
+    # I recomputes the layer and leaves the router's and routed experts' store until W (chunk 0's I
+    # has no inputs: W is its whole backward).
+    kept = 0 if chunk_index == 0 else layers * moe_weight_store_bytes(cfg, tokens=tokens, dtype=dtype,
+                                                                       expert_parallel=expert_parallel)
+    return replace(unit, transient=unit.transient + extra, input_kept=unit.input_kept + kept,
+                   stored=unit.stored + kept)
+
+
+def dense_activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype: str,
+                           activation_checkpoint: str = "none", weight_copies: bool = True,
+                           attention_kernel: str = "flash", tensor_parallel: int = 1,
+                           sequence_parallel: bool = False) -> ChunkActivation:
     """What F(chunk_index, mb) saves for backward, in bytes (see the module docstring).
 
     `weight_copies`: bf16 autocast casts the fp32 weights in every forward and the backward keeps

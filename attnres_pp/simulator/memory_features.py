@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from attnres_pp.comm.partition import Partition
 from attnres_pp.model.config import ModelConfig, block_of, block_stop, completed_blocks, has_partial_before
-from attnres_pp.simulator.layer_recipe import layer_matmul_elements
+from attnres_pp.simulator.layer_recipe import layer_ff, layer_matmul_elements
 
 # The layer recipe's columns (docs/spec.md section 11), per layer: the kv heads' width; q and k as
 # new tensors (rotated, or normalised by QK-norm) and, with grouped heads, the query projection's
@@ -31,9 +31,11 @@ FEATURES = ("layer_td", "layer_th", "layer_tf", "sub_tw", "sub_t", "sub_tr", "se
             "buf_tw", "buf_tk", *RECIPE_FEATURES, "embed_pos")
 
 
-def recipe_layer_features(cfg: ModelConfig, *, tokens: int, split: int = 1) -> dict[str, int]:
+def recipe_layer_features(cfg: ModelConfig, *, tokens: int, split: int = 1, layer: int | None = None
+                          ) -> dict[str, int]:
     """The `RECIPE_FEATURES` of one transformer layer for `tokens` tokens; `split` divides what is
-    per head or per hidden unit (tp without sequence parallelism)."""
+    per head or per hidden unit (tp without sequence parallelism). An MoE layer's MLP part is its
+    shared experts (SwiGLU of width S F, `layer_recipe.layer_ff`)."""
     t, d, kv = tokens, cfg.d_model, cfg.kv_heads * cfg.head_dim
     new_qk = cfg.positions == "rope" or cfg.qk_norm
     grouped = cfg.kv_heads != cfg.n_heads  # grouped query heads are a copy (`Attention._heads`)
@@ -45,15 +47,24 @@ def recipe_layer_features(cfg: ModelConfig, *, tokens: int, split: int = 1) -> d
         "qkn_grouped_td": (cfg.qk_norm and grouped) * t * d // split,
         # cos and sin [T, E], made once per layer and pass (whole on every tp rank)
         "rope_te": (cfg.positions == "rope") * cfg.seq_len * cfg.head_dim,
-        "glu_tf": (cfg.mlp == "swiglu") * t * cfg.ff_dim // split,
+        "glu_tf": (cfg.mlp == "swiglu" or layer is not None and cfg.is_moe_layer(layer)) * t * layer_ff(cfg, layer)
+        // split,
     }
+
+
+def _chunk_layers(cfg: ModelConfig, partition: Partition, chunk_index: int) -> list[int | None]:
+    """The layers whose features differ: each of the chunk's under MoE, else one `None` standing for all."""
+    return list(partition.layer_range(chunk_index)) if cfg.moe else [None]
 
 
 def matmul_parameters(cfg: ModelConfig, partition: Partition, chunk_index: int, tensor_parallel: int = 1) -> int:
     """Elements of the weights a chunk multiplies with (bf16 autocast keeps a bf16 copy of each); a
     tp rank holds 1/T of each layer's split matrices and the whole (replicated) key projection and head."""
     d = cfg.d_model
-    count = partition.layers_per_chunk[chunk_index] * layer_matmul_elements(cfg, tensor_parallel)
+    if cfg.moe:
+        count = sum(layer_matmul_elements(cfg, tensor_parallel, layer) for layer in partition.layer_range(chunk_index))
+    else:
+        count = partition.layers_per_chunk[chunk_index] * layer_matmul_elements(cfg, tensor_parallel)
     if chunk_index == 0:
         count += cfg.projected_key_rank * d
     if chunk_index == partition.n_chunks - 1:
@@ -106,9 +117,12 @@ def activation_features(cfg: ModelConfig, partition: Partition, chunk_index: int
     source_rows = (cfg.n_blocks + 1) if cfg.uses_depth_attention else 0
     streams = cfg.n_streams if cfg.residual == "msar" else 1
     key_width = cfg.key_rank if cfg.residual == "lr_attnres" else d
+    layers = _chunk_layers(cfg, partition, chunk_index)
+    per_layer = n_layers // len(layers)  # every layer alike (None), or each its own
+    recipe = [recipe_layer_features(cfg, tokens=t, split=split, layer=layer) for layer in layers]
     return {
         "layer_td": n_layers * t * d, "layer_th": n_layers * t * cfg.n_heads // split,
-        "layer_tf": n_layers * t * f // split,
+        "layer_tf": per_layer * sum(t * (f if layer is None else layer_ff(cfg, layer)) // split for layer in layers),
         "sub_tw": n_sub * t * width, "sub_t": n_sub * t, "sub_tr": n_sub * t * r,
         "seg_ntw": sum(n * t * width for n, _k in segments), "seg_nkt": sum(n * k * t for n, k in segments),
         "seg_ktd": sum(k * t * d for _n, k in segments), "seg_nt": sum(n * t for n, _k in segments),
@@ -126,7 +140,7 @@ def activation_features(cfg: ModelConfig, partition: Partition, chunk_index: int
         "buf_tw": source_rows * t * width * streams, "buf_tk": source_rows * t * key_width * streams,
         # a learned position table's lookup saves its T indices
         "embed_pos": is_first * (cfg.positions == "learned") * cfg.seq_len,
-    } | {name: n_layers * value for name, value in recipe_layer_features(cfg, tokens=t, split=split).items()}
+    } | {name: per_layer * sum(r[name] for r in recipe) for name in RECIPE_FEATURES}
 
 
 # Per layer pass, under checkpointing; each name is used as all_<name> and last_<name>.
@@ -143,7 +157,8 @@ def _layer_pass(cfg: ModelConfig, sublayers: range, *, tokens: int, n_sequences:
                 split: int = 1, tensor_parallel: int = 1) -> dict[str, float]:
     """The `_PASS` features of one transformer layer run as its own pass (sublayers 2i, 2i + 1);
     `tokens` are the rank's, `split` divides the heads' and hidden units' features (tp without SP)."""
-    t, d, f, width = tokens, cfg.d_model, cfg.ff_dim, cfg.source_width
+    layer = sublayers.start // 2 if cfg.moe else None
+    t, d, f, width = tokens, cfg.d_model, layer_ff(cfg, layer), cfg.source_width
     r = cfg.key_rank if cfg.residual == "lr_attnres" else 0
     n_sub = len(sublayers)
     segments, merges = _segments(cfg, sublayers) if cfg.uses_depth_attention else ([], 0)
@@ -159,11 +174,11 @@ def _layer_pass(cfg: ModelConfig, sublayers: range, *, tokens: int, n_sequences:
         "seg_kq": sum(k * cfg.query_dim * cfg.n_streams for _n, k in segments),
         "merge_td": merges * t * d, "merge_tr": merges * t * r, "merge_bd": merges * n_sequences * d,
         "buf_tw": rows * t * width * streams, "buf_tk": rows * t * key_width * streams,
-        "matmul_params": layer_matmul_elements(cfg, tensor_parallel) if dtype == "bf16" else 0,
+        "matmul_params": layer_matmul_elements(cfg, tensor_parallel, layer) if dtype == "bf16" else 0,
         # The pass's input partial (or residual) is saved as it is, by the norm and merge that read it.
         "in_partial_tw": t * width if cfg.residual == "standard" or has_partial_before(sublayers.start,
                                                                                        cfg.block_ends) else 0,
-    } | recipe_layer_features(cfg, tokens=t, split=split)
+    } | recipe_layer_features(cfg, tokens=t, split=split, layer=layer)
 
 
 def checkpoint_features(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int,

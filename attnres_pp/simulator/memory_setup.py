@@ -38,13 +38,15 @@ class MemorySetup:
     tensor_parallel: int = 1  # T, docs/spec.md section 10 (derived)
     sequence_parallel: bool | None = None  # None: on when T > 1
     launcher: str = "inprocess"  # train's --launcher: local and ray map shared-memory receive slots
+    expert_parallel: int = 1  # EP, docs/spec.md section 12: E / EP routed experts per rank (derived for EP > 1)
 
     @property
     def sp(self) -> bool:
         return self.tensor_parallel > 1 and self.sequence_parallel is not False
 
     def __post_init__(self) -> None:
-        for name in ("n_stages", "n_virtual", "n_microbatches", "tokens", "data_parallel", "tensor_parallel"):
+        for name in ("n_stages", "n_virtual", "n_microbatches", "tokens", "data_parallel", "tensor_parallel",
+                     "expert_parallel"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MemorySetup.{name}={value!r} is invalid: must be an integer >= 1")

@@ -14,6 +14,7 @@ from attnres_pp.simulator.layer_recipe import (
     embedding_shapes,
     head_shapes,
     layer_parameter_shapes,
+    routed_expert_shapes,
 )
 from attnres_pp.simulator.memory_setup import DTYPE_BYTES
 
@@ -29,22 +30,44 @@ def _read_shapes(cfg: ModelConfig) -> list[tuple[int, ...]]:
     return [(cfg.query_dim,)] * (1 + cfg.key_norm_gain)
 
 
+def chunk_layer_shapes(cfg: ModelConfig, partition: Partition, chunk_index: int, read: list[tuple[int, ...]],
+                       tensor_parallel: int = 1, expert_parallel: int = 1) -> list[tuple[int, ...]]:
+    """The parameters of chunk `chunk_index`'s transformer layers, layer by layer (an MoE layer's
+    experts are `layer_recipe.moe_parameter_shapes`, E / EP routed ones)."""
+    if not cfg.moe:  # every layer alike
+        return layer_parameter_shapes(cfg, read, tensor_parallel) * partition.layers_per_chunk[chunk_index]
+    return [shape for layer in partition.layer_range(chunk_index)
+            for shape in layer_parameter_shapes(cfg, read, tensor_parallel, layer, expert_parallel)]
+
+
+def rank_moe_shapes(cfg: ModelConfig, partition: Partition, pp_rank: int,
+                    expert_parallel: int = 1) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """(routed, frozen) shapes among rank `pp_rank`'s parameters: the routed experts' (E / EP per MoE
+    layer, replicated over the D / EP replicas that hold the same experts) and the aux-free selection
+    biases (no gradient, no AdamW state)."""
+    if not cfg.moe:
+        return [], []
+    layers = sum(1 for c in partition.chunks_of(pp_rank) for layer in partition.layer_range(c)
+                 if cfg.is_moe_layer(layer))
+    return routed_expert_shapes(cfg, expert_parallel) * layers, [(cfg.moe_experts,)] * layers
+
+
 def rank_parameter_shapes(cfg: ModelConfig, partition: Partition, pp_rank: int,
-                          tensor_parallel: int = 1) -> list[tuple[int, ...]]:
+                          tensor_parallel: int = 1, expert_parallel: int = 1) -> list[tuple[int, ...]]:
     """Shapes of every parameter rank `pp_rank` holds (`pipeline.chunk.rank_parameters`), in the
     modules' order (`simulator.layer_recipe`); on one of `tensor_parallel` tp ranks (docs/spec.md
     section 10) the local shards of the split matrices (q, k, v, SwiGLU's gate and the MLP's up
     projection column-parallel, dim 0 / T; the attention output and the MLP's down projection
     row-parallel, dim 1 / T) and every other parameter whole (replicated over tp: norms, QK-norm's
     gains, depth-attention parameters, embedding, positions, key projection, head). Under tied
-    embeddings the LM head is the embedding's matrix, held once."""
+    embeddings the LM head is the embedding's matrix, held once. An MoE layer holds E / EP of its
+    routed experts (docs/spec.md section 12)."""
     shapes: list[tuple[int, ...]] = []
     chunks = partition.chunks_of(pp_rank)
     if 0 in chunks:
         shapes += embedding_shapes(cfg)
-    layer = layer_parameter_shapes(cfg, _read_shapes(cfg), tensor_parallel)
     for c in chunks:
-        shapes += layer * partition.layers_per_chunk[c]
+        shapes += chunk_layer_shapes(cfg, partition, c, _read_shapes(cfg), tensor_parallel, expert_parallel)
     if partition.n_chunks - 1 in chunks:
         shapes += head_shapes(cfg, _read_shapes(cfg), holds_embedding=0 in chunks)
     return shapes + tied_parameter_shapes(cfg)
@@ -75,24 +98,46 @@ def local_numel(shape: tuple[int, ...], data_parallel: int, dp_shard: str, dp_ra
 
 
 def state_bytes(shapes: list[tuple[int, ...]], *, data_parallel: int, dp_shard: str, dp_rank: int = 0,
-                whole: list[tuple[int, ...]] = ()) -> dict[str, int]:
+                whole: list[tuple[int, ...]] = (), routed: list[tuple[int, ...]] = (),
+                frozen: list[tuple[int, ...]] = (), expert_parallel: int = 1) -> dict[str, int]:
     """param/grad/optimizer bytes of one rank (fp32 throughout; optimizer: AdamW's two moments).
-    `whole`: parameters among `shapes` that stay unsharded under FSDP2 (`tied_parameter_shapes`).
+    `whole`: parameters among `shapes` that stay unsharded under FSDP2 (`tied_parameter_shapes`);
+    `routed`: routed experts' (`rank_moe_shapes`), which FSDP2 shards over the D / EP replicas that
+    hold the same experts (this replica's index among them: dp_rank // EP); `frozen`: parameters
+    without gradient or AdamW state (the aux-free selection bias), held and sharded as the others.
 
     Under FSDP2 a parameter's shard storage and the reduce-scattered gradient buffer are padded to
     ceil(dim0 / D) rows on every replica, while AdamW's moments are made like the unpadded local
     shard (`zeros_like`), so replica `dp_rank`'s optimizer state can be smaller than its parameters."""
     sharded = list(shapes)
-    for shape in whole:
+    for shape in (*whole, *routed):
         sharded.remove(shape)
-    numel = sum(shard_numel(s, data_parallel, dp_shard) for s in sharded) + sum(math.prod(s) for s in whole)
-    local = sum(local_numel(s, data_parallel, dp_shard, dp_rank) for s in sharded) + sum(math.prod(s) for s in whole)
-    return {"param_bytes": 4 * numel, "grad_bytes": 4 * numel, "optimizer_bytes": 8 * local}
+    expert_dp, expert_rank = data_parallel // expert_parallel, dp_rank // expert_parallel
+    held = sum(math.prod(s) for s in whole)
+    numel = (sum(shard_numel(s, data_parallel, dp_shard) for s in sharded)
+             + sum(shard_numel(s, expert_dp, dp_shard) for s in routed) + held)
+    local = (sum(local_numel(s, data_parallel, dp_shard, dp_rank) for s in sharded)
+             + sum(local_numel(s, expert_dp, dp_shard, expert_rank) for s in routed) + held)
+    # The frozen ones (among `sharded`) hold parameters but no gradient and no moments.
+    no_grad = sum(shard_numel(s, data_parallel, dp_shard) for s in frozen)
+    no_moments = sum(local_numel(s, data_parallel, dp_shard, dp_rank) for s in frozen)
+    return {"param_bytes": 4 * numel, "grad_bytes": 4 * (numel - no_grad), "optimizer_bytes": 8 * (local - no_moments)}
+
+
+def rank_state_bytes(cfg: ModelConfig, partition: Partition, pp_rank: int, *, data_parallel: int, dp_shard: str,
+                     dp_rank: int = 0, tensor_parallel: int = 1, expert_parallel: int = 1) -> dict[str, int]:
+    """`state_bytes` of rank (dp_rank, pp_rank): its parameters, MSAR's whole convolutions, the routed
+    experts over D / EP and the selection biases without gradient or moments."""
+    routed, frozen = rank_moe_shapes(cfg, partition, pp_rank, expert_parallel)
+    return state_bytes(rank_parameter_shapes(cfg, partition, pp_rank, tensor_parallel, expert_parallel),
+                       data_parallel=data_parallel, dp_shard=dp_shard, dp_rank=dp_rank,
+                       whole=tied_parameter_shapes(cfg), routed=routed, frozen=frozen,
+                       expert_parallel=expert_parallel)
 
 
 
 def saved_parameter_shapes(cfg: ModelConfig, partition: Partition, chunk_index: int,
-                           tensor_parallel: int = 1) -> list[tuple[int, ...]]:
+                           tensor_parallel: int = 1, expert_parallel: int = 1) -> list[tuple[int, ...]]:
     """Shapes of chunk `chunk_index`'s parameters that its autograd nodes save (a matrix product's
     weight, a norm's gain, MSAR's gate weights): all but the embedding tables (a lookup saves the
     indices), the AttnRes / LR-AttnRes pseudo-queries (their reads save the stacked queries, a copy)
@@ -102,7 +147,7 @@ def saved_parameter_shapes(cfg: ModelConfig, partition: Partition, chunk_index: 
     read = [(cfg.n_streams, d), (cfg.n_streams * d, cfg.n_streams)] if cfg.residual == "msar" else []
     if cfg.key_norm_gain and cfg.uses_depth_attention:
         read += [(cfg.n_streams, d)] if cfg.residual == "msar" else [(cfg.query_dim,)] * 2
-    shapes = layer_parameter_shapes(cfg, read, t) * partition.layers_per_chunk[chunk_index]
+    shapes = chunk_layer_shapes(cfg, partition, chunk_index, read, t, expert_parallel)
     if chunk_index == 0 and cfg.projected_key_rank:
         shapes.append((cfg.projected_key_rank, d))
     if chunk_index == partition.n_chunks - 1:  # the LM head's product saves its matrix, tied or not
@@ -111,15 +156,17 @@ def saved_parameter_shapes(cfg: ModelConfig, partition: Partition, chunk_index: 
 
 
 def gathered_parameter_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, data_parallel: int,
-                             dtype: str, tensor_parallel: int = 1) -> int:
+                             dtype: str, tensor_parallel: int = 1, expert_parallel: int = 1) -> int:
     """Bytes of the FSDP2 all-gathered (unsharded) parameters chunk `chunk_index`'s nodes save: each
-    is a view of its all-gather buffer, whose storage holds D padded shards (ceil(dim0 / D) x D rows)."""
+    is a view of its all-gather buffer, whose storage holds D padded shards (ceil(dim0 / D) x D rows);
+    MoE layers' shapes as their parameters' (derived: not held to a counted fsdp MoE run)."""
     return sum(shard_numel(s, data_parallel, "fsdp") * data_parallel for s in
-               saved_parameter_shapes(cfg, partition, chunk_index, tensor_parallel)) * DTYPE_BYTES[dtype]
+               saved_parameter_shapes(cfg, partition, chunk_index, tensor_parallel, expert_parallel)
+               ) * DTYPE_BYTES[dtype]
 
 
 def chunk_gathered_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, dtype: str,
-                         tensor_parallel: int = 1) -> int:
+                         tensor_parallel: int = 1, expert_parallel: int = 1) -> int:
     """Bytes of chunk `chunk_index`'s parameters all-gathered in the compute dtype while its FSDP2 units
     are unsharded (`train.fsdp`: its layers, the embedding on chunk 0, the head on the last chunk;
     MSAR's tied convolutions are not units). Summed over a rank's chunks it is the copy that
@@ -127,7 +174,7 @@ def chunk_gathered_bytes(cfg: ModelConfig, partition: Partition, chunk_index: in
     shapes: list[tuple[int, ...]] = []
     if chunk_index == 0:
         shapes += embedding_shapes(cfg)
-    shapes += layer_parameter_shapes(cfg, _read_shapes(cfg), tensor_parallel) * partition.layers_per_chunk[chunk_index]
+    shapes += chunk_layer_shapes(cfg, partition, chunk_index, _read_shapes(cfg), tensor_parallel, expert_parallel)
     if chunk_index == partition.n_chunks - 1:  # tied: gathered with the embedding (on the same rank)
         shapes += head_shapes(cfg, _read_shapes(cfg), holds_embedding=True)
     return sum(math.prod(s) for s in shapes) * DTYPE_BYTES[dtype]

@@ -1,10 +1,11 @@
 """`attnres-pp simulate plan`: the fastest training configuration that fits, for a model and a cluster.
 
 Searched: T (the tensor-parallel sizes the request allows; D = GPUs / (T x P)), P (dividing the
-GPUs), V, m (whole sequences per microbatch), the schedule (gpipe, 1f1b and zb_h1 at V = 1, the
-interleaved ones, zbv and dualpipev; with it the placement: loop, or V-shape for zbv and dualpipev),
-the block size (where the variant has one), the cross-stage cache (on, or off: train's `--cache off`,
-the naive payloads; searched where the model has depth attention and more than one chunk), dp_shard
+GPUs), EP (for a mixture of experts: the powers of two dividing E and D, docs/spec.md section 12), V,
+m (whole sequences per microbatch), the schedule (gpipe, 1f1b and zb_h1 at V = 1, the interleaved
+ones, zbv and dualpipev; with it the placement: loop, or V-shape for zbv and dualpipev), the block
+size (where the variant has one), the cross-stage cache (on, or off: train's `--cache off`, the naive
+payloads; searched where the model has depth attention and more than one chunk), dp_shard
 (replicate | fsdp, with fsdp's reshard after forward never | always) and activation checkpointing
 (none | full | selective). Two stages keep it fast:
   1. every candidate is priced in closed form (`plan_rows.Planner.estimate`, computed for all of
@@ -79,10 +80,11 @@ def candidates(request: PlanRequest) -> list[Candidate]:
                     if n_stages > 1 and m < n_stages or (schedule == "zbv" and m < 2 * n_stages - 1) or (
                             schedule == "dualpipev" and m < 2 * n_stages):
                         continue
-                    for size, cache, (shard, reshard), ac in itertools.product(
-                            block_sizes(request), caches, shards, ("none", "selective", "full")):
+                    for size, cache, (shard, reshard), ac, ep in itertools.product(
+                            block_sizes(request), caches, shards, ("none", "selective", "full"),
+                            request.expert_parallel_sizes(replicas)):
                         found.append(Candidate(schedule, n_stages, n_virtual, m, replicas, size, shard, ac,
-                                               cache, reshard, t, sp))
+                                               cache, reshard, t, sp, ep))
     return found
 
 
@@ -122,6 +124,10 @@ def _plan(request: PlanRequest, *, evaluate_at_most: int, find_run: bool) -> Pla
     planner = Planner(request)
     budget = request.gpu_memory_gib * GIB
     found = candidates(request)
+    if not found and request.expert_parallel not in (None, 1):
+        raise Infeasible(f"--expert-parallel {request.expert_parallel} divides no data-parallel degree D = GPUs / "
+                         f"(T x P) of {request.gpus} GPUs that the batch allows: give an EP dividing D, or leave "
+                         "it out to search")
     if not found:
         raise Infeasible(f"no layout of {request.model.n_layers} layers and a batch of {request.global_batch} "
                          f"sequences over {request.gpus} GPUs: give a batch divisible by the replicas")
@@ -185,7 +191,8 @@ def _what_is_short(request: PlanRequest, best: dict, *, fsdp_searched: bool) -> 
     c = best["config"]
     shard = "" if fsdp_searched else " or enable fsdp (it needs D > 1)"
     return (f"needs {_gib(best['peak_memory_bytes'])} GiB per rank at best ({c['schedule']} "
-            f"{'T=' + str(c['tensor_parallel']) + ' ' if c['tensor_parallel'] > 1 else ''}P={c['n_stages']} "
+            f"{'T=' + str(c['tensor_parallel']) + ' ' if c['tensor_parallel'] > 1 else ''}"
+            f"{'EP=' + str(c['expert_parallel']) + ' ' if c['expert_parallel'] > 1 else ''}P={c['n_stages']} "
             f"V={c['n_virtual']} D={c['data_parallel']} {c['dp_shard']}, AC {c['activation_checkpoint']}, "
             f"{c['tokens_per_microbatch']} tokens per microbatch), over the {request.gpu_memory_gib:g} GiB given: "
             f"add GPUs{shard}")

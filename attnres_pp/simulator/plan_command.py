@@ -37,13 +37,26 @@ _RECIPE_FLAGS = (("d_ff", "--d-ff"), ("positions", "--positions"), ("rope_theta"
                  ("n_kv_heads", "--kv-heads"), ("qk_norm", "--qk-norm"), ("tie_embeddings", "--tie-embeddings"))
 
 
+# The mixture-of-experts fields (docs/spec.md section 12) and train's flags for them.
+_MOE_FLAGS = (("moe_experts", "--moe-experts"), ("moe_top_k", "--moe-top-k"),
+              ("moe_shared_experts", "--moe-shared-experts"), ("moe_d_ff", "--moe-d-ff"),
+              ("moe_dense_layers", "--moe-dense-layers"), ("moe_router", "--moe-router"),
+              ("moe_balance", "--moe-balance"), ("moe_aux_loss_coef", "--moe-aux-loss-coef"),
+              ("moe_bias_gamma", "--moe-bias-gamma"))
+
+
 def recipe_flags(cfg: ModelConfig) -> list[str]:
     """train's flags for the recipe fields where `cfg` differs from ModelConfig's defaults (what
-    train builds without them), so the command trains the model the plan priced."""
+    train builds without them), so the command trains the model the plan priced; with experts, the
+    MoE flags too (E, K, S and the expert width always, the others where not the default)."""
     parts = []
-    for field, flag in _RECIPE_FLAGS:
+    always = {"moe_experts", "moe_top_k", "moe_shared_experts", "moe_d_ff"} if cfg.moe else set()
+    for field, flag in _RECIPE_FLAGS + (_MOE_FLAGS if cfg.moe else ()):
+        if field == "moe_d_ff":  # the width the plan priced, also where it was the default
+            parts.append(f"{flag} {cfg.expert_dim}")
+            continue
         value, default = getattr(cfg, field), ModelConfig.__dataclass_fields__[field].default
-        if value == default or (field == "rope_theta" and cfg.positions != "rope"):
+        if field not in always and (value == default or (field == "rope_theta" and cfg.positions != "rope")):
             continue
         parts.append(flag if isinstance(value, bool) else f"{flag} {value:g}" if isinstance(value, float)
                      else f"{flag} {value}")
@@ -70,6 +83,8 @@ def train_command(request: PlanRequest, candidate: Candidate) -> str:
               f"--activation-checkpoint {candidate.activation_checkpoint}"]
     if candidate.dp_shard == "fsdp" and candidate.reshard_after_forward != "never":
         parts.append(f"--fsdp-reshard-after-forward {candidate.reshard_after_forward}")
+    if candidate.expert_parallel > 1:  # docs/spec.md section 12
+        parts.append(f"--expert-parallel {candidate.expert_parallel}")
     if candidate.tensor_parallel > 1:  # docs/spec.md section 10; `not_runnable_reason` says what train does with it
         parts.append(f"--tensor-parallel {candidate.tensor_parallel}"
                      + ("" if candidate.sp else " --no-sequence-parallel"))

@@ -18,11 +18,12 @@ from attnres_pp.simulator.layer_recipe import layer_matmul_elements
 from attnres_pp.simulator.memory import (
     DTYPE_BYTES,
     activation_bytes,
+    rank_moe_shapes,
     rank_parameter_shapes,
+    rank_state_bytes,
     shard_numel,
-    state_bytes,
-    tied_parameter_shapes,
 )
+from attnres_pp.simulator.moe import chunk_all_to_all_s
 from attnres_pp.simulator.plan_request import Candidate, PlanRequest
 from attnres_pp.simulator.project import Cluster, chunk_seconds
 from attnres_pp.simulator.tensor_parallel import chunk_tp_seconds
@@ -88,8 +89,27 @@ class PlanCosts:
         return forward, max(0.0, forward - chunk_seconds(plain, partition, chunk, **shared))
 
     def chunk_tp(self, candidate: Candidate, partition: Partition, chunk: int) -> float:
-        """Seconds of one chunk's tp collectives (and MSAR halos) per microbatch in one direction, on the
-        intra-node link (`tensor_parallel.chunk_tp_seconds`); 0 at T = 1."""
+        """Seconds of one chunk's collectives inside a layer per microbatch in one direction, not
+        overlapped with compute: the tp collectives (and MSAR halos) on the intra-node link
+        (`tensor_parallel.chunk_tp_seconds`; 0 at T = 1) and expert parallelism's dispatch and combine
+        all-to-alls (`moe.chunk_all_to_all_s`; 0 at EP = 1)."""
+        return self._chunk_tp(candidate, partition, chunk) + self.chunk_all_to_all(candidate, partition, chunk)
+
+    def chunk_all_to_all(self, candidate: Candidate, partition: Partition, chunk: int) -> float:
+        """Seconds of one chunk's MoE all-to-alls per microbatch and direction (EP ranks: replicas of a
+        stage, P x T global ranks apart, on one node as far as it holds them, else the network)."""
+        if candidate.expert_parallel == 1:
+            return 0.0
+        request = self.request
+        return chunk_all_to_all_s(self.model_for(candidate), partition, chunk, tokens=self.tokens(candidate),
+                                  dtype=request.dtype, expert_parallel=candidate.expert_parallel,
+                                  stride=candidate.n_stages * candidate.tensor_parallel,
+                                  gpus_per_node=request.gpus_per_node,
+                                  intra_bytes_per_s=request.intra_node_gbps * 1e9 / 8,
+                                  inter_bytes_per_s=request.inter_node_gbps * 1e9 / 8,
+                                  latency_s=request.latency_us * 1e-6)
+
+    def _chunk_tp(self, candidate: Candidate, partition: Partition, chunk: int) -> float:
         if candidate.tensor_parallel == 1:
             return 0.0
         request = self.request
@@ -112,10 +132,10 @@ class PlanCosts:
     def tp_seconds(self, candidate: Candidate, partition) -> list[float]:
         """`chunk_tp` of every chunk: the backward has the same again, and full AC's recomputation repeats
         the forward's."""
-        if candidate.tensor_parallel == 1:
+        if candidate.tensor_parallel == 1 and candidate.expert_parallel == 1:
             return [0.0] * partition.n_chunks
         key = ("seconds", candidate.n_stages, candidate.n_virtual, candidate.block_size, self.tokens(candidate),
-               candidate.tensor_parallel, candidate.sp, partition.placement)
+               candidate.tensor_parallel, candidate.sp, partition.placement, candidate.expert_parallel)
         if key not in self._tp:
             self._tp[key] = [self.chunk_tp(candidate, partition, c) for c in range(partition.n_chunks)]
         return self._tp[key]
@@ -124,7 +144,7 @@ class PlanCosts:
         """(forward, backward) seconds per chunk and microbatch, tp collectives included."""
         key = ("times", candidate.n_stages, candidate.n_virtual, candidate.block_size, self.tokens(candidate),
                candidate.tensor_parallel, candidate.sp, schedule_placement(candidate.schedule),
-               candidate.activation_checkpoint)
+               candidate.activation_checkpoint, candidate.expert_parallel)
         if key not in self._tp:
             partition, forward, bound = self.chunk_costs(candidate)
             times = [self.directions(candidate, f, b, x)
@@ -144,13 +164,14 @@ class PlanCosts:
 
     def fixed_bytes(self, candidate: Candidate, partition) -> list[int]:
         key = (candidate.n_stages, candidate.n_virtual, candidate.block_size, candidate.data_parallel,
-               candidate.dp_shard, partition.placement, candidate.tensor_parallel)
+               candidate.dp_shard, partition.placement, candidate.tensor_parallel, candidate.expert_parallel)
         if key not in self._state:
-            cfg, result = self.model_for(candidate), []
+            cfg, result, ep = self.model_for(candidate), [], candidate.expert_parallel
             for pp_rank in range(candidate.n_stages):
-                shapes = rank_parameter_shapes(cfg, partition, pp_rank, candidate.tensor_parallel)
-                terms = state_bytes(shapes, data_parallel=candidate.data_parallel, dp_shard=candidate.dp_shard,
-                                    whole=tied_parameter_shapes(cfg))
+                shapes = rank_parameter_shapes(cfg, partition, pp_rank, candidate.tensor_parallel, ep)
+                terms = rank_state_bytes(cfg, partition, pp_rank, data_parallel=candidate.data_parallel,
+                                         dp_shard=candidate.dp_shard, tensor_parallel=candidate.tensor_parallel,
+                                         expert_parallel=ep)
                 total = sum(terms.values())
                 if candidate.dp_shard == "fsdp" and candidate.data_parallel > 1:
                     total += sum(math.prod(s) for s in shapes) * self.element
@@ -162,7 +183,7 @@ class PlanCosts:
         copies = not (candidate.dp_shard == "fsdp" and candidate.data_parallel > 1)
         key = (candidate.n_stages, candidate.n_virtual, candidate.block_size, self.tokens(candidate),
                partition.placement, candidate.activation_checkpoint, copies, self.request.attention_kernel,
-               candidate.tensor_parallel, candidate.sp)
+               candidate.tensor_parallel, candidate.sp, candidate.expert_parallel)
         if key not in self._saved:
             cfg, tokens = self.model_for(candidate), self.tokens(candidate)
             self._saved[key] = [activation_bytes(cfg, partition, c, tokens=tokens, dtype=self.request.dtype,
@@ -170,7 +191,8 @@ class PlanCosts:
                                                  weight_copies=copies,
                                                  attention_kernel=self.request.attention_kernel,
                                                  tensor_parallel=candidate.tensor_parallel,
-                                                 sequence_parallel=candidate.sp)
+                                                 sequence_parallel=candidate.sp,
+                                                 expert_parallel=candidate.expert_parallel)
                                 for c in range(partition.n_chunks)]
         return self._saved[key]
 
@@ -206,20 +228,29 @@ class PlanCosts:
             hops.append(0.0 if partition.is_self_hop(c) else seconds + request.latency_us * 1e-6)
         return wire, hops, tensor_bytes
 
-    def chunk_numels(self, candidate: Candidate, partition) -> list[tuple[int, int]]:
-        """Per chunk (elements, FSDP2's padded elements over D): what its units all-gather and reduce-scatter.
-        MSAR's tied stream convolutions are left out: they stay whole on every rank (`train.fsdp`)."""
+    def chunk_numels(self, candidate: Candidate, partition) -> list[tuple[int, int, int, int]]:
+        """Per chunk (elements, FSDP2's padded elements over D, routed experts' elements, their padded
+        elements over the D / EP replicas that hold them): what its units all-gather and reduce-scatter
+        (the routed experts apart: docs/spec.md section 12 reduces them over D / EP). MSAR's tied stream
+        convolutions are left out: they stay whole on every rank (`train.fsdp`)."""
         key = (candidate.n_stages, candidate.n_virtual, candidate.block_size, partition.placement,
-               candidate.data_parallel, candidate.tensor_parallel)
+               candidate.data_parallel, candidate.tensor_parallel, candidate.expert_parallel)
         if key not in self._numels:
-            cfg, result = self.model_for(candidate), []
+            cfg, result, ep = self.model_for(candidate), [], candidate.expert_parallel
             tied = (cfg.n_blocks + 1) * len(cfg.stream_kernels) if cfg.residual == "msar" else 0
             for c in range(partition.n_chunks):
-                shapes = rank_parameter_shapes(cfg, _OneChunk(partition, c), 0, candidate.tensor_parallel)
+                one = _OneChunk(partition, c)
+                shapes = rank_parameter_shapes(cfg, one, 0, candidate.tensor_parallel, ep)
                 shapes = shapes[:len(shapes) - tied]
+                routed, _frozen = rank_moe_shapes(cfg, one, 0, ep)
+                for shape in routed:
+                    shapes.remove(shape)
+                expert_dp = candidate.data_parallel // ep
                 result.append((sum(math.prod(s) for s in shapes),
                                sum(shard_numel(s, candidate.data_parallel, "fsdp") for s in shapes)
-                               * candidate.data_parallel))
+                               * candidate.data_parallel,
+                               sum(math.prod(s) for s in routed),
+                               sum(shard_numel(s, expert_dp, "fsdp") for s in routed) * expert_dp))
             self._numels[key] = result
         return self._numels[key]
 
@@ -230,7 +261,9 @@ class PlanCosts:
         chunk, an all-gather of its parameters in the compute dtype (padded to D shards) each time an
         action finds them resharded (`gathers[c]`: once a step under reshard never; under always
         after every F, so about once per forward and once per backward; without `gathers` m + 1),
-        and one reduce-scatter of its fp32 gradients. Not overlapped with compute."""
+        and one reduce-scatter of its fp32 gradients. Under expert parallelism the routed experts'
+        share goes over the D / EP replicas that hold the same experts (docs/spec.md section 12),
+        after the rest. Not overlapped with compute."""
         zero = {"all_reduce_s": 0.0, "all_gather_s": 0.0, "reduce_scatter_s": 0.0, "all_gathers": 0}
         replicas = candidate.data_parallel
         tp_terms = self.tp_grad_all_reduce(candidate, partition)
@@ -245,17 +278,24 @@ class PlanCosts:
             gathers = [1 if candidate.reshard_after_forward == "never" else candidate.n_microbatches + 1] * len(numels)
         cfg = self.model_for(candidate)
         tied = (cfg.n_blocks + 1) * sum(cfg.stream_kernels) * cfg.d_model if cfg.residual == "msar" else 0
+        # The replicas that hold the same experts; none for a dense model (no collective, no latency).
+        experts = replicas // candidate.expert_parallel if cfg.moe else 1
         per_rank = []
         for rank in range(candidate.n_stages):
             chunks = partition.chunks_of(rank)
             if candidate.dp_shard == "replicate":
                 grads = sum(numels[c][0] for c in chunks) + tied
-                terms = zero | {"all_reduce_s": ring_all_reduce_s(4 * grads, replicas, bandwidth, latency)}
+                routed = sum(numels[c][2] for c in chunks)
+                terms = zero | {"all_reduce_s": ring_all_reduce_s(4 * grads, replicas, bandwidth, latency)
+                                + ring_all_reduce_s(4 * routed, experts, bandwidth, latency)}
             else:
                 terms = zero | {
-                    "all_gather_s": sum(gathers[c] * ring_all_gather_s(numels[c][1] * self.element, replicas,
-                                                                       bandwidth, latency) for c in chunks),
+                    "all_gather_s": sum(gathers[c] * (
+                        ring_all_gather_s(numels[c][1] * self.element, replicas, bandwidth, latency)
+                        + ring_all_gather_s(numels[c][3] * self.element, experts, bandwidth, latency))
+                        for c in chunks),
                     "reduce_scatter_s": sum(ring_reduce_scatter_s(4 * numels[c][1], replicas, bandwidth, latency)
+                                            + ring_reduce_scatter_s(4 * numels[c][3], experts, bandwidth, latency)
                                             for c in chunks),
                     "all_gathers": sum(gathers[c] for c in chunks)}
                 if tied:  # MSAR's tied convolutions: all-reduced whole, as under replicate
@@ -295,6 +335,7 @@ class _OneChunk:
 
     def __init__(self, partition, chunk_index: int) -> None:
         self.n_chunks, self.layers_per_chunk, self._chunk = partition.n_chunks, partition.layers_per_chunk, chunk_index
+        self.layer_range = partition.layer_range
 
     def chunks_of(self, _pp_rank: int) -> list[int]:
         return [self._chunk]

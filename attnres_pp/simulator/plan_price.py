@@ -73,7 +73,7 @@ class _Pricer:
         the data-parallel collectives."""
         partition, terms, m, sp = self.planner.partition(c), self._terms, c.n_microbatches, c.sp
         layout, tokens = (c.n_stages, c.n_virtual, c.block_size, partition.placement), self._tokens(c)
-        key = (layout, tokens, c.tensor_parallel, sp, c.activation_checkpoint)
+        key = (layout, tokens, c.tensor_parallel, sp, c.activation_checkpoint, c.expert_parallel)
         busiest = terms["busiest"].get(key)
         if busiest is None:
             busiest = terms["busiest"][key] = self._busiest(c, partition, tokens, sp)
@@ -88,7 +88,7 @@ class _Pricer:
                 c, partition, self.planner.payloads(c, partition))[1])
         # fsdp's gathers a step: m + 1 a chunk under reshard always (`PlanCosts.dp_collectives`), else one.
         key = (layout, c.data_parallel, c.tensor_parallel, sp, c.dp_shard, c.reshard_after_forward,
-               m if c.reshard_after_forward != "never" else 0)
+               m if c.reshard_after_forward != "never" else 0, c.expert_parallel)
         collectives = terms["collectives"].get(key)
         if collectives is None:
             collectives = terms["collectives"][key] = self.planner.dp_collectives(c, partition)["total_s"]
@@ -107,8 +107,11 @@ class _Pricer:
         owners, _rank_chunks = self.planner.layout(partition)
         first, memo = self._first_layers(partition), self._terms["chunk_time"]
         per_rank = [0.0] * c.n_stages
+        # The all-to-alls read EP and how far apart its ranks are (P x T global ranks).
+        experts = (c.expert_parallel, c.n_stages) if c.expert_parallel > 1 else 1
         for chunk in range(partition.n_chunks):
-            key = (first[chunk], partition.layers_per_chunk[chunk], c.block_size, tokens, c.tensor_parallel, sp)
+            key = (first[chunk], partition.layers_per_chunk[chunk], c.block_size, tokens, c.tensor_parallel, sp,
+                   experts)
             seconds = memo.get(key)
             if seconds is None:
                 seconds = memo[key] = (*self.planner.chunk_forward(c, partition, chunk),
@@ -122,12 +125,12 @@ class _Pricer:
         recomputation, the W store under a split schedule, the cache."""
         partition, terms, m, n_stages = self.planner.partition(c), self._terms, c.n_microbatches, c.n_stages
         layout, tokens = (n_stages, c.n_virtual, c.block_size, partition.placement), self._tokens(c)
-        key = (layout, c.data_parallel, c.dp_shard, c.tensor_parallel)
+        key = (layout, c.data_parallel, c.dp_shard, c.tensor_parallel, c.expert_parallel)
         fixed = terms["fixed"].get(key)
         if fixed is None:
             fixed = terms["fixed"][key] = max(self.planner.fixed_bytes(c, partition))
         copies, sp = not (c.dp_shard == "fsdp" and c.data_parallel > 1), c.sp
-        key = (layout, tokens, c.activation_checkpoint, copies, c.tensor_parallel, sp)
+        key = (layout, tokens, c.activation_checkpoint, copies, c.tensor_parallel, sp, c.expert_parallel)
         saved = terms["saved"].get(key)
         if saved is None:
             saved = terms["saved"][key] = self._saved_terms(c, partition, tokens, copies, sp)
@@ -158,13 +161,13 @@ class _Pricer:
         saved = []
         for chunk in range(partition.n_chunks):
             key = (first[chunk], partition.layers_per_chunk[chunk], c.block_size, tokens, c.activation_checkpoint,
-                   copies, c.tensor_parallel, sp)
+                   copies, c.tensor_parallel, sp, c.expert_parallel)
             if key not in memo:
                 memo[key] = activation_bytes(
                     self.planner.model_for(c), partition, chunk, tokens=tokens, dtype=self.request.dtype,
                     activation_checkpoint=c.activation_checkpoint, weight_copies=copies,
                     attention_kernel=self.request.attention_kernel, tensor_parallel=c.tensor_parallel,
-                    sequence_parallel=sp)
+                    sequence_parallel=sp, expert_parallel=c.expert_parallel)
             saved.append(memo[key])
         last = partition.n_chunks - 1
         rank_pairs = {(max((saved[k].saved for k in chunks if k != last), default=0),

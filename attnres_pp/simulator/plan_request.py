@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.simulator.memory import ATTENTION_KERNELS, DTYPE_BYTES
+from attnres_pp.simulator.moe import check_expert_parallel
 from attnres_pp.simulator.tensor_parallel import INTRA_NODE_LATENCY_US, TensorParallel, check_tensor_parallel
 
 GIB = 1024 ** 3
@@ -38,6 +39,23 @@ class PlanRequest:
     tensor_parallel_sizes: tuple[int, ...] = (1,)
     sequence_parallel: bool = True  # under T > 1 (the tp terms are derived, docs/spec.md section 10)
     intra_node_latency_us: float = INTRA_NODE_LATENCY_US  # per ring step of a tp collective
+    # EP to search (docs/spec.md section 12): None searches the powers of two dividing E and D (1 for a
+    # dense model); a fixed size must divide both.
+    expert_parallel: int | None = None
+
+    def expert_parallel_sizes(self, data_parallel: int) -> list[int]:
+        """The EP a layout with D replicas allows: `expert_parallel` if it divides E and D (none
+        otherwise), else every power of two dividing both."""
+        if not self.model.moe:
+            return [1] if self.expert_parallel in (None, 1) else []
+        if self.expert_parallel is not None:
+            fits = self.model.moe_experts % self.expert_parallel == 0 and data_parallel % self.expert_parallel == 0
+            return [self.expert_parallel] if fits else []
+        sizes, ep = [], 1
+        while self.model.moe_experts % ep == 0 and data_parallel % ep == 0:
+            sizes.append(ep)
+            ep *= 2
+        return sizes
 
     def legal_tp_sizes(self) -> list[int]:
         """The T of `tensor_parallel_sizes` this model and cluster allow; ValueError naming the rule when
@@ -47,6 +65,7 @@ class PlanRequest:
             tp = TensorParallel(t, self.sequence_parallel)
             try:
                 check_tensor_parallel(self.model, tp, gpus_per_node=self.gpus_per_node)
+                check_expert_parallel(self.model, 1, 1, t)  # MoE layers are priced at T = 1
                 if self.gpus % t:
                     raise ValueError(f"--tensor-parallel {t} does not divide --gpus {self.gpus}: T x P x D "
                                      "must equal the GPUs")
@@ -72,6 +91,15 @@ class PlanRequest:
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} {value!r} is invalid: give a finite number > 0")
+        if self.expert_parallel is not None and (isinstance(self.expert_parallel, bool)
+                                                 or not isinstance(self.expert_parallel, int)
+                                                 or self.expert_parallel < 1):
+            raise ValueError(f"--expert-parallel {self.expert_parallel!r} is invalid: give an integer >= 1")
+        if self.expert_parallel not in (None, 1) and not self.model.moe:
+            raise ValueError(f"--expert-parallel {self.expert_parallel} needs experts: give --moe-experts E")
+        if self.expert_parallel and self.model.moe and self.model.moe_experts % self.expert_parallel:
+            raise ValueError(f"--expert-parallel {self.expert_parallel} does not divide --moe-experts "
+                             f"{self.model.moe_experts}: each EP rank holds E / EP routed experts")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"--dtype {self.dtype!r} is invalid: choose one of {', '.join(DTYPE_BYTES)}")
         if self.attention_kernel not in ATTENTION_KERNELS:
@@ -96,6 +124,7 @@ class Candidate:
     reshard_after_forward: str = "never"  # fsdp only: train's --fsdp-reshard-after-forward
     tensor_parallel: int = 1  # T (docs/spec.md section 10); the GPUs are T x P x D
     sequence_parallel: bool = False  # in effect only when T > 1
+    expert_parallel: int = 1  # EP (docs/spec.md section 12): divides D and E
 
     @property
     def tp(self) -> TensorParallel:

@@ -15,6 +15,7 @@ from attnres_pp.simulator.costs import CostModel, sublayer_forward_flops
 from attnres_pp.simulator.engine import simulate
 from attnres_pp.simulator.memory import MemorySetup, predict_ranks
 from attnres_pp.simulator.metrics import closed_form_bubble_fraction
+from attnres_pp.simulator.moe import all_to_all_bytes
 from attnres_pp.simulator.plan_command import command_fields
 from attnres_pp.simulator.plan_costs import PlanCosts, fsdp_gathers
 from attnres_pp.simulator.plan_request import SPLIT, Candidate
@@ -76,7 +77,7 @@ class Planner(PlanCosts):
                             cache=candidate.cache, data_parallel=candidate.data_parallel,
                             dp_shard=candidate.dp_shard, activation_checkpoint=candidate.activation_checkpoint,
                             attention_kernel=request.attention_kernel, tensor_parallel=candidate.tensor_parallel,
-                            sequence_parallel=candidate.sp,
+                            sequence_parallel=candidate.sp, expert_parallel=candidate.expert_parallel,
                             reshard_after_forward=candidate.reshard_after_forward if candidate.dp_shard == "fsdp"
                             else "never")
         # Reshard after forward always: the walk holds a chunk's gathered copy only while it is unsharded.
@@ -93,6 +94,7 @@ class Planner(PlanCosts):
         fullest_rank = max(range(len(ranks)), key=lambda r: ranks[r].peak_bytes)
         fullest = ranks[fullest_rank]
         row = {
+            "expert_parallel": candidate.expert_parallel,
             "config": dataclasses.asdict(candidate) | {"placement": partition.placement,
                                                        "tokens_per_microbatch": tokens, "blocks": cfg.blocks},
             "step_time_s": step,
@@ -109,7 +111,24 @@ class Planner(PlanCosts):
             "peak_action": fullest.peak_action,
             **command_fields(request, candidate),
         }
+        if cfg.moe:
+            row["moe_all_to_all"] = self.all_to_all_terms(candidate, partition)
         return row, fullest, fullest_rank, result, costs, schedule, collectives
+
+    def all_to_all_terms(self, candidate: Candidate, partition) -> dict:
+        """An MoE row's dispatch and combine (docs/spec.md section 12): bytes per MoE layer and
+        microbatch in each direction (the backward moves the same again), the share that leaves the
+        rank, and the seconds a step the busiest rank spends in them (forward, backward, full AC's
+        recomputation)."""
+        moved = all_to_all_bytes(self.model_for(candidate), tokens=self.tokens(candidate),
+                                 expert_parallel=candidate.expert_parallel, dtype=self.request.dtype)
+        recompute = 2 if candidate.activation_checkpoint == "full" else 1
+        seconds = max(candidate.n_microbatches * sum((1 + recompute) * self.chunk_all_to_all(candidate, partition, c)
+                                                     for c in partition.chunks_of(rank))
+                      for rank in range(candidate.n_stages))
+        return {"dispatch_bytes_per_layer_and_microbatch": moved.dispatch_bytes,
+                "combine_bytes_per_layer_and_microbatch": moved.combine_bytes,
+                "off_rank_share": moved.off_rank_share, "seconds_per_step": seconds}
 
     def schedule(self, candidate: Candidate):
         """The candidate's schedule, built once for every candidate that runs it."""
@@ -140,17 +159,22 @@ class Planner(PlanCosts):
         tp = self.tp_seconds(candidate, partition)
         recompute = 2 if candidate.activation_checkpoint == "full" else 1
         tp_s = candidate.n_microbatches * sum((1 + recompute) * tp[c] for c in partition.chunks_of(busiest))
-        # The tp terms appear on rows with T > 1 only (at T = 1 they are zero).
+        a2a_s = candidate.n_microbatches * sum((1 + recompute) * self.chunk_all_to_all(candidate, partition, c)
+                                               for c in partition.chunks_of(busiest))
+        # The tp and EP terms appear on rows with T > 1 or EP > 1 only (else they are zero).
         tp_terms = [(f"tp collectives (T={candidate.tensor_parallel}, SP {'on' if candidate.sp else 'off'}, "
-                     "busiest rank)", tp_s)] if candidate.tensor_parallel > 1 else []
-        time_terms = [("compute (busiest rank" + (", tp collectives apart)" if tp_terms else ")"), compute - tp_s),
+                     "busiest rank)", tp_s - a2a_s)] if candidate.tensor_parallel > 1 else []
+        if candidate.expert_parallel > 1:
+            tp_terms.append((f"MoE all-to-alls (EP={candidate.expert_parallel}, dispatch and combine, busiest rank)",
+                             a2a_s))
+        time_terms = [("compute (busiest rank" + (", collectives apart)" if tp_terms else ")"), compute - tp_s),
                       *tp_terms,
                       ("bubble (its idle, free hops)", without_hops - compute),
                       ("pipeline hops", result.makespan - without_hops),
                       ("data-parallel all-reduce", collectives["all_reduce_s"]),
                       (f"data-parallel all-gather (x{collectives['all_gathers']})", collectives["all_gather_s"]),
                       ("data-parallel reduce-scatter", collectives["reduce_scatter_s"])]
-        if tp_terms:
+        if candidate.tensor_parallel > 1:
             time_terms.append(("tp all-reduce of replicated gradients (SP)", collectives["tp_all_reduce_s"]))
         terms = fullest.terms
         gathered = fullest.gathered_bytes  # fsdp: the whole copy (never), the chunks unsharded at the peak (always)

@@ -32,8 +32,8 @@ from attnres_pp.simulator.engine import simulate
 from attnres_pp.simulator.layer_recipe import (
     embedding_shapes,
     head_shapes,
-    layer_parameter_shapes,
 )
+from attnres_pp.simulator.memory_state import chunk_layer_shapes
 from attnres_pp.simulator.metrics import peak_cache_tensors
 from attnres_pp.simulator.units import chunk_work
 
@@ -132,11 +132,11 @@ def project_costs(cfg: ModelConfig, partition: Partition, plan: PayloadPlan, *, 
 def rank_parameters(cfg: ModelConfig, partition: Partition) -> list[int]:
     """Parameters each pipeline rank holds (its layers, the embedding on chunk 0's, the head on the
     last's; under tied embeddings the LM head's matrix is the embedding's, counted once)."""
-    per_layer = sum(math.prod(s) for s in layer_parameter_shapes(cfg, [(cfg.query_dim,)] * cfg.uses_depth_attention))
+    read = [(cfg.query_dim,)] * cfg.uses_depth_attention
     counts = [0] * partition.n_stages
     for c in range(partition.n_chunks):
         rank = partition.rank_of(c)
-        counts[rank] += per_layer * partition.layers_per_chunk[c]
+        counts[rank] += sum(math.prod(s) for s in chunk_layer_shapes(cfg, partition, c, read))
         if c == 0:
             counts[rank] += sum(math.prod(s) for s in embedding_shapes(cfg))
         if c == partition.n_chunks - 1:

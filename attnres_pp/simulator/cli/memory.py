@@ -55,6 +55,10 @@ def register(commands) -> None:
     parser.add_argument("--activation-checkpoint", choices=AC_POLICIES, default="none")
     add_attention_kernel_flag(parser, default="flash")
     add_tensor_parallel_flags(parser, ranks=True)
+    parser.add_argument("--expert-parallel", type=positive_int, default=1,
+                        help="EP (docs/spec.md section 12): replicas of a pipeline stage that share each MoE "
+                             "layer's routed experts, E / EP each; divides --moe-experts and --data-parallel "
+                             "(default 1)")
     parser.add_argument("--launcher", choices=LAUNCHERS, default="inprocess",
                         help="train's --launcher: local and ray (ranks on one host) also hold the shared-memory "
                              "receive slots of a step (transport_buffer_bytes); default inprocess (none)")
@@ -71,7 +75,8 @@ def build(args: argparse.Namespace) -> tuple[ModelConfig, MemorySetup]:
                         activation_checkpoint=args.activation_checkpoint,
                         reshard_after_forward=args.fsdp_reshard_after_forward or "never",
                         layer_counts=layer_counts_flag(args), attention_kernel=args.attention_kernel,
-                        tensor_parallel=tp.size, sequence_parallel=tp.sp, launcher=args.launcher)
+                        tensor_parallel=tp.size, sequence_parallel=tp.sp, launcher=args.launcher,
+                        expert_parallel=args.expert_parallel)
     return cfg, setup
 
 
@@ -83,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         return refuse(error)
     if args.json:
         print(json.dumps({"attention_kernel": setup.attention_kernel, "tensor_parallel": setup.tensor_parallel,
-                          "sequence_parallel": setup.sp, "memory_per_rank": [r.terms for r in ranks],
+                          "sequence_parallel": setup.sp, "expert_parallel": setup.expert_parallel,
+                          "memory_per_rank": [r.terms for r in ranks],
                           "peak_action_per_rank": [r.peak_action for r in ranks],
                           "peak_bytes_per_rank": [r.peak_bytes for r in ranks]}))
         return 0
@@ -104,6 +110,7 @@ def format_table(setup: MemorySetup, ranks) -> str:
         f"{setup.schedule} P={setup.n_stages} V={setup.n_virtual} m={setup.n_microbatches} D={setup.data_parallel} "
         f"({setup.dp_shard}{reshard}), AC {setup.activation_checkpoint}, {setup.tokens} tokens/mb, {setup.dtype}, "
         f"cache {'on' if setup.cache else 'off'}, {setup.attention_kernel} attention"
+        + (f", EP={setup.expert_parallel} (E / EP routed experts per rank)" if setup.expert_parallel > 1 else "")
         + (f", T={setup.tensor_parallel} (SP {'on' if setup.sp else 'off'}; one row per (dp, pp): each of its "
            "T tp ranks holds the same, derived)" if setup.tensor_parallel > 1 else ""),
         *lines,

@@ -17,10 +17,12 @@ from attnres_pp.model_flags import add_layer_counts_flag, add_model_flags, model
 from attnres_pp.simulator.cli.flags import (
     add_attention_kernel_flag,
     add_tensor_parallel_flags,
+    positive_int,
 )
 from attnres_pp.simulator.comm import format_bytes
 from attnres_pp.simulator.layer_recipe import describe_recipe
 from attnres_pp.simulator.memory import DTYPE_BYTES
+from attnres_pp.simulator.moe import parameter_counts
 from attnres_pp.simulator.plan import GIB, Candidate, Planner, PlanRequest, PlanResult, make_plan
 from attnres_pp.simulator.tensor_parallel import INTRA_NODE_GBPS, TP_SIZES
 
@@ -59,6 +61,9 @@ def register(commands) -> None:
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16")
     add_attention_kernel_flag(parser, default="flash")
     add_tensor_parallel_flags(parser, link=False, search=True)
+    parser.add_argument("--expert-parallel", type=positive_int, default=None,
+                        help="EP (docs/spec.md section 12), fixed; left out, a model with --moe-experts searches "
+                             "the powers of two dividing E and D")
     parser.add_argument("--json", action="store_true", help='print {"rows": [...]}, fastest first')
     parser.set_defaults(func=run)
 
@@ -86,7 +91,7 @@ def build(args: argparse.Namespace) -> PlanRequest:
                        top=values["top"], attention_kernel=args.attention_kernel,
                        tensor_parallel_sizes=TP_SIZES if args.tensor_parallel is None else (args.tensor_parallel,),
                        sequence_parallel=args.sequence_parallel is not False,
-                       intra_node_latency_us=args.intra_node_latency_us)
+                       intra_node_latency_us=args.intra_node_latency_us, expert_parallel=args.expert_parallel)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,7 +132,7 @@ def format_why(index: int, row: dict, terms: dict) -> str:
     """One line per term: memory in GiB (exact bytes after), then time in seconds; each block ends in its sum."""
     c = row["config"]
     lines = [f"why row {index} ({c['schedule']} T={c['tensor_parallel']} P={c['n_stages']} V={c['n_virtual']} "
-             f"D={c['data_parallel']} "
+             f"D={c['data_parallel']} " + (f"EP={c['expert_parallel']} " if c["expert_parallel"] > 1 else "") +
              f"m={c['n_microbatches']}): memory of the fullest rank, pp rank {terms['pp_rank']}"]
     width = max(len(label) for label, _ in terms["memory"] + terms["time"]) + 2
     for label, value in terms["memory"]:
@@ -142,14 +147,16 @@ def format_why(index: int, row: dict, terms: dict) -> str:
 
 
 def format_table(request: PlanRequest, result: PlanResult, seconds: float) -> str:
-    header = ["#", "schedule", "T", "P", "V", "D", "m", "S", "cache", "shard", "AC", "step", "tok/s/GPU", "MFU",
-              "bubble", "bytes/hop", "peak/rank", "dominated by", "train runs"]
+    moe = request.model.moe  # an EP column for a mixture of experts (dense tables keep their columns)
+    header = ["#", "schedule", "T", "P", "V", "D", *(["EP"] if moe else []), "m", "S", "cache", "shard", "AC", "step",
+              "tok/s/GPU", "MFU", "bubble", "bytes/hop", "peak/rank", "dominated by", "train runs"]
     table = [header]
     for i, row in enumerate(result.rows, 1):
         c = row["config"]
         table.append([str(i), c["schedule"], str(c["tensor_parallel"]) + ("" if c["sequence_parallel"] or
                                                                             c["tensor_parallel"] == 1 else "/noSP"),
                       str(c["n_stages"]), str(c["n_virtual"]), str(c["data_parallel"]),
+                      *([str(row["expert_parallel"])] if moe else []),
                       str(c["n_microbatches"]), f"N={c['blocks']}" if c.get("blocks") else str(c["block_size"]),
                       "on" if c["cache"] else "off",
                       c["dp_shard"] + ("/reshard" if c["reshard_after_forward"] == "always" else ""),
@@ -161,8 +168,10 @@ def format_table(request: PlanRequest, result: PlanResult, seconds: float) -> st
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in table]
     cfg = request.model
+    total, active = parameter_counts(cfg)
+    sizes = f" ({total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active)" if cfg.moe else ""
     return "\n".join([
-        f"{cfg.n_layers} layers, d={cfg.d_model}, {describe_recipe(cfg)}, {cfg.residual}, "
+        f"{cfg.n_layers} layers{sizes}, d={cfg.d_model}, {describe_recipe(cfg)}, {cfg.residual}, "
         f"batch {request.global_batch} x {cfg.seq_len} tokens; "
         f"{request.gpus} GPUs x {request.gpu_memory_gib:g} GiB ({request.gpus_per_node} per node), "
         f"{request.tflops:g} TFLOP/s achieved; planned in {seconds:.1f} s",
@@ -170,7 +179,9 @@ def format_table(request: PlanRequest, result: PlanResult, seconds: float) -> st
         "peak/rank: the fullest rank's predicted peak (params + grads + AdamW + activations + cache at its peak); "
         "fsdp/reshard: --fsdp-reshard-after-forward always (a chunk all-gathered only from its backward to its "
         "next F); T: tensor-parallel ranks (GPUs = T x P x D; SP on unless /noSP; bytes/hop per tp rank; tp "
-        "terms derived); train runs: whether `attnres-pp train --device cuda` runs the row",
+        "terms derived); train runs: whether `attnres-pp train --device cuda` runs the row"
+        + ("; EP: expert-parallel ranks (replicas of a stage sharing each MoE layer's routed experts, E / EP "
+           "each; all-to-alls derived)" if moe else ""),
         *_not_runnable_notes(result.rows),
         *_run_lines(result),
     ])
