@@ -18,8 +18,8 @@ ratios the memory work targets (fsdp / replicate parameter + gradient + AdamW by
 AC full / none activation peak; Block AttnRes under selective over the standard residual without
 AC; the step-time cost of each policy). Rows (each a fresh local-launcher run, three optimiser steps
 on random batches, step time = median of the last two): D = 1 with AC none / full / selective under
-1F1B (16 layers per chunk) and ZB-V (8 layers per chunk), AC none / full under ZB-H1 (16) and
-interleaved ZB (V = 2, 8); D = 2 and 4 under 1F1B without AC, replicate and fsdp (D = 4 x P = 2 is 8
+1F1B (16 layers per chunk) and ZB-V (8 layers per chunk), AC none / full under ZB-H1 (16),
+interleaved ZB, V-Half and V-Min (V = 2, 8); D = 2 and 4 under 1F1B without AC, replicate and fsdp (D = 4 x P = 2 is 8
 processes on this machine); the standard residual at D = 1, 1F1B, no AC (the reference of the Block
 AttnRes under selective target).
 """
@@ -53,7 +53,9 @@ SWEEP_RUNS = [({}, 1, "replicate", ac, schedule) for schedule in ("1f1b", "zbv")
 # The other split-backward schedules, whose W store frees the graph at I like zbv's.
 SWEEP_RUNS += [({}, 1, "replicate", ac, schedule) for schedule in ("zb_h1", "interleaved_zb")
                for ac in ("none", "full")]
-SWEEP_VIRTUAL = {"zbv": 2, "interleaved_zb": 2}
+# The controllable-memory V schedules (held activations bounded below ZB-V's), with and without AC.
+SWEEP_RUNS += [({}, 1, "replicate", ac, schedule) for schedule in ("v_half", "v_min") for ac in ("none", "full")]
+SWEEP_VIRTUAL = {"zbv": 2, "interleaved_zb": 2, "v_half": 2, "v_min": 2}
 SWEEP_RUNS += [({}, d, shard, "none", "1f1b") for d in (2, 4) for shard in ("replicate", "fsdp")]
 SWEEP_RUNS += [(SWEEP_STANDARD, 1, "replicate", "none", "1f1b")]
 SWEEP_QUICK_RUNS = [r for r in SWEEP_RUNS if r[1] <= 2]
@@ -201,7 +203,7 @@ def sweep_ratios(rows: list) -> dict:
     """AC full / none activation peak and the step-time cost of each policy per schedule; Block AttnRes
     under selective over the standard residual without AC (largest rank each)."""
     out: dict = {}
-    for schedule in ("1f1b", "zbv", "zb_h1", "interleaved_zb"):
+    for schedule in ("1f1b", "zbv", "zb_h1", "interleaved_zb", "v_half", "v_min"):
         none = _find(rows, residual="attnres", activation_checkpoint="none", schedule=schedule, data_parallel=1)
         for ac in ("full", "selective"):
             row = _find(rows, residual="attnres", activation_checkpoint=ac, schedule=schedule, data_parallel=1)
