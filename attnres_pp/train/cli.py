@@ -32,7 +32,7 @@ from attnres_pp.train.config import RunConfig, TrainConfig, merge_tables, read_t
 from attnres_pp.train.faults import kill_point, parse_failure
 from attnres_pp.train.loop import run_training
 from attnres_pp.train.metadata_pickle import CheckpointRefused
-from attnres_pp.train.recovery import RunFailed
+from attnres_pp.train.recovery import RunFailed, RunStopped
 from attnres_pp.train.resume import check_resume, nothing_to_do
 from attnres_pp.train.tensorboard import check_tensorboard
 
@@ -259,7 +259,7 @@ def _run(args: argparse.Namespace) -> int:
     except RunFailed as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    except CheckpointRefused as error:  # a shard the driver's metadata check could not see into
+    except (CheckpointRefused, RunStopped) as error:  # a shard the driver could not see into; a full disk
         print(f"error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
