@@ -3,9 +3,12 @@ answering the driver's requests over a pipe.
 
 Each rank builds its worker and joins the process group (`worker.join_process_group(init_method,
 world_size)`); the setup result is its first reply, or ("refused", one line) when the set-up raises
-ValueError, or ("error", traceback). When several ranks fail, the cause is raised, not what follows
-from it: a rank that exits after replying is its reply, not a death, and once one rank has reported
-a failure the others get FAILURE_GRACE_S to report theirs; then a refusal wins, then a rank gone
+ValueError, or ("error", traceback). A request that fails for want of disk space or permission is
+("fault", a `storage_fault.StorageFault`), any other failure ("error", traceback), whatever it
+raised (DCP's CheckpointException derives from BaseException): a rank reports, it does not die.
+When several ranks fail, the cause is raised, not what follows from it: a rank that exits after
+replying is its reply, not a death, and once one rank has reported a failure the others get
+FAILURE_GRACE_S to report theirs; then a refusal wins, then a storage fault, then a rank gone
 without a word, then an error, lowest rank first in each. `bytes_exchanged` counts what crossed
 between the driver and the ranks (pickled requests and replies), so engines can report it per step.
 
@@ -33,6 +36,7 @@ from multiprocessing.reduction import ForkingPickler
 
 from attnres_pp.launch import rank_group
 from attnres_pp.launch.rank_group import RankGroupBase
+from attnres_pp.launch.storage_fault import failure_reply
 from attnres_pp.pipeline.errors import WorkerLost
 
 # What the fork server imports before it forks any rank: what every rank imports first.
@@ -63,8 +67,8 @@ def _serve_rank(rank: int, init_method: str, world_size: int, conn, worker_cls: 
     except ValueError as error:  # a setting or resource this rank refuses, said in one line (no room in /dev/shm)
         conn.send(("refused", " ".join(str(error).split())))
         return
-    except Exception:  # report any setup failure to the driver rather than dying silently
-        conn.send(("error", traceback.format_exc()))
+    except Exception as error:  # report any setup failure to the driver rather than dying silently
+        conn.send(failure_reply(error, traceback.format_exc))
         return
     while True:
         method, args = conn.recv()
@@ -74,8 +78,11 @@ def _serve_rank(rank: int, init_method: str, world_size: int, conn, worker_cls: 
             return
         try:
             conn.send(("ok", getattr(worker, method)(*args)))
-        except Exception:  # the driver raises it with the rank's traceback
-            conn.send(("error", traceback.format_exc()))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as error:  # noqa: BLE001  DCP's CheckpointException is a BaseException
+            # Reported, not died of: a dead rank is a lost one, restarted into the same failure.
+            conn.send(failure_reply(error, traceback.format_exc))
 
 
 class ProcessRankGroup(RankGroupBase):
@@ -155,10 +162,11 @@ class ProcessRankGroup(RankGroupBase):
         arrived are read first, so an exit after a report is the report. Once a rank has reported a
         failure the others get FAILURE_GRACE_S to report theirs (ranks that refuse together reply
         moments apart, in any order). Then, lowest rank first: a refusal (ValueError, the one line
-        that names the fix), a rank gone without a report (WorkerLost: the others' errors follow from
-        it), a rank's error (RuntimeError with its traceback)."""
+        that names the fix), a write the disk refused (StorageFault: out of space, no permission), a
+        rank gone without a report (WorkerLost: the others' errors follow from it), a rank's error
+        (RuntimeError with its traceback)."""
         self._read_arrived(replies, what)
-        if any(reply is not None and reply[0] in ("refused", "error") for reply in replies):
+        if any(reply is not None and reply[0] in ("refused", "fault", "error") for reply in replies):
             grace_ends = time.monotonic() + rank_group.FAILURE_GRACE_S
             while time.monotonic() < grace_ends and not all(
                     reply is not None or not proc.is_alive() for reply, proc in zip(replies, self.procs, strict=True)):
@@ -170,6 +178,9 @@ class ProcessRankGroup(RankGroupBase):
         for rank, reply in enumerate(replies):
             if reply is not None and reply[0] == "refused":  # a ValueError, so the CLI prints it as one `error:` line
                 raise ValueError(f"rank {rank} refused to start: {reply[1]}")
+        for reply in replies:
+            if reply is not None and reply[0] == "fault":  # a full disk, no permission: no restart would help
+                raise reply[1]
         for rank, (reply, proc) in enumerate(zip(replies, self.procs, strict=True)):
             if reply is not None and reply[0] == "error":
                 continue

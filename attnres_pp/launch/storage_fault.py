@@ -27,9 +27,11 @@ _REASONS = {
 _MAX_VISITS = 256
 
 
-class StorageFault(RuntimeError):
+class StorageFault(Exception):
     """A write refused for want of space or permission: `code` (an errno), `path` (what could not
-    be written, "" when unknown). Pickles as its two fields, so it crosses pipes and Ray intact."""
+    be written, "" when unknown). Pickles as its two fields, so it crosses pipes and Ray intact. Not
+    a RuntimeError: the handlers of rank failures (a RuntimeError with a traceback) must not take it
+    for one."""
 
     def __init__(self, code: int, path: str = "") -> None:
         super().__init__(code, path)
@@ -55,8 +57,8 @@ def find_storage_fault(error: BaseException | None) -> StorageFault | None:
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, StorageFault):
-            return current
+        if isinstance(current, StorageFault):  # a plain copy: Ray's task error may subclass it
+            return StorageFault(current.code, current.path)
         if isinstance(current, OSError) and current.errno in _REASONS:
             return StorageFault(current.errno, str(current.filename or ""))
         failures = getattr(current, "failures", None)
@@ -69,12 +71,37 @@ def find_storage_fault(error: BaseException | None) -> StorageFault | None:
     return None
 
 
-def mount_point(path: str | Path) -> Path:
-    """The mount point of the filesystem holding `path` (or its nearest existing ancestor): the
-    disk a full-disk message names."""
+def failure_reply(error: BaseException, format_traceback) -> tuple[str, object]:
+    """A rank's reply for a request that raised `error`: ("fault", the StorageFault) when it is one,
+    which the driver reports in one line without a restart, else ("error", `format_traceback()`)."""
+    fault = find_storage_fault(error)
+    return ("fault", fault) if fault is not None else ("error", format_traceback())
+
+
+def out_of_space(path: str | Path, needed_bytes: int) -> StorageFault | None:
+    """ENOSPC for a write of `needed_bytes` into `path` that failed without an errno, when the
+    filesystem has fewer bytes free than the write needed. torch.save's zip writer reports a full
+    disk as "unexpected pos" (a RuntimeError, the OSError lost in C++), so asking the disk is the
+    only way to tell; asked only after a write failed, never to refuse one."""
+    try:
+        stats = os.statvfs(_existing(path))
+    except OSError:
+        return None
+    free = stats.f_bavail * stats.f_frsize
+    return StorageFault(errno.ENOSPC, str(path)) if free < needed_bytes else None
+
+
+def _existing(path: str | Path) -> Path:
     current = Path(os.path.abspath(path))
     while not current.exists() and current != current.parent:
         current = current.parent
+    return current
+
+
+def mount_point(path: str | Path) -> Path:
+    """The mount point of the filesystem holding `path` (or its nearest existing ancestor): the
+    disk a full-disk message names."""
+    current = _existing(path)
     while not os.path.ismount(current) and current != current.parent:
         current = current.parent
     return current
