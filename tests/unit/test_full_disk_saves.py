@@ -1,6 +1,6 @@
 """A checkpoint save that the disk refuses stops the run in one `error:` line, exit code 2, no restart:
 no space (ENOSPC injected into DCP's shard write of a one-process run, blocking and
-`--async-checkpoint`) and no permission (a real immutable checkpoints/ folder mid-run, which root
+`--async-checkpoint`, and of thread ranks) and no permission (a real immutable checkpoints/ folder mid-run, which root
 cannot write either). The line names the cause, the checkpoint, the disk, the fix and the last
 complete checkpoint; no partial step folder is left, and `--resume` once the folder is writable again
 ends with the undisturbed run's losses. A rank reports such a failure as data: `find_storage_fault`
@@ -43,8 +43,10 @@ def one_error_line(err: str) -> str:
     return err.rstrip("\n")
 
 
-@pytest.mark.parametrize("background", [False, True], ids=["blocking", "async"])
-def test_no_space_for_a_shard_is_one_line_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, capsys, background):
+@pytest.mark.parametrize("flags", [[], ["--async-checkpoint"], ["--launcher", "inprocess", "--stages", "2",
+                                                                  "--microbatches", "2"]],
+                         ids=["blocking", "async", "thread-ranks"])
+def test_no_space_for_a_shard_is_one_line_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, capsys, flags):
     run = tmp_path / "run"
     real = FileSystem.create_stream
 
@@ -58,7 +60,6 @@ def test_no_space_for_a_shard_is_one_line_and_keeps_the_last_checkpoint(tmp_path
 
     monkeypatch.setattr(FileSystem, "create_stream", full_at_step_8)
     capsys.readouterr()
-    flags = ["--async-checkpoint"] if background else []
     assert main(["train", *TINY, *flags, "--out", str(run)]) == 2
     line = one_error_line(capsys.readouterr().err)
     assert line == (f"error: no space left on device writing checkpoint {run / 'checkpoints' / 'step_8'} "
