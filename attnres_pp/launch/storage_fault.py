@@ -57,8 +57,9 @@ def find_storage_fault(error: BaseException | None) -> StorageFault | None:
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, StorageFault):  # a plain copy: Ray's task error may subclass it
-            return StorageFault(current.code, current.path)
+        code = getattr(current, "code", None) if isinstance(current, StorageFault) else None
+        if isinstance(code, int):  # a plain copy: Ray's task error subclasses the class it carries
+            return StorageFault(code, str(getattr(current, "path", "") or ""))
         if isinstance(current, OSError) and current.errno in _REASONS:
             return StorageFault(current.errno, str(current.filename or ""))
         failures = getattr(current, "failures", None)

@@ -34,13 +34,14 @@ class RunStopped(RuntimeError):
 
 def storage_stop(fault: StorageFault, writing: str, out_dir: Path, last_checkpoint: Path | None) -> RunStopped:
     """The one line for a run whose write of `writing` (e.g. "checkpoint DIR/checkpoints/step_10")
-    failed with `fault`: the cause and the disk, the fix, and the last complete checkpoint."""
+    failed with `fault`: the cause and the disk (the one of the path that failed, else the run
+    directory's), the fix, and the last complete checkpoint."""
     if last_checkpoint is not None:
         resumable = (f"the last complete checkpoint {last_checkpoint.name} stays resumable "
                      f"(attnres-pp train --resume {out_dir})")
     else:
         resumable = "no checkpoint is complete yet, so a new run starts from step 0"
-    return RunStopped(f"{fault.reason} writing {writing} (the filesystem at {mount_point(out_dir)}): "
+    return RunStopped(f"{fault.reason} writing {writing} (the filesystem at {mount_point(fault.path or out_dir)}): "
                       f"{fault.fix} or give another --out; {resumable}")
 
 

@@ -123,6 +123,12 @@ def test_a_storage_fault_is_found_inside_dcp_and_chains_and_crosses_a_pipe(tmp_p
             raise RuntimeError("the save failed") from inner
     except RuntimeError as chained:
         assert find_storage_fault(chained).reason == "permission denied"
+    class TaskError(StorageFault):  # Ray's task error: a subclass of the carried class, fields on `cause`
+        def __init__(self, cause: BaseException) -> None:
+            Exception.__init__(self, "the task failed")
+            self.cause = cause
+
+    assert find_storage_fault(TaskError(StorageFault(errno.ENOSPC, "/d/x"))).path == "/d/x"
     copy = pickle.loads(pickle.dumps(StorageFault(errno.EROFS, "/ro/step_2")))
     assert (copy.code, copy.path, copy.fix) == (errno.EROFS, "/ro/step_2", "mount it writable")
     # Not a storage fault: other errnos, plain errors, and a cycle does not hang the search.
