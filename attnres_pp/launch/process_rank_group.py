@@ -62,8 +62,8 @@ def _serve_rank(rank: int, init_method: str, world_size: int, conn, worker_cls: 
                 environ: dict[str, str], driver_pid: int) -> None:
     """Rank-process body: take the driver's environment, build the worker and join the group (the
     setup result is the first reply; a ValueError in the set-up is ("refused", its one-line
-    message)), then answer requests with ("ok", result) or ("error", traceback) until "close",
-    which closes the worker."""
+    message)), then answer requests with ("ok", result), ("fault", a StorageFault) or ("error",
+    traceback) until "close", which closes the worker. The rank ends with the driver (`driver_pid`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     gone = functools.partial(_driver_gone, init_method.removeprefix("file://").rsplit("/", 1)[0])
     _exit_with_the_driver(driver_pid, gone)
@@ -116,9 +116,9 @@ def _driver_gone(rendezvous_dir: str) -> typing.NoReturn:
 
 
 def _exit_with_the_driver(driver_pid: int, gone) -> None:
-    """End this rank (`gone()`), from a watchdog thread, as soon as the driver process ends. A driver killed
-    outright (SIGKILL, the OOM killer) cannot stop its ranks, and a rank inside a call (blocked on a
-    peer) does not read its pipe; nor does a parent-death signal reach it: its parent is the fork
+    """End this rank (`gone()`), from a watchdog thread, as soon as the driver process ends. A driver
+    killed outright (SIGKILL, the OOM killer) cannot stop its ranks, and a rank inside a call (blocked
+    on a peer) does not read its pipe; nor does a parent-death signal reach it: its parent is the fork
     server, which every rank keeps alive (each holds the server's liveness pipe). The driver's pidfd
     becomes readable when it exits (no pid reuse can fool it); without pidfds, its pid is polled."""
     try:
