@@ -21,22 +21,22 @@ folder is built as a sibling `DATA_DIR.tmp-<random>` and renamed to DATA_DIR at 
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import secrets
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from attnres_pp.data.bpe_cache import FastEncoder, WorkerPool
+from attnres_pp.data.bpe_train import MAX_BPE_VOCAB, train_bpe
+from attnres_pp.data.prepare_encode import SPLITS, ShardWriter, encode_into
 from attnres_pp.data.prepare_inputs import InputError, Source, documents, find_sources
-from attnres_pp.data.tokenizer import BYTES, END_OF_TEXT, TOKENIZER_FILE, Tokenizer, _tokenizers_module
+from attnres_pp.data.tokenizer import BYTES, END_OF_TEXT, TOKENIZER_FILE, Tokenizer
 
 FORMAT = "attnres-pp-tokens"
 VERSION = 1
@@ -44,23 +44,8 @@ META_FILE = "meta.json"
 DEFAULT_VOCAB_SIZE = 8192
 DEFAULT_VAL_FRACTION = 0.1
 DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB of uint16: a few shards for a GB of text
-BYTES_SEPARATOR = b"\n"
 MIN_BPE_VOCAB = 257  # the 256 byte symbols of the byte-level alphabet and END_OF_TEXT
 MAX_VOCAB = 2**32  # ids 0 .. 2**32 - 1 fit uint32
-# A batch of documents handed to encode_batch: enough text that both cores stay busy, little
-# enough that its ids (a Python list each) stay a few hundred MB at most.
-ENCODE_BATCH_BYTES = 8 * 2**20
-ENCODE_BATCH_DOCUMENTS = 4096
-# With worker processes (prepare(workers=2)): a job's text. Off by default: on the 2 shared cores of
-# the 2026-12-03 measurement, 64 MB encoded at 14 MB/s in two workers against 25 in one process
-# (cold caches per worker, the pickling and the reading in the parent). With the first batch warmed
-# before the fork (WARM_BEFORE_FORK), the same 64 MB, 4 rounds alternating, load 3.5-4.3: 14.9 MB/s
-# in two warm workers, 11.9 in two cold ones, 16.2 in one process (medians): one process still wins.
-WORKER_JOB_BYTES = 2**20
-# With worker processes: the first batch (ENCODE_BATCH_BYTES) is encoded here before the fork, so
-# that every worker starts with its chunks cached (shared copy-on-write) instead of a cold cache.
-WARM_BEFORE_FORK = True
-SPLITS = ("train", "val")
 
 
 class PrepareError(ValueError):
@@ -85,59 +70,6 @@ def val_mask(n_documents: int, val_fraction: float, seed: int) -> np.ndarray:
     return mask
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int) -> bytes:
-    """The tokenizer.json of a byte-level BPE of `vocab_size` ids (END_OF_TEXT among them) trained on
-    `texts`. It may have fewer ids than asked when the text has fewer pairs to merge."""
-    tokenizers = _tokenizers_module()
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
-    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[END_OF_TEXT], show_progress=False,
-        initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    bpe.train_from_iterator(texts, trainer=trainer)
-    return bpe.to_str().encode("utf-8")
-
-
-class ShardWriter:
-    """One split's shards: `write` appends ids, a shard is closed (and announced) when it holds
-    `shard_tokens`, the next one opened on the next write."""
-
-    def __init__(self, folder: Path, split: str, dtype: str, shard_tokens: int,
-                 announce: Callable[[str, dict], None]) -> None:
-        self.folder, self.split, self.shard_tokens, self.announce = folder, split, shard_tokens, announce
-        self.dtype = np.dtype(dtype).newbyteorder("<")
-        self.shards: list[dict] = []
-        self.tokens = 0
-        self._file = None
-
-    def write(self, ids: np.ndarray) -> None:
-        ids = ids.astype(self.dtype, copy=False)
-        while len(ids):
-            if self._file is None:
-                self.shards.append({"file": f"{self.split}_{len(self.shards):05d}.bin", "tokens": 0})
-                self._file = open(self.folder / self.shards[-1]["file"], "wb")  # noqa: SIM115 - spans writes
-            shard = self.shards[-1]
-            part = ids[: self.shard_tokens - shard["tokens"]]
-            self._file.write(part.tobytes())
-            shard["tokens"] += len(part)
-            self.tokens += len(part)
-            ids = ids[len(part):]
-            if shard["tokens"] == self.shard_tokens:
-                self._close()
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._close()
-
-    def _close(self) -> None:
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        self._file = None
-        self.announce(self.split, self.shards[-1])
-
-
 @dataclass
 class Prepared:
     """What `prepare` did: the meta.json written, and its timings."""
@@ -149,132 +81,6 @@ class Prepared:
     @property
     def encode_mb_s(self) -> float:
         return self.meta["input_bytes"] / 1e6 / self.encode_s if self.encode_s > 0 else float("inf")
-
-
-def _batches(texts: Iterator[str]) -> Iterator[list[str]]:
-    batch: list[str] = []
-    size = 0
-    for text in texts:
-        batch.append(text)
-        size += len(text)
-        if size >= ENCODE_BATCH_BYTES or len(batch) >= ENCODE_BATCH_DOCUMENTS:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
-
-
-def encode_into(tokenizer: Tokenizer, texts: Iterator[str], is_val: np.ndarray, writers: dict[str, ShardWriter],
-                progress: Callable[[int], None] = lambda n: None, fast: bool = True, workers: int = 1) -> None:
-    """Encode `texts` (document i goes to val where is_val[i]) batch by batch into the writers, each
-    split's documents joined by the separator. `progress` gets the UTF-8 bytes of each batch.
-
-    A BPE goes through the chunk cache of bpe_cache.FastEncoder when `fast` and the tokenizer allows
-    it, in `workers` forked processes when more than one (jobs of WORKER_JOB_BYTES, written in
-    order); `fast=False` is the twin that asks the library for every document: same ids, same bytes."""
-    dtype = writers["train"].dtype
-    separator_id = tokenizer.eot_id if tokenizer.eot_id is not None else BYTES_SEPARATOR[0]
-    separator = np.array([separator_id], dtype)
-    started = dict.fromkeys(SPLITS, False)
-    encoder = (FastEncoder(tokenizer._bpe) if fast and tokenizer.kind != BYTES and FastEncoder.usable(tokenizer._bpe)
-               else None)
-    index = 0
-    if encoder is not None and workers > 1:
-        _encode_in_workers(tokenizer, texts, is_val, writers, progress, workers, separator)
-        return
-    for batch in _batches(texts):
-        n_bytes = sum(map(len, batch))  # characters first; UTF-8 bytes below where they differ
-        if encoder is not None:
-            parts = encoder.encode_batch(batch, dtype)
-            by_split: dict[str, list] = {split: [] for split in SPLITS}
-            for part in parts:
-                by_split["val" if is_val[index] else "train"].append(part)
-                index += 1
-            for split, split_parts in by_split.items():
-                if split_parts:
-                    writers[split].write(encoder.assemble(split_parts, separator_id, started[split], dtype))
-                    started[split] = True
-        else:
-            if tokenizer.kind == BYTES:
-                ids = [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in batch]
-            else:
-                # encode_batch_fast: the same ids without the offsets, ~20% faster on 2 cores (bench prepare).
-                encodings = tokenizer._bpe.encode_batch_fast(batch, add_special_tokens=False)
-                ids = [np.asarray(e.ids, dtype=dtype) for e in encodings]
-            pieces: dict[str, list[np.ndarray]] = {split: [] for split in SPLITS}
-            for doc_ids in ids:
-                split = "val" if is_val[index] else "train"
-                index += 1
-                if started[split]:
-                    pieces[split].append(separator)
-                started[split] = True
-                pieces[split].append(doc_ids.astype(dtype, copy=False))
-            for split, parts in pieces.items():
-                if parts:
-                    writers[split].write(np.concatenate(parts))
-        if not all(map(str.isascii, batch)):
-            n_bytes = sum(len(text.encode("utf-8")) for text in batch)
-        progress(n_bytes)
-
-
-def _encode_in_workers(tokenizer: Tokenizer, texts: Iterator[str], is_val: np.ndarray,
-                       writers: dict[str, ShardWriter], progress: Callable[[int], None], workers: int,
-                       separator: np.ndarray) -> None:
-    started = dict.fromkeys(SPLITS, False)
-
-    def write(done: list) -> None:
-        for n_bytes, ids in done:
-            for split in SPLITS:
-                if split in ids:
-                    if started[split]:
-                        writers[split].write(separator)
-                    writers[split].write(ids[split])
-                    started[split] = True
-            progress(n_bytes)
-
-    index = 0
-    warm = None
-    if WARM_BEFORE_FORK:
-        # The first batch in this process, before the fork: the workers start with its chunks cached.
-        texts = iter(texts)
-        first = next(_batches(texts), [])
-        if first:
-            saved = os.environ.get("TOKENIZERS_PARALLELISM")
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"  # no library threads before the fork
-            try:
-                warm = FastEncoder(tokenizer._bpe)
-                parts = warm.encode_batch(first, writers["train"].dtype)
-            finally:
-                if saved is None:
-                    del os.environ["TOKENIZERS_PARALLELISM"]
-                else:
-                    os.environ["TOKENIZERS_PARALLELISM"] = saved
-            dtype = writers["train"].dtype
-            by_split: dict[str, list] = {split: [] for split in SPLITS}
-            for part in parts:
-                by_split["val" if is_val[index] else "train"].append(part)
-                index += 1
-            write([(sum(len(t.encode("utf-8")) for t in first),
-                    {split: warm.assemble(p, int(separator[0]), False, dtype)
-                     for split, p in by_split.items() if p})])
-    pool = WorkerPool(tokenizer._bpe, workers, warm=warm)
-    try:
-        job: list[str] = []
-        size = 0
-        dtype = writers["train"].dtype.str
-        for text in itertools.chain(texts, [None]):
-            if text is not None:
-                job.append(text)
-                size += len(text)
-            if job and (text is None or size >= WORKER_JOB_BYTES):
-                n_bytes = sum(len(t.encode("utf-8")) if not t.isascii() else len(t) for t in job)
-                flags = is_val[index:index + len(job)].tolist()
-                index += len(job)
-                write(pool.submit((job, flags, int(separator[0]), dtype, n_bytes)))
-                job, size = [], 0
-        write(pool.drain())
-    finally:
-        pool.close()
 
 
 def _scan(sources: list[Source], text_key: str, errors: str) -> tuple[int, int]:
@@ -301,8 +107,10 @@ def check_options(tokenizer: str, vocab_size: int | None, val_fraction: float, s
         if vocab_size < MIN_BPE_VOCAB:
             raise PrepareError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs at least "
                                f"{MIN_BPE_VOCAB} ids (256 bytes and {END_OF_TEXT})")
-        if vocab_size > MAX_VOCAB:
-            raise PrepareError(f"--vocab-size {vocab_size} is above what uint32 ids hold ({MAX_VOCAB})")
+        if vocab_size > MAX_BPE_VOCAB:  # checked before the trainer starts: it would abort, not refuse
+            raise PrepareError(f"--vocab-size {vocab_size} is above {MAX_BPE_VOCAB:,}, the most ids a BPE may have "
+                               "here (the trainer allocates about 66 bytes an id before it starts, and a larger "
+                               "tokenizer.json outgrows what a tokenizer file may hold): choose a smaller one")
     if not 0 < val_fraction < 1:
         raise PrepareError(f"--val-fraction {val_fraction} is outside (0, 1)")
     if shard_tokens < 1:
@@ -324,21 +132,25 @@ def prepare(inputs: list[str], out: str | Path, *, tokenizer: str = "bpe", vocab
     n_documents, n_bytes = _scan(sources, text_key, errors)
     is_val = val_mask(n_documents, val_fraction, seed)
 
+    result = Prepared(meta={})
+    data = None
+    if tokenizer == BYTES:
+        tok = Tokenizer.raw_bytes()
+    else:  # before anything is written: a kill during the (long) training leaves nothing behind
+        started = time.perf_counter()
+        data = train_bpe(documents(sources, text_key, errors), vocab_size or DEFAULT_VOCAB_SIZE,
+                         progress=progress_bar)
+        result.train_s = time.perf_counter() - started
+        tok = Tokenizer.from_json_bytes(data)
+        log(f"trained a byte-level BPE of {tok.vocab_size:,} ids in {result.train_s:.1f} s")
+    dtype = token_dtype(tok.vocab_size)
+
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f"{out.name}.tmp-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
-        result = Prepared(meta={})
-        if tokenizer == BYTES:
-            tok = Tokenizer.raw_bytes()
-        else:
-            started = time.perf_counter()
-            data = train_bpe(documents(sources, text_key, errors), vocab_size or DEFAULT_VOCAB_SIZE)
-            result.train_s = time.perf_counter() - started
+        if data is not None:
             (tmp / TOKENIZER_FILE).write_bytes(data)
-            tok = Tokenizer.from_json_bytes(data)
-            log(f"trained a byte-level BPE of {tok.vocab_size:,} ids in {result.train_s:.1f} s")
-        dtype = token_dtype(tok.vocab_size)
 
         def announce(split: str, shard: dict) -> None:
             if not progress_bar:
@@ -436,6 +248,9 @@ def main(args) -> int:
         # The CLI's one refusal style (cli_flags.refuse), which this layer may not import.
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # `prepare` removed its DATA_DIR.tmp-* on the way out
+        print(f"interrupted: nothing written to {args.out}", file=sys.stderr)
+        return 130
     for line in summary_lines(Path(args.out), result):
         print(line)
     return 0

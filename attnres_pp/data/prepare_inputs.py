@@ -12,8 +12,13 @@ it into its one `error:` line before anything is written.
 
 from __future__ import annotations
 
+import errno
+import itertools
 import json
+import os
 import re
+import stat
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,24 +41,56 @@ def _kind(path: Path) -> str:
     return {".jsonl": "jsonl", ".parquet": "parquet"}.get(suffix, "text")
 
 
-def find_sources(inputs: list[str], glob: str) -> list[Source]:
-    """The files of `inputs` in reading order; InputError for a missing path, an empty folder or no
-    matching file at all."""
+def find_sources(inputs: list[str], glob: str, warn=None) -> list[Source]:
+    """The files of `inputs` in reading order; InputError for a missing path, an empty folder, no
+    matching file at all, or an input that is no regular file (named for what it is: a FIFO, a
+    symlink loop, ...). Inside a folder such a path is skipped with `warn(line)` (default: a
+    `warning:` line on stderr) rather than read: a FIFO would wait for a writer forever."""
+    warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
     sources: list[Source] = []
     for raw in inputs:
         path = Path(raw)
-        if path.is_dir():
-            found = sorted(p for p in path.rglob(glob) if p.is_file())
+        what = _not_a_file(path)
+        if what == "a folder":
+            found = []
+            for match in sorted(path.rglob(glob)):
+                inner = _not_a_file(match)
+                if inner is None:
+                    found.append(match)
+                elif inner != "a folder":  # a folder matching the glob is walked by rglob itself
+                    warn(f"warning: --input {raw}: skipped {match}: it is {inner}, not a regular file")
             if not found:
                 raise InputError(f"--input {raw}: the folder has no file matching --glob {glob!r}")
             sources += [Source(p, _kind(p)) for p in found]
-        elif path.is_file():
+        elif what is None:
             sources.append(Source(path, _kind(path)))
-        else:
+        elif what == _MISSING:
             raise InputError(f"--input {raw} does not exist")
+        else:
+            raise InputError(f"--input {raw} is {what}, not a regular file or folder: give a file or a folder")
     if any(s.kind == "parquet" for s in sources):
         _pyarrow_parquet()  # before any reading: one missing library refuses the whole command
     return sources
+
+
+_MISSING = "missing"
+
+
+def _not_a_file(path: Path) -> str | None:
+    """None for a regular file (or a symlink to one), else what `path` is, for a message."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return "a symlink loop"
+        if error.errno == errno.ENOENT:
+            return "a symlink to nothing" if path.is_symlink() else _MISSING
+        return f"unreadable ({error.strerror})"
+    if stat.S_ISREG(mode):
+        return None
+    kinds = {stat.S_ISDIR: "a folder", stat.S_ISFIFO: "a FIFO (named pipe)", stat.S_ISSOCK: "a socket",
+             stat.S_ISCHR: "a character device", stat.S_ISBLK: "a block device"}
+    return next((name for test, name in kinds.items() if test(mode)), "not a regular file")
 
 
 PYARROW_HINT = "pip install pyarrow (or pip install 'attnres-pp[data]')"
@@ -90,14 +127,42 @@ def _checked(text: str, errors: str, where: str) -> str:
     return text
 
 
+def _open_regular(path: Path):
+    """`path` opened for reading in binary, only if it is (still) a regular file: opened without
+    blocking and checked on the descriptor, so a FIFO swapped in after `find_sources` is refused,
+    not waited on. InputError naming the file for what cannot be read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as error:
+        raise InputError(f"{path} cannot be read: {error.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InputError(f"{path} is no longer a regular file: give a file or a folder")
+    return os.fdopen(fd, "rb")
+
+
+def _reading(path: Path, read):
+    """`read()` with a read error (EIO, a file gone on a network mount) as one InputError line."""
+    try:
+        return read()
+    except OSError as error:
+        raise InputError(f"{path} cannot be read: {error.strerror or error}") from None
+
+
 def _text_documents(path: Path, errors: str) -> Iterator[str]:
-    yield _decode(path.read_bytes(), errors, str(path))
+    with _open_regular(path) as file:
+        data = _reading(path, file.read)
+    yield _decode(data, errors, str(path))
 
 
 def _jsonl_documents(path: Path, key: str, errors: str) -> Iterator[str]:
     offset = 0
-    with path.open("rb") as lines:
-        for number, raw in enumerate(lines, 1):
+    with _open_regular(path) as file:
+        lines = iter(file)
+        for number in itertools.count(1):
+            raw = _reading(path, lambda: next(lines, None))
+            if raw is None:
+                return
             where = f"{path} line {number}"
             line = _decode(raw, errors, str(path), offset)
             offset += len(raw)
@@ -107,6 +172,9 @@ def _jsonl_documents(path: Path, key: str, errors: str) -> Iterator[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise InputError(f"{where} is not JSON: {error.msg}") from None
+            except RecursionError:  # json's C parser recurses per level: 100,000 brackets overflow it
+                raise InputError(f"{where} is nested too deeply to be a record (give one object per line "
+                                 f"with a {key!r} string)") from None
             if not isinstance(record, dict) or key not in record:
                 raise InputError(f"{where} has no {key!r} field (--text-key names it)")
             text = record[key]

@@ -3,14 +3,18 @@ answering the driver's requests over a pipe.
 
 Each rank builds its worker and joins the process group (`worker.join_process_group(init_method,
 world_size)`); the setup result is its first reply, or ("refused", one line) when the set-up raises
-ValueError, or ("error", traceback). When several ranks fail, the cause is raised, not what follows
-from it: a rank that exits after replying is its reply, not a death, and once one rank has reported
-a failure the others get FAILURE_GRACE_S to report theirs; then a refusal wins, then a rank gone
+ValueError, or ("error", traceback). A request that fails for want of disk space or permission is
+("fault", a `storage_fault.StorageFault`), any other failure ("error", traceback), whatever it
+raised (DCP's CheckpointException derives from BaseException): a rank reports, it does not die.
+When several ranks fail, the cause is raised, not what follows from it: a rank that exits after
+replying is its reply, not a death, and once one rank has reported a failure the others get
+FAILURE_GRACE_S to report theirs; then a refusal wins, then a storage fault, then a rank gone
 without a word, then an error, lowest rank first in each. `bytes_exchanged` counts what crossed
 between the driver and the ranks (pickled requests and replies), so engines can report it per step.
 
 The process group's ranks rendezvous through a file in a temporary folder (no port hunting) and
-ignore Ctrl-C: the driver, which receives it too, stops them.
+ignore Ctrl-C: the driver, which receives it too, stops them. A driver killed outright cannot: each
+rank's watchdog thread ends the rank, silently, when the driver process ends.
 
 Rank processes are forked from multiprocessing's fork server, which imports torch and the worker's
 module once per driver: a spawned rank spent about 2 s of CPU importing them before it did anything,
@@ -22,19 +26,26 @@ be with those imports done. Each rank takes the driver's environment as it is wh
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
+import select
 import shutil
 import signal
 import tempfile
+import threading
 import time
 import traceback
+import typing
 from multiprocessing.reduction import ForkingPickler
 
 from attnres_pp.launch import rank_group
 from attnres_pp.launch.rank_group import RankGroupBase
+from attnres_pp.launch.storage_fault import failure_reply
 from attnres_pp.pipeline.errors import WorkerLost
 
+# How often a rank's watchdog looks up from waiting for the driver's end (a bound on every wait).
+_WATCH_S = 1.0
 # What the fork server imports before it forks any rank: what every rank imports first.
 _PRELOAD = ["torch", "torch.distributed"]
 
@@ -48,12 +59,14 @@ def rank_context(worker_module: str):
 
 
 def _serve_rank(rank: int, init_method: str, world_size: int, conn, worker_cls: type, kwargs: dict,
-                environ: dict[str, str]) -> None:
+                environ: dict[str, str], driver_pid: int) -> None:
     """Rank-process body: take the driver's environment, build the worker and join the group (the
     setup result is the first reply; a ValueError in the set-up is ("refused", its one-line
-    message)), then answer requests with ("ok", result) or ("error", traceback) until "close",
-    which closes the worker."""
+    message)), then answer requests with ("ok", result), ("fault", a StorageFault) or ("error",
+    traceback) until "close", which closes the worker. The rank ends with the driver (`driver_pid`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    gone = functools.partial(_driver_gone, init_method.removeprefix("file://").rsplit("/", 1)[0])
+    _exit_with_the_driver(driver_pid, gone)
     os.environ.clear()
     os.environ.update(environ)
     try:
@@ -63,19 +76,73 @@ def _serve_rank(rank: int, init_method: str, world_size: int, conn, worker_cls: 
     except ValueError as error:  # a setting or resource this rank refuses, said in one line (no room in /dev/shm)
         conn.send(("refused", " ".join(str(error).split())))
         return
-    except Exception:  # report any setup failure to the driver rather than dying silently
-        conn.send(("error", traceback.format_exc()))
+    except Exception as error:  # report any setup failure to the driver rather than dying silently
+        conn.send(failure_reply(error, traceback.format_exc))
         return
     while True:
-        method, args = conn.recv()
+        try:
+            method, args = conn.recv()
+        except (EOFError, OSError):
+            gone()
         if method == "close":
             worker.close()
-            conn.send(("ok", None))
+            _answer(conn, ("ok", None), gone)
             return
         try:
-            conn.send(("ok", getattr(worker, method)(*args)))
-        except Exception:  # the driver raises it with the rank's traceback
-            conn.send(("error", traceback.format_exc()))
+            reply = ("ok", getattr(worker, method)(*args))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as error:  # noqa: BLE001  DCP's CheckpointException is a BaseException
+            # Reported, not died of: a dead rank is a lost one, restarted into the same failure.
+            reply = failure_reply(error, traceback.format_exc)
+        _answer(conn, reply, gone)
+
+
+def _answer(conn, reply: tuple, gone) -> None:
+    try:
+        conn.send(reply)
+    except OSError:  # BrokenPipeError, ConnectionResetError: the driver is gone
+        gone()
+
+
+def _driver_gone(rendezvous_dir: str) -> typing.NoReturn:
+    """The driver ended without a "close" (killed): its own stop, or its user, speaks for the run. Remove
+    the rendezvous folder it can no longer remove (every rank is going; a restart would have made a new
+    one), then end at once and without a word: a traceback per rank after the shell's prompt says
+    nothing the user can act on, and the process group's teardown would wait on peers that are going
+    too. (The shared-memory files were unlinked at set-up; the memory goes with the process.)"""
+    shutil.rmtree(rendezvous_dir, ignore_errors=True)
+    os._exit(1)
+
+
+def _exit_with_the_driver(driver_pid: int, gone) -> None:
+    """End this rank (`gone()`), from a watchdog thread, as soon as the driver process ends. A driver
+    killed outright (SIGKILL, the OOM killer) cannot stop its ranks, and a rank inside a call (blocked
+    on a peer) does not read its pipe; nor does a parent-death signal reach it: its parent is the fork
+    server, which every rank keeps alive (each holds the server's liveness pipe). The driver's pidfd
+    becomes readable when it exits (no pid reuse can fool it); without pidfds, its pid is polled."""
+    try:
+        pidfd = os.pidfd_open(driver_pid)
+    except (AttributeError, OSError):
+        pidfd = None
+
+    def watch() -> None:
+        while True:
+            if pidfd is not None:
+                ended = bool(select.select([pidfd], [], [], _WATCH_S)[0])
+            else:
+                time.sleep(_WATCH_S)
+                try:
+                    os.kill(driver_pid, 0)
+                    ended = False
+                except ProcessLookupError:
+                    ended = True
+                except PermissionError:  # another user's process took the pid: ours is gone
+                    ended = True
+            if ended:
+                gone()
+
+    threading.Thread(target=watch, name="driver-watchdog", daemon=True).start()
 
 
 class ProcessRankGroup(RankGroupBase):
@@ -98,7 +165,7 @@ class ProcessRankGroup(RankGroupBase):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=_serve_rank, name=f"{self.name}-rank{rank}", daemon=True,
                                    args=(rank, init_method, self.world_size, child, worker_cls, rank_kwargs[rank],
-                                         dict(os.environ)))
+                                         dict(os.environ), os.getpid()))
                 proc.start()
                 self.conns.append(parent)
                 self.procs.append(proc)
@@ -155,10 +222,11 @@ class ProcessRankGroup(RankGroupBase):
         arrived are read first, so an exit after a report is the report. Once a rank has reported a
         failure the others get FAILURE_GRACE_S to report theirs (ranks that refuse together reply
         moments apart, in any order). Then, lowest rank first: a refusal (ValueError, the one line
-        that names the fix), a rank gone without a report (WorkerLost: the others' errors follow from
-        it), a rank's error (RuntimeError with its traceback)."""
+        that names the fix), a write the disk refused (StorageFault: out of space, no permission), a
+        rank gone without a report (WorkerLost: the others' errors follow from it), a rank's error
+        (RuntimeError with its traceback)."""
         self._read_arrived(replies, what)
-        if any(reply is not None and reply[0] in ("refused", "error") for reply in replies):
+        if any(reply is not None and reply[0] in ("refused", "fault", "error") for reply in replies):
             grace_ends = time.monotonic() + rank_group.FAILURE_GRACE_S
             while time.monotonic() < grace_ends and not all(
                     reply is not None or not proc.is_alive() for reply, proc in zip(replies, self.procs, strict=True)):
@@ -170,6 +238,9 @@ class ProcessRankGroup(RankGroupBase):
         for rank, reply in enumerate(replies):
             if reply is not None and reply[0] == "refused":  # a ValueError, so the CLI prints it as one `error:` line
                 raise ValueError(f"rank {rank} refused to start: {reply[1]}")
+        for reply in replies:
+            if reply is not None and reply[0] == "fault":  # a full disk, no permission: no restart would help
+                raise reply[1]
         for rank, (reply, proc) in enumerate(zip(replies, self.procs, strict=True)):
             if reply is not None and reply[0] == "error":
                 continue

@@ -46,6 +46,7 @@ from attnres_pp.launch.ray_checks import (
     require_ray,
     where_rank,
 )
+from attnres_pp.launch.storage_fault import find_storage_fault
 from attnres_pp.pipeline.config import PLACEMENTS
 from attnres_pp.pipeline.errors import WorkerLost
 from attnres_pp.pipeline.stage_setup import bind_to_address
@@ -372,6 +373,9 @@ class RayRankGroup(RankGroupBase):
             raise WorkerLost(rank, f"{where_rank(self.rank_nodes, rank)} stopped answering (its actor died) during "
                                    f"{what}: {error}") from error
         except ray.exceptions.RayTaskError as error:
+            fault = find_storage_fault(error)
+            if fault is not None:  # a write the disk refused: the cause, whatever the peers do next
+                raise fault from None
             # A peer's death often shows first as this rank's failed receive: name the dead one.
             others = [ref for r, ref in enumerate(refs) if r != rank]
             ready, _ = ray.wait(others, num_returns=len(others), timeout=_DEATH_GRACE_S) if others else ([], [])

@@ -35,6 +35,7 @@ import torch
 
 from attnres_pp.comm.transport import ByteLedger, LoopbackTransport
 from attnres_pp.launch.rank_group import RankGroupBase
+from attnres_pp.launch.storage_fault import find_storage_fault
 from attnres_pp.launch.threaded_process_group import ThreadedWorld
 from attnres_pp.pipeline.loopback import next_turn
 from attnres_pp.pipeline.loopback_nccl import NcclLoopbackTransport
@@ -305,10 +306,12 @@ class ThreadRankGroup(RankGroupBase):
                 self._world.clear_wake()
             self.peers = self._fresh_peers()
         if in_flight.errors:
-            # A refusal (ValueError, lowest rank first) is the cause; otherwise the first error raised,
-            # since the others follow from it (`ThreadPeers.abort` stops them).
+            # A refusal (ValueError, lowest rank first) is the cause, then a write the disk refused;
+            # otherwise the first error raised, since the others follow from it (`ThreadPeers.abort`).
             refusals = sorted((rank, error) for rank, error in in_flight.errors if isinstance(error, ValueError))
-            raise (refusals or in_flight.errors)[0][1]
+            faults = [(rank, fault) for rank, error in sorted(in_flight.errors, key=lambda item: item[0])
+                      if (fault := find_storage_fault(error)) is not None]
+            raise (refusals or faults or in_flight.errors)[0][1]
         if not finished:
             raise RuntimeError(f"in-process ranks did not finish {what} within {self.timeout_s:.0f} s")
         return in_flight.results

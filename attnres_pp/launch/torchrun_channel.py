@@ -28,6 +28,8 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import NoReturn
 
+from attnres_pp.launch.storage_fault import failure_reply
+
 SLACK_S = 30.0  # start-up slack on every wait, as the other rank groups give
 
 
@@ -228,8 +230,8 @@ class WorkerThread:
     """Runs this rank's worker calls, one at a time, on a daemon thread, so the main thread stays free
     to watch the control channel (a call may block on a lost peer until gloo's own timeout). `done`
     becomes readable (`multiprocessing.connection.wait`) when the call has finished; `take()` then
-    returns its reply: ("ok", value), ("refused", one line) or ("error", traceback), the messages of
-    the local launcher's ranks."""
+    returns its reply: ("ok", value), ("refused", one line), ("fault", a StorageFault) or ("error",
+    traceback), the messages of the local launcher's ranks."""
 
     def __init__(self, name: str) -> None:
         self.worker = None
@@ -269,8 +271,10 @@ class WorkerThread:
             if method == "start":  # a setting or resource this rank refuses, said in one line
                 return "refused", " ".join(str(error).split())
             return "error", traceback.format_exc()
-        except Exception:  # the driver raises it with the rank's traceback
-            return "error", traceback.format_exc()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as error:  # noqa: BLE001  DCP's CheckpointException is a BaseException
+            return failure_reply(error, traceback.format_exc)  # a full disk: ("fault", ...), rank 0 says it once
 
 
 def exit_now(code: int) -> NoReturn:

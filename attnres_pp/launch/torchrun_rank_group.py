@@ -183,6 +183,8 @@ class TorchrunRankGroup(RankGroupBase):
         status, value = reply
         if status == "refused":  # a ValueError, so the CLI prints it as one `error:` line
             raise ValueError(f"rank {rank} refused to start: {value}")
+        if status == "fault":  # a write the disk refused: the run stops with one line
+            raise value
         # A peer's death often surfaces first as this rank's failed receive: name the cause.
         for ready in wait(list(pending), timeout=_GRACE_S):
             self._receive(pending[ready], ready, what)

@@ -23,11 +23,13 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from attnres_pp.launch.storage_fault import find_storage_fault, out_of_space
 from attnres_pp.train.shards import rank_failures
 
 # One process has no peer to wait for: only the filesystem can stall its write, bounded by this.
@@ -47,6 +49,7 @@ class BackgroundSave:
         self.timeout_s = timeout_s
         self._future: Future | None = None
         self._step_dir: str | None = None
+        self._needed_bytes = 0  # what the write in flight puts on disk
         self._group = None
 
     def begin(self, step_dir: str | Path, state: dict, *, distributed: bool, on_written=None) -> float:
@@ -60,9 +63,8 @@ class BackgroundSave:
             self._future = dcp.async_save(state, storage_writer=FileSystemWriter(str(step_dir), sync_files=True),
                                           process_group=group, no_dist=not distributed)
         except (Exception, CheckpointException) as error:  # planning may run here (one process: no thread yet)
-            raise RuntimeError(f"the background checkpoint write into {step_dir} failed: "
-                               f"{_first_failure(error)}") from error
-        self._step_dir = str(step_dir)
+            raise save_failure(step_dir, error, "background ", needed_bytes=state_bytes(state)) from error
+        self._step_dir, self._needed_bytes = str(step_dir), state_bytes(state)
         if on_written is not None:
             self._future.add_done_callback(lambda future: future.exception() is None and on_written())
         return time.perf_counter() - t0
@@ -85,13 +87,31 @@ class BackgroundSave:
                                f"{self.timeout_s:.0f} s: the filesystem is too slow or stuck; the previous "
                                "checkpoint stays the newest complete one") from None
         except (Exception, CheckpointException) as error:  # a rank's failure: disk full, permissions
-            raise RuntimeError(f"the background checkpoint write into {step_dir} failed: {_first_failure(error)}; "
-                               "the previous checkpoint stays the newest complete one") from error
+            raise save_failure(step_dir, error, "background ", "; the previous checkpoint stays the newest "
+                               "complete one", needed_bytes=self._needed_bytes) from error
 
     def _save_group(self):
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
         return self._group
+
+
+def save_failure(step_dir, error: BaseException, kind: str = "", note: str = "", *, needed_bytes: int = 0
+                 ) -> Exception:
+    """What a rank raises for a checkpoint write of `needed_bytes` that failed with `error`: the
+    StorageFault it carries, or ENOSPC when the disk has less room than the write needed (torch's
+    writer loses the errno); the driver stops the run in one line, without a restart. Otherwise a
+    RuntimeError naming the (`kind`) write, its folder and the first failed rank's error, plus `note`."""
+    fault = find_storage_fault(error) or out_of_space(step_dir, needed_bytes)
+    if fault is not None:
+        return fault
+    return RuntimeError(f"the {kind}checkpoint write into {step_dir} failed: {_first_failure(error)}{note}")
+
+
+def state_bytes(state: dict) -> int:
+    """The bytes of the tensors in a shard's `state` (a DTensor counts its local shard)."""
+    tensors = (getattr(value, "_local_tensor", value) for value in state.values())
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def _first_failure(error: BaseException) -> str:

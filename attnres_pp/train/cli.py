@@ -9,9 +9,12 @@ never saved."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,7 +35,7 @@ from attnres_pp.train.config import RunConfig, TrainConfig, merge_tables, read_t
 from attnres_pp.train.faults import kill_point, parse_failure
 from attnres_pp.train.loop import run_training
 from attnres_pp.train.metadata_pickle import CheckpointRefused
-from attnres_pp.train.recovery import RunFailed
+from attnres_pp.train.recovery import RunFailed, RunStopped
 from attnres_pp.train.resume import check_resume, nothing_to_do
 from attnres_pp.train.tensorboard import check_tensorboard
 
@@ -206,8 +209,9 @@ def main(args: argparse.Namespace) -> int:
     from attnres_pp.launch.torchrun_channel import TorchrunEnv
 
     torchrun = TorchrunEnv.from_environ()
-    if torchrun is None:
-        return _run(args)
+    if torchrun is None:  # (torchrun's agent signals its ranks itself: its rank group handles SIGTERM)
+        with _sigterm_stops_the_run():
+            return _run(args)
     from attnres_pp.launch.torchrun_rank_group import run_torchrun_rank
 
     return run_torchrun_rank(torchrun, lambda: _run(args), lambda: build_run_config(args))
@@ -247,6 +251,8 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as error:  # config mistakes: one line, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as stop:  # while the ranks start: the rank group has stopped the ones it started
+        return _stopped(stop)
     if initial is not None:  # before step 0: the run starts from the folder's weights
         from attnres_pp.train.init_from import load_initial
 
@@ -259,12 +265,44 @@ def _run(args: argparse.Namespace) -> int:
     except RunFailed as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    except CheckpointRefused as error:  # a shard the driver's metadata check could not see into
+    except (CheckpointRefused, RunStopped) as error:  # a shard the driver could not see into; a full disk
         print(f"error: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted: stopping the workers", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:
+        return _stopped(stop)
     finally:
         engine.close()
     return 0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, what `kill`, systemd, Slurm and `docker stop` send: the run stops as on Ctrl-C (every
+    handler that cleans up after a KeyboardInterrupt runs), with exit code 143 (128 + SIGTERM)."""
+
+
+@contextlib.contextmanager
+def _sigterm_stops_the_run():
+    """SIGTERM raises Terminated in the main thread while the run is under way (the previous handler
+    is back afterwards). A second SIGTERM during the stop is ignored: the stop is already under way,
+    and an exception raised inside the cleanup would cut it short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stopped(stop: KeyboardInterrupt) -> int:
+    """The one line and exit code of a run stopped by Ctrl-C (130) or SIGTERM (143); the caller's
+    cleanup (`engine.close`, the rank group's) stops the ranks and removes their rendezvous folder."""
+    terminated = isinstance(stop, Terminated)
+    print(f"{'terminated (SIGTERM)' if terminated else 'interrupted'}: stopping the workers", file=sys.stderr)
+    return 143 if terminated else 130

@@ -25,12 +25,14 @@ import torch
 
 from attnres_pp.data import Corpus, load_corpus
 from attnres_pp.data.tokenizer import TOKENIZER_FILE
+from attnres_pp.launch.storage_fault import StorageFault, find_storage_fault
 from attnres_pp.model.transformer import active_parameter_count
 from attnres_pp.train.checkpoint import (
     CheckpointConfig,
     PendingCheckpoint,
     begin_checkpoint,
     check_run_dir,
+    checkpoints_dir,
     latest_checkpoint,
     read_meta,
     save_checkpoint,
@@ -38,7 +40,7 @@ from attnres_pp.train.checkpoint import (
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.optim import lr_at
 from attnres_pp.train.rank_data import replica_rows
-from attnres_pp.train.recovery import RunFailed, RunHistory, WorkerLost, describe_rank
+from attnres_pp.train.recovery import RunFailed, RunHistory, WorkerLost, describe_rank, storage_stop
 from attnres_pp.train.resume import nothing_to_do, restore, resume
 from attnres_pp.train.summary import MetricsLog, describe_summary, median, progress_line, write_json_atomic
 from attnres_pp.train.tensorboard import TensorBoardLog
@@ -126,6 +128,24 @@ def run_training(
     history, last_checkpoint = (resume(engine, run_cfg, ckpt, out_dir, corpus, say) if ckpt.resume
                                 else (RunHistory(), None))
     saves = _Saves(out_dir, engine, run_cfg, ckpt, corpus, last_checkpoint)
+    try:
+        summary = _train_steps(saves, history, tensorboard, say, params)
+    except (OSError, StorageFault) as error:  # a full disk or an unwritable folder: the operator's to fix
+        fault = find_storage_fault(error)
+        if fault is None:
+            raise
+        _remove_staged_saves(out_dir)  # never complete, and the space they hold is what ran out
+        raise storage_stop(fault, saves.writing or fault.path or str(out_dir), out_dir, saves.last) from None
+    say(f"done: {describe_summary(summary)}; wrote {out_dir / 'summary.json'}"
+        + (f" and {saves.final}" if saves.final else ""), flush=True)
+    return summary
+
+
+def _train_steps(saves: _Saves, history: RunHistory, tensorboard, say, params: int) -> dict:
+    """The steps left after `history`, with their records, checkpoints and restarts (the run's
+    engine, config and folder are `saves`'); returns the summary, written to `summary.json`."""
+    engine, run_cfg, out_dir, ckpt, corpus = saves.engine, saves.run_cfg, saves.out_dir, saves.ckpt, saves.corpus
+    train_cfg = run_cfg.train
     log = _metrics_log(out_dir, history)
     tb = TensorBoardLog(tensorboard) if tensorboard else None
     start = time.perf_counter()
@@ -154,17 +174,12 @@ def run_training(
     summary = _summary(run_cfg, history, corpus, params=params, final_checkpoint=saves.final,
                        wall_time_s=time.perf_counter() - start)
     write_json_atomic(out_dir / "summary.json", summary)
-    say(f"done: {describe_summary(summary)}; wrote {out_dir / 'summary.json'}"
-        + (f" and {saves.final}" if saves.final else ""), flush=True)
     return summary
 
 
 def _metrics_log(out_dir: Path, history: RunHistory) -> MetricsLog:
-    """metrics.jsonl written anew with the records of `history` (what the run kept)."""
-    log = MetricsLog(out_dir / "metrics.jsonl")
-    for record in history.records:
-        log.write(record)
-    return log
+    """metrics.jsonl replaced by the records of `history` (what the run kept), then appended to."""
+    return MetricsLog(out_dir / "metrics.jsonl", history.records)
 
 
 class _Saves:
@@ -177,9 +192,12 @@ class _Saves:
         self.out_dir, self.engine, self.run_cfg, self.ckpt, self.corpus = out_dir, engine, run_cfg, ckpt, corpus
         self.last, self.final = last, None
         self.pending: PendingCheckpoint | None = None
+        self.writing: str | None = None  # the checkpoint being written, for a full disk's message
 
     def _finish_pending(self) -> None:
+        self.writing = f"checkpoint {checkpoints_dir(self.out_dir) / f'step_{self.pending.steps_done}'}"
         self.last, self.pending = self.pending.finish(self.engine), None
+        self.writing = None
 
     def note_step(self, record: dict) -> None:
         """Mark a step that ran beside a background write, and commit the write once it is done."""
@@ -193,12 +211,14 @@ class _Saves:
         saves = self.ckpt.saves_after(step + 1, steps)
         if saves:
             meta = checkpoint_meta(self.run_cfg, self.ckpt, history, self.corpus)
+            if self.ckpt.async_save and self.pending is not None:
+                self._finish_pending()
+            self.writing = f"checkpoint {checkpoints_dir(self.out_dir) / f'step_{step + 1}'}"
             if self.ckpt.async_save:
-                if self.pending is not None:
-                    self._finish_pending()
                 self.pending = begin_checkpoint(self.out_dir, step + 1, self.engine, meta, keep=keep)
             else:
                 self.last = save_checkpoint(self.out_dir, step + 1, self.engine, meta, keep=keep)
+            self.writing = None
         if step + 1 == steps:
             if self.pending is not None:  # the run ends once its last save is complete
                 self._finish_pending()
@@ -207,7 +227,15 @@ class _Saves:
 
     def lost(self) -> None:
         """A rank was lost: its write in flight is gone with it (its .tmp is never committed)."""
-        self.pending = None
+        self.pending = self.writing = None
+
+
+def _remove_staged_saves(out_dir: Path) -> None:
+    """Delete the `step_N.tmp` folders of saves that will not complete (the run is stopping). Not the
+    `.old` ones: one may be the only complete copy of its step (`restore_replaced_checkpoints`)."""
+    root = checkpoints_dir(out_dir)
+    for tmp in root.glob("step_*.tmp") if root.is_dir() else ():
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _summary(run_cfg: RunConfig, history: RunHistory, corpus: Corpus, *, params: int, final_checkpoint: Path | None,

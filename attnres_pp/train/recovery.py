@@ -12,16 +12,37 @@ trained on are recorded too, since `--batch-size` may change at a resume.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from attnres_pp.launch.storage_fault import StorageFault, mount_point
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.pipeline.errors import WorkerLost
 from attnres_pp.train.config import TrainConfig
 
-__all__ = ["RunFailed", "RunHistory", "WorkerLost", "describe_rank"]  # WorkerLost: pipeline.errors
+__all__ = ["RunFailed", "RunHistory", "RunStopped", "WorkerLost", "describe_rank"]  # WorkerLost: pipeline.errors
 
 
 class RunFailed(RuntimeError):
     """Training stopped for good: a worker was lost and no restart is left (or possible)."""
+
+
+class RunStopped(RuntimeError):
+    """Training stopped for a cause the operator must remove (a full disk, an unwritable folder): no
+    restart would help, so none is tried. The message is one line naming the cause, the fix and what
+    stays resumable; the CLI prints it as `error:` with exit code 2."""
+
+
+def storage_stop(fault: StorageFault, writing: str, out_dir: Path, last_checkpoint: Path | None) -> RunStopped:
+    """The one line for a run whose write of `writing` (e.g. "checkpoint DIR/checkpoints/step_10")
+    failed with `fault`: the cause and the disk (the one of the path that failed, else the run
+    directory's), the fix, and the last complete checkpoint."""
+    if last_checkpoint is not None:
+        resumable = (f"the last complete checkpoint {last_checkpoint.name} stays resumable "
+                     f"(attnres-pp train --resume {out_dir})")
+    else:
+        resumable = "no checkpoint is complete yet, so a new run starts from step 0"
+    return RunStopped(f"{fault.reason} writing {writing} (the filesystem at {mount_point(fault.path or out_dir)}): "
+                      f"{fault.fix} or give another --out; {resumable}")
 
 
 def describe_rank(pp_rank: int) -> str:

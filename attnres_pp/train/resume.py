@@ -5,6 +5,7 @@ history from the newest complete checkpoint, once a crash's leftovers are mended
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from attnres_pp.data import Corpus
@@ -18,7 +19,7 @@ from attnres_pp.train.checkpoint import (
 )
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.recovery import RunHistory
-from attnres_pp.train.summary import describe_summary
+from attnres_pp.train.summary import describe_summary, read_metrics
 
 
 def resume(engine, run_cfg: RunConfig, ckpt: CheckpointConfig, out_dir: Path, corpus: Corpus,
@@ -124,6 +125,10 @@ def _describe_settings(run_cfg: RunConfig, ckpt: CheckpointConfig) -> str:
 
 
 def _read_records(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """metrics.jsonl's records; what a crash tore or a disk damaged is ignored with one warning line
+    (the steps after the checkpoint are trained and written again, the earlier ones keep their losses
+    in meta.json)."""
+    records, warning = read_metrics(path)
+    if warning is not None:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    return records

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import sys
 
-from attnres_pp.train.background_save import BackgroundSave
+from torch.distributed.checkpoint.api import CheckpointException
+
+from attnres_pp.train.background_save import BackgroundSave, save_failure, state_bytes
 from attnres_pp.train.faults import rehearse_rank_kill
 from attnres_pp.train.shards import load_shard, save_shard, shard_state
 from attnres_pp.train.tp_rank import whole_dtensors
@@ -24,17 +26,19 @@ class ShardSaves:
         """Write this rank's part of checkpoint `step_dir` (DCP; every rank calls this together).
         Thread ranks hand their states to rank 0, which writes them as one (replicas' equal copies once).
         The files are fsynced before this returns (`save_shard`), so a rank reports done only once
-        its part is on disk."""
+        its part is on disk. A write the disk refuses raises StorageFault; any other failure, DCP's
+        CheckpointException (a BaseException) included, a RuntimeError: a rank reports it, never dies of it."""
         state = shard_state(self.model, self.params, self.optimizer, self.rng_stream)
-        if self.peers is None:
-            save_shard(step_dir, state, distributed=self.distributed)
-        else:
-            states = self.peers.gather(self.rank, whole_dtensors(state))
-            if states is not None:
-                merged: dict = {}
-                for rank_state in states:
-                    merged.update(rank_state)
-                save_shard(step_dir, merged, distributed=False)
+        try:
+            if self.peers is None:
+                save_shard(step_dir, state, distributed=self.distributed)
+            else:
+                states = self.peers.gather(self.rank, whole_dtensors(state))
+                if states is not None:
+                    state = {key: value for rank_state in states for key, value in rank_state.items()}
+                    save_shard(step_dir, state, distributed=False)
+        except (Exception, CheckpointException) as error:
+            raise save_failure(step_dir, error, needed_bytes=state_bytes(state)) from error
         rehearse_rank_kill(step_dir, self.rank)
 
     def begin_save(self, step_dir: str) -> float:

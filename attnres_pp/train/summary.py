@@ -1,8 +1,10 @@
-"""Run records on disk: `metrics.jsonl` (one JSON object per step) and `summary.json` (written
-atomically at the end), plus the one-line progress print and the one-line summary."""
+"""Run records on disk: `metrics.jsonl` (one JSON object per step, appended; a torn tail is dropped,
+not fatal) and `summary.json` (written atomically at the end), plus the one-line progress print and
+the one-line summary."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -22,18 +24,85 @@ def write_json_atomic(path: str | Path, obj: dict) -> None:
 
 
 class MetricsLog:
-    """Appends one JSON object per line to `DIR/metrics.jsonl` (truncated when opened)."""
+    """Appends one JSON object per line to `DIR/metrics.jsonl`. Opening it first replaces the file,
+    atomically, with `records` (what the run keeps: none for a fresh run, the steps of the checkpoint
+    a resume or restart continues from), so a torn tail a crash left is gone before anything is
+    appended. Each record is one `os.write` of its whole line; a write that fails (a full disk) is
+    cut back to the last whole line before the error is raised."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, records: list[dict] = ()) -> None:
         self.path = Path(path)
-        self._handle = self.path.open("w")
+        tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
+        try:
+            tmp.write_text("".join(_line(record) for record in records))
+            os.replace(tmp, self.path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        self._size = os.fstat(self._fd).st_size
 
     def write(self, record: dict) -> None:
-        self._handle.write(json.dumps(_jsonable(record)) + "\n")
-        self._handle.flush()
+        data = _line(record).encode()
+        try:
+            write_all(self._fd, data)
+        except OSError as error:
+            with contextlib.suppress(OSError):  # best effort: the resume drops a torn tail anyway
+                os.ftruncate(self._fd, self._size)
+            raise OSError(error.errno, error.strerror, str(self.path)) from error
+        self._size += len(data)
 
     def close(self) -> None:
-        self._handle.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """`os.write` until every byte of `data` is written (a write may take fewer)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _line(record: dict) -> str:
+    return json.dumps(_jsonable(record)) + "\n"
+
+
+def read_metrics(path: str | Path) -> tuple[list[dict], str | None]:
+    """The records of metrics.jsonl (none if it is missing) and a warning, or None. A line is a
+    record when it ends with a newline and holds one JSON object. The last line without its
+    newline, or not a record, is a write a crash cut short: ignored. Any other line that is not a
+    record is damaged: ignored too. The warning names what was ignored, in one line."""
+    path = Path(path)
+    if not path.is_file():
+        return [], None
+    lines = path.read_bytes().split(b"\n")
+    tail = lines.pop()  # b"" when the file ends with its newline
+    records, damaged = [], []
+    for number, line in enumerate(lines, start=1):
+        record = _record(line)
+        if record is not None:
+            records.append(record)
+        elif line.strip():
+            damaged.append(number)
+    torn = tail if tail.strip() else None
+    if torn is None and damaged and damaged[-1] == len(lines):
+        torn = lines[damaged.pop() - 1]
+    notes = []
+    if torn is not None:
+        notes.append(f"its last line ({len(torn)} bytes), a write a crash cut short")
+    if damaged:
+        shown = ", ".join(str(n) for n in damaged[:5]) + (", ..." if len(damaged) > 5 else "")
+        notes.append(f"{len(damaged)} damaged line(s) ({shown})")
+    return records, (f"{path}: ignored {' and '.join(notes)}" if notes else None)
+
+
+def _record(line: bytes) -> dict | None:
+    try:
+        value = json.loads(line)
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past the parser's depth
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def median(values: list[float]) -> float:

@@ -259,6 +259,7 @@ def test_the_fast_path_writes_the_bytes_of_the_slow_one(tmp_path):
 @pytest.mark.subprocess
 def test_two_worker_processes_write_the_bytes_of_one(tmp_path):
     from attnres_pp.data import prepare as prepare_module
+    from attnres_pp.data import prepare_encode
 
     root = tmp_path / "txt"
     root.mkdir()
@@ -270,16 +271,16 @@ def test_two_worker_processes_write_the_bytes_of_one(tmp_path):
     outs = {}
     for workers, warm in ((1, False), (2, False), (2, True)):
         outs[workers, warm] = tmp_path / f"w{workers}{warm}"
-        saved = prepare_module.WORKER_JOB_BYTES, prepare_module.ENCODE_BATCH_BYTES, prepare_module.WARM_BEFORE_FORK
-        prepare_module.WORKER_JOB_BYTES = 4096  # many jobs: order across them is what is tested
-        prepare_module.ENCODE_BATCH_BYTES = 20_000  # the batch warmed before the fork: a part of the input
-        prepare_module.WARM_BEFORE_FORK = warm
+        saved = prepare_encode.WORKER_JOB_BYTES, prepare_encode.ENCODE_BATCH_BYTES, prepare_encode.WARM_BEFORE_FORK
+        prepare_encode.WORKER_JOB_BYTES = 4096  # many jobs: order across them is what is tested
+        prepare_encode.ENCODE_BATCH_BYTES = 20_000  # the batch warmed before the fork: a part of the input
+        prepare_encode.WARM_BEFORE_FORK = warm
         try:
             prepare_module.prepare([str(root)], outs[workers, warm], vocab_size=300, shard_tokens=997,
                                    val_fraction=0.3, log=lambda line: None, workers=workers)
         finally:
-            (prepare_module.WORKER_JOB_BYTES, prepare_module.ENCODE_BATCH_BYTES,
-             prepare_module.WARM_BEFORE_FORK) = saved
+            (prepare_encode.WORKER_JOB_BYTES, prepare_encode.ENCODE_BATCH_BYTES,
+             prepare_encode.WARM_BEFORE_FORK) = saved
     files = sorted(p.name for p in outs[1, False].iterdir())
     for key in ((2, False), (2, True)):
         assert sorted(p.name for p in outs[key].iterdir()) == files
