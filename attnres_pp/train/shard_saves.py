@@ -2,13 +2,16 @@
 shared by the rank workers (`StageWorker`) and the one-process engine (`SingleProcessEngine`), which
 is rank 0 alone. A host provides `model`, `params` (by whole-model name), `optimizer`,
 `rng_stream`, `rank`, `distributed` (in a torch.distributed group), `peers` (the thread ranks of
-this process, or None) and `timeout_s` (bounding a background write); `background_save` starts None."""
+this process, or None) and `timeout_s` (bounding a background write); `background_save` starts None.
+Under expert parallelism also `collectives` (whose "ep" axis gathers the expert slices whole)."""
 
 from __future__ import annotations
 
 import sys
 
+from attnres_pp.pipeline.expert_parallel import expert_parallel_size, expert_rows
 from attnres_pp.train.background_save import BackgroundSave
+from attnres_pp.train.expert_shards import whole_expert_state
 from attnres_pp.train.faults import rehearse_rank_kill
 from attnres_pp.train.shards import load_shard, save_shard, shard_state
 from attnres_pp.train.tp_rank import whole_dtensors
@@ -20,12 +23,20 @@ class ShardSaves:
     peers = None
     rank = 0
 
+    def _shard_state(self) -> dict:
+        """What this rank saves (`shards.shard_state`), its expert slices made whole (`expert_shards`)."""
+        state = shard_state(self.model, self.params, self.optimizer, self.rng_stream)
+        rows = expert_rows(self.model)
+        if rows:
+            state = whole_expert_state(state, rows, self.collectives, expert_parallel_size(self.model))
+        return state
+
     def save_shard(self, step_dir: str) -> None:
         """Write this rank's part of checkpoint `step_dir` (DCP; every rank calls this together).
         Thread ranks hand their states to rank 0, which writes them as one (replicas' equal copies once).
         The files are fsynced before this returns (`save_shard`), so a rank reports done only once
         its part is on disk."""
-        state = shard_state(self.model, self.params, self.optimizer, self.rng_stream)
+        state = self._shard_state()
         if self.peers is None:
             save_shard(step_dir, state, distributed=self.distributed)
         else:
@@ -43,7 +54,7 @@ class ShardSaves:
         rank 0, whose write carries them all."""
         if self.background_save is None:
             self.background_save = BackgroundSave(self.timeout_s)
-        state = shard_state(self.model, self.params, self.optimizer, self.rng_stream)
+        state = self._shard_state()
         if self.peers is not None:
             states = self.peers.gather(self.rank, whole_dtensors(state))
             if states is None:
@@ -66,7 +77,8 @@ class ShardSaves:
         split wrote it (every rank calls this together). The RNG state is its stream's (`rng_stream`):
         where the checkpoint has none, this rank keeps its own and says so on stderr (and returns it)."""
         note = load_shard(step_dir, self.model, self.params, self.optimizer, self.rng_stream,
-                          distributed=self.distributed)
+                          distributed=self.distributed, expert_rows=expert_rows(self.model),
+                          n_experts=self.model.cfg.moe_experts)
         if note is not None:
             print(f"note: rank {self.rank}: {note}", file=sys.stderr, flush=True)
         return note

@@ -1,0 +1,170 @@
+"""Expert parallelism in one process (thread ranks, loopback hops, thread all-to-alls): EP = 2 ranks of
+each stage share an MoE model's routed experts (E = 4, K = 2, one shared expert, one dense layer), and
+a step's loss and every gradient equal the single-process model's and the EP = 1 run's (fp32, 1e-5),
+in every residual variant, under a split schedule with activation checkpointing, without the cache,
+and with two expert replicas (D = 4); AdamW steps with clipping keep equal losses, norms and aux-free
+biases; checkpoints load into another EP (`tests/distributed/test_expert_parallel_gloo.py` runs them
+over gloo and Ray)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnres_pp.model.moe import moe_sublayers, set_aux_scale
+from attnres_pp.pipeline.expert_parallel import ExpertSlice, expert_rows
+from attnres_pp.pipeline.mesh import RankCoords
+from attnres_pp.train.config import RunConfig
+from attnres_pp.train.engines import make_engine
+from attnres_pp.train.single_process_engine import SingleProcessEngine
+from tests.pipeline_helpers import MICRO, assert_grads_match, batch, build_model, model_config
+from tests.reference_model import randomize_depth_params
+
+MOE = dict(moe_experts=4, moe_top_k=2, moe_shared_experts=1, moe_dense_layers=1)
+
+
+def moe_config(variant: str, **overrides):
+    return model_config(variant, 4, **{**MOE, **overrides})
+
+
+def run_config(cfg, *, D, P, V, m, EP, schedule="1f1b", cache=True, **train) -> RunConfig:
+    return RunConfig.from_dict({
+        "model": cfg.to_dict(),
+        "train": {"steps": 3, "batch_size": MICRO * m * D, "microbatches": m, "seed": 0, "warmup_steps": 1, **train},
+        "pipeline": {"stages": P, "virtual": V, "data_parallel": D, "schedule": schedule, "cache": cache,
+                     "launcher": "inprocess", "timeout_s": 60.0, "expert_parallel": EP},
+    })
+
+
+def engine_with_random_reads(run_cfg: RunConfig):
+    """Non-zero pseudo-queries and gates on every rank, drawn as the reference model draws them."""
+    engine = make_engine(run_cfg)
+    for worker in engine.ranks.workers:
+        randomize_depth_params(worker.model, torch.Generator().manual_seed(1))
+    return engine
+
+
+def whole_grads(engine) -> dict[str, torch.Tensor]:
+    """Every rank's synced gradients by whole-model name, expert slices put in their rows; ranks that
+    hold the same rows (replicas; an expert slice's holders) must agree."""
+    grads: dict[str, torch.Tensor] = {}
+    for worker in engine.ranks.workers:
+        rows = expert_rows(worker.model)
+        for name, p in worker.params.items():
+            if not p.requires_grad:
+                continue
+            if name in rows:
+                whole = grads.setdefault(name, torch.full((4, *p.shape[1:]), float("nan")))
+                held = whole[rows[name]]
+                assert torch.isnan(held).all() or torch.equal(held, p.grad), f"{name} differs between holders"
+                whole[rows[name]] = p.grad
+            else:
+                kept = grads.setdefault(name, p.grad)
+                assert torch.equal(kept, p.grad), f"{name} differs between ranks (rank {worker.rank})"
+    assert not any(torch.isnan(g).any() for g in grads.values()), "some expert rows are held by no rank"
+    return grads
+
+
+def reference(cfg, inputs, targets, n_microbatches: int):
+    """The single-process model's mean loss and gradients (parameters that train only); the aux loss
+    enters each microbatch's backward scaled as its loss is."""
+    model = build_model(cfg)
+    set_aux_scale(model, 1.0 / n_microbatches)
+    total = 0.0
+    for i, t in zip(inputs.chunk(n_microbatches), targets.chunk(n_microbatches), strict=True):
+        loss = model(i, t)
+        (loss / n_microbatches).backward()
+        total += float(loss.detach())
+    return total / n_microbatches, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def step_equals_single_process(cfg, **layout) -> dict[str, torch.Tensor]:
+    D, m = layout["D"], layout["m"]
+    engine = engine_with_random_reads(run_config(cfg, **layout))
+    inputs, targets = batch(D * m)
+    records = engine.ranks.call("backward", [(0, b) for b in engine.rank_batches(inputs, targets)])
+    loss = sum(loss for r in records for loss in r.losses.values()) / (D * m)
+    want_loss, want_grads = reference(cfg, inputs, targets, D * m)
+    assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
+    got = whole_grads(engine)
+    assert_grads_match(got, want_grads, rtol=1e-5)
+    engine.close()
+    return got
+
+
+@pytest.mark.parametrize("variant", ["standard", "block", "lr_projected", "msar"])
+def test_ep2_step_equals_single_process(variant):
+    """D = 2, P = 2 under 1F1B, the cache on: each stage's two replicas share its experts."""
+    overrides = {"moe_balance": "aux_loss", "moe_router": "sigmoid"} if variant == "msar" else {}
+    step_equals_single_process(moe_config(variant, **overrides), D=2, P=2, V=1, m=2, EP=2)
+
+
+def test_ep_split_schedule_checkpointing_and_replicas_equal_ep1():
+    """ZB-V's I/W split with full activation checkpointing (the recomputation runs the all-to-alls
+    again), no cache; and D = 4 with EP = 2, so two ranks hold each expert slice: both equal the
+    single process, and EP = 2 equals EP = 1 gradient for gradient."""
+    cfg = moe_config("block")
+    ep2 = step_equals_single_process(cfg, D=2, P=2, V=2, m=3, EP=2, schedule="zbv", cache=False,
+                                     activation_checkpoint="full")
+    ep1 = step_equals_single_process(cfg, D=2, P=2, V=2, m=3, EP=1, schedule="zbv", cache=False,
+                                     activation_checkpoint="full")
+    assert_grads_match(ep2, ep1, rtol=1e-5)
+    step_equals_single_process(cfg, D=4, P=1, V=2, m=2, EP=2, schedule="interleaved_1f1b")
+
+
+def test_ep_training_equals_single_process_and_biases_stay_equal():
+    """Three AdamW steps with active clipping (the norm counts each expert once) and aux-free
+    balancing, then the pipelined evaluation: losses and norms equal the single process, and every
+    rank's selection biases equal the single process's after each step."""
+    cfg = moe_config("lr_projected", moe_bias_gamma=0.01)
+    run_cfg = run_config(cfg, D=2, P=2, V=1, m=2, EP=2, grad_clip=0.05, lr=1e-2)
+    engine, local = make_engine(run_cfg), SingleProcessEngine(run_cfg.model, run_cfg.train)
+    for step in range(3):
+        inputs, targets = batch(4, seed=10 + step)
+        got, want = engine.train_step(step, inputs, targets, 1e-2), local.train_step(step, inputs, targets, 1e-2)
+        assert abs(got.loss - want.loss) <= 1e-5 * abs(want.loss), (step, got.loss, want.loss)
+        norm, want_norm = got.metrics["grad_norm"], want.metrics["grad_norm"]
+        assert want_norm > 0.05 and abs(norm - want_norm) <= 1e-5 * want_norm, (step, norm, want_norm)
+        want_bias = {name: moe.expert_bias for name, moe in moe_sublayers(local.model).items()}
+        assert any(bias.abs().sum() > 0 for bias in want_bias.values())
+        for worker in engine.ranks.workers:
+            for name, moe in moe_sublayers(worker.model).items():
+                assert torch.equal(moe.expert_bias, want_bias[name]), (step, worker.rank, name)
+    inputs, targets = batch(4, seed=99)
+    want = local.eval_loss(inputs, targets)
+    assert abs(engine.eval_loss(inputs, targets) - want) <= 1e-5 * abs(want)
+    engine.close()
+
+
+def test_each_rank_holds_its_slice_of_the_experts_with_the_single_process_values():
+    cfg = moe_config("block")
+    engine = make_engine(run_config(cfg, D=2, P=2, V=1, m=2, EP=2))
+    whole = build_model(cfg)
+    for worker in engine.ranks.workers:
+        slices = [m for m in worker.model.modules() if isinstance(m, ExpertSlice) and not m.gate_up.is_meta]
+        assert slices and all(m.gate_up.shape[0] == 2 for m in slices)
+        for name, rows in expert_rows(worker.model).items():
+            assert rows == slice(2 * worker.coords.ep_rank, 2 * worker.coords.ep_rank + 2)
+            assert torch.equal(worker.params[name].detach(), whole.get_parameter(name).detach()[rows])
+    engine.close()
+
+
+def test_expert_parallel_groups_lie_along_the_data_parallel_axis():
+    coords = [RankCoords(rank, 4, 2, 1, 2) for rank in range(8)]  # D = 4, P = 2, EP = 2
+    assert [c.ep_rank for c in coords] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert coords[2].axis_members("ep") == [0, 2] and coords[5].axis_members("ep") == [5, 7]
+    assert coords[0].axis_members("edp") == [0, 4] and coords[3].axis_members("edp") == [3, 7]
+
+
+@pytest.mark.parametrize("flags,message", [
+    ({"expert_parallel": 2, "data_parallel": 2}, "needs a mixture-of-experts model"),
+    ({"expert_parallel": 3, "data_parallel": 3}, "does not divide --moe-experts 4"),
+    ({"expert_parallel": 2, "data_parallel": 3}, "does not divide --data-parallel 3"),
+    ({"expert_parallel": 0}, "give an integer >= 1"),
+    ({"tensor_parallel": 2}, "with --moe-experts 4 is not supported yet"),
+])
+def test_bad_expert_parallel_settings_are_one_clear_error(flags, message):
+    model = model_config("block", 4, **MOE) if "needs" not in message else model_config("block", 4)
+    with pytest.raises(ValueError, match=message):
+        RunConfig.from_dict({"model": model.to_dict(), "train": {"batch_size": 12, "microbatches": 1},
+                             "pipeline": {"launcher": "local", **flags}})
