@@ -8,12 +8,15 @@ over gloo and Ray)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
-from attnres_pp.model.moe import moe_sublayers, set_aux_scale
+from attnres_pp.model.layers import init_weights
+from attnres_pp.model.moe import RoutedExperts, moe_sublayers, set_aux_scale
 from attnres_pp.pipeline.expert_parallel import ExpertSlice, expert_rows
-from attnres_pp.pipeline.mesh import RankCoords
+from attnres_pp.pipeline.mesh import RankCoords, thread_collectives
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.engines import make_engine
 from attnres_pp.train.single_process_engine import SingleProcessEngine
@@ -36,12 +39,20 @@ def run_config(cfg, *, D, P, V, m, EP, schedule="1f1b", cache=True, **train) -> 
     })
 
 
-def engine_with_random_reads(run_cfg: RunConfig):
-    """Non-zero pseudo-queries and gates on every rank, drawn as the reference model draws them."""
+def engine_with_random_reads(run_cfg: RunConfig, bias_E: torch.Tensor | None = None):
+    """Non-zero pseudo-queries and gates on every rank, drawn as the reference model draws them;
+    `bias_E`, if given, every MoE sublayer's selection bias."""
     engine = make_engine(run_cfg)
     for worker in engine.ranks.workers:
         randomize_depth_params(worker.model, torch.Generator().manual_seed(1))
+        set_bias(worker.model, bias_E)
     return engine
+
+
+def set_bias(model, bias_E: torch.Tensor | None) -> None:
+    if bias_E is not None:
+        for moe in moe_sublayers(model).values():
+            moe.expert_bias.data.copy_(bias_E)
 
 
 def whole_grads(engine) -> dict[str, torch.Tensor]:
@@ -65,10 +76,11 @@ def whole_grads(engine) -> dict[str, torch.Tensor]:
     return grads
 
 
-def reference(cfg, inputs, targets, n_microbatches: int):
+def reference(cfg, inputs, targets, n_microbatches: int, bias_E: torch.Tensor | None = None):
     """The single-process model's mean loss and gradients (parameters that train only); the aux loss
     enters each microbatch's backward scaled as its loss is."""
     model = build_model(cfg)
+    set_bias(model, bias_E)
     set_aux_scale(model, 1.0 / n_microbatches)
     total = 0.0
     for i, t in zip(inputs.chunk(n_microbatches), targets.chunk(n_microbatches), strict=True):
@@ -78,13 +90,13 @@ def reference(cfg, inputs, targets, n_microbatches: int):
     return total / n_microbatches, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
-def step_equals_single_process(cfg, **layout) -> dict[str, torch.Tensor]:
+def step_equals_single_process(cfg, bias_E: torch.Tensor | None = None, **layout) -> dict[str, torch.Tensor]:
     D, m = layout["D"], layout["m"]
-    engine = engine_with_random_reads(run_config(cfg, **layout))
+    engine = engine_with_random_reads(run_config(cfg, **layout), bias_E)
     inputs, targets = batch(D * m)
     records = engine.ranks.call("backward", [(0, b) for b in engine.rank_batches(inputs, targets)])
     loss = sum(loss for r in records for loss in r.losses.values()) / (D * m)
-    want_loss, want_grads = reference(cfg, inputs, targets, D * m)
+    want_loss, want_grads = reference(cfg, inputs, targets, D * m, bias_E)
     assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
     got = whole_grads(engine)
     assert_grads_match(got, want_grads, rtol=1e-5)
@@ -110,6 +122,15 @@ def test_ep_split_schedule_checkpointing_and_replicas_equal_ep1():
                                      activation_checkpoint="full")
     assert_grads_match(ep2, ep1, rtol=1e-5)
     step_equals_single_process(cfg, D=4, P=1, V=2, m=2, EP=2, schedule="interleaved_1f1b")
+
+
+def test_a_rank_whose_experts_get_no_tokens_still_joins_every_all_to_all():
+    """Biases that send every token to experts 0 and 1: EP rank 1 receives no rows, computes
+    nothing, and still meets its group in the combine and in both backward all-to-alls (the step
+    would hang otherwise); its experts' gradients are zeros, as the single process's."""
+    grads = step_equals_single_process(moe_config("block"), bias_E=torch.tensor([10.0, 10.0, 0.0, 0.0]),
+                                       D=2, P=2, V=1, m=2, EP=2)
+    assert all(not g[2:].any() and g[:2].any() for name, g in grads.items() if ".experts." in name)
 
 
 def test_ep_training_equals_single_process_and_biases_stay_equal():
@@ -147,6 +168,51 @@ def test_each_rank_holds_its_slice_of_the_experts_with_the_single_process_values
             assert rows == slice(2 * worker.coords.ep_rank, 2 * worker.coords.ep_rank + 2)
             assert torch.equal(worker.params[name].detach(), whole.get_parameter(name).detach()[rows])
     engine.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_expert_slices_equal_the_whole_experts_in_float64_and_with_a_rank_left_empty(dtype):
+    """Two thread ranks' `ExpertSlice`s against `RoutedExperts` holding all four experts, on each
+    rank's own token-choices: outputs and input gradients per rank, weight gradients summed over the
+    two (float64: the per-expert loop, 1e-10; fp32: the grouped matmul). Rank 1's experts (2, 3) get
+    no token here, so it computes nothing and still joins every all-to-all."""
+    cfg = moe_config("block")
+    whole = RoutedExperts(cfg).to(dtype)
+    init_weights(whole, cfg, seed=0)
+    slices = [ExpertSlice(cfg, ep_rank, 2).to(dtype) for ep_rank in range(2)]
+    for ep_rank, experts in enumerate(slices):
+        experts.load_state_dict({k: v[2 * ep_rank:2 * ep_rank + 2] for k, v in whole.state_dict().items()})
+    for experts, collectives in zip(slices, thread_collectives(2, 1, 30.0, expert_parallel=2), strict=True):
+        experts.collectives = collectives
+    g = torch.Generator().manual_seed(3)
+    x_RND = [torch.randn(6, cfg.d_model, generator=g, dtype=dtype, requires_grad=True) for _ in range(2)]
+    expert_RNK = [torch.randint(0, 2, (6, 2), generator=g) for _ in range(2)]
+    grad_RNKW = [torch.randn(6, 2, cfg.source_width, generator=g, dtype=dtype) for _ in range(2)]
+    results: dict[int, tuple] = {}
+
+    def run(rank: int) -> None:
+        y = slices[rank](x_RND[rank], expert_RNK[rank])
+        y.backward(grad_RNKW[rank])
+        results[rank] = (y.detach(), x_RND[rank].grad.clone())
+        x_RND[rank].grad = None
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    tol = 1e-10 if dtype == torch.float64 else 1e-5
+    for rank in range(2):
+        y = whole(x_RND[rank], expert_RNK[rank])
+        y.backward(grad_RNKW[rank])
+        assert results and torch.allclose(results[rank][0], y, rtol=tol, atol=tol)
+        assert torch.allclose(results[rank][1], x_RND[rank].grad, rtol=tol, atol=tol)
+    for name in ("gate_up", "down"):
+        # The per-expert loop leaves no gradient where no row ran (the rank's sync makes it zeros).
+        got = torch.cat([torch.zeros_like(p) if p.grad is None else p.grad
+                         for p in (getattr(experts, name) for experts in slices)])
+        assert torch.allclose(got, getattr(whole, name).grad, rtol=tol, atol=tol), name
+        assert not got[2:].any()
 
 
 def test_expert_parallel_groups_lie_along_the_data_parallel_axis():
