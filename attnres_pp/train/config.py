@@ -229,10 +229,10 @@ def check_experts(cfg: ModelConfig, pipe: PipelineConfig, train: TrainConfig) ->
     """ValueError for an MoE or expert-parallel setting this run cannot use (docs/spec.md section 12):
     EP ranks share the E routed experts of a stage, E / EP each (`pipeline.expert_parallel`)."""
     ep = pipe.expert_parallel
-    if cfg.moe and pipe.tensor_parallel > 1:
-        raise ValueError(f"--tensor-parallel {pipe.tensor_parallel} with --moe-experts {cfg.moe_experts} is not "
-                         "supported yet (MoE sublayers are not split over tp ranks): use --tensor-parallel 1, "
-                         "with --expert-parallel to spread the experts")
+    if cfg.moe and pipe.sp and cfg.moe_balance == "aux_loss":
+        raise ValueError(f"--moe-balance aux_loss with --tensor-parallel {pipe.tensor_parallel} under sequence "
+                         "parallelism is not supported: each tp rank would balance its own shard of the tokens, "
+                         "not the microbatch's; use --no-sequence-parallel, or --moe-balance aux_free")
     if ep == 1:
         return
     if not cfg.moe:

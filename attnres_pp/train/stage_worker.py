@@ -247,12 +247,12 @@ class StageWorker(ShardSaves, RankHost):
             self.fsdp.reduce()
             ensure_grads(self.untied)
             if self.tp.active:
-                self.tp.sum_partial_grads(self.untied, self.collectives)
+                self.tp.sum_partial_grads(self.untied + self.experts, self.collectives)
             sync_gradients(self.fsdp.replicated, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel,
                            tied_copies=self.tp.tied_copies)
         else:
             if self.tp.active:
-                self.tp.sum_partial_grads(self.untied, self.collectives)
+                self.tp.sum_partial_grads(self.untied + self.experts, self.collectives)
             sync_gradients(self.untied, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel,
                            tied_copies=self.tp.tied_copies)
         if self.run_cfg.pipeline.expert_parallel > 1:
@@ -305,9 +305,13 @@ class StageWorker(ShardSaves, RankHost):
         if not moes:
             return None
         loads_LE = take_loads(moes)
-        if self.run_cfg.pipeline.data_parallel > 1:
+        # Under sequence parallelism each tp rank routed its own shard of the tokens.
+        axes = [axis for axis, n in (("dp", self.run_cfg.pipeline.data_parallel), ("tp", self.tp.size * self.tp.sp))
+                if n > 1]
+        if axes:
             on_device = loads_LE.to(self.device)
-            self.collectives.all_reduce(on_device, "dp")
+            for axis in axes:
+                self.collectives.all_reduce(on_device, axis)
             loads_LE = on_device.cpu()
         update_expert_bias(moes, loads_LE)
         aux_sum, aux_count = take_aux(moes)

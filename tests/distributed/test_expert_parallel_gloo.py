@@ -55,7 +55,7 @@ _ERROR_LINE = re.compile(r"^error: ")
     (["--expert-parallel", "3", "--data-parallel", "3", "--batch-size", "6"], "does not divide --moe-experts 4"),
     (["--expert-parallel", "4"], "does not divide --data-parallel 2"),
     (["--expert-parallel", "two"], "--expert-parallel 'two'"),
-    (["--tensor-parallel", "2"], "with --moe-experts 4 is not supported yet"),
+    (["--tensor-parallel", "2", "--moe-balance", "aux_loss"], "aux_loss with --tensor-parallel 2 under sequence"),
     (["--fault-tolerance", "replicas", "--expert-parallel", "2"], "an expert-parallel group spans replicas"),
 ])
 def test_bad_expert_parallel_flags_are_one_error_line(flags, needle, tmp_path, capsys):

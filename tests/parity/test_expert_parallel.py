@@ -12,7 +12,9 @@ import threading
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
+from attnres_pp.launch.thread_rank_group import ThreadRankGroup
 from attnres_pp.model.layers import init_weights
 from attnres_pp.model.moe import RoutedExperts, moe_sublayers, set_aux_scale
 from attnres_pp.pipeline.expert_parallel import ExpertSlice, expert_rows
@@ -20,6 +22,7 @@ from attnres_pp.pipeline.mesh import RankCoords, thread_collectives
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.engines import make_engine
 from attnres_pp.train.single_process_engine import SingleProcessEngine
+from attnres_pp.train.stage_worker import StageWorker
 from tests.pipeline_helpers import MICRO, assert_grads_match, batch, build_model, model_config
 from tests.reference_model import randomize_depth_params
 
@@ -215,6 +218,59 @@ def test_expert_slices_equal_the_whole_experts_in_float64_and_with_a_rank_left_e
         assert not got[2:].any()
 
 
+class GradWorker(StageWorker):
+    """A training rank seeded as the reference model; `step_grads` returns its losses and its synced
+    gradients whole (a tp-split weight's gathered) with the rows each expert slice holds."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        randomize_depth_params(self.model, torch.Generator().manual_seed(1))
+
+    def step_grads(self, inputs, targets) -> tuple:
+        m = self.run_cfg.train.microbatches
+        rows = slice(self.dp_rank * MICRO * m, (self.dp_rank + 1) * MICRO * m)
+        record = self.backward(0, (inputs[rows], targets[rows]))
+        held = expert_rows(self.model)
+        grads = {n: ((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone(), held.get(n))
+                 for n, p in self.params.items() if p.requires_grad}
+        return list(record.losses.values()), grads
+
+
+# (variant, D, P, V, schedule, EP, sequence parallel) at T = 2
+TP_CASES = [("block", 2, 1, 2, "interleaved_1f1b", 2, True), ("msar", 2, 2, 1, "1f1b", 2, False),
+            ("lr_projected", 1, 2, 1, "1f1b", 1, True)]
+
+
+@pytest.mark.parametrize("case", TP_CASES, ids=lambda c: f"{c[0]}-D{c[1]}P{c[2]}V{c[3]}-EP{c[5]}-sp{int(c[6])}")
+def test_moe_with_tensor_parallel_attention_equals_single_process(case):
+    """T = 2 thread ranks split the attention; the MoE sublayers stay whole on each tp rank (their
+    experts split over EP as without tp) and run on its tokens: under sequence parallelism its
+    shard, whose gradients are summed over tp. Loss and every gradient equal the single process."""
+    variant, D, P, V, schedule, EP, sp = case
+    cfg = moe_config(variant)
+    run_dict = run_config(cfg, D=D, P=P, V=V, m=2, EP=EP, schedule=schedule).to_dict()
+    run_dict["pipeline"] |= {"tensor_parallel": 2, "sequence_parallel": sp}
+    world = RunConfig.from_dict(run_dict).pipeline.world_size
+    inputs, targets = batch(D * 2)
+    group = ThreadRankGroup(world, stages=P, timeout_s=60.0, tensor_parallel=2, expert_parallel=EP)
+    try:
+        group.start(GradWorker, [{"run_cfg_dict": run_dict, "rank": r} for r in range(world)])
+        replies = group.call_all("step_grads", inputs, targets)
+    finally:
+        group.stop(graceful=True)
+    losses = [loss for rank_losses, _ in replies for loss in rank_losses]
+    want_loss, want_grads = reference(cfg, inputs, targets, D * 2)
+    assert len(losses) == D * 2 * 2 and abs(sum(losses) / len(losses) - want_loss) <= 1e-5 * abs(want_loss)
+    got: dict[str, torch.Tensor] = {}
+    for _losses, grads in replies:
+        for name, (grad, rows) in grads.items():
+            if rows is None:
+                got[name] = grad
+            else:
+                got.setdefault(name, torch.zeros_like(want_grads[name]))[rows] = grad
+    assert_grads_match(got, want_grads, rtol=1e-5)
+
+
 def test_expert_parallel_groups_lie_along_the_data_parallel_axis():
     coords = [RankCoords(rank, 4, 2, 1, 2) for rank in range(8)]  # D = 4, P = 2, EP = 2
     assert [c.ep_rank for c in coords] == [0, 0, 1, 1, 0, 0, 1, 1]
@@ -222,15 +278,15 @@ def test_expert_parallel_groups_lie_along_the_data_parallel_axis():
     assert coords[0].axis_members("edp") == [0, 4] and coords[3].axis_members("edp") == [3, 7]
 
 
-@pytest.mark.parametrize("flags,message", [
-    ({"expert_parallel": 2, "data_parallel": 2}, "needs a mixture-of-experts model"),
-    ({"expert_parallel": 3, "data_parallel": 3}, "does not divide --moe-experts 4"),
-    ({"expert_parallel": 2, "data_parallel": 3}, "does not divide --data-parallel 3"),
-    ({"expert_parallel": 0}, "give an integer >= 1"),
-    ({"tensor_parallel": 2}, "with --moe-experts 4 is not supported yet"),
+@pytest.mark.parametrize("flags,model,message", [
+    ({"expert_parallel": 2, "data_parallel": 2}, {}, "needs a mixture-of-experts model"),
+    ({"expert_parallel": 3, "data_parallel": 3}, MOE, "does not divide --moe-experts 4"),
+    ({"expert_parallel": 2, "data_parallel": 3}, MOE, "does not divide --data-parallel 3"),
+    ({"expert_parallel": 0}, MOE, "give an integer >= 1"),
+    ({"tensor_parallel": 2}, {**MOE, "moe_balance": "aux_loss"}, "aux_loss with --tensor-parallel 2 under sequence"),
 ])
-def test_bad_expert_parallel_settings_are_one_clear_error(flags, message):
-    model = model_config("block", 4, **MOE) if "needs" not in message else model_config("block", 4)
+def test_bad_expert_parallel_settings_are_one_clear_error(flags, model, message):
     with pytest.raises(ValueError, match=message):
-        RunConfig.from_dict({"model": model.to_dict(), "train": {"batch_size": 12, "microbatches": 1},
+        RunConfig.from_dict({"model": model_config("block", 4, **model).to_dict(),
+                             "train": {"batch_size": 12, "microbatches": 1},
                              "pipeline": {"launcher": "local", **flags}})
