@@ -18,6 +18,7 @@ from attnres_pp.comm.plan import RESIDUAL, Source
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.model.decode_state import DecodeStep
 from attnres_pp.model.layers import init_weights
+from attnres_pp.model.moe import moe_sublayers
 from attnres_pp.model.precision import compute_context
 from attnres_pp.model.stack import DepthState, forward_sublayers
 from attnres_pp.model.transformer import Transformer, embed_state, lm_loss
@@ -186,6 +187,8 @@ def build_rank_model(cfg: ModelConfig, partition: Partition, pp_rank: int, *, se
         model.get_submodule(name).to_empty(device=device)
     model.tie_embeddings()  # to_empty gave the embedding a new matrix: the head reads that one
     init_weights(model, cfg, seed)
+    for moe in moe_sublayers(model).values():  # to_empty left the load counters uninitialised memory
+        moe.load_E.zero_()
     return model, build_rank_chunks(model, partition, pp_rank, activation_checkpoint=activation_checkpoint)
 
 

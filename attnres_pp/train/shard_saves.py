@@ -11,7 +11,7 @@ import sys
 
 from attnres_pp.pipeline.expert_parallel import expert_parallel_size, expert_rows
 from attnres_pp.train.background_save import BackgroundSave
-from attnres_pp.train.expert_shards import whole_expert_state
+from attnres_pp.train.expert_shards import expert_targets, whole_expert_state
 from attnres_pp.train.faults import rehearse_rank_kill
 from attnres_pp.train.shards import load_shard, save_shard, shard_state
 from attnres_pp.train.tp_rank import whole_dtensors
@@ -76,9 +76,10 @@ class ShardSaves:
         """Load this rank's parameters, optimizer state and RNG state from checkpoint `step_dir`, whatever
         split wrote it (every rank calls this together). The RNG state is its stream's (`rng_stream`):
         where the checkpoint has none, this rank keeps its own and says so on stderr (and returns it)."""
+        rows = expert_rows(self.model)
+        layout = expert_targets(rows, self.model.cfg.moe_experts, getattr(self, "collectives", None)) if rows else None
         note = load_shard(step_dir, self.model, self.params, self.optimizer, self.rng_stream,
-                          distributed=self.distributed, expert_rows=expert_rows(self.model),
-                          n_experts=self.model.cfg.moe_experts)
+                          distributed=self.distributed, layout_targets=layout)
         if note is not None:
             print(f"note: rank {self.rank}: {note}", file=sys.stderr, flush=True)
         return note

@@ -34,6 +34,7 @@ import os
 import stat
 import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -51,7 +52,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from attnres_pp.train.checkpoint_check import check_expected, check_metadata
-from attnres_pp.train.expert_shards import whole_expert_targets
 from attnres_pp.train.metadata_pickle import CheckpointRefused, brief, load_metadata
 from attnres_pp.train.tp_rank import whole_strided, whole_targets
 
@@ -347,14 +347,13 @@ def read_parameters(step_dir: str | Path) -> dict[str, torch.Tensor]:
 
 def load_shard(step_dir: str | Path, model: torch.nn.Module, params: dict[str, torch.nn.Parameter],
                optimizer: torch.optim.Optimizer, stream: str, *, distributed: bool,
-               expert_rows: dict[str, slice] | None = None, n_experts: int = 0) -> str | None:
+               layout_targets: Callable[[dict], Callable[[dict], dict]] | None = None) -> str | None:
     """Load this rank's parameters (`params`, whole-model names of `model`), their optimizer state and,
     if the checkpoint has one for `stream`, its RNG state. DCP reads into the targets torch's
     state_dict helpers lay out (a DTensor shard reads just this rank's rows) and the helpers set them.
     Returns None when it restored the RNG state, otherwise a sentence saying that it kept the seeded
-    one and why. `distributed` as for `save_shard`; `expert_rows`: `train.expert_shards`."""
-    cpu_key, cuda_key = rng_keys(stream)
-    reader = SafeReader(step_dir)
+    one and why. `distributed` as for `save_shard`; `layout_targets` as `whole_targets` (`expert_shards`)."""
+    (cpu_key, cuda_key), reader = rng_keys(stream), SafeReader(step_dir)
     metadata = reader.read_metadata()
     saved = metadata.state_dict_metadata
     model_state = _model_state(model, params)
@@ -369,7 +368,7 @@ def load_shard(step_dir: str | Path, model: torch.nn.Module, params: dict[str, t
             if key in saved and torch.is_tensor(target):
                 optim_keys[key] = (name, field)
                 state[key] = target
-    held_rows = whole_expert_targets(state, expert_rows or {}, n_experts)
+    own_layout = layout_targets(state) if layout_targets is not None else (lambda loaded: loaded)
     check_expected(metadata, {key: (tuple(state[key].shape), state[key].dtype) for key in [*params, *optim_keys]},
                    str(step_dir))
     # The RNG states are allocated from this process's own (a CUDA one only where CUDA is here to set it).
@@ -383,7 +382,7 @@ def load_shard(step_dir: str | Path, model: torch.nn.Module, params: dict[str, t
         state[key] = torch.empty_like(rng_targets[key])
     restore = whole_targets(state)
     _load(state, reader, step_dir, distributed=distributed)
-    state = held_rows(restore(state))
+    state = own_layout(restore(state))
     set_model_state_dict(model, {name: state[name] for name in model_state}, options=_OPTIONS)
     loaded: dict[str, dict[str, torch.Tensor]] = {}
     for key, (name, field) in optim_keys.items():

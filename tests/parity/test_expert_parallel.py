@@ -149,6 +149,8 @@ def test_ep_training_equals_single_process_and_biases_stay_equal():
         assert abs(got.loss - want.loss) <= 1e-5 * abs(want.loss), (step, got.loss, want.loss)
         norm, want_norm = got.metrics["grad_norm"], want.metrics["grad_norm"]
         assert want_norm > 0.05 and abs(norm - want_norm) <= 1e-5 * want_norm, (step, norm, want_norm)
+        # tokens per expert, summed over the replicas (the counters start at zero on every rank)
+        assert got.extras["moe_expert_loads"] == want.extras["moe_expert_loads"], step
         want_bias = {name: moe.expert_bias for name, moe in moe_sublayers(local.model).items()}
         assert any(bias.abs().sum() > 0 for bias in want_bias.values())
         for worker in engine.ranks.workers:
@@ -158,6 +160,41 @@ def test_ep_training_equals_single_process_and_biases_stay_equal():
     want = local.eval_loss(inputs, targets)
     assert abs(engine.eval_loss(inputs, targets) - want) <= 1e-5 * abs(want)
     engine.close()
+
+
+def _held_state(engine) -> dict[str, torch.Tensor]:
+    """Every parameter and AdamW moment of the run by whole-model key, expert slices put in their rows."""
+    out: dict[str, torch.Tensor] = {}
+    for worker in engine.ranks.workers:
+        rows = expert_rows(worker.model)
+        for name, p in worker.params.items():
+            values = {name: p.detach(), **{f"optim.{name}.{k}": v for k, v in worker.optimizer.state[p].items()
+                                           if k != "step"}}
+            for key, value in values.items():
+                if name in rows:
+                    out.setdefault(key, torch.zeros((4, *value.shape[1:])))[rows[name]] = value
+                else:
+                    out[key] = value
+    return out
+
+
+@pytest.mark.parametrize("first,then", [(2, 1), (1, 2)])
+def test_thread_ranks_checkpoints_load_at_another_ep(first, then, tmp_path):
+    """Thread ranks at EP = `first` after an AdamW step save (the EP group gathers its slices whole:
+    rank 0 writes for all), and ranks at EP = `then` load it: every parameter and moment, by row."""
+    cfg = moe_config("block")
+    saved = make_engine(run_config(cfg, D=2, P=2, V=1, m=2, EP=first))
+    saved.train_step(0, *batch(4, seed=10), 1e-2)
+    saved.save_checkpoint(tmp_path / "step_1")
+    loaded = make_engine(run_config(cfg, D=2, P=2, V=1, m=2, EP=then))
+    loaded.train_step(0, *batch(4, seed=11), 1e-3)  # other values (and AdamW state to overwrite)
+    loaded.load_checkpoint(tmp_path / "step_1")
+    want, got = _held_state(saved), _held_state(loaded)
+    assert set(got) == set(want) and any(".experts." in key for key in want)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+    saved.close()
+    loaded.close()
 
 
 def test_each_rank_holds_its_slice_of_the_experts_with_the_single_process_values():
