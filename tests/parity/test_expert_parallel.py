@@ -1,10 +1,12 @@
 """Expert parallelism in one process (thread ranks, loopback hops, thread all-to-alls): EP = 2 ranks of
-each stage share an MoE model's routed experts (E = 4, K = 2, one shared expert, one dense layer), and
-a step's loss and every gradient equal the single-process model's and the EP = 1 run's (fp32, 1e-5),
-in every residual variant, under a split schedule with activation checkpointing, without the cache,
-and with two expert replicas (D = 4); AdamW steps with clipping keep equal losses, norms and aux-free
-biases; checkpoints load into another EP (`tests/distributed/test_expert_parallel_gloo.py` runs them
-over gloo and Ray)."""
+each stage share an MoE model's routed experts (E = 4, K = 2, one shared expert, one dense layer).
+A step's loss and every gradient equal the single-process model's (fp32, 1e-5) in every residual
+variant; under ZB-V's I/W split with full activation checkpointing and no cache (and equal EP = 1's
+gradient for gradient); with two expert replicas (D = 4); with a rank whose experts get no token;
+with tensor parallelism on the attention (T = 2, with and without sequence parallelism); under bf16
+to bf16's rounding. The slices equal the whole experts in float64 (1e-10). AdamW steps with clipping
+keep equal losses, norms, loads and aux-free biases; thread ranks' checkpoints load at another EP.
+Rank processes over gloo and Ray: tests/distributed/test_expert_parallel_gloo.py, test_ray.py."""
 
 from __future__ import annotations
 
@@ -125,6 +127,23 @@ def test_ep_split_schedule_checkpointing_and_replicas_equal_ep1():
                                      activation_checkpoint="full")
     assert_grads_match(ep2, ep1, rtol=1e-5)
     step_equals_single_process(cfg, D=4, P=1, V=2, m=2, EP=2, schedule="interleaved_1f1b")
+
+
+def test_ep_under_bf16_autocast_equals_ep1():
+    """bf16 autocast over fp32 weights (the rows cross the all-to-alls in bf16, the grouped matmul
+    casts itself): EP = 2's loss is EP = 1's and its gradients agree to bf16's rounding (measured:
+    4e-3 of each tensor's largest; 2^-6 allowed)."""
+    cfg = moe_config("block")
+    inputs, targets = batch(4)
+    runs = []
+    for ep in (1, 2):
+        engine = engine_with_random_reads(run_config(cfg, D=2, P=2, V=1, m=2, EP=ep, dtype="bf16"))
+        records = engine.ranks.call("backward", [(0, b) for b in engine.rank_batches(inputs, targets)])
+        runs.append((sum(loss for r in records for loss in r.losses.values()), whole_grads(engine)))
+        engine.close()
+    (loss1, grads1), (loss2, grads2) = runs
+    assert abs(loss2 - loss1) <= 1e-5 * abs(loss1)
+    assert_grads_match(grads2, grads1, rtol=2 ** -6)
 
 
 def test_a_rank_whose_experts_get_no_tokens_still_joins_every_all_to_all():
