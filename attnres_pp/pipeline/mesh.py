@@ -56,6 +56,9 @@ class RankCoords:
             if self.tensor_parallel > 1:
                 layout += f" x tensor_parallel {self.tensor_parallel}"
             raise ValueError(f"rank {self.rank} is outside 0..{self.world_size - 1} ({layout})")
+        if self.expert_parallel < 1 or self.data_parallel % self.expert_parallel:
+            raise ValueError(f"expert_parallel {self.expert_parallel} does not divide data_parallel "
+                             f"{self.data_parallel}: EP groups are taken along the data-parallel axis")
 
     @property
     def world_size(self) -> int:

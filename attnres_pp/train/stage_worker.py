@@ -243,6 +243,7 @@ class StageWorker(ShardSaves, RankHost):
         return runtime.finish_step()
 
     def sync_gradients(self) -> None:
+        ensure_grads(self.experts)  # a slice that got no token: zeros, so every holder joins its sums
         if self.fsdp is not None:  # the shards' reduce-scatter averages over the replicas
             self.fsdp.reduce()
             ensure_grads(self.untied)
@@ -306,8 +307,7 @@ class StageWorker(ShardSaves, RankHost):
             return None
         loads_LE = take_loads(moes)
         # Under sequence parallelism each tp rank routed its own shard of the tokens.
-        axes = [axis for axis, n in (("dp", self.run_cfg.pipeline.data_parallel), ("tp", self.tp.size * self.tp.sp))
-                if n > 1]
+        axes = ["dp"] * (self.run_cfg.pipeline.data_parallel > 1) + ["tp"] * self.tp.sp
         if axes:
             on_device = loads_LE.to(self.device)
             for axis in axes:
