@@ -16,6 +16,8 @@ its expert and back:
    regrouped by local expert and computed as one grouped matmul (`RoutedExperts.compute`);
 4. the outputs back by the reverse all-to-all, in the order of choice: `[N, K, W]`, as
    `RoutedExperts.forward` returns them, so the gate-weighted sum is the same for any EP.
+`sent_bytes` counts the token rows (and their gradients) a slice sent to other EP ranks, forward
+and backward: docs/spec.md section 12's dispatch and combine bytes, as measured.
 
 Every rank of an EP group runs the same schedule, so the group meets in the same all-to-alls in the
 same order, forward, backward (the dispatch's and combine's backward are all-to-alls too, run in I
@@ -37,19 +39,19 @@ AXIS = "ep"
 
 
 class _AllToAll(torch.autograd.Function):
-    """`collectives.all_to_all` along "ep" with autograd: the backward sends the gradients back the
-    way the rows came."""
+    """`experts.collectives.all_to_all` along "ep" with autograd: the backward sends the gradients back
+    the way the rows came. Both directions add the bytes they send off this rank to `experts.sent_bytes`."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, collectives: Collectives, send_splits: list[int],
+    def forward(ctx, rows: torch.Tensor, experts: ExpertSlice, send_splits: list[int],
                 recv_splits: list[int]) -> torch.Tensor:
-        ctx.collectives, ctx.splits = collectives, (send_splits, recv_splits)
-        return collectives.all_to_all(rows.contiguous(), send_splits, recv_splits, AXIS)
+        ctx.experts, ctx.splits = experts, (send_splits, recv_splits)
+        return experts.exchange(rows, send_splits, recv_splits)
 
     @staticmethod
     def backward(ctx, grad_rows: torch.Tensor):
         send_splits, recv_splits = ctx.splits
-        return ctx.collectives.all_to_all(grad_rows.contiguous(), recv_splits, send_splits, AXIS), None, None, None
+        return ctx.experts.exchange(grad_rows, recv_splits, send_splits), None, None, None
 
 
 class ExpertSlice(RoutedExperts):
@@ -60,8 +62,15 @@ class ExpertSlice(RoutedExperts):
     def __init__(self, cfg: ModelConfig, ep_rank: int, ep_size: int) -> None:
         n_local = cfg.moe_experts // ep_size
         super().__init__(cfg, n_experts=n_local, first_expert=ep_rank * n_local)
-        self.ep_size = ep_size
+        self.ep_size, self.ep_rank = ep_size, ep_rank
         self.collectives: Collectives | None = None
+        self.sent_bytes = 0  # token rows and their gradients sent to other EP ranks (dispatch and combine)
+
+    def exchange(self, rows: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        """One all-to-all of `rows` over the EP group, counted in `sent_bytes`."""
+        off_rank = sum(send_splits) - send_splits[self.ep_rank]
+        self.sent_bytes += off_rank * rows[0].numel() * rows.element_size() if len(rows) else 0
+        return self.collectives.all_to_all(rows.contiguous(), send_splits, recv_splits, AXIS)
 
     def forward(self, x_ND: torch.Tensor, expert_NK: torch.Tensor) -> torch.Tensor:
         """`[N, K, W]`: each token's K chosen experts' outputs, in the order of choice."""
@@ -76,7 +85,7 @@ class ExpertSlice(RoutedExperts):
         arrived_SL = self.collectives.all_to_all(counts_SL, [1] * ep, [1] * ep, AXIS)
         send_splits, recv_splits = counts_SL.sum(1).tolist(), arrived_SL.sum(1).tolist()
         x_MD = x_ND[order_M // top_k].to(_compute_dtype(self.gate_up))  # sent in the matmuls' dtype
-        x_RD = _AllToAll.apply(x_MD, self.collectives, send_splits, recv_splits)
+        x_RD = _AllToAll.apply(x_MD, self, send_splits, recv_splits)
         # Rows arrive member by member, each member's sorted by local expert: group them by expert.
         local_R = torch.repeat_interleave(torch.arange(n_local, device=x_RD.device).repeat(ep),
                                           arrived_SL.flatten().to(x_RD.device))
@@ -87,7 +96,7 @@ class ExpertSlice(RoutedExperts):
             # so that this rank joins its reverse all-to-all as the members that sent rows do.
             y_RW = y_RW + x_RD.sum() * 0
         y_RW = y_RW[torch.argsort(group_R)]  # back in arrival order
-        y_MW = _AllToAll.apply(y_RW, self.collectives, recv_splits, send_splits)
+        y_MW = _AllToAll.apply(y_RW, self, recv_splits, send_splits)
         return y_MW[torch.argsort(order_M)].view(n_tokens, top_k, -1)
 
 

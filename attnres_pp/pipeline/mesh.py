@@ -195,7 +195,7 @@ class _ThreadGroup:
     def all_to_all(self, index: int, send: torch.Tensor, send_splits: list[int]) -> torch.Tensor:
         self.slots[index] = send.split(send_splits)
         self.barrier.wait()
-        recv = torch.cat([pieces[index] for pieces in self.slots])
+        recv = torch.cat([pieces[index].to(send.device) for pieces in self.slots])
         self.barrier.wait()
         return recv
 

@@ -266,6 +266,10 @@ def test_expert_slices_equal_the_whole_experts_in_float64_and_with_a_rank_left_e
         y.backward(grad_RNKW[rank])
         assert results and torch.allclose(results[rank][0], y, rtol=tol, atol=tol)
         assert torch.allclose(results[rank][1], x_RND[rank].grad, rtol=tol, atol=tol)
+    # Every choice is of rank 0's experts: rank 1 dispatches its 12 rows (d wide) and gets their
+    # gradients back; rank 0 combines them back (W wide) and gets those gradients.
+    row_bytes = (cfg.d_model + cfg.source_width) * torch.tensor([], dtype=dtype).element_size()
+    assert [experts.sent_bytes for experts in slices] == [12 * row_bytes] * 2
     for name in ("gate_up", "down"):
         # The per-expert loop leaves no gradient where no row ran (the rank's sync makes it zeros).
         got = torch.cat([torch.zeros_like(p) if p.grad is None else p.grad
