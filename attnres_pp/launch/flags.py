@@ -87,6 +87,9 @@ RUN_FLAGS = tuple(RunFlag(*entry) for entry in (
      f"{' | '.join(DP_SHARDS)}: how the D replicas hold parameters, gradients and optimizer state"),
     ("--tensor-parallel", "pipeline", "tensor_parallel", int,
      "tensor-parallel ranks T per chunk, on one node (D x P x T ranks; default 1)"),
+    ("--expert-parallel", "pipeline", "expert_parallel", int,
+     "expert-parallel ranks EP per stage, taken along the data-parallel axis: each holds 1/EP of every MoE "
+     "sublayer's routed experts, tokens reach them by all-to-all (EP divides D and --moe-experts; default 1)"),
     ("--fault-tolerance", "train", "fault_tolerance", str,
      f"{' | '.join(FAULT_TOLERANCES)}: replicas makes each of the D pipelines a torchft replica group that "
      "restarts alone and heals from a live one (needs the [ft] extra; docs/ray.md)"),

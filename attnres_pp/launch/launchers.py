@@ -22,7 +22,7 @@ def make_rank_group(pipe: PipelineConfig, world_size: int, *, name: str, address
         from attnres_pp.launch.thread_rank_group import ThreadRankGroup
 
         return ThreadRankGroup(world_size, stages=pipe.stages, timeout_s=pipe.timeout_s,
-                               tensor_parallel=pipe.tensor_parallel,
+                               tensor_parallel=pipe.tensor_parallel, expert_parallel=pipe.expert_parallel,
                                nccl_rules=pipe.resolved_p2p("loopback") == "nccl", ledger=ledger)
     if pipe.launcher == "ray":
         from attnres_pp.launch.ray_rank_group import RayRankGroup

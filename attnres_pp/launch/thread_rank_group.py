@@ -6,11 +6,12 @@ method on its rank's thread, so collectives between ranks (`mesh.ThreadCollectiv
 between processes. Pipeline hops go over the loopback transport (one mailbox per replica and tp rank)
 and the ranks take turns action by action: a worker hands its started runtime to
 `ThreadPeers.run_together`, and once every rank has, the ranks of each lane (those of one tp rank;
-every rank at T = 1) pass one turn between them, each running its own next action when the turn is
-its (`loopback.next_turn`: a receive runs only once its message is in the mailbox, the unit-step
-execution the validator proves deadlock-free). With NCCL's rules each replica's loopback enforces
-them (`loopback_nccl`: in-order matching, rendezvous sends) and the runtimes issue their messages in
-NCCL's order, so a schedule that would hang on NCCL hangs here, on the CPU.
+every rank at T = 1; under expert parallelism also of one ep rank) pass one turn between them,
+each running its own next action when the turn is its (`loopback.next_turn`: a receive runs only
+once its message is in the mailbox, the unit-step execution the validator proves deadlock-free).
+With NCCL's rules each replica's loopback enforces them (`loopback_nccl`: in-order matching,
+rendezvous sends) and the runtimes issue their messages in NCCL's order, so a schedule that
+would hang on NCCL hangs here, on the CPU.
 
 Under tensor parallelism (T > 1) the ranks also join a threaded torch.distributed process group
 (`threaded_process_group`) and its ("dp", "pp", "tp") device mesh, over whose tp axis DTensor splits
@@ -192,9 +193,9 @@ class ThreadRankGroup(RankGroupBase):
     one_process = True
 
     def __init__(self, world_size: int, *, stages: int, timeout_s: float, tensor_parallel: int = 1,
-                 nccl_rules: bool = False, ledger: ByteLedger | None = None) -> None:
+                 nccl_rules: bool = False, ledger: ByteLedger | None = None, expert_parallel: int = 1) -> None:
         super().__init__(world_size, timeout_s)
-        self.stages, self.tensor_parallel = stages, tensor_parallel
+        self.stages, self.tensor_parallel, self.expert_parallel = stages, tensor_parallel, expert_parallel
         self.nccl_rules, self.ledger = nccl_rules, ledger
         self.workers: list = []
         self._in_flight: _InFlight | None = None  # `send`'s call, until `gather`
@@ -205,9 +206,9 @@ class ThreadRankGroup(RankGroupBase):
         self._worker = (worker_cls, rank_kwargs, device)
         t = self.tensor_parallel
         replicas = self.world_size // (self.stages * t)
-        coords = [RankCoords(rank, replicas, self.stages, t) for rank in range(self.world_size)]
+        coords = [RankCoords(rank, replicas, self.stages, t, self.expert_parallel) for rank in range(self.world_size)]
         self.workers = [worker_cls(**kwargs) for kwargs in rank_kwargs]
-        collectives = thread_collectives(replicas, self.stages, self.timeout_s, t)
+        collectives = thread_collectives(replicas, self.stages, self.timeout_s, t, self.expert_parallel)
         self.peers = ThreadPeers(self.world_size, self.timeout_s, self._lanes())
         # One loopback per replica and tp rank (a hop pairs (d, p, t) with (d, p + 1, t)): a mailbox
         # (gloo's rules) or an NCCL point-to-point model.
@@ -239,9 +240,14 @@ class ThreadRankGroup(RankGroupBase):
         return self.setup_results
 
     def _lanes(self) -> list[list[int]]:
-        """The ranks of each tp rank, in rank order: they take turns with each other."""
-        t = self.tensor_parallel
-        return [list(range(tp_rank, self.world_size, t)) for tp_rank in range(t)]
+        """The ranks of each tp rank and ep rank, in rank order: they take turns with each other. The
+        members of a tp group, or of an EP group (`pipeline.expert_parallel`), sit at the same place
+        in lanes of the same shape, so they take the same turns and meet in their collectives."""
+        t, ep = self.tensor_parallel, self.expert_parallel
+        replicas = self.world_size // (self.stages * t)
+        coords = [RankCoords(rank, replicas, self.stages, t, ep) for rank in range(self.world_size)]
+        return [[c.rank for c in coords if (c.tp_rank, c.ep_rank) == (tp_rank, ep_rank)]
+                for ep_rank in range(ep) for tp_rank in range(t)]
 
     def send(self, method: str, per_rank_args: list[tuple]) -> None:
         """The requests of `call` handed to the rank threads without waiting (`gather` collects them)."""

@@ -18,11 +18,13 @@ from attnres_pp.comm.plan import RESIDUAL, Source
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.model.decode_state import DecodeStep
 from attnres_pp.model.layers import init_weights
+from attnres_pp.model.moe import moe_sublayers
 from attnres_pp.model.precision import compute_context
 from attnres_pp.model.stack import DepthState, forward_sublayers
 from attnres_pp.model.transformer import Transformer, embed_state, lm_loss
 from attnres_pp.pipeline.activation_checkpoint import checkpointed
 from attnres_pp.pipeline.config import AC_POLICIES
+from attnres_pp.pipeline.expert_parallel import install_expert_slices
 from attnres_pp.pipeline.memory_meter import ActivationMeter, optional_saving, storage_key
 
 
@@ -169,17 +171,24 @@ def rank_module_names(cfg: ModelConfig, partition: Partition, pp_rank: int) -> l
 
 def build_rank_model(cfg: ModelConfig, partition: Partition, pp_rank: int, *, seed: int, backend: str = "auto",
                      device: torch.device | str = "cpu", precision: str = "fp32",
-                     activation_checkpoint: str = "none") -> tuple[Transformer, dict[int, PipelineChunk]]:
+                     activation_checkpoint: str = "none", expert_parallel: tuple[int, int] = (0, 1)
+                     ) -> tuple[Transformer, dict[int, PipelineChunk]]:
     """The model skeleton of rank `pp_rank` (other ranks' parameters stay on the meta device, with no
     storage) and its chunks, whose parameters equal `Transformer(cfg, seed=seed)`'s; the chunks
-    compute in `precision` (`model.precision`)."""
+    compute in `precision` (`model.precision`). `expert_parallel` = (ep_rank, EP): with EP > 1 each
+    MoE sublayer holds the rank's slice of the routed experts (`pipeline.expert_parallel`)."""
     check_tied_placement(cfg.tie_embeddings, partition)
     with torch.device("meta"):
         model = Transformer(cfg, backend=backend, seed=seed, precision=precision)
+    ep_rank, ep_size = expert_parallel
+    if ep_size > 1:
+        install_expert_slices(model, ep_rank, ep_size)
     for name in rank_module_names(cfg, partition, pp_rank):
         model.get_submodule(name).to_empty(device=device)
     model.tie_embeddings()  # to_empty gave the embedding a new matrix: the head reads that one
     init_weights(model, cfg, seed)
+    for moe in moe_sublayers(model).values():  # to_empty left the load counters uninitialised memory
+        moe.load_E.zero_()
     return model, build_rank_chunks(model, partition, pp_rank, activation_checkpoint=activation_checkpoint)
 
 

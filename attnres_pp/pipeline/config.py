@@ -35,9 +35,10 @@ class PipelineConfig:
     """stages = P physical ranks, virtual = V chunks per rank, data_parallel = D replicas of the
     pipeline, tensor_parallel = T ranks sharing each chunk (D x P x T ranks in all; docs/spec.md
     section 10), sequence_parallel = whether those T ranks also split every sequence between layers
-    (None: on when T > 1), cache = the cross-stage block cache, placement = how the ray
-    launcher places the ranks' bundles on nodes. link_gbps (Gb/s) and link_latency_us emulate a
-    slow link on one host (`comm.link`; off when link_gbps is None)."""
+    (None: on when T > 1), expert_parallel = EP ranks of one stage, taken along the data-parallel
+    axis, that share each MoE sublayer's routed experts (docs/spec.md section 12), cache = the
+    cross-stage block cache, placement = how the ray launcher places the ranks' bundles on nodes.
+    link_gbps (Gb/s) and link_latency_us emulate a slow link on one host (`comm.link`; off when link_gbps is None)."""
 
     stages: int = 1
     virtual: int = 1
@@ -57,6 +58,7 @@ class PipelineConfig:
     fsdp_reshard_after_forward: str | None = None
     tensor_parallel: int = 1
     sequence_parallel: bool | None = None
+    expert_parallel: int = 1
 
     def __post_init__(self) -> None:
         if not _is_int(self.stages) or self.stages < 1:
@@ -97,6 +99,7 @@ class PipelineConfig:
         self._check_link()
         self._check_dp_shard()
         self._check_tensor_parallel()
+        self._check_expert_parallel()
         if self.layer_counts is not None and len(self.layer_counts) != self.stages * self.virtual:
             raise ValueError(
                 f"PipelineConfig.layer_counts={list(self.layer_counts)} is invalid: give one layer count per "
@@ -143,6 +146,15 @@ class PipelineConfig:
         if self.sequence_parallel is not None and not isinstance(self.sequence_parallel, bool):
             raise ValueError(f"PipelineConfig.sequence_parallel={self.sequence_parallel!r} is invalid: must be true "
                              "or false (or left out: on when tensor_parallel > 1)")
+
+    def _check_expert_parallel(self) -> None:
+        ep = self.expert_parallel
+        if not _is_int(ep) or ep < 1:
+            raise ValueError(f"--expert-parallel {ep!r} is invalid: give an integer >= 1 (the ranks of a stage that "
+                             "share each MoE sublayer's routed experts; 1 = every rank holds them all)")
+        if self.data_parallel % ep:
+            raise ValueError(f"--expert-parallel {ep} does not divide --data-parallel {self.data_parallel}: the "
+                             "expert-parallel ranks are taken along the data-parallel axis; choose EP dividing D")
 
     def check_tensor_parallel_fits_node(self, ranks_per_node: int, what: str) -> None:
         """ValueError unless a tp group of T ranks fits on one node of `ranks_per_node` ranks (`what`

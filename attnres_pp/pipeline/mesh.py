@@ -10,6 +10,12 @@ node's, as the launchers place them; docs/spec.md section 10). At T = 1 it is th
     "pp"     the P ranks of one replica with the same tp_rank: the global gradient norm
     "tp"     the T ranks sharing one chunk: the partial gradients of what they hold replicated
     "world"  every rank: MSAR's tied stream convolutions, which every rank holds
+Under expert parallelism (EP > 1, docs/spec.md section 12) the dp axis is read as (D / EP, EP),
+row-major: `ep_rank = dp_rank % EP`, and two more axes carry collectives:
+    "ep"     the EP ranks with the same pp_rank and tp_rank and the same dp_rank // EP: they share
+             each MoE sublayer's routed experts, and tokens reach them by all-to-all
+    "edp"    the D / EP ranks with the same pp_rank, tp_rank and ep_rank: they hold the same experts,
+             whose gradients they sum
 
 Two implementations of `Collectives`, both explicit objects (no global state):
 - `MeshCollectives`: torch.distributed over a DeviceMesh. DeviceMesh rather than hand-made groups
@@ -23,24 +29,26 @@ Two implementations of `Collectives`, both explicit objects (no global state):
 
 from __future__ import annotations
 
+import datetime
 import threading
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-AXES = ("dp", "pp", "tp", "world")
+AXES = ("dp", "pp", "tp", "world", "ep", "edp")
 
 
 @dataclass(frozen=True)
 class RankCoords:
     """Where global rank `rank` sits in a run of `data_parallel` replicas of `stages` ranks, each
-    chunk shared by `tensor_parallel` ranks."""
+    chunk shared by `tensor_parallel` ranks, each stage's experts shared by `expert_parallel` replicas."""
 
     rank: int
     data_parallel: int
     stages: int
     tensor_parallel: int = 1
+    expert_parallel: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -48,6 +56,9 @@ class RankCoords:
             if self.tensor_parallel > 1:
                 layout += f" x tensor_parallel {self.tensor_parallel}"
             raise ValueError(f"rank {self.rank} is outside 0..{self.world_size - 1} ({layout})")
+        if self.expert_parallel < 1 or self.data_parallel % self.expert_parallel:
+            raise ValueError(f"expert_parallel {self.expert_parallel} does not divide data_parallel "
+                             f"{self.data_parallel}: EP groups are taken along the data-parallel axis")
 
     @property
     def world_size(self) -> int:
@@ -64,6 +75,10 @@ class RankCoords:
     @property
     def tp_rank(self) -> int:
         return self.rank % self.tensor_parallel
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_rank % self.expert_parallel
 
     def _rank_at(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
         return (dp_rank * self.stages + pp_rank) * self.tensor_parallel + tp_rank
@@ -83,6 +98,12 @@ class RankCoords:
             return [self._rank_at(self.dp_rank, self.pp_rank, t) for t in range(self.tensor_parallel)]
         if axis == "world":
             return list(range(self.world_size))
+        ep = self.expert_parallel
+        if axis == "ep":
+            first = self.dp_rank - self.ep_rank
+            return [self._rank_at(first + e, self.pp_rank, self.tp_rank) for e in range(ep)]
+        if axis == "edp":
+            return [self._rank_at(d, self.pp_rank, self.tp_rank) for d in range(self.ep_rank, self.data_parallel, ep)]
         raise ValueError(f"axis {axis!r} is unknown: choose one of {', '.join(AXES)}")
 
 
@@ -90,17 +111,21 @@ class Collectives(Protocol):
     def all_reduce(self, tensor: torch.Tensor, axis: str) -> None:
         """Sum `tensor` in place over this rank's group along `axis` ("dp", "pp", "tp" or "world")."""
 
+    def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], axis: str) -> torch.Tensor:
+        """Rows `send_splits[j]` of `send` (in order) to member j of this rank's group along `axis`;
+        returns the rows every member sent here, member by member (`recv_splits[j]` from member j)."""
+
 
 class MeshCollectives:
     """Collectives over a ("dp", "pp") DeviceMesh of the default process group (initialised first),
     or a ("dp", "pp", "tp") one when `coords.tensor_parallel` > 1; `mesh["tp"]` is then the 1-D mesh
     the DTensor tensor-parallel API shards each layer over (`pipeline.tensor_parallel`)."""
 
-    def __init__(self, coords: RankCoords, device_type: str) -> None:
+    def __init__(self, coords: RankCoords, device_type: str, timeout_s: float | None = None) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.coords = coords
+        self.coords, self.timeout_s = coords, timeout_s
         if dist.get_world_size() != coords.world_size:
             raise ValueError(f"T x P x D = {coords.tensor_parallel} x {coords.stages} x {coords.data_parallel} = "
                              f"{coords.world_size} is not the {dist.get_world_size()} ranks of the process group: "
@@ -114,14 +139,40 @@ class MeshCollectives:
         if tuple(self.mesh.get_coordinate() or ()) != expected:
             raise RuntimeError(f"rank {coords.rank}: the device mesh puts it at {self.mesh.get_coordinate()}, "
                                f"expected {names} = {expected}")
+        # Expert parallelism reads dp as (D / EP, EP): the same row-major layout, so a second mesh of
+        # the same ranks whose "ep" and "edp" dimensions are the groups of those axes.
+        self.expert_mesh = None
+        if coords.expert_parallel > 1:
+            ep = coords.expert_parallel
+            self.expert_mesh = init_device_mesh(device_type, (coords.data_parallel // ep, ep, *shape[1:]),
+                                                mesh_dim_names=("edp", "ep", *names[1:]))
+
+    def _group(self, axis: str):
+        if axis == "world":
+            return None
+        return (self.expert_mesh if axis in ("ep", "edp") else self.mesh).get_group(axis)
 
     def all_reduce(self, tensor: torch.Tensor, axis: str) -> None:
         import torch.distributed as dist
 
         if len(self.coords.axis_members(axis)) == 1:
             return
-        group = None if axis == "world" else self.mesh.get_group(axis)
-        dist.all_reduce(tensor, group=group)
+        dist.all_reduce(tensor, group=self._group(axis))
+
+    def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], axis: str) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if len(self.coords.axis_members(axis)) == 1:
+            return send
+        recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
+        work = dist.all_to_all_single(recv, send.contiguous(), recv_splits, send_splits, group=self._group(axis),
+                                      async_op=True)
+        # The subgroups carry the backend's default timeout, not the run's: the wait is bounded here.
+        if self.timeout_s is None:
+            work.wait()
+        else:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        return recv
 
 
 class _ThreadGroup:
@@ -141,6 +192,13 @@ class _ThreadGroup:
         self.barrier.wait()  # every member has read every slot before anyone overwrites its own
         tensor.copy_(total)
 
+    def all_to_all(self, index: int, send: torch.Tensor, send_splits: list[int]) -> torch.Tensor:
+        self.slots[index] = send.split(send_splits)
+        self.barrier.wait()
+        recv = torch.cat([pieces[index].to(send.device) for pieces in self.slots])
+        self.barrier.wait()
+        return recv
+
 
 class ThreadCollectives:
     """Collectives for ranks that run as threads of one process; build them with `thread_collectives`."""
@@ -159,14 +217,23 @@ class ThreadCollectives:
                 count_outside_dispatch(2 * (group.size - 1) * tensor.numel() * tensor.element_size() // group.size,
                                        c10d_op=False)
 
+    def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int], axis: str) -> torch.Tensor:
+        group, index = self._groups[axis]
+        if group.size == 1:
+            return send
+        recv = group.all_to_all(index, send, send_splits)
+        if recv.shape[0] != sum(recv_splits):
+            raise RuntimeError(f"all-to-all over {axis}: {recv.shape[0]} rows arrived, {sum(recv_splits)} expected")
+        return recv
+
 
 def thread_collectives(data_parallel: int, stages: int, timeout_s: float,
-                       tensor_parallel: int = 1) -> list[ThreadCollectives]:
-    """One `ThreadCollectives` per global rank of a (data_parallel, stages, tensor_parallel) layout,
-    wired together. A member that never arrives makes the others raise threading.BrokenBarrierError
-    after timeout_s."""
+                       tensor_parallel: int = 1, expert_parallel: int = 1) -> list[ThreadCollectives]:
+    """One `ThreadCollectives` per global rank of a (data_parallel, stages, tensor_parallel) layout
+    (with `expert_parallel` EP ranks along dp sharing experts), wired together. A member that never
+    arrives makes the others raise threading.BrokenBarrierError after timeout_s."""
     world = data_parallel * stages * tensor_parallel
-    coords = [RankCoords(rank, data_parallel, stages, tensor_parallel) for rank in range(world)]
+    coords = [RankCoords(rank, data_parallel, stages, tensor_parallel, expert_parallel) for rank in range(world)]
     shared: dict[tuple[str, tuple[int, ...]], _ThreadGroup] = {}
     out = []
     for c in coords:

@@ -43,6 +43,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.model.depth import StreamConvs
 from attnres_pp.model.layers import TransformerLayer
+from attnres_pp.model.moe import MoE
 from attnres_pp.model.precision import compute_context
 from attnres_pp.model.stack import forward_sublayers
 from attnres_pp.model.transformer import Transformer, embed_state, lm_loss
@@ -69,26 +70,31 @@ class BlockwiseColwiseParallel(ColwiseParallel):
             module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
-def layer_plan(cfg: ModelConfig, sequence_parallel: bool) -> dict:
+def layer_plan(cfg: ModelConfig, sequence_parallel: bool, moe: bool = False) -> dict:
     """The `parallelize_module` plan of one `TransformerLayer` (module name -> ParallelStyle). The
     fused qkv and SwiGLU's gate_up are split block by block (`BlockwiseColwiseParallel`): since T
-    divides the kv heads, rank t holds kv heads t G / T .. and the query heads that read them."""
+    divides the kv heads, rank t holds kv heads t G / T .. and the query heads that read them.
+    `moe`: the layer's MLP is an MoE sublayer, which is not split: every tp rank holds it whole and
+    runs it on the tokens it holds (its shard under sequence parallelism, whose gradients are then
+    summed over tp as every plain parameter's are)."""
     sequence = Shard(1) if sequence_parallel else None
     column = {"input_layouts": sequence} if sequence_parallel else {}
     row = {"output_layouts": sequence} if sequence_parallel else {}
-    plan = {"attn.qkv": BlockwiseColwiseParallel(cfg.qkv_parts, **column), "attn.proj": RowwiseParallel(**row),
-            "mlp.down": RowwiseParallel(**row)}
-    if cfg.mlp == "swiglu":
-        plan["mlp.gate_up"] = BlockwiseColwiseParallel(SWIGLU_PARTS, **column)
-    else:
-        plan["mlp.up"] = ColwiseParallel(**column)
+    plan = {"attn.qkv": BlockwiseColwiseParallel(cfg.qkv_parts, **column), "attn.proj": RowwiseParallel(**row)}
+    if not moe:
+        plan["mlp.down"] = RowwiseParallel(**row)
+        if cfg.mlp == "swiglu":
+            plan["mlp.gate_up"] = BlockwiseColwiseParallel(SWIGLU_PARTS, **column)
+        else:
+            plan["mlp.up"] = ColwiseParallel(**column)
     if cfg.qk_norm:  # per-head gains every tp rank holds whole, applied to its heads (dim 1 of [B, H, T, E]):
         # a replicated DTensor whose gradient (its heads' part) is a partial sum, reduced as the
         # sequence-parallel norms' are (`train.tp_rank.sum_partial_grads`)
         heads = SequenceParallel(sequence_dim=1, use_local_output=True)
         plan |= {"attn.q_norm": heads, "attn.k_norm": heads}
     if sequence_parallel:
-        plan |= {"attn.norm": SequenceParallel(), "mlp.norm": SequenceParallel()}
+        plan |= {"attn.norm": SequenceParallel()} if moe else {"attn.norm": SequenceParallel(),
+                                                               "mlp.norm": SequenceParallel()}
     return plan
 
 
@@ -98,7 +104,7 @@ def parallelize_layers(cfg: ModelConfig, layers: Iterable[TransformerLayer], tp_
     Every tp rank must hold the same values first (`layers.init_weights` from the same seed)."""
     cfg.check_tensor_split(tp_mesh.size(), sequence_parallel=sequence_parallel)
     for layer in layers:
-        parallelize_module(layer, tp_mesh, layer_plan(cfg, sequence_parallel))
+        parallelize_module(layer, tp_mesh, layer_plan(cfg, sequence_parallel, moe=isinstance(layer.mlp, MoE)))
 
 
 class _HaloExchange(torch.autograd.Function):

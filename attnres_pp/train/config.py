@@ -178,6 +178,7 @@ class RunConfig:
             check_tied_placement(True, make_partition(self.model.n_layers, pipe.stages, pipe.virtual, pipe.layer_counts,
                                                       placement=schedule_placement(pipe.schedule)))
         check_fault_tolerance(self.train, self.pipeline)
+        check_experts(self.model, self.pipeline, self.train)
         if self.pipeline.layer_counts is not None and sum(self.pipeline.layer_counts) != self.model.n_layers:
             raise ValueError(
                 f"PipelineConfig.layer_counts={list(self.pipeline.layer_counts)} is invalid: the counts must "
@@ -222,6 +223,28 @@ def resolve_training(run_cfg: RunConfig, *, gpus: int, where: str = "on this nod
     run = resolve_run(run_cfg.pipeline, device=train.device, dtype=train.dtype, kernels=train.kernels, gpus=gpus,
                       where=where, fault_tolerance=train.fault_tolerance)
     return dataclasses.replace(run_cfg, train=train.decided(run)), run
+
+
+def check_experts(cfg: ModelConfig, pipe: PipelineConfig, train: TrainConfig) -> None:
+    """ValueError for an MoE or expert-parallel setting this run cannot use (docs/spec.md section 12):
+    EP ranks share the E routed experts of a stage, E / EP each (`pipeline.expert_parallel`)."""
+    ep = pipe.expert_parallel
+    if cfg.moe and pipe.sp and cfg.moe_balance == "aux_loss":
+        raise ValueError(f"--moe-balance aux_loss with --tensor-parallel {pipe.tensor_parallel} under sequence "
+                         "parallelism is not supported: each tp rank would balance its own shard of the tokens, "
+                         "not the microbatch's; use --no-sequence-parallel, or --moe-balance aux_free")
+    if ep == 1:
+        return
+    if not cfg.moe:
+        raise ValueError(f"--expert-parallel {ep} needs a mixture-of-experts model: give --moe-experts E "
+                         "(a multiple of EP), or drop --expert-parallel")
+    if cfg.moe_experts % ep:
+        raise ValueError(f"--expert-parallel {ep} does not divide --moe-experts {cfg.moe_experts}: each EP rank "
+                         "holds E / EP routed experts; choose EP dividing E")
+    if train.fault_tolerance != "off":
+        raise ValueError(f"--fault-tolerance {train.fault_tolerance} with --expert-parallel {ep} is not supported: "
+                         "an expert-parallel group spans replicas, so a lost replica takes experts its peers "
+                         "need; use --expert-parallel 1")
 
 
 def check_fault_tolerance(train: TrainConfig, pipe: PipelineConfig) -> None:

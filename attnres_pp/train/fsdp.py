@@ -6,6 +6,7 @@ The pipeline never calls a `TransformerLayer`'s own forward (a chunk runs its su
 block's batched depth read uses the pseudo-queries of layers that have not run yet), so FSDP2's
 forward and backward hooks never fire; everything is driven through FSDP2's explicit controls:
 
+- MoE's selection bias and expert parallelism's expert slices stay whole (`_kept_whole`);
 - before any compute action of chunk c (F, B, I, W), `unshard()` its units (a no-op when they are
   unsharded already); with `reshard_after_forward="always"`, `reshard()` after each F, so the next
   action of the chunk all-gathers again (the graph's saved parameters are views of the unsharded
@@ -41,8 +42,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from attnres_pp.model.moe import MoE
 from attnres_pp.model.precision import PRECISIONS
 from attnres_pp.pipeline.chunk import PipelineChunk
+from attnres_pp.pipeline.expert_parallel import ExpertSlice
 from attnres_pp.schedule.ir import Action
 
 
@@ -68,7 +71,8 @@ class FsdpShards:
             module = model.get_submodule(name)
             scalars = {p for p in module.parameters() if p.dim() == 0}
             self.replicated += sorted(scalars, key=lambda p: [id(q) for q in module.parameters()].index(id(p)))
-            fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, ignored_params=scalars or None,
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=False,
+                        ignored_params=(scalars | _kept_whole(module)) or None,
                         mp_policy=mp_policy, shard_placement_fn=shard_placement)
             module._get_fsdp_state()._lazy_init()
             module.set_requires_gradient_sync(False)
@@ -106,6 +110,19 @@ class FsdpShards:
             group.finalize_backward()  # waits for the reduce-scatter and clears the group's state
             unit.set_requires_gradient_sync(False)
             unit.reshard()
+
+
+def _kept_whole(module: nn.Module) -> set[nn.Parameter]:
+    """What FSDP2 leaves alone in `module` besides scalars: MoE's selection bias, which the optimiser
+    never touches and `moe.update_expert_bias` moves in place, equal on every replica; and expert
+    parallelism's expert slices, which their holders sum over "edp" (`grad_sync.sync_expert_gradients`),
+    not over dp."""
+    kept: set[nn.Parameter] = set()
+    for moe in (m for m in module.modules() if isinstance(m, MoE)):
+        kept.add(moe.expert_bias)
+        if isinstance(moe.experts, ExpertSlice):
+            kept |= set(moe.experts.parameters())
+    return kept
 
 
 def shard_placement(param: nn.Parameter):

@@ -8,6 +8,7 @@ those mesh axes, so every parameter is counted once:
     tensor-parallel shards (T ranks hold parts, P ranks disjoint ones)  ("tp", "pp")
     FSDP2 shards over dp (the T tp ranks hold them alike)               ("dp", "pp")
     FSDP2 shards of a tp-split weight ((dp, tp) shards)                 ("world",)
+    expert-parallel routed experts (EP ranks hold disjoint experts)     ("ep", "pp")
 
 Partial sums whose remaining axes agree are added before they are reduced, so a layout costs one
 all-reduce per axis (plain: one over pp). Every rank of a run builds the same groups, empty ones
@@ -35,10 +36,19 @@ class NormGroup:
 
 
 def norm_groups(untied: list[nn.Parameter], tied: list[nn.Parameter], *, is_split: Callable[[nn.Parameter], bool],
-                tensor_parallel: bool = False, fsdp_replicated: list[nn.Parameter] | None = None) -> list[NormGroup]:
+                tensor_parallel: bool = False, fsdp_replicated: list[nn.Parameter] | None = None,
+                experts: list[nn.Parameter] | None = None) -> list[NormGroup]:
     """The groups of a rank's parameters: `is_split` says which are tensor-parallel shards (there are
     none unless `tensor_parallel`); `fsdp_replicated` (under fsdp) the untied parameters FSDP2 leaves
-    whole, the rest of `untied` being its shards."""
+    whole, the rest of `untied` being its shards; `experts` (under expert parallelism, every rank's
+    list, empty where it holds none) the expert slices, apart from `untied`."""
+    expert_group = [] if experts is None else [NormGroup(tuple(experts), ("ep", "pp"))]
+    return expert_group + _groups(untied, tied, is_split=is_split, tensor_parallel=tensor_parallel,
+                                  fsdp_replicated=fsdp_replicated)
+
+
+def _groups(untied: list[nn.Parameter], tied: list[nn.Parameter], *, is_split: Callable[[nn.Parameter], bool],
+            tensor_parallel: bool, fsdp_replicated: list[nn.Parameter] | None) -> list[NormGroup]:
     if fsdp_replicated is not None:
         whole = {id(p) for p in fsdp_replicated}
         sharded = [p for p in untied if id(p) not in whole]

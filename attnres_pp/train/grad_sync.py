@@ -5,6 +5,9 @@
 - MSAR's tied stream convolutions, which every rank holds, are summed over the P ranks of a replica
   (each rank adds what its own reads contributed) and averaged over the D replicas: one all-reduce
   over every rank, divided by D;
+- under expert parallelism a routed expert's gradient on its holder already sums the contributions
+  of every token of its EP group (the all-to-all's backward brought them), so the D / EP ranks that
+  hold the same experts sum theirs ("edp") and divide by D: the mean over the global batch;
 - the clipping norm is the whole model's: each rank's squared norm of its own untied gradients is
   summed over its replica (the D replicas hold equal averaged gradients, so one replica counts
   each once), and the tied gradients, equal on every rank after their reduction, are added once.
@@ -87,6 +90,15 @@ def sync_gradients(untied: list[nn.Parameter], tied: list[nn.Parameter], collect
             _reduce_flat(bucket, collectives, "dp", data_parallel)
     if tied:
         _reduce_flat(tied, collectives, "world", data_parallel * tied_copies)
+
+
+def sync_expert_gradients(experts: list[nn.Parameter], collectives: Collectives, data_parallel: int,
+                          bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Expert parallelism's routed experts (`pipeline.expert_parallel`): summed over the ranks that
+    hold the same experts and divided by the D replicas whose tokens they computed (in buckets)."""
+    ensure_grads(experts)
+    for bucket in flat_buckets(experts, bucket_bytes):
+        _reduce_flat(bucket, collectives, "edp", data_parallel)
 
 
 def squared_norm(params: list[nn.Parameter], device: torch.device | None = None) -> torch.Tensor:

@@ -34,6 +34,7 @@ import os
 import stat
 import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -345,17 +346,16 @@ def read_parameters(step_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_shard(step_dir: str | Path, model: torch.nn.Module, params: dict[str, torch.nn.Parameter],
-               optimizer: torch.optim.Optimizer, stream: str, *, distributed: bool) -> str | None:
+               optimizer: torch.optim.Optimizer, stream: str, *, distributed: bool,
+               layout_targets: Callable[[dict], Callable[[dict], dict]] | None = None) -> str | None:
     """Load this rank's parameters (`params`, whole-model names of `model`), their optimizer state and,
     if the checkpoint has one for `stream`, its RNG state. DCP reads into the targets torch's
     state_dict helpers lay out (a DTensor shard reads just this rank's rows) and the helpers set them.
     Returns None when it restored the RNG state, otherwise a sentence saying that it kept the seeded
-    one and why. `distributed` as for `save_shard`."""
-    cpu_key, cuda_key = rng_keys(stream)
-    reader = SafeReader(step_dir)
+    one and why. `distributed` as for `save_shard`; `layout_targets` as `whole_targets` (`expert_shards`)."""
+    (cpu_key, cuda_key), reader = rng_keys(stream), SafeReader(step_dir)
     metadata = reader.read_metadata()
     saved = metadata.state_dict_metadata
-    check_expected(metadata, {name: (tuple(p.shape), p.dtype) for name, p in params.items()}, str(step_dir))
     model_state = _model_state(model, params)
     # The targets of the moments: the optimizer's own state, laid out like each parameter (made by a
     # step at lr 0 if there is none yet; what the checkpoint lacks is dropped by the set below).
@@ -368,7 +368,9 @@ def load_shard(step_dir: str | Path, model: torch.nn.Module, params: dict[str, t
             if key in saved and torch.is_tensor(target):
                 optim_keys[key] = (name, field)
                 state[key] = target
-    check_expected(metadata, {key: (tuple(state[key].shape), state[key].dtype) for key in optim_keys}, str(step_dir))
+    own_layout = layout_targets(state) if layout_targets is not None else (lambda loaded: loaded)
+    check_expected(metadata, {key: (tuple(state[key].shape), state[key].dtype) for key in [*params, *optim_keys]},
+                   str(step_dir))
     # The RNG states are allocated from this process's own (a CUDA one only where CUDA is here to set it).
     rng_targets = {cpu_key: torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -380,7 +382,7 @@ def load_shard(step_dir: str | Path, model: torch.nn.Module, params: dict[str, t
         state[key] = torch.empty_like(rng_targets[key])
     restore = whole_targets(state)
     _load(state, reader, step_dir, distributed=distributed)
-    state = restore(state)
+    state = own_layout(restore(state))
     set_model_state_dict(model, {name: state[name] for name in model_state}, options=_OPTIONS)
     loaded: dict[str, dict[str, torch.Tensor]] = {}
     for key, (name, field) in optim_keys.items():

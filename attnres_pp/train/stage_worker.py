@@ -39,6 +39,7 @@ from attnres_pp.model.moe import moe_sublayers, take_aux, take_loads, update_exp
 from attnres_pp.model.precision import activation_dtype
 from attnres_pp.model.routing import RoutingProbe, set_probe
 from attnres_pp.pipeline.chunk import build_rank_model, rank_module_names, rank_parameters
+from attnres_pp.pipeline.expert_parallel import connect_experts, expert_rows
 from attnres_pp.pipeline.mesh import Collectives, MeshCollectives, RankCoords
 from attnres_pp.pipeline.routes import hop_shapes, wire_messages
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
@@ -49,7 +50,7 @@ from attnres_pp.train.background_save import BackgroundSave
 from attnres_pp.train.config import RunConfig, resolve_training
 from attnres_pp.train.faults import lose_this_rank
 from attnres_pp.train.grad_norm import norm_groups, norm_reducer
-from attnres_pp.train.grad_sync import ensure_grads, sync_gradients
+from attnres_pp.train.grad_sync import ensure_grads, sync_expert_gradients, sync_gradients
 from attnres_pp.train.memory_report import grad_bytes, memory_entry, peak_rss_bytes, transport_buffer_bytes
 from attnres_pp.train.optim import build_optimizer, optimizer_step
 from attnres_pp.train.rank_data import MicrobatchLists, RankData
@@ -73,7 +74,7 @@ class StageWorker(ShardSaves, RankHost):
             run_cfg, _ = resolve_training(run_cfg, gpus=0)
         self.run_cfg = run_cfg
         cfg, train, pipe = self.run_cfg.model, self.run_cfg.train, self.run_cfg.pipeline
-        self.coords = RankCoords(rank, pipe.data_parallel, pipe.stages, pipe.tensor_parallel)
+        self.coords = RankCoords(rank, pipe.data_parallel, pipe.stages, pipe.tensor_parallel, pipe.expert_parallel)
         self.rank, self.pp_rank, self.dp_rank = rank, self.coords.pp_rank, self.coords.dp_rank
         self.tp = RankTensorParallel(cfg, pipe, self.coords.tp_rank)
         self.tp_bytes: int | None = None  # what this rank's tp collectives send per step, once counted
@@ -81,7 +82,8 @@ class StageWorker(ShardSaves, RankHost):
         self.partition = run_partition(cfg.n_layers, pipe)
         self.model, self.chunks = build_rank_model(cfg, self.partition, self.pp_rank, seed=train.seed,
                                                    backend=train.kernels, precision=train.dtype,
-                                                   activation_checkpoint=train.activation_checkpoint)
+                                                   activation_checkpoint=train.activation_checkpoint,
+                                                   expert_parallel=(self.coords.ep_rank, pipe.expert_parallel))
         self.owned_modules = rank_module_names(cfg, self.partition, self.pp_rank)
         self._build_params(fused=False)
         self.plan = plan_for_model(cfg, self.partition, pipe.cache)
@@ -108,8 +110,12 @@ class StageWorker(ShardSaves, RankHost):
         become other tensors: tensor-parallel DTensors, FSDP2 shards, or a move to the GPU."""
         self.params = rank_parameters(self.chunks, self.model)
         self.tied = [p for name, p in self.params.items() if name.startswith("stream_convs.")]
+        # Expert parallelism's slices of the routed experts: summed over their holders (`grad_sync`).
+        rows = expert_rows(self.model)
+        self.experts = [p for name, p in self.params.items() if name in rows]
         # MoE's selection bias is a parameter for the checkpoints, without gradient (`model.moe`).
-        self.untied = [p for name, p in self.params.items() if not name.startswith("stream_convs.") and p.requires_grad]
+        self.untied = [p for name, p in self.params.items()
+                       if not name.startswith("stream_convs.") and p.requires_grad and name not in rows]
         self.optimizer = build_optimizer(self.params.items(), self.run_cfg.train, fused=fused)
 
     # ---- set-up: the RankHost contract's training parts ----
@@ -157,7 +163,7 @@ class StageWorker(ShardSaves, RankHost):
 
     def make_collectives(self, device: torch.device) -> Collectives:
         """The collectives over the joined process group: the whole ("dp", "pp") mesh."""
-        return MeshCollectives(self.coords, device.type)
+        return MeshCollectives(self.coords, device.type, timeout_s=self.timeout_s)
 
     def split_layers(self, tp_mesh) -> None:
         """Tensor parallelism (`train.tp_rank`): the chunks' layers split over the tp ranks, so the
@@ -189,6 +195,7 @@ class StageWorker(ShardSaves, RankHost):
         evaluation's over `eval_transport` if given; a transport with `p2p_semantics = "nccl"` makes
         them issue messages in NCCL's order). Hops carry the run's activation dtype (bf16 under bf16)."""
         self.device, self.collectives = device, collectives
+        connect_experts(self.model, collectives)
         for name in self.owned_modules:  # the rest of the model is on the meta device and stays there
             self.model.get_submodule(name).to(device)
         cfg, train = self.run_cfg.model, self.run_cfg.train
@@ -235,24 +242,28 @@ class StageWorker(ShardSaves, RankHost):
         return runtime.finish_step()
 
     def sync_gradients(self) -> None:
+        ensure_grads(self.experts)  # a slice that got no token: zeros, so every holder joins its sums
         if self.fsdp is not None:  # the shards' reduce-scatter averages over the replicas
             self.fsdp.reduce()
             ensure_grads(self.untied)
             if self.tp.active:
-                self.tp.sum_partial_grads(self.untied, self.collectives)
+                self.tp.sum_partial_grads(self.untied + self.experts, self.collectives)
             sync_gradients(self.fsdp.replicated, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel,
                            tied_copies=self.tp.tied_copies)
         else:
             if self.tp.active:
-                self.tp.sum_partial_grads(self.untied, self.collectives)
+                self.tp.sum_partial_grads(self.untied + self.experts, self.collectives)
             sync_gradients(self.untied, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel,
                            tied_copies=self.tp.tied_copies)
+        if self.run_cfg.pipeline.expert_parallel > 1:
+            sync_expert_gradients(self.experts, self.collectives, self.run_cfg.pipeline.data_parallel)
         self._grad_bytes = grad_bytes(self.params.values())  # before the optimizer step drops them
 
     def optimizer_step(self, lr: float) -> float:
         """Global-norm clipping and AdamW on synced gradients; returns the whole model's norm."""
         groups = norm_groups(self.untied, self.tied, is_split=is_split, tensor_parallel=self.tp.active,
-                             fsdp_replicated=self.fsdp.replicated if self.fsdp is not None else None)
+                             fsdp_replicated=self.fsdp.replicated if self.fsdp is not None else None,
+                             experts=self.experts if self.run_cfg.pipeline.expert_parallel > 1 else None)
         return optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip,
                               norm_reducer(groups, self.collectives, self.device))
 
@@ -302,9 +313,12 @@ class StageWorker(ShardSaves, RankHost):
     def step_loads(self, moes: dict) -> torch.Tensor:
         """`[layers, E]`: the step's token-choices per expert of `moes`, summed over the replicas."""
         loads_LE = take_loads(moes)
-        if self.run_cfg.pipeline.data_parallel > 1:
+        # Under sequence parallelism each tp rank routed its own shard of the tokens.
+        axes = ["dp"] * (self.run_cfg.pipeline.data_parallel > 1) + ["tp"] * self.tp.sp
+        if axes:
             on_device = loads_LE.to(self.device)
-            self.collectives.all_reduce(on_device, "dp")
+            for axis in axes:
+                self.collectives.all_reduce(on_device, axis)
             loads_LE = on_device.cpu()
         return loads_LE
 

@@ -121,6 +121,21 @@ def test_fsdp_through_ray_actors(local_ray, tmp_path):
         assert 0.5 * whole_bytes <= entry["param_bytes"] <= 0.52 * whole_bytes
 
 @SHARED_RAY
+def test_expert_parallel_through_ray_actors(local_ray, tmp_path):
+    """`--expert-parallel 2` at D = 2 through the Ray launcher: the actors' token all-to-alls run over
+    their gloo group, and the run ends with the in-process EP = 1 run's losses
+    (tests/distributed/test_expert_parallel_gloo.py: the local launcher, fsdp and checkpoints)."""
+    moe = ["--moe-experts", "4", "--moe-top-k", "2", "--moe-shared-experts", "1", "--moe-dense-layers", "1"]
+    argv = ["train", *TINY, "--stages", "1", "--virtual", "1", "--batch-size", "8", "--data-parallel", "2",
+            "--steps", "2", *moe, "--eval-every", "0", "--quiet"]
+    assert main([*argv, "--expert-parallel", "2", "--out", str(tmp_path / "ray")]) == 0
+    assert main([*argv, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
+    assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "inproc"))
+    got = json.loads((tmp_path / "ray" / "summary.json").read_text())
+    assert got["config"]["pipeline"]["expert_parallel"] == 2 and got["config"]["pipeline"]["launcher"] == "ray"
+
+
+@SHARED_RAY
 def test_ray_actors_generate_the_single_process_tokens(local_ray):
     """`generate --launcher ray`: one actor per rank joins the running instance (it starts none), gives
     the single process's greedy tokens for one sequence and for a ragged batch, and leaves no

@@ -1,0 +1,98 @@
+"""Checkpoints of expert-parallel ranks (`pipeline.expert_parallel`): a rank holds rows
+`[first, first + E / EP)` of each routed-expert tensor `[E, ...]` and of its AdamW moments, but a
+checkpoint holds them under the whole model's names and shapes, so that it loads into any EP and
+any D (and into one process, or `attnres-pp generate`).
+
+- Rank processes (a torch.distributed group with the "ep" mesh dimension, `mesh.MeshCollectives`):
+  each slice is handed to DCP as a DTensor `Shard(0)` over the rank's EP group, so DCP writes each
+  rank's rows as one chunk of the global tensor (the replicas' equal chunks once) and, on load,
+  reads just the rows the rank holds, at whatever EP wrote them. Nothing is gathered.
+- Thread ranks (rank 0 writes every rank's state as one process's, `shard_saves`): the EP group
+  gathers its slices into the whole tensor (an all-to-all over "ep"), and a rank loading reads the
+  whole tensor and keeps its rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from attnres_pp.pipeline.mesh import Collectives
+
+
+def _rows_of_key(key: str, rows: dict[str, slice]) -> slice | None:
+    """The rows held of checkpoint key `key` (a parameter, or `optim.<parameter>.<field>`), or None."""
+    if key in rows:
+        return rows[key]
+    if key.startswith("optim."):
+        return rows.get(key[len("optim."):].rsplit(".", 1)[0])
+    return None
+
+
+def _held(key: str, value, rows: dict[str, slice]) -> slice | None:
+    """The held rows when `value` is a slice of an expert tensor (AdamW's 0-dim step is not)."""
+    held = _rows_of_key(key, rows)
+    if held is None or not torch.is_tensor(value) or value.dim() == 0:
+        return None
+    return held
+
+
+def ep_mesh(collectives: Collectives | None):
+    """The 1-D device mesh of this rank's EP group, or None (thread ranks)."""
+    expert_mesh = getattr(collectives, "expert_mesh", None)
+    return None if expert_mesh is None else expert_mesh["ep"]
+
+
+def whole_expert_state(state: dict, rows: dict[str, slice], collectives: Collectives, ep_size: int) -> dict:
+    """`state` with every expert slice (`rows`: parameter name -> rows held, `expert_parallel.expert_rows`)
+    and its moments in the whole tensor's shape: DTensor shards over the EP group (rank processes), or
+    gathered whole (thread ranks: a collective over "ep", every member calling it with the same keys)."""
+    mesh = ep_mesh(collectives)
+    out = dict(state)
+    for key in sorted(state):
+        value = state[key]
+        if _held(key, value, rows) is None:
+            continue
+        if mesh is not None:
+            from torch.distributed.tensor import DTensor, Shard
+
+            out[key] = DTensor.from_local(value.detach(), mesh, [Shard(0)], run_check=False)
+            continue
+        n_rows = value.shape[0]
+        # An all-gather as an all-to-all: the same rows to every member, theirs back in ep order.
+        out[key] = collectives.all_to_all(value.detach().repeat(ep_size, *[1] * (value.dim() - 1)),
+                                          [n_rows] * ep_size, [n_rows] * ep_size, "ep")
+    return out
+
+
+def expert_targets(rows: dict[str, slice], n_experts: int, collectives: Collectives | None
+                   ) -> Callable[[dict], Callable[[dict], dict]]:
+    """`shards.load_shard`'s `layout_targets`: replace, in place, each expert target of a load by one
+    of the whole tensor's shape (`n_experts` rows): a DTensor shard over the EP group (rank processes)
+    or an empty whole tensor (thread ranks); returns the function that, after the load, gives back
+    the rows this rank holds as plain tensors."""
+    mesh = ep_mesh(collectives)
+
+    def replace(state: dict) -> Callable[[dict], dict]:
+        held: dict[str, slice] = {}
+        for key, value in list(state.items()):
+            rows_held = _held(key, value, rows)
+            if rows_held is None:
+                continue
+            held[key] = rows_held
+            if mesh is not None:
+                from torch.distributed.tensor import DTensor, Shard
+
+                state[key] = DTensor.from_local(torch.empty_like(value), mesh, [Shard(0)], run_check=False)
+            else:
+                state[key] = value.new_empty((n_experts, *value.shape[1:]))
+
+        def restore(loaded: dict) -> dict:
+            for key, rows_held in held.items():
+                loaded[key] = loaded[key].to_local() if mesh is not None else loaded[key][rows_held]
+            return loaded
+
+        return restore
+
+    return replace
