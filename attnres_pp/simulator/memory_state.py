@@ -102,25 +102,23 @@ def state_bytes(shapes: list[tuple[int, ...]], *, data_parallel: int, dp_shard: 
                 frozen: list[tuple[int, ...]] = (), expert_parallel: int = 1) -> dict[str, int]:
     """param/grad/optimizer bytes of one rank (fp32 throughout; optimizer: AdamW's two moments).
     `whole`: parameters among `shapes` that stay unsharded under FSDP2 (`tied_parameter_shapes`);
-    `routed`: routed experts' (`rank_moe_shapes`), which FSDP2 shards over the D / EP replicas that
-    hold the same experts (this replica's index among them: dp_rank // EP); `frozen`: parameters
-    without gradient or AdamW state (the aux-free selection bias), held and sharded as the others.
+    `routed`: routed experts' (`rank_moe_shapes`): FSDP2 shards them over dp as the others without
+    expert parallelism, and leaves them whole under EP > 1 (their holders reduce them over the D / EP
+    replicas that hold the same experts, `train.fsdp`); `frozen`: parameters without gradient or
+    AdamW state (the aux-free selection bias), which FSDP2 leaves whole.
 
     Under FSDP2 a parameter's shard storage and the reduce-scattered gradient buffer are padded to
     ceil(dim0 / D) rows on every replica, while AdamW's moments are made like the unpadded local
     shard (`zeros_like`), so replica `dp_rank`'s optimizer state can be smaller than its parameters."""
+    kept_whole = [*whole, *frozen, *(routed if expert_parallel > 1 else ())]
     sharded = list(shapes)
-    for shape in (*whole, *routed):
+    for shape in kept_whole:
         sharded.remove(shape)
-    expert_dp, expert_rank = data_parallel // expert_parallel, dp_rank // expert_parallel
-    held = sum(math.prod(s) for s in whole)
-    numel = (sum(shard_numel(s, data_parallel, dp_shard) for s in sharded)
-             + sum(shard_numel(s, expert_dp, dp_shard) for s in routed) + held)
-    local = (sum(local_numel(s, data_parallel, dp_shard, dp_rank) for s in sharded)
-             + sum(local_numel(s, expert_dp, dp_shard, expert_rank) for s in routed) + held)
-    # The frozen ones (among `sharded`) hold parameters but no gradient and no moments.
-    no_grad = sum(shard_numel(s, data_parallel, dp_shard) for s in frozen)
-    no_moments = sum(local_numel(s, data_parallel, dp_shard, dp_rank) for s in frozen)
+    held = sum(math.prod(s) for s in kept_whole)
+    numel = sum(shard_numel(s, data_parallel, dp_shard) for s in sharded) + held
+    local = sum(local_numel(s, data_parallel, dp_shard, dp_rank) for s in sharded) + held
+    # The frozen ones hold parameters but no gradient and no moments.
+    no_grad = no_moments = sum(math.prod(s) for s in frozen)
     return {"param_bytes": 4 * numel, "grad_bytes": 4 * (numel - no_grad), "optimizer_bytes": 8 * (local - no_moments)}
 
 
@@ -170,11 +168,16 @@ def chunk_gathered_bytes(cfg: ModelConfig, partition: Partition, chunk_index: in
     """Bytes of chunk `chunk_index`'s parameters all-gathered in the compute dtype while its FSDP2 units
     are unsharded (`train.fsdp`: its layers, the embedding on chunk 0, the head on the last chunk;
     MSAR's tied convolutions are not units). Summed over a rank's chunks it is the copy that
-    resharding never keeps through the step (`predict_ranks`)."""
+    resharding never keeps through the step (`predict_ranks`). FSDP2 leaves the MoE selection bias,
+    and under EP > 1 the expert slices, whole: not gathered."""
     shapes: list[tuple[int, ...]] = []
     if chunk_index == 0:
         shapes += embedding_shapes(cfg)
     shapes += chunk_layer_shapes(cfg, partition, chunk_index, _read_shapes(cfg), tensor_parallel, expert_parallel)
+    moe_layers = sum(1 for layer in partition.layer_range(chunk_index) if cfg.is_moe_layer(layer))
+    whole = [(cfg.moe_experts,)] + (routed_expert_shapes(cfg, expert_parallel) if expert_parallel > 1 else [])
+    for shape in whole * moe_layers:
+        shapes.remove(shape)
     if chunk_index == partition.n_chunks - 1:  # tied: gathered with the embedding (on the same rank)
         shapes += head_shapes(cfg, _read_shapes(cfg), holds_embedding=True)
     return sum(math.prod(s) for s in shapes) * DTYPE_BYTES[dtype]

@@ -64,3 +64,28 @@ def test_predicted_held_bytes_follow_the_recipe(tmp_path, schedule, dp_shard, fl
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         assert {k: g[k] for k in HELD} == {k: w.terms[k] for k in HELD}
+
+
+# Mixtures of experts (docs/spec.md section 12): routed experts split over EP = 2 replicas, under
+# replicate and FSDP2 (which leaves the expert slices and the selection bias whole): EP > 1 out of sample.
+MOE_FLAGS = ["--moe-experts", "4", "--moe-top-k", "2", "--moe-shared-experts", "1", "--moe-d-ff", "16",
+             "--moe-dense-layers", "1", "--expert-parallel", "2"]
+MOE = {"moe_experts": 4, "moe_top_k": 2, "moe_shared_experts": 1, "moe_d_ff": 16, "moe_dense_layers": 1}
+
+
+@pytest.mark.parametrize("dp_shard", DP_SHARDS)
+def test_predicted_held_bytes_split_the_experts_over_expert_parallel_ranks(tmp_path, dp_shard):
+    m = MODEL
+    assert main([*train_argv("1f1b", 1, dp_shard, tmp_path), *MOE_FLAGS]) == 0
+    got = json.loads((tmp_path / "summary.json").read_text())["memory_per_rank"]
+    setup = MemorySetup(schedule="1f1b", n_stages=2, n_virtual=1, n_microbatches=2, tokens=2 * m["seq_len"],
+                        dtype="fp32", data_parallel=2, dp_shard=dp_shard, expert_parallel=2)
+    want = predict_memory(ModelConfig(**m, **MOE), setup)
+    whole = predict_memory(ModelConfig(**m, **MOE), MemorySetup(
+        schedule="1f1b", n_stages=2, n_virtual=1, n_microbatches=2, tokens=2 * m["seq_len"], dtype="fp32",
+        data_parallel=2, dp_shard=dp_shard))
+    assert len(got) == len(want)
+    for g, w, w1 in zip(got, want, whole, strict=True):
+        assert {k: g[k] for k in HELD} == {k: w.terms[k] for k in HELD}
+        if dp_shard == "replicate":  # each rank holds half the routed experts (fsdp: half of each at EP = 1)
+            assert w.terms["param_bytes"] < w1.terms["param_bytes"]
