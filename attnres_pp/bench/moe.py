@@ -66,20 +66,36 @@ def _engine(cfg):
     return SingleProcessEngine(cfg, train)
 
 
-def step_times(cfgs: dict, warmup: int, rounds: int) -> dict[str, list[float]]:
-    """Seconds of each config's `train_step` per timed round; the configs alternate, their order
-    reversed every other round, and step r of each is on the same random batch."""
+def timed(work: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of `work()`. On a shared machine the CPU time is
+    what the work cost (one thread: time spent descheduled is left out); the wall time is kept beside."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    work()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def paired(times: dict[str, list[float]], a: str, b: str) -> dict:
+    """Median, quartiles of the within-round ratios a / b, and each side's median."""
+    ratios = sorted(x / y for x, y in zip(times[a], times[b], strict=True))
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return {"ratio": statistics.median(ratios), "ratio_quartiles": [quartiles[0], quartiles[2]],
+            "median_s": {name: statistics.median(t) for name, t in times.items()}}
+
+
+def step_times(cfgs: dict, warmup: int, rounds: int) -> dict[str, dict[str, list[float]]]:
+    """{"wall" | "cpu": {config: seconds of its `train_step` per timed round}}: the configs
+    alternate, their order reversed every other round, and step r of each is on the same batch."""
     engines = {name: _engine(cfg) for name, cfg in cfgs.items()}
     names = list(engines)
-    times: dict[str, list[float]] = {name: [] for name in names}
+    times: dict[str, dict[str, list[float]]] = {"wall": {n: [] for n in names}, "cpu": {n: [] for n in names}}
     for index in range(warmup + rounds):
         for name in names if index % 2 == 0 else names[::-1]:
             cfg = cfgs[name]
             inputs_BT, targets_BT = random_batch(index, BATCH, cfg.seq_len, cfg.vocab_size)
-            started = time.perf_counter()
-            engines[name].train_step(index, inputs_BT, targets_BT, 1e-3)
+            wall, cpu = timed(lambda: engines[name].train_step(index, inputs_BT, targets_BT, 1e-3))  # noqa: B023
             if index >= warmup:
-                times[name].append(time.perf_counter() - started)
+                times["wall"][name].append(wall)
+                times["cpu"][name].append(cpu)
     for engine in engines.values():
         engine.close()
     return times
@@ -118,23 +134,21 @@ def grouped_against_loop(cfg, warmup: int, rounds: int) -> dict:
             * cfg.init_std).requires_grad_()
     grad_MW = torch.randn(len(order_M), cfg.source_width, generator=generator)
     kinds = {"grouped": grouped_matmul, "loop": grouped_matmul_loop}
-    times: dict[str, list[float]] = {name: [] for name in kinds}
+    times: dict[str, dict[str, list[float]]] = {"wall": {n: [] for n in kinds}, "cpu": {n: [] for n in kinds}}
     outputs = {}
     for index in range(warmup + rounds):
         for name in list(kinds) if index % 2 == 0 else list(kinds)[::-1]:
-            started = time.perf_counter()
-            outputs[name] = experts_pass(x_MD, gate_up, down, counts_E, kinds[name], grad_MW)
-            elapsed = time.perf_counter() - started
+            wall, cpu = timed(lambda: outputs.__setitem__(name, experts_pass(  # noqa: B023
+                x_MD, gate_up, down, counts_E, kinds[name], grad_MW)))  # noqa: B023
             if index >= warmup:
-                times[name].append(elapsed)
+                times["wall"][name].append(wall)
+                times["cpu"][name].append(cpu)
             for tensor in (x_MD, gate_up, down):
                 tensor.grad = None
     return {"grouped_mm_used": _grouped_mm_fits(x_MD, gate_up.transpose(1, 2)), "rows": len(order_M),
-            "counts_per_expert": counts_E, "step_s": {name: statistics.median(t) for name, t in times.items()},
-            "loop_over_grouped": statistics.median(b / a for a, b in zip(times["grouped"], times["loop"],
-                                                                          strict=True)),
-            "max_abs_difference": float((outputs["grouped"] - outputs["loop"]).abs().max()),
-            "step_s_all": times}
+            "counts_per_expert": counts_E, "cpu": paired(times["cpu"], "loop", "grouped"),
+            "wall": paired(times["wall"], "loop", "grouped"),
+            "max_abs_difference": float((outputs["grouped"] - outputs["loop"]).abs().max()), "times": times}
 
 
 def expert_parallel_run_config(shape: dict) -> dict:
@@ -191,19 +205,19 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> d
     progress(f"MoE (active {active_parameter_count(moe_cfg):,} of {parameter_count(moe_cfg):,}) against dense "
              f"d_ff {dense_cfg.d_ff} ({parameter_count(dense_cfg):,}): {rounds} rounds after {warmup}")
     times = step_times({"moe": moe_cfg, "dense": dense_cfg}, warmup, rounds)
-    ratio = statistics.median(m / d for m, d in zip(times["moe"], times["dense"], strict=True))
-    progress(f"  MoE / dense step {ratio:.3f}")
+    cpu, wall = paired(times["cpu"], "moe", "dense"), paired(times["wall"], "moe", "dense")
+    progress(f"  MoE / dense step: CPU time {cpu['ratio']:.3f}, wall {wall['ratio']:.3f}")
     matmul = grouped_against_loop(moe_cfg, *MATMUL_ROUNDS[quick])
-    progress(f"  per-expert loop / grouped matmul {matmul['loop_over_grouped']:.3f}")
+    progress(f"  per-expert loop / grouped matmul: CPU time {matmul['cpu']['ratio']:.3f}")
     ep = expert_parallel_row(expert_parallel_run_config(shape), warmup, rounds)
-    experts_share = moe_cfg.n_moe_layers * matmul["step_s"]["grouped"] / statistics.median(times["moe"])
+    experts_share = moe_cfg.n_moe_layers * matmul["cpu"]["median_s"]["grouped"] / cpu["median_s"]["moe"]
     return {"shape": shape, "experts": {**EXPERTS, "expert_dim": moe_cfg.expert_dim}, "batch": BATCH,
             "tokens_per_step": BATCH * moe_cfg.seq_len, "warmup_rounds": warmup, "rounds": rounds,
             "params": {"moe_total": parameter_count(moe_cfg), "moe_active": active_parameter_count(moe_cfg),
                        "dense": parameter_count(dense_cfg), "dense_d_ff": dense_cfg.d_ff,
                        "moe_dense_layers_d_ff": moe_cfg.ff_dim},
-            "step_s": {name: statistics.median(t) for name, t in times.items()}, "step_s_all": times,
-            "moe_over_dense": ratio, "grouped_matmul": matmul, "routed_experts_share_of_moe_step": experts_share,
+            "cpu": cpu, "wall": wall, "times": times, "moe_over_dense": cpu["ratio"], "grouped_matmul": matmul,
+            "routed_experts_share_of_moe_step": experts_share,
             "expert_parallel": ep, "load_average": {"before": load_before, "after": _load_average()}}
 
 
@@ -212,41 +226,56 @@ def _load_average() -> list[float]:
     return [round(x, 2) for x in load]
 
 
+def _ratio(paired_times: dict) -> str:
+    low, high = paired_times["ratio_quartiles"]
+    return f"{paired_times['ratio']:.3f} ({low:.2f}-{high:.2f})"
+
+
 def to_markdown(payload: dict) -> str:
     shape, experts, params = payload["shape"], payload["experts"], payload["params"]
-    matmul, ep = payload["grouped_matmul"], payload["expert_parallel"]
+    cpu, wall, ep, tokens = payload["cpu"], payload["wall"], payload["expert_parallel"], payload["tokens_per_step"]
     lines = ["## Mixture of experts against the dense model of equal active parameters", "",
              f"Block AttnRes (blocks of {shape['block_size']} sublayers), {shape['n_layers']} layers, d = "
              f"{shape['d_model']}, {shape['n_heads']} heads, seq {shape['seq_len']}, {payload['batch']} sequences "
-             f"({payload['tokens_per_step']:,} tokens) a step, fp32, one thread. MoE: E = {experts['moe_experts']} "
-             f"routed experts of width {experts['expert_dim']}, K = {experts['moe_top_k']}, S = "
-             f"{experts['moe_shared_experts']} shared, in every layer; dense: SwiGLU of width {params['dense_d_ff']} "
-             "so that its parameters equal the MoE model's active ones. A step is the engine's whole "
-             "train_step (forward, backward, AdamW, bias update); the two alternate, median of "
-             f"{payload['rounds']} rounds after {payload['warmup_rounds']}; ratio = median of the within-round "
-             "ratios.", ""]
+             f"({tokens:,} tokens) a step, fp32, one thread. MoE: E = {experts['moe_experts']} routed experts of "
+             f"width {experts['expert_dim']}, K = {experts['moe_top_k']}, S = {experts['moe_shared_experts']} "
+             f"shared, in every layer; dense: SwiGLU of width {params['dense_d_ff']}, so that its parameters equal "
+             "the MoE model's active ones. A step is the engine's whole train_step (forward, backward, AdamW, "
+             f"bias update); the two alternate, medians of {payload['rounds']} rounds after "
+             f"{payload['warmup_rounds']}. CPU = the process's CPU time (one thread: what the step cost, time "
+             "descheduled by other work on the machine left out), the headline; wall beside it. Ratio = median "
+             "of the within-round ratios (quartiles in brackets).", ""]
     lines.append(markdown_table(
-        ["model", "parameters", "active parameters", "step (ms)", "tokens/s", "over dense"],
-        [["dense (single process)", f"{params['dense']:,}", f"{params['dense']:,}",
-          1e3 * payload["step_s"]["dense"], payload["tokens_per_step"] / payload["step_s"]["dense"], "1.000"],
+        ["model", "parameters", "active parameters", "step CPU (ms)", "step wall (ms)", "tokens/s (CPU)",
+         "over dense, CPU", "over dense, wall"],
+        [["dense (single process)", f"{params['dense']:,}", f"{params['dense']:,}", 1e3 * cpu["median_s"]["dense"],
+          1e3 * wall["median_s"]["dense"], tokens / cpu["median_s"]["dense"], "1", "1"],
          ["MoE (single process)", f"{params['moe_total']:,}", f"{params['moe_active']:,}",
-          1e3 * payload["step_s"]["moe"], payload["tokens_per_step"] / payload["step_s"]["moe"],
-          f"{payload['moe_over_dense']:.3f}"],
-         ["MoE, EP = 2", f"{params['moe_total']:,}", f"{params['moe_active']:,}",
-          1e3 * ep["step_s"] if ep["measured"] else "not measured", "", ""]]))
+          1e3 * cpu["median_s"]["moe"], 1e3 * wall["median_s"]["moe"], tokens / cpu["median_s"]["moe"],
+          _ratio(cpu), _ratio(wall)],
+         ["MoE, EP = 2", f"{params['moe_total']:,}", f"{params['moe_active']:,}", "",
+          1e3 * ep["step_s"] if ep["measured"] else "not measured", "", "", ""]]))
     if not ep["measured"]:
         lines += ["", f"EP = 2 not measured: {ep['why']}."]
     else:
         share = ep["all_to_all_share"]
         lines += ["", f"EP = 2: the all-to-all's share of the step "
                       f"{'not in the step events' if share is None else f'{share:.1%}'}."]
-    lines += ["", f"Routed experts of one MoE layer, forward + backward on the step's {matmul['rows']:,} "
-                  f"token-choices (counts per expert {matmul['counts_per_expert']}), alternating, medians: "
-                  f"grouped matmul ({'torch._grouped_mm' if matmul['grouped_mm_used'] else 'the loop: no grouped mm'})"
-                  f" {1e3 * matmul['step_s']['grouped']:.2f} ms, per-expert loop {1e3 * matmul['step_s']['loop']:.2f} "
-                  f"ms; loop / grouped {matmul['loop_over_grouped']:.3f}; outputs differ by at most "
-                  f"{matmul['max_abs_difference']:.2e}. The routed experts (grouped) are about "
-                  f"{payload['routed_experts_share_of_moe_step']:.0%} of the MoE step.",
-              "", f"Load average (1, 5, 15 min) before {payload['load_average']['before']}, after "
-                  f"{payload['load_average']['after']}."]
-    return "\n".join(lines)
+    return "\n".join(lines + _matmul_markdown(payload))
+
+
+def _matmul_markdown(payload: dict) -> list[str]:
+    matmul = payload["grouped_matmul"]
+    grouped = "torch._grouped_mm" if matmul["grouped_mm_used"] else "the loop: this build has no grouped mm"
+    return ["", "### The grouped matmul against its per-expert loop (the measured fallback)", "",
+            f"One MoE layer's routed experts, forward + backward on the step's {matmul['rows']:,} token-choices "
+            f"grouped by expert (counts per expert {matmul['counts_per_expert']}), the two alternating; grouped = "
+            f"`model.moe.grouped_matmul` ({grouped}), loop = `grouped_matmul_loop` (one matmul per expert). "
+            f"Outputs differ by at most {matmul['max_abs_difference']:.2e}.", "",
+            markdown_table(["", "grouped (ms)", "loop (ms)", "loop / grouped"],
+                           [[clock, 1e3 * matmul[clock]["median_s"]["grouped"], 1e3 * matmul[clock]["median_s"]["loop"],
+                             _ratio(matmul[clock])] for clock in ("cpu", "wall")]), "",
+            f"The routed experts (grouped, all {payload['shape']['n_layers']} layers) are about "
+            f"{payload['routed_experts_share_of_moe_step']:.0%} of the MoE step's CPU time.", "",
+            f"Load average (1, 5, 15 min) before {payload['load_average']['before']}, after "
+            f"{payload['load_average']['after']}."]

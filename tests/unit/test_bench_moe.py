@@ -60,9 +60,12 @@ def test_a_tiny_run_fills_the_table(monkeypatch):
     monkeypatch.setattr(bench_moe, "MATMUL_ROUNDS", {True: (1, 2)})
     payload = bench_moe.run(True, None, lambda line: None)
     assert payload["tokens_per_step"] == bench_moe.BATCH * TINY["seq_len"]
-    assert [len(payload["step_s_all"][name]) for name in ("moe", "dense")] == [2, 2]
-    ratios = [m / d for m, d in zip(payload["step_s_all"]["moe"], payload["step_s_all"]["dense"], strict=True)]
-    assert payload["moe_over_dense"] == pytest.approx(sum(ratios) / 2)
+    for clock in ("cpu", "wall"):
+        times = payload["times"][clock]
+        assert [len(times[name]) for name in ("moe", "dense")] == [2, 2]
+        ratios = [m / d for m, d in zip(times["moe"], times["dense"], strict=True)]
+        assert payload[clock]["ratio"] == pytest.approx(sum(ratios) / 2)
+    assert payload["moe_over_dense"] == payload["cpu"]["ratio"]
     matmul = payload["grouped_matmul"]
     assert sum(matmul["counts_per_expert"]) == matmul["rows"] == bench_moe.BATCH * TINY["seq_len"] * 2
     assert matmul["max_abs_difference"] < 1e-5
