@@ -23,8 +23,10 @@ residual. Each run's balance is read from its metrics.jsonl (`moe_load_max_over_
 layer's max / mean tokens per expert of a step) after the first quarter of the run
 (`quality_moe.balance_warmup`), and the results are named quality_moe_<date>.
 
-Writes quality_depth_<date>.{json,md} and quality_depth_<date>_{heatmap,dilution}.png under --out
-(the older spelling --out-dir is taken too); run directories go to runs/ under the working directory.
+Writes quality_depth_<date>.{json,md} and quality_depth_<date>_{heatmap,dilution}.png (and, with
+experts, quality_moe_<date>_experts.png: the Block run's expert loads beside its routing) under --out
+(the older spelling --out-dir is taken too); run directories go to runs/STEM/ under the working directory
+(runs/STEM_2/, ... when a run of the same day has it).
 """
 
 from __future__ import annotations
@@ -152,6 +154,20 @@ def train_one(job: tuple) -> dict:
                         if run_cfg.model.moe else None)}
 
 
+def fresh_runs_root(root: Path) -> Path:
+    """`root`, or `root_2`, `root_3`, ... when it exists, made here (claimed before any run starts):
+    two runs of the benchmark on one day (a smoke run beside the full one) must not write into each
+    other's run directories."""
+    candidate, index = root, 1
+    while True:
+        try:
+            candidate.mkdir(parents=True)
+            return candidate
+        except FileExistsError:
+            index += 1
+            candidate = root.with_name(f"{root.name}_{index}")
+
+
 def paired_rows(variants: list[str], runs: list[dict], seeds: int) -> list[dict]:
     """Per variant: mean held-out loss, per-seed deltas to standard (same seed), their mean, and the
     number of seeds on which the variant's loss is below standard's."""
@@ -177,7 +193,7 @@ def run(quick: bool, out_dir: Path, progress: Callable[[str], None], *, steps: i
     variants = [(n, o) for n, o in VARIANTS if full or not n.startswith("Full")]
     if moe:
         variants = [(n, {**o, **moe}) for n, o in variants if n in ("standard", BLOCK_RUN)]
-    runs_root = RUNS / tag
+    runs_root = fresh_runs_root(RUNS / tag)
     jobs_list = [(name, overrides, steps, batch_size, seed, eval_bytes,
                   name in (BLOCK_RUN, "standard") and seed == 0, str(runs_root / f"{index}_seed{seed}"))
                  for index, (name, overrides) in enumerate(variants) for seed in range(seeds)]
@@ -197,6 +213,12 @@ def run(quick: bool, out_dir: Path, progress: Callable[[str], None], *, steps: i
                                 f"{BLOCK_RUN}, {shape}, seed 0: mean depth-attention weights"),
             figures.dilution_png(block_sites, standard_sites, out_dir.parent / f"{tag}_dilution.png",
                                  f"{BLOCK_RUN} vs standard (dashed), seed 0")]
+    if moe:  # the Block run's expert loads beside its depth routing, as `attnres-pp analyze` draws them
+        from attnres_pp.analysis.experts import expert_loads, experts_png
+
+        block_dir = next(r["run_dir"] for r in runs if r["variant"] == BLOCK_RUN and r["seed"] == 0)
+        pngs.append(experts_png(expert_loads(block_dir), block_sites, out_dir.parent / f"{tag}_experts.png",
+                                f"{BLOCK_RUN}, {shape}, seed 0: expert loads beside the depth routing"))
     return {
         "date": time.strftime("%Y-%m-%d"),
         "wall_time_s": time.perf_counter() - start,

@@ -107,3 +107,12 @@ def test_balance_is_read_after_the_warm_up(tmp_path):
     assert balance["per_layer_max"] == {"0": 1.3, "1": pytest.approx(1.25)}
     assert balance["last_step_loads"] == {"0": [3.0, 5.0]}
     assert balance_of_run(tmp_path, 2, 1, {})["steps_at_or_over_bound"] == sum(w >= BALANCE_BOUND for w in worst[2:])
+
+
+def test_a_second_quality_run_of_the_day_gets_its_own_run_directories(tmp_path):
+    from attnres_pp.bench.quality_depth import fresh_runs_root
+
+    root = tmp_path / "runs" / "quality_moe_2026-12-06"
+    first, second, third = (fresh_runs_root(root) for _ in range(3))
+    assert [first, second, third] == [root, root.with_name(root.name + "_2"), root.with_name(root.name + "_3")]
+    assert all(path.is_dir() for path in (first, second, third))
