@@ -106,8 +106,9 @@ def experts_figure(loads: ExpertLoads, routing_sites: list[dict] | None, title: 
     load_ax.set_xlabel("routed expert")
     load_ax.set_title("last step: tokens per expert / mean\n(max / mean per layer in brackets)", fontsize=9)
     fig.colorbar(image, ax=load_ax, label="load / mean (1 = balanced)")
-    for layer, row in zip(loads.layers, loads.max_over_mean_LS, strict=True):
-        steps_ax.plot(loads.steps, row, lw=1, label=f"layer {layer}")
+    colors = plt.cm.viridis(np.linspace(0.0, 0.9, len(loads.layers)))  # one colour per layer, by depth
+    for layer, row, color in zip(loads.layers, loads.max_over_mean_LS, colors, strict=True):
+        steps_ax.plot(loads.steps, row, lw=1, color=color, label=f"layer {layer}")
     steps_ax.axhline(1.0, color="grey", ls=":", lw=1)
     steps_ax.set_xlabel("step")
     steps_ax.xaxis.get_major_locator().set_params(integer=True)
