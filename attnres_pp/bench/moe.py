@@ -158,29 +158,39 @@ def expert_parallel_run_config(shape: dict) -> dict:
             "data_parallel": 2, "expert_parallel": 2, "launcher": "local"}
 
 
-def expert_parallel_row(run: dict, warmup: int, rounds: int) -> dict:
-    """Median step of the EP = 2 run and the all-to-all's share of it (the step's events whose name
-    holds "all_to_all"), or why it is not measured in this build."""
+def _ep_engine(run: dict, expert_parallel: int):
     from attnres_pp.bench.common import TimedEngine
-    from attnres_pp.pipeline.config import PipelineConfig
 
-    if "expert_parallel" not in {f.name for f in dataclasses.fields(PipelineConfig)}:
-        return {"measured": False, "why": "this build has no expert parallelism (PipelineConfig.expert_parallel)"}
     run_cfg = run_config(run["model"], stages=run["stages"], virtual=run["virtual"], schedule=run["schedule"],
                          microbatches=run["microbatches"], microbatch_size=BATCH // run["data_parallel"],
                          launcher=run["launcher"])
     pipeline = dataclasses.replace(run_cfg.pipeline, data_parallel=run["data_parallel"],
-                                   expert_parallel=run["expert_parallel"])
-    run_cfg = dataclasses.replace(run_cfg, pipeline=pipeline,
-                                  train=dataclasses.replace(run_cfg.train, batch_size=BATCH))
-    engine = TimedEngine(run_cfg)
+                                   expert_parallel=expert_parallel)
+    return TimedEngine(dataclasses.replace(run_cfg, pipeline=pipeline,
+                                           train=dataclasses.replace(run_cfg.train, batch_size=BATCH)))
+
+
+def expert_parallel_row(run: dict, warmup: int, rounds: int) -> dict:
+    """The `run` (EP = 2) against the same ranks with every expert replicated (EP = 1), stepped in
+    alternation: median driver wall time of a step each, the median paired ratio, and the
+    all-to-all's share of the EP = 2 step where the step's events time the all-to-alls (events whose
+    name holds "all_to_all"); or why nothing is measured in this build."""
+    from attnres_pp.pipeline.config import PipelineConfig
+
+    if "expert_parallel" not in {f.name for f in dataclasses.fields(PipelineConfig)}:
+        return {"measured": False, "why": "this build has no expert parallelism (PipelineConfig.expert_parallel)"}
+    engines = {"ep": _ep_engine(run, run["expert_parallel"]), "replicated": _ep_engine(run, 1)}
     try:
-        samples = [engine.step() for _ in range(warmup + rounds)][warmup:]
+        for index in range(warmup + rounds):
+            for name in ("ep", "replicated") if index % 2 == 0 else ("replicated", "ep"):
+                engines[name].step()
     finally:
-        engine.close()
-    shares = [_all_to_all_share(s.events, s.wall_s) for s in samples]
-    shares = [share for share in shares if share is not None]
-    return {"measured": True, "step_s": statistics.median(s.wall_s for s in samples),
+        for engine in engines.values():
+            engine.close()
+    samples = {name: engine.samples[warmup:] for name, engine in engines.items()}
+    times = {name: [s.wall_s for s in got] for name, got in samples.items()}
+    shares = [share for s in samples["ep"] if (share := _all_to_all_share(s.events, s.wall_s)) is not None]
+    return {"measured": True, "run": run, **paired(times, "ep", "replicated"), "times": times,
             "all_to_all_share": statistics.median(shares) if shares else None}
 
 
@@ -254,14 +264,22 @@ def to_markdown(payload: dict) -> str:
           1e3 * cpu["median_s"]["moe"], 1e3 * wall["median_s"]["moe"], tokens / cpu["median_s"]["moe"],
           _ratio(cpu), _ratio(wall)],
          ["MoE, EP = 2", f"{params['moe_total']:,}", f"{params['moe_active']:,}", "",
-          1e3 * ep["step_s"] if ep["measured"] else "not measured", "", "", ""]]))
+          1e3 * ep["median_s"]["ep"] if ep["measured"] else "not measured", "", "", ""]]))
+    return "\n".join(lines + _ep_markdown(ep) + _matmul_markdown(payload))
+
+
+def _ep_markdown(ep: dict) -> list[str]:
     if not ep["measured"]:
-        lines += ["", f"EP = 2 not measured: {ep['why']}."]
-    else:
-        share = ep["all_to_all_share"]
-        lines += ["", f"EP = 2: the all-to-all's share of the step "
-                      f"{'not in the step events' if share is None else f'{share:.1%}'}."]
-    return "\n".join(lines + _matmul_markdown(payload))
+        return ["", f"EP = 2 not measured: {ep['why']}."]
+    share = ep["all_to_all_share"]
+    return ["", f"EP = 2: the MoE model over D = 2 local rank processes (one thread each), the routed experts split "
+                f"over them, against the same two ranks with every expert replicated (EP = 1), alternating; the "
+                f"driver's wall time of a step (the ranks' CPU time is not read here): EP = 2 "
+                f"{1e3 * ep['median_s']['ep']:.0f} ms, EP = 1 {1e3 * ep['median_s']['replicated']:.0f} ms, EP = 2 / "
+                f"EP = 1 {_ratio(ep)}. The all-to-all's share of the EP = 2 step: "
+                + ("not measured (the runtime's step timelines do not time its all-to-alls; the difference to "
+                   "EP = 1 is what expert parallelism costs or saves here, the all-to-alls included)."
+                   if share is None else f"{share:.1%}.")]
 
 
 def _matmul_markdown(payload: dict) -> list[str]:

@@ -58,6 +58,9 @@ def test_a_tiny_run_fills_the_table(monkeypatch):
     monkeypatch.setattr(bench_moe, "QUICK_SHAPE", TINY)
     monkeypatch.setattr(bench_moe, "ROUNDS", {True: (1, 2)})
     monkeypatch.setattr(bench_moe, "MATMUL_ROUNDS", {True: (1, 2)})
+    # The EP = 2 row starts rank processes: its own test below.
+    monkeypatch.setattr(bench_moe, "expert_parallel_row", lambda run, warmup, rounds: {
+        "measured": False, "why": "left out of this test"})
     payload = bench_moe.run(True, None, lambda line: None)
     assert payload["tokens_per_step"] == bench_moe.BATCH * TINY["seq_len"]
     for clock in ("cpu", "wall"):
@@ -69,11 +72,24 @@ def test_a_tiny_run_fills_the_table(monkeypatch):
     matmul = payload["grouped_matmul"]
     assert sum(matmul["counts_per_expert"]) == matmul["rows"] == bench_moe.BATCH * TINY["seq_len"] * 2
     assert matmul["max_abs_difference"] < 1e-5
-    ep = payload["expert_parallel"]
-    assert ep["measured"] == ("expert_parallel" in {f.name for f in dataclasses.fields(PipelineConfig)})
     text = bench_moe.to_markdown(payload)
     params = payload["params"]
     assert f"| MoE (single process) | {params['moe_total']:,} | {params['moe_active']:,} |" in text
+    assert "EP = 2 not measured: left out of this test." in text
+
+
+@pytest.mark.distributed
+def test_the_ep_row_alternates_ep_2_with_replicated_experts_or_says_why():
+    ep = bench_moe.expert_parallel_row(bench_moe.expert_parallel_run_config(TINY), 1, 2)
+    assert ep["measured"] == ("expert_parallel" in {f.name for f in dataclasses.fields(PipelineConfig)})
+    if not ep["measured"]:
+        assert "no expert parallelism" in ep["why"]
+        return
+    times = ep["times"]
+    assert [len(times[name]) for name in ("ep", "replicated")] == [2, 2]
+    ratios = [a / b for a, b in zip(times["ep"], times["replicated"], strict=True)]
+    assert ep["ratio"] == pytest.approx(sum(ratios) / 2)
+    assert "EP = 2 / EP = 1" in "\n".join(bench_moe._ep_markdown(ep))
 
 
 def _args(**flags) -> argparse.Namespace:
