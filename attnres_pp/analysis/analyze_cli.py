@@ -1,5 +1,7 @@
 """`attnres-pp analyze RUN`: depth-routing diagnostics of a run's checkpoint (analysis.diagnostics),
-written as DIR/routing.json and PNGs (analysis.figures); `--json` prints the same object."""
+written as DIR/routing.json and PNGs (analysis.figures); `--json` prints the same object. An MoE
+run's expert loads (analysis.experts, from its summary.json and metrics.jsonl) go in the same JSON
+under `experts` and beside the depth routing in experts.png."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ def register(subparsers) -> None:
         "analyze", help="depth-routing diagnostics of a trained checkpoint (heatmaps, entropy, dilution)",
         description="Load a checkpoint in one process (any split it was trained with), evaluate K held-out "
                     "batches and write, per reading site, the mean weight on each source, routing entropy, "
-                    "effective number of sources, top-1 mass, input/output RMS and MSAR gate means.")
+                    "effective number of sources, top-1 mass, input/output RMS and MSAR gate means; for a "
+                    "mixture-of-experts run also the tokens per expert of every MoE layer and its max / mean "
+                    "load over the steps (experts.png, beside the depth routing).")
     parser.add_argument("run", metavar="RUN", help="a training run's --out directory")
     parser.add_argument("--checkpoint", metavar="step_N", help="which checkpoint (default the newest)")
     parser.add_argument("--batches", metavar="K", default="4", help="held-out batches to evaluate (default 4)")
@@ -32,6 +36,7 @@ def analyze(run_dir: str, *, checkpoint: str | None, n_batches: int, out_dir: Pa
     """Diagnose `run_dir`, write routing.json and the PNGs under `out_dir`; returns the JSON object."""
     from attnres_pp.analysis import figures
     from attnres_pp.analysis.diagnostics import held_out_loss, load_run, routing_diagnostics
+    from attnres_pp.analysis.experts import expert_loads, experts_png
 
     run = load_run(run_dir, checkpoint)
     baseline = load_run(baseline_dir, None, "--baseline") if baseline_dir else None
@@ -49,11 +54,16 @@ def analyze(run_dir: str, *, checkpoint: str | None, n_batches: int, out_dir: Pa
         pngs.append(figures.entropy_png(sites, out_dir / "entropy.png", f"routing entropy: {label}"))
     if cfg.residual == "msar":
         pngs.append(figures.gates_png(sites, out_dir / "gates.png", f"MSAR gates: {label}"))
+    loads = expert_loads(run_dir) if cfg.moe else None
+    if loads is not None:
+        pngs.append(experts_png(loads, sites if cfg.uses_depth_attention else None, out_dir / "experts.png",
+                                f"expert loads: {label}", cfg.n_streams))
     result = {
         "run": str(run_dir), "checkpoint": run.step_dir.name, "steps_done": run.steps_done,
         "model": cfg.to_dict(), "block_ends": list(cfg.block_ends), "batches": n_batches,
         "val_loss": held_out_loss(run, n_batches), "sites": sites,
         "baseline": None if baseline is None else {"run": str(baseline_dir), "sites": baseline_sites},
+        "experts": None if loads is None else loads.to_json(),
         "pngs": [str(p) for p in pngs],
     }
     (out_dir / "routing.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -79,5 +89,11 @@ def main(args: argparse.Namespace) -> int:
             print(f"  site {row['site']:>3} ({row['kind']:>5}): entropy {row['entropy']:.3f}, effective sources "
                   f"{row['effective_sources']:.2f}/{len(row['sources'])}, top-1 {row['top1_mass']:.3f}, "
                   f"embedding {row['embedding_weight']:.3f}")
+    experts = result["experts"]
+    if experts is not None:
+        for layer, tokens, ratio in zip(experts["layers"], experts["last_step_tokens_per_expert"],
+                                        experts["last_step_max_over_mean"], strict=True):
+            print(f"  MoE layer {layer:>3}: last step's tokens per expert {[int(t) for t in tokens]}, "
+                  f"max / mean {ratio:.2f}")
     print(f"wrote {out_dir / 'routing.json'} and {', '.join(Path(p).name for p in result['pngs'])}")
     return 0

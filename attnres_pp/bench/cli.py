@@ -81,6 +81,8 @@ REGISTRY = {
                                   "at P = 1, 2, 4, and the counted memory_per_rank over D x dp_shard x AC x schedule"),
     "variants": Benchmark("variants", "step time of every residual variant over the standard one, one process "
                                       "and P=2 V=2, two shapes"),
+    "moe": Benchmark("moe", "step time of a mixture-of-experts model against the dense model of equal active "
+                            "parameters, and the experts' grouped matmul against its per-expert loop"),
     "quality": Benchmark("quality", "validation loss of every residual variant at an equal token budget (single "
                                     "process, built-in corpus)", out_aliases=("--out-dir",)),
     "quality-depth": Benchmark("quality_depth", "held-out loss at depth (12 layers, d 48) over paired seeds, and "

@@ -15,9 +15,18 @@ its per-site routing table, a heatmap and its dilution curve against standard's.
 
     attnres-pp bench quality-depth                                        # about 30 min on 2 quiet cores
     attnres-pp bench quality-depth --steps 2 --eval-bytes 4096 --seeds 1  # smoke run
+    attnres-pp bench quality-depth --moe-experts 8 --moe-top-k 2 --moe-shared-experts 1
 
-Writes quality_depth_<date>.{json,md} and quality_depth_<date>_{heatmap,dilution}.png under --out
-(the older spelling --out-dir is taken too); run directories go to runs/ under the working directory.
+With `--moe-experts E` (and the other `--moe-*` model flags) every variant's MLPs are MoE sublayers
+(docs/spec.md section 12) and only standard and Block AttnRes run: the same experts under either
+residual. Each run's balance is read from its metrics.jsonl (`moe_load_max_over_mean`, the worst
+layer's max / mean tokens per expert of a step) after the first quarter of the run
+(`quality_moe.balance_warmup`), and the results are named quality_moe_<date>.
+
+Writes quality_depth_<date>.{json,md} and quality_depth_<date>_{heatmap,dilution}.png (and, with
+experts, quality_moe_<date>_experts.png: the Block run's expert loads beside its routing) under --out
+(the older spelling --out-dir is taken too); run directories go to runs/STEM/ under the working directory
+(runs/STEM_2/, ... when a run of the same day has it).
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from attnres_pp.bench.common import results_stem as common_results_stem
+from attnres_pp.bench.quality_moe import MOE_FLAGS, balance_of_run, balance_warmup, moe_markdown, moe_overrides
 from attnres_pp.model import ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.train import RunConfig, TrainConfig, run_training
@@ -58,18 +69,30 @@ def add_arguments(parser) -> None:
     parser.add_argument("--eval-bytes", type=int, default=131072, help="fixed held-out bytes (default 131072)")
     parser.add_argument("--no-full", action="store_true", help="leave Full AttnRes out (the slowest variant)")
     parser.add_argument("--jobs", type=int, default=2, help="trainings at once (one thread each)")
+    for flag, field, _kind, help_text in MOE_FLAGS:
+        parser.add_argument(flag, metavar=field.upper(),
+                            help=f"{help_text}; with --moe-experts E > 0 only standard and Block AttnRes run")
 
 
 def check(args) -> str | None:
     if min(args.steps, args.batch_size, args.seeds, args.jobs) < 1 or args.eval_bytes < DEPTH_MODEL["seq_len"]:
         return ("--steps, --batch-size, --seeds and --jobs must be >= 1, "
                 f"--eval-bytes >= {DEPTH_MODEL['seq_len']}")
+    try:
+        moe_overrides(args, DEPTH_MODEL)
+    except ValueError as error:
+        return str(error)
     return None
 
 
 def run_options(args) -> dict:
     return {"steps": args.steps, "batch_size": args.batch_size, "seeds": args.seeds, "eval_bytes": args.eval_bytes,
-            "full": not args.no_full, "jobs": args.jobs}
+            "full": not args.no_full, "jobs": args.jobs, "moe": moe_overrides(args, DEPTH_MODEL)}
+
+
+def results_stem(args) -> str:
+    """quality_depth_<date>, or quality_moe_<date> with MoE sublayers."""
+    return common_results_stem("quality_moe" if moe_overrides(args, DEPTH_MODEL) else "quality_depth", False)
 
 
 def held_out_windows(eval_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,9 +126,10 @@ def train_one(job: tuple) -> dict:
     """One training run and its fixed held-out score (and routing diagnostics when asked)."""
     name, overrides, steps, batch_size, seed, eval_bytes, diagnose, run_dir = job
     torch.set_num_threads(1)
+    warmup_steps = min(30, steps // 10)
     run_cfg = RunConfig(
         model=ModelConfig(**{**DEPTH_MODEL, **overrides}),
-        train=TrainConfig(steps=steps, batch_size=batch_size, seed=seed, warmup_steps=min(30, steps // 10),
+        train=TrainConfig(steps=steps, batch_size=batch_size, seed=seed, warmup_steps=warmup_steps,
                           eval_every=0, eval_batches=1),
         pipeline=PipelineConfig(launcher="local"),
     )
@@ -125,7 +149,23 @@ def train_one(job: tuple) -> dict:
     return {"variant": name, "seed": seed, "held_out_loss": loss, "params": summary["params"],
             "train_time_s": summary["train_time_s"], "final_train_loss": summary["losses"][-1],
             "tokens_seen": summary["tokens_seen"], "model": run_cfg.model.to_dict(), "run_dir": run_dir,
-            "sites": probe.summary() if probe is not None else None}
+            "sites": probe.summary() if probe is not None else None,
+            "balance": (balance_of_run(run_dir, balance_warmup(steps), warmup_steps, summary)
+                        if run_cfg.model.moe else None)}
+
+
+def fresh_runs_root(root: Path) -> Path:
+    """`root`, or `root_2`, `root_3`, ... when it exists, made here (claimed before any run starts):
+    two runs of the benchmark on one day (a smoke run beside the full one) must not write into each
+    other's run directories."""
+    candidate, index = root, 1
+    while True:
+        try:
+            candidate.mkdir(parents=True)
+            return candidate
+        except FileExistsError:
+            index += 1
+            candidate = root.with_name(f"{root.name}_{index}")
 
 
 def paired_rows(variants: list[str], runs: list[dict], seeds: int) -> list[dict]:
@@ -144,13 +184,16 @@ def paired_rows(variants: list[str], runs: list[dict], seeds: int) -> list[dict]
 
 
 def run(quick: bool, out_dir: Path, progress: Callable[[str], None], *, steps: int = 400, batch_size: int = 32,
-        seeds: int = 3, eval_bytes: int = 131072, full: bool = True, jobs: int = 2) -> dict:
+        seeds: int = 3, eval_bytes: int = 131072, full: bool = True, jobs: int = 2, moe: dict | None = None) -> dict:
     """Train and score every variant at every seed; the two PNGs go beside the result files, named
-    after them (`out_dir` is the folder STEM/ beside them: its parent and name)."""
+    after them (`out_dir` is the folder STEM/ beside them: its parent and name). `moe`: the MoE
+    fields of every variant's ModelConfig (then standard and Block AttnRes only)."""
     del quick  # no short version: the smoke run is a small --steps and --eval-bytes
     tag = out_dir.name
     variants = [(n, o) for n, o in VARIANTS if full or not n.startswith("Full")]
-    runs_root = RUNS / tag
+    if moe:
+        variants = [(n, {**o, **moe}) for n, o in variants if n in ("standard", BLOCK_RUN)]
+    runs_root = fresh_runs_root(RUNS / tag)
     jobs_list = [(name, overrides, steps, batch_size, seed, eval_bytes,
                   name in (BLOCK_RUN, "standard") and seed == 0, str(runs_root / f"{index}_seed{seed}"))
                  for index, (name, overrides) in enumerate(variants) for seed in range(seeds)]
@@ -165,10 +208,17 @@ def run(quick: bool, out_dir: Path, progress: Callable[[str], None], *, steps: i
     from attnres_pp.analysis import figures
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    shape = "12 layers, d 48" + (f", MoE E={moe['moe_experts']}" if moe else "")
     pngs = [figures.heatmap_png(block_sites, 1, out_dir.parent / f"{tag}_heatmap.png",
-                                f"{BLOCK_RUN}, 12 layers, d 48, seed 0: mean depth-attention weights"),
+                                f"{BLOCK_RUN}, {shape}, seed 0: mean depth-attention weights"),
             figures.dilution_png(block_sites, standard_sites, out_dir.parent / f"{tag}_dilution.png",
                                  f"{BLOCK_RUN} vs standard (dashed), seed 0")]
+    if moe:  # the Block run's expert loads beside its depth routing, as `attnres-pp analyze` draws them
+        from attnres_pp.analysis.experts import expert_loads, experts_png
+
+        block_dir = next(r["run_dir"] for r in runs if r["variant"] == BLOCK_RUN and r["seed"] == 0)
+        pngs.append(experts_png(expert_loads(block_dir), block_sites, out_dir.parent / f"{tag}_experts.png",
+                                f"{BLOCK_RUN}, {shape}, seed 0: expert loads beside the depth routing"))
     return {
         "date": time.strftime("%Y-%m-%d"),
         "wall_time_s": time.perf_counter() - start,
@@ -176,6 +226,8 @@ def run(quick: bool, out_dir: Path, progress: Callable[[str], None], *, steps: i
                    "tokens_per_run": runs[0]["tokens_seen"], "seeds": seeds,
                    "held_out_bytes": held_out_windows(eval_bytes)[0].numel()},
         "model": DEPTH_MODEL,
+        "moe": runs[0]["model"] if moe else None,
+        "balance": [{"variant": r["variant"], "seed": r["seed"], **r["balance"]} for r in runs] if moe else None,
         "environment": {"python": platform.python_version(), "torch": torch.__version__, "jobs": jobs,
                         "threads_per_run": 1, "load_average_start_end": [load_start[0], os.getloadavg()[0]]},
         "rows": rows, "block_run_sites": block_sites, "standard_sites": standard_sites,
@@ -191,7 +243,8 @@ def _load(environment: dict) -> str:
 def to_markdown(result: dict) -> str:
     budget, seeds = result["budget"], result["budget"]["seeds"]
     lines = [
-        f"# Quality at depth: held-out loss at an equal token budget ({result['date']})", "",
+        f"# Quality at depth{' with experts' if result.get('moe') else ''}: held-out loss at an equal token "
+        f"budget ({result['date']})", "",
         f"12 layers (24 sublayers), d 48, seq 64; {budget['tokens_per_run']:,} training tokens per run "
         f"({budget['steps']} steps x {budget['batch_size']} x {budget['seq_len']}), built-in corpus; loss in nats "
         f"per byte on one fixed held-out set of {budget['held_out_bytes']:,} bytes (the same for every seed). "
@@ -205,6 +258,7 @@ def to_markdown(result: dict) -> str:
         deltas = ", ".join(f"{d:+.4f}" for d in row["deltas"])
         lines.append(f"| {row['variant']} | {row['held_out_loss']:.4f} | {row['mean_delta']:+.4f} | {deltas} | "
                      f"{row['better_on']}/{seeds} | {row['params']:,} | {row['train_time_s']:.0f} |")
+    lines += moe_markdown(result)
     lines += ["", f"Routing of the {BLOCK_RUN} run, seed 0, on the held-out set (as `attnres-pp analyze`):", "",
               "| site | sources | entropy | effective sources | top-1 mass | embedding weight | input RMS |",
               "|---|---:|---:|---:|---:|---:|---:|"]

@@ -1,7 +1,8 @@
 """`--tensorboard DIR`: the run's per-step records as TensorBoard scalars (`torch.utils.tensorboard`, the
 optional extra `[tb]`). Every number of a metrics.jsonl line becomes one scalar at that step, under a
-group (train/, val/, perf/, pipeline/, routing/); a list becomes one scalar per entry (routing
-entropy per site, bubble per rank); the memory figures the ranks report come from the step's extras.
+group (train/, val/, perf/, pipeline/, routing/, moe/); a list becomes one scalar per entry (routing
+entropy per site, bubble per rank); the memory figures the ranks report and an MoE model's tokens per
+expert (`moe/tokens_layer_<l>_expert_<e>`) come from the step's extras.
 It only reads what the loop already recorded: a run trains the same with or without it."""
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ TAGS = {
     "bubble_fraction": "pipeline/bubble_fraction", "rank_bubbles": "pipeline/bubble_rank",
     "driver_bytes": "pipeline/driver_bytes",
     "routing_entropy": "routing/entropy_site", "routing_embedding_weight": "routing/embedding_weight_site",
+    "moe_load_max_over_mean": "moe/load_max_over_mean", "moe_aux_loss": "moe/aux_loss",
 }
+# Per-layer keys "PREFIX<layer>" -> "TAG<layer>".
+PREFIX_TAGS = {"moe_load_max_over_mean/": "moe/load_max_over_mean_layer_"}
 MEMORY_EXTRAS = {"peak_rss_bytes_per_rank": "memory/peak_rss_bytes_rank",
                  "cache_peak_bytes_per_rank": "memory/cache_peak_bytes_rank"}
 
@@ -37,12 +41,26 @@ def scalar_items(record: dict) -> list[tuple[str, float]]:
     for key, value in record.items():
         if key == "step":
             continue
-        tag = TAGS.get(key, f"misc/{key}")
+        tag = TAGS.get(key) or _prefixed_tag(key) or f"misc/{key}"
         if isinstance(value, list | tuple):
             items += [(f"{tag}_{i}", float(v)) for i, v in enumerate(value) if _is_number(v)]
         elif _is_number(value):
             items.append((tag, float(value)))
     return items
+
+
+def _prefixed_tag(key: str) -> str | None:
+    for prefix, tag in PREFIX_TAGS.items():
+        if key.startswith(prefix):
+            return tag + key[len(prefix):]
+    return None
+
+
+def expert_load_items(extras: dict | None) -> list[tuple[str, float]]:
+    """(tag, tokens) of every MoE layer's routed experts in the step's extras (`moe_expert_loads`)."""
+    loads = (extras or {}).get("moe_expert_loads") or {}
+    return [(f"moe/tokens_layer_{layer}_expert_{e}", float(tokens))
+            for layer, tokens_E in loads.items() for e, tokens in enumerate(tokens_E)]
 
 
 def _is_number(value) -> bool:
@@ -60,7 +78,7 @@ class TensorBoardLog:
 
     def write(self, record: dict, extras: dict | None = None) -> None:
         step = int(record["step"])
-        for tag, value in scalar_items(record):
+        for tag, value in scalar_items(record) + expert_load_items(extras):
             self.writer.add_scalar(tag, value, global_step=step)
         for key, tag in MEMORY_EXTRAS.items():
             for rank, value in enumerate((extras or {}).get(key) or ()):
