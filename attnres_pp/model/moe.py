@@ -63,8 +63,21 @@ def grouped_matmul(x_MK: torch.Tensor, w_ENK: torch.Tensor, counts_E: list[int])
     w_EKN = w_ENK.transpose(1, 2)
     if _grouped_mm_fits(x_MK, w_EKN):
         offsets_E = torch.tensor(counts_E, device=x_MK.device).cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x_MK, w_EKN, offs=offsets_E)
+        return _DenseGrad.apply(torch._grouped_mm(x_MK, w_EKN, offs=offsets_E))
     return grouped_matmul_loop(x_MK, w_ENK, counts_E)
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: the grouped matmul's backward refuses
+    an expanded one (zero strides, as `y.sum().backward()` gives), torch 2.13 on the CPU."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor) -> torch.Tensor:
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor) -> torch.Tensor:
+        return grad_y.contiguous()
 
 
 def grouped_matmul_loop(x_MK: torch.Tensor, w_ENK: torch.Tensor, counts_E: list[int]) -> torch.Tensor:
