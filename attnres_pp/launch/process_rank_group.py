@@ -170,6 +170,14 @@ class ProcessRankGroup(RankGroupBase):
                 self.conns.append(parent)
                 self.procs.append(proc)
             self.setup_results = self.gather("setup")
+        except OSError as error:
+            self.stop(graceful=False)
+            if "AF_UNIX path too long" not in str(error):
+                raise
+            # The fork server listens on a Unix socket in the temporary folder, whose path is limited.
+            raise ValueError(f"the temporary folder {tempfile.gettempdir()} is too long a path for the rank "
+                             "processes' fork server socket (a Unix socket path takes at most 107 bytes): set "
+                             "TMPDIR to a shorter folder, e.g. TMPDIR=/tmp") from None
         except BaseException:
             self.stop(graceful=False)
             raise

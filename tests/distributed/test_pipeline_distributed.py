@@ -193,7 +193,7 @@ def test_lost_rank_gives_a_bounded_error_not_a_hang(tmp_path):
     try:
         engine.train_step(0, inputs, targets, 1e-3)
         start = time.monotonic()
-        with pytest.raises(WorkerLost, match="rank 1 exited") as info:
+        with pytest.raises(WorkerLost, match="rank 1 (exited|closed its pipe)") as info:
             engine.train_step(1, inputs, targets, 1e-3)
         assert time.monotonic() - start < 40
         assert info.value.pp_rank == 1

@@ -4,11 +4,15 @@ has torch imported, yet with the driver's environment as it is when each rank st
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 
 import pytest
 
 from attnres_pp.launch.process_rank_group import ProcessRankGroup
+from tests.run_helpers import REPO
 
 pytestmark = pytest.mark.distributed
 
@@ -49,3 +53,24 @@ def test_each_rank_takes_the_drivers_environment_at_its_start(monkeypatch):
     assert all(r["torch_before"] for r in first + second)
     assert {r["parent"] for r in first + second} != {os.getpid()}
     assert len({r["pid"] for r in first + second}) == 4
+
+
+@pytest.mark.subprocess
+def test_a_temporary_folder_too_long_for_the_fork_servers_socket_is_one_error_line(tmp_path):
+    """A fresh driver (its own fork server) whose TMPDIR is longer than a Unix socket path may be:
+    one `error:` line naming TMPDIR, exit 2, nothing written, no traceback."""
+    base = tempfile.mkdtemp(prefix="long-", dir="/tmp")
+    try:
+        long_tmp = os.path.join(base, "x" * 100)
+        os.makedirs(long_tmp)
+        out = tmp_path / "run"
+        done = subprocess.run([sys.executable, "-m", "attnres_pp.cli", "train", "--launcher", "local", "--stages", "2",
+                               "--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size",
+                               "4", "--steps", "1", "--quiet", "--out", str(out)], cwd=REPO, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "TMPDIR": long_tmp,
+                                                           "PYTHONPATH": str(REPO)})
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [done.stderr.strip()] and done.stderr.startswith("error: the temporary folder")
+    assert "TMPDIR" in done.stderr and not out.exists()

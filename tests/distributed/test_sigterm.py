@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -66,15 +68,28 @@ def wait_for_line(proc: subprocess.Popen, prefix: str, timeout_s: float) -> list
     raise AssertionError(f"no line {prefix!r} within {timeout_s} s: {seen}")
 
 
-def start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
-    """The run, and the TMPDIR it makes its rendezvous folder in (this test's own)."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+@pytest.fixture
+def short_tmp():
+    """A TMPDIR of this test's own, short: the fork server's socket lives in it, and a Unix socket's
+    path must stay under 108 bytes (pytest's tmp_path under xdist can be longer)."""
+    tmp = Path(tempfile.mkdtemp(prefix="sigterm-", dir="/tmp"))
+    yield tmp
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def start_run(tmp_path: Path, tmp: Path) -> tuple[subprocess.Popen, Path]:
+    """The run, and the TMPDIR `tmp` it makes its rendezvous folder in. Its stderr goes to a file
+    (`run_stderr`): a pipe that nothing drains until the end could fill and stop the run."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.Popen([sys.executable, "-m", "attnres_pp.cli", "train", *RUN, "--out", str(tmp_path / "run")],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": path, "TMPDIR": str(tmp)})
+    with open(tmp_path / "stderr.txt", "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "attnres_pp.cli", "train", *RUN, "--out",
+                                 str(tmp_path / "run")], cwd=REPO, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                env={**os.environ, "PYTHONPATH": path, "TMPDIR": str(tmp)})
     return proc, tmp
+
+
+def run_stderr(tmp_path: Path) -> str:
+    return (tmp_path / "stderr.txt").read_text()
 
 
 def wait_until_ended(pids: set[int], timeout_s: float) -> list[int]:
@@ -85,8 +100,8 @@ def wait_until_ended(pids: set[int], timeout_s: float) -> list[int]:
     return [pid for pid in pids if alive(pid)]
 
 
-def test_sigterm_stops_the_run_like_ctrl_c(tmp_path):
-    proc, tmp = start_run(tmp_path)
+def test_sigterm_stops_the_run_like_ctrl_c(tmp_path, short_tmp):
+    proc, tmp = start_run(tmp_path, short_tmp)
     try:
         wait_for_line(proc, "step ", timeout_s=120)  # the ranks are stepping
         ranks = descendants(proc.pid)
@@ -94,12 +109,13 @@ def test_sigterm_stops_the_run_like_ctrl_c(tmp_path):
         assert list(tmp.glob("attnres-pp-rdzv-*"))
         started = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        proc.communicate(timeout=60)
         stop_s = time.monotonic() - started
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+    err = run_stderr(tmp_path)
     assert proc.returncode == 143, err
     assert err.splitlines() == ["terminated (SIGTERM): stopping the workers"], err
     assert stop_s < 15, stop_s
@@ -107,23 +123,24 @@ def test_sigterm_stops_the_run_like_ctrl_c(tmp_path):
     assert not list(tmp.glob("attnres-pp-rdzv-*"))
 
 
-def test_a_killed_driver_takes_its_ranks_with_it(tmp_path):
+def test_a_killed_driver_takes_its_ranks_with_it(tmp_path, short_tmp):
     """SIGKILL leaves the driver no say: each rank's watchdog sees the driver end and ends the rank
     at once and without a word, instead of a traceback per rank once their pipes fail."""
-    proc, tmp = start_run(tmp_path)
+    proc, tmp = start_run(tmp_path, short_tmp)
     try:
         wait_for_line(proc, "step ", timeout_s=120)
         assert list(tmp.glob("attnres-pp-rdzv-*"))
         ranks = descendants(proc.pid)
         assert len(ranks) >= 3, ranks
         proc.kill()
-        # The ranks hold the driver's stderr: it ends when they do, with what they said on the way.
-        _, err = proc.communicate(timeout=60)
+        proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
     assert wait_until_ended(ranks, 5) == []
+    # the ranks wrote to the driver's stderr file until they ended: what they said on the way
+    err = run_stderr(tmp_path)
     assert "Traceback" not in err, err  # ended quietly, not left to fail on their closed pipes one by one
     assert not list(tmp.glob("attnres-pp-rdzv-*"))  # what the driver could not remove, its ranks did
 
@@ -153,12 +170,12 @@ time.sleep(600)
 """
 
 
-def test_a_rank_blocked_in_a_call_dies_with_a_killed_driver(tmp_path):
+def test_a_rank_blocked_in_a_call_dies_with_a_killed_driver(short_tmp):
     """The rank does not read its pipe while it is in the call, so only its watchdog (waiting on the
     driver's pidfd) can end it before the call's own timeout."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     proc = subprocess.Popen([sys.executable, "-c", DRIVER], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": path, "TMPDIR": str(tmp_path)})
+                            text=True, env={**os.environ, "PYTHONPATH": path, "TMPDIR": str(short_tmp)})
     try:
         lines = wait_for_line(proc, "blocked", timeout_s=60)
         rank = int(lines[0])

@@ -135,6 +135,8 @@ def test_ctrl_c_while_the_trainer_merges_stops_within_a_second(tmp_path, capsys,
     line = tmp_path / "line.txt"
     line.write_text("".join(chr(97 + (i * 7919) % 26) for i in range(60_000)))
     monkeypatch.setattr(bpe_train, "training_pieces", lambda texts: texts)
+    # Python's own SIGINT handler, as in a user's shell: a pytest-xdist worker ignores SIGINT.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
     started = time.monotonic()
     timer.start()
@@ -142,5 +144,6 @@ def test_ctrl_c_while_the_trainer_merges_stops_within_a_second(tmp_path, capsys,
         status, err = run(capsys, tmp_path, [line], "--vocab-size", "300")
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, before)
     assert status == 130, err
     assert time.monotonic() - started < 1.5
