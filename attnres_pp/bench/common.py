@@ -62,6 +62,7 @@ class StepSample:
     events: list[Event]
     bytes_sent: int
     loss: float
+    metrics: dict | None = None  # the step's metrics.jsonl record (`StepResult.metrics`)
 
 
 @dataclass
@@ -87,7 +88,7 @@ class TimedEngine:
         result = self.engine.train_step(step, inputs_BT, targets_BT, 1e-3)
         wall_s = time.perf_counter() - started
         sample = StepSample(wall_s, list(self.engine.stats.last_events), int(result.extras["bytes_sent_per_step"]),
-                            float(result.loss))
+                            float(result.loss), dict(result.metrics))
         self.samples.append(sample)
         return sample
 

@@ -173,8 +173,9 @@ def _ep_engine(run: dict, expert_parallel: int):
 def expert_parallel_row(run: dict, warmup: int, rounds: int) -> dict:
     """The `run` (EP = 2) against the same ranks with every expert replicated (EP = 1), stepped in
     alternation: median driver wall time of a step each, the median paired ratio, and the
-    all-to-all's share of the EP = 2 step where the step's events time the all-to-alls (events whose
-    name holds "all_to_all"); or why nothing is measured in this build."""
+    all-to-all's share of the EP = 2 step (`moe_all_to_all_s`, the busiest rank's seconds in its
+    dispatch and combine, over the step's wall time) with the bytes every rank sent off itself; or
+    why nothing is measured in this build."""
     from attnres_pp.pipeline.config import PipelineConfig
 
     if "expert_parallel" not in {f.name for f in dataclasses.fields(PipelineConfig)}:
@@ -189,17 +190,11 @@ def expert_parallel_row(run: dict, warmup: int, rounds: int) -> dict:
             engine.close()
     samples = {name: engine.samples[warmup:] for name, engine in engines.items()}
     times = {name: [s.wall_s for s in got] for name, got in samples.items()}
-    shares = [share for s in samples["ep"] if (share := _all_to_all_share(s.events, s.wall_s)) is not None]
+    shares = [s.metrics["moe_all_to_all_s"] / s.wall_s for s in samples["ep"]]
     return {"measured": True, "run": run, **paired(times, "ep", "replicated"), "times": times,
-            "all_to_all_share": statistics.median(shares) if shares else None}
-
-
-def _all_to_all_share(events: list, wall_s: float) -> float | None:
-    """Seconds the ranks spent in all-to-all actions over their seconds in the step (None: the step's
-    events name none). Events are `schedule.timeline.Event` tuples (rank, name, start, end, kind)."""
-    spent = [end - start for _rank, name, start, end, _kind in events if "all_to_all" in name]
-    ranks = {event[0] for event in events}
-    return sum(spent) / (len(ranks) * wall_s) if spent else None
+            "all_to_all_share": statistics.median(shares),
+            "all_to_all_s": statistics.median(s.metrics["moe_all_to_all_s"] for s in samples["ep"]),
+            "all_to_all_bytes": samples["ep"][-1].metrics["moe_all_to_all_bytes"]}
 
 
 def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> dict:
@@ -276,10 +271,10 @@ def _ep_markdown(ep: dict) -> list[str]:
                 f"over them, against the same two ranks with every expert replicated (EP = 1), alternating; the "
                 f"driver's wall time of a step (the ranks' CPU time is not read here): EP = 2 "
                 f"{1e3 * ep['median_s']['ep']:.0f} ms, EP = 1 {1e3 * ep['median_s']['replicated']:.0f} ms, EP = 2 / "
-                f"EP = 1 {_ratio(ep)}. The all-to-all's share of the EP = 2 step: "
-                + ("not measured (the runtime's step timelines do not time its all-to-alls; the difference to "
-                   "EP = 1 is what expert parallelism costs or saves here, the all-to-alls included)."
-                   if share is None else f"{share:.1%}.")]
+                f"EP = 1 {_ratio(ep)}. The all-to-all's share of the EP = 2 step: {share:.1%} (the rank that "
+                f"spent longest in its dispatch and combine, counts and rows, forward and backward, waits "
+                f"included: {1e3 * ep['all_to_all_s']:.1f} ms of the step, median; "
+                f"{ep['all_to_all_bytes']:,} bytes sent off the ranks a step)."]
 
 
 def _matmul_markdown(payload: dict) -> list[str]:

@@ -17,7 +17,9 @@ its expert and back:
 4. the outputs back by the reverse all-to-all, in the order of choice: `[N, K, W]`, as
    `RoutedExperts.forward` returns them, so the gate-weighted sum is the same for any EP.
 `sent_bytes` counts the token rows (and their gradients) a slice sent to other EP ranks, forward
-and backward: docs/spec.md section 12's dispatch and combine bytes, as measured.
+and backward: docs/spec.md section 12's dispatch and combine bytes, as measured; `exchange_s` the
+seconds its all-to-alls took (counts and rows, forward and backward, waits included), which the
+rank reports with each step (`take_exchange`).
 
 Every rank of an EP group runs the same schedule, so the group meets in the same all-to-alls in the
 same order, forward, backward (the dispatch's and combine's backward are all-to-alls too, run in I
@@ -27,6 +29,8 @@ holders of the same experts sum theirs and divide by D (`train.grad_sync`).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch import nn
@@ -65,12 +69,20 @@ class ExpertSlice(RoutedExperts):
         self.ep_size, self.ep_rank = ep_size, ep_rank
         self.collectives: Collectives | None = None
         self.sent_bytes = 0  # token rows and their gradients sent to other EP ranks (dispatch and combine)
+        self.exchange_s = 0.0  # seconds in this slice's all-to-alls since the last `take_exchange`
 
     def exchange(self, rows: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
-        """One all-to-all of `rows` over the EP group, counted in `sent_bytes`."""
+        """One all-to-all of `rows` over the EP group, counted in `sent_bytes` and timed in `exchange_s`."""
         off_rank = sum(send_splits) - send_splits[self.ep_rank]
         self.sent_bytes += off_rank * rows[0].numel() * rows.element_size() if len(rows) else 0
-        return self.collectives.all_to_all(rows.contiguous(), send_splits, recv_splits, AXIS)
+        return self._timed_all_to_all(rows.contiguous(), send_splits, recv_splits)
+
+    def _timed_all_to_all(self, tensor: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        started = time.perf_counter()
+        try:
+            return self.collectives.all_to_all(tensor, send_splits, recv_splits, AXIS)
+        finally:
+            self.exchange_s += time.perf_counter() - started
 
     def forward(self, x_ND: torch.Tensor, expert_NK: torch.Tensor) -> torch.Tensor:
         """`[N, K, W]`: each token's K chosen experts' outputs, in the order of choice."""
@@ -82,7 +94,7 @@ class ExpertSlice(RoutedExperts):
         order_M = torch.argsort(expert_M, stable=True)  # token-choices grouped by expert, so by member
         counts_SL = torch.bincount(expert_M, minlength=n_local * ep).view(ep, n_local)
         # Row s of what arrives: member s's counts of this rank's experts.
-        arrived_SL = self.collectives.all_to_all(counts_SL, [1] * ep, [1] * ep, AXIS)
+        arrived_SL = self._timed_all_to_all(counts_SL, [1] * ep, [1] * ep)
         send_splits, recv_splits = counts_SL.sum(1).tolist(), arrived_SL.sum(1).tolist()
         x_MD = x_ND[order_M // top_k].to(_compute_dtype(self.gate_up))  # sent in the matmuls' dtype
         x_RD = _AllToAll.apply(x_MD, self, send_splits, recv_splits)
@@ -111,6 +123,17 @@ def install_expert_slices(model: nn.Module, ep_rank: int, ep_size: int) -> None:
 def expert_slices(model: nn.Module) -> dict[str, ExpertSlice]:
     """The materialised `ExpertSlice` modules of `model` by whole-model name."""
     return {name: m for name, m in model.named_modules() if isinstance(m, ExpertSlice) and not m.gate_up.is_meta}
+
+
+def take_exchange(model: nn.Module) -> tuple[float, int]:
+    """(seconds, bytes sent off the rank) of `model`'s expert slices' all-to-alls since the last take;
+    the seconds are zeroed for the next (`sent_bytes` keeps counting: the bytes are the difference)."""
+    slices = expert_slices(model).values()
+    seconds, sent = sum(s.exchange_s for s in slices), sum(s.sent_bytes for s in slices)
+    for experts in slices:
+        experts.exchange_s = 0.0
+    before, model._exchange_bytes_taken = getattr(model, "_exchange_bytes_taken", 0), sent
+    return seconds, sent - before
 
 
 def connect_experts(model: nn.Module, collectives: Collectives) -> None:

@@ -39,7 +39,7 @@ from attnres_pp.model.moe import moe_sublayers, take_aux, take_loads, update_exp
 from attnres_pp.model.precision import activation_dtype
 from attnres_pp.model.routing import RoutingProbe, set_probe
 from attnres_pp.pipeline.chunk import build_rank_model, rank_module_names, rank_parameters
-from attnres_pp.pipeline.expert_parallel import connect_experts, expert_rows
+from attnres_pp.pipeline.expert_parallel import connect_experts, expert_rows, take_exchange
 from attnres_pp.pipeline.mesh import Collectives, MeshCollectives, RankCoords
 from attnres_pp.pipeline.routes import hop_shapes, wire_messages
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
@@ -299,16 +299,20 @@ class StageWorker(ShardSaves, RankHost):
 
     def balance_experts(self) -> dict | None:
         """After the optimiser step: this rank's MoE sublayers' loads of the step, summed over the
-        data-parallel group (every replica then moves its aux-free bias the same way), and its aux
-        losses; None without MoE sublayers."""
+        data-parallel group (every replica then moves its aux-free bias the same way), its aux
+        losses and, under expert parallelism, its all-to-alls' seconds and bytes; None without MoE
+        sublayers."""
         moes = moe_sublayers(self.model)
         if not moes:
             return None
         loads_LE = self.step_loads(moes)
         update_expert_bias(moes, loads_LE)
         aux_sum, aux_count = take_aux(moes)
-        return {"loads": {name: load_E.tolist() for name, load_E in zip(moes, loads_LE, strict=True)},
-                "aux_sum": aux_sum, "aux_count": aux_count}
+        report = {"loads": {name: load_E.tolist() for name, load_E in zip(moes, loads_LE, strict=True)},
+                  "aux_sum": aux_sum, "aux_count": aux_count}
+        if self.run_cfg.pipeline.expert_parallel > 1:  # the step's dispatch and combine, timed and counted
+            report["all_to_all_s"], report["all_to_all_bytes"] = take_exchange(self.model)
+        return report
 
     def step_loads(self, moes: dict) -> torch.Tensor:
         """`[layers, E]`: the step's token-choices per expert of `moes`, summed over the replicas."""

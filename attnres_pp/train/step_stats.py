@@ -114,10 +114,17 @@ class StepStatsLog:
 def expert_stats(replica0: list[dict | None], every: list[dict | None]) -> tuple[dict, dict]:
     """summary.json's and metrics.jsonl's MoE entries from the ranks' `moe` reports: the step's
     tokens per expert of each MoE sublayer (summed over the replicas; read from replica 0's ranks,
-    which hold every layer once), max / mean load per layer, and the mean aux loss of every rank's
-    microbatches and sublayers. Empty without MoE sublayers."""
+    which hold every layer once), max / mean load per layer, the mean aux loss of every rank's
+    microbatches and sublayers, and under expert parallelism `moe_all_to_all_s` (the rank that
+    spent longest in its dispatch and combine) and `moe_all_to_all_bytes` (what every rank sent
+    off itself). Empty without MoE sublayers."""
     from attnres_pp.model.moe import expert_load_stats
 
     loads = {name: load for report in replica0 if report for name, load in report["loads"].items()}
     aux = [(report["aux_sum"], report["aux_count"]) for report in every if report]
-    return expert_load_stats(loads, aux)
+    extras, metrics = expert_load_stats(loads, aux)
+    exchanges = [report for report in every if report and "all_to_all_s" in report]
+    if exchanges:  # expert parallelism: the busiest rank's all-to-all seconds, every rank's bytes
+        metrics["moe_all_to_all_s"] = max(report["all_to_all_s"] for report in exchanges)
+        metrics["moe_all_to_all_bytes"] = sum(report["all_to_all_bytes"] for report in exchanges)
+    return extras, metrics

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from attnres_pp.cli import main
-from tests.run_helpers import assert_same_losses, summary
+from tests.run_helpers import assert_same_losses, metrics, summary
 
 pytestmark = pytest.mark.distributed
 
@@ -38,6 +38,9 @@ def test_ep_over_gloo_under_fsdp_equals_ep1_and_checkpoints_move_between_eps(tmp
     want, got = summary(ep1), summary(ep2)
     assert_same_losses(got["losses"], want["losses"], what="EP 2 over gloo vs EP 1")
     assert got["config"]["pipeline"]["expert_parallel"] == 2
+    # every step's dispatch and combine, timed and counted; none without expert parallelism
+    assert all(s["moe_all_to_all_s"] > 0 and s["moe_all_to_all_bytes"] > 0 for s in metrics(ep2))
+    assert not any("moe_all_to_all_s" in s for s in metrics(ep1))
     # fsdp halves what it shards; the expert slices were halved by EP instead: each rank still holds less.
     assert all(g < w for g, w in zip(_expert_bytes(got), _expert_bytes(want), strict=True))
     # EP 2's slices were written as DTensor chunks of the whole tensors; EP 2 reads its rows of EP 1's.
