@@ -238,6 +238,11 @@ SCHEDULES: dict[str, Callable[[int, int, int], Schedule]] = {
 }
 
 
+# The schedules whose backward is split into I (input gradients) and W (weight gradients): the runtime
+# keeps a W store for them, and the simulator and the planner count it.
+SPLIT_SCHEDULES = frozenset({"zb_h1", "interleaved_zb", "zbv", "dualpipev", "v_half", "v_min"})
+
+
 # The chunk -> rank placement each schedule declares (docs/spec.md section 3); the partition a run builds
 # for a schedule must use it, so that chunks live where the schedule runs them.
 PLACEMENT_OF = {name: "vshape" if name in ("zbv", "dualpipev", "v_half", "v_min") else "loop" for name in SCHEDULES}

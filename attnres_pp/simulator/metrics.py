@@ -18,12 +18,9 @@ from __future__ import annotations
 from attnres_pp.comm.plan import PayloadPlan
 from attnres_pp.schedule import v_memory
 from attnres_pp.schedule.ir import INPUT_GRAD_KINDS, ActionKind, Schedule
+from attnres_pp.schedule.schedules import SPLIT_SCHEDULES
 from attnres_pp.simulator.comm import format_bytes
 from attnres_pp.simulator.engine import SimResult
-
-# Schedules that split B into I and W (dualpipev in its drain): with unit costs their idle per rank
-# is a third of 1F1B's.
-SPLIT_SCHEDULES = frozenset({"zb_h1", "interleaved_zb", "zbv", "dualpipev"})
 
 
 def closed_form_bubble_fraction(n_stages: int, n_virtual: int, n_microbatches: int,

@@ -3,7 +3,7 @@
 Searched: T (the tensor-parallel sizes the request allows; D = GPUs / (T x P)), P (dividing the
 GPUs), EP (for a mixture of experts: the powers of two dividing E and D, docs/spec.md section 12), V,
 m (whole sequences per microbatch), the schedule (gpipe, 1f1b and zb_h1 at V = 1, the interleaved
-ones, zbv and dualpipev; with it the placement: loop, or V-shape for zbv and dualpipev), the block
+ones, zbv, dualpipev, v_half and v_min; with it the placement: loop, or V-shape for the last four), the block
 size (where the variant has one), the cross-stage cache (on, or off: train's `--cache off`, the naive
 payloads; searched where the model has depth attention and more than one chunk), dp_shard
 (replicate | fsdp, with fsdp's reshard after forward never | always) and activation checkpointing
@@ -27,6 +27,7 @@ import itertools
 from dataclasses import dataclass
 
 from attnres_pp.schedule.schedules import schedule_placement
+from attnres_pp.simulator.metrics import closed_form_min_microbatches
 from attnres_pp.simulator.plan_command import not_runnable_reason, train_command  # noqa: F401 (re-exported)
 from attnres_pp.simulator.plan_costs import PlanCosts, fsdp_gathers  # noqa: F401 (re-exported)
 from attnres_pp.simulator.plan_price import Pricing, price_all  # noqa: F401 (price_all re-exported)
@@ -55,7 +56,10 @@ def schedules_for(n_stages: int, n_virtual: int) -> list[str]:
     if n_virtual == 1:
         # GPipe only at V = 1: interleaved it has interleaved 1F1B's bubble and holds all m microbatches.
         return ["gpipe", "1f1b", "zb_h1"]
-    return ["interleaved_1f1b", "interleaved_zb"] + (["zbv", "dualpipev"] if n_virtual == 2 else [])
+    # The V-shaped ones place exactly two chunks per rank; V-Half and V-Min trade a little bubble for
+    # about a half and a third of ZB-V's activations (docs/spec.md section 5).
+    v_shaped = ["zbv", "dualpipev", "v_half", "v_min"] if n_virtual == 2 else []
+    return ["interleaved_1f1b", "interleaved_zb"] + v_shaped
 
 
 def candidates(request: PlanRequest) -> list[Candidate]:
@@ -77,8 +81,8 @@ def candidates(request: PlanRequest) -> list[Candidate]:
                 if cfg.tie_embeddings and n_stages > 1 and schedule_placement(schedule) != "vshape":
                     continue  # tied: the embedding and the head on one rank (`comm.partition.check_tied_placement`)
                 for m in _divisors(per_replica):
-                    if n_stages > 1 and m < n_stages or (schedule == "zbv" and m < 2 * n_stages - 1) or (
-                            schedule == "dualpipev" and m < 2 * n_stages):
+                    # m >= P to fill the pipeline; the V-shaped ones need more (ZB-V 2P - 1, the others 2P).
+                    if n_stages > 1 and m < max(n_stages, closed_form_min_microbatches(schedule, n_stages)):
                         continue
                     for size, cache, (shard, reshard), ac, ep in itertools.product(
                             block_sizes(request), caches, shards, ("none", "selective", "full"),

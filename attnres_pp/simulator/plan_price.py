@@ -23,7 +23,7 @@ from __future__ import annotations
 from attnres_pp.comm.plan import shard_tokens
 from attnres_pp.simulator.memory import activation_bytes
 from attnres_pp.simulator.metrics import closed_form_bubble_fraction
-from attnres_pp.simulator.plan_request import SPLIT, Candidate
+from attnres_pp.simulator.plan_request import SPLIT, Candidate, closed_form_in_flight
 from attnres_pp.simulator.plan_rows import Planner
 
 
@@ -135,9 +135,7 @@ class _Pricer:
         if saved is None:
             saved = terms["saved"][key] = self._saved_terms(c, partition, tokens, copies, sp)
         rank_pairs, n_first, recomputed_split, recomputed, kept = saved
-        in_flight = min(m * n_first, n_stages * (n_first + 1 if n_first > 1 else 1))
-        if c.schedule == "gpipe":
-            in_flight = m * n_first
+        in_flight = closed_form_in_flight(c.schedule, n_stages, m, n_first)
         held = max(in_flight * most + last for most, last in rank_pairs)
         split = c.schedule in SPLIT
         cache = 0

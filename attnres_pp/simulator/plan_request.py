@@ -7,12 +7,14 @@ import math
 from dataclasses import dataclass
 
 from attnres_pp.model.config import ModelConfig
+from attnres_pp.schedule.schedules import SPLIT_SCHEDULES
+from attnres_pp.schedule.v_memory import V_MEMORY_SCHEDULES, closed_form_peak_held
 from attnres_pp.simulator.memory import ATTENTION_KERNELS, DTYPE_BYTES
 from attnres_pp.simulator.moe import check_expert_parallel
 from attnres_pp.simulator.tensor_parallel import INTRA_NODE_LATENCY_US, TensorParallel, check_tensor_parallel
 
 GIB = 1024 ** 3
-SPLIT = frozenset({"zb_h1", "interleaved_zb", "zbv", "dualpipev"})
+SPLIT = SPLIT_SCHEDULES  # the schedules with a W store (the schedule package decides)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,3 +136,15 @@ class Candidate:
     def sp(self) -> bool:
         return self.tp.sp
 
+
+
+def closed_form_in_flight(schedule: str, n_stages: int, n_microbatches: int, n_first: int) -> int:
+    """The chunk-microbatches rank 0 (holding `n_first` chunks) keeps in flight, in closed form, for
+    the planner's first pass: P under 1F1B, about (V + 1) P interleaved, 3P under ZB-V's and
+    DualPipeV's two chunks, all m x V under GPipe, and V-Half's and V-Min's bound (about a half and a
+    third of ZB-V's, `v_memory.closed_form_peak_held`). The exact walk of the second pass counts them."""
+    if schedule == "gpipe":
+        return n_microbatches * n_first
+    if schedule in V_MEMORY_SCHEDULES:
+        return min(n_microbatches * n_first, closed_form_peak_held(schedule, n_stages))
+    return min(n_microbatches * n_first, n_stages * (n_first + 1 if n_first > 1 else 1))

@@ -18,7 +18,7 @@ from attnres_pp.simulator.metrics import closed_form_bubble_fraction
 from attnres_pp.simulator.moe import all_to_all_bytes
 from attnres_pp.simulator.plan_command import command_fields
 from attnres_pp.simulator.plan_costs import PlanCosts, fsdp_gathers
-from attnres_pp.simulator.plan_request import SPLIT, Candidate
+from attnres_pp.simulator.plan_request import SPLIT, Candidate, closed_form_in_flight
 
 
 class Planner(PlanCosts):
@@ -45,10 +45,8 @@ class Planner(PlanCosts):
         # Rank 0 holds the most microbatches in flight: P (1F1B-like), about (V + 1) P chunk-microbatches
         # interleaved, 2P chunk passes under ZB-V; a split schedule's W can keep up to P more; GPipe all m.
         chunks0 = rank_chunks[0]
-        in_flight = min(candidate.n_microbatches * len(chunks0),
-                        candidate.n_stages * (len(chunks0) + 1 if len(chunks0) > 1 else 1))
-        if candidate.schedule == "gpipe":
-            in_flight = candidate.n_microbatches * len(chunks0)
+        in_flight = closed_form_in_flight(candidate.schedule, candidate.n_stages, candidate.n_microbatches,
+                                          len(chunks0))
         # One recomputation at a time; under a split schedule the W store that I leaves stays until
         # W, for up to P chunk-microbatches.
         recomputed = max(s.transient + (s.input_transient if candidate.schedule in SPLIT else 0) for s in saved)

@@ -120,6 +120,29 @@ def test_gpipe_is_a_candidate_with_the_closed_form_bubble():
     assert "--schedule gpipe" in row["command"]
 
 
+# ---- the controllable-memory V schedules ----
+
+def test_v_half_and_v_min_are_candidates_holding_less_than_zbv():
+    request = _request(gpus=8, global_batch=32)
+    found = [c for c in candidates(request) if c.schedule in ("v_half", "v_min")]
+    assert {c.schedule for c in found} == {"v_half", "v_min"}
+    assert {c.n_virtual for c in found} == {2}
+    assert all(c.n_microbatches >= 2 * c.n_stages for c in found)  # the fewest they run (v_memory)
+    assert {c.n_stages for c in found} >= {2, 4}
+    # One layout under each V-shaped schedule: the same step's compute, fewer activation sets held.
+    planner = Planner(request)
+    base = _candidate(schedule="zbv", n_stages=4, n_virtual=2, n_microbatches=8, data_parallel=2,
+                      dp_shard="replicate", block_size=2)
+    estimates = {name: planner.estimate(dataclasses.replace(base, schedule=name))
+                 for name in ("zbv", "v_half", "v_min")}
+    assert estimates["v_min"][1] < estimates["v_half"][1] < estimates["zbv"][1]
+    rows = {name: planner.evaluate(dataclasses.replace(base, schedule=name)) for name in ("zbv", "v_half", "v_min")}
+    assert rows["v_min"]["peak_memory_bytes"] < rows["v_half"]["peak_memory_bytes"] < rows["zbv"]["peak_memory_bytes"]
+    # The bubble they pay for it: the simulated one is above ZB-V's.
+    assert rows["v_min"]["bubble_fraction"] > rows["zbv"]["bubble_fraction"]
+    assert "--schedule v_min" in rows["v_min"]["command"] and "--virtual 2" in rows["v_min"]["command"]
+
+
 # ---- fsdp ----
 
 def test_fsdp_prices_all_gather_and_reduce_scatter_replicate_the_all_reduce():
