@@ -29,8 +29,9 @@ from pathlib import Path
 from attnres_pp.bench.common import TimedEngine, markdown_table, random_batch, run_config
 from attnres_pp.bench.common import results_stem as common_results_stem
 
-QUALITY_SHAPE = {"vocab_size": 256, "n_layers": 4, "d_model": 64, "n_heads": 4, "seq_len": 64}
-TARGET_SHAPE = {"vocab_size": 256, "n_layers": 16, "d_model": 256, "n_heads": 4, "seq_len": 256}
+HEADS = 4  # query heads of both shapes (`--kv-heads` divides them)
+QUALITY_SHAPE = {"vocab_size": 256, "n_layers": 4, "d_model": 64, "n_heads": HEADS, "seq_len": 64}
+TARGET_SHAPE = {"vocab_size": 256, "n_layers": 16, "d_model": 256, "n_heads": HEADS, "seq_len": 256}
 SHAPES = {"4L_d64": (QUALITY_SHAPE, 2), "16L_d256": (TARGET_SHAPE, 4)}  # shape, block size of its variants
 TARGET_LABEL = "16L_d256"
 SINGLE_BATCH = 4  # sequences per step, single process and pipelined (the global batch): 1,024 tokens at the target
@@ -177,26 +178,47 @@ def profile_growth(shape: dict, block_size: int, variants: tuple[str, ...], top:
 def add_arguments(parser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="also time every variant with its sublayers torch.compile'd")
+    parser.add_argument("--kv-heads", type=int, default=None, metavar="N",
+                        help=f"key/value heads of every shape (grouped-query attention; divides the shapes' "
+                             f"{HEADS} query heads); default {HEADS}, multi-head attention")
+
+
+def check(args) -> str | None:
+    if args.kv_heads is not None and (args.kv_heads < 1 or HEADS % args.kv_heads):
+        return f"--kv-heads {args.kv_heads} must divide the shapes' {HEADS} query heads: give 1, 2 or 4"
+    return None
 
 
 def run_options(args) -> dict:
-    return {"compile_model": args.compile}
+    return {"compile_model": args.compile, "kv_heads": args.kv_heads}
 
 
 def results_stem(args) -> str:
-    # --compile results sit beside the eager-only run's of the same day, never over them.
-    return common_results_stem("variants_compile" if args.compile else "variants", args.quick)
+    # --compile and --kv-heads results sit beside the plain run's of the same day, never over them.
+    stem = "variants_compile" if args.compile else "variants"
+    if args.kv_heads not in (None, HEADS):
+        stem += f"_kv{args.kv_heads}"
+    return common_results_stem(stem, args.quick)
 
 
-def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None], compile_model: bool = False) -> dict:
+def shapes_with(kv_heads: int | None) -> dict[str, tuple[dict, int]]:
+    """SHAPES with `kv_heads` key/value heads (None: as many as query heads)."""
+    if kv_heads is None:
+        return dict(SHAPES)
+    return {label: ({**shape, "n_kv_heads": kv_heads}, block) for label, (shape, block) in SHAPES.items()}
+
+
+def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None], compile_model: bool = False,
+        kv_heads: int | None = None) -> dict:
     del out_dir  # tables only
+    shapes = shapes_with(kv_heads)
     load_before = _load_average()
     # Fewer rounds than at 256 tokens a step: a 1,024-token round of six variants at 16 layers takes
     # tens of seconds on a shared 2-core machine; the paired median holds up with a dozen rounds.
     warmup, rounds = (1, 4) if quick else (2, 12)
     pipe_warmup, pipe_rounds = (1, 3) if quick else (2, 8)
     single, piped, compiled = {}, {}, {}
-    for label, (shape, block_size) in SHAPES.items():
+    for label, (shape, block_size) in shapes.items():
         single[label] = single_process(shape, block_size, warmup, rounds, compile_model=compile_model)
         progress(f"  {label} one process: " + _ratio_line(single[label]["ratios"]))
         if compile_model:
@@ -204,8 +226,8 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None], comp
             progress(f"  {label} one process, compiled: " + _ratio_line(compiled[label]["ratios"]))
             progress(f"  {label} compiled / eager: " + _ratio_line(compiled[label]["compiled_over_eager"]))
     # Pipelined: the quality shape always, the 16-layer target shape only in the full run (minutes per round).
-    for label in (("4L_d64",) if quick else tuple(SHAPES)):
-        shape, block_size = SHAPES[label]
+    for label in (("4L_d64",) if quick else tuple(shapes)):
+        shape, block_size = shapes[label]
         piped[label] = pipelined(shape, block_size, pipe_warmup, pipe_rounds)
         progress(f"  {label} P=2 V=2: " + _ratio_line(piped[label]["ratios"]))
     names = tuple(variant_overrides(1))
@@ -217,7 +239,7 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None], comp
             ratios[name]["single_process_compiled"] = {label: compiled[label]["ratios"][name] for label in compiled}
     targets = judge_targets({"single_process": single, "pipelined": piped})
     payload = {"ratios": ratios, f"targets_{TARGET_LABEL}": targets, "single_process": single,
-               "pipelined": piped, "shapes": {label: _shape_record(s, b) for label, (s, b) in SHAPES.items()},
+               "pipelined": piped, "shapes": {label: _shape_record(s, b) for label, (s, b) in shapes.items()},
                "single_batch": SINGLE_BATCH, "pipeline": PIPELINE, "warmup_rounds": warmup, "rounds": rounds,
                "pipeline_warmup_rounds": pipe_warmup, "pipeline_rounds": pipe_rounds, "compile": compile_model,
                "note": "ratio = median over rounds of (variant step / standard step in the same round); variants "
@@ -230,7 +252,7 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None], comp
         payload["compile_s"] = {label: c["first_step_s"] for label, c in compiled.items()}
     missed = tuple(name for name in TARGETS if any(not t[name]["met"] for t in targets.values()))
     if not quick and missed:
-        shape, block_size = SHAPES[TARGET_LABEL]
+        shape, block_size = shapes[TARGET_LABEL]
         payload[f"profile_{TARGET_LABEL}"] = profile_growth(shape, block_size, missed)
     payload["load_average"] = {"before": load_before, "after": _load_average()}
     return payload

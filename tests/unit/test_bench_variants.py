@@ -162,7 +162,7 @@ def test_compile_puts_eager_and_compiled_models_in_one_rotation(monkeypatch):
 def test_compile_results_do_not_overwrite_the_eager_ones(tmp_path, monkeypatch):
     seen = {}
 
-    def fake_run(quick, out_dir, progress, compile_model=False):
+    def fake_run(quick, out_dir, progress, compile_model=False, kv_heads=None):
         seen["stem"] = out_dir.name
         return {"ratios": {}, "compile": compile_model}
 
@@ -190,3 +190,27 @@ def test_markdown_lists_the_compile_speedup_and_compile_time():
     assert "| msar | 1.500 | 1.500 | 1.200 | 1.200 |" in text
     assert "first step (compiles) standard 12.0 s, msar 30.0 s" in text
     assert "Compiled / eager step (median over rounds of the pair in one rotation): standard 0.800, msar 0.640" in text
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_kv_heads_times_grouped_query_attention_in_every_shape(kv_heads):
+    shapes = variants.shapes_with(kv_heads)
+    assert set(shapes) == set(variants.SHAPES)
+    for label, (shape, block_size) in shapes.items():
+        record = variants._shape_record(shape, block_size)
+        assert record["kv_heads"] == kv_heads and record["model"]["n_heads"] == variants.HEADS
+        for overrides in variants.variant_overrides(block_size).values():
+            assert ModelConfig.from_dict({**shape, **overrides}).kv_heads == kv_heads
+        # The plain shapes stay multi-head attention.
+        assert variants._shape_record(*variants.SHAPES[label])["kv_heads"] == variants.HEADS
+    args = build_parser().parse_args(["bench", "variants", "--quick", "--kv-heads", str(kv_heads)])
+    assert variants.run_options(args)["kv_heads"] == kv_heads
+    assert f"variants_kv{kv_heads}_quick_" in variants.results_stem(args)
+
+
+@pytest.mark.parametrize("kv_heads", ["3", "0", "8"])
+def test_kv_heads_that_do_not_divide_the_heads_are_one_error_line(kv_heads, tmp_path, capsys):
+    assert main(["bench", "variants", "--quick", "--kv-heads", kv_heads, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --kv-heads {kv_heads} must divide the shapes' 4 query heads: give 1, 2 or 4"]
+    assert not any(tmp_path.iterdir())
