@@ -163,7 +163,7 @@ class ProcessRankGroup(RankGroupBase):
         self.name = name
         self.conns, self.procs = [], []
         self._rendezvous_dir: str | None = None
-        self._beats = None  # each rank's last heartbeat (time.monotonic()), shared with the ranks
+        self._beats = None  # each rank's last heartbeat (time.monotonic(); 0: none yet), shared with the ranks
         self._failed = False  # a call failed: ranks may be blocked on the failed one
 
     def start(self, worker_cls: type, rank_kwargs: list[dict], *, device: str = "cpu") -> list:
@@ -173,7 +173,7 @@ class ProcessRankGroup(RankGroupBase):
         ctx = rank_context(worker_cls.__module__)
         self._failed = False
         try:
-            self._beats = ctx.RawArray("d", [time.monotonic()] * self.world_size)
+            self._beats = ctx.RawArray("d", self.world_size)
             for rank in range(self.world_size):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=_serve_rank, name=f"{self.name}-rank{rank}", daemon=True,
@@ -225,8 +225,11 @@ class ProcessRankGroup(RankGroupBase):
         return [value for _status, value in replies]
 
     def silent_s(self, rank: int) -> float:
-        """Seconds since rank `rank`'s last heartbeat."""
-        return time.monotonic() - self._beats[rank] if self._beats is not None else 0.0
+        """Seconds since rank `rank`'s last heartbeat; 0 before its first (a process just forked on a
+        loaded machine may take seconds to run its body: the set-up deadline bounds that wait)."""
+        if self._beats is None or not self._beats[rank]:
+            return 0.0
+        return time.monotonic() - self._beats[rank]
 
     def _raise_if_hung(self, replies: list, what: str, limit_s: float) -> None:
         """Kill and raise RankHung for the lowest live rank that has not replied and whose heartbeat

@@ -99,6 +99,9 @@ def test_silence_alone_makes_a_rank_hung_after_half_the_timeout(killed):
     assert group.replied() is True  # a driver that steps several groups sees it at once too
     beating, _ends = _group([0.0, 2.0])
     assert beating.replied() is False
+    starting, _ends = _group([0.0, 0.0])
+    starting._beats[1] = 0.0  # no beat yet: a process just forked may take seconds to run on a busy machine
+    assert starting.replied() is False and starting.silent_s(1) == 0.0
 
 
 @pytest.mark.subprocess
