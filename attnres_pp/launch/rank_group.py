@@ -111,15 +111,14 @@ class StoppedSince:
             return 0.0
         return time.monotonic() - self.since.setdefault(rank, time.monotonic())
 
-    def killed_hung(self, silent: list[int], what: str, limit_s: float | None) -> RankHung | None:
-        """The RankHung of the lowest of the `silent` ranks stopped for more than `limit_s` (None:
-        stopped now, the cause once a peer has failed), its process killed; None if there is none."""
+    def raise_if_hung(self, silent: list[int], what: str, limit_s: float | None) -> None:
+        """Raise the RankHung of the lowest of the `silent` ranks stopped for more than `limit_s`
+        (None: stopped now, the cause once a peer has failed), its process killed, if there is one."""
         for rank in sorted(silent):
             silent_s = self.silent_s(rank)
             if (silent_s > limit_s) if limit_s is not None else rank in self.since:
                 kill_pid(self.pids[rank])
-                return hung(rank, what, silent_s, stopped=True)
-        return None
+                raise hung(rank, what, silent_s, stopped=True)
 
 
 class RankGroup(Protocol):

@@ -38,7 +38,7 @@ import pickle
 import socket
 import time
 
-from attnres_pp.launch.rank_group import FAILURE_GRACE_S, RankGroupBase, StoppedSince, hung_after_s
+from attnres_pp.launch.rank_group import FAILURE_GRACE_S, RankGroupBase, RankHung, StoppedSince, hung_after_s
 from attnres_pp.launch.ray_checks import (
     RendezvousError,
     actor_label,
@@ -271,6 +271,7 @@ class RayRankGroup(RankGroupBase):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._worker = (worker_cls, rank_kwargs, device)
+        self._stopped = StoppedSince([])  # the last start's processes are gone (their pids may be reused)
         ray, world, use_gpu = self._ray, self.world_size, device == "cuda"
         bundles = placement_bundles(world, self.tensor_parallel, gpu=use_gpu)
         # A group no node can hold would wait out the whole timeout: refuse it now, saying why.
@@ -377,10 +378,11 @@ class RayRankGroup(RankGroupBase):
 
     def _raise_if_hung(self, silent: list[int], what: str, limit_s: float | None) -> None:
         """RankHung for a `silent` rank whose process on this node is stopped (`StoppedSince`), killed."""
-        frozen = self._stopped.killed_hung(silent, what, limit_s)
-        if frozen is not None:
+        try:
+            self._stopped.raise_if_hung(silent, what, limit_s)
+        except RankHung as frozen:
             self._note_lost(frozen.pp_rank, what)
-            raise frozen
+            raise
 
     def _raise_if_failed(self, refs: list, rank: int, what: str) -> None:
         ray = self._ray

@@ -172,7 +172,7 @@ class TorchrunRankGroup(RankGroupBase):
             failed = [rank for rank, (status, _) in sorted(replies.items()) if status != "ok"]
             if failed:
                 self._raise_failure(failed[0], replies[failed[0]], pending, what)
-            self._raise_if_hung(sorted(pending.values()), what, hung_after_s(self.timeout_s))
+            self._stopped.raise_if_hung(sorted(pending.values()), what, hung_after_s(self.timeout_s))
             if time.monotonic() > deadline:
                 silent = sorted(pending.values()) or [0]
                 raise self._lost(silent[0], f"{rank_label(silent[0], self.pipe)} did not answer {what} within "
@@ -196,14 +196,8 @@ class TorchrunRankGroup(RankGroupBase):
         # A peer's death often surfaces first as this rank's failed receive: name the cause.
         for ready in wait(list(pending), timeout=_GRACE_S):
             self._receive(pending.pop(ready), ready, what)
-        self._raise_if_hung(sorted(pending.values()), what, None)  # a frozen peer is the cause of its timeout
+        self._stopped.raise_if_hung(sorted(pending.values()), what, None)  # a frozen peer: the cause of its timeout
         raise RuntimeError(f"rank {rank} failed during {what}:\n{value}")
-
-    def _raise_if_hung(self, silent: list[int], what: str, limit_s: float | None) -> None:
-        """RankHung for a `silent` rank whose process on this host is stopped (`StoppedSince`), killed."""
-        frozen = self._stopped.killed_hung(silent, what, limit_s)
-        if frozen is not None:
-            raise frozen
 
     def _lost(self, rank: int, what: str, *, closed: bool = True) -> WorkerLost:
         """WorkerLost naming `rank`; from here on torchrun's SIGTERM waits for the run to say so itself."""

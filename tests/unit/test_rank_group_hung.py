@@ -112,15 +112,16 @@ def test_a_stopped_process_is_seen_and_killed():
     try:
         assert not process_stopped(sleeper.pid)
         watch = StoppedSince([None, sleeper.pid])
-        assert watch.killed_hung([0, 1], "step 4", None) is None
+        watch.raise_if_hung([0, 1], "step 4", None)  # neither is stopped: nothing raised
         sleeper.send_signal(signal.SIGSTOP)
         deadline = time.monotonic() + 5
         while not process_stopped(sleeper.pid) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert process_stopped(sleeper.pid)
-        assert watch.killed_hung([1], "step 4", 30.0) is None  # not stopped long enough to be hung by itself
-        frozen = watch.killed_hung([1], "step 4", None)
-        assert frozen.pp_rank == 1 and "its process stopped for 0 s (SIGSTOP or a debugger); killed it" in str(frozen)
+        watch.raise_if_hung([1], "step 4", 30.0)  # not stopped long enough to be hung by itself
+        with pytest.raises(RankHung, match=r"^rank 1 stopped answering during step 4 \(its process stopped for 0 s "
+                                           r"\(SIGSTOP or a debugger\); killed it\)$"):
+            watch.raise_if_hung([1], "step 4", None)
         assert sleeper.wait(timeout=5) == -signal.SIGKILL
     finally:
         sleeper.kill()
