@@ -269,16 +269,18 @@ class ProcessRankGroup(RankGroupBase):
         """A rank has failed or exited: raise the cause, not its consequences. The replies that have
         arrived are read first, so an exit after a report is the report. Once a rank has reported a
         failure the others get FAILURE_GRACE_S to report theirs (ranks that refuse together reply
-        moments apart, in any order). Then, lowest rank first: a refusal (ValueError, the one line
-        that names the fix), a write the disk refused (StorageFault: out of space, no permission), a
-        rank gone without a report (WorkerLost: the others' errors follow from it), a live rank whose
-        heartbeat has been silent for STALE_S (RankHung: the others' timeouts follow from it), a
-        rank's error (RuntimeError with its traceback)."""
+        moments apart, in any order), unless they have ended or fallen silent. Then, lowest rank
+        first: a refusal (ValueError, the one line that names the fix), a write the disk refused
+        (StorageFault: out of space, no permission), a rank gone without a report (WorkerLost: the
+        others' errors follow from it), a live rank whose heartbeat has been silent for STALE_S
+        (RankHung: the others' timeouts follow from it), a rank's error (RuntimeError with its
+        traceback)."""
         self._read_arrived(replies, what)
         if any(reply is not None and reply[0] in ("refused", "fault", "error") for reply in replies):
             grace_ends = time.monotonic() + rank_group.FAILURE_GRACE_S
-            while time.monotonic() < grace_ends and not all(
-                    reply is not None or not proc.is_alive() for reply, proc in zip(replies, self.procs, strict=True)):
+            while time.monotonic() < grace_ends and not all(  # each rank has answered, ended or fallen silent
+                    reply is not None or not proc.is_alive() or self.silent_s(rank) > STALE_S
+                    for rank, (reply, proc) in enumerate(zip(replies, self.procs, strict=True))):
                 time.sleep(0.05)
                 self._read_arrived(replies, what)
             self._read_arrived(replies, what)
