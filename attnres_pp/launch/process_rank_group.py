@@ -331,7 +331,9 @@ class ProcessRankGroup(RankGroupBase):
         self.stop(graceful=False)
 
     def stop(self, graceful: bool) -> None:
-        graceful = graceful and not self._failed  # a survivor may be blocked on the failed rank
+        # A survivor may be blocked on a failed or frozen rank: then none is waited for.
+        graceful = graceful and not self._failed and all(self.silent_s(rank) <= STALE_S
+                                                         for rank in range(len(self.procs)))
         if graceful:
             for conn, proc in zip(self.conns, self.procs, strict=True):
                 if proc.is_alive():
