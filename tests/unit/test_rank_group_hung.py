@@ -7,6 +7,7 @@ so each case is forced, not waited for. Also the start-up retries and the rehear
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
 import subprocess
 import time
@@ -229,3 +230,41 @@ def test_the_rank_rehearsals_need_rank_processes_and_act_on_the_first_start_only
     assert not faults.first_start()
     faults.rehearse_freeze(1, 1)  # would SIGSTOP this process on a first start
     faults.rehearse_start_loss(0)  # would end it
+
+
+class _Stoppable(_Live):
+    """A rank process that ends when told to (terminate), recording how long the group waited on it."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(pid)
+        self.alive, self.waits = True, []
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def join(self, timeout=None) -> None:
+        self.waits.append(timeout)
+
+    def terminate(self) -> None:
+        self.alive = False
+
+
+def test_a_frozen_rank_makes_the_stop_wait_for_no_rank_to_close():
+    """Ctrl-C or SIGTERM while rank 1 is frozen: rank 0 may be blocked on it and would never read a
+    close, so no close is sent and no rank is waited on for one (10 s each); a run whose ranks all
+    beat closes them gracefully."""
+    for ages, graceful in (([0.0, 8.0], False), ([0.0, 0.5], True)):
+        group, rank_ends = _group(ages)
+        group.procs = [_Stoppable(os.getpid()) for _ in range(2)]  # SIGCONT to this process does nothing
+        procs = list(group.procs)
+        group.stop(graceful=True)
+        assert (_received(rank_ends[0]) == ("close", ())) is graceful
+        assert (10 in procs[0].waits) is graceful
+
+
+def _received(rank_end):
+    """What the driver sent down a pipe it has since closed (None: nothing before the end)."""
+    try:
+        return rank_end.recv()
+    except EOFError:
+        return None
