@@ -16,6 +16,13 @@ The process group's ranks rendezvous through a file in a temporary folder (no po
 ignore Ctrl-C: the driver, which receives it too, stops them. A driver killed outright cannot: each
 rank's watchdog thread ends the rank, silently, when the driver process ends.
 
+The same watchdog thread stamps the rank's heartbeat (a shared array of monotonic times, one per
+rank) every HEARTBEAT_S, whatever the rank's worker is doing. A rank whose heartbeat stops while its
+process lives is frozen or hung (`rank_group.RankHung`): silent for `hung_after_s(timeout)`, or for
+STALE_S once a peer has failed; the driver kills it (SIGKILL, which a stopped process obeys too) and
+raises RankHung, which the training loop restarts like a lost rank. After any failure the group
+stops its ranks without the close handshake (a survivor may be blocked on the failed rank).
+
 Rank processes are forked from multiprocessing's fork server, which imports torch and the worker's
 module once per driver: a spawned rank spent about 2 s of CPU importing them before it did anything,
 at every start and every restart. The server is a clean single-threaded process started on demand
@@ -26,6 +33,7 @@ be with those imports done. Each rank takes the driver's environment as it is wh
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing as mp
 import os
@@ -40,12 +48,10 @@ import typing
 from multiprocessing.reduction import ForkingPickler
 
 from attnres_pp.launch import rank_group
-from attnres_pp.launch.rank_group import RankGroupBase
+from attnres_pp.launch.rank_group import HEARTBEAT_S, STALE_S, RankGroupBase, hung, hung_after_s, kill_pid
 from attnres_pp.launch.storage_fault import failure_reply
 from attnres_pp.pipeline.errors import WorkerLost
 
-# How often a rank's watchdog looks up from waiting for the driver's end (a bound on every wait).
-_WATCH_S = 1.0
 # What the fork server imports before it forks any rank: what every rank imports first.
 _PRELOAD = ["torch", "torch.distributed"]
 
@@ -59,14 +65,15 @@ def rank_context(worker_module: str):
 
 
 def _serve_rank(rank: int, init_method: str, world_size: int, conn, worker_cls: type, kwargs: dict,
-                environ: dict[str, str], driver_pid: int) -> None:
+                environ: dict[str, str], driver_pid: int, beats) -> None:
     """Rank-process body: take the driver's environment, build the worker and join the group (the
     setup result is the first reply; a ValueError in the set-up is ("refused", its one-line
     message)), then answer requests with ("ok", result), ("fault", a StorageFault) or ("error",
-    traceback) until "close", which closes the worker. The rank ends with the driver (`driver_pid`)."""
+    traceback) until "close", which closes the worker. The rank ends with the driver (`driver_pid`)
+    and stamps `beats[rank]` while it runs."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     gone = functools.partial(_driver_gone, init_method.removeprefix("file://").rsplit("/", 1)[0])
-    _exit_with_the_driver(driver_pid, gone)
+    _exit_with_the_driver(driver_pid, gone, beats, rank)
     os.environ.clear()
     os.environ.update(environ)
     try:
@@ -115,8 +122,9 @@ def _driver_gone(rendezvous_dir: str) -> typing.NoReturn:
     os._exit(1)
 
 
-def _exit_with_the_driver(driver_pid: int, gone) -> None:
-    """End this rank (`gone()`), from a watchdog thread, as soon as the driver process ends. A driver
+def _exit_with_the_driver(driver_pid: int, gone, beats, rank: int) -> None:
+    """End this rank (`gone()`), from a watchdog thread, as soon as the driver process ends; until
+    then stamp `beats[rank]` with the time every HEARTBEAT_S (the driver's sign that it runs). A driver
     killed outright (SIGKILL, the OOM killer) cannot stop its ranks, and a rank inside a call (blocked
     on a peer) does not read its pipe; nor does a parent-death signal reach it: its parent is the fork
     server, which every rank keeps alive (each holds the server's liveness pipe). The driver's pidfd
@@ -128,10 +136,11 @@ def _exit_with_the_driver(driver_pid: int, gone) -> None:
 
     def watch() -> None:
         while True:
+            beats[rank] = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the host
             if pidfd is not None:
-                ended = bool(select.select([pidfd], [], [], _WATCH_S)[0])
+                ended = bool(select.select([pidfd], [], [], HEARTBEAT_S)[0])
             else:
-                time.sleep(_WATCH_S)
+                time.sleep(HEARTBEAT_S)
                 try:
                     os.kill(driver_pid, 0)
                     ended = False
@@ -154,18 +163,22 @@ class ProcessRankGroup(RankGroupBase):
         self.name = name
         self.conns, self.procs = [], []
         self._rendezvous_dir: str | None = None
+        self._beats = None  # each rank's last heartbeat (time.monotonic(); 0: none yet), shared with the ranks
+        self._failed = False  # a call failed: ranks may be blocked on the failed one
 
     def start(self, worker_cls: type, rank_kwargs: list[dict], *, device: str = "cpu") -> list:
         self._worker = (worker_cls, rank_kwargs, device)
         self._rendezvous_dir = tempfile.mkdtemp(prefix=f"{self.name}-rdzv-")
         init_method = f"file://{self._rendezvous_dir}/rendezvous"
         ctx = rank_context(worker_cls.__module__)
+        self._failed = False
         try:
+            self._beats = ctx.RawArray("d", self.world_size)
             for rank in range(self.world_size):
                 parent, child = ctx.Pipe()
                 proc = ctx.Process(target=_serve_rank, name=f"{self.name}-rank{rank}", daemon=True,
                                    args=(rank, init_method, self.world_size, child, worker_cls, rank_kwargs[rank],
-                                         dict(os.environ), os.getpid()))
+                                         dict(os.environ), os.getpid(), self._beats))
                 proc.start()
                 self.conns.append(parent)
                 self.procs.append(proc)
@@ -186,7 +199,14 @@ class ProcessRankGroup(RankGroupBase):
     def gather(self, what: str) -> list:
         """The replies to the last `send` (or the set-up), in rank order, waiting at most timeout_s (+
         start-up slack) for each. A rank that fails or exits is reported by `_raise_first_cause`,
-        which reads every reply first."""
+        which reads every reply first; a rank whose heartbeat stops is killed and reported hung."""
+        try:
+            return self._gather(what)
+        except Exception:
+            self._failed = True
+            raise
+
+    def _gather(self, what: str) -> list:
         replies: list[tuple[str, object] | None] = [None] * len(self.conns)
         deadline = time.monotonic() + self.timeout_s + 30.0
         for rank, conn in enumerate(self.conns):
@@ -198,9 +218,29 @@ class ProcessRankGroup(RankGroupBase):
                     self._raise_first_cause(replies, what)
                 elif time.monotonic() > deadline:
                     raise WorkerLost(rank, f"rank {rank} did not answer {what} within {self.timeout_s:.0f} s")
+                else:
+                    self._raise_if_hung(replies, what, hung_after_s(self.timeout_s))
             if replies[rank][0] != "ok":
                 self._raise_first_cause(replies, what)
         return [value for _status, value in replies]
+
+    def silent_s(self, rank: int) -> float:
+        """Seconds since rank `rank`'s last heartbeat; 0 before its first (a process just forked on a
+        loaded machine may take seconds to run its body: the set-up deadline bounds that wait)."""
+        if self._beats is None or not self._beats[rank]:
+            return 0.0
+        return time.monotonic() - self._beats[rank]
+
+    def _raise_if_hung(self, replies: list, what: str, limit_s: float) -> None:
+        """Kill and raise RankHung for the lowest live rank that has not replied and whose heartbeat
+        has been silent for more than `limit_s` (replies that arrived are read first)."""
+        self._read_arrived(replies, what)
+        for rank, (reply, proc) in enumerate(zip(replies, self.procs, strict=True)):
+            silent_s = self.silent_s(rank)
+            if reply is None and silent_s > limit_s and proc.is_alive():
+                kill_pid(proc.pid)
+                proc.join(timeout=5)
+                raise hung(rank, what, silent_s)
 
     def _read(self, rank: int, what: str) -> tuple[str, object]:
         """Rank `rank`'s next reply, which has arrived: (status, value), or ("lost", why) when the
@@ -229,15 +269,18 @@ class ProcessRankGroup(RankGroupBase):
         """A rank has failed or exited: raise the cause, not its consequences. The replies that have
         arrived are read first, so an exit after a report is the report. Once a rank has reported a
         failure the others get FAILURE_GRACE_S to report theirs (ranks that refuse together reply
-        moments apart, in any order). Then, lowest rank first: a refusal (ValueError, the one line
-        that names the fix), a write the disk refused (StorageFault: out of space, no permission), a
-        rank gone without a report (WorkerLost: the others' errors follow from it), a rank's error
-        (RuntimeError with its traceback)."""
+        moments apart, in any order), unless they have ended or fallen silent. Then, lowest rank
+        first: a refusal (ValueError, the one line that names the fix), a write the disk refused
+        (StorageFault: out of space, no permission), a rank gone without a report (WorkerLost: the
+        others' errors follow from it), a live rank whose heartbeat has been silent for STALE_S
+        (RankHung: the others' timeouts follow from it), a rank's error (RuntimeError with its
+        traceback)."""
         self._read_arrived(replies, what)
         if any(reply is not None and reply[0] in ("refused", "fault", "error") for reply in replies):
             grace_ends = time.monotonic() + rank_group.FAILURE_GRACE_S
-            while time.monotonic() < grace_ends and not all(
-                    reply is not None or not proc.is_alive() for reply, proc in zip(replies, self.procs, strict=True)):
+            while time.monotonic() < grace_ends and not all(  # each rank has answered, ended or fallen silent
+                    reply is not None or not proc.is_alive() or self.silent_s(rank) > STALE_S
+                    for rank, (reply, proc) in enumerate(zip(replies, self.procs, strict=True))):
                 time.sleep(0.05)
                 self._read_arrived(replies, what)
             self._read_arrived(replies, what)
@@ -256,6 +299,7 @@ class ProcessRankGroup(RankGroupBase):
                 raise WorkerLost(rank, f"rank {rank} exited (code {proc.exitcode}) during {what}{detail}")
             if reply is not None and reply[0] == "lost":  # its pipe reset before its exit is seen
                 raise WorkerLost(rank, f"{reply[1]}{detail}")
+        self._raise_if_hung(replies, what, STALE_S)
         if errors:
             rank, value = errors[0]
             raise RuntimeError(f"rank {rank} failed during {what}:\n{value}")
@@ -278,14 +322,18 @@ class ProcessRankGroup(RankGroupBase):
                 raise
 
     def replied(self) -> bool:
-        """Whether `gather` would return or raise at once: every rank has replied, or one is dead."""
-        return all(conn.poll(0) for conn in self.conns) or any(not proc.is_alive() for proc in self.procs)
+        """Whether `gather` would return or raise at once: every rank has replied, or one is dead or hung."""
+        return (all(conn.poll(0) for conn in self.conns) or any(not proc.is_alive() for proc in self.procs)
+                or any(self.silent_s(rank) > hung_after_s(self.timeout_s) for rank in range(len(self.procs))))
 
     def stop_ranks(self) -> None:
         """Stop every rank at once (some may be blocked on a lost peer)."""
         self.stop(graceful=False)
 
     def stop(self, graceful: bool) -> None:
+        # A survivor may be blocked on a failed or frozen rank: then none is waited for.
+        graceful = graceful and not self._failed and all(self.silent_s(rank) <= STALE_S
+                                                         for rank in range(len(self.procs)))
         if graceful:
             for conn, proc in zip(self.conns, self.procs, strict=True):
                 if proc.is_alive():
@@ -298,6 +346,8 @@ class ProcessRankGroup(RankGroupBase):
                 proc.join(timeout=10)
             if proc.is_alive():
                 proc.terminate()
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGCONT)  # a stopped rank acts on SIGTERM only once it runs
                 proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()

@@ -18,18 +18,107 @@ Every wait is bounded by the pipeline timeout (plus start-up slack): a rank that
 answering is WorkerLost naming it, a rank whose set-up raises ValueError is one line (`rank R
 refused to start: ...`, a ValueError, so the CLI prints it as `error:`), any other failure a
 RuntimeError carrying the rank's traceback. When several ranks fail, the cause is raised, not what
-follows from it: a refusal first, then a rank lost without a word, then an error, lowest rank first
-in each (see each group's gather).
+follows from it: a refusal first, then a rank lost without a word or hung, then an error, lowest
+rank first in each (see each group's gather).
+
+A hung rank (frozen by SIGSTOP, a debugger, a process that no longer runs) is `RankHung`, a
+WorkerLost: the group kills it and the loop restarts the ranks as for a lost one. How a group sees
+it: the local group's ranks beat a heartbeat every HEARTBEAT_S; the Ray and torchrun groups look at
+the state of the rank processes on the driver's host (`process_stopped`). A rank silent for
+`hung_after_s(timeout)` is hung; once a peer has failed (its transport timed out waiting for the
+silent one), a silence of STALE_S is enough: the peer's failure is the consequence, the silence the
+cause. A rank hung elsewhere (another host, or alive but deadlocked) meets the step deadline
+(timeout + start-up slack): WorkerLost naming it.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from typing import Protocol
+
+from attnres_pp.pipeline.errors import WorkerLost
 
 # Once a rank has reported a failure, how long the others get to report theirs before the driver names
 # the cause: ranks that refuse together (a full /dev/shm) reply moments apart, in any order, and the
 # lowest rank's report is the one raised whichever arrived first.
 FAILURE_GRACE_S = 3.0
+# How often a local rank stamps its heartbeat, and the silence that marks a rank hung once a peer has
+# failed: a rank that runs at all (even blocked on a peer) stamps within a beat or two.
+HEARTBEAT_S = 1.0
+STALE_S = 3.0
+
+
+def hung_after_s(timeout_s: float) -> float:
+    """The silence after which a rank is hung with no other sign: half the pipeline timeout, so the
+    driver names the hung rank before its peers' transports time out waiting for it (at the full
+    timeout) and report errors that only follow from it; at least 5 s, so a loaded machine's
+    scheduling delays never count."""
+    return max(5.0, timeout_s / 2)
+
+
+class RankHung(WorkerLost):
+    """A rank that stopped answering while its process lives (frozen, hung): killed, then treated
+    as lost (restarted from the last checkpoint within --max-restarts). `why`: the sign, in words."""
+
+    def __init__(self, pp_rank: int, message: str, why: str) -> None:
+        super().__init__(pp_rank, message)
+        self.why = why
+
+
+def hung(rank: int, what: str, silent_s: float, *, stopped: bool = False) -> RankHung:
+    """The one-line RankHung for `rank`, silent for `silent_s` seconds during `what`: its heartbeat,
+    or (`stopped`) its process seen stopped."""
+    why = (f"its process stopped for {silent_s:.0f} s (SIGSTOP or a debugger); killed it" if stopped
+           else f"no heartbeat for {silent_s:.0f} s: its process is frozen or hung; killed it")
+    return RankHung(rank, f"rank {rank} stopped answering during {what} ({why})", why)
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether process `pid` of this host is stopped (SIGSTOP, SIGTSTP, a debugger): state T or t
+    in /proc/PID/stat (after the command name, which may hold spaces and parentheses)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            text = stat.read()
+    except OSError:
+        return False
+    return text[text.rfind(b")") + 2:text.rfind(b")") + 3] in (b"T", b"t")
+
+
+def kill_pid(pid: int | None) -> None:
+    """SIGKILL `pid` (a hung rank: SIGKILL ends even a stopped process; SIGTERM would wait for a SIGCONT)."""
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class StoppedSince:
+    """When each rank's process was first seen stopped (the Ray and torchrun groups' sign of a hung
+    rank on this host): `silent_s(rank)` is how long it has been stopped, 0 if it runs. `pids[rank]`
+    is None for a rank on another host (which only the step deadline can catch)."""
+
+    def __init__(self, pids: list[int | None]) -> None:
+        self.pids = pids
+        self.since: dict[int, float] = {}
+
+    def silent_s(self, rank: int) -> float:
+        pid = self.pids[rank] if rank < len(self.pids) else None
+        if pid is None or not process_stopped(pid):
+            self.since.pop(rank, None)
+            return 0.0
+        return time.monotonic() - self.since.setdefault(rank, time.monotonic())
+
+    def raise_if_hung(self, silent: list[int], what: str, limit_s: float | None) -> None:
+        """Raise the RankHung of the lowest of the `silent` ranks stopped for more than `limit_s`
+        (None: stopped now, the cause once a peer has failed), its process killed, if there is one."""
+        for rank in sorted(silent):
+            silent_s = self.silent_s(rank)
+            if (silent_s > limit_s) if limit_s is not None else rank in self.since:
+                kill_pid(self.pids[rank])
+                raise hung(rank, what, silent_s, stopped=True)
 
 
 class RankGroup(Protocol):

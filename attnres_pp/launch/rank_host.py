@@ -21,6 +21,7 @@ and `held_params`.
 
 from __future__ import annotations
 
+import os
 import socket
 
 import torch
@@ -105,9 +106,11 @@ class RankHost:
         return self.describe("loopback")
 
     def describe(self, backend: str) -> dict:
-        """The set-up reply: backend, coordinates, chunks, parameters held, host."""
+        """The set-up reply: backend, coordinates, chunks, parameters held, host and process id (a
+        driver on the same host kills a hung rank by it)."""
         return {"backend": backend, "rank": self.rank, "pp_rank": self.pp_rank, "dp_rank": self.coords.dp_rank,
-                "chunks": sorted(self.chunks), "params": self.held_params(), "host": socket.gethostname()}
+                "chunks": sorted(self.chunks), "params": self.held_params(), "host": socket.gethostname(),
+                "pid": os.getpid()}
 
     def close(self) -> None:
         """Release the transport (the shared-memory transport's doorbells) and leave the process group."""

@@ -24,6 +24,10 @@ that node's (`ray_checks.node_gpu_views`). The driver's ATTNRES_PP_* settings re
 Every wait is bounded: results are collected as they arrive, so a dead actor is named (with its
 node, and recorded in `lost_nodes`) as soon as Ray reports it, and the whole wait is capped by the
 pipeline timeout. The surviving ranks, blocked on a lost one, are killed by `restart` or `stop`.
+A rank whose process on the driver's node is stopped (frozen) is hung (`rank_group.RankHung`) once it
+has been for `hung_after_s(timeout)`, or at once when a peer's task has failed meanwhile: the group
+kills its process and raises RankHung, which the training loop restarts like a lost rank. A hung
+rank on another node meets the step deadline (timeout + slack): WorkerLost naming it.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import pickle
 import socket
 import time
 
-from attnres_pp.launch.rank_group import FAILURE_GRACE_S, RankGroupBase
+from attnres_pp.launch.rank_group import FAILURE_GRACE_S, RankGroupBase, RankHung, StoppedSince, hung_after_s
 from attnres_pp.launch.ray_checks import (
     RendezvousError,
     actor_label,
@@ -231,6 +235,7 @@ class RayRankGroup(RankGroupBase):
         self.placement, self.tensor_parallel = placement, tensor_parallel
         self.actors, self._pg, self.started_ray = [], None, False
         self._in_flight: tuple[list, int] | None = None  # `send`'s refs and request bytes
+        self._stopped = StoppedSince([])  # the ranks' processes on the driver's node, watched for a freeze
         if not ray.is_initialized():
             source = "--address" if address else "RAY_ADDRESS"
             address = address or os.environ.get("RAY_ADDRESS")
@@ -266,6 +271,7 @@ class RayRankGroup(RankGroupBase):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._worker = (worker_cls, rank_kwargs, device)
+        self._stopped = StoppedSince([])  # the last start's processes are gone (their pids may be reused)
         ray, world, use_gpu = self._ray, self.world_size, device == "cuda"
         bundles = placement_bundles(world, self.tensor_parallel, gpu=use_gpu)
         # A group no node can hold would wait out the whole timeout: refuse it now, saying why.
@@ -303,6 +309,9 @@ class RayRankGroup(RankGroupBase):
         init_method = f"tcp://{host}:{port}"
         self.setup_results = join_results([a.join_process_group.remote(init_method, world) for a in self.actors],
                                           init_method, self.timeout_s, self.rank_nodes)
+        here = ray.get_runtime_context().get_node_id()
+        self._stopped = StoppedSince([d.get("pid") if node_id == here else None
+                                      for d, (node_id, _ip) in zip(self.setup_results, self.rank_nodes, strict=True)])
         return self.setup_results
 
     def send(self, method: str, per_rank_args: list[tuple]) -> None:
@@ -358,11 +367,22 @@ class RayRankGroup(RankGroupBase):
         while pending:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise WorkerLost(-1, f"rank actors did not finish {what} within {self.timeout_s:.0f} s")
+                silent = min(refs.index(ref) for ref in pending)
+                raise WorkerLost(silent, f"{where_rank(self.rank_nodes, silent)} did not finish {what} within "
+                                         f"{self.timeout_s:.0f} s")
             ready, pending = ray.wait(pending, num_returns=1, timeout=min(remaining, 1.0))
             for ref in ready:
                 self._raise_if_failed(refs, refs.index(ref), what)
+            self._raise_if_hung([refs.index(ref) for ref in pending], what, hung_after_s(self.timeout_s))
         return ray.get(refs)
+
+    def _raise_if_hung(self, silent: list[int], what: str, limit_s: float | None) -> None:
+        """RankHung for a `silent` rank whose process on this node is stopped (`StoppedSince`), killed."""
+        try:
+            self._stopped.raise_if_hung(silent, what, limit_s)
+        except RankHung as frozen:
+            self._note_lost(frozen.pp_rank, what)
+            raise
 
     def _raise_if_failed(self, refs: list, rank: int, what: str) -> None:
         ray = self._ray
@@ -389,6 +409,8 @@ class RayRankGroup(RankGroupBase):
                                            f"during {what}") from error
                 except Exception:  # another rank's own failure: the first one is reported below
                     pass
+            # A peer frozen on this node: its silence is the cause, this rank's timeout its consequence.
+            self._raise_if_hung([r for r, ref in enumerate(refs) if ref not in ready and r != rank], what, None)
             raise RuntimeError(f"rank {rank} failed during {what}:\n{error}") from error
 
     def _note_lost(self, rank: int, what: str) -> None:

@@ -18,7 +18,9 @@ restart of its own); a lost rank 0 is reported by rank 1 alone. torchrun's agent
 ranks with SIGTERM once one has ended (`--monitor-interval`, 0.1 s): that signal also ends a rank
 with at most that one line, never a traceback (rank 0 names a rank whose connection has closed; a
 rank > 0 first gives rank 0 up to 2 s to say it). Every wait is bounded by the pipeline timeout
-plus start-up slack.
+plus start-up slack. A rank on rank 0's host whose process is stopped (frozen) is hung
+(`rank_group.RankHung`) after `hung_after_s(timeout)`, or at once when a peer has failed meanwhile:
+rank 0 kills it, and the run ends with one line naming it (torchrun restarts the job).
 
 Of the project this module and `torchrun_channel` import only `pipeline.errors` and each other (the
 worker class comes with the "start" request), so the two move together wherever the rank groups go.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import socket
 import sys
 import threading
 import time
@@ -36,7 +39,7 @@ import traceback
 from multiprocessing.connection import Connection, wait
 from typing import NoReturn
 
-from attnres_pp.launch.rank_group import RankGroupBase
+from attnres_pp.launch.rank_group import RankGroupBase, StoppedSince, hung_after_s
 from attnres_pp.launch.torchrun_channel import (
     SLACK_S,
     ControlError,
@@ -106,6 +109,7 @@ class TorchrunRankGroup(RankGroupBase):
         self._broken = False  # a call failed: ranks may be blocked on a lost peer
         self._stopped = False
         self._sigterm_before = None
+        self._stopped = StoppedSince([])  # the other ranks' processes on this host, watched for a freeze
 
     def gpus(self) -> int | None:
         """Every rank has its own GPU (LOCAL_RANK's) when each node has one per torchrun process on it."""
@@ -123,6 +127,9 @@ class TorchrunRankGroup(RankGroupBase):
         self._thread = WorkerThread("attnres-pp-rank0")
         start = [(worker_cls, kwargs, "env://", self.world_size) for kwargs in rank_kwargs]
         self.setup_results = self.call("start", start, what="setup")
+        here = socket.gethostname()
+        self._stopped = StoppedSince([None] + [d.get("pid") if d.get("host") == here else None
+                                               for d in self.setup_results[1:]])
         return self.setup_results
 
     def send(self, method: str, per_rank_args: list[tuple]) -> None:
@@ -165,6 +172,7 @@ class TorchrunRankGroup(RankGroupBase):
             failed = [rank for rank, (status, _) in sorted(replies.items()) if status != "ok"]
             if failed:
                 self._raise_failure(failed[0], replies[failed[0]], pending, what)
+            self._stopped.raise_if_hung(sorted(pending.values()), what, hung_after_s(self.timeout_s))
             if time.monotonic() > deadline:
                 silent = sorted(pending.values()) or [0]
                 raise self._lost(silent[0], f"{rank_label(silent[0], self.pipe)} did not answer {what} within "
@@ -187,7 +195,8 @@ class TorchrunRankGroup(RankGroupBase):
             raise value
         # A peer's death often surfaces first as this rank's failed receive: name the cause.
         for ready in wait(list(pending), timeout=_GRACE_S):
-            self._receive(pending[ready], ready, what)
+            self._receive(pending.pop(ready), ready, what)
+        self._stopped.raise_if_hung(sorted(pending.values()), what, None)  # a frozen peer: the cause of its timeout
         raise RuntimeError(f"rank {rank} failed during {what}:\n{value}")
 
     def _lost(self, rank: int, what: str, *, closed: bool = True) -> WorkerLost:

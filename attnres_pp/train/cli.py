@@ -32,10 +32,10 @@ from attnres_pp.train.checkpoint import (
     read_meta,
 )
 from attnres_pp.train.config import RunConfig, TrainConfig, merge_tables, read_toml
-from attnres_pp.train.faults import kill_point, parse_failure
+from attnres_pp.train.faults import check_rank_rehearsals, kill_point, parse_failure
 from attnres_pp.train.loop import run_training
 from attnres_pp.train.metadata_pickle import CheckpointRefused
-from attnres_pp.train.recovery import RunFailed, RunStopped
+from attnres_pp.train.recovery import RunFailed, RunStopped, start_engine
 from attnres_pp.train.resume import check_resume, nothing_to_do
 from attnres_pp.train.tensorboard import check_tensorboard
 
@@ -189,18 +189,33 @@ def flag_overrides(args: argparse.Namespace) -> dict:
 
 
 def make_run_engine(run_cfg: RunConfig, out_dir: Path, *, address: str | None = None,
-                    fail_at: tuple[int, int] | None = None, corpus=None):
+                    fail_at: tuple[int, int] | None = None, corpus=None, rehearse: bool = True):
     """The engine `train.engines.make_engine` chooses for the run (which may write traces under
     `out_dir`), imported only when a run starts. `address` is for the ray launcher; `fail_at` =
     (global rank, 0-based step) makes that rank's worker exit; `corpus`, the loaded data, serves
-    the engines that read it in this process."""
+    the engines that read it in this process; `rehearse`: the ranks' first start (the env
+    rehearsal hooks of `train.faults` may act)."""
     from attnres_pp.train.engines import check_run, make_engine
     from attnres_pp.train.memory_fit import check_training_fits
 
     check_run(run_cfg, address=address, fail_at=fail_at)  # before the memory check, which may join Ray
     check_training_fits(run_cfg, address=address)
 
-    return make_engine(run_cfg, out_dir=out_dir, corpus=corpus, address=address, fail_at=fail_at)
+    return make_engine(run_cfg, out_dir=out_dir, corpus=corpus, address=address, fail_at=fail_at,
+                       rehearse=rehearse)
+
+
+def start_run_engine(args: argparse.Namespace, run_cfg: RunConfig, out_dir: Path, checkpoints: CheckpointConfig,
+                     *, fail_at, corpus) -> tuple[object, int]:
+    """(`make_run_engine`'s engine, the restarts its start took): start-up is part of the run, so a
+    rank lost while the ranks start makes them start again within --max-restarts, counted with a
+    resumed run's earlier restarts (`recovery.start_engine`; torchrun's processes only torchrun
+    restarts)."""
+    restarts_done = int(read_meta(latest_checkpoint(out_dir)).get("restarts", 0)) if checkpoints.resume else 0
+    return start_engine(lambda first: make_run_engine(run_cfg, out_dir, address=args.address, fail_at=fail_at,
+                                                      corpus=corpus, rehearse=first),
+                        max_restarts=checkpoints.max_restarts, restarts_done=restarts_done,
+                        can_restart=run_cfg.pipeline.launcher != "torchrun", say=_silent if args.quiet else print)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -228,6 +243,7 @@ def _run(args: argparse.Namespace) -> int:
         checkpoints = checkpoint_config(args)
         kill_point()  # a bad rehearsal value fails here, not at the first save
         fail_at = parse_failure(args.inject_failure, run_cfg)
+        check_rank_rehearsals(run_cfg)
         # Load and check the data before starting any engine, so a bad --data fails in a second.
         corpus = load_corpus(run_cfg.train.data)
         corpus.check_fits(vocab_size=run_cfg.model.vocab_size, seq_len=run_cfg.model.seq_len)
@@ -247,10 +263,14 @@ def _run(args: argparse.Namespace) -> int:
                 return 0
             check_resume(read_meta(latest_checkpoint(out_dir)), run_cfg, corpus)
         initial = _initial_weights(args, run_cfg)
-        engine = make_run_engine(run_cfg, out_dir, address=args.address, fail_at=fail_at, corpus=corpus)
+        engine, startup_restarts = start_run_engine(args, run_cfg, out_dir, checkpoints, fail_at=fail_at,
+                                                    corpus=corpus)
     except ValueError as error:  # config mistakes: one line, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except RunFailed as error:  # a rank lost at start-up, and no restart left
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as stop:  # while the ranks start: the rank group has stopped the ones it started
         return _stopped(stop)
     if initial is not None:  # before step 0: the run starts from the folder's weights
@@ -261,7 +281,7 @@ def _run(args: argparse.Namespace) -> int:
     run_cfg = dataclasses.replace(run_cfg, train=engine.train_cfg)
     try:
         run_training(run_cfg, engine, out_dir, progress=not args.quiet, corpus=corpus, checkpoints=checkpoints,
-                     tensorboard=args.tensorboard)
+                     tensorboard=args.tensorboard, startup_restarts=startup_restarts)
     except RunFailed as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -273,6 +293,10 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return 0
+
+
+def _silent(*args, **kwargs) -> None:
+    """`--quiet`'s `say`: progress and notices unsaid."""
 
 
 class Terminated(KeyboardInterrupt):

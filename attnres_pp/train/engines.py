@@ -21,11 +21,12 @@ from attnres_pp.train.single_process_engine import SingleProcessEngine
 
 def make_engine(run_cfg: RunConfig, out_dir=None, *, corpus=None, address: str | None = None,
                 placement: str | None = None, fail_at: tuple[int, int] | None = None,
-                record_timelines: bool = False):
+                record_timelines: bool = False, rehearse: bool = True):
     """`corpus` (the loaded `train.data`) serves the engines that read it in this process. `address`
     and `placement` are for the ray launcher; `fail_at` = (global rank, 0-based step) makes that
     rank's worker exit (ray and local launchers, with rank workers to lose); `record_timelines`
-    makes every step return every rank's timeline."""
+    makes every step return every rank's timeline; `rehearse`: the ranks' env rehearsal hooks
+    (`train.faults`) may act (not when the ranks start again after one was lost at start-up)."""
     pipe = run_cfg.pipeline
     check_run(run_cfg, address=address, fail_at=fail_at)
     engine = engine_of(pipe, run_cfg.train.fault_tolerance)
@@ -37,7 +38,7 @@ def make_engine(run_cfg: RunConfig, out_dir=None, *, corpus=None, address: str |
     if engine == "single":
         return SingleProcessEngine(run_cfg.model, run_cfg.train, corpus=corpus)
     return make_pipeline_engine(run_cfg, out_dir, corpus=corpus, address=address, placement=placement,
-                                fail_at=fail_at, record_timelines=record_timelines)
+                                fail_at=fail_at, record_timelines=record_timelines, rehearse=rehearse)
 
 
 def check_run(run_cfg: RunConfig, *, address: str | None = None, fail_at: tuple | None = None) -> None:

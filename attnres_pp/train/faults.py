@@ -1,8 +1,13 @@
 """Fault injection, in one place: the rehearsals a run can be told to go through, so that recovery
 is tested against real deaths. `--inject-failure RANK:STEP[:allreduce]` makes a rank's worker exit
-mid-step (or, with ':allreduce', as it would join the replicas' gradient reduction), and
-ATTNRES_PP_KILL_DURING_CHECKPOINT makes a process SIGKILL itself at one point of a checkpoint save.
-For tests and drills only; a run without them never reaches these paths."""
+mid-step (or, with ':allreduce', as it would join the replicas' gradient reduction),
+ATTNRES_PP_KILL_DURING_CHECKPOINT makes a process SIGKILL itself at one point of a checkpoint save,
+ATTNRES_PP_FREEZE_RANK=RANK:STEP makes a rank SIGSTOP itself at the start of a step (a hung rank)
+and ATTNRES_PP_LOSE_RANK_AT_START=RANK makes a rank's process exit while it joins the process group
+(a rank lost during start-up). The last two act on the ranks' first start only (a restarted rank,
+or one of a torchrun restart, neither freezes nor is lost again) and need rank processes (not
+--launcher inprocess, nor a run in one process). For tests and drills only; a run without them
+never reaches these paths."""
 
 from __future__ import annotations
 
@@ -12,12 +17,17 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from attnres_pp.launch.resolve import ranks_in_this_process
 from attnres_pp.train.config import RunConfig
 
 # The exit code of a rank that `--inject-failure` loses: not 0, so the driver sees a death, not a
 # clean exit, and not a signal, so nothing is dumped.
 LOST_RANK_EXIT_CODE = 17
 _STAGING_DIR = re.compile(r"^step_(\d+)\.tmp$")  # a checkpoint being written
+
+# Rehearsal hooks of a hung rank and of a rank lost at start-up (`freeze_point`, `start_loss_rank`).
+FREEZE_RANK = "ATTNRES_PP_FREEZE_RANK"
+LOSE_RANK_AT_START = "ATTNRES_PP_LOSE_RANK_AT_START"
 
 # Rehearsal hook, like `--inject-failure`: ATTNRES_PP_KILL_DURING_CHECKPOINT makes a process SIGKILL
 # itself at one point of the save of checkpoint step_N, the crashes that saves and resume must survive
@@ -116,3 +126,78 @@ def rehearse_rank_kill(step_dir: str | Path, rank: int) -> None:
     m = _STAGING_DIR.match(Path(step_dir).name)
     if m:
         rehearse_kill("after-shard", int(m.group(1)), rank)
+
+
+def freeze_point(run_cfg: RunConfig | None = None) -> tuple[int, int] | None:
+    """(rank, 1-based step) of `ATTNRES_PP_FREEZE_RANK=RANK:STEP`, or None if it is unset. Raises
+    ValueError saying what to set for a malformed value, or, given the run's config, for a rank or
+    step the run does not have or a run whose ranks are not processes of their own."""
+    raw = os.environ.get(FREEZE_RANK, "")
+    if not raw:
+        return None
+    rank_text, _, step_text = raw.partition(":")
+    try:
+        rank, step = int(rank_text), int(step_text)
+    except ValueError:
+        rank, step = -1, 0
+    if rank < 0 or step < 1:
+        raise ValueError(f"{FREEZE_RANK}={raw!r} is invalid: set it to RANK:STEP (that rank SIGSTOPs itself at the "
+                         "start of 1-based step STEP), e.g. 1:2, or unset it")
+    if run_cfg is not None:
+        _check_rehearsed_rank(FREEZE_RANK, raw, rank, run_cfg)
+        if step > run_cfg.train.steps:
+            raise ValueError(f"{FREEZE_RANK}={raw!r} is invalid: STEP must be in 1..{run_cfg.train.steps} "
+                             f"(--steps {run_cfg.train.steps})")
+    return rank, step
+
+
+def start_loss_rank(run_cfg: RunConfig | None = None) -> int | None:
+    """The rank `ATTNRES_PP_LOSE_RANK_AT_START=RANK` loses while it joins the process group, or None
+    if it is unset; ValueError as `freeze_point`."""
+    raw = os.environ.get(LOSE_RANK_AT_START, "")
+    if not raw:
+        return None
+    try:
+        rank = int(raw)
+    except ValueError:
+        rank = -1
+    if rank < 0:
+        raise ValueError(f"{LOSE_RANK_AT_START}={raw!r} is invalid: set it to RANK (that rank's process exits while "
+                         "it joins the process group), e.g. 1, or unset it")
+    if run_cfg is not None:
+        _check_rehearsed_rank(LOSE_RANK_AT_START, raw, rank, run_cfg)
+    return rank
+
+
+def check_rank_rehearsals(run_cfg: RunConfig) -> None:
+    """Validate both rank hooks against the run (the CLI calls this before any rank starts)."""
+    freeze_point(run_cfg)
+    start_loss_rank(run_cfg)
+
+
+def _check_rehearsed_rank(name: str, raw: str, rank: int, run_cfg: RunConfig) -> None:
+    pipe = run_cfg.pipeline
+    if ranks_in_this_process(pipe):
+        raise ValueError(f"{name}={raw!r} needs rank processes to rehearse on: use --launcher local (with --stages or "
+                         "--virtual > 1), ray or torchrun, or unset it")
+    if rank >= pipe.world_size:
+        raise ValueError(f"{name}={raw!r} is invalid: RANK must be in 0..{pipe.world_size - 1} "
+                         f"({pipe.world_size} ranks)")
+
+
+def first_start() -> bool:
+    """Whether these ranks are the run's first (torchrun counts its restarts in
+    TORCHELASTIC_RESTART_COUNT; the other launchers tell a restarted worker so themselves)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+def rehearse_freeze(rank: int, step: int) -> None:
+    """SIGSTOP this process if `ATTNRES_PP_FREEZE_RANK` names rank `rank` at 0-based step `step`."""
+    if freeze_point() == (rank, step + 1) and first_start():
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def rehearse_start_loss(rank: int) -> None:
+    """End this process as a lost rank if `ATTNRES_PP_LOSE_RANK_AT_START` names rank `rank`."""
+    if start_loss_rank() == rank and first_start():
+        lose_this_rank()

@@ -25,6 +25,7 @@ import torch
 
 from attnres_pp.data import Corpus, load_corpus
 from attnres_pp.data.tokenizer import TOKENIZER_FILE
+from attnres_pp.launch.rank_group import RankHung
 from attnres_pp.launch.storage_fault import StorageFault, find_storage_fault
 from attnres_pp.model.transformer import active_parameter_count
 from attnres_pp.train.checkpoint import (
@@ -40,7 +41,7 @@ from attnres_pp.train.checkpoint import (
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.optim import lr_at
 from attnres_pp.train.rank_data import replica_rows
-from attnres_pp.train.recovery import RunFailed, RunHistory, WorkerLost, describe_rank, storage_stop
+from attnres_pp.train.recovery import RunFailed, RunHistory, WorkerLost, describe_rank, first_line, storage_stop
 from attnres_pp.train.resume import nothing_to_do, restore, resume
 from attnres_pp.train.summary import MetricsLog, describe_summary, median, progress_line, write_json_atomic
 from attnres_pp.train.tensorboard import TensorBoardLog
@@ -93,7 +94,7 @@ class Engine(Protocol):
 
 def run_training(
     run_cfg: RunConfig, engine: Engine, out_dir: str | Path, *, progress: bool = True, corpus: Corpus | None = None,
-    checkpoints: CheckpointConfig | None = None, tensorboard: str | Path | None = None,
+    checkpoints: CheckpointConfig | None = None, tensorboard: str | Path | None = None, startup_restarts: int = 0,
 ) -> dict:
     """Train `engine` for `run_cfg.train.steps` steps and return the summary dict, also written to
     `out_dir/summary.json`; per-step records go to `out_dir/metrics.jsonl`. The caller owns the
@@ -106,7 +107,8 @@ def run_training(
     return the saved summary (`{}` if the run has none). When the engine raises WorkerLost and has
     `restart_workers()`, the loop restarts it from the last checkpoint (or from scratch) up to
     `max_restarts` times, then raises RunFailed. `tensorboard`: also write each step's record as
-    TensorBoard scalars under that directory (`train.tensorboard`)."""
+    TensorBoard scalars under that directory (`train.tensorboard`). `startup_restarts`: the restarts
+    the engine's start took (`recovery.start_engine`), counted with the run's."""
     ckpt = checkpoints if checkpoints is not None else CheckpointConfig(final=False)
     train_cfg, seq_len = run_cfg.train, run_cfg.model.seq_len
     out_dir = Path(out_dir)
@@ -127,6 +129,7 @@ def run_training(
         f"{train_cfg.steps} steps of {train_cfg.batch_size * seq_len:,} tokens", flush=True)
     history, last_checkpoint = (resume(engine, run_cfg, ckpt, out_dir, corpus, say) if ckpt.resume
                                 else (RunHistory(), None))
+    history.restarts += startup_restarts
     saves = _Saves(out_dir, engine, run_cfg, ckpt, corpus, last_checkpoint)
     try:
         summary = _train_steps(saves, history, tensorboard, say, params)
@@ -292,24 +295,27 @@ def _train_one_step(engine: Engine, run_cfg: RunConfig, step: int, history: RunH
 def _restart_or_fail(engine: Engine, lost: WorkerLost, step: int, history: RunHistory,
                      last_checkpoint: Path | None, ckpt: CheckpointConfig, steps: int, say) -> None:
     """Restart the engine's workers and rewind `history` to the last checkpoint (or to the start),
-    or raise RunFailed naming the lost rank and step when no restart is left."""
-    where = f"{describe_rank(lost.pp_rank)} lost at step {step + 1}/{steps}"
+    or raise RunFailed naming the lost (or hung: RankHung) rank and step when no restart is left.
+    Each says it in one line: the cause's first line (a rank's report may carry its traceback)."""
+    where, cause = f"{describe_rank(lost.pp_rank)} lost at step {step + 1}/{steps}", f": {first_line(lost)}"
+    if isinstance(lost, RankHung):  # the sign is the cause: said once
+        where, cause = f"{describe_rank(lost.pp_rank)} stopped answering at step {step + 1}/{steps} ({lost.why})", ""
     restart = getattr(engine, "restart_workers", None)
     if restart is None:
-        raise RunFailed(f"{where}: {lost} (this launcher cannot restart workers)") from lost
+        raise RunFailed(f"{where}{cause} (this launcher cannot restart workers)") from lost
     if history.restarts >= ckpt.max_restarts:
-        raise RunFailed(f"{where} after {history.restarts} restart(s), the limit set by --max-restarts: "
-                        f"{lost}") from lost
+        limit = f"{history.restarts} restart(s), the limit set by --max-restarts"
+        raise RunFailed(f"{where} after {limit}{cause}") from lost
     restarts = history.restarts + 1
     origin = (f"checkpoint step {read_meta(last_checkpoint)['steps_done']}" if last_checkpoint
               else "step 0 (no checkpoint yet)")
-    cause = (str(lost).splitlines() or [""])[0]
-    say(f"{where}; restarting from {origin} (restart {restarts}/{ckpt.max_restarts})\n  cause: {cause}", flush=True)
+    say(f"{where}; restarting from {origin} (restart {restarts}/{ckpt.max_restarts})"
+        + (f"; cause{cause}" if cause else ""), flush=True)
     try:
         restart()
         restored = restore(engine, last_checkpoint, history.records) if last_checkpoint else None
     except RuntimeError as again:  # WorkerLost again, or no room for the new workers (a node is gone)
-        raise RunFailed(f"{where}; the restart failed too: {again}") from again
+        raise RunFailed(f"{where}; the restart failed too: {first_line(again)}") from again
     if restored is None:
         history.rewind(0)
     else:

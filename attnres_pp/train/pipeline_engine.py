@@ -37,13 +37,15 @@ from attnres_pp.train.step_stats import StepReply
 class PipelineEngine(RankEngine):
     """`ranks()` makes the (unstarted) rank group, after the split is checked. `corpus` (the loaded
     `train.data`) is shared by ranks in this process; the others load their own. `fail_at` = (global
-    rank, 0-based step) makes that rank exit mid-step (not for ranks in this process).
+    rank, 0-based step) makes that rank exit mid-step (not for ranks in this process); `rehearse`: the
+    ranks' env rehearsal hooks (`train.faults`) may act, as on a run's first start (not on a start
+    that follows a rank lost at start-up, nor on a restart).
     `record_timelines`: every rank returns its action timeline every step (the benchmarks read
     `stats.last_events`); otherwise only on the traced step, so other steps exchange scalars only."""
 
     def __init__(self, run_cfg: RunConfig, out_dir: str | Path | None = None, *, ranks: Callable[[], RankGroup],
                  corpus: Corpus | None = None, fail_at: tuple[int, int] | None = None,
-                 record_timelines: bool = False) -> None:
+                 record_timelines: bool = False, rehearse: bool = True) -> None:
         super().__init__(run_cfg, out_dir, record_timelines=record_timelines)
         pipe = run_cfg.pipeline
         self.world_size = pipe.world_size
@@ -56,19 +58,22 @@ class PipelineEngine(RankEngine):
             gpus = visible_gpus() if gpus is None else gpus
             check_tensor_parallel(run_cfg.model, pipe, run_cfg.train.device, gpus=gpus)
             self.decide(gpus, self.ranks.where)
-            self._note_setup(self.ranks.start(StageWorker, self._rank_kwargs(fail_at), device=self.device))
+            self._note_setup(self.ranks.start(StageWorker, self._rank_kwargs(fail_at, rehearse=rehearse),
+                                              device=self.device))
             check_shared_out_dir(self.out_dir, lambda path, token: self.ranks.call_all(
                 "sees_file", path, token, what="the --out visibility check"))
         except BaseException:
             self.close()
             raise
 
-    def _rank_kwargs(self, fail_at: tuple[int, int] | None) -> list[dict]:
-        """Each rank's StageWorker arguments: the resolved config and where to read the data."""
+    def _rank_kwargs(self, fail_at: tuple[int, int] | None, *, rehearse: bool = False) -> list[dict]:
+        """Each rank's StageWorker arguments: the resolved config, where to read the data, and the
+        rehearsals of the first start (`fail_at`, `rehearse`: the env hooks of `train.faults`)."""
         data = {"corpus": self._corpus} if self.ranks.one_process else \
             {"data_path": resolve_data_path(self.run_cfg.train.data)}
         return [{"run_cfg_dict": self.run_cfg.to_dict(), "rank": rank, **data,
-                 "fail_at_step": fail_at[1] if fail_at is not None and fail_at[0] == rank else None}
+                 "fail_at_step": fail_at[1] if fail_at is not None and fail_at[0] == rank else None,
+                 "rehearse": rehearse}
                 for rank in range(self.world_size)]
 
     def _note_setup(self, descriptions: list[dict]) -> None:

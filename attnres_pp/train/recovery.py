@@ -4,13 +4,17 @@ process or actor is gone, the error that ends a run past `--max-restarts`, and t
 
 An engine that can recover has `restart_workers()`: it tears down every rank and the process
 group and starts fresh ones from the seed (without any injected failure); the loop then loads the
-last checkpoint into them. Batches and the learning rate are functions of the step, so rewinding
-the records to the checkpoint's step is all the data-side state there is; the tokens each step
-trained on are recorded too, since `--batch-size` may change at a resume.
+last checkpoint into them. A rank that hangs (`launch.rank_group.RankHung`, a WorkerLost) is killed
+by its rank group and restarted the same way. Start-up is part of the run: a rank lost while the
+engine starts its ranks makes `start_engine` start them again, counted against `--max-restarts`.
+Batches and the learning rate are functions of the step, so rewinding the records to the
+checkpoint's step is all the data-side state there is; the tokens each step trained on are
+recorded too, since `--batch-size` may change at a resume.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +23,8 @@ from attnres_pp.model.config import ModelConfig
 from attnres_pp.pipeline.errors import WorkerLost
 from attnres_pp.train.config import TrainConfig
 
-__all__ = ["RunFailed", "RunHistory", "RunStopped", "WorkerLost", "describe_rank"]  # WorkerLost: pipeline.errors
+__all__ = ["RunFailed", "RunHistory", "RunStopped", "WorkerLost", "describe_rank", "first_line", "start_engine"]
+# WorkerLost: pipeline.errors
 
 
 class RunFailed(RuntimeError):
@@ -47,6 +52,34 @@ def storage_stop(fault: StorageFault, writing: str, out_dir: Path, last_checkpoi
 
 def describe_rank(pp_rank: int) -> str:
     return f"rank {pp_rank}" if pp_rank >= 0 else "a stage worker"
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first line: what a rank's report says before the traceback it may carry."""
+    return (str(error).splitlines() or [""])[0]
+
+
+def start_engine(make: Callable[[bool], object], *, max_restarts: int, restarts_done: int, can_restart: bool,
+                 say) -> tuple[object, int]:
+    """`make(first)`, an engine whose ranks start (`first`: their first start, when rehearsal hooks
+    may act), made again while a rank is lost as they start (WorkerLost), each time counted against
+    `max_restarts` beside the run's `restarts_done`; returns (the engine, the restarts it took). One
+    line each time (`say`); RunFailed, one line, when no restart is left or `can_restart` is False
+    (the launcher cannot start ranks again)."""
+    restarts = 0
+    while True:
+        try:
+            return make(restarts == 0), restarts
+        except WorkerLost as lost:
+            where, cause = f"{describe_rank(lost.pp_rank)} lost while the ranks started", first_line(lost)
+            if not can_restart:
+                raise RunFailed(f"{where}: {cause} (this launcher cannot restart workers)") from None
+            if restarts_done + restarts >= max_restarts:
+                raise RunFailed(f"{where}, after {restarts_done + restarts} restart(s), the limit set by "
+                                f"--max-restarts: {cause}") from None
+            restarts += 1
+            say(f"{where}; starting them again (restart {restarts_done + restarts}/{max_restarts}); cause: {cause}",
+                flush=True)
 
 
 @dataclass

@@ -48,7 +48,7 @@ from attnres_pp.schedule.forward_schedule import forward_only_schedule
 from attnres_pp.schedule.validate_nccl import check_nccl
 from attnres_pp.train.background_save import BackgroundSave
 from attnres_pp.train.config import RunConfig, resolve_training
-from attnres_pp.train.faults import lose_this_rank
+from attnres_pp.train.faults import lose_this_rank, rehearse_freeze, rehearse_start_loss
 from attnres_pp.train.grad_norm import norm_groups, norm_reducer
 from attnres_pp.train.grad_sync import ensure_grads, sync_expert_gradients, sync_gradients
 from attnres_pp.train.memory_report import grad_bytes, memory_entry, peak_rss_bytes, transport_buffer_bytes
@@ -68,7 +68,7 @@ class StageWorker(ShardSaves, RankHost):
     """One training rank, hosted by a rank group through the `RankHost` contract."""
 
     def __init__(self, run_cfg_dict: dict, rank: int, *, corpus: Corpus | None = None, data_path: str | None = None,
-                 fail_at_step: int | None = None) -> None:
+                 fail_at_step: int | None = None, rehearse: bool = False) -> None:
         run_cfg = RunConfig.from_dict(run_cfg_dict)
         if run_cfg.train.device == "auto":  # not from a driver (tests): cpu, as gloo needs
             run_cfg, _ = resolve_training(run_cfg, gpus=0)
@@ -96,6 +96,7 @@ class StageWorker(ShardSaves, RankHost):
                              needs_inputs=self.partition.rank_of(0) == self.pp_rank,
                              needs_targets=self.partition.rank_of(pipe.n_chunks - 1) == self.pp_rank)
         self.fail_at_step = fail_at_step  # rehearsal of a lost rank: exit mid-step at this step
+        self.rehearse = rehearse  # the ranks' first start: the env hooks of `train.faults` may act
         self.runtime: StageRuntime | None = None
         self._grad_bytes = 0  # gradients held after the last sync (`memory`)
         self.fsdp = None  # FSDP2 units under dp_shard="fsdp" with D > 1 (`train.fsdp`)
@@ -126,6 +127,11 @@ class StageWorker(ShardSaves, RankHost):
     @property
     def timeout_s(self) -> float:
         return self.run_cfg.pipeline.timeout_s
+
+    def join_process_group(self, init_method: str, world_size: int) -> dict:
+        if self.rehearse:  # ATTNRES_PP_LOSE_RANK_AT_START: this process ends as its peers join
+            rehearse_start_loss(self.rank)
+        return super().join_process_group(init_method, world_size)
 
     def connect(self, device: torch.device, backend: str = "gloo") -> None:
         """`RankHost.connect`, then under dp_shard="fsdp" with D > 1 the FSDP2 units over the replicas."""
@@ -293,6 +299,8 @@ class StageWorker(ShardSaves, RankHost):
     def train_step(self, step: int, lr: float, batch: RankBatch | None = None, want_events: bool = False) -> StepReply:
         """One optimiser step: forward/backward, gradient sync, global-norm clipping, AdamW, then the
         MoE sublayers' balancing (`balance_experts`)."""
+        if self.rehearse:  # ATTNRES_PP_FREEZE_RANK: this process stops here, as a hung rank does
+            rehearse_freeze(self.rank, step)
         record = self.backward(step, batch)
         grad_norm = self.optimizer_step(lr)
         return self.reply(record, grad_norm, want_events)._replace(moe=self.balance_experts())
