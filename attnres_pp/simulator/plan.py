@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from attnres_pp.schedule.schedules import schedule_placement
 from attnres_pp.simulator.plan_command import not_runnable_reason, train_command  # noqa: F401 (re-exported)
 from attnres_pp.simulator.plan_costs import PlanCosts, fsdp_gathers  # noqa: F401 (re-exported)
 from attnres_pp.simulator.plan_price import Pricing, price_all  # noqa: F401 (price_all re-exported)
@@ -74,8 +73,6 @@ def candidates(request: PlanRequest) -> list[Candidate]:
             # With one chunk nothing is sent or cached; the standard residual has no cache to turn off.
             caches = (True, False) if cfg.uses_depth_attention and n_stages * n_virtual > 1 else (True,)
             for schedule in schedules_for(n_stages, n_virtual):
-                if cfg.tie_embeddings and n_stages > 1 and schedule_placement(schedule) != "vshape":
-                    continue  # tied: the embedding and the head on one rank (`comm.partition.check_tied_placement`)
                 for m in _divisors(per_replica):
                     if n_stages > 1 and m < n_stages or (schedule == "zbv" and m < 2 * n_stages - 1) or (
                             schedule == "dualpipev" and m < 2 * n_stages):
