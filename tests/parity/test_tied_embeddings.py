@@ -157,3 +157,26 @@ def test_tied_training_on_thread_ranks_equals_single_process_and_keeps_the_copie
             assert (copies[0] - whole).abs().max() <= 1e-5 * whole.abs().max(), step
     finally:
         engine.close()
+
+
+# Tensor parallelism at T = 2 (thread ranks over torch's threaded process group, `MeshCollectives`):
+# the embedding group pairs (d, first, t) with (d, last, t); under sequence parallelism each copy's
+# gradient is first summed over tp (each tp rank embedded and scored its own tokens).
+TP_TIED = [("block", "1f1b", 2, 1, 2, True, True, {"model": {"n_heads": 4, "n_kv_heads": 2, "tie_embeddings": True}}),
+           ("msar", "interleaved_1f1b", 2, 2, 2, False, False, {"model": {"n_heads": 4, "tie_embeddings": True}})]
+
+
+@pytest.mark.parametrize("case", TP_TIED, ids=lambda case: f"{case[0]}-{case[1]}-sp{case[6]}")
+def test_tied_copies_under_tensor_parallelism_equal_the_single_process(case):
+    from .test_tensor_parallel_inprocess import _run
+
+    _run_cfg, per_rank, (want_loss, want_grads) = _run(case)
+    losses = [loss for losses, *_ in per_rank for loss in losses.values()]
+    assert abs(sum(losses) / len(losses) - want_loss) <= 1e-5 * abs(want_loss)
+    merged: dict[str, torch.Tensor] = {}
+    for _losses, grads, *_ in per_rank:
+        for name, grad in grads.items():  # the tp ranks of a stage, and the two copies, hold the same gradient
+            key = "embed.tok.weight" if name == "head.lm_head.weight" else name
+            torch.testing.assert_close(merged.setdefault(key, grad), grad, rtol=1e-5, atol=1e-9)
+    assert_grads_match(merged, want_grads, rtol=1e-5)
+    assert sum("head.lm_head.weight" in grads for _losses, grads, *_ in per_rank) == 2  # the last stage's tp ranks
