@@ -6,13 +6,12 @@ optimizer, data and runtimes. A rank group (`launch.rank_group`) hosts one per r
 the training layer because it owns the optimiser step and the checkpoint state; the pipeline below
 it provides the chunks, the schedules, the runtime, the transports and the mesh.
 
-Global rank `rank = (dp_rank * P + pp_rank) * T + tp_rank` (`pipeline.mesh`; T = 1 without tensor
-parallelism, `train.tp_rank`). A rank builds only its own chunks (the rest of the model stays on the
-meta device, with no storage), initialised by whole-model name and the run's seed, so its weights
-equal the single process's. It reads its own microbatches by (step, dp_rank) (`rank_data`), averages
-its gradients over its replicas (`grad_sync`), answers the driver with scalars (`StepReply`). MSAR's
-stream convolutions (on every rank) and a tied embedding's two copies (on the first and the last rank:
-`grad_sync.TiedEmbedding`) are reduced between their holders and counted once in the norm.
+Global rank `rank = (dp_rank * P + pp_rank) * T + tp_rank` (`pipeline.mesh`; T = 1 without tp, `train.tp_rank`).
+A rank builds only its own chunks (the rest stays on the meta device), initialised by whole-model name and
+the run's seed: its weights equal the single process's. It reads its own microbatches by (step, dp_rank)
+(`rank_data`), averages its gradients over its replicas (`grad_sync`; MSAR's stream convolutions, on every
+rank, and a tied embedding's copies on the first and last rank, `grad_sync.TiedEmbedding`, are reduced
+between their holders and counted once in the norm) and answers the driver with scalars (`StepReply`).
 
 Device, dtype and kernels come resolved from the driver (`launch.resolve`): a rank never decides
 them. On "cuda" it joins the nccl group on its own GPU, computes in the run's precision (bf16
@@ -105,10 +104,9 @@ class StageWorker(ShardSaves, RankHost):
         self.background_save: BackgroundSave | None = None  # --async-checkpoint's write in flight
 
     def _build_params(self, *, fused: bool) -> None:
-        """This rank's parameters by whole-model name, split into those tied across ranks (MSAR's
-        stream convolutions, reduced over every rank) and the rest, and the optimizer over them
-        (`fused`: the fused AdamW of parameters on a GPU). Built again whenever the parameters
-        become other tensors: tensor-parallel DTensors, FSDP2 shards, or a move to the GPU."""
+        """This rank's parameters by whole-model name, split into those tied across ranks (MSAR's stream convolutions,
+        reduced over every rank) and the rest, and the optimizer over them (`fused`: the fused AdamW of parameters
+        on a GPU). Built again whenever they become other tensors: tp DTensors, FSDP2 shards, or a move to the GPU."""
         self.params = rank_parameters(self.chunks, self.model)
         self.tied = [p for name, p in self.params.items() if name.startswith("stream_convs.")]
         # Expert parallelism's slices of the routed experts: summed over their holders (`grad_sync`).
@@ -264,8 +262,7 @@ class StageWorker(ShardSaves, RankHost):
     def optimizer_step(self, lr: float) -> float:
         """Global-norm clipping and AdamW on synced gradients; returns the whole model's norm."""
         groups = norm_groups(self.tied_emb.counted(self.params, self.untied), self.tied, is_split=is_split,
-                             tensor_parallel=self.tp.active,
-                             fsdp_replicated=self.fsdp.replicated if self.fsdp is not None else None,
+                             tensor_parallel=self.tp.active, fsdp_replicated=getattr(self.fsdp, "replicated", None),
                              experts=self.experts if self.run_cfg.pipeline.expert_parallel > 1 else None)
         return optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip,
                               norm_reducer(groups, self.collectives, self.device))
