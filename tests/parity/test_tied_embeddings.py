@@ -180,3 +180,13 @@ def test_tied_copies_under_tensor_parallelism_equal_the_single_process(case):
             torch.testing.assert_close(merged.setdefault(key, grad), grad, rtol=1e-5, atol=1e-9)
     assert_grads_match(merged, want_grads, rtol=1e-5)
     assert sum("head.lm_head.weight" in grads for _losses, grads, *_ in per_rank) == 2  # the last stage's tp ranks
+
+
+def test_the_embedding_group_pairs_each_replicas_first_and_last_rank_per_tp_rank():
+    from attnres_pp.pipeline.mesh import RankCoords
+
+    # D = 2, P = 3, T = 2: rank = (dp * 3 + pp) * 2 + tp
+    groups = {r: RankCoords(r, 2, 3, 2).axis_members("embed") for r in range(12)}
+    assert groups[0] == groups[4] == [0, 4] and groups[5] == [1, 5] and groups[6] == groups[10] == [6, 10]
+    assert groups[2] == [2] and groups[9] == [9]  # a middle rank holds no copy: a group of its own
+    assert RankCoords(0, 1, 1).axis_members("embed") == [0]
