@@ -4,7 +4,8 @@ ranks (docs/spec.md section 3).
 Pure standard library: the simulator and the payload planner use it without torch.
 Placements: "loop" (chunk c on rank c % P; GPipe, 1F1B, interleaved schedules) and "vshape" (V = 2;
 chunk c on rank c for c < P, on rank 2P - 1 - c otherwise; ZB-V). Chunk 0 also holds the embedding
-and chunk C - 1 the final read, output norm, LM head and loss. Two consecutive chunks on one rank
+and chunk C - 1 the final read, output norm, LM head and loss (under tied embeddings, on two ranks, each
+holds a copy of the matrix: `tied_copy_ranks`). Two consecutive chunks on one rank
 exchange their tensors in memory (a self-hop): nothing goes over the wire.
 """
 
@@ -109,13 +110,11 @@ def make_partition(
     return partition
 
 
-def check_tied_placement(tied_embeddings: bool, partition: Partition) -> None:
-    """ValueError unless tied embeddings have the embedding (chunk 0) and the LM head (the last chunk)
-    on one rank: a matrix two ranks held would need its two gradients summed between them every
-    step, which no schedule here does yet (docs/roadmap.md)."""
+def tied_copy_ranks(tied_embeddings: bool, partition: Partition) -> tuple[int, ...]:
+    """The pipeline ranks that hold a copy of a tied embedding matrix: () when the embedding is not
+    tied or the embedding (chunk 0) and the LM head (the last chunk) share a rank (one process, P = 1,
+    the V placement: one matrix, one parameter); otherwise (first rank, last rank), which hold one copy
+    each, initialised equal and kept equal by summing their two gradients every step (the embedding
+    group, `train.grad_sync.sync_tied_copies`)."""
     first, last = partition.rank_of(0), partition.rank_of(partition.n_chunks - 1)
-    if tied_embeddings and first != last:
-        raise ValueError(f"--tie-embeddings needs the embedding and the LM head on one pipeline rank, and this split "
-                         f"puts them on ranks {first} and {last}: use --stages 1, or a V-shaped schedule "
-                         "(zbv, dualpipev, v_half, v_min), whose first and last chunks share rank 0, "
-                         "or drop --tie-embeddings")
+    return (first, last) if tied_embeddings and first != last else ()

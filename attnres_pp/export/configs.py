@@ -12,7 +12,7 @@ from attnres_pp.model.config import ModelConfig
 from attnres_pp.train.hf_moe import hf_config
 
 REMOTE = Path(__file__).parent / "remote"
-CODE_FILES = ("configuration_attnres.py", "modeling_attnres.py")
+CODE_FILES = ("configuration_attnres.py", "cache_attnres.py", "modeling_attnres.py")
 AUTO_MAP = {"AutoConfig": "configuration_attnres.AttnResConfig",
             "AutoModelForCausalLM": "modeling_attnres.AttnResForCausalLM"}
 
@@ -28,7 +28,7 @@ def remote_config(cfg: ModelConfig) -> dict:
         "logit_scale": cfg.logit_scale, "stream_kernels": list(cfg.stream_kernels), "norm_eps": cfg.norm_eps,
         "key_norm_gain": cfg.key_norm_gain, "positions": cfg.positions, "rope_theta": cfg.rope_theta,
         "mlp": cfg.mlp, "qk_norm": cfg.qk_norm, "tie_embeddings": cfg.tie_embeddings,
-        "tie_word_embeddings": cfg.tie_embeddings, "use_cache": False, "torch_dtype": "float32",
+        "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True, "torch_dtype": "float32",
         # Mixtures of experts (0 experts: every MLP dense); the experts' width resolved.
         "moe_experts": cfg.moe_experts, "moe_top_k": cfg.moe_top_k if cfg.moe else 0,
         "moe_shared_experts": cfg.moe_shared_experts, "moe_d_ff": cfg.expert_dim if cfg.moe else 0,
@@ -42,8 +42,8 @@ def model_config(cfg: ModelConfig, kind: str | None) -> dict:
 
 
 def generation_config(eos_id: int | None, kind: str | None) -> dict:
-    """Greedy by default as transformers' defaults are; the remote code keeps no cache."""
-    return {"eos_token_id": eos_id, "bos_token_id": None, "pad_token_id": eos_id, "use_cache": kind is not None}
+    """Greedy by default as transformers' defaults are, with the key/value cache (the remote code's too)."""
+    return {"eos_token_id": eos_id, "bos_token_id": None, "pad_token_id": eos_id, "use_cache": True}
 
 
 def copy_code(out: Path) -> list[str]:

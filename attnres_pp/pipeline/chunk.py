@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnres_pp.comm.partition import Partition, check_tied_placement
+from attnres_pp.comm.partition import Partition, tied_copy_ranks
 from attnres_pp.comm.plan import RESIDUAL, Source
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.model.decode_state import DecodeStep
@@ -177,7 +177,6 @@ def build_rank_model(cfg: ModelConfig, partition: Partition, pp_rank: int, *, se
     storage) and its chunks, whose parameters equal `Transformer(cfg, seed=seed)`'s; the chunks
     compute in `precision` (`model.precision`). `expert_parallel` = (ep_rank, EP): with EP > 1 each
     MoE sublayer holds the rank's slice of the routed experts (`pipeline.expert_parallel`)."""
-    check_tied_placement(cfg.tie_embeddings, partition)
     with torch.device("meta"):
         model = Transformer(cfg, backend=backend, seed=seed, precision=precision)
     ep_rank, ep_size = expert_parallel
@@ -185,11 +184,25 @@ def build_rank_model(cfg: ModelConfig, partition: Partition, pp_rank: int, *, se
         install_expert_slices(model, ep_rank, ep_size)
     for name in rank_module_names(cfg, partition, pp_rank):
         model.get_submodule(name).to_empty(device=device)
-    model.tie_embeddings()  # to_empty gave the embedding a new matrix: the head reads that one
+    copy_ranks = tied_copy_ranks(cfg.tie_embeddings, partition)
+    if not copy_ranks:  # to_empty gave the embedding a new matrix: the head reads that one
+        model.tie_embeddings()
     init_weights(model, cfg, seed)
+    if copy_ranks and pp_rank == copy_ranks[1]:  # the last rank's copy of a tied embedding
+        init_tied_copy(model.head.lm_head, cfg, seed)
     for moe in moe_sublayers(model).values():  # to_empty left the load counters uninitialised memory
         moe.load_E.zero_()
     return model, build_rank_chunks(model, partition, pp_rank, activation_checkpoint=activation_checkpoint)
+
+
+def init_tied_copy(lm_head: nn.Linear, cfg: ModelConfig, seed: int) -> None:
+    """The LM head's copy of a tied embedding on a rank without the embedding: the embedding's own
+    values, drawn from the embedding's stream (`init_weights` by the name `embed.tok.weight`), so
+    the two ranks' copies start bit-equal."""
+    holder = nn.Module()  # a stand-in whose only parameter carries the embedding's whole-model name
+    holder.embed = nn.Module()
+    holder.embed.tok = lm_head
+    init_weights(holder, cfg, seed)
 
 
 def build_rank_chunks(model: Transformer, partition: Partition, pp_rank: int, *,

@@ -10,6 +10,9 @@ node's, as the launchers place them; docs/spec.md section 10). At T = 1 it is th
     "pp"     the P ranks of one replica with the same tp_rank: the global gradient norm
     "tp"     the T ranks sharing one chunk: the partial gradients of what they hold replicated
     "world"  every rank: MSAR's tied stream convolutions, which every rank holds
+    "embed"  the first and the last pp rank of one replica with the same tp_rank (Megatron's embedding
+             group): the two copies of a tied embedding matrix, whose gradients they sum; every
+             other rank is a group of its own (it holds no copy and never calls it)
 Under expert parallelism (EP > 1, docs/spec.md section 12) the dp axis is read as (D / EP, EP),
 row-major: `ep_rank = dp_rank % EP`, and two more axes carry collectives:
     "ep"     the EP ranks with the same pp_rank and tp_rank and the same dp_rank // EP: they share
@@ -36,7 +39,7 @@ from typing import Protocol
 
 import torch
 
-AXES = ("dp", "pp", "tp", "world", "ep", "edp")
+AXES = ("dp", "pp", "tp", "world", "ep", "edp", "embed")
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,9 @@ class RankCoords:
             return [self._rank_at(self.dp_rank, self.pp_rank, t) for t in range(self.tensor_parallel)]
         if axis == "world":
             return list(range(self.world_size))
+        if axis == "embed":
+            ends = (0, self.stages - 1)
+            return [self.global_rank(p) for p in ends] if self.stages > 1 and self.pp_rank in ends else [self.rank]
         ep = self.expert_parallel
         if axis == "ep":
             first = self.dp_rank - self.ep_rank
@@ -121,7 +127,8 @@ class MeshCollectives:
     or a ("dp", "pp", "tp") one when `coords.tensor_parallel` > 1; `mesh["tp"]` is then the 1-D mesh
     the DTensor tensor-parallel API shards each layer over (`pipeline.tensor_parallel`)."""
 
-    def __init__(self, coords: RankCoords, device_type: str, timeout_s: float | None = None) -> None:
+    def __init__(self, coords: RankCoords, device_type: str, timeout_s: float | None = None, *,
+                 embedding_group: bool = False) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -146,10 +153,37 @@ class MeshCollectives:
             ep = coords.expert_parallel
             self.expert_mesh = init_device_mesh(device_type, (coords.data_parallel // ep, ep, *shape[1:]),
                                                 mesh_dim_names=("edp", "ep", *names[1:]))
+        self.embed_group = self._embedding_group(timeout_s) if embedding_group else None
+
+    def _embedding_group(self, timeout_s: float | None):
+        """The "embed" group of this rank (None where it is a group of one). At P = 2 it is the pp
+        group; otherwise every rank creates every replica's group in the same order (`new_group` is
+        collective over the whole process group) and keeps its own."""
+        import torch.distributed as dist
+
+        c = self.coords
+        if c.stages == 1:
+            return None
+        if c.stages == 2:
+            return self.mesh.get_group("pp")
+        mine = None
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        for d in range(c.data_parallel):
+            for t in range(c.tensor_parallel):
+                members = [c._rank_at(d, 0, t), c._rank_at(d, c.stages - 1, t)]
+                group = dist.new_group(members, timeout=timeout)
+                if c.rank in members:
+                    mine = group
+        return mine
 
     def _group(self, axis: str):
         if axis == "world":
             return None
+        if axis == "embed":
+            if self.embed_group is None:
+                raise RuntimeError(f"rank {self.coords.rank}: no embedding group was made "
+                                   "(MeshCollectives(embedding_group=True) makes it)")
+            return self.embed_group
         return (self.expert_mesh if axis in ("ep", "edp") else self.mesh).get_group(axis)
 
     def all_reduce(self, tensor: torch.Tensor, axis: str) -> None:

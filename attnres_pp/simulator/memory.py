@@ -196,7 +196,7 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
 
 def predict_memory(cfg: ModelConfig, setup: MemorySetup) -> list[RankMemory]:
     """Build the schedule, partition and payload plan `setup` names and predict every rank."""
-    from attnres_pp.comm.partition import check_tied_placement, make_partition
+    from attnres_pp.comm.partition import make_partition
     from attnres_pp.comm.plan import plan_for_model
     from attnres_pp.schedule.schedules import build_schedule, schedule_placement
     from attnres_pp.simulator.moe import check_expert_parallel
@@ -205,6 +205,5 @@ def predict_memory(cfg: ModelConfig, setup: MemorySetup) -> list[RankMemory]:
     schedule = build_schedule(setup.schedule, setup.n_stages, setup.n_virtual, setup.n_microbatches)
     partition = make_partition(cfg.n_layers, setup.n_stages, setup.n_virtual, setup.layer_counts,
                                placement=schedule_placement(setup.schedule))
-    check_tied_placement(cfg.tie_embeddings, partition)
     plan = plan_for_model(cfg, partition, setup.cache)
     return predict_ranks(cfg, setup, schedule, partition, plan)

@@ -60,8 +60,9 @@ def rank_parameter_shapes(cfg: ModelConfig, partition: Partition, pp_rank: int,
     projection column-parallel, dim 0 / T; the attention output and the MLP's down projection
     row-parallel, dim 1 / T) and every other parameter whole (replicated over tp: norms, QK-norm's
     gains, depth-attention parameters, embedding, positions, key projection, head). Under tied
-    embeddings the LM head is the embedding's matrix, held once. An MoE layer holds E / EP of its
-    routed experts (docs/spec.md section 12)."""
+    embeddings the LM head is the embedding's matrix, held once where one rank holds both, and a copy
+    on the last rank where the first holds the embedding (`comm.partition.tied_copy_ranks`). An MoE
+    layer holds E / EP of its routed experts (docs/spec.md section 12)."""
     shapes: list[tuple[int, ...]] = []
     chunks = partition.chunks_of(pp_rank)
     if 0 in chunks:
@@ -178,6 +179,8 @@ def chunk_gathered_bytes(cfg: ModelConfig, partition: Partition, chunk_index: in
     whole = [(cfg.moe_experts,)] + (routed_expert_shapes(cfg, expert_parallel) if expert_parallel > 1 else [])
     for shape in whole * moe_layers:
         shapes.remove(shape)
-    if chunk_index == partition.n_chunks - 1:  # tied: gathered with the embedding (on the same rank)
-        shapes += head_shapes(cfg, _read_shapes(cfg), holds_embedding=True)
+    if chunk_index == partition.n_chunks - 1:  # tied: the embedding's matrix where one rank holds both,
+        # else the head's own copy (`comm.partition.tied_copy_ranks`), gathered with the head
+        shapes += head_shapes(cfg, _read_shapes(cfg), holds_embedding=partition.rank_of(0) == partition.rank_of(
+            chunk_index))
     return sum(math.prod(s) for s in shapes) * DTYPE_BYTES[dtype]

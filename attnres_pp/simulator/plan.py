@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from attnres_pp.schedule.schedules import schedule_placement
 from attnres_pp.simulator.metrics import closed_form_min_microbatches
 from attnres_pp.simulator.plan_command import not_runnable_reason, train_command  # noqa: F401 (re-exported)
 from attnres_pp.simulator.plan_costs import PlanCosts, fsdp_gathers  # noqa: F401 (re-exported)
@@ -78,8 +77,6 @@ def candidates(request: PlanRequest) -> list[Candidate]:
             # With one chunk nothing is sent or cached; the standard residual has no cache to turn off.
             caches = (True, False) if cfg.uses_depth_attention and n_stages * n_virtual > 1 else (True,)
             for schedule in schedules_for(n_stages, n_virtual):
-                if cfg.tie_embeddings and n_stages > 1 and schedule_placement(schedule) != "vshape":
-                    continue  # tied: the embedding and the head on one rank (`comm.partition.check_tied_placement`)
                 for m in _divisors(per_replica):
                     # m >= P to fill the pipeline; the V-shaped ones need more (ZB-V 2P - 1, the others 2P).
                     if n_stages > 1 and m < max(n_stages, closed_form_min_microbatches(schedule, n_stages)):

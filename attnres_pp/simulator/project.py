@@ -22,7 +22,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from attnres_pp.comm.partition import Partition, check_tied_placement, make_partition
+from attnres_pp.comm.partition import Partition, make_partition
 from attnres_pp.comm.plan import PayloadPlan, plan_for_model
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.schedule.schedules import build_schedule, schedule_placement
@@ -131,7 +131,8 @@ def project_costs(cfg: ModelConfig, partition: Partition, plan: PayloadPlan, *, 
 
 def rank_parameters(cfg: ModelConfig, partition: Partition) -> list[int]:
     """Parameters each pipeline rank holds (its layers, the embedding on chunk 0's, the head on the
-    last's; under tied embeddings the LM head's matrix is the embedding's, counted once)."""
+    last's; under tied embeddings the LM head's matrix is the embedding's, counted once where one rank
+    holds both, a copy on the last rank where the first holds the embedding)."""
     read = [(cfg.query_dim,)] * cfg.uses_depth_attention
     counts = [0] * partition.n_stages
     for c in range(partition.n_chunks):
@@ -172,7 +173,6 @@ def project(cfg: ModelConfig, *, tokens: int, dtype_bytes: int, cluster: Cluster
         model, cache = mode_model(cfg, mode)
         partition = make_partition(model.n_layers, cluster.n_stages, cluster.n_virtual,
                                    placement=schedule_placement(cluster.schedule))
-        check_tied_placement(model.tie_embeddings, partition)
         plan = plan_for_model(model, partition, cache)
         costs = project_costs(model, partition, plan, tokens=tokens, dtype_bytes=dtype_bytes, cluster=cluster)
         schedule = build_schedule(cluster.schedule, cluster.n_stages, cluster.n_virtual, cluster.n_microbatches)

@@ -9,7 +9,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from attnres_pp.comm.partition import check_tied_placement, make_partition
+from attnres_pp.comm.partition import make_partition, tied_copy_ranks
 from attnres_pp.config_tables import from_table, to_table
 from attnres_pp.launch.resolve import (
     DEVICES,
@@ -173,10 +173,7 @@ class RunConfig:
         if check_sizes is not None:  # one error line before any rank starts, not one per rank
             check_sizes(self.pipeline.stages, self.pipeline.virtual, m)
         self.model.check_tensor_split(self.pipeline.tensor_parallel, sequence_parallel=self.pipeline.sp)
-        if self.model.tie_embeddings and self.pipeline.stages > 1:  # one error line before any rank starts
-            pipe = self.pipeline
-            check_tied_placement(True, make_partition(self.model.n_layers, pipe.stages, pipe.virtual, pipe.layer_counts,
-                                                      placement=schedule_placement(pipe.schedule)))
+        check_tied_copies(self.model, self.train, self.pipeline)
         check_fault_tolerance(self.train, self.pipeline)
         check_experts(self.model, self.pipeline, self.train)
         if self.pipeline.layer_counts is not None and sum(self.pipeline.layer_counts) != self.model.n_layers:
@@ -245,6 +242,20 @@ def check_experts(cfg: ModelConfig, pipe: PipelineConfig, train: TrainConfig) ->
         raise ValueError(f"--fault-tolerance {train.fault_tolerance} with --expert-parallel {ep} is not supported: "
                          "an expert-parallel group spans replicas, so a lost replica takes experts its peers "
                          "need; use --expert-parallel 1")
+
+
+def check_tied_copies(model: ModelConfig, train: TrainConfig, pipe: PipelineConfig) -> None:
+    """ValueError for tied embeddings whose two copies (the embedding on the first pipeline rank, the
+    LM head on the last: `comm.partition.tied_copy_ranks`) a part of this run would not keep equal:
+    replica groups (`train.ft_worker` syncs its own gradients, without the embedding group)."""
+    if not model.tie_embeddings or pipe.stages == 1:
+        return
+    partition = make_partition(model.n_layers, pipe.stages, pipe.virtual, pipe.layer_counts,
+                               placement=schedule_placement(pipe.schedule))
+    if tied_copy_ranks(True, partition) and train.fault_tolerance != "off":
+        raise ValueError("--tie-embeddings with --fault-tolerance replicas needs the embedding and the LM head on one "
+                         "pipeline rank: use --stages 1 or a V-shaped schedule (zbv, dualpipev, v_half, v_min), or "
+                         "drop one of the two flags")
 
 
 def check_fault_tolerance(train: TrainConfig, pipe: PipelineConfig) -> None:

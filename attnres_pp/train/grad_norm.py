@@ -10,6 +10,8 @@ those mesh axes, so every parameter is counted once:
     FSDP2 shards of a tp-split weight ((dp, tp) shards)                 ("world",)
     expert-parallel routed experts (EP ranks hold disjoint experts)     ("ep", "pp")
 
+Of a tied embedding held by two pipeline ranks the first rank's copy counts: the caller leaves the
+last rank's, equal after the embedding group's sum, out of `untied` (`grad_sync.TiedEmbedding.counted`).
 Partial sums whose remaining axes agree are added before they are reduced, so a layout costs one
 all-reduce per axis (plain: one over pp). Every rank of a run builds the same groups, empty ones
 included, so every rank calls the same collectives in the same order. Sums are float64; a DTensor

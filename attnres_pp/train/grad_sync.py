@@ -5,12 +5,17 @@
 - MSAR's tied stream convolutions, which every rank holds, are summed over the P ranks of a replica
   (each rank adds what its own reads contributed) and averaged over the D replicas: one all-reduce
   over every rank, divided by D;
+- tied embeddings whose embedding and LM head sit on two pipeline ranks (`comm.partition.tied_copy_ranks`)
+  have one copy of the matrix on each; once each copy is averaged over the replicas (or
+  reduce-scattered by fsdp, which gives both ranks the same rows), the two are summed between the
+  two ranks (the "embed" group: Megatron's embedding group), so both hold the single process's gradient;
 - under expert parallelism a routed expert's gradient on its holder already sums the contributions
   of every token of its EP group (the all-to-all's backward brought them), so the D / EP ranks that
   hold the same experts sum theirs ("edp") and divide by D: the mean over the global batch;
 - the clipping norm is the whole model's: each rank's squared norm of its own untied gradients is
   summed over its replica (the D replicas hold equal averaged gradients, so one replica counts
-  each once), and the tied gradients, equal on every rank after their reduction, are added once.
+  each once), and the tied gradients, equal on every rank after their reduction, are added once;
+  of a tied embedding's two copies only the first rank's counts (`grad_norm.norm_groups`).
 
 Each replica's loss is the mean over its m microbatches, so averaging over D gives the mean over
 every token of the global batch: the single process's loss and gradients.
@@ -23,6 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from attnres_pp.comm.partition import Partition, tied_copy_ranks
 from attnres_pp.pipeline.mesh import Collectives
 from attnres_pp.train.optim import local_shard, sum_of_squares
 
@@ -90,6 +96,41 @@ def sync_gradients(untied: list[nn.Parameter], tied: list[nn.Parameter], collect
             _reduce_flat(bucket, collectives, "dp", data_parallel)
     if tied:
         _reduce_flat(tied, collectives, "world", data_parallel * tied_copies)
+
+
+class TiedEmbedding:
+    """A rank's part in keeping a tied embedding's two copies equal (`comm.partition.tied_copy_ranks`):
+    its copy is the embedding's on the first pipeline rank, the LM head's on the last; other ranks, and
+    runs where one rank holds the one matrix, have none. `across_ranks`: the run has two copies (every
+    rank then joins the making of the "embed" groups, `pipeline.mesh`)."""
+
+    def __init__(self, tie_embeddings: bool, partition: Partition, pp_rank: int) -> None:
+        self.ranks = tied_copy_ranks(tie_embeddings, partition)
+        self.across_ranks = bool(self.ranks)
+        self.pp_rank = pp_rank
+
+    def copies(self, params: dict[str, nn.Parameter]) -> list[nn.Parameter]:
+        """This rank's copy among its parameters (by whole-model name), or []."""
+        if self.pp_rank not in self.ranks:
+            return []
+        return [params[n] for n in ("embed.tok.weight", "head.lm_head.weight") if n in params]
+
+    def counted(self, params: dict[str, nn.Parameter], untied: list[nn.Parameter]) -> list[nn.Parameter]:
+        """`untied` without the copy the clipping norm leaves to the first rank (the last rank's, equal
+        to it after `sync`): the matrix counts once."""
+        if not self.ranks or self.pp_rank != self.ranks[1]:
+            return untied
+        skip = {id(p) for p in self.copies(params)}
+        return [p for p in untied if id(p) not in skip]
+
+    def sync(self, params: dict[str, nn.Parameter], collectives: Collectives) -> None:
+        """The embedding group: this rank's copy summed with the other rank's, after the dp reduction
+        (fsdp's reduce-scatter gives the two ranks the same rows); both then hold the gradient of the
+        one matrix, the single process's."""
+        copies = self.copies(params)
+        if copies:
+            ensure_grads(copies)
+            reduce_flat(copies, lambda flat: collectives.all_reduce(flat, "embed"))
 
 
 def sync_expert_gradients(experts: list[nn.Parameter], collectives: Collectives, data_parallel: int,

@@ -12,7 +12,7 @@ every rank) hold, so each key is written once, by one rank, into that rank's own
 exactly the keys of the parameters it holds, so a checkpoint loads into any launcher and any split
 (stages, virtual stages, data parallelism, tensor parallelism, layer counts): DCP reads each tensor
 from whichever file has it (the fused qkv weights of a tp run are stored whole: `train.tp_rank`).
-Only a changed model cannot load (names or shapes differ; the error says so).
+Only a changed model cannot load (names or shapes differ; the error says so). A tied head's copy: `tied_keys`.
 A rank's RNG state belongs to what it holds, not to its global rank: the stream is named by the
 rank's data-parallel replica and the layers of its chunks (`dp1.layers0:2,4:6`). A resume at
 another split restores the state of every stream that exists in both splits (same replica, same
@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from attnres_pp.train.checkpoint_check import check_expected, check_metadata
 from attnres_pp.train.metadata_pickle import CheckpointRefused, brief, load_metadata
+from attnres_pp.train.tied_keys import stored, stored_key
 from attnres_pp.train.tp_rank import whole_strided, whole_targets
 
 
@@ -100,7 +101,7 @@ def shard_state(model: torch.nn.Module, params: dict[str, torch.nn.Parameter], o
     state[cpu_key] = torch.get_rng_state()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state[cuda_key] = torch.cuda.get_rng_state()
-    return whole_strided(state)
+    return whole_strided(stored(model, state))
 
 
 def save_shard(step_dir: str | Path, state: dict, *, distributed: bool) -> None:
@@ -365,12 +366,12 @@ def load_shard(step_dir: str | Path, model: torch.nn.Module, params: dict[str, t
     for name in params:
         for field, target in live["state"].get(name, {}).items():
             key = f"optim.{name}.{field}"
-            if key in saved and torch.is_tensor(target):
+            if stored_key(model, key) in saved and torch.is_tensor(target):
                 optim_keys[key] = (name, field)
                 state[key] = target
     own_layout = layout_targets(state) if layout_targets is not None else (lambda loaded: loaded)
-    check_expected(metadata, {key: (tuple(state[key].shape), state[key].dtype) for key in [*params, *optim_keys]},
-                   str(step_dir))
+    shapes = {key: (tuple(state[key].shape), state[key].dtype) for key in [*params, *optim_keys]}
+    check_expected(metadata, stored(model, shapes), str(step_dir))
     # The RNG states are allocated from this process's own (a CUDA one only where CUDA is here to set it).
     rng_targets = {cpu_key: torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -380,9 +381,9 @@ def load_shard(step_dir: str | Path, model: torch.nn.Module, params: dict[str, t
                    str(step_dir))
     for key in rng:
         state[key] = torch.empty_like(rng_targets[key])
-    restore = whole_targets(state)
-    _load(state, reader, step_dir, distributed=distributed)
-    state = own_layout(restore(state))
+    restore, keyed = whole_targets(state), stored(model, state)
+    _load(keyed, reader, step_dir, distributed=distributed)
+    state = own_layout(restore({key: keyed[stored_key(model, key)] for key in state}))
     set_model_state_dict(model, {name: state[name] for name in model_state}, options=_OPTIONS)
     loaded: dict[str, dict[str, torch.Tensor]] = {}
     for key, (name, field) in optim_keys.items():

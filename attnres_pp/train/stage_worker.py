@@ -6,13 +6,12 @@ optimizer, data and runtimes. A rank group (`launch.rank_group`) hosts one per r
 the training layer because it owns the optimiser step and the checkpoint state; the pipeline below
 it provides the chunks, the schedules, the runtime, the transports and the mesh.
 
-Global rank `rank = (dp_rank * P + pp_rank) * T + tp_rank` (`pipeline.mesh`; T = 1 without tensor
-parallelism, `train.tp_rank`). A rank builds only its own chunks (the rest of the model
-stays on the meta device, with no storage), initialised by whole-model name and the run's seed, so
-its weights equal the single-process model's. It reads its own microbatches by (step, dp_rank)
-(`rank_data`), averages its gradients over its replicas (`grad_sync`), and answers the driver with
-scalars (`step_stats.StepReply`). MSAR stream convolutions are replicated on every rank; their
-gradients are reduced over all ranks (tied parameters) and counted once in the norm.
+Global rank `rank = (dp_rank * P + pp_rank) * T + tp_rank` (`pipeline.mesh`; T = 1 without tp, `train.tp_rank`).
+A rank builds only its own chunks (the rest stays on the meta device), initialised by whole-model name and
+the run's seed: its weights equal the single process's. It reads its own microbatches by (step, dp_rank)
+(`rank_data`), averages its gradients over its replicas (`grad_sync`; MSAR's stream convolutions, on every
+rank, and a tied embedding's copies on the first and last rank, `grad_sync.TiedEmbedding`, are reduced
+between their holders and counted once in the norm) and answers the driver with scalars (`StepReply`).
 
 Device, dtype and kernels come resolved from the driver (`launch.resolve`): a rank never decides
 them. On "cuda" it joins the nccl group on its own GPU, computes in the run's precision (bf16
@@ -50,7 +49,7 @@ from attnres_pp.train.background_save import BackgroundSave
 from attnres_pp.train.config import RunConfig, resolve_training
 from attnres_pp.train.faults import lose_this_rank, rehearse_freeze, rehearse_start_loss
 from attnres_pp.train.grad_norm import norm_groups, norm_reducer
-from attnres_pp.train.grad_sync import ensure_grads, sync_expert_gradients, sync_gradients
+from attnres_pp.train.grad_sync import TiedEmbedding, ensure_grads, sync_expert_gradients, sync_gradients
 from attnres_pp.train.memory_report import grad_bytes, memory_entry, peak_rss_bytes, transport_buffer_bytes
 from attnres_pp.train.optim import build_optimizer, optimizer_step
 from attnres_pp.train.rank_data import MicrobatchLists, RankData
@@ -80,6 +79,7 @@ class StageWorker(ShardSaves, RankHost):
         self.tp_bytes: int | None = None  # what this rank's tp collectives send per step, once counted
         torch.set_num_threads(train.threads)
         self.partition = run_partition(cfg.n_layers, pipe)
+        self.tied_emb = TiedEmbedding(cfg.tie_embeddings, self.partition, self.pp_rank)
         self.model, self.chunks = build_rank_model(cfg, self.partition, self.pp_rank, seed=train.seed,
                                                    backend=train.kernels, precision=train.dtype,
                                                    activation_checkpoint=train.activation_checkpoint,
@@ -105,10 +105,9 @@ class StageWorker(ShardSaves, RankHost):
         self.background_save: BackgroundSave | None = None  # --async-checkpoint's write in flight
 
     def _build_params(self, *, fused: bool) -> None:
-        """This rank's parameters by whole-model name, split into those tied across ranks (MSAR's
-        stream convolutions, reduced over every rank) and the rest, and the optimizer over them
-        (`fused`: the fused AdamW of parameters on a GPU). Built again whenever the parameters
-        become other tensors: tensor-parallel DTensors, FSDP2 shards, or a move to the GPU."""
+        """This rank's parameters by whole-model name, split into those tied across ranks (MSAR's stream convolutions,
+        reduced over every rank) and the rest, and the optimizer over them (`fused`: the fused AdamW of parameters
+        on a GPU). Built again whenever they become other tensors: tp DTensors, FSDP2 shards, or a move to the GPU."""
         self.params = rank_parameters(self.chunks, self.model)
         self.tied = [p for name, p in self.params.items() if name.startswith("stream_convs.")]
         # Expert parallelism's slices of the routed experts: summed over their holders (`grad_sync`).
@@ -169,7 +168,7 @@ class StageWorker(ShardSaves, RankHost):
 
     def make_collectives(self, device: torch.device) -> Collectives:
         """The collectives over the joined process group: the whole ("dp", "pp") mesh."""
-        return MeshCollectives(self.coords, device.type, timeout_s=self.timeout_s)
+        return MeshCollectives(self.coords, device.type, self.timeout_s, embedding_group=self.tied_emb.across_ranks)
 
     def split_layers(self, tp_mesh) -> None:
         """Tensor parallelism (`train.tp_rank`): the chunks' layers split over the tp ranks, so the
@@ -261,14 +260,15 @@ class StageWorker(ShardSaves, RankHost):
                 self.tp.sum_partial_grads(self.untied + self.experts, self.collectives)
             sync_gradients(self.untied, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel,
                            tied_copies=self.tp.tied_copies)
+        self.tied_emb.sync(self.params, self.collectives)
         if self.run_cfg.pipeline.expert_parallel > 1:
             sync_expert_gradients(self.experts, self.collectives, self.run_cfg.pipeline.data_parallel)
         self._grad_bytes = grad_bytes(self.params.values())  # before the optimizer step drops them
 
     def optimizer_step(self, lr: float) -> float:
         """Global-norm clipping and AdamW on synced gradients; returns the whole model's norm."""
-        groups = norm_groups(self.untied, self.tied, is_split=is_split, tensor_parallel=self.tp.active,
-                             fsdp_replicated=self.fsdp.replicated if self.fsdp is not None else None,
+        groups = norm_groups(self.tied_emb.counted(self.params, self.untied), self.tied, is_split=is_split,
+                             tensor_parallel=self.tp.active, fsdp_replicated=getattr(self.fsdp, "replicated", None),
                              experts=self.experts if self.run_cfg.pipeline.expert_parallel > 1 else None)
         return optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip,
                               norm_reducer(groups, self.collectives, self.device))

@@ -46,11 +46,16 @@ def test_predicted_held_bytes_equal_a_real_run(tmp_path, schedule, virtual, dp_s
 
 
 # The layer recipe (docs/spec.md section 11) in the held bytes: multi-query heads with QK-norm and
-# tied embeddings (V-shaped: the embedding and the head on rank 0), and grouped heads under FSDP2.
+# tied embeddings (V-shaped: the embedding and the head on rank 0; interleaved: a copy on each of the
+# first and the last rank, replicated and under FSDP2), and grouped heads under FSDP2.
 RECIPE_RUNS = (("zbv", "replicate", ["--kv-heads", "1", "--qk-norm", "--tie-embeddings"],
                 {"n_kv_heads": 1, "qk_norm": True, "tie_embeddings": True}),
                ("zbv", "fsdp", ["--kv-heads", "1", "--qk-norm", "--mlp", "gelu"],
-                {"n_kv_heads": 1, "qk_norm": True, "mlp": "gelu"}))
+                {"n_kv_heads": 1, "qk_norm": True, "mlp": "gelu"}),
+               # tied on the loop placement: the last rank holds the LM head's copy of the matrix
+               ("interleaved_1f1b", "fsdp", ["--tie-embeddings"], {"tie_embeddings": True}),
+               ("interleaved_1f1b", "replicate", ["--tie-embeddings", "--kv-heads", "1"],
+                {"tie_embeddings": True, "n_kv_heads": 1}))
 
 
 @pytest.mark.parametrize("schedule,dp_shard,flags,recipe", RECIPE_RUNS)

@@ -1,7 +1,8 @@
 """Every model outside the Llama recipe (each AttnRes variant, learned positions, GELU) exported with
 its code: `AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)` gives our logits and
-our greedy tokens. Parameters are randomised first (depth queries, gates, norms, conv taps), so that
-every read is far from the plain mean a freshly trained model's almost-zero queries give."""
+our greedy tokens, with transformers' key/value cache (and MSAR's convolution history) and without.
+Parameters are randomised first (depth queries, gates, norms, conv taps), so that every read is far
+from the plain mean a freshly trained model's almost-zero queries give."""
 
 from __future__ import annotations
 
@@ -54,6 +55,33 @@ def randomized(cfg: ModelConfig, seed: int) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _input_lengths(theirs) -> list[int]:
+    """The length of `input_ids` at each call of `theirs`' forward from now on."""
+    seen, forward = [], theirs.forward
+
+    def counted(input_ids, *args, **kwargs):
+        seen.append(input_ids.shape[1])
+        return forward(input_ids, *args, **kwargs)
+
+    theirs.forward = counted
+    return seen
+
+
+def assert_cached_logits(ours: Transformer, theirs, idx_BT: torch.Tensor) -> None:
+    """A prefill of 5 positions, then passes of 3, 1 and 3 more (past > 0 with several new positions:
+    the causal mask across the cache), over transformers' DynamicCache: the logits of every position
+    equal ours on the whole sequence (fp32, 1e-5 of the largest)."""
+    from transformers import DynamicCache
+
+    cache, edges = DynamicCache(), [0, 5, 8, 9, 12, idx_BT.shape[1]]
+    with torch.no_grad():
+        passes = [theirs(idx_BT[:, a:b], cache=cache).logits for a, b in zip(edges[:-1], edges[1:], strict=True)]
+        got = torch.cat(passes, dim=1)
+        want = ours(idx_BT)
+    assert cache.get_seq_length() == idx_BT.shape[1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
 def load_sharded(folder, shards: list[str]) -> dict:
     tensors = {}
     for shard in shards:
@@ -74,10 +102,18 @@ def test_remote_code_gives_our_logits_and_greedy_tokens(variant, tmp_path):
     assert_same_logits(ours, theirs, idx)
     with torch.no_grad():  # transformers' convention: labels are the inputs, shifted inside
         torch.testing.assert_close(theirs(idx, labels=idx).loss, ours(idx[:, :-1], idx[:, 1:]), rtol=1e-5, atol=0)
-    prompt = tokens(cfg.vocab_size, 1, 5, seed=2)
+    prompt = tokens(cfg.vocab_size, 2, 5, seed=2)
     want = greedy(ours, prompt, 11)
-    assert hf_greedy(theirs, prompt, 11) == want
-    assert hf_greedy(theirs, prompt, 11, use_cache=True) == want  # asked for a cache: still the whole sequence
+    seen = _input_lengths(theirs)
+    assert hf_greedy(theirs, prompt, 11) == want  # with the cache (the default): one new token a step
+    assert seen == [5] + [1] * 10, seen
+    seen.clear()
+    assert hf_greedy(theirs, prompt, 11, use_cache=False) == want  # the whole sequence every step
+    assert seen == list(range(5, 16)), seen
+    assert_cached_logits(ours, theirs, tokens(cfg.vocab_size, 2, 16, seed=3))
+    if cfg.residual == "msar":  # beam search reorders the convolution history with the keys and values
+        beams = {"num_beams": 3, "num_return_sequences": 3}
+        assert hf_greedy(theirs, prompt, 11, **beams) == hf_greedy(theirs, prompt, 11, use_cache=False, **beams)
     if cfg.tie_embeddings:
         assert theirs.head.lm_head.weight.data_ptr() == theirs.embed.tok.weight.data_ptr()
 

@@ -24,6 +24,10 @@ What the list holds, group by group (a case in two groups is listed once):
   schedules whose first and last chunks share a rank), and the recipe of every checkpoint written
   before (learned positions, GELU), each variant on the loop and the V layouts, under both
   checkpointing policies, and in float64.
+- TIED_CASES: tied embeddings on every schedule (tests/parity/test_tied_embeddings.py runs them on
+  rank-local models: the loop placement's first and last ranks each hold a copy of the matrix, summed
+  by the embedding group; the V placement's one rank holds one), cached and naive, P = 2 and 3, under
+  checkpointing, and in float64.
 - MOE_CASES: mixtures of experts (a dense first layer, routed and shared experts, the aux loss in
   the backward; a sigmoid router with one expert per token), every variant on the loop and V
   layouts, both checkpointing policies, one rank, and float64.
@@ -218,6 +222,23 @@ RECIPE_CASES = [
       for layout, policy in ((_AC_SPLIT, "full"), (_AC_FUSED, "selective"))),
     *(_case(layout, variant, recipe=recipe, dtype="float64") for recipe in ("grouped", "mqa-tied", "legacy")
       for variant, layout in (("block", _V_LAYOUTS[1]), ("lr_projected", _V_LAYOUTS[0]), ("msar", _V_LAYOUTS[1]))),
+]
+
+# Tied embeddings with the embedding and the head on two ranks (loop placement) on every loop schedule,
+# blocks across chunk edges and not, cached and naive, P = 3, checkpointing, float64; and on the V
+# schedules, whose first and last chunks share a rank (one parameter, no embedding group).
+_TIED_LOOP = [("1f1b", 2, 1, 3, 4, 4), ("1f1b", 3, 1, 4, 5, 3), ("gpipe", 2, 2, 3, 5, 3),
+              ("interleaved_1f1b", 2, 2, 4, 4, 2), ("zb_h1", 3, 1, 4, 6, 2), ("interleaved_zb", 3, 2, 4, 7, 5)]
+TIED_CASES = [
+    *(_case(layout, variant, recipe="mqa-tied", cache=cache) for layout in _TIED_LOOP
+      for variant, cache in (("block", True), ("msar", False))),
+    _case(_TIED_LOOP[3], "standard", recipe="mqa-tied"),
+    _case(_AC_FUSED, "lr_projected", recipe="mqa-tied", policy="selective"),
+    _case(("zb_h1", 2, 1, 2, 4, None), "block", recipe="mqa-tied", policy="full"),
+    *(_case(layout, variant, recipe="mqa-tied", dtype="float64") for variant, layout in (
+        ("block", _TIED_LOOP[1]), ("msar", _TIED_LOOP[3]), ("lr_sliced", _TIED_LOOP[5]))),
+    *(_case(layout, "block", recipe="mqa-tied", cache=False) for layout in (
+        *_V_LAYOUTS, ("v_half", 2, 2, 4, 4, 2), ("v_min", 2, 2, 5, 4, 2))),
 ]
 
 # Mixtures of experts: every variant on the loop and V layouts (the fused and the split backward),

@@ -58,7 +58,8 @@ def test_a_checkpoint_from_before_the_recipe_resumes_and_generates_as_it_was_tra
     (["--positions", "alibi"], "ModelConfig.positions='alibi' is invalid: choose one of rope, learned"),
     (["--mlp", "relu"], "ModelConfig.mlp='relu' is invalid: choose one of swiglu, gelu"),
     (["--heads", "16"], "rotary positions need an even head dimension"),
-    (["--tie-embeddings", "--stages", "2"], "--tie-embeddings needs the embedding and the LM head on one pipeline"),
+    (["--tie-embeddings", "--stages", "2", "--data-parallel", "2", "--fault-tolerance", "replicas"],
+     "--tie-embeddings with --fault-tolerance replicas needs the embedding and the LM head on one pipeline rank"),
     (["--kv-heads", "1", "--tensor-parallel", "2", "--device", "cpu"],
      "--tensor-parallel 2 does not divide the 1 key/value heads (--kv-heads)"),
 ])

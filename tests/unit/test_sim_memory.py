@@ -49,9 +49,8 @@ RECIPES = {
 }
 
 
-# Tied embeddings need the embedding and the head on one rank: V-shaped placement only.
-PLACED_RECIPES = [(placement, recipe) for placement in ("loop", "vshape") for recipe in sorted(RECIPES)
-                  if placement == "vshape" or not RECIPES[recipe].get("tie_embeddings")]
+# Tied embeddings: one matrix on rank 0 (V-shaped), or a copy on each of the first and last rank (loop).
+PLACED_RECIPES = [(placement, recipe) for placement in ("loop", "vshape") for recipe in sorted(RECIPES)]
 
 
 @pytest.mark.parametrize("residual,key_mode", VARIANTS)

@@ -11,9 +11,11 @@ emitted (projected); MSAR reads m streams, causal depthwise convolutions of each
 sequence with that source's taps, and gates them into one. A final read feeds the output norm.
 With experts, the MLP of every layer from `moe_dense_layers` on is a mixture of experts (`MoE`).
 
-Imports only torch and transformers. Generation recomputes the whole sequence at every new token
-(no key/value cache: `use_cache` is ignored); sequences hold at most `seq_len` tokens under learned
-positions, and padding is not supported (a batch holds sequences of one length).
+Imports only torch and transformers. Generation keeps transformers' key/value cache (`DynamicCache`:
+each layer's keys and values) and, under MSAR, each reading site's convolution history on the same
+object (`cache_attnres`), so a new token runs through the model alone; with `use_cache=False` every
+step runs the whole sequence again (the same tokens). Sequences hold at most `seq_len` tokens under
+learned positions, and padding is not supported (a batch holds sequences of one length).
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ import torch
 import torch.nn.functional as F
 import transformers
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .cache_attnres import ConvHistory, past_length, reorder, site_history
 from .configuration_attnres import AttnResConfig
 
+# The output's cache field: `cache` in transformers 5's later releases, `past_key_values` before.
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 # A tied LM head reads the token embedding's matrix; transformers 5 names the pair, 4 the tied one.
 _TIED = {"head.lm_head.weight": "embed.tok.weight"}
 
@@ -82,11 +87,13 @@ class DepthRead(nn.Module):
     def scoring_query(self) -> torch.Tensor:
         return self.query if self.key_gain is None else self.query * self.key_gain
 
-    def forward(self, sources: list[torch.Tensor], conv_ids: list[int], convs: nn.Module | None) -> torch.Tensor:
-        """h [B, T, d]: softmax over the sources (packed [B, T, W]) of q . RMSNorm(key), times the values."""
+    def forward(self, sources: list[torch.Tensor], conv_ids: list[int], convs: nn.Module | None,
+                history: ConvHistory | None = None) -> torch.Tensor:
+        """h [B, T, d]: softmax over the sources (packed [B, T, W]) of q . RMSNorm(key), times the values.
+        `history`: MSAR's earlier positions of each source at this site (generation with a cache)."""
         cfg, d = self.cfg, self.cfg.d_model
         if cfg.residual == "msar":
-            return self._streams(sources, conv_ids, convs)
+            return self._streams(sources, conv_ids, convs, history)
         values = [s[..., :d] for s in sources]
         if cfg.residual == "lr_attnres":
             keys = [s[..., d:] if cfg.key_mode == "projected" else s[..., d - cfg.key_rank:d] for s in sources]
@@ -99,11 +106,15 @@ class DepthRead(nn.Module):
         weights = torch.softmax(scores, dim=-1)
         return sum(weights[..., i:i + 1] * v.float() for i, v in enumerate(values)).to(values[0].dtype)
 
-    def _streams(self, sources, conv_ids, convs) -> torch.Tensor:
-        """MSAR: stream s reads causal-convolution views of the sources; a gate mixes the streams."""
+    def _streams(self, sources, conv_ids, convs, history) -> torch.Tensor:
+        """MSAR: stream s reads causal-convolution views of the sources (over the kept positions too,
+        then the new ones taken); a gate mixes the streams."""
+        seq = sources[0].shape[1]
+        full = sources if history is None else [history.extend(j, v) for v, j in zip(sources, conv_ids, strict=True)]
         queries, z = self.scoring_query(), []
         for s in range(queries.shape[0]):
-            views = [v if s == 0 else convs.stream(j, s, v) for v, j in zip(sources, conv_ids, strict=True)]
+            views = [v if s == 0 else convs.stream(j, s, f)[:, f.shape[1] - seq:]
+                     for v, f, j in zip(sources, full, conv_ids, strict=True)]
             z.append(self._attend(views, views, queries[s]))
         flat = rms(torch.cat(z, dim=-1), self.cfg.norm_eps)
         gate = torch.sigmoid(self.gate_alpha * (flat @ self.gate_weight.float()) + self.gate_bias)
@@ -146,7 +157,9 @@ class Attention(nn.Module):
         if cfg.residual != "standard":
             self.read = DepthRead(cfg)
 
-    def forward(self, h_BTD: torch.Tensor) -> torch.Tensor:
+    def forward(self, h_BTD: torch.Tensor, cache=None, layer_idx: int = 0, past: int = 0) -> torch.Tensor:
+        """`cache`: transformers' key/value cache, holding this layer's (`layer_idx`) first `past`
+        positions; the new positions attend to them and to each other causally."""
         cfg, (batch, seq, _), e, group = self.cfg, h_BTD.shape, self.head_dim, self.group
         blocks = self.qkv(self.norm(h_BTD)).view(batch, seq, group + 2, self.kv_heads, e)
         q = blocks[:, :, :group].permute(0, 3, 2, 1, 4).reshape(batch, cfg.n_heads, seq, e)
@@ -154,10 +167,17 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.positions == "rope":
-            positions = torch.arange(seq, device=h_BTD.device)
+            positions = torch.arange(past, past + seq, device=h_BTD.device)
             q, k = rotate(q, positions, cfg.rope_theta), rotate(k, positions, cfg.rope_theta)
+        if cache is not None:
+            k, v = cache.update(k, v, layer_idx)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if past == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # query i (at past + i) sees keys 0 .. past + i
+            query_pos = torch.arange(past, past + seq, device=q.device)[:, None]
+            allowed = torch.arange(past + seq, device=q.device) <= query_pos
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, cfg.d_model))
 
 
@@ -287,15 +307,9 @@ class AttnResForCausalLM(PreTrainedModel, GenerationMixin):
             self.head.lm_head.weight = self.embed.tok.weight
         self.post_init()
 
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        return False  # no key/value cache: generate must not make one
-
-    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
-                                      **kwargs) -> dict:
-        """The whole sequence at every step, whatever `use_cache` says: a cache handed to `forward`
-        would make generate pass only the new token, which this model cannot continue from."""
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+    def _reorder_cache(self, cache, beam_idx: torch.LongTensor):
+        """Beam search's row order applied to the keys, values and MSAR's convolution history."""
+        return reorder(cache, beam_idx)
 
     def _init_weights(self, module: nn.Module) -> None:
         """Nothing: every parameter comes from the exported weights."""
@@ -306,42 +320,55 @@ class AttnResForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Module:
         return self.head.lm_head
 
-    def hidden(self, idx_BT: torch.Tensor) -> torch.Tensor:
-        """The hidden state that enters the output norm, [B, T, d]."""
-        cfg, d = self.config, self.config.d_model
-        if cfg.positions == "learned" and idx_BT.shape[1] > cfg.seq_len:
-            raise ValueError(f"{idx_BT.shape[1]} tokens exceed the {cfg.seq_len} positions this model learned")
+    def hidden(self, idx_BT: torch.Tensor, cache=None) -> torch.Tensor:
+        """The hidden state that enters the output norm, [B, T, d]; `cache` (generation) holds the
+        sequence's earlier positions, `idx_BT` its next ones."""
+        cfg, d, past = self.config, self.config.d_model, past_length(cache)
+        if cfg.positions == "learned" and past + idx_BT.shape[1] > cfg.seq_len:
+            raise ValueError(f"{past + idx_BT.shape[1]} tokens exceed the {cfg.seq_len} positions this model learned")
         o_emb = self.embed.tok(idx_BT)
         if cfg.positions == "learned":
-            o_emb = o_emb + self.embed.pos(torch.arange(idx_BT.shape[1], device=idx_BT.device))
+            o_emb = o_emb + self.embed.pos(torch.arange(past, past + idx_BT.shape[1], device=idx_BT.device))
         sublayers = [getattr(layer, part) for layer in self.layers for part in ("attn", "mlp")]
+
+        def run(l: int, h: torch.Tensor) -> torch.Tensor:  # attention sublayers read and extend the cache
+            return sublayers[l](h, cache, l // 2, past) if l % 2 == 0 else sublayers[l](h)
+
         if cfg.residual == "standard":
             h = o_emb
-            for sublayer in sublayers:
-                h = h + sublayer(h)
+            for l in range(len(sublayers)):
+                h = h + run(l, h)
             return h
+        keep = max(cfg.stream_kernels) - 1 if cfg.residual == "msar" else 0
         emit = width(cfg) > d  # projected keys are RMS-normalised as they are emitted, before block sums
         if emit:
             o_emb = torch.cat([o_emb, rms(self.embed.key_proj(o_emb), cfg.norm_eps).to(o_emb.dtype)], dim=-1)
         blocks, partial = [o_emb], None
         for l, sublayer in enumerate(sublayers):
             sources = blocks + ([] if partial is None else [partial])
-            out = sublayer(sublayer.read(sources, list(range(len(sources))), self.stream_convs))
+            read = sublayer.read(sources, list(range(len(sources))), self.stream_convs, site_history(cache, l, keep))
+            out = run(l, read)
             if emit:
                 out = torch.cat([out[..., :d], rms(out[..., d:], cfg.norm_eps).to(out.dtype)], dim=-1)
             partial = out if partial is None else partial + out
             if l + 1 in cfg.block_ends:
                 blocks, partial = blocks + [partial], None
-        return self.head.read(blocks, list(range(len(blocks))), self.stream_convs)
+        return self.head.read(blocks, list(range(len(blocks))), self.stream_convs,
+                              site_history(cache, len(sublayers), keep))
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None,
-                labels: torch.LongTensor | None = None, **kwargs) -> CausalLMOutputWithPast:
-        """Logits of every position (the whole sequence, every call: no cache), and with `labels` the
-        mean next-token loss (labels shifted inside, -100 ignored)."""
+                labels: torch.LongTensor | None = None, cache=None, past_key_values=None, use_cache: bool | None = None,
+                **kwargs) -> CausalLMOutputWithPast:
+        """Logits of `input_ids`' positions, and with `labels` the mean next-token loss (labels shifted
+        inside, -100 ignored). `cache` (transformers 5; `past_key_values` before): the earlier positions'
+        keys, values and convolution history, extended by these; `use_cache` without one starts one."""
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("padded batches are not supported: give sequences of one length, unpadded")
-        logits = self.head.lm_head(self.head.norm(self.hidden(input_ids)))
+        cache = cache if cache is not None else past_key_values
+        if cache is None and use_cache:
+            cache = DynamicCache()
+        logits = self.head.lm_head(self.head.norm(self.hidden(input_ids, cache)))
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **({_CACHE_FIELD: cache} if cache is not None else {}))
