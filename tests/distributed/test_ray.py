@@ -1,14 +1,13 @@
 """The Ray launcher end to end: recovery from a lost actor ends with the undisturbed losses (and the
 other launchers'), tensor-parallel groups placed as one bundle each (training and generation at
-T = 2 under PACK), D = 2 x P = 2 reading a data file, generation's greedy tokens, a placement no node
-can hold and a rank's set-up refusal (the restart limit, which no launcher changes:
-tests/unit/test_checkpoint.py; the private instance a run starts itself, its token authentication
-and Ctrl-C, on one D = 2 x P = 2 run: test_ray_private_auth.py).
+T = 2 under PACK), generation's greedy tokens, a placement no node can hold, a rank's set-up
+refusal and the private local instance (the restart limit, which no launcher changes:
+tests/unit/test_checkpoint.py; its token authentication and Ctrl-C, on one run: test_ray_private_auth.py).
 A real cluster job (a head started with `ray start`, token
 authentication on, a job submitted with `ray job submit`, refused without the token) is
 test_multihost.py's first test, on two hosts.
 
-The tests share one local Ray instance of 4 logical CPUs (the Ray rank group joins an
+Most tests share one private local Ray instance of 4 logical CPUs (the Ray rank group joins an
 initialised Ray and leaves it running), so Ray's start-up is paid once.
 """
 
@@ -16,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +31,8 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 
 REPO = Path(__file__).resolve().parents[2]
+# This checkout's CLI, whatever `attnres-pp` on the PATH would run (an editable install elsewhere).
+CLI = [sys.executable, "-m", "attnres_pp.cli"]
 TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
         "--microbatches", "2", "--stages", "2", "--virtual", "2", "--eval-every", "3"]
 
@@ -233,26 +236,29 @@ def test_a_setup_refusal_through_ray_is_one_line_as_under_the_local_launcher(loc
                                "hop slots (detail)")
 
 
-@SHARED_RAY
-def test_data_parallel_pipeline_through_ray_actors(local_ray, tmp_path):
-    """D = 2 replicas x P = 2 ranks: four actors placed by one placement group, each end rank reading
-    its own share of a data file, ending with the in-process launcher's losses, with scalars only
-    between the driver and the actors. The private instance a run starts itself (a CPU per rank on
-    this 2-core machine, listening on 127.0.0.1 only, the ranks' gloo on loopback) runs this same
-    D = 2 x P = 2 layout in test_ray_private_auth.py, which starts it once for all of its checks."""
+def test_data_parallel_pipeline_on_the_private_local_ray_instance(tmp_path):
+    """D = 2 replicas x P = 2 ranks: four actors placed by one placement group on a 2-core machine (the
+    private instance offers a CPU per rank, and listens on 127.0.0.1 only), ending with the in-process
+    launcher's losses, with scalars only between the driver and the actors."""
     data = tmp_path / "corpus.txt"  # a small file: each end rank reads its own share of it
     data.write_text("".join(p.read_text() for p in sorted((REPO / "attnres_pp" / "train").glob("*.py"))))
     layout = [*TINY, "--virtual", "1", "--batch-size", "8", "--data-parallel", "2", "--steps", "3",
               "--data", str(data), "--quiet"]
     assert main(["train", *layout, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
-    assert main(["train", *layout, "--launcher", "ray", "--out", str(tmp_path / "ray")]) == 0
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])), RAY_DEDUP_LOGS="0")
+    run = subprocess.run([*CLI, "train", *layout, "--launcher", "ray", "--out", str(tmp_path / "ray")], env=env,
+                         cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
-    assert summary["config"]["pipeline"]["launcher"] == "ray"
     assert_same_losses(summary["losses"], losses(tmp_path / "inproc"))
     assert summary["data_parallel"] == 2 and len(summary["params_per_rank"]) == 2
     assert sum(summary["params_per_rank"]) == summary["params"]
     assert 0 < summary["driver_bytes_per_step"] < 4096
     assert len(summary["cache_peak_bytes_per_rank"]) == 4
+    assert "StageActor rank=3 (dp 1, pp 1)" in run.stdout + run.stderr
+    # The private instance is the machine's alone: its node, and so the ranks' gloo, on loopback.
+    assert ", node 127.0.0.1 (" in run.stdout + run.stderr and ", lo)" in run.stdout + run.stderr
 
 
 def test_multinode_example_config_loads():

@@ -1,13 +1,11 @@
 """The private local Ray instance a run starts (`attnres-pp train --launcher ray` without an
-address): it offers a CPU per rank (D = 2 x P = 2: four actors on this 2-core machine), listens on
-127.0.0.1 only (the ranks' gloo too, on loopback), requires Ray's token authentication (Ray 2.60
-turns it on for a new local cluster, with the user's token in ~/.ray/auth_token), and Ctrl-C stops
-it with the actors. One run serves all of these, so the instance is started once: while it trains,
-a client without a token and one with a wrong token are refused, one with the user's token is
-accepted (each probe a real client of the instance's GCS, in its own process; the run's HOME is a
-fresh folder, where Ray makes the token, readable by the user only); then SIGINT to its process
-group, as a terminal sends it, ends the command with 130 and every process it started (Ray's and the
-actors). The same layout's losses on a running instance: test_ray.py."""
+address): it requires Ray's token authentication (Ray 2.60 turns it on for a new local cluster,
+with the user's token in ~/.ray/auth_token), and Ctrl-C stops it with the actors. One run serves
+both, so the instance is started once: while it trains, a client without a token and one with a
+wrong token are refused, one with the user's token is accepted (each probe a real client of the
+instance's GCS, in its own process; the run's HOME is a fresh folder, where Ray makes the token,
+readable by the user only); then SIGINT to its process group, as a terminal sends it, ends the
+command with 130 and every process it started (Ray's and the actors)."""
 
 from __future__ import annotations
 
@@ -27,9 +25,8 @@ pytestmark = pytest.mark.ray
 
 REPO = Path(__file__).resolve().parents[2]
 CLI = [sys.executable, "-m", "attnres_pp.cli"]
-# D = 2 replicas x P = 2 ranks: four actors, more than this machine's cores.
-TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "8",
-        "--microbatches", "2", "--stages", "2", "--data-parallel", "2", "--eval-every", "3"]
+TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
+        "--microbatches", "2", "--stages", "2", "--virtual", "2", "--eval-every", "3"]
 
 PROBE = textwrap.dedent("""
     import sys
@@ -55,16 +52,11 @@ def test_the_private_instance_refuses_clients_without_the_token_and_ctrl_c_stops
     reader.start()
     try:
         deadline = time.monotonic() + 120
-        # Training under way (step 2) and the last actor's set-up line forwarded by Ray's log monitor.
-        while not (any(line.startswith("step") and line.split()[1].startswith("2/") for line in list(lines))
-                   and "StageActor rank=3 (dp 1, pp 1)" in "".join(lines)):
+        while not any(line.startswith("step") and line.split()[1].startswith("2/") for line in list(lines)):
             assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-3000:]
             time.sleep(0.2)
         started = _descendants(proc.pid)
-        assert len(started) >= 5, started  # Ray's own processes and the four actors
-        # The private instance is the machine's alone: its node, and so the ranks' gloo, on loopback.
-        said = "".join(lines)
-        assert ", node 127.0.0.1 (" in said and ", lo)" in said, said[-3000:]
+        assert len(started) >= 3, started  # Ray's own processes and the two actors
         addresses = {flag.split("=", 1)[1] for pid in started for flag in _cmdline(pid)
                      if flag.startswith("--gcs-address=")}  # as Ray's own processes are told it
         assert len(addresses) == 1, addresses
