@@ -9,9 +9,10 @@ PYTEST_WORKERS ?= 2
 
 .PHONY: install demo test test-fast lint
 
+# One pip run: the pin and the package resolve together (a second run costs ~3 CPU-s to find torch
+# already there).
 install:
-	$(PIP) install --quiet "$(TORCH_SPEC)"
-	$(PIP) install --quiet -e ".[dev]"
+	$(PIP) install --quiet "$(TORCH_SPEC)" -e ".[dev]"
 
 # The demo run is rewritten each time: a fresh run refuses a folder holding another run's
 # checkpoints (it would otherwise load them on a restart). Continue one with --resume instead.

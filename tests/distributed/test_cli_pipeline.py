@@ -1,5 +1,9 @@
 """`attnres-pp train` pipelined through the local launcher: summary.json carries the measured hop
-counts (equal to the payload plan), bytes, bubble and a Perfetto trace with one row per rank."""
+counts (equal to the payload plan), bytes, bubble and a Perfetto trace with one row per rank. The
+split-backward schedules, DualPipeV and one stage with virtual stages from the command line run on
+thread ranks (`--launcher inprocess`): the same runtime, summary and trace; the rank processes run
+every one of those schedules, and P = 1 with V = 2, 3 and 4, for every variant with every gradient
+compared in test_pipeline_distributed.py (CASES_ZB, CASES_P1)."""
 
 from __future__ import annotations
 
@@ -11,12 +15,11 @@ from attnres_pp.cli import main
 from attnres_pp.comm.partition import make_partition
 from attnres_pp.comm.plan import plan_payloads
 
-pytestmark = pytest.mark.distributed
-
 SMALL = ["--layers", "4", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
          "--steps", "2", "--eval-every", "0", "--quiet"]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("cache", ["on", "off"])
 def test_pipelined_train_writes_measured_hops_bytes_bubble_and_trace(tmp_path, cache):
     out = tmp_path / "run"
@@ -43,14 +46,13 @@ def test_pipelined_train_writes_measured_hops_bytes_bubble_and_trace(tmp_path, c
     assert {"F0.0", "B3.1", "SF0.0", "RF1.0"} <= names
 
 
-@pytest.mark.parametrize("launcher", ["local", "inprocess"])
-def test_one_stage_with_virtual_stages_trains_like_the_single_process(tmp_path, launcher):
+def test_one_stage_with_virtual_stages_trains_like_the_single_process(tmp_path):
     """`--stages 1 --virtual 2`: every hop is a self-hop (in memory, zero bytes), and with blocks
     closing exactly at chunk edges a cached hop carries nothing at all. Same losses as one process."""
     model = ["--residual", "attnres", "--block-size", "4", "--microbatches", "2", *SMALL]
     assert main(["train", "--launcher", "local", "--stages", "1", "--virtual", "1", *model,
                  "--out", str(tmp_path / "single")]) == 0
-    assert main(["train", "--launcher", launcher, "--stages", "1", "--virtual", "2", *model,
+    assert main(["train", "--launcher", "inprocess", "--stages", "1", "--virtual", "2", *model,
                  "--out", str(tmp_path / "piped")]) == 0
     single = json.loads((tmp_path / "single" / "summary.json").read_text())
     piped = json.loads((tmp_path / "piped" / "summary.json").read_text())
@@ -59,16 +61,15 @@ def test_one_stage_with_virtual_stages_trains_like_the_single_process(tmp_path, 
     assert piped["fwd_hop_tensors"] == [0] and piped["bytes_sent_per_step"] == 0
 
 
-@pytest.mark.parametrize("launcher", ["local", "inprocess"])
 @pytest.mark.parametrize(("schedule", "virtual"), [("zb_h1", 1), ("interleaved_zb", 2), ("zbv", 2)])
-def test_zero_bubble_schedules_train_like_the_single_process(tmp_path, launcher, schedule, virtual):
+def test_zero_bubble_schedules_train_like_the_single_process(tmp_path, schedule, virtual):
     """`--schedule zb_h1|interleaved_zb|zbv` from the command line: the split backward (I, W) trains
     to the single process's losses; ZB-V's middle hop (two chunks of rank 1) sends nothing; the
     trace holds I and W actions."""
     model = ["--residual", "attnres", "--block-size", "3", "--microbatches", "3", *SMALL, "--batch-size", "6"]
     assert main(["train", "--launcher", "local", "--stages", "1", "--virtual", "1", *model,
                  "--out", str(tmp_path / "single")]) == 0
-    assert main(["train", "--launcher", launcher, "--stages", "2", "--virtual", str(virtual), "--schedule", schedule,
+    assert main(["train", "--launcher", "inprocess", "--stages", "2", "--virtual", str(virtual), "--schedule", schedule,
                  *model, "--out", str(tmp_path / "piped")]) == 0
     single = json.loads((tmp_path / "single" / "summary.json").read_text())
     piped = json.loads((tmp_path / "piped" / "summary.json").read_text())
@@ -85,15 +86,14 @@ def test_zero_bubble_schedules_train_like_the_single_process(tmp_path, launcher,
     assert {"I0.0", "W0.0"} <= names and not any(n.startswith("B") for n in names)
 
 
-@pytest.mark.parametrize("launcher", ["local", "inprocess"])
-def test_dualpipev_trains_like_the_single_process(tmp_path, launcher):
+def test_dualpipev_trains_like_the_single_process(tmp_path):
     """`--schedule dualpipev` from the command line (m = 2P): fused B in the paired steady state, I
     and W in the drain, the single process's losses, and the V placement's hops (the middle one, two
     chunks of rank 1, sends nothing)."""
     model = ["--residual", "attnres", "--block-size", "3", "--microbatches", "4", *SMALL, "--batch-size", "8"]
     assert main(["train", "--launcher", "local", "--stages", "1", "--virtual", "1", *model,
                  "--out", str(tmp_path / "single")]) == 0
-    assert main(["train", "--launcher", launcher, "--stages", "2", "--virtual", "2", "--schedule", "dualpipev",
+    assert main(["train", "--launcher", "inprocess", "--stages", "2", "--virtual", "2", "--schedule", "dualpipev",
                  *model, "--out", str(tmp_path / "piped")]) == 0
     single = json.loads((tmp_path / "single" / "summary.json").read_text())
     piped = json.loads((tmp_path / "piped" / "summary.json").read_text())

@@ -49,27 +49,25 @@ def test_fsdp_over_gloo_equals_the_replicated_run(tmp_path):
 def test_checkpoints_move_between_fsdp_and_replicate_at_another_split(tmp_path):
     """Block AttnRes under interleaved 1F1B at D = 2, P = 2, V = 2: the fsdp run equals the
     replicated one (losses, and half the state per rank) and resumes at P = 1 under replicate; the
-    replicated run resumes at P = 1 under fsdp; both to the uninterrupted losses."""
-    layout = [*D2P2V2, "--residual", "attnres", "--block-size", "3", "--schedule", "interleaved_1f1b", "--steps", "3"]
-    assert main(["train", *layout, "--launcher", "inprocess", "--out", str(tmp_path / "whole")]) == 0
-    whole = summary(tmp_path / "whole")
+    replicated run (on thread ranks: the reference, and a replicated checkpoint as any launcher
+    writes it) resumes at P = 1 under fsdp; both to the uninterrupted losses."""
+    layout = [*D2P2V2, "--residual", "attnres", "--block-size", "3", "--schedule", "interleaved_1f1b", "--steps", "3",
+              "--checkpoint-every", "2", "--no-final-checkpoint"]  # the resumes continue from step_2
+    replicated, sharded = tmp_path / "replicated", tmp_path / "sharded"
+    assert main(["train", *layout, "--launcher", "inprocess", "--out", str(replicated)]) == 0
+    whole = summary(replicated)
     want = whole["losses"]
-    for name, first, then in (("from_fsdp", ["--dp-shard", "fsdp"], []), ("to_fsdp", [], ["--dp-shard", "fsdp"])):
-        run = tmp_path / name
-        # No final checkpoint: the resume continues from step_2 (with step_3 saved it would have nothing to do).
-        assert main(["train", *layout, "--launcher", "local", *first, "--checkpoint-every", "2",
-                     "--no-final-checkpoint", "--out", str(run)]) == 0
-        first_run = summary(run)
-        assert_same_losses(first_run["losses"], want)  # the uninterrupted run, local launcher, equals replicate's
-        if first:
-            _assert_sharded(whole, first_run, 0.51)
+    assert main(["train", *layout, "--launcher", "local", "--dp-shard", "fsdp", "--out", str(sharded)]) == 0
+    first_run = summary(sharded)
+    assert_same_losses(first_run["losses"], want)
+    _assert_sharded(whole, first_run, 0.51)
+    for run, then in ((sharded, "replicate"), (replicated, "fsdp")):
         (run / "summary.json").unlink()
         assert main(["train", "--resume", str(run), "--launcher", "local", "--stages", "1", "--virtual", "1",
-                     "--schedule", "1f1b", "--dp-shard", "replicate" if not then else "fsdp", "--quiet"]) == 0
-        resumed = summary(run)
-        assert resumed["config"]["pipeline"]["stages"] == 1
-        assert_same_losses(resumed["losses"], want)
-
+                     "--schedule", "1f1b", "--dp-shard", then, "--quiet"]) == 0
+        resumed = summary(run)["config"]["pipeline"]
+        assert (resumed["stages"], resumed["dp_shard"]) == (1, then)
+        assert_same_losses(summary(run)["losses"], want)
 
 
 def test_checkpoints_move_between_fsdp_and_replicate_at_another_d(tmp_path):

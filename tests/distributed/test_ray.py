@@ -202,28 +202,35 @@ def test_a_placement_no_node_can_hold_is_refused_at_once(local_ray, tmp_path, ca
 
 class _SetUpRank:
     """Stands in for a rank actor's process-group set-up: rank 1 refuses it as a rank does whose
-    /dev/shm has no room (SharedMemoryFull is raised on every rank, naming the one without room)."""
+    /dev/shm has no room (SharedMemoryFull is raised on every rank, naming the one without room), and
+    rank 0 gives up because of it, as a real peer does: only once rank 1 has refused (`refused`, a
+    file rank 1 makes first). Without that order a loaded machine could start rank 1's actor after
+    rank 0 had already failed, a failure no real rank 0 makes on its own."""
 
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
+    def __init__(self, rank: int, refused: str) -> None:
+        self.rank, self.refused = rank, Path(refused)
 
     def join_process_group(self, init_method: str, world_size: int) -> dict:
         from attnres_pp.comm.shm_transport import SharedMemoryFull
 
         if self.rank == 1:
+            self.refused.touch()
             raise SharedMemoryFull("rank 1: /dev/shm has no room for this run's shared-memory hop slots\n(detail)")
+        deadline = time.monotonic() + 60
+        while not self.refused.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
         raise RuntimeError("rank 0 gave up: its peer left the set-up")
 
 
 @SHARED_RAY
-def test_a_setup_refusal_through_ray_is_one_line_as_under_the_local_launcher(local_ray):
+def test_a_setup_refusal_through_ray_is_one_line_as_under_the_local_launcher(local_ray, tmp_path):
     """The Ray driver raises a rank's set-up refusal (a ValueError, carried through Ray's task error)
     as `rank R refused to start: ...`, one line that the CLI prints as `error:`, ahead of the other
     ranks' failures it caused, and not as a rendezvous failure or a traceback."""
     from attnres_pp.launch.ray_checks import RendezvousError
     from attnres_pp.launch.ray_rank_group import join_results
 
-    actors = [ray.remote(num_cpus=0)(_SetUpRank).remote(rank) for rank in range(2)]
+    actors = [ray.remote(num_cpus=0)(_SetUpRank).remote(rank, str(tmp_path / "refused")) for rank in range(2)]
     try:
         with pytest.raises(ValueError) as info:
             join_results([a.join_process_group.remote("tcp://10.0.0.1:1", 2) for a in actors], "tcp://10.0.0.1:1",

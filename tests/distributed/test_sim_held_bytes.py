@@ -1,6 +1,9 @@
 """`simulate memory`'s param/grad/optimizer bytes against a real run's `memory_per_rank`: MSAR (its
 tied stream convolutions stay whole under FSDP2) under zbv and interleaved 1F1B at V = 2 and 1F1B,
-replicated and FSDP2 over D = 2, one small local-launcher run per case."""
+replicated and FSDP2 over D = 2, one small run per case: FSDP2's on local rank processes (it needs a
+process group per rank), the replicated ones on thread ranks (`--launcher inprocess`), which hold and
+count what the rank processes do (the same StageWorker, the same partition; D = 2 x P = 2 at zbv
+gives the local launcher's memory_per_rank entry for entry) without starting four processes."""
 
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ def train_argv(schedule: str, virtual: int, dp_shard: str, out) -> list[str]:
             "--seq-len", str(m["seq_len"]), "--residual", "msar", "--block-size", str(m["block_size"]),
             "--batch-size", "8", "--microbatches", "2", "--steps", "1", "--eval-every", "0", "--quiet",
             "--data-parallel", "2", "--stages", "2", "--virtual", str(virtual), "--schedule", schedule,
-            "--dp-shard", dp_shard, "--launcher", "local", "--out", str(out)]
+            "--dp-shard", dp_shard, "--launcher", "local" if dp_shard == "fsdp" else "inprocess", "--out", str(out)]
 
 
 @pytest.mark.parametrize("dp_shard", DP_SHARDS)
