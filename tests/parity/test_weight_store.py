@@ -96,7 +96,7 @@ def test_after_i_only_the_store_is_alive(variant, policy):
     del produced, loss
     held = {}
     for stash in store.products:
-        for t in [stash.grad, *stash.operands.values()]:
+        for t in [stash.grad, *stash.operands]:
             tensor = meter.unpack(t)
             held[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
     for flow in store.flows:
@@ -122,3 +122,39 @@ def test_the_store_lowers_the_checkpointed_split_peak(schedule_name):
         peaks[(retain, policy)] = max(r.activation_peak_bytes for r in records)
     assert peaks[(False, "full")] < 0.8 * peaks[(True, "full")], peaks
     assert peaks[(False, "full")] < peaks[(False, "none")], peaks
+
+
+@pytest.mark.parametrize("path", ["grouped", "loop"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("chunk_index", [1, 3])
+def test_expert_weight_gradients_are_ws_and_equal_the_fused_backward(chunk_index, precision, path, monkeypatch):
+    """A chunk with an MoE layer (routed experts through torch's grouped matmul or its per-expert
+    loop, a shared expert, the router): after I none of their weights has a gradient; after W each
+    equals B's (fp32 to 1e-5; bf16 to the bit: the same bf16 products, cast as B's casts do)."""
+    from attnres_pp.model import moe
+    from attnres_pp.pipeline.split_backward import fused_backward
+    from tests.parity.parity_cases import RECIPES
+
+    if path == "loop":
+        monkeypatch.setattr(moe, "_grouped_mm_fits", lambda *_: False)
+    model, roots, root_grads, inputs = _chunk_graph("block", chunk_index, precision=precision, **RECIPES["moe"])
+    fused_backward(roots, root_grads)
+    want = {k: None if v is None else v.clone() for k, v in _grads(model, inputs).items()}
+
+    model, roots, root_grads, inputs = _chunk_graph("block", chunk_index, precision=precision, **RECIPES["moe"])
+    store = stash_backward_input(roots, root_grads, inputs)
+    kinds = {(s.route.kind, s.route.expert is not None) for s in store.products}
+    assert ("grouped", False) in kinds if path == "grouped" else ("linear", True) in kinds
+    experts = [n for n in want if n.endswith(("experts.gate_up", "experts.down", "router.weight",
+                                              "shared.gate_up.weight", "shared.down.weight")) and want[n] is not None]
+    assert len(experts) == 5 and all(model.get_parameter(n).grad is None for n in experts)  # W's work
+    del roots, root_grads
+    drain_weight_store(store)
+    got = _grads(model, inputs)
+    for name, w in want.items():
+        assert (got[name] is None) == (w is None), name
+        if w is None:
+            continue
+        if precision == "bf16" and name in experts:
+            assert torch.equal(got[name], w), name
+        assert (got[name] - w).abs().max().item() <= 1e-5 * w.abs().max().item() + 1e-8, name
