@@ -158,3 +158,35 @@ def test_expert_weight_gradients_are_ws_and_equal_the_fused_backward(chunk_index
         if precision == "bf16" and name in experts:
             assert torch.equal(got[name], w), name
         assert (got[name] - w).abs().max().item() <= 1e-5 * w.abs().max().item() + 1e-8, name
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("experts", [0, 8])
+def test_the_store_after_i_is_the_simulators_count(experts, precision):
+    """What I leaves (the meter's count of the store) is what the simulator prices for it
+    (`simulator.memory_activation`, `simulator.moe`): each linear layer's and each grouped product's
+    input and output gradient in the compute dtype, bf16 under autocast."""
+    from attnres_pp.comm.partition import make_partition
+    from attnres_pp.model import ModelConfig, Transformer
+    from attnres_pp.model.precision import activation_dtype
+    from attnres_pp.simulator.memory_activation import activation_bytes
+
+    moe = {"moe_experts": experts, "moe_top_k": 2, "moe_shared_experts": 1, "moe_d_ff": 32} if experts else {}
+    cfg = ModelConfig(n_layers=4, d_model=32, n_heads=2, seq_len=16, vocab_size=32, residual="standard", **moe)
+    model = Transformer(cfg, precision=precision)
+    partition = make_partition(cfg.n_layers, 2, 1)
+    io = plan_for_model(cfg, partition, cache=True).chunks[1]
+    chunk = build_rank_chunks(model, partition, 1)[1]
+    g = torch.Generator().manual_seed(0)
+    n_sequences = 4
+    inputs = {s: torch.randn(n_sequences, cfg.seq_len, cfg.d_model, generator=g).to(activation_dtype(precision))
+              .requires_grad_(True) for s in io.received + io.cache_reads}
+    idx = torch.randint(0, cfg.vocab_size, (n_sequences, cfg.seq_len), generator=g)
+    meter = ActivationMeter()
+    meter.set_excluded(model.parameters())
+    produced, loss = chunk(inputs, idx, idx, meter=meter)
+    store = stash_backward_input([loss], [torch.ones_like(loss)], list(inputs.values()), meter=meter)
+    del produced, loss
+    predicted = activation_bytes(cfg, partition, 1, tokens=n_sequences * cfg.seq_len, dtype=precision)
+    assert meter.live_bytes == predicted.stored > 0
+    drain_weight_store(store)
