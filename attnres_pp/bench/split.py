@@ -1,11 +1,14 @@
 """`attnres-pp bench split`: the backward split in I and W against the fused backward B, per chunk.
 
 The benchmark model (Block AttnRes with the cache, and the standard residual), cut into P = 2,
-V = 2 chunks; one process, one thread. Per chunk and round: a forward, then B; a forward, then I
-and W (the runtime's own functions, with its per-chunk cut cache warm: the weight store, and the
-retained-graph twin beside it), in alternating order.
+V = 2 chunks, at a user's step (16 sequences of 64: 1,024 tokens a microbatch), in fp32 and under
+bf16 autocast; one process, one thread. Per chunk and round: a forward, then B; a forward, then I
+and W (the runtime's own functions, with its per-chunk cut cache warm: the weight store, and in
+fp32 the retained-graph twin beside it), in alternating order.
 Both the thread's CPU time (what the split costs in work, little disturbed by other load) and wall
-time are recorded; medians over rounds. Target: I + W within 10% of B.
+time are recorded; medians over rounds. Target: I + W within 5% of B. Beside the times, the
+backward's matrix-product FLOPs counted in I and in W (`bench.split_flops`), for these models and
+a mixture of experts: W's share must not depend on the precision.
 """
 
 from __future__ import annotations
@@ -17,23 +20,29 @@ from pathlib import Path
 
 import torch
 
-from attnres_pp.bench.common import BENCH_MODEL, MICROBATCH_SIZE, markdown_table
+from attnres_pp.bench.common import BENCH_MODEL, markdown_table
 
 MODELS = {"block_cached": {**BENCH_MODEL, "residual": "attnres", "block_size": 4},
           "standard": {**BENCH_MODEL, "residual": "standard", "block_size": 1}}
+# Counted only (FLOPs): Block AttnRes with eight routed experts (two a token) and a shared one.
+MOE_MODEL = {**MODELS["block_cached"], "moe_experts": 8, "moe_top_k": 2, "moe_shared_experts": 1, "moe_d_ff": 64,
+             "moe_dense_layers": 1}
+PRECISIONS = ("fp32", "bf16")
 N_STAGES, N_VIRTUAL = 2, 2
+MICROBATCH_SIZE = 16  # sequences of 64: 1,024 tokens a microbatch
 
 
-def _chunk_runs(model_dict: dict, seed: int = 0):
+def _chunk_runs(model_dict: dict, seed: int = 0, precision: str = "fp32"):
     """Per chunk a function that runs one forward and returns (roots, root grads, input leaves)."""
     from attnres_pp.comm.partition import make_partition
     from attnres_pp.comm.plan import plan_for_model
     from attnres_pp.model import ModelConfig, Transformer
+    from attnres_pp.model.precision import activation_dtype
     from attnres_pp.pipeline.chunk import build_rank_chunks
 
     cfg = ModelConfig(**model_dict)
     torch.manual_seed(seed)
-    model = Transformer(cfg)
+    model = Transformer(cfg, precision=precision)
     partition = make_partition(cfg.n_layers, N_STAGES, N_VIRTUAL)
     plan = plan_for_model(cfg, partition, cache=True)
     width = cfg.d_model if cfg.residual == "standard" else cfg.source_width
@@ -43,7 +52,7 @@ def _chunk_runs(model_dict: dict, seed: int = 0):
         chunk = build_rank_chunks(model, partition, partition.rank_of(c))[c]
         io = plan.chunks[c]
         idx = torch.randint(0, cfg.vocab_size, (MICROBATCH_SIZE, cfg.seq_len), generator=generator)
-        source = torch.randn(MICROBATCH_SIZE, cfg.seq_len, width, generator=generator)
+        source = torch.randn(MICROBATCH_SIZE, cfg.seq_len, width, generator=generator).to(activation_dtype(precision))
 
         def run(chunk=chunk, io=io, idx=idx, source=source):
             inputs = [source.clone().requires_grad_(True) for _ in io.received + io.cache_reads]
@@ -57,7 +66,7 @@ def _chunk_runs(model_dict: dict, seed: int = 0):
     return model, runs
 
 
-def measure(model_dict: dict, rounds: int, warmup: int, *, retain: bool = False) -> list[dict]:
+def measure(model_dict: dict, rounds: int, warmup: int, *, retain: bool = False, precision: str = "fp32") -> list[dict]:
     """`retain`: the split's slow twin (I keeps the graph until W) instead of the weight store."""
     from attnres_pp.pipeline.graph_cut import CutCache
     from attnres_pp.pipeline.split_backward import backward_input, backward_weight, fused_backward
@@ -66,7 +75,7 @@ def measure(model_dict: dict, rounds: int, warmup: int, *, retain: bool = False)
     split_input, split_weight = ((backward_input, backward_weight) if retain
                                  else (stash_backward_input, drain_weight_store))
 
-    model, runs = _chunk_runs(model_dict)
+    model, runs = _chunk_runs(model_dict, precision=precision)
     cuts = CutCache()
     rows = []
     for c, run in enumerate(runs):
@@ -99,22 +108,37 @@ def measure(model_dict: dict, rounds: int, warmup: int, *, retain: bool = False)
     return rows
 
 
+def flop_shares(model_dict: dict, precision: str) -> dict:
+    """Counted FLOPs of B, I and W per chunk (one microbatch) and W's share of I + W."""
+    from attnres_pp.bench.split_flops import chunk_backward_flops, w_share
+
+    model, runs = _chunk_runs(model_dict, precision=precision)
+    rows = [{"chunk": c, **{k: v for k, v in chunk_backward_flops(run, model, c).items() if not k.endswith("_ops")}}
+            for c, run in enumerate(runs)]
+    return {"chunks": rows, "w_share": w_share(rows)}
+
+
 def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> dict:
     del out_dir  # tables only
     torch.set_num_threads(1)
-    rounds, warmup = (20, 3) if quick else (60, 5)
-    results = {}
+    rounds, warmup = (12, 2) if quick else (30, 3)
+    results, flops = {}, {}
+    for name, model_dict in {**MODELS, "block_cached_moe": MOE_MODEL}.items():
+        for precision in PRECISIONS:
+            flops[f"{name} {precision}"] = counted = flop_shares(model_dict, precision)
+            progress(f"  {name} {precision}: W = {counted['w_share']:.3f} of the split's backward FLOPs")
     for name, model_dict in MODELS.items():
-        for retain in (False, True):
-            rows = measure(model_dict, rounds, warmup, retain=retain)
+        for precision, retain in (("fp32", False), ("bf16", False), ("fp32", True)):
+            rows = measure(model_dict, rounds, warmup, retain=retain, precision=precision)
             total_b = sum(r["B_ms"] for r in rows)
             total = sum(r["I_ms"] + r["W_ms"] for r in rows) / total_b
-            key = f"{name}_retained_graph" if retain else name
+            key = f"{name} {precision}" + (" retained_graph" if retain else "")
             results[key] = {"chunks": rows, "ratio": total}
             progress(f"  {key}: I + W = {total:.3f} x B (CPU time, all chunks); per chunk "
                      + ", ".join(f"{r['ratio']:.3f}" for r in rows))
-    return {"models": results, "ratio": results["block_cached"]["ratio"], "rounds": rounds, "warmup": warmup,
-            "layout": {"P": N_STAGES, "V": N_VIRTUAL, "microbatch_size": MICROBATCH_SIZE},
+    return {"models": results, "ratio": results["block_cached fp32"]["ratio"],
+            "ratio_bf16": results["block_cached bf16"]["ratio"], "flops": flops, "rounds": rounds,
+            "warmup": warmup, "layout": {"P": N_STAGES, "V": N_VIRTUAL, "microbatch_size": MICROBATCH_SIZE},
             "note": "ratio = (I + W) / B in thread CPU time, medians per chunk, summed over the chunks"}
 
 
@@ -123,7 +147,13 @@ def to_markdown(payload: dict) -> str:
              f"Benchmark model cut into P = {payload['layout']['P']} x V = {payload['layout']['V']} chunks, "
              f"microbatches of {payload['layout']['microbatch_size']} sequences, one thread; per chunk the "
              f"median of {payload['rounds']} rounds (B and I + W alternating) after {payload['warmup']}; "
-             "thread CPU time (wall time ratio beside it).", ""]
+             "thread CPU time (wall time ratio beside it).", "",
+             "**Backward FLOPs counted** (matrix products, one microbatch, chunks 1-3: chunk 0's whole "
+             "backward is W):", "",
+             markdown_table(["model", "B (MFLOP)", "I (MFLOP)", "W (MFLOP)", "W share"],
+                            [[name, sum(r["B"] for r in f["chunks"][1:]) / 1e6,
+                              sum(r["I"] for r in f["chunks"][1:]) / 1e6, sum(r["W"] for r in f["chunks"][1:]) / 1e6,
+                              f"{f['w_share']:.3f}"] for name, f in payload["flops"].items()]), ""]
     for name, result in payload["models"].items():
         rows = [[r["chunk"], r["B_ms"], r["I_ms"], r["W_ms"], r["I_ms"] + r["W_ms"], f"{r['ratio']:.3f}",
                  f"{r['wall_ratio']:.3f}"] for r in result["chunks"]]

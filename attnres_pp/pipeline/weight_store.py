@@ -6,14 +6,18 @@ delayed weight-gradient computation do it.
 the graph freed as it goes (no retain_graph): every node of the input-gradient chain drops what it
 saved once it has run, and so does every layer activation checkpointing recomputed. Before an owner
 of weight edges (`graph_cut`) runs, a pre-hook on it stashes what W needs of it:
-- a linear layer's weight (out = x @ W.t(), an MmBackward0 whose edge 1 enters W's transpose): the
-  gradient it receives and x, read from its saved tensors (out + in features per token: 16 d a
-  transformer layer at ff = 4 d, about half of what the layer saves without checkpointing);
+- a matrix product whose weight edge is one parameter through a transpose, autocast's cast and at
+  most one expert's slice (`weight_operands`: a linear layer's weight, fp32 or its bf16 cast, the
+  routed experts' grouped matmul and its loop twin): the gradient it receives and its activation
+  operand (and a grouped matmul's offsets), read from its saved tensors (out + in features per
+  token: 16 d a transformer layer at ff = 4 d, about half of what the layer saves without
+  checkpointing);
 - any other weight edge (pseudo-queries' and key projections' products, MSAR's taps and gates):
   nothing; the edge is an output of I's engine call, so its flow, weight-sized and small, is stored
   instead (stashing a depth-attention product's operand, the stacked keys, would cost far more).
-`drain_weight_store` (W) computes the linear weights' gradients from the stash in a fixed order (the
-cut's) straight into their `.grad`, and carries the other flows, and the roots outside the chain,
+`drain_weight_store` (W) computes those weights' gradients from the stash in a fixed order (the
+cut's) straight into their `.grad` (in fp32 and bf16 alike: W's share of the backward's FLOPs is
+the same, `tests/parity/test_split_flops.py`), and carries the other flows, and the roots outside the chain,
 down the weight branches (never run in I, so still whole) by one engine call.
 
 The stashed tensors are held through the activation meter, so the counted peak sees the store.
@@ -29,24 +33,18 @@ from torch.autograd.graph import GradientEdge, Node
 
 from attnres_pp.pipeline.graph_cut import CutCache
 from attnres_pp.pipeline.memory_meter import ActivationMeter
-from attnres_pp.pipeline.split_backward import (
-    PRODUCT_OPERANDS,
-    accumulate_along,
-    accumulate_leaf_grads,
-    accumulate_linear_weight,
-    product_flow,
-)
+from attnres_pp.pipeline.split_backward import accumulate_along, accumulate_leaf_grads
+from attnres_pp.pipeline.weight_operands import WeightRoute, accumulate_weight, operand_names, weight_route
 
 
 @dataclass
 class _ProductStash:
-    """One linear owner's share of the store: its name, weight edges (k, target f, f's input
-    slot), and, once I reached it, the gradient it received and the operand of each edge by k."""
+    """One product's share of the store: the route of its weight edge and, once I reached it, the
+    gradient it received and its saved operands (`weight_operands.operand_names`)."""
 
-    name: str
-    edges: list[tuple[int, Node, int]]
+    route: WeightRoute
     grad: object = None
-    operands: dict[int, object] = field(default_factory=dict)
+    operands: tuple = ()
 
 
 @dataclass
@@ -81,14 +79,16 @@ def stash_backward_input(roots: list[torch.Tensor], root_grads: list[torch.Tenso
     cut = (cuts or CutCache()).cut(key, [r.grad_fn for r, _ in pairs], inputs)
     store = WeightStore(meter, outside_roots=[pairs[r] for r in cut.outside_roots], params=cut.weight_params)
     handles, flow_targets = [], []
+    weight_ids = {id(p) for p in cut.weight_params}
     for owner, edges, _n_out in cut.owners:
-        linear = ([(k, f, nr) for k, f, nr in edges if _is_linear_weight(owner, k, f)]
-                  if owner.name() == "MmBackward0" else [])
-        if linear:
-            stash = _ProductStash("MmBackward0", linear)
+        for k, f, nr in edges:
+            route = weight_route(owner, k, f, weight_ids)
+            if route is None:
+                flow_targets.append(GradientEdge(f, nr))
+                continue
+            stash = _ProductStash(route)
             store.products.append(stash)
             handles.append(owner.register_prehook(_stasher(store, stash, owner)))
-        flow_targets += [GradientEdge(f, nr) for k, f, nr in edges if (k, f, nr) not in linear]
     wanted = list(inputs) + cut.input_params
     try:
         grads = torch.autograd.grad([r for r, _ in pairs], wanted + flow_targets,
@@ -104,23 +104,15 @@ def stash_backward_input(roots: list[torch.Tensor], root_grads: list[torch.Tenso
     return store
 
 
-def _is_linear_weight(owner: Node, k: int, target: Node) -> bool:
-    """Edge 1 of out = x @ W.t() into the transpose of a leaf W: a linear layer's weight."""
-    if k != 1 or target.name() != "TBackward0":
-        return False
-    ((leaf, _nr),) = target.next_functions
-    return getattr(leaf, "variable", None) is not None
-
-
 def _stasher(store: WeightStore, stash: _ProductStash, owner: Node):
-    operand_names = PRODUCT_OPERANDS[stash.name]
+    names = operand_names(stash.route.kind)
 
     def prehook(grad_outputs):
         # Runs just before the owner does, while its saved tensors are still there (under activation
         # checkpointing: recomputed by now or by this read).
         if grad_outputs[0] is not None:
             stash.grad = store.hold(grad_outputs[0])
-            stash.operands = {k: store.hold(getattr(owner, operand_names[k])) for k, _f, _nr in stash.edges}
+            stash.operands = tuple(store.hold(getattr(owner, name)) for name in names)
         return None
 
     return prehook
@@ -134,16 +126,10 @@ def drain_weight_store(store: WeightStore) -> None:
     for stash in store.products:
         if stash.grad is None:  # no gradient reached the owner in I
             continue
-        grad, operands = store.value(stash.grad), {k: store.value(h) for k, h in stash.operands.items()}
-        stash.grad, stash.operands = None, {}  # the handles go as the flows are computed
-        for k, f, nr in stash.edges:
-            operand = operands.pop(k)
-            if k == 1 and stash.name == "MmBackward0" and accumulate_linear_weight(grad, operand, f):
-                continue
-            flow = product_flow(stash.name, grad, operand, k)
-            if not accumulate_along(f, flow, weight_ids):
-                edges.append(GradientEdge(f, nr))
-                flows.append(flow)
+        grad, operands = store.value(stash.grad), tuple(store.value(h) for h in stash.operands)
+        stash.grad, stash.operands = None, ()  # the handles go as the products are computed
+        accumulate_weight(stash.route, grad, operands)
+        del grad, operands
     for edge, held in zip(store.flow_edges, store.flows, strict=True):
         flow = store.value(held)
         if not accumulate_along(edge.node, flow, weight_ids):  # a stack of pseudo-queries: no engine

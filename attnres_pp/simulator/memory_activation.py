@@ -99,9 +99,8 @@ def input_peak_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, t
                      tokens: int, dtype: str, transient_correction: int = 0, tensor_parallel: int = 1,
                      sequence_parallel: bool = False) -> float:
     """The peak inside I above what F saved, derived for a chunk of several layers under `full`
-    checkpointing where the linear layers' weights are the leaves themselves (fp32: under bf16
-    autocast they enter through their casts, and I's engine call returns their weight-sized
-    gradients at its end instead, `pipeline.weight_store`).
+    checkpointing, fp32 or bf16 (the W store sees through autocast's weight casts and stashes the
+    bf16 operands, `pipeline.weight_operands`).
 
     I recomputes the layers last to first and stashes each layer's linear operands as it goes
     (`store_bytes_per_layer`: the recomputed inputs and the output gradients, alive until W), so
@@ -251,7 +250,7 @@ def dense_activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: 
               for target in CHECKPOINT_TARGETS}
     if chunk_index == 0:  # its I has no inputs: nothing runs there, W is the whole backward
         values["input_transient"] = values["input_kept"] = 0.0
-    elif activation_checkpoint == "full" and dtype == "fp32" and partition.layers_per_chunk[chunk_index] > 1:
+    elif activation_checkpoint == "full" and partition.layers_per_chunk[chunk_index] > 1:
         # Several layers: I peaks while an early layer is recomputed beside the later ones' stores
         # (derived, `input_peak_bytes`); with one, late, beside the whole store, as fitted.
         peak = input_peak_bytes(cfg, partition, chunk_index, units["transient"], tokens=tokens, dtype=dtype,

@@ -78,8 +78,9 @@ def moe_store_correction(cfg: ModelConfig, *, tokens: int, dtype: str, expert_pa
     - the router's product (fp32): its output gradient N E, and its input N d where that is not the
       storage the shared experts' first product keeps already (without shared experts, or under bf16,
       where they read a bf16 cast);
-    - the routed experts' grouped products are no linear layer: I computes the flows into their
-      weights, E / EP x (2 F d + width F) in the compute dtype, kept until W."""
+    - the routed experts' two grouped products, whose weight gradients W forms as a linear layer's
+      (`pipeline.weight_operands`): their inputs and output gradients, M ((d + 2 F) + (F + width))
+      in the compute dtype, M = N K token-choices, and the two products' offsets."""
     d, f, width, shared = cfg.d_model, cfg.ff_dim, cfg.source_width, cfg.moe_shared_experts * cfg.expert_dim
     dense = (d + (2 if cfg.mlp == "swiglu" else 1) * f) + (f + width)
     moe = (d + 2 * shared) + (shared + width) if shared else 0
@@ -90,11 +91,13 @@ def moe_store_correction(cfg: ModelConfig, *, tokens: int, dtype: str, expert_pa
 def moe_weight_store_bytes(cfg: ModelConfig, *, tokens: int, dtype: str, expert_parallel: int = 1) -> int:
     """The router's and the routed experts' part of an MoE layer's W store (`moe_store_correction`):
     the router product's output gradient N E and input N d (fp32; the input only where the shared
-    experts do not keep that storage already) and the flows into the local experts' weights. Under
+    experts do not keep that storage already) and the grouped products' operands. Under
     checkpointing it adds to the fitted units' store (`input_kept`), which price the shared experts."""
-    d, shared = cfg.d_model, cfg.moe_shared_experts
+    d, shared, f, width = cfg.d_model, cfg.moe_shared_experts, cfg.expert_dim, cfg.source_width
     router = tokens * 4 * (cfg.moe_experts + (d if not shared or dtype == "bf16" else 0))
-    return router + sum(math.prod(s) for s in routed_expert_shapes(cfg, expert_parallel)) * DTYPE_BYTES[dtype]
+    rows = tokens * cfg.moe_top_k  # a rank's experts receive M rows on average (balanced routing)
+    offsets = 2 * 4 * (cfg.moe_experts // expert_parallel)
+    return router + rows * ((d + 2 * f) + (f + width)) * DTYPE_BYTES[dtype] + offsets
 
 
 # ---- expert parallelism's all-to-all ----

@@ -31,6 +31,10 @@ What the list holds, group by group (a case in two groups is listed once):
 - MOE_CASES: mixtures of experts (a dense first layer, routed and shared experts, the aux loss in
   the backward; a sigmoid router with one expert per token), every variant on the loop and V
   layouts, both checkpointing policies, one rank, and float64.
+- BF16_SPLIT_CASES (run by tests/parity/test_split_bf16.py against the single-process bf16 model,
+  whose backward is fused): every split schedule under bf16 autocast, where the W store keeps the
+  bf16 operands of the weights' casts; Block AttnRes and MSAR, the MoE recipe (the routed experts'
+  grouped matmul), and full checkpointing.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ from tests.pipeline_helpers import model_config
 from tests.reference_model import VARIANTS
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# Mixed precision: fp32 master weights, compute under autocast (`model.precision`); not a parameter dtype.
+AUTOCAST_DTYPES = {"bfloat16": "bf16"}
 # Layer recipes (docs/spec.md section 11) beside the default: ModelConfig fields over model_config's
 # d_model 16 (4 query heads of 4 channels where kv heads are grouped).
 RECIPES = {
@@ -95,8 +101,8 @@ class ParityCase:
             raise ValueError(f"policy={self.policy!r} is unknown: choose one of {', '.join(AC_POLICIES)}")
         if self.recipe not in RECIPES:
             raise ValueError(f"recipe={self.recipe!r} is unknown: choose one of {', '.join(RECIPES)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is unknown: choose one of {', '.join(DTYPES)}")
+        if self.dtype not in DTYPES and self.dtype not in AUTOCAST_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is unknown: choose one of {', '.join([*DTYPES, *AUTOCAST_DTYPES])}")
         if self.n_layers < self.n_stages * self.n_virtual:
             raise ValueError(f"{self.n_layers} layers cannot fill P x V = {self.n_stages * self.n_virtual} chunks: "
                              "give every chunk a layer")
@@ -110,7 +116,13 @@ class ParityCase:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """The parameters' dtype (fp32 under autocast: the master weights)."""
+        return DTYPES.get(self.dtype, torch.float32)
+
+    @property
+    def precision(self) -> str:
+        """`model.precision`: "fp32" (which runs float64 parameters as they are) or the autocast one."""
+        return AUTOCAST_DTYPES.get(self.dtype, "fp32")
 
     @property
     def split(self) -> bool:
@@ -272,6 +284,20 @@ V_MEMORY_CASES = [
     _case(("v_half", 2, 2, 4, 4, None), "msar", policy="full", cache=False),
 ]
 SCHEDULE_CASES += V_MEMORY_CASES[:10]
+
+# bf16 autocast under every split schedule (the W store sees through the weights' casts): Block
+# AttnRes and MSAR on each schedule's first layout, the MoE recipe on the V and loop placements, and
+# full checkpointing (I recomputes under autocast, the store keeps the recomputed bf16 operands).
+BF16_SPLIT_CASES = [
+    *(_case(SCHEDULE_LAYOUTS[schedule][0], variant, dtype="bfloat16")
+      for schedule in ("zb_h1", "interleaved_zb", "zbv", "dualpipev") for variant in ("block", "msar")),
+    *(_case(layout, "block", recipe="moe", dtype="bfloat16")
+      for layout in (("zbv", 2, 2, 3, 4, None), ("interleaved_zb", 2, 2, 2, 4, None))),
+    _case(("dualpipev", 2, 2, 4, 4, None), "standard", recipe="moe", dtype="bfloat16"),
+    _case(_AC_SPLIT, "block", policy="full", dtype="bfloat16"),
+    _case(("zb_h1", 2, 1, 2, 4, None), "msar", recipe="moe", policy="full", dtype="bfloat16"),
+    *(_case(layouts[0], "block", dtype="bfloat16") for layouts in V_MEMORY_LAYOUTS.values()),
+]
 
 CASES = list(dict.fromkeys([*SCHEDULE_CASES, *VARIANT_CASES, *ONE_RANK_CASES, *CHECKPOINT_CASES, *FLOAT64_CASES,
                             *RECIPE_CASES, *MOE_CASES, *V_MEMORY_CASES]))

@@ -20,11 +20,12 @@ from tests.reference_model import VARIANTS, randomize_depth_params
 P, V, N_LAYERS = 2, 2, 4  # four chunks of one layer: first (embedding), two middle, last (loss)
 
 
-def _chunk_graph(variant: str, chunk_index: int, seed: int = 0, precision: str = "fp32"):
+def _chunk_graph(variant: str, chunk_index: int, seed: int = 0, precision: str = "fp32", **recipe):
     """A fresh model, one forward of `chunk_index` on random inputs: (model, roots, root grads, input
-    leaves). Under bf16 the chunk computes under autocast and its inputs are bf16, as hops carry them."""
+    leaves). Under bf16 the chunk computes under autocast and its inputs are bf16, as hops carry them.
+    `recipe`: ModelConfig fields beside the variant's (an MoE recipe of tests/parity/parity_cases.py)."""
     overrides = {} if variant in ("standard", "full") else {"block_size": 3}
-    cfg = model_config(variant, N_LAYERS, **overrides)
+    cfg = model_config(variant, N_LAYERS, **overrides, **recipe)
     if precision == "fp32":
         model = build_model(cfg)
     else:

@@ -96,7 +96,7 @@ def test_after_i_only_the_store_is_alive(variant, policy):
     del produced, loss
     held = {}
     for stash in store.products:
-        for t in [stash.grad, *stash.operands.values()]:
+        for t in [stash.grad, *stash.operands]:
             tensor = meter.unpack(t)
             held[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
     for flow in store.flows:
@@ -122,3 +122,71 @@ def test_the_store_lowers_the_checkpointed_split_peak(schedule_name):
         peaks[(retain, policy)] = max(r.activation_peak_bytes for r in records)
     assert peaks[(False, "full")] < 0.8 * peaks[(True, "full")], peaks
     assert peaks[(False, "full")] < peaks[(False, "none")], peaks
+
+
+@pytest.mark.parametrize("path", ["grouped", "loop"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("chunk_index", [1, 3])
+def test_expert_weight_gradients_are_ws_and_equal_the_fused_backward(chunk_index, precision, path, monkeypatch):
+    """A chunk with an MoE layer (routed experts through torch's grouped matmul or its per-expert
+    loop, a shared expert, the router): after I none of their weights has a gradient; after W each
+    equals B's (fp32 to 1e-5; bf16 to the bit: the same bf16 products, cast as B's casts do)."""
+    from attnres_pp.model import moe
+    from attnres_pp.pipeline.split_backward import fused_backward
+    from tests.parity.parity_cases import RECIPES
+
+    if path == "loop":
+        monkeypatch.setattr(moe, "_grouped_mm_fits", lambda *_: False)
+    model, roots, root_grads, inputs = _chunk_graph("block", chunk_index, precision=precision, **RECIPES["moe"])
+    fused_backward(roots, root_grads)
+    want = {k: None if v is None else v.clone() for k, v in _grads(model, inputs).items()}
+
+    model, roots, root_grads, inputs = _chunk_graph("block", chunk_index, precision=precision, **RECIPES["moe"])
+    store = stash_backward_input(roots, root_grads, inputs)
+    kinds = {(s.route.kind, s.route.expert is not None) for s in store.products}
+    assert ("grouped", False) in kinds if path == "grouped" else ("linear", True) in kinds
+    experts = [n for n in want if n.endswith(("experts.gate_up", "experts.down", "router.weight",
+                                              "shared.gate_up.weight", "shared.down.weight")) and want[n] is not None]
+    assert len(experts) == 5 and all(model.get_parameter(n).grad is None for n in experts)  # W's work
+    del roots, root_grads
+    drain_weight_store(store)
+    got = _grads(model, inputs)
+    for name, w in want.items():
+        assert (got[name] is None) == (w is None), name
+        if w is None:
+            continue
+        if precision == "bf16" and name in experts:
+            assert torch.equal(got[name], w), name
+        assert (got[name] - w).abs().max().item() <= 1e-5 * w.abs().max().item() + 1e-8, name
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("experts", [0, 8])
+def test_the_store_after_i_is_the_simulators_count(experts, precision):
+    """What I leaves (the meter's count of the store) is what the simulator prices for it
+    (`simulator.memory_activation`, `simulator.moe`): each linear layer's and each grouped product's
+    input and output gradient in the compute dtype, bf16 under autocast."""
+    from attnres_pp.comm.partition import make_partition
+    from attnres_pp.model import ModelConfig, Transformer
+    from attnres_pp.model.precision import activation_dtype
+    from attnres_pp.simulator.memory_activation import activation_bytes
+
+    moe = {"moe_experts": experts, "moe_top_k": 2, "moe_shared_experts": 1, "moe_d_ff": 32} if experts else {}
+    cfg = ModelConfig(n_layers=4, d_model=32, n_heads=2, seq_len=16, vocab_size=32, residual="standard", **moe)
+    model = Transformer(cfg, precision=precision)
+    partition = make_partition(cfg.n_layers, 2, 1)
+    io = plan_for_model(cfg, partition, cache=True).chunks[1]
+    chunk = build_rank_chunks(model, partition, 1)[1]
+    g = torch.Generator().manual_seed(0)
+    n_sequences = 4
+    inputs = {s: torch.randn(n_sequences, cfg.seq_len, cfg.d_model, generator=g).to(activation_dtype(precision))
+              .requires_grad_(True) for s in io.received + io.cache_reads}
+    idx = torch.randint(0, cfg.vocab_size, (n_sequences, cfg.seq_len), generator=g)
+    meter = ActivationMeter()
+    meter.set_excluded(model.parameters())
+    produced, loss = chunk(inputs, idx, idx, meter=meter)
+    store = stash_backward_input([loss], [torch.ones_like(loss)], list(inputs.values()), meter=meter)
+    del produced, loss
+    predicted = activation_bytes(cfg, partition, 1, tokens=n_sequences * cfg.seq_len, dtype=precision)
+    assert meter.live_bytes == predicted.stored > 0
+    drain_weight_store(store)
