@@ -88,8 +88,10 @@ def kept(row: dict) -> str:
 
 
 def _seq_aux(cfg: dict) -> str:
-    coef = cfg.get("moe_seq_aux_coef", 0.0)
-    return f" with the sequence-wise balance loss at {coef:g}" if coef else ""
+    """The balance options beside the rule, where they are on."""
+    coef, scale = cfg.get("moe_seq_aux_coef", 0.0), cfg.get("moe_router_lr_scale", 1.0)
+    return ((f", the sequence-wise balance loss at {coef:g}" if coef else "")
+            + (f", the routers trained at {scale:g} x the learning rate" if scale != 1.0 else ""))
 
 
 def moe_markdown(result: dict) -> list[str]:
