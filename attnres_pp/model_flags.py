@@ -46,6 +46,10 @@ MODEL_FLAGS = (
      "(default 0.01)"),
     ("--moe-bias-gamma", "moe_bias_gamma", float, "the selection bias's step under --moe-balance aux_free "
      "(default 0.001)"),
+    ("--moe-seq-aux-coef", "moe_seq_aux_coef", float, "the sequence-wise balance loss's coefficient, beside any "
+     "--moe-balance (default 0: none)"),
+    ("--moe-router-lr-scale", "moe_router_lr_scale", float, "the routers' learning rate as a fraction of --lr, "
+     "in (0, 1] (default 1)"),
 )
 KEY_NORM_GAIN = "--key-norm-gain"
 # Switches that turn a recipe part on (default off): flag -> (ModelConfig field, help).

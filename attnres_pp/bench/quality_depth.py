@@ -15,7 +15,8 @@ its per-site routing table, a heatmap and its dilution curve against standard's.
 
     attnres-pp bench quality-depth                                        # about 30 min on 2 quiet cores
     attnres-pp bench quality-depth --steps 2 --eval-bytes 4096 --seeds 1  # smoke run
-    attnres-pp bench quality-depth --moe-experts 8 --moe-top-k 2 --moe-shared-experts 1
+    attnres-pp bench quality-depth --moe-experts 8 --moe-top-k 2 --moe-shared-experts 1 \
+        --moe-router sigmoid --moe-bias-gamma 0.001 --moe-router-lr-scale 0.03  # balance kept (docs/training.md)
 
 With `--moe-experts E` (and the other `--moe-*` model flags) every variant's MLPs are MoE sublayers
 (docs/spec.md section 12) and only standard and Block AttnRes run: the same experts under either

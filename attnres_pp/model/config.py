@@ -51,7 +51,9 @@ class ModelConfig:
     from `moe_dense_layers` on is an MoE sublayer of E routed SwiGLU experts of width `moe_d_ff`, of
     which each token reaches `moe_top_k`, plus `moe_shared_experts` that every token reaches;
     `moe_router` softmax or sigmoid affinities; `moe_balance` aux_free (a selection bias moved by
-    `moe_bias_gamma` after each step), aux_loss (`moe_aux_loss_coef`) or none."""
+    `moe_bias_gamma` after each step), aux_loss (`moe_aux_loss_coef`) or none; `moe_seq_aux_coef` > 0
+    adds the sequence-wise balance loss beside any of them; `moe_router_lr_scale` the routers'
+    learning rate as a fraction of the run's."""
 
     vocab_size: int = 256
     n_layers: int = 4
@@ -84,6 +86,8 @@ class ModelConfig:
     moe_balance: str = "aux_free"
     moe_aux_loss_coef: float = 1e-2
     moe_bias_gamma: float = 1e-3
+    moe_seq_aux_coef: float = 0.0  # 0: no sequence-wise balance loss
+    moe_router_lr_scale: float = 1.0  # the routers' learning rate as a fraction of the run's
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "n_layers", "d_model", "n_heads", "seq_len")
@@ -162,10 +166,14 @@ class ModelConfig:
             _fail("moe_router", self.moe_router, f"choose one of {', '.join(MOE_ROUTERS)} (--moe-router)")
         if self.moe_balance not in MOE_BALANCES:
             _fail("moe_balance", self.moe_balance, f"choose one of {', '.join(MOE_BALANCES)} (--moe-balance)")
-        for name, flag in (("moe_aux_loss_coef", "--moe-aux-loss-coef"), ("moe_bias_gamma", "--moe-bias-gamma")):
+        for name, flag in (("moe_aux_loss_coef", "--moe-aux-loss-coef"), ("moe_bias_gamma", "--moe-bias-gamma"),
+                           ("moe_seq_aux_coef", "--moe-seq-aux-coef")):
             value = getattr(self, name)
             if not _is_real(value) or value < 0:
                 _fail(name, value, f"must be a finite number >= 0 ({flag})")
+        if not _is_real(self.moe_router_lr_scale) or not 0 < self.moe_router_lr_scale <= 1:
+            _fail("moe_router_lr_scale", self.moe_router_lr_scale, "must be in (0, 1]: the routers' learning rate "
+                  "as a fraction of --lr (--moe-router-lr-scale)")
 
     @classmethod
     def from_dict(cls, values: dict) -> ModelConfig:

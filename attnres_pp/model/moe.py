@@ -175,6 +175,32 @@ def aux_loss(cfg: ModelConfig, affinity_NE: torch.Tensor, expert_NK: torch.Tenso
     return cfg.moe_aux_loss_coef * cfg.moe_experts * (share_E * affinity_NE.mean(0)).sum()
 
 
+def seq_aux_loss(cfg: ModelConfig, affinity_NE: torch.Tensor, expert_NK: torch.Tensor, batch: int) -> torch.Tensor:
+    """`coef E mean_b sum_e f_be P_be` over the `batch` sequences of the N = batch T tokens (DeepSeek-V3's
+    sequence-wise balance loss): f_be the share of sequence b's token-choices that went to e, P_be the
+    mean over b's tokens of e's affinity divided by the token's affinities' sum."""
+    n_experts = cfg.moe_experts
+    affinity_BTE = affinity_NE.view(batch, -1, n_experts)
+    normalised_BE = (affinity_BTE / affinity_BTE.sum(-1, keepdim=True)).mean(1)
+    expert_BM = expert_NK.reshape(batch, -1)
+    choices_BE = torch.zeros(batch, n_experts, dtype=affinity_NE.dtype, device=affinity_NE.device)
+    choices_BE.scatter_add_(1, expert_BM, torch.ones_like(expert_BM, dtype=affinity_NE.dtype))
+    share_BE = choices_BE / expert_BM.shape[1]
+    return cfg.moe_seq_aux_coef * n_experts * (share_BE * normalised_BE).sum(-1).mean()
+
+
+def balance_loss(cfg: ModelConfig, affinity_NE: torch.Tensor, expert_NK: torch.Tensor, batch: int
+                 ) -> torch.Tensor | None:
+    """The sublayer's differentiable balance losses: the aux loss under aux-loss balancing plus the
+    sequence-wise one where its coefficient is > 0; None where neither is on."""
+    losses = []
+    if cfg.moe_balance == "aux_loss":
+        losses.append(aux_loss(cfg, affinity_NE, expert_NK))
+    if cfg.moe_seq_aux_coef > 0:
+        losses.append(seq_aux_loss(cfg, affinity_NE, expert_NK, batch))
+    return sum(losses[1:], losses[0]) if losses else None
+
+
 class MoE(nn.Module):
     """An MoE sublayer: d -> d (+ r), in place of a layer's MLP (docs/spec.md section 12).
 
@@ -209,8 +235,8 @@ class MoE(nn.Module):
         if counted:
             with torch.no_grad():
                 self.load_E += torch.bincount(expert_NK.flatten(), minlength=self.cfg.moe_experts).to(self.load_E)
-        if self.cfg.moe_balance == "aux_loss" and torch.is_grad_enabled():
-            aux = aux_loss(self.cfg, affinity_NE, expert_NK)
+        aux = balance_loss(self.cfg, affinity_NE, expert_NK, h_BTD.shape[0]) if torch.is_grad_enabled() else None
+        if aux is not None:
             if counted:
                 self.aux_sum += float(aux.detach())
                 self.aux_count += 1

@@ -230,6 +230,10 @@ def check_experts(cfg: ModelConfig, pipe: PipelineConfig, train: TrainConfig) ->
         raise ValueError(f"--moe-balance aux_loss with --tensor-parallel {pipe.tensor_parallel} under sequence "
                          "parallelism is not supported: each tp rank would balance its own shard of the tokens, "
                          "not the microbatch's; use --no-sequence-parallel, or --moe-balance aux_free")
+    if cfg.moe and pipe.sp and cfg.moe_seq_aux_coef > 0:
+        raise ValueError(f"--moe-seq-aux-coef with --tensor-parallel {pipe.tensor_parallel} under sequence "
+                         "parallelism is not supported: each tp rank holds a shard of every sequence, and the "
+                         "loss is per whole sequence; use --no-sequence-parallel, or --moe-seq-aux-coef 0")
     if ep == 1:
         return
     if not cfg.moe:

@@ -23,22 +23,34 @@ def decays(name: str, shape: tuple[int, ...] | torch.Size) -> bool:
     return len(shape) >= 2 and not any(part in lowered for part in _NO_DECAY_NAME_PARTS)
 
 
+def is_router(name: str) -> bool:
+    """An MoE sublayer's router weight (docs/spec.md section 12), by its name."""
+    return name.endswith("router.weight")
+
+
 def build_optimizer(
     params: torch.nn.Module | Iterable[tuple[str, torch.nn.Parameter]] | Iterable[torch.nn.Parameter],
     train_cfg: TrainConfig,
     fused: bool = False,
+    router_lr_scale: float = 1.0,
 ) -> torch.optim.AdamW:
     """AdamW over `params` (a module, `named_parameters()` pairs, or bare parameters, which are
-    grouped by shape alone), two groups: decayed matrices and undecayed vectors. `fused` (for
-    parameters on a CUDA GPU) runs one fused kernel per step instead of per-parameter updates."""
+    grouped by shape alone), two groups: decayed matrices and undecayed vectors; with
+    `router_lr_scale` != 1 the MoE routers' weights form a third, decayed group whose learning rate
+    is that fraction of the run's (`set_lr`). `fused` (for parameters on a CUDA GPU) runs one fused
+    kernel per step instead of per-parameter updates."""
     if isinstance(params, torch.nn.Module):
         params = params.named_parameters()
     named = [item if isinstance(item, tuple) else ("", item) for item in params]
+    apart = router_lr_scale != 1.0
+    router = [p for name, p in named if p.requires_grad and apart and is_router(name)]
+    named = [(name, p) for name, p in named if not (apart and is_router(name))]
     decay = [p for name, p in named if p.requires_grad and decays(name, p.shape)]
     no_decay = [p for name, p in named if p.requires_grad and not decays(name, p.shape)]
     groups = [
         {"params": decay, "weight_decay": train_cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
+        {"params": router, "weight_decay": train_cfg.weight_decay, "lr_scale": router_lr_scale},
     ]
     groups = [group for group in groups if group["params"]]
     if not groups:
@@ -70,8 +82,9 @@ def warmup_length(train_cfg: TrainConfig) -> int:
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """`lr` for every group, times the group's `lr_scale` where it has one (the routers')."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 def clip_grad_norm_(

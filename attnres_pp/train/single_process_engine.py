@@ -52,7 +52,8 @@ class SingleProcessEngine(ShardSaves):
         self.device = torch.device(self.resolved.device)
         self.model = Transformer(model_cfg, seed=train_cfg.seed, backend=train_cfg.kernels,
                                  precision=train_cfg.dtype, compile=train_cfg.compile).to(self.device)
-        self.optimizer = build_optimizer(self.model, train_cfg, fused=self.device.type == "cuda")
+        self.optimizer = build_optimizer(self.model, train_cfg, fused=self.device.type == "cuda",
+                                         router_lr_scale=model_cfg.moe_router_lr_scale)
         self._corpus = corpus
         # Checkpointed layers run through one chunk that is the whole model (the pipeline's own code
         # path, `pipeline.activation_checkpoint`); without checkpointing, the model's forward.

@@ -116,7 +116,8 @@ class StageWorker(ShardSaves, RankHost):
         # MoE's selection bias is a parameter for the checkpoints, without gradient (`model.moe`).
         self.untied = [p for name, p in self.params.items()
                        if not name.startswith("stream_convs.") and p.requires_grad and name not in rows]
-        self.optimizer = build_optimizer(self.params.items(), self.run_cfg.train, fused=fused)
+        self.optimizer = build_optimizer(self.params.items(), self.run_cfg.train, fused=fused,
+                                         router_lr_scale=self.run_cfg.model.moe_router_lr_scale)
 
     # ---- set-up: the RankHost contract's training parts ----
     @property

@@ -18,6 +18,7 @@ from attnres_pp.model.moe import (
     grouped_matmul_loop,
     moe_sublayers,
     route,
+    seq_aux_loss,
     take_loads,
     update_expert_bias,
 )
@@ -215,3 +216,151 @@ def test_parameter_counts_total_and_active_in_closed_form(overrides):
 
 def moe_sublayers_meta(model: Transformer) -> list[MoE]:
     return [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+
+
+def reference_seq_aux(affinity_NE: torch.Tensor, bias: list[float], batch: int, k: int, coef: float) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss written out per sequence and expert: alpha sum_e f_e P_e,
+    f_e = E / (K T) (tokens of the sequence choosing e), P_e = mean over its tokens of a_e / sum_j a_j,
+    averaged over the sequences."""
+    n_experts = affinity_NE.shape[1]
+    per_sequence = []
+    for affinity_TE in affinity_NE.view(batch, -1, n_experts):
+        length = affinity_TE.shape[0]
+        counts = [0] * n_experts
+        for row in affinity_TE.detach():
+            for e in reference_choice(row.tolist(), bias, k):
+                counts[e] += 1
+        total = 0.0
+        for e in range(n_experts):
+            p_e = sum(affinity_TE[t, e] / affinity_TE[t].sum() for t in range(length)) / length
+            total = total + n_experts / (k * length) * counts[e] * p_e
+        per_sequence.append(coef * total)
+    return sum(per_sequence[1:], per_sequence[0]) / batch
+
+
+@pytest.mark.parametrize("router,balance", [("sigmoid", "aux_free"), ("softmax", "aux_loss")])
+def test_the_sequence_wise_balance_loss_trains_the_router_as_its_float64_reference(router, balance):
+    over = dict(moe_router=router, moe_balance=balance, moe_aux_loss_coef=0.2)
+    cfg = ModelConfig(**BASE, **over, moe_seq_aux_coef=0.3)
+    idx = torch.randint(0, 32, (3, 9), generator=torch.Generator().manual_seed(8))
+    model = Transformer(cfg, seed=2).double()
+    bias = [0.05, -0.02, 0.0, 0.01]  # the bias selects in the reference too
+    for layer in model.layers[1:]:
+        layer.mlp.expert_bias.data = torch.tensor(bias, dtype=torch.float64)
+    model(idx[:, :-1], idx[:, 1:]).backward()
+    got = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    # The same weights with the sequence-wise loss off, which is then added by hand from the MoE inputs.
+    plain = Transformer(ModelConfig(**BASE, **over), seed=2).double()
+    plain.load_state_dict(model.state_dict())
+    inputs = _moe_inputs(plain)
+    loss = plain(idx[:, :-1], idx[:, 1:])
+    for i, x_BTD in inputs.items():
+        logits_NE = x_BTD.reshape(-1, 16) @ plain.layers[i].mlp.router.weight.t()
+        affinity_NE = logits_NE.softmax(-1) if router == "softmax" else logits_NE.sigmoid()
+        loss = loss + reference_seq_aux(affinity_NE, bias, 3, 2, 0.3)
+    loss.backward()
+    for name, p in plain.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(got[name], p.grad, rtol=1e-10, atol=1e-13, msg=name)
+    assert (got["layers.1.mlp.router.weight"] - plain.layers[1].mlp.router.weight.grad).abs().max() < 1e-12
+
+
+def test_the_sequence_wise_loss_at_uniform_routing_is_its_coefficient():
+    cfg = ModelConfig(**BASE, moe_seq_aux_coef=0.25)
+    affinity_NE = torch.full((2 * 4, 4), 0.25, dtype=torch.float64)
+    expert_NK = torch.tensor([[0, 1], [2, 3]] * 4)  # every expert chosen equally often in each sequence
+    assert float(seq_aux_loss(cfg, affinity_NE, expert_NK, 2)) == pytest.approx(0.25, rel=1e-15)
+    collapsed_NK = torch.tensor([[0, 1]] * 8)
+    peaked_NE = torch.tensor([[0.4, 0.4, 0.1, 0.1]] * 8, dtype=torch.float64)
+    assert float(seq_aux_loss(cfg, peaked_NE, collapsed_NK, 2)) == pytest.approx(0.25 * 4 * 0.4, rel=1e-12)
+
+
+def _train_collapsed_router(coef: float, steps: int) -> list[float]:
+    """max / mean load of a lone MoE sublayer whose router starts collapsed (every token's input shares
+    one direction that the router maps to experts 0 and 1), trained on its balance losses alone."""
+    cfg = ModelConfig(**{**BASE, "moe_experts": 8}, moe_router="sigmoid", moe_bias_gamma=0.0,
+                      moe_seq_aux_coef=coef)
+    torch.manual_seed(0)
+    moe = MoE(cfg).double()
+    g = torch.Generator().manual_seed(3)
+    h_BTD = torch.randn(8, 32, 16, generator=g, dtype=torch.float64) + 0.7  # a shared mean direction
+    with torch.no_grad():
+        moe.router.weight.copy_(torch.randn(8, 16, generator=g, dtype=torch.float64) * 0.02)
+        moe.router.weight[:2] += 0.2
+    optimizer = torch.optim.Adam(moe.router.parameters(), lr=1e-2)
+    ratios = []
+    for _ in range(steps):
+        moe(h_BTD).sum().mul(0.0).backward()  # only the balance loss reaches the router
+        optimizer.step()
+        optimizer.zero_grad()
+        load_E = take_loads({"m": moe})[0]
+        ratios.append(float(load_E.max() / load_E.mean()))
+    return ratios
+
+
+def test_a_collapsed_router_is_rebalanced_by_the_sequence_wise_loss_and_not_without_it():
+    with_loss, without = _train_collapsed_router(0.1, 100), _train_collapsed_router(0.0, 100)
+    assert with_loss[0] == without[0] == pytest.approx(4.0)  # every token to experts 0 and 1: E / K
+    assert without[-1] == pytest.approx(4.0)
+    assert max(with_loss[-20:]) < 1.5
+
+
+def test_the_sequence_wise_loss_under_sequence_parallelism_is_one_clear_error():
+    from attnres_pp.train import RunConfig
+
+    model = ModelConfig(**{**BASE, "n_heads": 2}, moe_seq_aux_coef=1e-3).to_dict()
+    with pytest.raises(ValueError, match="--moe-seq-aux-coef with --tensor-parallel 2 under sequence parallelism"):
+        RunConfig.from_dict({"model": model, "train": {"batch_size": 4, "microbatches": 1},
+                             "pipeline": {"launcher": "local", "tensor_parallel": 2}})
+    RunConfig.from_dict({"model": model, "train": {"batch_size": 4, "microbatches": 1},
+                         "pipeline": {"launcher": "local", "tensor_parallel": 2, "sequence_parallel": False}})
+
+
+def test_the_routers_learning_rate_is_its_scale_times_the_runs_and_one_group_without_a_scale():
+    from attnres_pp.train.optim import build_optimizer, set_lr
+
+    model = Transformer(ModelConfig(**BASE), seed=0)
+    train = TrainConfig(steps=1, batch_size=2)
+    plain = build_optimizer(model, train)
+    assert len(plain.param_groups) == 2  # an old checkpoint's optimizer state keeps its groups
+    scaled = build_optimizer(model, train, router_lr_scale=0.1)
+    set_lr(scaled, 2e-3)
+    routers = {id(m.router.weight) for m in moe_sublayers(model).values()}
+    for group in scaled.param_groups:
+        ids = {id(p) for p in group["params"]}
+        assert group["lr"] == pytest.approx(2e-4 if ids == routers else 2e-3)
+    assert sum(len(g["params"]) for g in scaled.param_groups) == sum(len(g["params"]) for g in plain.param_groups)
+    assert any({id(p) for p in g["params"]} == routers and g["weight_decay"] == train.weight_decay
+               for g in scaled.param_groups)
+
+
+def test_a_saved_config_without_the_balance_options_loads_with_them_off():
+    saved = ModelConfig(**BASE).to_dict()
+    del saved["moe_seq_aux_coef"], saved["moe_router_lr_scale"]  # as a checkpoint written before them
+    cfg = ModelConfig.from_dict(saved)
+    assert (cfg.moe_seq_aux_coef, cfg.moe_router_lr_scale) == (0.0, 1.0)
+    for bad in ({"moe_router_lr_scale": 0.0}, {"moe_router_lr_scale": 1.5}, {"moe_seq_aux_coef": -1e-3}):
+        with pytest.raises(ValueError, match="--moe-router-lr-scale|--moe-seq-aux-coef"):
+            ModelConfig(**BASE, **bad)
+
+
+def test_the_balance_table_gives_percentiles_of_the_worst_layer_and_of_the_mean_over_layers(tmp_path):
+    import json
+
+    import numpy as np
+
+    from attnres_pp.bench.quality_moe import balance_of_run, kept, percentile
+
+    values = torch.rand(37, generator=torch.Generator().manual_seed(4)).tolist()
+    for q in (0.0, 0.5, 0.95, 1.0):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, 100 * q)), rel=1e-12)
+    layer0, layer1 = [3.0, 1.2, 1.4, 1.1, 1.6], [2.0, 1.3, 1.0, 1.2, 1.0]
+    lines = [{"step": s, "moe_load_max_over_mean/0": a, "moe_load_max_over_mean/1": b,
+              "moe_load_max_over_mean": max(a, b)} for s, (a, b) in enumerate(zip(layer0, layer1, strict=True))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    row = balance_of_run(tmp_path, 1, 0, {})
+    worst, means = [1.3, 1.4, 1.2, 1.6], [1.25, 1.2, 1.15, 1.3]
+    assert row["max_over_mean_p95"] == pytest.approx(float(np.percentile(worst, 95)))
+    assert row["layer_mean_median"] == pytest.approx(float(np.median(means)))
+    assert row["layer_mean_p95"] == pytest.approx(float(np.percentile(means, 95)))
+    assert kept(row) == "no" and kept({**row, "max_over_mean_p95": 1.49}) == "yes"
