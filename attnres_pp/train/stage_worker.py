@@ -34,11 +34,10 @@ from attnres_pp.comm.shm_transport import SharedMemoryTransport
 from attnres_pp.comm.transport import DistTransport
 from attnres_pp.data import Corpus
 from attnres_pp.launch.rank_host import RankHost
-from attnres_pp.model.moe import moe_sublayers, take_aux, take_loads, update_expert_bias
 from attnres_pp.model.precision import activation_dtype
 from attnres_pp.model.routing import RoutingProbe, set_probe
 from attnres_pp.pipeline.chunk import build_rank_model, rank_module_names, rank_parameters
-from attnres_pp.pipeline.expert_parallel import connect_experts, expert_rows, take_exchange
+from attnres_pp.pipeline.expert_parallel import connect_experts, expert_rows
 from attnres_pp.pipeline.mesh import Collectives, MeshCollectives, RankCoords
 from attnres_pp.pipeline.routes import hop_shapes, wire_messages
 from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
@@ -47,6 +46,7 @@ from attnres_pp.schedule.forward_schedule import forward_only_schedule
 from attnres_pp.schedule.validate_nccl import check_nccl
 from attnres_pp.train.background_save import BackgroundSave
 from attnres_pp.train.config import RunConfig, resolve_training
+from attnres_pp.train.expert_balance import ExpertBalance
 from attnres_pp.train.faults import lose_this_rank, rehearse_freeze, rehearse_start_loss
 from attnres_pp.train.grad_norm import norm_groups, norm_reducer
 from attnres_pp.train.grad_sync import TiedEmbedding, ensure_grads, sync_expert_gradients, sync_gradients
@@ -63,7 +63,7 @@ from attnres_pp.train.tp_rank import RankTensorParallel, held_over_tp, is_split
 RankBatch = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
-class StageWorker(ShardSaves, RankHost):
+class StageWorker(ExpertBalance, ShardSaves, RankHost):
     """One training rank, hosted by a rank group through the `RankHost` contract."""
 
     def __init__(self, run_cfg_dict: dict, rank: int, *, corpus: Corpus | None = None, data_path: str | None = None,
@@ -305,35 +305,6 @@ class StageWorker(ShardSaves, RankHost):
         record = self.backward(step, batch)
         grad_norm = self.optimizer_step(lr)
         return self.reply(record, grad_norm, want_events)._replace(moe=self.balance_experts())
-
-    def balance_experts(self) -> dict | None:
-        """After the optimiser step: this rank's MoE sublayers' loads of the step, summed over the
-        data-parallel group (every replica then moves its aux-free bias the same way), its aux
-        losses and, under expert parallelism, its all-to-alls' seconds and bytes; None without MoE
-        sublayers."""
-        moes = moe_sublayers(self.model)
-        if not moes:
-            return None
-        loads_LE = self.step_loads(moes)
-        update_expert_bias(moes, loads_LE)
-        aux_sum, aux_count = take_aux(moes)
-        report = {"loads": {name: load_E.tolist() for name, load_E in zip(moes, loads_LE, strict=True)},
-                  "aux_sum": aux_sum, "aux_count": aux_count}
-        if self.run_cfg.pipeline.expert_parallel > 1:  # the step's dispatch and combine, timed and counted
-            report["all_to_all_s"], report["all_to_all_bytes"] = take_exchange(self.model)
-        return report
-
-    def step_loads(self, moes: dict) -> torch.Tensor:
-        """`[layers, E]`: the step's token-choices per expert of `moes`, summed over the replicas."""
-        loads_LE = take_loads(moes)
-        # Under sequence parallelism each tp rank routed its own shard of the tokens.
-        axes = ["dp"] * (self.run_cfg.pipeline.data_parallel > 1) + ["tp"] * self.tp.sp
-        if axes:
-            on_device = loads_LE.to(self.device)
-            for axis in axes:
-                self.collectives.all_reduce(on_device, axis)
-            loads_LE = on_device.cpu()
-        return loads_LE
 
     def _microbatches(self, lists: MicrobatchLists) -> MicrobatchLists:
         return tuple(None if mbs is None else [t.to(self.device) for t in mbs] for mbs in lists)
