@@ -46,6 +46,7 @@ from attnres_pp.launch.ray_checks import (
     require_ray,
     where_rank,
 )
+from attnres_pp.launch.ray_watchdog import end_watchdog, watch_private_instance
 from attnres_pp.launch.storage_fault import find_storage_fault
 from attnres_pp.pipeline.config import PLACEMENTS
 from attnres_pp.pipeline.errors import WorkerLost
@@ -229,7 +230,7 @@ class RayRankGroup(RankGroupBase):
         super().__init__(world_size, timeout_s)
         self._ray = ray
         self.placement, self.tensor_parallel = placement, tensor_parallel
-        self.actors, self._pg, self.started_ray = [], None, False
+        self.actors, self._pg, self.started_ray, self._watchdog = [], None, False, None
         self._in_flight: tuple[list, int] | None = None  # `send`'s refs and request bytes
         if not ray.is_initialized():
             source = "--address" if address else "RAY_ADDRESS"
@@ -247,6 +248,7 @@ class RayRankGroup(RankGroupBase):
                              include_dashboard=False,
                              log_to_driver=True, _node_ip_address=LOOPBACK)
                 self.started_ray = True
+                self._watchdog = watch_private_instance(ray)  # the instance ends with this process
 
     def driver_address(self) -> str:
         """The address of the driver's node as the cluster knows it (loopback on a private instance):
@@ -421,4 +423,5 @@ class RayRankGroup(RankGroupBase):
         finally:
             if self.started_ray and ray.is_initialized():
                 ray.shutdown()
+                end_watchdog(self._watchdog)
             self.started_ray = False
