@@ -149,7 +149,11 @@ def plan(trials: int, seed: int, launchers: list[str], kinds: list[str]) -> list
 
 # SIGTERM stops a run like Ctrl-C: within this long of the signal.
 STOP_WITHIN_S = 15.0
-_NOTABLE = re.compile(r"^(error:|warning:|terminated|interrupted)|Error\b|Exception\b")
+_NOTABLE = re.compile(r"^(error:|warning:|terminated|interrupted)|Error\b|Exception\b|Fatal Python error")
+# What Ray prints about itself and its actors (the actors' set-up lines, its instance starting, a
+# worker it saw die): not the run's verdict, so not held to the one-line rule (but read for errors).
+_RAY_CHATTER = re.compile(r"^(\x1b\[\d+m)?\((StageActor|RankActor|GenerationActor|raylet|pid=\d+)\b"
+                          r"|^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(INFO|WARNING) ")
 
 
 def notable_lines(text: str) -> list[str]:
@@ -182,9 +186,10 @@ def classify(outcome: Outcome, output: str, *, expected_lines: list[str], restar
     kind, trial = KINDS[outcome.trial.kind], outcome.trial
     lines = notable_lines(output)
     outcome.line = " | ".join(lines)[:400]
-    outcome.traceback = "Traceback" in output
+    outcome.traceback = "Traceback" in output or "Fatal Python error" in output
     cause = re.compile(kind.cause.format(rank=trial.rank))
-    printed = [line for line in output.splitlines() if line.strip()]
+    printed = [line for line in output.splitlines()
+               if line.strip() and not (trial.launcher == "ray" and _RAY_CHATTER.search(line))]
     as_expected = (len(printed) == len(expected_lines)
                    and all(line.startswith(want) for line, want in zip(printed, expected_lines, strict=True)))
     errors = [line for line in lines if line.startswith("error:")]

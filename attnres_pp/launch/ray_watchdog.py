@@ -36,8 +36,8 @@ def watch_private_instance(ray) -> subprocess.Popen | None:
                     for info in infos if getattr(info, "process", None) is not None})
     if not roots:
         return None
-    package_parent = str(Path(__file__).resolve().parents[2])  # the driver's attnres_pp, importable by -m
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))}
+    # The driver's import path, so that `-m` finds the attnres_pp this process runs.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     return subprocess.Popen([sys.executable, "-m", "attnres_pp.launch.ray_watchdog", str(os.getpid()),
                              *map(str, roots)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=env, start_new_session=True, close_fds=True)

@@ -6,7 +6,7 @@ or /dev/shm file, no checkpoint lost.
 
 The trials run in this process (train's main, its ranks forked from the fork server that keeps
 torch imported); only the trials that SIGKILL the driver start a driver process. The kinds are
-weighted towards the cheap in-process ones; every kind runs at least once. It holds what the
+weighted towards the cheap in-process ones; every kind runs at least once (six tests of five). It holds what the
 single-fault tests it replaced asserted: SIGTERM to the driver stops the run within 15 s with
 exit 143 and the one line "terminated (SIGTERM): stopping the workers", its ranks end and no
 rendezvous folder is left; a SIGKILLed driver's ranks end within 5 s without a traceback and leave
@@ -28,30 +28,34 @@ from pathlib import Path
 import pytest
 
 from attnres_lab.chaos import run_trials, tally
-from attnres_lab.chaos_trials import HOOKS, hook_env
+from attnres_lab.chaos_trials import KINDS, hook_env
 
 pytestmark = [pytest.mark.distributed, pytest.mark.subprocess]
 
-PARTS = 3
-TRIALS_PER_PART = 10
-# In turn; in-process kinds several times, the driver-killing ones (a fresh interpreter each) once.
-WEIGHTED = ["kill-rank", "sigterm", "full-disk-log", "kill-in-save", "torn-log", "full-disk-save", "kill-rank",
-            "sigterm", "kill-in-save", "full-disk-log"]
-DRIVER_KILLS = {0: "sigkill-driver", 1: "kill-driver-in-save"}
+PARTS = 6
+TRIALS_PER_PART = 5
+# The 30 trials in turn, 5 a test (each well within pytest's 300 s on a loaded machine): the cheap
+# in-process kinds several times each, the driver-killing ones (a fresh interpreter each) once.
+WEIGHTED = ["kill-rank", "sigterm", "full-disk-log", "kill-in-save", "sigkill-driver",
+            "torn-log", "full-disk-save", "kill-rank", "sigterm", "kill-in-save",
+            "full-disk-log", "kill-rank", "torn-log", "kill-driver-in-save", "sigterm",
+            "kill-in-save", "full-disk-save", "kill-rank", "sigterm", "full-disk-log",
+            "kill-rank", "torn-log", "kill-in-save", "full-disk-save", "sigterm",
+            "full-disk-log", "kill-rank", "kill-in-save", "torn-log", "kill-rank"]
+# Where the hooked kinds go once train.faults has their hooks (each in place of a kill-rank).
+HOOKED_AT = {"freeze-rank": 7, "lose-at-start": 26}
 
 
 def kinds_of(part: int) -> list[str]:
-    """Part `part`'s kinds: the weighted list, a driver kill in place of one trial, the hooked kinds
-    where train.faults has their hooks, no tmpfs where this is not root (test_full_disk's rule)."""
+    """Part `part`'s kinds: its share of the weighted list, the hooked kinds where train.faults has
+    their hooks, no tmpfs where this is not root (a kill-rank in its place)."""
     kinds = list(WEIGHTED)
-    if part in DRIVER_KILLS:
-        kinds[-1] = DRIVER_KILLS[part]
-    hooked = [kind for kind in HOOKS if hook_env(kind)]
-    for index, kind in enumerate(hooked):
-        kinds[2 + 3 * index] = kind
+    for kind, index in HOOKED_AT.items():
+        if hook_env(kind):
+            kinds[index] = kind
     if os.geteuid() != 0:
         kinds = [kind if kind != "full-disk-save" else "kill-rank" for kind in kinds]
-    return kinds
+    return kinds[part * TRIALS_PER_PART:(part + 1) * TRIALS_PER_PART]
 
 
 @pytest.fixture
@@ -69,4 +73,13 @@ def test_chaos_trials_are_all_clean(part, work):
     counts = tally(outcomes)
     assert counts == {"trials": TRIALS_PER_PART, "clean": TRIALS_PER_PART, "hangs": 0, "misleading": 0,
                       "tracebacks": 0, "leaks": 0, "checkpoints lost": 0}, "\n".join(lines)
-    assert {o.trial.kind for o in outcomes} == set(kinds_of(part))
+    assert [o.trial.kind for o in outcomes] == kinds_of(part)
+
+
+def test_the_ci_trials_cover_every_kind():
+    """Every kind runs in CI, but those whose hooks train.faults does not have yet."""
+    kinds = {kind for part in range(PARTS) for kind in kinds_of(part)}
+    missing = {kind for kind in HOOKED_AT if not hook_env(kind)}
+    if os.geteuid() != 0:
+        missing.add("full-disk-save")
+    assert kinds == set(KINDS) - missing
