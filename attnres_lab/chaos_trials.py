@@ -138,7 +138,9 @@ def plan(trials: int, seed: int, launchers: list[str], kinds: list[str]) -> list
         kind = kinds[number % len(kinds)]
         launcher = launchers[(number // len(kinds)) % len(launchers)]
         rank = rng.randrange(RANKS)
-        if kind in ("kill-in-save", "full-disk-save", "kill-driver-in-save"):
+        if kind == "full-disk-save":  # the run keeps 2 checkpoints: from step_6 on, each save has the same room
+            step = CHECKPOINT_EVERY * rng.randint(2, 3)
+        elif kind in ("kill-in-save", "kill-driver-in-save"):
             step = CHECKPOINT_EVERY * rng.randint(2, 4)  # a save with an earlier checkpoint to fall back to
         else:
             step = rng.randint(3, 6)
