@@ -57,19 +57,22 @@ def run_options(args: argparse.Namespace) -> dict:
 
 
 def run_trials(trials: int, seed: int, launchers: list[str], kinds: list[str],
-               progress: Callable[[str], None], work: Path) -> list[Outcome]:
-    """Every planned trial in this process, its output (and its ranks') in `work`/output.log."""
+               progress: Callable[[str], None], work: Path, *, session=None, start: int = 0) -> list[Outcome]:
+    """Every planned trial (numbered from `start`) in this process, its output (and its ranks') in
+    `work`/output.log; or in `session`'s (a `chaos_run.Session`), whose output the caller captures."""
     from attnres_lab.chaos_outcomes import run_trial
     from attnres_lab.chaos_probe import output_to
     from attnres_lab.chaos_run import Session
 
+    if session is None:
+        with output_to(work / "output.log"):
+            return run_trials(trials, seed, launchers, kinds, progress, work, session=Session(work, progress),
+                              start=start)
     outcomes = []
-    with output_to(work / "output.log"):
-        session = Session(work, progress)
-        for trial in plan(trials, seed, launchers, kinds):
-            outcome = run_trial(session, trial)
-            outcomes.append(outcome)
-            progress(f"{trial.label}: {verdict(outcome)} ({outcome.seconds:.1f} s)")
+    for trial in plan(trials, seed, launchers, kinds, start=start):
+        outcome = run_trial(session, trial)
+        outcomes.append(outcome)
+        progress(f"{trial.label}: {verdict(outcome)} ({outcome.seconds:.1f} s)")
     return outcomes
 
 

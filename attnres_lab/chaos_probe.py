@@ -88,9 +88,11 @@ def restart_fork_server() -> None:
 
 
 @contextlib.contextmanager
-def output_to(log_path: Path):
+def output_to(log_path: Path, fresh_server: bool = True):
     """This process's stdout and stderr (descriptors 1 and 2, and sys.stdout/err) appended to
-    `log_path`, with a fork server started afresh inside, so its rank processes write there too."""
+    `log_path`, with a fork server started afresh inside, so its rank processes write there too, and
+    stopped at the end. `fresh_server=False` keeps the fork server as it is, at both ends: one that
+    an earlier `output_to` of the same log started (its caller stops it, `restart_fork_server`)."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     saved = (os.dup(1), os.dup(2))
@@ -101,12 +103,14 @@ def output_to(log_path: Path):
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         sys.stdout = sys.stderr = handle
-        restart_fork_server()
+        if fresh_server:
+            restart_fork_server()
         yield
     finally:
         handle.flush()
         sys.stdout, sys.stderr = stdout, stderr
-        restart_fork_server()  # its descriptors point at the log: the next user gets a fresh one
+        if fresh_server:
+            restart_fork_server()  # its descriptors point at the log: the next user gets a fresh one
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
         for fd in (*saved, log_fd):

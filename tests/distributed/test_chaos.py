@@ -28,9 +28,12 @@ from pathlib import Path
 import pytest
 
 from attnres_lab.chaos import run_trials, tally
+from attnres_lab.chaos_probe import fork_server_pid, output_to, restart_fork_server
+from attnres_lab.chaos_run import Session
 from attnres_lab.chaos_trials import KINDS, hook_env
 
-pytestmark = [pytest.mark.distributed, pytest.mark.subprocess]
+# One worker runs the six tests in turn: they share the session (its fork server, its reference run).
+pytestmark = [pytest.mark.distributed, pytest.mark.subprocess, pytest.mark.xdist_group("chaos")]
 
 PARTS = 6
 TRIALS_PER_PART = 5
@@ -58,18 +61,28 @@ def kinds_of(part: int) -> list[str]:
     return kinds[part * TRIALS_PER_PART:(part + 1) * TRIALS_PER_PART]
 
 
-@pytest.fixture
-def work():
-    """A short folder: the fork server's socket and the runs' rendezvous folders live below it."""
+@pytest.fixture(scope="module")
+def session():
+    """One session for the six tests: a short folder (the fork server's socket and the runs'
+    rendezvous folders live below it), the undisturbed run's losses, and one fork server whose
+    stdout and stderr are the session's log, started by the first test and stopped at the end."""
     path = Path(tempfile.mkdtemp(prefix="chaos-", dir="/tmp"))
-    yield path
+    held = Session(path, lambda line: None)
+    held.server = None
+    yield held
+    restart_fork_server()
     shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.parametrize("part", range(PARTS))
-def test_chaos_trials_are_all_clean(part, work):
+def test_chaos_trials_are_all_clean(part, session):
     lines: list[str] = []
-    outcomes = run_trials(TRIALS_PER_PART, part, ["local"], kinds_of(part), lines.append, work)
+    if session.server is None or session.server != fork_server_pid():
+        restart_fork_server()  # stopped: the first rank start below makes one that writes to the log
+    with output_to(session.log, fresh_server=False):
+        outcomes = run_trials(TRIALS_PER_PART, part, ["local"], kinds_of(part), lines.append, session.work,
+                              session=session, start=part * TRIALS_PER_PART)
+        session.server = fork_server_pid()
     counts = tally(outcomes)
     assert counts == {"trials": TRIALS_PER_PART, "clean": TRIALS_PER_PART, "hangs": 0, "misleading": 0,
                       "tracebacks": 0, "leaks": 0, "checkpoints lost": 0}, "\n".join(lines)
