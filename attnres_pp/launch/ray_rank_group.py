@@ -46,7 +46,7 @@ from attnres_pp.launch.ray_checks import (
     require_ray,
     where_rank,
 )
-from attnres_pp.launch.ray_watchdog import end_watchdog, watch_private_instance
+from attnres_pp.launch.ray_watchdog import end_watchdog, keeping_sigterm_handler, watch_private_instance
 from attnres_pp.launch.storage_fault import find_storage_fault
 from attnres_pp.pipeline.config import PLACEMENTS
 from attnres_pp.pipeline.errors import WorkerLost
@@ -238,12 +238,13 @@ class RayRankGroup(RankGroupBase):
             if address:
                 check_reachable(address, source)
                 try:
-                    ray.init(address=address, log_to_driver=True)
+                    with keeping_sigterm_handler():  # the driver's SIGTERM stops the run, not Ray's exit
+                        ray.init(address=address, log_to_driver=True)
                 except ConnectionError as error:  # "auto" with no `ray start` cluster on this machine
                     raise ValueError(f"{source} {address}: {error}") from None
             else:
                 # One CPU per rank even on a smaller machine: the ranks mostly wait on each other.
-                with _loopback_only(ray):
+                with _loopback_only(ray), keeping_sigterm_handler():
                     ray.init(address="local", num_cpus=max(cpus or world_size, os.cpu_count() or 1),
                              include_dashboard=False,
                              log_to_driver=True, _node_ip_address=LOOPBACK)

@@ -10,10 +10,15 @@ driver's pidfd says it ended. Pidfds, not pids: a pid reused by an unrelated pro
 signalled. The watchdog also ends when the whole instance has ended (the driver's ray.shutdown),
 so a long-lived driver that starts many instances (a test session) does not collect watchdogs.
 Linux only (pidfds, /proc); elsewhere nothing is started.
+
+`keeping_sigterm_handler` keeps the driver's SIGTERM handler across ray.init, which installs its own
+(`sys.exit(15)`): under it SIGTERM to a training driver ended it with exit code 15 and no line
+instead of the run's stop (ranks told to stop, one line, exit 143).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -41,6 +46,21 @@ def watch_private_instance(ray) -> subprocess.Popen | None:
     return subprocess.Popen([sys.executable, "-m", "attnres_pp.launch.ray_watchdog", str(os.getpid()),
                              *map(str, roots)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, env=env, start_new_session=True, close_fds=True)
+
+
+@contextlib.contextmanager
+def keeping_sigterm_handler():
+    """The SIGTERM handler in place before the block is in place after it (ray.init replaces it)."""
+    try:
+        before = signal.getsignal(signal.SIGTERM)
+    except ValueError:  # not the main thread: nothing to keep, and ray.init sets nothing either
+        before = None
+    try:
+        yield
+    finally:
+        if before is not None:
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGTERM, before)
 
 
 def end_watchdog(watchdog: subprocess.Popen | None, timeout_s: float = 3.0) -> None:
