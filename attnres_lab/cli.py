@@ -6,6 +6,8 @@ activation units.
     fidelity          the simulator, calibrated on one run, predicts held-out runs (`--hosts`: over
                       real links between network-namespace hosts; `--tp`: tensor-parallel runs)
     memory-predict    the simulator's per-rank memory against what real steps hold
+    chaos             seeded fault injection over the launchers, each trial classified (clean, hang,
+                      misleading line, traceback, leak, checkpoint lost)
     fit-memory-units  fit `attnres_pp/simulator/memory_units.json` on tiny chunks
 
 The several-hosts harness is a command of its own: `python -m attnres_lab.netns_cluster`.
@@ -29,6 +31,9 @@ REGISTRY = {
                                             "probed collectives (results fidelity_tp_<date>)"))),
     "memory-predict": Benchmark("memory_predict", "the simulator's per-rank memory prediction against real runs' "
                                                   "memory_per_rank, on cases the units were not fitted on"),
+    "chaos": Benchmark("chaos", "seeded faults over the launchers (kills, a frozen rank, a full disk, a torn log, "
+                                "signals to the driver): trials, clean, hangs, misleading lines, tracebacks, leaks, "
+                                "checkpoints lost"),
 }
 SUITE = Suite(REGISTRY, "attnres_lab", ("attnres-lab",))
 

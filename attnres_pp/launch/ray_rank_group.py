@@ -50,6 +50,7 @@ from attnres_pp.launch.ray_checks import (
     require_ray,
     where_rank,
 )
+from attnres_pp.launch.ray_watchdog import end_watchdog, keeping_sigterm_handler, watch_private_instance
 from attnres_pp.launch.storage_fault import find_storage_fault
 from attnres_pp.pipeline.config import PLACEMENTS
 from attnres_pp.pipeline.errors import WorkerLost
@@ -233,7 +234,7 @@ class RayRankGroup(RankGroupBase):
         super().__init__(world_size, timeout_s)
         self._ray = ray
         self.placement, self.tensor_parallel = placement, tensor_parallel
-        self.actors, self._pg, self.started_ray = [], None, False
+        self.actors, self._pg, self.started_ray, self._watchdog = [], None, False, None
         self._in_flight: tuple[list, int] | None = None  # `send`'s refs and request bytes
         self._stopped = StoppedSince([])  # the ranks' processes on the driver's node, watched for a freeze
         if not ray.is_initialized():
@@ -242,16 +243,18 @@ class RayRankGroup(RankGroupBase):
             if address:
                 check_reachable(address, source)
                 try:
-                    ray.init(address=address, log_to_driver=True)
+                    with keeping_sigterm_handler():  # the driver's SIGTERM stops the run, not Ray's exit
+                        ray.init(address=address, log_to_driver=True)
                 except ConnectionError as error:  # "auto" with no `ray start` cluster on this machine
                     raise ValueError(f"{source} {address}: {error}") from None
             else:
                 # One CPU per rank even on a smaller machine: the ranks mostly wait on each other.
-                with _loopback_only(ray):
+                with _loopback_only(ray), keeping_sigterm_handler():
                     ray.init(address="local", num_cpus=max(cpus or world_size, os.cpu_count() or 1),
                              include_dashboard=False,
                              log_to_driver=True, _node_ip_address=LOOPBACK)
                 self.started_ray = True
+                self._watchdog = watch_private_instance(ray)  # the instance ends with this process
 
     def driver_address(self) -> str:
         """The address of the driver's node as the cluster knows it (loopback on a private instance):
@@ -443,4 +446,5 @@ class RayRankGroup(RankGroupBase):
         finally:
             if self.started_ray and ray.is_initialized():
                 ray.shutdown()
+                end_watchdog(self._watchdog)
             self.started_ray = False

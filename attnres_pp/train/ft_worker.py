@@ -23,7 +23,6 @@ torchft is imported here only: a run without `--fault-tolerance replicas` never 
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
 from datetime import timedelta
 
@@ -32,9 +31,11 @@ import torch
 from attnres_pp.model.moe import moe_sublayers, take_aux, take_loads
 from attnres_pp.pipeline.mesh import MeshCollectives, RankCoords
 from attnres_pp.train.faults import lose_this_rank
+from attnres_pp.train.ft_noise import hold_torchft_errors, quiet_checkpoint_server
 from attnres_pp.train.grad_sync import ensure_grads, flat_buckets, reduce_flat
 from attnres_pp.train.memory_report import grad_bytes
 from attnres_pp.train.optim import local_shard, lr_at
+from attnres_pp.train.shards import rng_stream
 from attnres_pp.train.stage_worker import StageWorker
 from attnres_pp.train.step_stats import StepReply
 
@@ -145,7 +146,15 @@ class FtStageWorker(StageWorker):
         if fail_in_allreduce:
             self.fail_at_step = None
         self.manager = None
+        self.held_errors = None  # torchft's log records until a step commits (`ft_noise`)
         self.store = None  # rank 0's TCPStore, the group's rendezvous for its Managers
+
+    @property
+    def rng_stream(self) -> str:
+        """The layers' stream, under replica 0's name whichever group this is: every group holds the
+        same state (one live group writes a checkpoint, and a joining group heals from a live one, RNG
+        state included), so every group loads the stream the writing group saved."""
+        return rng_stream(0, [self.partition.layer_range(c) for c in self.partition.chunks_of(self.pp_rank)])
 
     @property
     def process_group_rank(self) -> int:
@@ -170,7 +179,7 @@ class FtStageWorker(StageWorker):
             from torchft import Manager, ProcessGroupGloo
         except ImportError:
             raise ValueError("--fault-tolerance replicas needs torchft: pip install 'attnres-pp[ft]'") from None
-        logging.getLogger("torchft").setLevel(logging.ERROR)  # a warning per quorum on CPU (no NCCL recorder)
+        self.held_errors = hold_torchft_errors()  # shown only if this rank fails
         timeout = timedelta(seconds=self.run_cfg.pipeline.timeout_s)
         # Under Ray what a rank serves may be reached from other nodes: the store by this group's other
         # ranks and, for the replicas' reduction, by the other groups' (the quorum hands them its
@@ -194,6 +203,7 @@ class FtStageWorker(StageWorker):
             world_size=self.coords.stages * self.coords.tensor_parallel,
             store_addr=store_host, store_port=store_port, lighthouse_addr=self.lighthouse,
             replica_id=f"replica_{self.dp_rank}", init_sync=False, **advertised)
+        quiet_checkpoint_server(self.manager)
         return described
 
     # ---- healing: what a live group's rank sends the same group rank of a joining group ----
@@ -237,6 +247,18 @@ class FtStageWorker(StageWorker):
         reduce_flat(params, lambda flat: self.manager.allreduce(flat).wait())
 
     def ft_step(self, want_events: bool = False) -> tuple[int, bool, int, StepReply]:
+        """`_ft_step`, with what torchft logged meanwhile dropped once a step commits (the group
+        recovered) and attached to the error if the step fails."""
+        try:
+            result = self._ft_step(want_events)
+        except BaseException as error:
+            self.held_errors.attach(error)
+            raise
+        if result[1]:
+            self.held_errors.drop()
+        return result
+
+    def _ft_step(self, want_events: bool) -> tuple[int, bool, int, StepReply]:
         """Join the step's quorum (healing first if this group is behind), train the Manager's step,
         and apply it where `should_commit` agrees. Returns (step, committed, participating groups,
         this rank's StepReply; its grad_norm is nan when the step did not commit)."""

@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from attnres_lab.chaos_probe import output_to
 from attnres_pp.cli import main
 from tests.run_helpers import metrics, summary
 
@@ -69,7 +70,10 @@ def test_fault_free_replica_groups_train_as_the_plain_run(corpus, plain, tmp_pat
     again = tmp_path / "again"  # as a crash after step 5 would have left it
     shutil.copytree(run / "checkpoints" / "step_4", again / "checkpoints" / "step_4")
     (again / "metrics.jsonl").write_text("".join((run / "metrics.jsonl").read_text().splitlines(True)[:5]))
-    assert main(["train", "--resume", str(again), "--quiet"]) == 0
+    with output_to(tmp_path / "resume.log"):  # the driver's and its ranks' output (file descriptors 1, 2)
+        assert main(["train", "--resume", str(again), "--quiet"]) == 0
+    # Each group finds the RNG stream of its layers (the writing group's: every group holds its state).
+    assert (tmp_path / "resume.log").read_text() == ""
     resumed = summary(again)
     assert resumed["losses"] == plain["losses"] and resumed["participants_per_step"] == [2] * STEPS
     assert resumed["replicas_equal"] is True
@@ -80,8 +84,12 @@ def test_a_lost_rank_restarts_only_its_group_which_heals_from_the_live_one(corpu
     """Global rank 3 (group 1, pp rank 1) exits mid-step 3: group 0 commits every step once, in order;
     group 1 is restarted alone (no job restart), heals and commits again; all end bitwise equal."""
     run = tmp_path / "hit"
-    assert main([*ARGS, *FT, "--data", str(corpus), "--inject-failure", "3:3", "--out", str(run)]) == 0
+    with output_to(tmp_path / "run.log"):  # the driver's and its ranks' output (file descriptors 1, 2)
+        assert main([*ARGS, *FT, "--data", str(corpus), "--inject-failure", "3:3", "--out", str(run)]) == 0
     check_recovered_alone(run, plain)
+    # A recovery that succeeds is silent: torchft's tracebacks of the failed reduction, its checkpoint
+    # server's access log and torch's buffer warning are held back (they go with a failure's error).
+    assert (tmp_path / "run.log").read_text() == ""
 
 
 @pytest.mark.distributed

@@ -1,0 +1,249 @@
+"""Running chaos trials (`chaos_trials`): the driver is `attnres-pp train`'s main in this process
+(most kinds: its rank processes come from the local launcher's fork server, which keeps torch
+imported, so a trial costs what its ranks cost) or a process of its own where the driver itself
+must die (SIGKILL). A watcher thread follows each run from outside: the processes below the
+driver, the records of metrics.jsonl, the fault to deliver at a step, and the trial's deadline.
+Every wait is bounded: a run past its deadline is stopped (SIGTERM to this process's run, SIGKILL to
+a driver process) and counted as a hang."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from attnres_lab import chaos_probe as probe
+from attnres_lab.chaos_trials import (
+    CHECKPOINT_EVERY,
+    DEADLINE_S,
+    FLAGS,
+    RANKS,
+    TIMEOUT_S,
+    Trial,
+    hook_env,
+    run_losses,
+)
+
+_POLL_S = 0.02
+_PAGE = 4096
+
+
+class Watcher(threading.Thread):
+    """Samples the processes below `driver` (less `exclude` and the fork server, which outlives a run
+    by design), counts metrics.jsonl's records, calls `fire(ranks)` once `when(records, ranks)` holds
+    (`ranks`: the rank processes seen so far, by pid), and `on_deadline()` once `deadline_s` passed."""
+
+    def __init__(self, driver: int, metrics: Path, *, exclude: set[int], deadline_s: float,
+                 on_deadline: Callable[[], None], when=None, fire=None) -> None:
+        super().__init__(daemon=True)
+        self.driver, self.metrics, self.exclude = driver, metrics, exclude
+        self.deadline_s, self.on_deadline, self.when, self.fire = deadline_s, on_deadline, when, fire
+        self.seen: set[int] = set()
+        self.fired, self.hang = False, False
+        self.fired_at: float | None = None  # time.monotonic() of the fault's delivery
+        self._stop_event = threading.Event()
+
+    def ranks(self) -> list[int]:
+        """The rank processes now: children of the fork server (local), or Ray's rank actors."""
+        server = probe.fork_server_pid()
+        if server is not None:
+            local = sorted(p for p in probe.descendants(server) if p in self.seen and probe.alive(p))
+            if local:
+                return local
+        return sorted(p for p in self.seen if probe.command_of(p).startswith("ray::RankActor"))
+
+    def records(self) -> int:
+        try:
+            return self.metrics.read_bytes().count(b"\n")
+        except OSError:
+            return 0
+
+    def run(self) -> None:
+        started = time.monotonic()
+        while not self._stop_event.wait(_POLL_S):
+            server = probe.fork_server_pid()
+            self.seen |= probe.descendants(self.driver) - self.exclude - {server}
+            if self.when is not None and not self.fired and self.when(self.records(), self.ranks()):
+                self.fired, self.fired_at = True, time.monotonic()
+                with contextlib.suppress(OSError):
+                    self.fire(self.ranks())
+            if not self.hang and time.monotonic() - started > self.deadline_s:
+                self.hang = True
+                self.on_deadline()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(timeout=5)
+
+
+def _signal_rank(sig: int, rank: int):
+    def fire(ranks: list[int]) -> None:
+        os.kill(ranks[min(rank, len(ranks) - 1)], sig)
+    return fire
+
+
+def fault(trial: Trial, driver: int, run: Path):
+    """(env, extra flags, when, fire) that deliver `trial`'s fault to the run in `run`."""
+    env, flags, when, fire = {}, [], None, None
+    kind, rank, step = trial.kind, trial.rank, trial.step
+    if kind == "kill-rank":
+        flags = ["--inject-failure", f"{rank}:{step}"]
+    elif kind == "kill-in-save":
+        # The hook kills at every save of step_N, the restarted ranks' too: once the first attempt's
+        # save has begun, the restarted ranks (which read the environment as they start) go without it.
+        env["ATTNRES_PP_KILL_DURING_CHECKPOINT"] = f"{step}:after-shard:{rank}"
+        when = lambda records, ranks: (run / "checkpoints" / f"step_{step}.tmp").exists()  # noqa: E731
+        fire = lambda ranks: os.environ.pop("ATTNRES_PP_KILL_DURING_CHECKPOINT", None)  # noqa: E731
+    elif kind == "kill-driver-in-save":
+        env["ATTNRES_PP_KILL_DURING_CHECKPOINT"] = f"{step}:{trial.point}"
+    elif kind == "freeze-rank":
+        flags = ["--timeout", str(TIMEOUT_S)]
+        hook = hook_env(kind)
+        if hook:
+            env[hook] = f"{rank}:{step}"
+        else:
+            when, fire = (lambda records, ranks: records >= step - 1 and len(ranks) >= RANKS), \
+                _signal_rank(signal.SIGSTOP, rank)
+    elif kind == "lose-at-start":
+        hook = hook_env(kind)
+        if hook:
+            env[hook] = str(rank)
+        else:
+            when, fire = (lambda records, ranks: len(ranks) >= RANKS), _signal_rank(signal.SIGKILL, rank)
+    elif kind in ("sigterm", "torn-log", "sigkill-driver"):
+        sig = signal.SIGKILL if kind == "sigkill-driver" else signal.SIGTERM
+        when, fire = (lambda records, ranks: records >= step), (lambda ranks: os.kill(driver, sig))
+    return env, flags, when, fire
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]):
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _tempdir(path: Path):
+    """tempfile's folder (where a run makes its rendezvous folder) set to `path` for a while."""
+    before = tempfile.tempdir
+    tempfile.tempdir = str(path)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = before
+
+
+@contextlib.contextmanager
+def full_disk_at(call: int):
+    """The driver's `call`-th record write puts half its bytes on disk, then fails as a full disk does."""
+    from attnres_pp.train import summary
+
+    real, calls = summary.write_all, {"n": 0}
+
+    def write_all(fd: int, data: bytes) -> None:
+        calls["n"] += 1
+        if calls["n"] == call:
+            os.write(fd, data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, data)
+
+    summary.write_all = write_all
+    try:
+        yield
+    finally:
+        summary.write_all = real
+
+
+def ignore_sigterm(signum, frame) -> None:
+    """Between runs a late SIGTERM (a watcher that fired as a run ended) is dropped, not fatal."""
+
+
+class Session:
+    """Trials in this process: its output (and its ranks') captured in `work`/output.log, the
+    undisturbed run's losses computed once."""
+
+    def __init__(self, work: Path, progress: Callable[[str], None]) -> None:
+        self.work, self.progress = work, progress
+        self.log = work / "output.log"
+        self.reference: list[float] | None = None
+        self.checkpoint_bytes = 0
+        from multiprocessing import util
+
+        util.get_temp_dir()  # multiprocessing's folder (the fork server's socket), outside every trial's
+
+    def output_since(self, offset: int) -> str:
+        with open(self.log, "rb") as handle:
+            handle.seek(offset)
+            return handle.read().decode(errors="replace")
+
+    def offset(self) -> int:
+        sys.stdout.flush()
+        return self.log.stat().st_size if self.log.exists() else 0
+
+    def drive(self, args: list[str], *, env: dict, tmp: Path, deadline_s: float, when=None, fire=None,
+              metrics: Path) -> tuple[int, Watcher, str]:
+        """train's main in this process under a watcher: (exit code, the watcher, what was printed)."""
+        from attnres_pp.cli import main
+
+        me, start = os.getpid(), self.offset()
+        server = probe.fork_server_pid()
+        watcher = Watcher(me, metrics, exclude=probe.descendants(me) | ({server} if server else set()),
+                          deadline_s=deadline_s, on_deadline=lambda: os.kill(me, signal.SIGTERM), when=when, fire=fire)
+        with _environ(env), _tempdir(tmp):
+            watcher.start()
+            try:
+                rc = main(args)
+            except BaseException:  # what the console script would print and exit 1 on
+                traceback.print_exc()
+                rc = 1
+            finally:
+                watcher.stop()
+        return rc, watcher, self.output_since(start)
+
+    def ensure_reference(self, launcher: str) -> list[float]:
+        """The undisturbed run's losses (under the local launcher: launchers give the same losses)."""
+        if self.reference is None:
+            run = self.work / "undisturbed"
+            rc, _, out = self.drive(["train", "--launcher", "local", *FLAGS, "--out", str(run)], env={},
+                                    tmp=self.work, deadline_s=DEADLINE_S["local"], metrics=run / "metrics.jsonl")
+            losses, _ = run_losses(run)
+            if rc != 0 or losses is None:
+                raise RuntimeError(f"the undisturbed run failed (rc {rc}): {out[-2000:]}")
+            self.reference = losses
+            step = run / "checkpoints" / f"step_{CHECKPOINT_EVERY * (len(losses) // CHECKPOINT_EVERY)}"
+            self.checkpoint_bytes = sum(-(-p.stat().st_size // _PAGE) * _PAGE for p in step.rglob("*") if p.is_file())
+        return self.reference
+
+
+def driver_command(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "attnres_pp.cli", *args]
+
+
+def package_path() -> str:
+    import attnres_pp
+
+    parent = str(Path(attnres_pp.__file__).resolve().parents[1])
+    return os.pathsep.join(filter(None, [parent, os.environ.get("PYTHONPATH")]))
+
+
+def popen(args: list[str], env: dict, tmp: Path, log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen(driver_command(args), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, **env, "TMPDIR": str(tmp), "PYTHONPATH": package_path()})
