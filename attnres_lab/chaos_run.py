@@ -26,12 +26,11 @@ from attnres_lab.chaos_trials import (
     CHECKPOINT_EVERY,
     DEADLINE_S,
     FLAGS,
-    RANKS,
     TIMEOUT_S,
     Trial,
-    hook_env,
     run_losses,
 )
+from attnres_pp.train.faults import FREEZE_RANK, LOSE_RANK_AT_START
 
 _POLL_S = 0.02
 _PAGE = 4096
@@ -85,12 +84,6 @@ class Watcher(threading.Thread):
         self.join(timeout=5)
 
 
-def _signal_rank(sig: int, rank: int):
-    def fire(ranks: list[int]) -> None:
-        os.kill(ranks[min(rank, len(ranks) - 1)], sig)
-    return fire
-
-
 def fault(trial: Trial, driver: int, run: Path):
     """(env, extra flags, when, fire) that deliver `trial`'s fault to the run in `run`."""
     env, flags, when, fire = {}, [], None, None
@@ -105,20 +98,11 @@ def fault(trial: Trial, driver: int, run: Path):
         fire = lambda ranks: os.environ.pop("ATTNRES_PP_KILL_DURING_CHECKPOINT", None)  # noqa: E731
     elif kind == "kill-driver-in-save":
         env["ATTNRES_PP_KILL_DURING_CHECKPOINT"] = f"{step}:{trial.point}"
-    elif kind == "freeze-rank":
+    elif kind == "freeze-rank":  # the rank stops itself at the step, its first start only
         flags = ["--timeout", str(TIMEOUT_S)]
-        hook = hook_env(kind)
-        if hook:
-            env[hook] = f"{rank}:{step}"
-        else:
-            when, fire = (lambda records, ranks: records >= step - 1 and len(ranks) >= RANKS), \
-                _signal_rank(signal.SIGSTOP, rank)
-    elif kind == "lose-at-start":
-        hook = hook_env(kind)
-        if hook:
-            env[hook] = str(rank)
-        else:
-            when, fire = (lambda records, ranks: len(ranks) >= RANKS), _signal_rank(signal.SIGKILL, rank)
+        env[FREEZE_RANK] = f"{rank}:{step}"
+    elif kind == "lose-at-start":  # the rank's process exits as it joins the group, its first start only
+        env[LOSE_RANK_AT_START] = str(rank)
     elif kind in ("sigterm", "torn-log", "sigkill-driver"):
         sig = signal.SIGKILL if kind == "sigkill-driver" else signal.SIGTERM
         when, fire = (lambda records, ranks: records >= step), (lambda ranks: os.kill(driver, sig))

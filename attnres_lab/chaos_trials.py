@@ -76,20 +76,6 @@ KINDS = {
     "sigkill-driver": Kind("subprocess", -9, False, r"$^"),
     "kill-driver-in-save": Kind("subprocess", -9, False, r"$^"),
 }
-# The fault hooks another part of the tree adds to train.faults; a kind whose hook is missing runs
-# by an outside signal instead (and is expected to fail until the hook and its handling land).
-HOOKS = {"freeze-rank": "FREEZE_RANK", "lose-at-start": "LOSE_RANK_AT_START"}
-
-
-def hook_env(kind: str) -> str | None:
-    """The environment variable of `kind`'s fault hook in train.faults, or None where it has none."""
-    from attnres_pp.train import faults
-
-    name = HOOKS.get(kind)
-    value = getattr(faults, name, None) if name else None
-    return value if isinstance(value, str) else None
-
-
 @dataclass(frozen=True)
 class Trial:
     number: int

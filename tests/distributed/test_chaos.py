@@ -15,8 +15,8 @@ no rendezvous folder; a full disk during a rank's save (a real tmpfs, root) is o
 command that resumes it), exit 2, each step trained once (no restart), no half-written checkpoint
 left, and the last checkpoint resumes to the undisturbed losses.
 
-The kinds whose fault hooks are not in train.faults yet (a frozen rank, a rank lost at start-up)
-join once they are (`hook_env`)."""
+A frozen rank and a rank lost at start-up come from train.faults' rehearsal hooks
+(tests/distributed/test_hung_rank.py and test_start_loss.py deliver them by outside signals too)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import pytest
 from attnres_lab.chaos import run_trials, tally
 from attnres_lab.chaos_probe import fork_server_pid, output_to, restart_fork_server
 from attnres_lab.chaos_run import Session
-from attnres_lab.chaos_trials import KINDS, hook_env
+from attnres_lab.chaos_trials import KINDS
 
 # One worker runs the six tests in turn: they share the session (its fork server, its reference run).
 pytestmark = [pytest.mark.distributed, pytest.mark.subprocess, pytest.mark.xdist_group("chaos")]
@@ -40,22 +40,17 @@ TRIALS_PER_PART = 5
 # The 30 trials in turn, 5 a test (each well within pytest's 300 s on a loaded machine): the cheap
 # in-process kinds several times each, the driver-killing ones (a fresh interpreter each) once.
 WEIGHTED = ["kill-rank", "sigterm", "full-disk-log", "kill-in-save", "sigkill-driver",
-            "torn-log", "full-disk-save", "kill-rank", "sigterm", "kill-in-save",
+            "torn-log", "full-disk-save", "freeze-rank", "sigterm", "kill-in-save",
             "full-disk-log", "kill-rank", "torn-log", "kill-driver-in-save", "sigterm",
             "kill-in-save", "full-disk-save", "kill-rank", "sigterm", "full-disk-log",
             "kill-rank", "torn-log", "kill-in-save", "full-disk-save", "sigterm",
-            "full-disk-log", "kill-rank", "kill-in-save", "torn-log", "kill-rank"]
-# Where the hooked kinds go once train.faults has their hooks (each in place of a kill-rank).
-HOOKED_AT = {"freeze-rank": 7, "lose-at-start": 26}
+            "full-disk-log", "lose-at-start", "kill-in-save", "torn-log", "kill-rank"]
 
 
 def kinds_of(part: int) -> list[str]:
-    """Part `part`'s kinds: its share of the weighted list, the hooked kinds where train.faults has
-    their hooks, no tmpfs where this is not root (a kill-rank in its place)."""
+    """Part `part`'s kinds: its share of the weighted list, no tmpfs where this is not root (a
+    kill-rank in its place)."""
     kinds = list(WEIGHTED)
-    for kind, index in HOOKED_AT.items():
-        if hook_env(kind):
-            kinds[index] = kind
     if os.geteuid() != 0:
         kinds = [kind if kind != "full-disk-save" else "kill-rank" for kind in kinds]
     return kinds[part * TRIALS_PER_PART:(part + 1) * TRIALS_PER_PART]
@@ -90,9 +85,6 @@ def test_chaos_trials_are_all_clean(part, session):
 
 
 def test_the_ci_trials_cover_every_kind():
-    """Every kind runs in CI, but those whose hooks train.faults does not have yet."""
+    """Every kind runs in CI (a full disk on a tmpfs only as root)."""
     kinds = {kind for part in range(PARTS) for kind in kinds_of(part)}
-    missing = {kind for kind in HOOKED_AT if not hook_env(kind)}
-    if os.geteuid() != 0:
-        missing.add("full-disk-save")
-    assert kinds == set(KINDS) - missing
+    assert kinds == set(KINDS) - ({"full-disk-save"} if os.geteuid() != 0 else set())
