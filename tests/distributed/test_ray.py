@@ -227,8 +227,8 @@ def test_a_setup_refusal_through_ray_is_one_line_as_under_the_local_launcher(loc
     """The Ray driver raises a rank's set-up refusal (a ValueError, carried through Ray's task error)
     as `rank R refused to start: ...`, one line that the CLI prints as `error:`, ahead of the other
     ranks' failures it caused, and not as a rendezvous failure or a traceback."""
+    from attnres_pp.launch.ray_actor import join_results
     from attnres_pp.launch.ray_checks import RendezvousError
-    from attnres_pp.launch.ray_rank_group import join_results
 
     actors = [ray.remote(num_cpus=0)(_SetUpRank).remote(rank, str(tmp_path / "refused")) for rank in range(2)]
     try:
