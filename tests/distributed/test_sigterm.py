@@ -18,17 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from attnres_lab.chaos_probe import alive
 from tests.run_helpers import REPO
 
 pytestmark = [pytest.mark.distributed, pytest.mark.subprocess]
 
-def alive(pid: int) -> bool:
-    """Running (a zombie whose parent is gone counts as ended: nothing of it runs)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def wait_for_line(proc: subprocess.Popen, prefix: str, timeout_s: float) -> list[str]:
