@@ -36,8 +36,8 @@ KILL_DURING_CHECKPOINT = "ATTNRES_PP_KILL_DURING_CHECKPOINT"
 # The points of a save, in order: who dies there. `after-shard` takes the rank (`N:after-shard:R`).
 KILL_POINTS = {
     "before-shards": "the driver, once step_N.tmp exists and before any rank writes its shard",
-    "after-shard": "rank R, right after it wrote its shard (with --launcher inprocess the ranks are threads "
-                   "of the driver, so the whole process)",
+    "after-shard": "rank R, right after it wrote its shard, on the ranks' first start only (with --launcher "
+                   "inprocess the ranks are threads of the driver, so the whole process)",
     "before-meta": "the driver, after every rank's shard and before meta.json",
     "before-rename": "the driver, after meta.json (fsynced) and before the rename to step_N",
     "between-renames": "the driver, when step_N exists already: after step_N -> step_N.old and before "

@@ -24,6 +24,9 @@ class ShardSaves:
     distributed = False
     peers = None
     rank = 0
+    # The ranks' first start (StageWorker sets it; a restarted rank does not): the after-shard kill of
+    # ATTNRES_PP_KILL_DURING_CHECKPOINT acts then only, as a real crash does not come back with the rank.
+    rehearse = True
 
     def _shard_state(self) -> dict:
         """What this rank saves (`shards.shard_state`), its expert slices made whole (`expert_shards`)."""
@@ -50,7 +53,8 @@ class ShardSaves:
                     save_shard(step_dir, state, distributed=False)
         except (Exception, CheckpointException) as error:
             raise save_failure(step_dir, error, needed_bytes=state_bytes(state)) from error
-        rehearse_rank_kill(step_dir, self.rank)
+        if self.rehearse:
+            rehearse_rank_kill(step_dir, self.rank)
 
     def begin_save(self, step_dir: str) -> float:
         """`save_shard` in the background (`--async-checkpoint`, `train.background_save`): returns once
@@ -65,7 +69,7 @@ class ShardSaves:
                 return 0.0
             state = {key: value for rank_state in states for key, value in rank_state.items()}
         return self.background_save.begin(step_dir, state, distributed=self.distributed and self.peers is None,
-                                          on_written=lambda: rehearse_rank_kill(step_dir, self.rank))
+                                          on_written=lambda: self.rehearse and rehearse_rank_kill(step_dir, self.rank))
 
     def save_written(self) -> bool:
         """Whether this rank has no checkpoint write in flight."""
