@@ -109,7 +109,7 @@ class TorchrunRankGroup(RankGroupBase):
         self._broken = False  # a call failed: ranks may be blocked on a lost peer
         self._stopped = False
         self._sigterm_before = None
-        self._stopped = StoppedSince([])  # the other ranks' processes on this host, watched for a freeze
+        self._frozen = StoppedSince([])  # the other ranks' processes on this host, watched for a freeze
 
     def gpus(self) -> int | None:
         """Every rank has its own GPU (LOCAL_RANK's) when each node has one per torchrun process on it."""
@@ -128,7 +128,7 @@ class TorchrunRankGroup(RankGroupBase):
         start = [(worker_cls, kwargs, "env://", self.world_size) for kwargs in rank_kwargs]
         self.setup_results = self.call("start", start, what="setup")
         here = socket.gethostname()
-        self._stopped = StoppedSince([None] + [d.get("pid") if d.get("host") == here else None
+        self._frozen = StoppedSince([None] + [d.get("pid") if d.get("host") == here else None
                                                for d in self.setup_results[1:]])
         return self.setup_results
 
@@ -172,7 +172,7 @@ class TorchrunRankGroup(RankGroupBase):
             failed = [rank for rank, (status, _) in sorted(replies.items()) if status != "ok"]
             if failed:
                 self._raise_failure(failed[0], replies[failed[0]], pending, what)
-            self._stopped.raise_if_hung(sorted(pending.values()), what, hung_after_s(self.timeout_s))
+            self._frozen.raise_if_hung(sorted(pending.values()), what, hung_after_s(self.timeout_s))
             if time.monotonic() > deadline:
                 silent = sorted(pending.values()) or [0]
                 raise self._lost(silent[0], f"{rank_label(silent[0], self.pipe)} did not answer {what} within "
@@ -196,7 +196,7 @@ class TorchrunRankGroup(RankGroupBase):
         # A peer's death often surfaces first as this rank's failed receive: name the cause.
         for ready in wait(list(pending), timeout=_GRACE_S):
             self._receive(pending.pop(ready), ready, what)
-        self._stopped.raise_if_hung(sorted(pending.values()), what, None)  # a frozen peer: the cause of its timeout
+        self._frozen.raise_if_hung(sorted(pending.values()), what, None)  # a frozen peer: the cause of its timeout
         raise RuntimeError(f"rank {rank} failed during {what}:\n{value}")
 
     def _lost(self, rank: int, what: str, *, closed: bool = True) -> WorkerLost:
