@@ -10,6 +10,11 @@ any D (and into one process, or `attnres-pp generate`).
 - Thread ranks (rank 0 writes every rank's state as one process's, `shard_saves`): the EP group
   gathers its slices into the whole tensor (an all-to-all over "ep"), and a rank loading reads the
   whole tensor and keeps its rows.
+- Under `--dp-shard fsdp` with D > EP a slice is itself FSDP2-sharded over "edp" (`train.fsdp`): a
+  save first all-gathers it over edp (the slice is whole on the rank for that moment), and a load
+  reads the slice's rows as above and keeps its own edp rows (torch.chunk's, as FSDP2 splits), as a
+  DTensor of the parameter's own layout. So the checkpoint is the same whatever D, EP or sharding
+  wrote it, and loads into any of them.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ def whole_expert_state(state: dict, rows: dict[str, slice], collectives: Collect
         value = state[key]
         if _held(key, value, rows) is None:
             continue
+        value = _whole_slice(value)
         if mesh is not None:
             from torch.distributed.tensor import DTensor, Shard
 
@@ -76,23 +82,47 @@ def expert_targets(rows: dict[str, slice], n_experts: int, collectives: Collecti
 
     def replace(state: dict) -> Callable[[dict], dict]:
         held: dict[str, slice] = {}
+        edp_layouts: dict[str, tuple] = {}  # the FSDP2 layout over edp of a sharded slice's targets
         for key, value in list(state.items()):
             rows_held = _held(key, value, rows)
             if rows_held is None:
                 continue
             held[key] = rows_held
+            if _is_dtensor(value):
+                edp_layouts[key] = (value.device_mesh, value.placements)
+            whole_slice = torch.empty(value.shape, dtype=value.dtype, device=_local(value).device)
             if mesh is not None:
                 from torch.distributed.tensor import DTensor, Shard
 
-                state[key] = DTensor.from_local(torch.empty_like(value), mesh, [Shard(0)], run_check=False)
+                state[key] = DTensor.from_local(whole_slice, mesh, [Shard(0)], run_check=False)
             else:
                 state[key] = value.new_empty((n_experts, *value.shape[1:]))
 
         def restore(loaded: dict) -> dict:
             for key, rows_held in held.items():
                 loaded[key] = loaded[key].to_local() if mesh is not None else loaded[key][rows_held]
+                if key in edp_layouts:
+                    from torch.distributed.tensor import distribute_tensor
+
+                    # No communication: each member keeps its own chunk of the slice it read.
+                    loaded[key] = distribute_tensor(loaded[key], *edp_layouts[key], src_data_rank=None)
             return loaded
 
         return restore
 
     return replace
+
+
+def _is_dtensor(value) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if _is_dtensor(value) else value
+
+
+def _whole_slice(value: torch.Tensor) -> torch.Tensor:
+    """A slice FSDP2 shards over edp, all-gathered over edp (a collective of its members); a plain one as is."""
+    return value.full_tensor() if _is_dtensor(value) else value

@@ -6,7 +6,15 @@ The pipeline never calls a `TransformerLayer`'s own forward (a chunk runs its su
 block's batched depth read uses the pseudo-queries of layers that have not run yet), so FSDP2's
 forward and backward hooks never fire; everything is driven through FSDP2's explicit controls:
 
-- MoE's selection bias and expert parallelism's expert slices stay whole (`_kept_whole`);
+- MoE's selection bias stays whole on every replica (`_kept_whole`): it is not trained, and
+  `moe.update_expert_bias` moves it in place from loads summed over dp;
+- under expert parallelism (EP > 1) each MoE sublayer's expert slice is a unit of its own, nested in
+  its layer's, sharded over "edp" (`edp_mesh`: the D / EP replicas that hold the same experts)
+  instead of dp. Its reduce-scatter sums over those D / EP holders, each of whose unsharded gradients
+  already sums its EP group's tokens (the all-to-all's backward brought them), and divides by D
+  (`set_gradient_divide_factor`, with sum-only collectives so gloo runs it): the mean over the global
+  batch, what `grad_sync.sync_expert_gradients` gives whole slices. At D = EP there is one holder:
+  the slice stays whole (`sharded_experts` False) and `grad_sync` keeps it;
 - before any compute action of chunk c (F, B, I, W), `unshard()` its units (a no-op when they are
   unsharded already); with `reshard_after_forward="always"`, `reshard()` after each F, so the next
   action of the chunk all-gathers again (the graph's saved parameters are views of the unsharded
@@ -53,7 +61,8 @@ class FsdpShards:
     """The FSDP2 units of one rank and the explicit controls the runtime calls around actions."""
 
     def __init__(self, model: nn.Module, chunks: dict[int, PipelineChunk], owned_modules: list[str], dp_mesh,
-                 reshard_after_forward: str = "never", precision: str = "fp32") -> None:
+                 reshard_after_forward: str = "never", precision: str = "fp32", edp_mesh=None,
+                 data_parallel: int = 1) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         # fp32: no policy (FSDP2 computes in the parameters' dtype); bf16: bf16 compute, fp32 reduce.
@@ -62,6 +71,9 @@ class FsdpShards:
         self.mixed = precision != "fp32"
 
         self.units: dict[str, nn.Module] = {}
+        # Expert slices sharded over "edp" (units of their own, nested in their layers' units).
+        self.sharded_experts = edp_mesh is not None and edp_mesh.size() > 1
+        self.expert_units: dict[str, nn.Module] = {}
         # FSDP2 refuses 0-dim parameters (MSAR's gate scales): they stay whole and are averaged over
         # the replicas by `grad_sync` like any replicated parameter.
         self.replicated: list[nn.Parameter] = []
@@ -71,10 +83,12 @@ class FsdpShards:
             module = model.get_submodule(name)
             scalars = {p for p in module.parameters() if p.dim() == 0}
             self.replicated += sorted(scalars, key=lambda p: [id(q) for q in module.parameters()].index(id(p)))
+            if self.sharded_experts:
+                self.expert_units.update(_shard_expert_slices(name, module, edp_mesh, mp_policy, data_parallel))
             fully_shard(module, mesh=dp_mesh, reshard_after_forward=False,
-                        ignored_params=(scalars | _kept_whole(module)) or None,
+                        ignored_params=(scalars | _kept_whole(module, self.sharded_experts)) or None,
                         mp_policy=mp_policy, shard_placement_fn=shard_placement)
-            module._get_fsdp_state()._lazy_init()
+            module._get_fsdp_state()._lazy_init()  # the root of its nested expert units too
             module.set_requires_gradient_sync(False)
             module.set_reshard_after_backward(False)
             self.units[name] = module
@@ -86,6 +100,8 @@ class FsdpShards:
             if chunk.is_last:
                 names.append("head")
             self.units_of[c] = [self.units[n] for n in names]
+            self.units_of[c] += [unit for n in names for name, unit in self.expert_units.items()
+                                 if name.startswith(n + ".")]
         self.reshard_after_forward = reshard_after_forward == "always"
 
     def before(self, action: Action) -> None:
@@ -101,9 +117,13 @@ class FsdpShards:
                 unit._get_fsdp_state()._fsdp_param_group.post_backward()
 
     def reduce(self) -> None:
-        """Each unit's reduce-scatter, once, after the step's last backward; then reshard."""
-        for unit in self.units.values():
+        """Each unit's reduce-scatter, once, after the step's last backward; then reshard. Every
+        member of a unit's group calls them in the same order: the layers' (over dp), then the
+        expert slices' (over edp)."""
+        for unit in [*self.units.values(), *self.expert_units.values()]:
             unit.unshard()  # the unsharded gradients live on the unsharded parameters
+            if unit in self.expert_units.values():
+                _zero_missing_grads(unit)
             unit.set_requires_gradient_sync(True)
             group = unit._get_fsdp_state()._fsdp_param_group
             group.post_backward()
@@ -112,17 +132,53 @@ class FsdpShards:
             unit.reshard()
 
 
-def _kept_whole(module: nn.Module) -> set[nn.Parameter]:
-    """What FSDP2 leaves alone in `module` besides scalars: MoE's selection bias, which the optimiser
-    never touches and `moe.update_expert_bias` moves in place, equal on every replica; and expert
-    parallelism's expert slices, which their holders sum over "edp" (`grad_sync.sync_expert_gradients`),
-    not over dp."""
+def _kept_whole(module: nn.Module, sharded_experts: bool) -> set[nn.Parameter]:
+    """What the dp unit of `module` leaves alone besides scalars: MoE's selection bias, which the
+    optimiser never touches and `moe.update_expert_bias` moves in place, equal on every replica; and
+    expert parallelism's expert slices, which are either units of their own over "edp"
+    (`sharded_experts`: FSDP2 skips a nested unit's parameters by itself) or whole, summed by their
+    holders over "edp" (`grad_sync.sync_expert_gradients`)."""
     kept: set[nn.Parameter] = set()
     for moe in (m for m in module.modules() if isinstance(m, MoE)):
         kept.add(moe.expert_bias)
-        if isinstance(moe.experts, ExpertSlice):
+        if isinstance(moe.experts, ExpertSlice) and not sharded_experts:
             kept |= set(moe.experts.parameters())
     return kept
+
+
+def _shard_expert_slices(name: str, module: nn.Module, edp_mesh, mp_policy, data_parallel: int
+                         ) -> dict[str, nn.Module]:
+    """FSDP2 units over "edp" for the expert slices in `module` (whole-model name `name`), by whole-model
+    name. Their gradient is divided by D, not by the D / EP members of edp (see the module's text);
+    FSDP2's forward hooks are removed: the pipeline drives every unit explicitly, and MoE calls its
+    experts as a module, which would fire them."""
+    from torch.distributed.fsdp import fully_shard
+
+    units = {}
+    for sub, moe in ((n, m) for n, m in module.named_modules() if isinstance(m, MoE)):
+        if not isinstance(moe.experts, ExpertSlice):
+            continue
+        experts = moe.experts
+        fully_shard(experts, mesh=edp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+        state = experts._get_fsdp_state()
+        state._pre_forward_hook_handle.remove()
+        state._post_forward_hook_handle.remove()
+        experts.set_force_sum_reduction_for_comms(True)  # a sum, then / D: no PREMUL_SUM (gloo has none)
+        experts.set_gradient_divide_factor(float(data_parallel))
+        experts.set_requires_gradient_sync(False)
+        experts.set_reshard_after_backward(False)
+        units[f"{name}.{sub}.experts" if sub else f"{name}.experts"] = experts
+    return units
+
+
+def _zero_missing_grads(unit: nn.Module) -> None:
+    """Zeros for the unsharded gradients of an expert unit whose slice got no token this step, so
+    every edp member joins the reduce-scatter with the same layout (and AdamW steps the slice, as the
+    single process steps every row of the whole expert tensor)."""
+    for fsdp_param in unit._get_fsdp_state()._fsdp_param_group.fsdp_params:
+        param = fsdp_param.unsharded_param
+        if param.grad is None and fsdp_param.unsharded_accumulated_grad is None:
+            param.grad = torch.zeros_like(param)
 
 
 def shard_placement(param: nn.Parameter):

@@ -9,6 +9,7 @@ those mesh axes, so every parameter is counted once:
     FSDP2 shards over dp (the T tp ranks hold them alike)               ("dp", "pp")
     FSDP2 shards of a tp-split weight ((dp, tp) shards)                 ("world",)
     expert-parallel routed experts (EP ranks hold disjoint experts)     ("ep", "pp")
+    the same, FSDP2-sharded over edp (every dp rank a disjoint part)    ("dp", "pp")
 
 Of a tied embedding held by two pipeline ranks the first rank's copy counts: the caller leaves the
 last rank's, equal after the embedding group's sum, out of `untied` (`grad_sync.TiedEmbedding.counted`).
@@ -39,12 +40,14 @@ class NormGroup:
 
 def norm_groups(untied: list[nn.Parameter], tied: list[nn.Parameter], *, is_split: Callable[[nn.Parameter], bool],
                 tensor_parallel: bool = False, fsdp_replicated: list[nn.Parameter] | None = None,
-                experts: list[nn.Parameter] | None = None) -> list[NormGroup]:
+                experts: list[nn.Parameter] | None = None, experts_sharded: bool = False) -> list[NormGroup]:
     """The groups of a rank's parameters: `is_split` says which are tensor-parallel shards (there are
     none unless `tensor_parallel`); `fsdp_replicated` (under fsdp) the untied parameters FSDP2 leaves
     whole, the rest of `untied` being its shards; `experts` (under expert parallelism, every rank's
-    list, empty where it holds none) the expert slices, apart from `untied`."""
-    expert_group = [] if experts is None else [NormGroup(tuple(experts), ("ep", "pp"))]
+    list, empty where it holds none) the expert slices, apart from `untied`; `experts_sharded`: they
+    are FSDP2 shards over edp, so the D replicas' shards are disjoint (EP picks the slice, edp the rows)."""
+    axes = ("dp", "pp") if experts_sharded else ("ep", "pp")
+    expert_group = [] if experts is None else [NormGroup(tuple(experts), axes)]
     return expert_group + _groups(untied, tied, is_split=is_split, tensor_parallel=tensor_parallel,
                                   fsdp_replicated=fsdp_replicated)
 

@@ -184,8 +184,11 @@ class StageWorker(ExpertBalance, ShardSaves, RankHost):
         from attnres_pp.train.fsdp import FsdpShards
 
         pipe = self.run_cfg.pipeline
+        expert_mesh = getattr(self.collectives, "expert_mesh", None)  # EP > 1: slices sharded over "edp"
         self.fsdp = FsdpShards(self.model, self.chunks, self.owned_modules, dp_mesh,
-                               pipe.fsdp_reshard_after_forward or "never", self.run_cfg.train.dtype)
+                               pipe.fsdp_reshard_after_forward or "never", self.run_cfg.train.dtype,
+                               edp_mesh=None if expert_mesh is None else expert_mesh["edp"],
+                               data_parallel=pipe.data_parallel)
         self._build_params(fused=self.device.type == "cuda")
         self.runtime.compute_hooks = self.fsdp
         self.eval_runtime.compute_hooks = self.fsdp
@@ -248,7 +251,9 @@ class StageWorker(ExpertBalance, ShardSaves, RankHost):
         return runtime.finish_step()
 
     def sync_gradients(self) -> None:
-        ensure_grads(self.experts)  # a slice that got no token: zeros, so every holder joins its sums
+        sharded_experts = self.fsdp is not None and self.fsdp.sharded_experts  # reduce-scattered over edp
+        if not sharded_experts:
+            ensure_grads(self.experts)  # a slice that got no token: zeros, so every holder joins its sums
         if self.fsdp is not None:  # the shards' reduce-scatter averages over the replicas
             self.fsdp.reduce()
             ensure_grads(self.untied)
@@ -262,7 +267,7 @@ class StageWorker(ExpertBalance, ShardSaves, RankHost):
             sync_gradients(self.untied, self.tied, self.collectives, self.run_cfg.pipeline.data_parallel,
                            tied_copies=self.tp.tied_copies)
         self.tied_emb.sync(self.params, self.collectives)
-        if self.run_cfg.pipeline.expert_parallel > 1:
+        if self.run_cfg.pipeline.expert_parallel > 1 and not sharded_experts:
             sync_expert_gradients(self.experts, self.collectives, self.run_cfg.pipeline.data_parallel)
         self._grad_bytes = grad_bytes(self.params.values())  # before the optimizer step drops them
 
@@ -270,7 +275,8 @@ class StageWorker(ExpertBalance, ShardSaves, RankHost):
         """Global-norm clipping and AdamW on synced gradients; returns the whole model's norm."""
         groups = norm_groups(self.tied_emb.counted(self.params, self.untied), self.tied, is_split=is_split,
                              tensor_parallel=self.tp.active, fsdp_replicated=getattr(self.fsdp, "replicated", None),
-                             experts=self.experts if self.run_cfg.pipeline.expert_parallel > 1 else None)
+                             experts=self.experts if self.run_cfg.pipeline.expert_parallel > 1 else None,
+                             experts_sharded=self.fsdp is not None and self.fsdp.sharded_experts)
         return optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip,
                               norm_reducer(groups, self.collectives, self.device))
 
