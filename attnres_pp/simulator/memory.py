@@ -162,7 +162,8 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
                                          tensor_parallel=t, expert_parallel=ep)
                 for c in range(partition.n_chunks)] if fsdp else None
     always = fsdp and setup.reshard_after_forward == "always"
-    gathered = [chunk_gathered_bytes(cfg, partition, c, dtype=setup.dtype, tensor_parallel=t, expert_parallel=ep)
+    gathered = [chunk_gathered_bytes(cfg, partition, c, dtype=setup.dtype, tensor_parallel=t, expert_parallel=ep,
+                                     data_parallel=setup.data_parallel)
                 for c in range(partition.n_chunks)] if always else None
     # The slots' shapes are the hops' (the whole microbatch: the shared-memory transport is not
     # modelled under tensor parallelism, whose ranks keep their sequence shard).

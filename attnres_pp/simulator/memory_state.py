@@ -104,20 +104,23 @@ def state_bytes(shapes: list[tuple[int, ...]], *, data_parallel: int, dp_shard: 
     """param/grad/optimizer bytes of one rank (fp32 throughout; optimizer: AdamW's two moments).
     `whole`: parameters among `shapes` that stay unsharded under FSDP2 (`tied_parameter_shapes`);
     `routed`: routed experts' (`rank_moe_shapes`): FSDP2 shards them over dp as the others without
-    expert parallelism, and leaves them whole under EP > 1 (their holders reduce them over the D / EP
-    replicas that hold the same experts, `train.fsdp`); `frozen`: parameters without gradient or
-    AdamW state (the aux-free selection bias), which FSDP2 leaves whole.
+    expert parallelism, and under EP > 1 over the D / EP replicas that hold the same experts ("edp",
+    `train.fsdp`; this replica's index among them is dp_rank // EP; whole at D = EP); `frozen`:
+    parameters without gradient or AdamW state (the aux-free selection bias), which FSDP2 leaves whole.
 
     Under FSDP2 a parameter's shard storage and the reduce-scattered gradient buffer are padded to
     ceil(dim0 / D) rows on every replica, while AdamW's moments are made like the unpadded local
     shard (`zeros_like`), so replica `dp_rank`'s optimizer state can be smaller than its parameters."""
-    kept_whole = [*whole, *frozen, *(routed if expert_parallel > 1 else ())]
+    kept_whole, by_edp = [*whole, *frozen], list(routed) if expert_parallel > 1 else []
     sharded = list(shapes)
-    for shape in kept_whole:
+    for shape in kept_whole + by_edp:
         sharded.remove(shape)
     held = sum(math.prod(s) for s in kept_whole)
-    numel = sum(shard_numel(s, data_parallel, dp_shard) for s in sharded) + held
-    local = sum(local_numel(s, data_parallel, dp_shard, dp_rank) for s in sharded) + held
+    edp, edp_rank = data_parallel // expert_parallel, dp_rank // expert_parallel
+    numel = (sum(shard_numel(s, data_parallel, dp_shard) for s in sharded) + held
+             + sum(shard_numel(s, edp, dp_shard) for s in by_edp))
+    local = (sum(local_numel(s, data_parallel, dp_shard, dp_rank) for s in sharded) + held
+             + sum(local_numel(s, edp, dp_shard, edp_rank) for s in by_edp))
     # The frozen ones hold parameters but no gradient and no moments.
     no_grad = no_moments = sum(math.prod(s) for s in frozen)
     return {"param_bytes": 4 * numel, "grad_bytes": 4 * (numel - no_grad), "optimizer_bytes": 8 * (local - no_moments)}
@@ -165,18 +168,19 @@ def gathered_parameter_bytes(cfg: ModelConfig, partition: Partition, chunk_index
 
 
 def chunk_gathered_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, dtype: str,
-                         tensor_parallel: int = 1, expert_parallel: int = 1) -> int:
+                         tensor_parallel: int = 1, expert_parallel: int = 1, data_parallel: int = 1) -> int:
     """Bytes of chunk `chunk_index`'s parameters all-gathered in the compute dtype while its FSDP2 units
     are unsharded (`train.fsdp`: its layers, the embedding on chunk 0, the head on the last chunk;
     MSAR's tied convolutions are not units). Summed over a rank's chunks it is the copy that
     resharding never keeps through the step (`predict_ranks`). FSDP2 leaves the MoE selection bias,
-    and under EP > 1 the expert slices, whole: not gathered."""
+    and at D = EP the expert slices (one holder each), whole: not gathered."""
     shapes: list[tuple[int, ...]] = []
     if chunk_index == 0:
         shapes += embedding_shapes(cfg)
     shapes += chunk_layer_shapes(cfg, partition, chunk_index, _read_shapes(cfg), tensor_parallel, expert_parallel)
     moe_layers = sum(1 for layer in partition.layer_range(chunk_index) if cfg.is_moe_layer(layer))
-    whole = [(cfg.moe_experts,)] + (routed_expert_shapes(cfg, expert_parallel) if expert_parallel > 1 else [])
+    whole = [(cfg.moe_experts,)] + (routed_expert_shapes(cfg, expert_parallel)
+                                    if 1 < expert_parallel == data_parallel else [])
     for shape in whole * moe_layers:
         shapes.remove(shape)
     if chunk_index == partition.n_chunks - 1:  # tied: the embedding's matrix where one rank holds both,

@@ -289,25 +289,19 @@ class PlanCosts:
                 terms = zero | {"all_reduce_s": ring_all_reduce_s(4 * grads, replicas, bandwidth, latency)
                                 + ring_all_reduce_s(4 * routed, experts, bandwidth, latency)}
             else:
-                # Under EP > 1 train keeps the expert slices whole (`train.fsdp`) and all-reduces them
-                # over the D / EP replicas that hold them; at EP = 1 FSDP2 shards them as the rest.
-                sliced = candidate.expert_parallel > 1
+                # FSDP2 shards the routed experts over the D / EP replicas that hold them (`train.fsdp`:
+                # "edp", nothing to gather or reduce at D = EP); at EP = 1 that is all D replicas.
                 terms = zero | {
                     "all_gather_s": sum(gathers[c] * (
                         ring_all_gather_s(numels[c][1] * self.element, replicas, bandwidth, latency)
-                        + (0.0 if sliced else ring_all_gather_s(numels[c][3] * self.element, experts, bandwidth,
-                                                                latency)))
+                        + ring_all_gather_s(numels[c][3] * self.element, experts, bandwidth, latency))
                         for c in chunks),
                     "reduce_scatter_s": sum(ring_reduce_scatter_s(4 * numels[c][1], replicas, bandwidth, latency)
-                                            + (0.0 if sliced else ring_reduce_scatter_s(4 * numels[c][3], experts,
-                                                                                        bandwidth, latency))
+                                            + ring_reduce_scatter_s(4 * numels[c][3], experts, bandwidth, latency)
                                             for c in chunks),
                     "all_gathers": sum(gathers[c] for c in chunks)}
                 if tied:  # MSAR's tied convolutions: all-reduced whole, as under replicate
                     terms["all_reduce_s"] = ring_all_reduce_s(4 * tied, replicas, bandwidth, latency)
-                if sliced:
-                    terms["all_reduce_s"] += ring_all_reduce_s(4 * sum(numels[c][2] for c in chunks), experts,
-                                                               bandwidth, latency)
             terms["total_s"] = terms["all_reduce_s"] + terms["all_gather_s"] + terms["reduce_scatter_s"]
             per_rank.append(terms)
         worst = max(per_rank, key=lambda t: t["total_s"])
