@@ -209,9 +209,9 @@ def test_plan_table_has_an_ep_column_and_bad_ep_is_one_error_line(capsys):
 
 
 def test_routed_experts_shard_over_the_replicas_that_hold_them():
-    # E = 6 over EP = 2: 3 experts a rank, which FSDP2 leaves whole (their holders reduce them over
-    # D / EP, `train.fsdp`), as it leaves the selection bias [E] (no gradient, no moments); the rest
-    # is sharded over D = 4
+    # E = 6 over EP = 2: 3 experts a rank, which FSDP2 shards over the D / EP = 2 replicas that hold
+    # them (`train.fsdp`, "edp": padded to 2 rows each, the second holder's moments of 1 expert); it
+    # leaves the selection bias [E] whole (no gradient, no moments); the rest is sharded over D = 4
     cfg = ModelConfig(n_layers=1, d_model=8, n_heads=2, seq_len=8, vocab_size=16, residual="standard",
                       moe_experts=6, moe_top_k=2, moe_d_ff=4)
     partition = make_partition(1, 1, 1)
@@ -221,8 +221,13 @@ def test_routed_experts_shard_over_the_replicas_that_hold_them():
     for dp_rank in range(4):
         terms = rank_state_bytes(cfg, partition, 0, data_parallel=4, dp_shard="fsdp", dp_rank=dp_rank,
                                  expert_parallel=2)
-        assert terms["param_bytes"] == 4 * (rest_rows + 6 + 3 * expert)
-        assert terms["grad_bytes"] == 4 * (rest_rows + 3 * expert)
-        assert terms["optimizer_bytes"] // 8 - 3 * expert == sum(local_numel(s, 4, "fsdp", dp_rank) for s in rest)
+        held_experts = (2, 1)[dp_rank // 2]  # torch.chunk's rows of 3 over the two holders
+        assert terms["param_bytes"] == 4 * (rest_rows + 6 + 2 * expert)
+        assert terms["grad_bytes"] == 4 * (rest_rows + 2 * expert)
+        assert terms["optimizer_bytes"] // 8 - held_experts * expert == sum(
+            local_numel(s, 4, "fsdp", dp_rank) for s in rest)
+    at_d_equal_ep = rank_state_bytes(cfg, partition, 0, data_parallel=2, dp_shard="fsdp", expert_parallel=2)
+    assert at_d_equal_ep["grad_bytes"] == 4 * (sum(-(-s[0] // 2) * math.prod(s[1:]) for s in rest if s)
+                                               + 3 * expert)  # one holder: the slice stays whole
     replicated = rank_state_bytes(cfg, partition, 0, data_parallel=4, dp_shard="replicate", expert_parallel=2)
     assert replicated["param_bytes"] == 4 * (sum(math.prod(s) for s in rest) + 6 + 3 * expert)
