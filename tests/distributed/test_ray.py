@@ -1,11 +1,11 @@
-"""The Ray launcher end to end: recovery from a lost actor ends with the undisturbed losses (and the
-other launchers'), tensor-parallel groups placed as one bundle each (training and generation at
-T = 2 under PACK), generation's greedy tokens, a placement no node can hold, a rank's set-up
-refusal and the private local instance (the restart limit, which no launcher changes:
-tests/unit/test_checkpoint.py; its token authentication and Ctrl-C, on one run: test_ray_private_auth.py).
-A real cluster job (a head started with `ray start`, token
-authentication on, a job submitted with `ray job submit`, refused without the token) is
-test_multihost.py's first test, on two hosts.
+"""The Ray launcher end to end: recovery from a lost actor ends with the undisturbed losses (the single
+process's, tied embeddings held as a copy on each of two actors), tensor-parallel groups placed as one
+bundle each (training and generation at T = 2 under PACK), generation's greedy tokens, a placement no
+node can hold, a rank's set-up refusal and the private local instance (the restart limit, which no
+launcher changes: tests/unit/test_checkpoint.py; its token authentication and Ctrl-C, on one run:
+test_ray_private_auth.py). A real cluster job (a head started with `ray start`, token authentication on,
+a job submitted with `ray job submit`, refused without the token) is test_multihost.py's first test, on
+two hosts.
 
 Most tests share one private local Ray instance of 4 logical CPUs (the Ray rank group joins an
 initialised Ray and leaves it running), so Ray's start-up is paid once.

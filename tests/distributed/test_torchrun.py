@@ -1,9 +1,9 @@
 """`--launcher torchrun`: `torchrun --standalone --nproc-per-node N -m attnres_pp train --launcher
-torchrun` trains with the local launcher's losses (P = 2, and D = 2), rank 0 alone writing the
-driver's files and every rank its checkpoint shard; a rank killed mid-run (one > 0, and rank 0)
-ends every process within the timeout with one `error:` line naming it and no traceback, and so
-does a cancelled job (SIGTERM to torchrun); a WORLD_SIZE that is not D x P x T, and the
-combinations torchrun cannot carry, are one line each.
+torchrun` trains with the local launcher's losses (P = 2 with tied embeddings, also the single
+process's, and D = 2), rank 0 alone writing the driver's files and every rank its checkpoint shard; a
+rank killed mid-run (one > 0, and rank 0) ends every process within the timeout with one `error:` line
+naming it and no traceback, and so does a cancelled job (SIGTERM to torchrun); a WORLD_SIZE that is not
+D x P x T, and the combinations torchrun cannot carry, are one line each.
 
 torchrun's own agent prints its report of a failed child (a traceback of its own) on its stderr;
 each rank's output is read from the files `--redirects 3 --log-dir` writes, one folder per rank."""
