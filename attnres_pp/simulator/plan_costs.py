@@ -270,7 +270,8 @@ class PlanCosts:
                 "embed_all_reduce_s": 0.0}
         replicas = candidate.data_parallel
         tp_terms = self.tp_grad_all_reduce(candidate, partition)
-        embed_s, copies = self.embed_all_reduce(candidate, partition), (0, candidate.n_stages - 1)
+        embed_s = self.embed_all_reduce(candidate, partition)
+        copies = tied_copy_ranks(self.model_for(candidate).tie_embeddings, partition)
         if replicas == 1:
             return zero | tp_terms | {"embed_all_reduce_s": embed_s, "total_s": embed_s + tp_terms["tp_all_reduce_s"]}
         request = self.request
