@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from attnres_pp.comm.partition import Partition, make_partition
+from attnres_pp.comm.partition import Partition, make_partition, tied_copy_ranks
 from attnres_pp.comm.plan import plan_for_model, shard_tokens
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.schedule.schedules import schedule_placement
 from attnres_pp.simulator.costs import ring_all_gather_s, ring_all_reduce_s, ring_reduce_scatter_s
+from attnres_pp.simulator.embedding_group import crosses_nodes, embedding_group_s
 from attnres_pp.simulator.layer_recipe import layer_matmul_elements
 from attnres_pp.simulator.memory import (
     DTYPE_BYTES,
@@ -263,12 +264,16 @@ class PlanCosts:
         after every F, so about once per forward and once per backward; without `gathers` m + 1),
         and one reduce-scatter of its fp32 gradients. Under expert parallelism the routed experts'
         share goes over the D / EP replicas that hold the same experts (docs/spec.md section 12),
-        after the rest. Not overlapped with compute."""
-        zero = {"all_reduce_s": 0.0, "all_gather_s": 0.0, "reduce_scatter_s": 0.0, "all_gathers": 0}
+        after the rest. Tied embeddings on two ranks: those two then sum their copies' gradients
+        (`embedding_group`, `embed_all_reduce_s` on the first and the last rank). Not overlapped with compute."""
+        zero = {"all_reduce_s": 0.0, "all_gather_s": 0.0, "reduce_scatter_s": 0.0, "all_gathers": 0,
+                "embed_all_reduce_s": 0.0}
         replicas = candidate.data_parallel
         tp_terms = self.tp_grad_all_reduce(candidate, partition)
+        embed_s = self.embed_all_reduce(candidate, partition)
+        copies = tied_copy_ranks(self.model_for(candidate).tie_embeddings, partition)
         if replicas == 1:
-            return zero | tp_terms | {"total_s": tp_terms["tp_all_reduce_s"]}
+            return zero | tp_terms | {"embed_all_reduce_s": embed_s, "total_s": embed_s + tp_terms["tp_all_reduce_s"]}
         request = self.request
         same_node = candidate.n_stages * replicas * candidate.tensor_parallel <= request.gpus_per_node
         bandwidth = (request.intra_node_gbps if same_node else request.inter_node_gbps) * 1e9 / 8
@@ -302,10 +307,25 @@ class PlanCosts:
                     "all_gathers": sum(gathers[c] for c in chunks)}
                 if tied:  # MSAR's tied convolutions: all-reduced whole, as under replicate
                     terms["all_reduce_s"] = ring_all_reduce_s(4 * tied, replicas, bandwidth, latency)
-            terms["total_s"] = terms["all_reduce_s"] + terms["all_gather_s"] + terms["reduce_scatter_s"]
+            terms["embed_all_reduce_s"] = embed_s if rank in copies else 0.0
+            terms["total_s"] = (terms["all_reduce_s"] + terms["all_gather_s"] + terms["reduce_scatter_s"]
+                                + terms["embed_all_reduce_s"])
             per_rank.append(terms)
         worst = max(per_rank, key=lambda t: t["total_s"])
         return worst | tp_terms | {"total_s": worst["total_s"] + tp_terms["tp_all_reduce_s"]}
+
+    def embed_all_reduce(self, candidate: Candidate, partition) -> float:
+        """Seconds of the embedding group's all-reduce a step (`simulator.embedding_group`): on the
+        network where some pair of first and last rank spans two nodes, else on the intra-node link."""
+        request, cfg = self.request, self.model_for(candidate)
+        if not tied_copy_ranks(cfg.tie_embeddings, partition):
+            return 0.0
+        across = crosses_nodes(partition, data_parallel=candidate.data_parallel,
+                               tensor_parallel=candidate.tensor_parallel, gpus_per_node=request.gpus_per_node)
+        gbps = request.inter_node_gbps if across else request.intra_node_gbps
+        return embedding_group_s(cfg, partition, data_parallel=candidate.data_parallel,
+                                 dp_shard=candidate.dp_shard, bytes_per_s=gbps * 1e9 / 8,
+                                 latency_s=request.latency_us * 1e-6)
 
     def tp_grad_all_reduce(self, candidate: Candidate, partition) -> dict:
         """Under SP, the once-a-step sum over the T tp ranks of the gradients of the parameters replicated

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from attnres_pp.comm.partition import tied_copy_ranks
 from attnres_pp.comm.plan import shard_tokens
 from attnres_pp.schedule.schedules import build_schedule
 from attnres_pp.simulator.costs import CostModel, sublayer_forward_flops
@@ -174,6 +175,9 @@ class Planner(PlanCosts):
                       ("data-parallel reduce-scatter", collectives["reduce_scatter_s"])]
         if candidate.tensor_parallel > 1:
             time_terms.append(("tp all-reduce of replicated gradients (SP)", collectives["tp_all_reduce_s"]))
+        if tied_copy_ranks(self.model_for(candidate).tie_embeddings, partition):
+            time_terms.append(("embedding group all-reduce (tied copies, first and last rank)",
+                               collectives["embed_all_reduce_s"]))
         terms = fullest.terms
         gathered = fullest.gathered_bytes  # fsdp: the whole copy (never), the chunks unsharded at the peak (always)
         memory_terms = [("parameters (fp32)", terms["param_bytes"]), ("gradients (fp32)", terms["grad_bytes"]),

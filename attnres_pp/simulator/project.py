@@ -28,6 +28,7 @@ from attnres_pp.model.config import ModelConfig
 from attnres_pp.schedule.schedules import build_schedule, schedule_placement
 from attnres_pp.simulator.comm import COMM_MODES
 from attnres_pp.simulator.costs import CostModel, sublayer_forward_flops
+from attnres_pp.simulator.embedding_group import embedding_group_s
 from attnres_pp.simulator.engine import simulate
 from attnres_pp.simulator.layer_recipe import (
     embedding_shapes,
@@ -179,12 +180,16 @@ def project(cfg: ModelConfig, *, tokens: int, dtype_bytes: int, cluster: Cluster
         result = simulate(schedule, costs)
         pipeline_s = result.makespan
         grads_s = max(allreduce_s(n * dtype_bytes, cluster) for n in rank_parameters(model, partition))
+        # Tied embeddings on two ranks: their copies' sum after it, on the pipeline link (0 otherwise).
+        embed_s = embedding_group_s(model, partition, data_parallel=cluster.data_parallel,
+                                    bytes_per_s=cluster.link_gbs * 1e9, latency_s=cluster.link_latency_us * 1e-6)
         width = model.d_model if plan.mode == "standard" else model.source_width
         tensor_bytes = tokens * width * dtype_bytes
         cache_bytes = max(peak_cache_tensors(result.schedule, plan)) * tensor_bytes if cache else 0
         rows.append({
             "mode": mode, "label": MODE_LABELS[mode],
-            "step_s": pipeline_s + grads_s, "pipeline_s": pipeline_s, "allreduce_s": grads_s,
+            "step_s": pipeline_s + grads_s + embed_s, "pipeline_s": pipeline_s, "allreduce_s": grads_s,
+            "embed_all_reduce_s": embed_s,
             "bubble_fraction": 1 - sum(result.compute_s) / (cluster.n_stages * pipeline_s),
             "bytes_per_step_busiest_link": busiest_link_bytes(plan, partition, tensor_bytes, cluster.n_microbatches),
             "bytes_per_step_all_links": 2 * sum(plan.fwd_hop_tensors) * tensor_bytes * cluster.n_microbatches,

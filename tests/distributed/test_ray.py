@@ -1,11 +1,11 @@
-"""The Ray launcher end to end: recovery from a lost actor ends with the undisturbed losses (and the
-other launchers'), tensor-parallel groups placed as one bundle each (training and generation at
-T = 2 under PACK), generation's greedy tokens, a placement no node can hold, a rank's set-up
-refusal and the private local instance (the restart limit, which no launcher changes:
-tests/unit/test_checkpoint.py; its token authentication and Ctrl-C, on one run: test_ray_private_auth.py).
-A real cluster job (a head started with `ray start`, token
-authentication on, a job submitted with `ray job submit`, refused without the token) is
-test_multihost.py's first test, on two hosts.
+"""The Ray launcher end to end: recovery from a lost actor ends with the undisturbed losses (the single
+process's, tied embeddings held as a copy on each of two actors), tensor-parallel groups placed as one
+bundle each (training and generation at T = 2 under PACK), generation's greedy tokens, a placement no
+node can hold, a rank's set-up refusal and the private local instance (the restart limit, which no
+launcher changes: tests/unit/test_checkpoint.py; its token authentication and Ctrl-C, on one run:
+test_ray_private_auth.py). A real cluster job (a head started with `ray start`, token authentication on,
+a job submitted with `ray job submit`, refused without the token) is test_multihost.py's first test, on
+two hosts.
 
 Most tests share one private local Ray instance of 4 logical CPUs (the Ray rank group joins an
 initialised Ray and leaves it running), so Ray's start-up is paid once.
@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from attnres_pp.cli import main
+from attnres_pp.train.shards import checkpoint_tensors
 from tests.run_helpers import assert_same_losses, losses
 
 from ..unit.test_memory_per_rank import check_memory_entries
@@ -54,10 +55,15 @@ def local_ray():
 
 @SHARED_RAY
 def test_recovered_runs_end_with_the_undisturbed_losses(local_ray, tmp_path, capsys):
-    steps = ["--steps", "6"]
-    # The undisturbed run in one process: the recovered Ray run equals it, so the two launchers compute
-    # the same run and the recovery changes no number (the other tests here run Ray undisturbed).
-    assert main(["train", *TINY, *steps, "--launcher", "inprocess", "--out", str(tmp_path / "inproc"), "--quiet"]) == 0
+    # Tied embeddings at P = 2, V = 2: the embedding (chunk 0) on rank 0, the head (chunk 3) on rank 1,
+    # a copy each, summed by the embedding group (the pp group at P = 2); the restart loads the one
+    # stored matrix into both actors' copies.
+    steps = ["--steps", "6", "--tie-embeddings"]
+    # The undisturbed run in one process (one rank, one matrix): the recovered Ray run equals it, so the
+    # launcher computes the single process's run, the two copies kept as one, and the recovery changes
+    # no number (the other tests here run Ray undisturbed).
+    assert main(["train", *TINY, *steps, "--stages", "1", "--virtual", "1", "--launcher", "inprocess",
+                 "--out", str(tmp_path / "inproc"), "--quiet"]) == 0
     want = losses(tmp_path / "inproc")
     capsys.readouterr()
 
@@ -70,6 +76,8 @@ def test_recovered_runs_end_with_the_undisturbed_losses(local_ray, tmp_path, cap
     assert summary["restarts"] == 1
     assert_same_losses(summary["losses"], want)
     assert [entry[0] for entry in summary["val_losses"]] == [2, 5]
+    saved = checkpoint_tensors(summary["final_checkpoint"])
+    assert "embed.tok.weight" in saved and not [key for key in saved if "lm_head" in key]  # the one matrix, once
 
 
 @SHARED_RAY

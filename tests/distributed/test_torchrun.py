@@ -1,9 +1,9 @@
 """`--launcher torchrun`: `torchrun --standalone --nproc-per-node N -m attnres_pp train --launcher
-torchrun` trains with the local launcher's losses (P = 2, and D = 2), rank 0 alone writing the
-driver's files and every rank its checkpoint shard; a rank killed mid-run (one > 0, and rank 0)
-ends every process within the timeout with one `error:` line naming it and no traceback, and so
-does a cancelled job (SIGTERM to torchrun); a WORLD_SIZE that is not D x P x T, and the
-combinations torchrun cannot carry, are one line each.
+torchrun` trains with the local launcher's losses (P = 2 with tied embeddings, also the single
+process's, and D = 2), rank 0 alone writing the driver's files and every rank its checkpoint shard; a
+rank killed mid-run (one > 0, and rank 0) ends every process within the timeout with one `error:` line
+naming it and no traceback, and so does a cancelled job (SIGTERM to torchrun); a WORLD_SIZE that is not
+D x P x T, and the combinations torchrun cannot carry, are one line each.
 
 torchrun's own agent prints its report of a failed child (a traceback of its own) on its stderr;
 each rank's output is read from the files `--redirects 3 --log-dir` writes, one folder per rank."""
@@ -28,6 +28,8 @@ from attnres_pp.cli import main
 from attnres_pp.launch.torchrun_channel import TorchrunEnv, _accept_rank, _digest
 from attnres_pp.launch.torchrun_rank_group import check_torchrun_run
 from attnres_pp.pipeline.config import PipelineConfig
+from attnres_pp.train.shards import checkpoint_tensors
+from tests.run_helpers import assert_same_losses, losses
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["--layers", "4", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
@@ -98,10 +100,12 @@ def _finish(proc: subprocess.Popen, timeout_s: float) -> tuple[str, str]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", [["--stages", "2"], ["--data-parallel", "2"]], ids=["P2", "D2"])
+@pytest.mark.parametrize("layout", [["--stages", "2", "--tie-embeddings"], ["--data-parallel", "2"]], ids=["P2", "D2"])
 def test_torchrun_trains_with_the_local_launchers_losses(tmp_path, layout):
     """Each torchrun process is one rank of the same mesh, so the losses are the local launcher's
-    bit for bit; rank 0 writes summary.json and metrics.jsonl, every rank its checkpoint shard."""
+    bit for bit; rank 0 writes summary.json and metrics.jsonl, every rank its checkpoint shard. At P = 2
+    the embeddings are tied: each rank holds a copy, summed by the embedding group (the pp group), and
+    the checkpoint holds the one matrix once."""
     argv = [*SMALL, *layout, "--steps", "3"]
     assert main(["train", "--launcher", "local", *argv, "--out", str(tmp_path / "local")]) == 0
     proc = _torchrun(2, [*argv, "--out", str(tmp_path / "torchrun")], tmp_path / "logs")
@@ -120,6 +124,11 @@ def test_torchrun_trains_with_the_local_launchers_losses(tmp_path, layout):
     local_files = sorted(p.name for p in Path(local["final_checkpoint"]).iterdir())
     assert sorted(p.name for p in final.iterdir()) == local_files
     assert sum(name.endswith(".distcp") for name in local_files) == 2
+    if "--tie-embeddings" in layout:  # the single process's losses too: one matrix where the ranks keep two
+        assert main(["train", *argv, "--stages", "1", "--launcher", "inprocess", "--out", str(tmp_path / "one")]) == 0
+        assert_same_losses(run["losses"], losses(tmp_path / "one"))
+        saved = checkpoint_tensors(final)
+        assert "embed.tok.weight" in saved and not [key for key in saved if "lm_head" in key]
     assert sorted(logs) == [0, 1] and not any(text.strip() for text in logs.values()), logs
 
 

@@ -24,6 +24,7 @@ from attnres_pp.simulator.cli.flags import (
 )
 from attnres_pp.simulator.comm import DTYPE_BYTES
 from attnres_pp.simulator.costs import PROFILES, DeviceProfile, model_costs, unit_costs
+from attnres_pp.simulator.embedding_group import embedding_group_bytes, embedding_group_s
 from attnres_pp.simulator.engine import paused_gc, simulate
 from attnres_pp.simulator.metrics import format_summary, summarize
 from attnres_pp.simulator.plot import plot_timeline
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         print(format_summary(report))
-        for key in ("measured_makespan_s", "measured_bubble_fraction"):
+        for key in ("embed_all_reduce_s", "step_s", "measured_makespan_s", "measured_bubble_fraction"):
             if key in report:
                 print(f"{key:<20}{report[key]:.6g}")
         for key in ("trace", "plot"):
@@ -144,9 +145,22 @@ def _simulate_schedule(args: argparse.Namespace):
 
     result = simulate(schedule, costs)
     report = summarize(result, plan=plan, tensor_bytes=tensor_bytes)
+    if args.costs == "model" and calibration is None:
+        _price_embedding_group(report, cfg, partition, profile)
     if tp is not None and tp.size > 1:
         report["tensor_parallel"], report["sequence_parallel"] = tp.size, tp.sp
     if calibration is not None:
         report["measured_makespan_s"] = calibration.measured_makespan_s
         report["measured_bubble_fraction"] = calibration.measured_bubble_fraction
     return report, result
+
+
+def _price_embedding_group(report: dict, cfg, partition, profile: DeviceProfile) -> None:
+    """Tied embeddings on two ranks: the embedding group's all-reduce after the pipeline, on the
+    profile's link between ranks (`simulator.embedding_group`), and the step it makes."""
+    if not embedding_group_bytes(cfg, partition):
+        return
+    report["embed_all_reduce_bytes"] = embedding_group_bytes(cfg, partition)
+    report["embed_all_reduce_s"] = embedding_group_s(cfg, partition, bytes_per_s=profile.link_bytes_per_s,
+                                                     latency_s=profile.link_latency_s)
+    report["step_s"] = report["makespan"] + report["embed_all_reduce_s"]
