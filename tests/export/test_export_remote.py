@@ -25,6 +25,7 @@ from tests.export.export_helpers import (
     load_hf,
     ours_from,
     ours_from_run,
+    randomized,
     tokens,
     train,
 )
@@ -42,17 +43,6 @@ VARIANTS = {
     "standard_learned_gelu": dict(residual="standard", positions="learned", mlp="gelu"),
     "standard_rope_gelu_tied": dict(residual="standard", mlp="gelu", tie_embeddings=True),
 }
-
-
-def randomized(cfg: ModelConfig, seed: int) -> dict:
-    """Our parameters with every depth-attention and norm parameter moved well away from its init."""
-    model = Transformer(cfg, seed=seed, backend="torch")
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "read." in name or "norm" in name or name.startswith("stream_convs"):
-                p.add_(torch.randn(p.shape, generator=gen) * 0.5)
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _input_lengths(theirs) -> list[int]:
