@@ -89,3 +89,27 @@ def test_generation_past_seq_len_gives_attnres_generate_tokens(variant, tmp_path
     assert unbounded != want
     theirs.config.sliding_window = None
     assert hf_greedy(theirs, prompts, NEW_TOKENS) == unbounded
+
+
+BUILT_IN = {  # name: (model options, transformers class); none of them keeps a window in our export
+    "llama": (dict(residual="standard", n_kv_heads=2), "LlamaForCausalLM"),
+    "qwen3": (dict(residual="standard", qk_norm=True), "Qwen3ForCausalLM"),
+    "mixtral": (dict(residual="standard", moe_experts=4, moe_top_k=2, moe_d_ff=16), "MixtralForCausalLM"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BUILT_IN))
+def test_a_built_in_class_attends_to_every_position_past_seq_len(name, tmp_path):
+    """What docs/export.md says of the standard-residual exports: transformers' class has no window
+    here, so past seq_len its tokens are those of `generate --window` at least the whole length,
+    not of generate's default window (seq_len)."""
+    options, cls = BUILT_IN[name]
+    cfg = ModelConfig(**BASE, **options)
+    named = randomized(cfg, seed=len(name))
+    write_folder(tmp_path, cfg, named, max_bytes=10**9)
+    theirs = load_hf(tmp_path)
+    assert type(theirs).__name__ == cls
+    prompts = tokens(cfg.vocab_size, 4, 5, seed=2)  # four: some row's tokens see the window's edge
+    got = hf_greedy(theirs, prompts, NEW_TOKENS)
+    assert got == ours_greedy(cfg, named, prompts, UNBOUNDED)
+    assert got != ours_greedy(cfg, named, prompts, None)
