@@ -113,3 +113,15 @@ def test_a_built_in_class_attends_to_every_position_past_seq_len(name, tmp_path)
     got = hf_greedy(theirs, prompts, NEW_TOKENS)
     assert got == ours_greedy(cfg, named, prompts, UNBOUNDED)
     assert got != ours_greedy(cfg, named, prompts, None)
+
+
+def test_a_static_cache_is_refused_rather_than_misread(tmp_path):
+    """A static cache returns its whole fixed-size buffer, not the last positions the window mask
+    assumes: one clear error instead of attention over the wrong keys."""
+    from transformers import StaticCache
+
+    cfg = ModelConfig(**BASE, residual="attnres", block_size=2)
+    write_folder(tmp_path, cfg, randomized(cfg, seed=0), max_bytes=10**9)
+    theirs = load_hf(tmp_path)
+    with pytest.raises(ValueError, match="static caches are not supported"):
+        theirs(tokens(cfg.vocab_size, 1, 5), cache=StaticCache(config=theirs.config, max_cache_len=32))

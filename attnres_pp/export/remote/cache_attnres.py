@@ -20,7 +20,11 @@ def window_mask(past: int, seq: int, n_keys: int, window: int | None, device: to
     """scaled_dot_product_attention's mask for queries at positions past .. past + seq - 1 over the
     last `n_keys` positions before past + seq: query p sees the keys of p - window + 1 .. p (every
     key up to p when `window` is None). The keys are the queries' own and the window holds them: the
-    causal flag (the training forward's attention)."""
+    causal flag (the training forward's attention). ValueError for more keys than positions given
+    (a static cache's fixed-size buffer: only transformers' dynamic caches are supported)."""
+    if n_keys > past + seq:
+        raise ValueError(f"the cache returned {n_keys} keys for {past + seq} positions: use a DynamicCache "
+                         "(transformers' default cache; static caches are not supported)")
     if n_keys == seq and (window is None or seq <= window):
         return {"is_causal": True}
     query_pos_T1 = torch.arange(past, past + seq, device=device)[:, None]
