@@ -184,7 +184,6 @@ class Attention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(batch, seq, cfg.d_model))
 
 
-
 class MLP(nn.Module):
     """SwiGLU with one projection `gate_up` of rows [gate | up], or GELU with `up`."""
 
