@@ -134,7 +134,8 @@ def test_a_trained_msar_run_exports_in_shards_and_generates_as_attnres_generate(
     assert f"{len(shards)} weight shards" in printed and "tokenizer: none written" in printed
     theirs = load_hf(folder)
     assert_same_logits(ours_from_run(run), theirs, tokens(256, 2, 16))
-    assert main(["generate", "--resume", str(run), "--prompt", "ret", "--max-new-tokens", "9", "--temperature", "0",
+    # 3 + 20 tokens, past the run's seq_len (16); that the window decides tokens: test_export_window.py
+    assert main(["generate", "--resume", str(run), "--prompt", "ret", "--max-new-tokens", "20", "--temperature", "0",
                  "--json"]) == 0
     ours = json.loads(capsys.readouterr().out.splitlines()[-1])["tokens"]
-    assert hf_greedy(theirs, torch.tensor([list(b"ret")]), 9) == [list(b"ret") + ours]
+    assert hf_greedy(theirs, torch.tensor([list(b"ret")]), 20) == [list(b"ret") + ours]
