@@ -34,6 +34,10 @@ def register(subparsers) -> None:
     parser.add_argument("--out", metavar="DIR", required=True, help="the folder to write (new, or empty)")
     parser.add_argument("--max-shard-size", metavar="SIZE", default=DEFAULT_SHARD_SIZE,
                         help=f"split the weights into shards of at most SIZE (default {DEFAULT_SHARD_SIZE})")
+    parser.add_argument("--window", metavar="N", type=int, default=None,
+                        help="AttnRes models (remote code): the attention window written as sliding_window, the "
+                             "keys each token attends to, itself included, as `generate --window N` (default the "
+                             "trained seq_len, generate's default)")
     parser.set_defaults(func=main)
 
 
@@ -47,7 +51,7 @@ def check_out(out: Path) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
-        lines = export(args.resume, Path(args.out), args.max_shard_size)
+        lines = export(args.resume, Path(args.out), args.max_shard_size, window=args.window)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -55,7 +59,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def export(run: str, out: Path, max_shard_size: str = DEFAULT_SHARD_SIZE) -> list[str]:
+def export(run: str, out: Path, max_shard_size: str = DEFAULT_SHARD_SIZE, *, window: int | None = None) -> list[str]:
     """Write the folder; returns the lines to print. ValueError (nothing written) for a mistake."""
     from attnres_pp.export.weights import parse_size
     from attnres_pp.generate.cli import find_checkpoint, load_checkpoint
@@ -63,6 +67,8 @@ def export(run: str, out: Path, max_shard_size: str = DEFAULT_SHARD_SIZE) -> lis
     from attnres_pp.train.checkpoint import read_meta
 
     max_bytes = parse_size(max_shard_size)
+    if window is not None and window < 1:
+        raise ValueError(f"--window {window}: give at least 1 (the keys each token attends to, itself included)")
     check_out(out)
     step_dir = find_checkpoint(run)
     tokenizer = run_tokenizer(step_dir, read_meta(step_dir))
@@ -81,7 +87,7 @@ def export(run: str, out: Path, max_shard_size: str = DEFAULT_SHARD_SIZE) -> lis
 
         source = tokenizer_source(step_dir) if tokenizer.kind != "bytes" else None
         files, what = write_folder(staging, cfg, named, max_bytes=max_bytes, tokenizer_file=source,
-                                   eot_id=tokenizer.eot_id)
+                                   eot_id=tokenizer.eot_id, window=window)
         if out.is_dir():
             out.rmdir()  # empty (checked): replaced by the assembled folder
         staging.rename(out)
@@ -100,10 +106,11 @@ def export(run: str, out: Path, max_shard_size: str = DEFAULT_SHARD_SIZE) -> lis
 
 
 def write_folder(out: Path, cfg, named: dict, *, max_bytes: int, tokenizer_file: Path | None = None,
-                 eot_id: int | None = None) -> tuple[list[str], str]:
+                 eot_id: int | None = None, window: int | None = None) -> tuple[list[str], str]:
     """The folder's files into the existing folder `out` from a model config and its parameters by
     whole-model name: (the files' names, the class transformers loads). `tokenizer_file`: the
-    run's BPE tokenizer.json (None: raw bytes, no tokenizer written)."""
+    run's BPE tokenizer.json (None: raw bytes, no tokenizer written). `window`: the remote code's
+    attention window (None: seq_len); ValueError for a built-in class, which keeps none."""
     import json
 
     from attnres_pp.export.configs import copy_code, generation_config, model_config
@@ -113,6 +120,9 @@ def write_folder(out: Path, cfg, named: dict, *, max_bytes: int, tokenizer_file:
     from attnres_pp.train.hf_moe import hf_type, moe_type, to_hf
 
     kind = hf_type(cfg, named)
+    if kind and window is not None:
+        raise ValueError(f"--window: this model exports as {ARCHITECTURES[kind]}, which attends to every earlier "
+                         "position (no sliding window; docs/export.md): leave --window out")
     if kind:
         tensors = to_hf(named, cfg, kind)
         what = ARCHITECTURES[kind]
@@ -125,7 +135,7 @@ def write_folder(out: Path, cfg, named: dict, *, max_bytes: int, tokenizer_file:
                     f"{ARCHITECTURES[moe_type(cfg)]} has not)")
     files = write_weights(tensors, out, max_bytes)
     eot_id = eot_id if tokenizer_file is not None else None
-    for name, table in (("config.json", model_config(cfg, kind)), ("generation_config.json",
+    for name, table in (("config.json", model_config(cfg, kind, window)), ("generation_config.json",
                                                                    generation_config(eot_id, kind))):
         (out / name).write_text(json.dumps(table, indent=2) + "\n")
         files.append(name)

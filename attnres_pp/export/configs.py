@@ -17,9 +17,11 @@ AUTO_MAP = {"AutoConfig": "configuration_attnres.AttnResConfig",
             "AutoModelForCausalLM": "modeling_attnres.AttnResForCausalLM"}
 
 
-def remote_config(cfg: ModelConfig) -> dict:
+def remote_config(cfg: ModelConfig, window: int | None = None) -> dict:
     """config.json of `AttnResForCausalLM`: ModelConfig's fields as its config reads them (block
-    boundaries and sizes resolved, so the code needs none of ModelConfig's rules)."""
+    boundaries and sizes resolved, so the code needs none of ModelConfig's rules), and the attention
+    window `attnres-pp generate` slides (`--window`; None: the trained seq_len, its default) as
+    `sliding_window`, so that transformers' generate gives its tokens past seq_len too."""
     return {
         "architectures": ["AttnResForCausalLM"], "model_type": "attnres_pp", "auto_map": dict(AUTO_MAP),
         "vocab_size": cfg.vocab_size, "n_layers": cfg.n_layers, "d_model": cfg.d_model, "n_heads": cfg.n_heads,
@@ -33,12 +35,14 @@ def remote_config(cfg: ModelConfig) -> dict:
         "moe_experts": cfg.moe_experts, "moe_top_k": cfg.moe_top_k if cfg.moe else 0,
         "moe_shared_experts": cfg.moe_shared_experts, "moe_d_ff": cfg.expert_dim if cfg.moe else 0,
         "moe_dense_layers": cfg.moe_dense_layers, "moe_router": cfg.moe_router,
+        "sliding_window": cfg.seq_len if window is None else window,
     }
 
 
-def model_config(cfg: ModelConfig, kind: str | None) -> dict:
-    """config.json: of transformers' class `kind` (`hf_moe.hf_type`), or of the remote code (None)."""
-    return hf_config(cfg, kind) if kind else remote_config(cfg)
+def model_config(cfg: ModelConfig, kind: str | None, window: int | None = None) -> dict:
+    """config.json: of transformers' class `kind` (`hf_moe.hf_type`; no window: docs/export.md), or
+    of the remote code (None) with attention window `window`."""
+    return hf_config(cfg, kind) if kind else remote_config(cfg, window)
 
 
 def generation_config(eos_id: int | None, kind: str | None) -> dict:

@@ -25,6 +25,18 @@ def export(run: Path, out: Path, *flags: str) -> Path:
     return out
 
 
+def randomized(cfg: ModelConfig, seed: int) -> dict:
+    """Our parameters with every depth-attention and norm parameter moved well away from its init
+    (a fresh model's almost-zero queries read the plain mean of the sources)."""
+    model = Transformer(cfg, seed=seed, backend="torch")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "read." in name or "norm" in name or name.startswith("stream_convs"):
+                p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def load_hf(folder: Path, *, trust_remote_code: bool = True):
     """The folder's model as transformers loads it, checked to have loaded every tensor it holds and
     to have left none of its own parameters unloaded."""

@@ -73,7 +73,8 @@ def test_an_empty_out_folder_is_filled(byte_run, tmp_path):
 
 @pytest.mark.parametrize("what, expected", [("no_checkpoint", "no complete checkpoint"),
                                             ("missing", "no such directory"),
-                                            ("shard_size", "not a size")])
+                                            ("shard_size", "not a size"),
+                                            ("window", "--window 0: give at least 1")])
 def test_bad_inputs_are_refused_with_nothing_written(byte_run, tmp_path, capsys, what, expected):
     run, flags = byte_run, []
     if what == "no_checkpoint":
@@ -83,11 +84,28 @@ def test_bad_inputs_are_refused_with_nothing_written(byte_run, tmp_path, capsys,
                      "--no-final-checkpoint", "--out", str(run)]) == 0
     elif what == "missing":
         run = tmp_path / "nowhere"
+    elif what == "window":
+        flags = ["--window", "0"]
     else:
         flags = ["--max-shard-size", "lots"]
     before = sorted(p.name for p in tmp_path.iterdir())
     assert expected in _refused(capsys, ["export", "--resume", str(run), "--out", str(tmp_path / "hf"), *flags])
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_the_window_is_the_configs_sliding_window(byte_run, tmp_path):
+    """The remote code's attention window: generate's default (seq_len 16) unless --window says."""
+    for name, flags, window in (("default", [], 16), ("set", ["--window", "5"], 5)):
+        config = json.loads((export(byte_run, tmp_path / name, *flags) / "config.json").read_text())
+        assert config["sliding_window"] == window and config["seq_len"] == 16
+
+
+def test_a_window_for_a_builtin_class_is_refused(bpe_run, tmp_path, capsys):
+    """LlamaForCausalLM keeps no window (docs/export.md): --window is one error line, nothing written."""
+    _root, run = bpe_run
+    err = _refused(capsys, ["export", "--resume", str(run), "--out", str(tmp_path / "hf"), "--window", "8"])
+    assert "LlamaForCausalLM" in err and "no sliding window" in err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_written_weights_are_the_checkpoints(byte_run, tmp_path):

@@ -1,6 +1,10 @@
 """The config of an exported attnres-pp model: the fields of attnres_pp's ModelConfig under their own
 names (block boundaries and sizes resolved), beside the ones transformers reads. `moe_experts` > 0:
-the MLP of every layer from `moe_dense_layers` on is a mixture of experts of width `moe_d_ff`."""
+the MLP of every layer from `moe_dense_layers` on is a mixture of experts of width `moe_d_ff`.
+`sliding_window` W: a token attends to the keys of the last W positions, itself included (as
+`attnres-pp generate --window W`; the export writes its window, by default the trained seq_len);
+None attends to every earlier position. transformers' generate reads it too: its cache then keeps a
+sliding window per layer (`DynamicSlidingWindowLayer`)."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ class AttnResConfig(PretrainedConfig):
                  key_norm_gain: bool = False, positions: str = "rope", rope_theta: float = 10000.0,
                  mlp: str = "swiglu", qk_norm: bool = False, tie_embeddings: bool = False, moe_experts: int = 0,
                  moe_top_k: int = 0, moe_shared_experts: int = 0, moe_d_ff: int = 0, moe_dense_layers: int = 0,
-                 moe_router: str = "softmax", **kwargs) -> None:
+                 moe_router: str = "softmax", sliding_window: int | None = None, **kwargs) -> None:
         self.n_layers, self.d_model, self.n_heads, self.n_kv_heads = n_layers, d_model, n_heads, n_kv_heads
         self.ff_dim, self.seq_len, self.residual = ff_dim, seq_len, residual
         self.block_ends = list(block_ends or [2 * n_layers])
@@ -27,6 +31,10 @@ class AttnResConfig(PretrainedConfig):
         self.rope_theta, self.mlp, self.qk_norm, self.tie_embeddings = rope_theta, mlp, qk_norm, tie_embeddings
         self.moe_experts, self.moe_top_k, self.moe_shared_experts = moe_experts, moe_top_k, moe_shared_experts
         self.moe_d_ff, self.moe_dense_layers, self.moe_router = moe_d_ff, moe_dense_layers, moe_router
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise ValueError(f"sliding_window must be an integer >= 1 or null, got {sliding_window!r}")
+        self.sliding_window = sliding_window
         # The names transformers itself reads (generation, size reports).
         self.vocab_size, self.hidden_size, self.num_hidden_layers = vocab_size, d_model, n_layers
         self.num_attention_heads, self.max_position_embeddings = n_heads, seq_len

@@ -11,11 +11,18 @@ emitted (projected); MSAR reads m streams, causal depthwise convolutions of each
 sequence with that source's taps, and gates them into one. A final read feeds the output norm.
 With experts, the MLP of every layer from `moe_dense_layers` on is a mixture of experts (`MoE`).
 
-Imports only torch and transformers. Generation keeps transformers' key/value cache (`DynamicCache`:
-each layer's keys and values) and, under MSAR, each reading site's convolution history on the same
-object (`cache_attnres`), so a new token runs through the model alone; with `use_cache=False` every
-step runs the whole sequence again (the same tokens). Sequences hold at most `seq_len` tokens under
-learned positions, and padding is not supported (a batch holds sequences of one length).
+Attention reads a sliding window of `sliding_window` positions (the token's own included; None:
+every earlier position), as `attnres-pp generate` does, so that generation past the trained length
+gives its tokens; rotary positions continue past `seq_len`. Depth attention is per token and reads
+no window; MSAR's convolutions read their taps back across the window's edge.
+
+Imports only torch and transformers. Generation keeps transformers' key/value cache (`DynamicCache`
+built from the config: with `sliding_window` set, each layer keeps its last sliding_window - 1
+positions, `DynamicSlidingWindowLayer`) and, under MSAR, each reading site's convolution history on
+the same object (`cache_attnres`), so a new token runs through the model alone; with
+`use_cache=False` every step runs the whole sequence again (the same tokens, under the same banded
+mask). Sequences hold at most `seq_len` tokens under learned positions, and padding is not supported
+(a batch holds sequences of one length).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .cache_attnres import ConvHistory, past_length, reorder, site_history
+from .cache_attnres import ConvHistory, past_length, reorder, site_history, window_mask
 from .configuration_attnres import AttnResConfig
 
 # The output's cache field: `cache` in transformers 5's later releases, `past_key_values` before.
@@ -158,8 +165,9 @@ class Attention(nn.Module):
             self.read = DepthRead(cfg)
 
     def forward(self, h_BTD: torch.Tensor, cache=None, layer_idx: int = 0, past: int = 0) -> torch.Tensor:
-        """`cache`: transformers' key/value cache, holding this layer's (`layer_idx`) first `past`
-        positions; the new positions attend to them and to each other causally."""
+        """`cache`: transformers' key/value cache, holding this layer's (`layer_idx`) positions before
+        `past` (all, or a sliding window's last ones); the new positions attend to them and to each
+        other causally, within the window (`window_mask`)."""
         cfg, (batch, seq, _), e, group = self.cfg, h_BTD.shape, self.head_dim, self.group
         blocks = self.qkv(self.norm(h_BTD)).view(batch, seq, group + 2, self.kv_heads, e)
         q = blocks[:, :, :group].permute(0, 3, 2, 1, 4).reshape(batch, cfg.n_heads, seq, e)
@@ -169,15 +177,10 @@ class Attention(nn.Module):
         if cfg.positions == "rope":
             positions = torch.arange(past, past + seq, device=h_BTD.device)
             q, k = rotate(q, positions, cfg.rope_theta), rotate(k, positions, cfg.rope_theta)
-        if cache is not None:
+        if cache is not None:  # a sliding-window cache layer returns only its kept positions and these
             k, v = cache.update(k, v, layer_idx)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        if past == 0:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # query i (at past + i) sees keys 0 .. past + i
-            query_pos = torch.arange(past, past + seq, device=q.device)[:, None]
-            allowed = torch.arange(past + seq, device=q.device) <= query_pos
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        y = F.scaled_dot_product_attention(q, k, v, **window_mask(past, seq, k.shape[2], cfg.sliding_window, q.device))
         return self.proj(y.transpose(1, 2).reshape(batch, seq, cfg.d_model))
 
 
@@ -365,8 +368,8 @@ class AttnResForCausalLM(PreTrainedModel, GenerationMixin):
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("padded batches are not supported: give sequences of one length, unpadded")
         cache = cache if cache is not None else past_key_values
-        if cache is None and use_cache:
-            cache = DynamicCache()
+        if cache is None and use_cache:  # per layer a sliding window of `sliding_window` positions, if set
+            cache = DynamicCache(config=self.config)
         logits = self.head.lm_head(self.head.norm(self.hidden(input_ids, cache)))
         loss = None
         if labels is not None:
