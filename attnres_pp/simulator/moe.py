@@ -57,14 +57,20 @@ def moe_saved_bytes(cfg: ModelConfig, *, tokens: int, dtype: str, expert_paralle
     - under bf16 autocast with fp32 weights, the experts' bf16 copies (`.to(dtype)` each forward):
       E / EP x (2 F d + width F) (`weight_copies`: False under FSDP2's bf16 parameters).
 
-    Under expert parallelism a rank's experts receive M rows on average (balanced routing: each of
-    the EP ranks sends it M / EP of its own); the dispatch and combine buffers are the same rows."""
+    Under expert parallelism (`pipeline.expert_parallel.ExpertSlice`) a rank's experts receive R
+    rows, R = M under balanced routing (each of the EP ranks sends it M / EP of its own; a real router
+    sends more to some ranks than others, which this does not price): the grouped products' rows
+    are R (d + 2F + F + F), and the received rows' regrouping by local expert saves its index and
+    that index's inverse (R int64 each); the all-to-alls themselves save nothing (their buffers are
+    the rows above or die in the forward), and the outputs come back as the M width rows above."""
     n, k, e, d, f, width = tokens, cfg.moe_top_k, cfg.moe_experts, cfg.d_model, cfg.expert_dim, cfg.source_width
     local, m, elem = e // expert_parallel, tokens * cfg.moe_top_k, DTYPE_BYTES[dtype]
     router = n * (4 * e + 8 * e + 4 * k + 4 + elem * k)
     if dtype == "bf16":
         router += n * d * 4 - (0 if cfg.moe_shared_experts else n * d * elem)
-    experts = m * (8 + 8) + m * elem * (d + 2 * f + f + f + width) + 2 * 4 * local
+    rows = m  # received by this rank's experts: balanced routing
+    regroup = 2 * 8 * rows if expert_parallel > 1 else 0
+    experts = m * (8 + 8) + regroup + rows * elem * (d + 2 * f + f + f) + m * elem * width + 2 * 4 * local
     copies = local * (2 * f * d + width * f) * elem if dtype == "bf16" and weight_copies else 0
     return router + experts + copies
 

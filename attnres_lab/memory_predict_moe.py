@@ -1,0 +1,139 @@
+"""`attnres-lab memory-predict --moe`: `simulate memory` against real runs of mixtures of experts
+with expert parallelism (docs/spec.md section 12), out of sample like every `memory_predict` case
+(the activation units are fitted on dense tiny chunks; no MoE term is fitted at all).
+
+Each case is an 8-layer d = 64 model whose first layer is dense and whose 7 others are MoE layers,
+D = 2 replicas, cache on, run for 2 steps under `--launcher inprocess` (thread ranks, each EP group
+meeting in real all-to-alls; `local` too for `LOCAL_CASES`) and compared rank by rank with
+`memory_per_rank`. EP = 2 cases sit beside the same case at EP = 1.
+
+The prediction assumes balanced routing: each EP rank's experts receive M = N K rows a microbatch.
+A real router is not balanced, so each EP > 1 row also gives, per rank, its experts' share of the
+step's token-choices (`moe_expert_loads` of summary.json, the last step, summed over the EP group)
+times EP: the rows the rank received over M. The `K = E` cases route every token to every expert,
+so every rank receives exactly M rows: their errors are the model's alone.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+from attnres_lab.memory_predict import (ALL_LAUNCHERS, EXACT_KEYS, case_flags, fitted_count, fitted_overlap,
+                                        measure_case)
+from attnres_pp.bench.common import markdown_table
+
+MOE = {"moe_experts": 8, "moe_top_k": 2, "moe_shared_experts": 1, "moe_d_ff": 64, "moe_dense_layers": 1,
+       "residual": "attnres", "block_size": 2, "seq_len": 64, "data_parallel": 2}
+P1 = {**MOE, "schedule": "1f1b", "stages": 1, "microbatches": 2, "batch_size": 8}
+P2 = {**MOE, "schedule": "1f1b", "stages": 2, "microbatches": 4, "batch_size": 16}
+BALANCED = {"moe_experts": 4, "moe_top_k": 4}  # every token to every expert: M rows on each EP rank
+CASES = (
+    ("MoE EP=1 D=2 P=1", {**P1, "expert_parallel": 1}),
+    ("MoE EP=2 D=2 P=1", {**P1, "expert_parallel": 2}),
+    ("MoE EP=1 D=2 P=2", {**P2, "expert_parallel": 1}),
+    ("MoE EP=2 D=2 P=2", {**P2, "expert_parallel": 2}),
+    ("MoE EP=1 D=2 P=2 AC full", {**P2, "expert_parallel": 1, "activation_checkpoint": "full"}),
+    ("MoE EP=2 D=2 P=2 AC full", {**P2, "expert_parallel": 2, "activation_checkpoint": "full"}),
+    # The split backward: the routed experts' grouped products wait in the W store on their rows.
+    ("MoE EP=2 D=2 P=2 zb_h1", {**P2, "expert_parallel": 2, "schedule": "zb_h1"}),
+    ("MoE EP=1 D=2 P=2 K=E balanced", {**P2, **BALANCED, "expert_parallel": 1}),
+    ("MoE EP=2 D=2 P=2 K=E balanced", {**P2, **BALANCED, "expert_parallel": 2}),
+    ("MoE EP=2 D=2 P=2 K=E balanced AC full", {**P2, **BALANCED, "expert_parallel": 2,
+                                                "activation_checkpoint": "full"}),
+    ("MoE EP=2 D=2 P=2 K=E balanced zb_h1", {**P2, **BALANCED, "expert_parallel": 2, "schedule": "zb_h1"}),
+)
+QUICK = (CASES[1],)
+LOCAL_CASES = ("MoE EP=2 D=2 P=2", "MoE EP=2 D=2 P=2 AC full")
+
+
+def rows_over_m(flags: dict, loads: dict[str, list[float]] | None) -> list[float | None]:
+    """Per global rank (dp x P + pp): the largest, over its stage's MoE layers, of its experts' share
+    of the step's token-choices times EP (1.0 = the M rows the prediction assumes); None at EP = 1."""
+    ep, stages, replicas = flags.get("expert_parallel", 1), flags["stages"], flags["data_parallel"]
+    if ep == 1 or not loads:
+        return [None] * (stages * replicas)
+    per_stage = flags["layers"] // stages
+    shares = []
+    for dp in range(replicas):
+        for pp in range(stages):
+            layers = [load for layer, load in loads.items() if int(layer) // per_stage == pp]
+            local = len(layers[0]) // ep
+            first = (dp % ep) * local
+            shares.append(max(ep * sum(load[first:first + local]) / sum(load) for load in layers))
+    return shares
+
+
+def run(quick: bool, out_dir: Path, progress: Callable[[str], None]) -> dict:
+    del out_dir
+    cases = QUICK if quick else CASES
+    overlap = fitted_overlap(cases)
+    if overlap:
+        raise ValueError(f"cases {overlap} are fitted shapes (memory_units.json in_sample): they cannot validate")
+    rows = []
+    for name, case in cases:
+        launchers = ALL_LAUNCHERS[:2] if name in LOCAL_CASES and not quick else ("inprocess",)
+        for row in measure_case(name, case, progress, launchers=launchers):
+            row["rows_over_m"] = rows_over_m(row["flags"], row.get("expert_loads"))
+            rows.append(row)
+    compared = [r for r in rows if "errors" in r]
+    return {"rows": rows, "summary": summarize(compared), "exact_mismatches": sum(len(r["mismatches"]) for r in compared),
+            "fitted_cases": fitted_count(), "fitted_overlap": overlap}
+
+
+def group_of(row: dict) -> str:
+    flags = row["flags"]
+    if flags.get("expert_parallel", 1) == 1:
+        return "EP 1"
+    return "EP 2 K=E (balanced)" if flags["moe_top_k"] == flags["moe_experts"] else "EP 2 K<E (router's own)"
+
+
+def summarize(compared: list[dict]) -> dict:
+    """Median and max activation-peak error per group (EP 1, EP 2 balanced, EP 2 routed) and in all."""
+    groups = {}
+    for row in compared:
+        for key in (group_of(row), "all"):
+            groups.setdefault(key, []).extend(row["errors"]["activation_peak_bytes"])
+    return {key: {"median": statistics.median(v), "max": max(v), "ranks": len(v)} for key, v in groups.items()}
+
+
+def signed_errors(row: dict) -> list[float]:
+    return [(p["activation_peak_bytes"] - m["activation_peak_bytes"]) / m["activation_peak_bytes"]
+            for p, m in zip(row["predicted"], row["measured"], strict=True)]
+
+
+def to_markdown(payload: dict) -> str:
+    table = []
+    for r in payload["rows"]:
+        if "errors" not in r:
+            table.append([r["name"], r["counted_by"], "-", "-", "-", "-", r["skipped"]])
+            continue
+        exact = "equal" if not r["mismatches"] else f"{len(r['mismatches'])} differ"
+        shares = ", ".join("-" if s is None else f"{s:.3f}" for s in r["rows_over_m"])
+        table.append([r["name"], r["counted_by"], exact, ", ".join(f"{e:+.2%}" for e in signed_errors(r)),
+                      "exact" if max(r["errors"]["cache_peak_bytes"]) == 0 else
+                      f"{max(r['errors']['cache_peak_bytes']):.2%}", shares, ", ".join(r["peak_action_per_rank"])])
+    groups = [[key, str(s["ranks"]), f"{s['median']:.2%}", f"{s['max']:.2%}"] for key, s in payload["summary"].items()]
+    return "\n".join([
+        "## Predicted vs counted memory per rank: mixtures of experts under expert parallelism", "",
+        "`attnres-pp simulate memory` against a 2-step training run's `memory_per_rank`, rank by rank "
+        f"(global rank dp x P + pp). Model: {_model_line()}. {', '.join(EXACT_KEYS)}: compared for equality. "
+        "Activation peak: signed error of the prediction per rank. rows / M: the rank's experts' share of "
+        "the last step's token-choices times EP (the largest over its MoE layers; 1 = the balanced routing "
+        "the prediction assumes). Out of sample: no MoE term is fitted; the dense units are fitted on "
+        f"{payload.get('fitted_cases', '?')} tiny chunks (d <= 48) none of which is among these shapes "
+        f"(overlap: {payload.get('fitted_overlap') or 'none'}).", "",
+        markdown_table(["case", "counted by", "param/grad/optimizer", "activation peak", "cache peak", "rows / M",
+                        "predicted peak's action"], table), "",
+        "Activation peak error (absolute) by group:", "",
+        markdown_table(["group", "ranks", "median", "max"], groups)])
+
+
+def _model_line() -> str:
+    from attnres_lab.memory_cases import BASE
+
+    flags = case_flags(CASES[0][1])
+    return (f"{flags['layers']} layers, d = {flags['d_model']}, {BASE['heads']} heads, seq {flags['seq_len']}, "
+            f"vocabulary {flags['vocab_size']}, Block AttnRes (block size {flags['block_size']}), E 8, K 2, S 1, "
+            f"F 64, 1 dense layer first (K = E cases: E 4, K 4), D 2, fp32")
