@@ -30,7 +30,10 @@ REGISTRY = {
                                             "without sequence parallelism, priced by the simulator's tp terms on "
                                             "probed collectives (results fidelity_tp_<date>)"))),
     "memory-predict": Benchmark("memory_predict", "the simulator's per-rank memory prediction against real runs' "
-                                                  "memory_per_rank, on cases the units were not fitted on"),
+                                                  "memory_per_rank, on cases the units were not fitted on",
+                                siblings=(Sibling("--moe", "memory_predict_moe", "mixtures of experts at EP = 1 "
+                                                  "and 2, D = 2, P = 1 and 2, AC none and full (results "
+                                                  "memory_predict_moe_<date>)"),)),
     "chaos": Benchmark("chaos", "seeded faults over the launchers (kills, a frozen rank, a full disk, a torn log, "
                                 "signals to the driver): trials, clean, hangs, misleading lines, tracebacks, leaks, "
                                 "checkpoints lost"),

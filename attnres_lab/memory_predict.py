@@ -133,10 +133,12 @@ def hook_count(flags: dict, cfg) -> list[dict]:
             p.grad = torch.zeros_like(p)
         optimizer.step()
         param = sum(p.numel() * p.element_size() for p in named.values())
+        # An MoE layer's selection bias is a parameter without gradient (nor AdamW state).
+        grad = sum(p.numel() * p.element_size() for p in named.values() if p.requires_grad)
         # docs/spec.md section 8's optimizer_bytes: AdamW's two moments (its 0-d `step` tensors are not counted)
         state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for key, t in s.items()
                     if key in ("exp_avg", "exp_avg_sq"))
-        ranks.append({"param_bytes": param, "grad_bytes": param, "optimizer_bytes": state,
+        ranks.append({"param_bytes": param, "grad_bytes": grad, "optimizer_bytes": state,
                       "activation_peak_bytes": peaks[pp_rank]["activation_peak_bytes"],
                       "cache_peak_bytes": peaks[pp_rank]["cache_peak_bytes"]})
     return ranks * flags.get("data_parallel", 1)
@@ -179,7 +181,8 @@ def measure_case(name: str, case: dict, progress: Callable[[str], None], *, runs
     base = {"name": name, "flags": flags, "predicted": prediction["memory_per_rank"],
             "peak_action_per_rank": prediction["peak_action_per_rank"]}
     rows = []
-    if flags.get("dp_shard", "replicate") == "replicate":
+    # The loopback count runs whole-model ranks in turns: no EP group meets in its all-to-alls.
+    if flags.get("dp_shard", "replicate") == "replicate" and flags.get("expert_parallel", 1) == 1:
         rows.append(_compared(base | {"counted_by": "hooks"}, hook_count(flags, prediction["model"]), progress))
     for launcher in launchers_of(flags, launchers) if runs else ():
         mine = predict(flags, launcher)
@@ -192,6 +195,8 @@ def measure_case(name: str, case: dict, progress: Callable[[str], None], *, runs
         except RuntimeError as error:  # a flag this tree lacks (AC, fsdp) or a failed run: say so, go on
             summary = {"error": str(error)}
         if "memory_per_rank" in summary:
+            if "moe_expert_loads" in summary:  # the last step's token-choices per expert, by layer
+                row["expert_loads"] = summary["moe_expert_loads"]
             rows.append(_compared(row, summary["memory_per_rank"], progress))
         else:
             row["skipped"] = summary.get("error", "summary.json has no memory_per_rank (this tree does not count "

@@ -41,7 +41,7 @@ def chunk_moe_layers(cfg: ModelConfig, partition: Partition, chunk_index: int) -
 
 
 def moe_saved_bytes(cfg: ModelConfig, *, tokens: int, dtype: str, expert_parallel: int = 1,
-                    weight_copies: bool = True) -> int:
+                    weight_copies: bool = True, rows_factor: float = 1.0) -> int:
     """Bytes one MoE sublayer saves for its backward per microbatch of `tokens` tokens, beyond the dense
     MLP of width S F that the units price (derived from `model.moe`, held to the meter by
     tests/unit/test_sim_moe.py). N tokens, M = N K token-choices, the E / EP local experts:
@@ -57,19 +57,27 @@ def moe_saved_bytes(cfg: ModelConfig, *, tokens: int, dtype: str, expert_paralle
     - under bf16 autocast with fp32 weights, the experts' bf16 copies (`.to(dtype)` each forward):
       E / EP x (2 F d + width F) (`weight_copies`: False under FSDP2's bf16 parameters).
 
-    Under expert parallelism a rank's experts receive M rows on average (balanced routing: each of
-    the EP ranks sends it M / EP of its own); the dispatch and combine buffers are the same rows."""
+    Under expert parallelism (`pipeline.expert_parallel.ExpertSlice`) a rank's experts receive R
+    rows, R = M under balanced routing (each of the EP ranks sends it M / EP of its own; a real router
+    sends more to some ranks than others, which this does not price): the grouped products' rows
+    are R (d + 2F + F + F), and the received rows' regrouping by local expert saves its index and
+    that index's inverse (R int64 each); the all-to-alls themselves save nothing (their buffers are
+    the rows above or die in the forward), and the outputs come back as the M width rows above.
+    `rows_factor`: R / M (1: balanced; `attnres-lab memory-predict --moe` prices a run's own routing)."""
     n, k, e, d, f, width = tokens, cfg.moe_top_k, cfg.moe_experts, cfg.d_model, cfg.expert_dim, cfg.source_width
     local, m, elem = e // expert_parallel, tokens * cfg.moe_top_k, DTYPE_BYTES[dtype]
     router = n * (4 * e + 8 * e + 4 * k + 4 + elem * k)
     if dtype == "bf16":
         router += n * d * 4 - (0 if cfg.moe_shared_experts else n * d * elem)
-    experts = m * (8 + 8) + m * elem * (d + 2 * f + f + f + width) + 2 * 4 * local
+    rows = round(m * rows_factor)  # received by this rank's experts (balanced routing: M)
+    regroup = 2 * 8 * rows if expert_parallel > 1 else 0
+    experts = m * (8 + 8) + regroup + rows * elem * (d + 2 * f + f + f) + m * elem * width + 2 * 4 * local
     copies = local * (2 * f * d + width * f) * elem if dtype == "bf16" and weight_copies else 0
     return router + experts + copies
 
 
-def moe_store_correction(cfg: ModelConfig, *, tokens: int, dtype: str, expert_parallel: int = 1) -> int:
+def moe_store_correction(cfg: ModelConfig, *, tokens: int, dtype: str, expert_parallel: int = 1,
+                         rows_factor: float = 1.0) -> int:
     """What the split backward's W store of an MoE layer differs from a dense layer's (`stored_bytes`,
     whose MLP stores (d + 2 f) + (f + width) per token under SwiGLU, (d + f) + (f + width) under GELU)
     by (`pipeline.weight_store`: a linear layer's input and output gradient; any other weight edge
@@ -85,17 +93,19 @@ def moe_store_correction(cfg: ModelConfig, *, tokens: int, dtype: str, expert_pa
     dense = (d + (2 if cfg.mlp == "swiglu" else 1) * f) + (f + width)
     moe = (d + 2 * shared) + (shared + width) if shared else 0
     return (tokens * (moe - dense) * DTYPE_BYTES[dtype]
-            + moe_weight_store_bytes(cfg, tokens=tokens, dtype=dtype, expert_parallel=expert_parallel))
+            + moe_weight_store_bytes(cfg, tokens=tokens, dtype=dtype, expert_parallel=expert_parallel,
+                                     rows_factor=rows_factor))
 
 
-def moe_weight_store_bytes(cfg: ModelConfig, *, tokens: int, dtype: str, expert_parallel: int = 1) -> int:
+def moe_weight_store_bytes(cfg: ModelConfig, *, tokens: int, dtype: str, expert_parallel: int = 1,
+                           rows_factor: float = 1.0) -> int:
     """The router's and the routed experts' part of an MoE layer's W store (`moe_store_correction`):
     the router product's output gradient N E and input N d (fp32; the input only where the shared
     experts do not keep that storage already) and the grouped products' operands. Under
     checkpointing it adds to the fitted units' store (`input_kept`), which price the shared experts."""
     d, shared, f, width = cfg.d_model, cfg.moe_shared_experts, cfg.expert_dim, cfg.source_width
     router = tokens * 4 * (cfg.moe_experts + (d if not shared or dtype == "bf16" else 0))
-    rows = tokens * cfg.moe_top_k  # a rank's experts receive M rows on average (balanced routing)
+    rows = round(tokens * cfg.moe_top_k * rows_factor)  # received by a rank's experts (balanced: M)
     offsets = 2 * 4 * (cfg.moe_experts // expert_parallel)
     return router + rows * ((d + 2 * f) + (f + width)) * DTYPE_BYTES[dtype] + offsets
 

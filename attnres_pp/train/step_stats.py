@@ -117,7 +117,9 @@ def expert_stats(replica0: list[dict | None], every: list[dict | None]) -> tuple
     which hold every layer once), max / mean load per layer, the mean aux loss of every rank's
     microbatches and sublayers, and under expert parallelism `moe_all_to_all_s` (the rank that
     spent longest in its dispatch and combine) and `moe_all_to_all_bytes` (what every rank sent
-    off itself). Empty without MoE sublayers."""
+    off itself), the latter also in summary.json as `expert_all_to_all_bytes_per_step` (dispatch and
+    combine rows, forward and backward, all ranks: `ExpertSlice.sent_bytes`). Empty without MoE
+    sublayers."""
     from attnres_pp.model.moe import expert_load_stats
 
     loads = {name: load for report in replica0 if report for name, load in report["loads"].items()}
@@ -127,4 +129,5 @@ def expert_stats(replica0: list[dict | None], every: list[dict | None]) -> tuple
     if exchanges:  # expert parallelism: the busiest rank's all-to-all seconds, every rank's bytes
         metrics["moe_all_to_all_s"] = max(report["all_to_all_s"] for report in exchanges)
         metrics["moe_all_to_all_bytes"] = sum(report["all_to_all_bytes"] for report in exchanges)
+        extras["expert_all_to_all_bytes_per_step"] = metrics["moe_all_to_all_bytes"]
     return extras, metrics
