@@ -1,0 +1,77 @@
+"""The gradient store (`pipeline.weight_store` under activation checkpointing: I keeps the linear
+layers' output gradients and the layers' checkpoint inputs, W recomputes the operands): a pipelined
+step under every split schedule equals the single-process model (fp32 1e-5, float64 1e-10) for the
+standard residual, Block AttnRes with the cache, MSAR and an MoE recipe, and the store was the
+gradient store; selective checkpointing, where the rule picks the operand store, forced onto the
+gradient store (W's recomputation served from the policy's kept outputs); and the rule itself."""
+
+from __future__ import annotations
+
+import pytest
+
+from attnres_pp.model.weight_store_rule import GRADIENTS, OPERANDS, weight_store_bytes, weight_store_kind
+from attnres_pp.pipeline import weight_store
+from tests.pipeline_helpers import assert_grads_match, batch, loopback_step, reference_step
+
+from .parity_cases import ParityCase, _case
+
+CASES = [
+    _case(("zbv", 2, 2, 3, 4, None), "standard", policy="full"),
+    _case(("interleaved_zb", 2, 2, 3, 4, 2), "block", policy="full"),
+    _case(("zb_h1", 2, 1, 2, 4, 2), "msar", policy="full"),
+    _case(("v_half", 2, 2, 4, 4, 2), "block", policy="full", recipe="moe"),
+    _case(("v_min", 2, 2, 4, 4, 2), "msar", policy="full"),
+    _case(("zbv", 2, 2, 3, 4, 2), "block", policy="full", dtype="float64"),
+    _case(("zbv", 2, 2, 3, 4, None), "standard", policy="full", recipe="moe", dtype="float64"),
+    _case(("v_min", 2, 2, 4, 4, 2), "block", policy="selective"),
+    _case(("zb_h1", 2, 1, 2, 4, None), "standard", policy="selective", recipe="moe", dtype="float64"),
+]
+
+
+def _spied_kinds(monkeypatch, force: bool) -> list[str]:
+    """The kinds the chunks' I chose; `force`: the gradient store wherever a chunk is checkpointed."""
+    kinds: list[str] = []
+    rule = weight_store.weight_store_kind
+
+    def spy(operand_bytes, checkpoint_bytes):
+        kind = GRADIENTS if force and checkpoint_bytes is not None else rule(operand_bytes, checkpoint_bytes)
+        kinds.append(kind)
+        return kind
+
+    monkeypatch.setattr(weight_store, "weight_store_kind", spy)
+    return kinds
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
+def test_the_gradient_store_step_equals_single_process(case: ParityCase, monkeypatch):
+    kinds = _spied_kinds(monkeypatch, force=case.policy == "selective")
+    cfg, m = case.config(), case.n_microbatches
+    loss, grads, _ = loopback_step(cfg, case.schedule, case.n_stages, case.n_virtual, m, case.cache, case.policy,
+                                   dtype=case.torch_dtype)
+    assert GRADIENTS in kinds  # every chunk with inputs chose (or was given) the gradient store
+    assert set(kinds) == {GRADIENTS}
+    want_loss, want_grads = reference_step(cfg, *batch(m), m, dtype=case.torch_dtype)
+    if case.dtype == "float64":
+        assert abs(loss - want_loss) <= 1e-12
+        assert_grads_match(grads, want_grads, rtol=1e-10)
+    else:
+        assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
+        assert_grads_match(grads, want_grads, rtol=1e-5)
+
+
+def test_selective_checkpointing_chooses_the_operand_store(monkeypatch):
+    """The policy keeps the projections' outputs: keeping them until W costs more than the operands."""
+    kinds = _spied_kinds(monkeypatch, force=False)
+    case = _case(("zbv", 2, 2, 3, 4, 2), "block", policy="selective")
+    loopback_step(case.config(), case.schedule, 2, 2, 3, True, "selective")
+    assert kinds and set(kinds) == {OPERANDS}
+
+
+def test_the_rule():
+    assert weight_store_kind(100, None) == OPERANDS  # nothing checkpointed: nothing to recompute from
+    assert weight_store_kind(100, 40) == GRADIENTS
+    assert weight_store_kind(100, 100) == OPERANDS  # a tie costs W a forward for nothing
+    assert weight_store_kind(100, 140) == OPERANDS
+    assert weight_store_bytes(10, 100, 40) == 50
+    assert weight_store_bytes(10, 100, 140) == 110
+    assert weight_store_bytes(10, 100, None) == 110
