@@ -67,6 +67,51 @@ def test_selective_checkpointing_chooses_the_operand_store(monkeypatch):
     assert kinds and set(kinds) == {OPERANDS}
 
 
+@pytest.mark.parametrize("variant", ["standard", "block"])
+def test_after_i_the_gradient_store_holds_less_than_the_operand_store(variant, monkeypatch):
+    """A middle chunk of 4 checkpointed layers: the meter's count after I (what waits for W) under
+    the gradient store is below the operand store's by at least the layers' operands less their
+    checkpoint inputs; after W both leave nothing, with the same gradients."""
+    import torch
+
+    from attnres_pp.comm.partition import make_partition
+    from attnres_pp.comm.plan import plan_for_model
+    from attnres_pp.pipeline.chunk import build_rank_chunks
+    from attnres_pp.pipeline.memory_meter import ActivationMeter
+    from tests.pipeline_helpers import MICRO, SEQ, build_model, model_config
+
+    cfg = model_config(variant, 8)
+    counted, grads = {}, {}
+    for force in (OPERANDS, GRADIENTS):
+        monkeypatch.setattr(weight_store, "weight_store_kind", lambda _o, _c, force=force: force)
+        model = build_model(cfg)
+        partition = make_partition(cfg.n_layers, 2, 1)
+        io = plan_for_model(cfg, partition, cache=True).chunks[1]
+        chunk = build_rank_chunks(model, partition, 1, activation_checkpoint="full")[1]
+        g = torch.Generator().manual_seed(0)
+        width = cfg.d_model if cfg.residual == "standard" else cfg.source_width
+        inputs = {s: torch.randn(MICRO, SEQ, width, generator=g).requires_grad_(True)
+                  for s in io.received + io.cache_reads}
+        idx = torch.randint(0, cfg.vocab_size, (MICRO, SEQ), generator=g)
+        meter = ActivationMeter()
+        meter.set_excluded(model.parameters())
+        produced, loss = chunk(inputs, idx, idx, meter=meter)
+        store = weight_store.stash_backward_input([loss], [torch.ones_like(loss)], list(inputs.values()),
+                                                  meter=meter)
+        del produced, loss
+        counted[force] = meter.live_bytes
+        assert store.kind == force
+        weight_store.drain_weight_store(store)
+        assert meter.live_bytes == 0
+        grads[force] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    # Per layer and token the operands are at least 4 d (qkv's, proj's, gate/up's inputs and the
+    # hidden units), the checkpoint inputs one d-wide residual or partial (blocks are shared).
+    layers, tokens = 4, MICRO * SEQ
+    assert counted[GRADIENTS] <= counted[OPERANDS] - layers * tokens * 2 * cfg.d_model * 4, counted
+    assert grads[GRADIENTS].keys() == grads[OPERANDS].keys()
+    assert all(torch.equal(grads[GRADIENTS][n], grads[OPERANDS][n]) for n in grads[OPERANDS])
+
+
 def test_the_rule():
     assert weight_store_kind(100, None) == OPERANDS  # nothing checkpointed: nothing to recompute from
     assert weight_store_kind(100, 40) == GRADIENTS
