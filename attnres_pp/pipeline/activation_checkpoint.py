@@ -46,7 +46,7 @@ from torch.utils.checkpoint import (
 )
 
 from attnres_pp.model.moe import recomputing
-from attnres_pp.pipeline.memory_meter import ActivationMeter, _storage_holder, storage_key
+from attnres_pp.pipeline.memory_meter import ActivationMeter, storage_key
 
 _ATTENTION_OPS = frozenset(
     getattr(torch.ops.aten, name).default for name in (
@@ -222,8 +222,11 @@ class _Frame:
 
     def checkpoint_storages(self) -> dict[tuple, int]:
         """What keeping this frame for W holds: its inputs' storages and the kept outputs (bytes)."""
-        held = {storage_key(a): _storage_holder(a).untyped_storage().nbytes()
-                for a in self.args if isinstance(a, torch.Tensor)}
+        if self.meter is not None:  # as the meter counts them: a received message's slot, not its buffer
+            held = dict(c for h in self.held_inputs if (c := self.meter.counted(h)) is not None)
+        else:
+            held = {(storage_key(a), a.storage_offset()): a.numel() * a.element_size()
+                    for a in self.args if isinstance(a, torch.Tensor)}
         if self.cached_bytes:
             held[("cached", id(self))] = self.cached_bytes
         return held
