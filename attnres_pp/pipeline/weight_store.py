@@ -88,9 +88,10 @@ class WeightStore:
 
 def stash_backward_input(roots: list[torch.Tensor], root_grads: list[torch.Tensor], inputs: list[torch.Tensor],
                          cuts: CutCache | None = None, key: object = None,
-                         meter: ActivationMeter | None = None) -> WeightStore:
+                         meter: ActivationMeter | None = None, kind: str | None = None) -> WeightStore:
     """I: accumulate the gradients of `inputs` and of the I parameters in their `.grad`, free the
-    graph but the weight branches, and return the store W drains."""
+    graph but the weight branches, and return the store W drains. `kind`: None, the rule's choice
+    (`choose_store`); `OPERANDS`, the operand store whatever the rule says (its twin)."""
     pairs = [(r, g) for r, g in zip(roots, root_grads, strict=True) if r.grad_fn is not None]
     if not pairs:
         return WeightStore(meter)
@@ -109,7 +110,7 @@ def stash_backward_input(roots: list[torch.Tensor], root_grads: list[torch.Tenso
             stash = _ProductStash(route)
             store.products.append(stash)
             products.append((owner, stash))
-    store.kind = choose_store(cut.frames, [owner for owner, _stash in products])
+    store.kind = OPERANDS if kind == OPERANDS else choose_store(cut.frames, [owner for owner, _stash in products])
     for owner, stash in products:
         handles.append(owner.register_prehook(_stasher(store, stash, owner)))
     wanted = list(inputs) + cut.input_params
