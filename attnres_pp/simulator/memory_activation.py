@@ -122,6 +122,12 @@ def chunk_store_kind(cfg: ModelConfig, partition: Partition, chunk_index: int, *
     return weight_store_kind(operands, None if checkpoint_bytes is None else round(checkpoint_bytes)), layers
 
 
+def checkpoint_input_bytes(features: dict[str, float], dtype: str) -> float:
+    """What a checkpointed chunk's layer frames keep as their inputs (`checkpoint_features`): the
+    blocks they hold, one storage each, and each layer's input partial or residual."""
+    return (features["out_held_blocks_tw"] + features["all_in_partial_tw"]) * DTYPE_BYTES[dtype]
+
+
 def input_peak_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, transient_units: dict[str, float], *,
                      tokens: int, dtype: str, transient_correction: int = 0, tensor_parallel: int = 1,
                      sequence_parallel: bool = False, kind: str = OPERANDS) -> float:
@@ -285,14 +291,15 @@ def dense_activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: 
     if chunk_index == 0:  # its I has no inputs: nothing runs there, W is the whole backward
         values["input_transient"] = values["input_kept"] = 0.0
     else:
-        # The units price the operand store; the gradient store keeps what F kept for the layers
-        # (the `saved` units without the features outside them, `out_*`) instead of the operands
-        # (derived: `chunk_store_kind`, the runtime's rule).
-        layers_kept = {name: value for name, value in features.items() if not name.startswith("out_")}
+        # The units price the operand store; the gradient store keeps the layer frames' inputs
+        # instead of the layers' operands (derived: `chunk_store_kind`, the runtime's rule).
+        frames_kept = checkpoint_input_bytes(features, dtype)
+        if activation_checkpoint == "selective":
+            frames_kept = max(frames_kept, values["saved"])  # and the policy's kept outputs
         kind, operands = chunk_store_kind(cfg, partition, chunk_index, tokens=tokens, dtype=dtype,
-                                          checkpoint_bytes=max(0.0, _linear(layers_kept, units["saved"])), **tp)
+                                          checkpoint_bytes=frames_kept, **tp)
         if kind == GRADIENTS:
-            values["input_kept"] = max(0.0, values["input_kept"] - operands + _linear(layers_kept, units["saved"]))
+            values["input_kept"] = max(0.0, values["input_kept"] - operands + frames_kept)
     if chunk_index and activation_checkpoint == "full" and partition.layers_per_chunk[chunk_index] > 1:
         # Several layers: I peaks while an early layer is recomputed beside the later ones' stores
         # (derived, `input_peak_bytes`); with one, late, beside the whole store, as fitted.
