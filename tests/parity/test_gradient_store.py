@@ -8,12 +8,13 @@ gradient store (W's recomputation served from the policy's kept outputs); and th
 from __future__ import annotations
 
 import pytest
+import torch
 
 from attnres_pp.model.weight_store_rule import GRADIENTS, OPERANDS, weight_store_bytes, weight_store_kind
 from attnres_pp.pipeline import weight_store
 from tests.pipeline_helpers import assert_grads_match, batch, loopback_step, reference_step
 
-from .parity_cases import ParityCase, _case
+from .parity_cases import BF16_SPLIT_CASES, ParityCase, _case
 
 CASES = [
     _case(("zbv", 2, 2, 3, 4, None), "standard", policy="full"),
@@ -57,6 +58,24 @@ def test_the_gradient_store_step_equals_single_process(case: ParityCase, monkeyp
     else:
         assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
         assert_grads_match(grads, want_grads, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", [c for c in BF16_SPLIT_CASES if c.policy == "full"], ids=lambda case: case.id)
+def test_under_bf16_the_gradient_store_gives_the_fused_backwards_weight_gradients(case: ParityCase, monkeypatch):
+    """bf16 autocast: W recomputes the layers under the forward's autocast state, so the products'
+    operands are the bf16 casts B's engine used, and the weights' gradients are B's to the bit."""
+    from .test_split_bf16 import WEIGHTS, _pipelined
+
+    kinds = _spied_kinds(monkeypatch, force=False)
+    loss, grads = _pipelined(case)
+    assert GRADIENTS in kinds
+    fused_loss, fused = _pipelined(case, fused=True)
+    assert loss == fused_loss
+    for name, want in fused.items():
+        if name.endswith(WEIGHTS):
+            assert torch.equal(grads[name], want), name
+        else:
+            assert (grads[name] - want).abs().max().item() <= 1e-5 * want.abs().max().item() + 1e-12, name
 
 
 def test_selective_checkpointing_chooses_the_operand_store(monkeypatch):
