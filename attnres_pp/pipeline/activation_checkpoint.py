@@ -203,16 +203,21 @@ class _Frame:
             raise RuntimeError("activation checkpointing: W recomputes a layer whose inputs are gone "
                                "(the frame was not kept for W)")
         found: dict[int, object] = {}
+        unwanted_pending: list = []  # waited for as I's recomputation waits for them: after the region
         count = [0]
 
         def collect(t: torch.Tensor):
             if count[0] in positions:
                 found[count[0]] = t
+            elif _pending(t):
+                unwanted_pending.append(t)
             count[0] += 1
             return None
 
         mode = None if self.w_storage is None else _CachedTorchDispatchMode(None, self.w_storage)
         self._run(collect, mode)
+        for t in unwanted_pending:
+            t.wait()
         self._check_count(count[0])
         self.release_inputs()
         return {i: self._wrap(t.wait().detach() if _pending(t) else t.detach()) for i, t in found.items()}
