@@ -62,6 +62,7 @@ class ChunkActivation:
     input_transient: int = 0
     input_kept: int = 0
     stored: int = 0  # the W store I leaves (a split backward frees the graph at I): until W
+    store: str = OPERANDS  # or GRADIENTS: `stored` holds the layer frames' inputs (`model.weight_store_rule`)
 
 
 def stored_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype: str,
@@ -310,7 +311,7 @@ def dense_activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: 
     # linear layers' inputs there are recomputed tensors, some shared with what F kept; under the
     # gradient store, what F kept in their place.
     return ChunkActivation(**{target: round(value) for target, value in values.items()},
-                           stored=round(values["input_kept"]))
+                           stored=round(values["input_kept"]), store=kind)
 
 
 # ---- blocks two chunks of a rank both keep ----
