@@ -205,6 +205,7 @@ class _Frame:
         found: dict[int, object] = {}
         unwanted_pending: list = []  # waited for as I's recomputation waits for them: after the region
         count = [0]
+        last = max(positions)
 
         def collect(t: torch.Tensor):
             if count[0] in positions:
@@ -212,13 +213,23 @@ class _Frame:
             elif _pending(t):
                 unwanted_pending.append(t)
             count[0] += 1
+            if count[0] > last:
+                # An op saves its inputs before it runs: the rest of the layer (the down projection's
+                # product, the residual or block bookkeeping) is not computed. Every tp or ep peer
+                # stops at the same op, so no collective is left half-issued.
+                raise _Collected
             return None
 
         mode = None if self.w_storage is None else _CachedTorchDispatchMode(None, self.w_storage)
-        self._run(collect, mode)
+        try:
+            self._run(collect, mode)
+        except _Collected:
+            pass
         for t in unwanted_pending:
             t.wait()
-        self._check_count(count[0])
+        if len(found) != len(positions):
+            raise RuntimeError(f"activation checkpointing: W's recomputation saved {count[0]} tensors, fewer "
+                               f"than I's: the layer's forward is not deterministic")
         self.release_inputs()
         return {i: self._wrap(t.wait().detach() if _pending(t) else t.detach()) for i, t in found.items()}
 
@@ -248,6 +259,10 @@ class _Frame:
         self.cached = [self.meter.pack(wrapper.val) for per_op in self.forward_mode.storage.values()
                        for entry in per_op.values() for wrapper in _wrappers(entry)
                        if isinstance(wrapper.val, torch.Tensor)]
+
+
+class _Collected(Exception):
+    """W's recomputation has every operand it was asked for."""
 
 
 def _wrappers(entry) -> list:
