@@ -13,6 +13,7 @@ a mixture of experts: W's share must not depend on the precision.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -30,9 +31,13 @@ MOE_MODEL = {**MODELS["block_cached"], "moe_experts": 8, "moe_top_k": 2, "moe_sh
 PRECISIONS = ("fp32", "bf16")
 N_STAGES, N_VIRTUAL = 2, 2
 MICROBATCH_SIZE = 16  # sequences of 64: 1,024 tokens a microbatch
+# (precision, retained graph, activation checkpointing, store): the weight store, bf16, the slow
+# twin; under full checkpointing the gradient store (W recomputes each layer) and the operand store.
+RUNS = (("fp32", False, "none", None), ("bf16", False, "none", None), ("fp32", True, "none", None),
+        ("fp32", False, "full", None), ("fp32", False, "full", "operands"))
 
 
-def _chunk_runs(model_dict: dict, seed: int = 0, precision: str = "fp32"):
+def _chunk_runs(model_dict: dict, seed: int = 0, precision: str = "fp32", activation_checkpoint: str = "none"):
     """Per chunk a function that runs one forward and returns (roots, root grads, input leaves)."""
     from attnres_pp.comm.partition import make_partition
     from attnres_pp.comm.plan import plan_for_model
@@ -49,7 +54,8 @@ def _chunk_runs(model_dict: dict, seed: int = 0, precision: str = "fp32"):
     generator = torch.Generator().manual_seed(seed)
     runs = []
     for c in range(partition.n_chunks):
-        chunk = build_rank_chunks(model, partition, partition.rank_of(c))[c]
+        chunk = build_rank_chunks(model, partition, partition.rank_of(c),
+                                  activation_checkpoint=activation_checkpoint)[c]
         io = plan.chunks[c]
         idx = torch.randint(0, cfg.vocab_size, (MICROBATCH_SIZE, cfg.seq_len), generator=generator)
         source = torch.randn(MICROBATCH_SIZE, cfg.seq_len, width, generator=generator).to(activation_dtype(precision))
@@ -66,16 +72,19 @@ def _chunk_runs(model_dict: dict, seed: int = 0, precision: str = "fp32"):
     return model, runs
 
 
-def measure(model_dict: dict, rounds: int, warmup: int, *, retain: bool = False, precision: str = "fp32") -> list[dict]:
-    """`retain`: the split's slow twin (I keeps the graph until W) instead of the weight store."""
+def measure(model_dict: dict, rounds: int, warmup: int, *, retain: bool = False, precision: str = "fp32",
+            activation_checkpoint: str = "none", store: str | None = None) -> list[dict]:
+    """`retain`: the split's slow twin (I keeps the graph until W) instead of the weight store;
+    `store`: None, the store the rule chooses (under full checkpointing the gradient store, whose W
+    recomputes the layers), or "operands"."""
     from attnres_pp.pipeline.graph_cut import CutCache
     from attnres_pp.pipeline.split_backward import backward_input, backward_weight, fused_backward
     from attnres_pp.pipeline.weight_store import drain_weight_store, stash_backward_input
 
     split_input, split_weight = ((backward_input, backward_weight) if retain
-                                 else (stash_backward_input, drain_weight_store))
+                                 else (functools.partial(stash_backward_input, kind=store), drain_weight_store))
 
-    model, runs = _chunk_runs(model_dict, precision=precision)
+    model, runs = _chunk_runs(model_dict, precision=precision, activation_checkpoint=activation_checkpoint)
     cuts = CutCache()
     rows = []
     for c, run in enumerate(runs):
@@ -128,11 +137,13 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None]) -> d
             flops[f"{name} {precision}"] = counted = flop_shares(model_dict, precision)
             progress(f"  {name} {precision}: W = {counted['w_share']:.3f} of the split's backward FLOPs")
     for name, model_dict in MODELS.items():
-        for precision, retain in (("fp32", False), ("bf16", False), ("fp32", True)):
-            rows = measure(model_dict, rounds, warmup, retain=retain, precision=precision)
+        for precision, retain, ac, store in RUNS:
+            rows = measure(model_dict, rounds, warmup, retain=retain, precision=precision, activation_checkpoint=ac,
+                           store=store)
             total_b = sum(r["B_ms"] for r in rows)
             total = sum(r["I_ms"] + r["W_ms"] for r in rows) / total_b
-            key = f"{name} {precision}" + (" retained_graph" if retain else "")
+            key = f"{name} {precision}" + (" retained_graph" if retain else "") + (f" ac_{ac}" if ac != "none" else "")
+            key += f" {store}_store" if store else ""
             results[key] = {"chunks": rows, "ratio": total}
             progress(f"  {key}: I + W = {total:.3f} x B (CPU time, all chunks); per chunk "
                      + ", ".join(f"{r['ratio']:.3f}" for r in rows))

@@ -23,16 +23,27 @@ the stashed operands) frees a recomputed tensor as soon as its node has run. Cac
 the leaves they are (they are the frame's inputs, saved as they are); deposits are untouched.
 
 Recomputation reproduces the forward exactly: the same inputs (detached, requiring grad as
-before), the same parameters, the autocast state of the forward; the layers draw no random numbers.
+before), the same parameters, the autocast state of the forward; the layers draw no random numbers
+(MoE routing is a function of the inputs and the expert bias, which moves only after the step).
+
+The gradient store (`weight_store`, `model.weight_store_rule`): a frame I marks `keep_for_w` keeps
+its inputs (and the selective policy's kept outputs) past I's recomputation, and W recomputes the
+layer once more (`regenerate`) for the matrix products' operands it left behind (found by
+`probing`: which frame and saved position a read of a saved tensor came from).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    _CachedTorchDispatchMode,
+    create_selective_checkpoint_contexts,
+)
 
 from attnres_pp.model.moe import recomputing
 from attnres_pp.pipeline.memory_meter import ActivationMeter, storage_key
@@ -43,6 +54,22 @@ _ATTENTION_OPS = frozenset(
         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
     if hasattr(torch.ops.aten, name))
 _PRODUCT_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
+# The node metadata key under which a checkpointed call's outputs name their frame.
+FRAME_KEY = "attnres_pp.checkpoint_frame"
+# While set (`probing`): a list that each read of a recomputed saved tensor appends (frame, position) to.
+_PROBE: contextvars.ContextVar[list | None] = contextvars.ContextVar("checkpoint_probe", default=None)
+
+
+@contextlib.contextmanager
+def probing():
+    """Records where the reads of saved tensors inside come from: (frame, position) for a tensor the
+    frame recomputes; a tensor saved as it is (an input, a parameter) records nothing."""
+    seen: list = []
+    token = _PROBE.set(seen)
+    try:
+        yield seen
+    finally:
+        _PROBE.reset(token)
 
 
 def selective_policy(min_width: int) -> Callable:
@@ -101,11 +128,14 @@ class _Frame:
         self.autocast = (torch.is_autocast_enabled(self.device_type), torch.get_autocast_dtype(self.device_type))
         self.forward_mode, self.recompute_mode = (None, None) if policy_fn is None else \
             create_selective_checkpoint_contexts(policy_fn)
+        self.keep_for_w = False  # the gradient store: keep what W recomputes from past I
+        self.w_storage: dict | None = None  # selective: the kept outputs, for W's recomputation
+        self.cached_bytes = 0
 
     def _wrap(self, t: torch.Tensor):
         return t.detach() if self.meter is None else self.meter.pack(t)
 
-    def _unwrap(self, held) -> torch.Tensor:
+    def unwrap(self, held) -> torch.Tensor:
         return held if self.meter is None else self.meter.unpack(held)
 
     def pack(self, t: torch.Tensor):
@@ -118,10 +148,13 @@ class _Frame:
 
     def unpack(self, packed) -> torch.Tensor:
         if isinstance(packed, _Direct):
-            return self._unwrap(packed.value)
+            return self.unwrap(packed.value)
         if self.recomputed is None:
             self._recompute()
-        return self._unwrap(self.recomputed[packed.index])
+        probe = _PROBE.get()
+        if probe is not None:
+            probe.append((self, packed.index))
+        return self.unwrap(self.recomputed[packed.index])
 
     def release(self, index: int) -> None:
         if self.recomputed is None:
@@ -141,25 +174,95 @@ class _Frame:
             saved.append(None if len(saved) in unwanted else t if _pending(t) else self._wrap(t.detach()))
             return None
 
+        if self.keep_for_w and self.recompute_mode is not None:
+            # SAC serves each kept output once: W's recomputation reads them from its own copy.
+            self.w_storage = {key: dict(entries) for key, entries in self.recompute_mode.storage.items()}
+        self._run(collect, self.recompute_mode)
+        saved = [self._wrap(t.wait().detach()) if _pending(t) else t for t in saved]
+        self._check_count(len(saved))
+        self.recomputed = saved
+        if not self.keep_for_w:
+            self.fn = self.args = self.cached = self.held_inputs = None  # the results are all W and B need
+
+    def _run(self, collect, mode) -> None:
         enabled, dtype = self.autocast
-        mode = self.recompute_mode if self.recompute_mode is not None else contextlib.nullcontext()
+        mode = mode if mode is not None else contextlib.nullcontext()
         with torch.enable_grad(), torch.autocast(self.device_type, dtype=dtype, enabled=enabled), mode, \
                 torch.autograd.graph.saved_tensors_hooks(collect, lambda _unused: None), recomputing():
             self.fn(*self.args)
-        saved = [self._wrap(t.wait().detach()) if _pending(t) else t for t in saved]
-        if len(saved) != self.n_packed:
-            raise RuntimeError(f"activation checkpointing: the recomputed layer saved {len(saved)} tensors, "
+
+    def _check_count(self, n_saved: int) -> None:
+        if n_saved != self.n_packed:
+            raise RuntimeError(f"activation checkpointing: the recomputed layer saved {n_saved} tensors, "
                                f"the forward {self.n_packed}: the layer's forward is not deterministic")
-        self.recomputed = saved
-        self.fn = self.args = self.cached = self.held_inputs = None  # the results are all W and B need
+
+    def regenerate(self, positions: set[int]) -> dict[int, object]:
+        """W's recomputation under the gradient store: the saved tensors at `positions`, held through
+        the meter (so W's transient is counted); then the frame lets go of its inputs."""
+        if self.fn is None:
+            raise RuntimeError("activation checkpointing: W recomputes a layer whose inputs are gone "
+                               "(the frame was not kept for W)")
+        found: dict[int, object] = {}
+        unwanted_pending: list = []  # waited for as I's recomputation waits for them: after the region
+        count = [0]
+        last = max(positions)
+
+        def collect(t: torch.Tensor):
+            if count[0] in positions:
+                found[count[0]] = t
+            elif _pending(t):
+                unwanted_pending.append(t)
+            count[0] += 1
+            if count[0] > last:
+                # An op saves its inputs before it runs: the rest of the layer (the down projection's
+                # product, the residual or block bookkeeping) is not computed. Every tp or ep peer
+                # stops at the same op, so no collective is left half-issued.
+                raise _Collected
+            return None
+
+        mode = None if self.w_storage is None else _CachedTorchDispatchMode(None, self.w_storage)
+        try:
+            self._run(collect, mode)
+        except _Collected:
+            pass
+        for t in unwanted_pending:
+            t.wait()
+        if len(found) != len(positions):
+            raise RuntimeError(f"activation checkpointing: W's recomputation saved {count[0]} tensors, fewer "
+                               f"than I's: the layer's forward is not deterministic")
+        self.release_inputs()
+        return {i: self._wrap(t.wait().detach() if _pending(t) else t.detach()) for i, t in found.items()}
+
+    def release_inputs(self) -> None:
+        self.fn = self.args = self.cached = self.held_inputs = self.w_storage = None
+
+    def checkpoint_storages(self) -> dict[tuple, int]:
+        """What keeping this frame for W holds: its inputs' storages and the kept outputs (bytes)."""
+        if self.meter is not None:  # as the meter counts them: a received message's slot, not its buffer
+            held = dict(c for h in self.held_inputs if (c := self.meter.counted(h)) is not None)
+        else:
+            held = {(storage_key(a), a.storage_offset()): a.numel() * a.element_size()
+                    for a in self.args if isinstance(a, torch.Tensor)}
+        if self.cached_bytes:
+            held[("cached", id(self))] = self.cached_bytes
+        return held
 
     def hold_cached(self) -> None:
         """Count what selective checkpointing keeps (the SAC storage holds it, not autograd)."""
-        if self.forward_mode is None or self.meter is None:
+        if self.forward_mode is None:
+            return
+        self.cached_bytes = sum(wrapper.val.untyped_storage().nbytes()
+                                for per_op in self.forward_mode.storage.values() for entry in per_op.values()
+                                for wrapper in _wrappers(entry) if isinstance(wrapper.val, torch.Tensor))
+        if self.meter is None:
             return
         self.cached = [self.meter.pack(wrapper.val) for per_op in self.forward_mode.storage.values()
                        for entry in per_op.values() for wrapper in _wrappers(entry)
                        if isinstance(wrapper.val, torch.Tensor)]
+
+
+class _Collected(Exception):
+    """W's recomputation has every operand it was asked for."""
 
 
 def _wrappers(entry) -> list:
@@ -179,6 +282,10 @@ def checkpointed(fn: Callable, args: list, *, policy: str, meter: ActivationMete
     with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), mode:
         result = fn(*args)
     frame.hold_cached()
+    for out in result if isinstance(result, list | tuple) else [result]:
+        if isinstance(out, torch.Tensor) and out.grad_fn is not None:
+            # The weight store finds the chunk's frames from its graph (`graph_cut`).
+            out.grad_fn.metadata.setdefault(FRAME_KEY, []).append(frame)
     return result
 
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.graph import Node
 
+from attnres_pp.pipeline.activation_checkpoint import FRAME_KEY
+
 
 @dataclass(frozen=True)
 class Cut:
@@ -35,6 +37,7 @@ class Cut:
     input_params: list[torch.Tensor]
     weight_params: list[torch.Tensor]
     outside_roots: list[int]  # positions in the roots list
+    frames: list = ()  # the activation-checkpointing frames of the graph's layers (`FRAME_KEY`)
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class _Plan:
     input_params: tuple[int, ...]  # walk positions of the parameters' leaves
     weight_params: tuple[int, ...]
     outside_roots: tuple[int, ...]
+    frame_nodes: tuple[int, ...] = ()  # walk positions of nodes naming checkpointing frames
 
 
 class CutCache:
@@ -65,7 +69,8 @@ class CutCache:
         owners = [(order[i], [(k, *nexts[i][k]) for k in edges], n_out) for i, edges, n_out in plan.owners]
         return Cut(owners=owners, input_params=[order[j].variable for j in plan.input_params],
                    weight_params=[order[j].variable for j in plan.weight_params],
-                   outside_roots=list(plan.outside_roots))
+                   outside_roots=list(plan.outside_roots),
+                   frames=[f for j in plan.frame_nodes for f in order[j].metadata.get(FRAME_KEY, ())])
 
 
 def cut_graph(root_nodes: list[Node], inputs: list[torch.Tensor]) -> Cut:
@@ -137,6 +142,7 @@ def _analyse(order: list[Node], nexts: list[tuple], signature: tuple, root_nodes
         if edges:  # (len(_input_metadata) costs ~20 us a call: once per chunk, here)
             owners.append((i, edges, len(order[i]._input_metadata)))
     return _Plan(signature=signature, owners=tuple(owners),
+                 frame_nodes=tuple(i for i in on_input_path if FRAME_KEY in order[i].metadata),
                  input_params=tuple(j for j in param_leaves if j in input_param_leaves),
                  weight_params=tuple(weight_leaves),
                  outside_roots=tuple(r for r, node in enumerate(root_nodes) if position[node] in reaches_weights))

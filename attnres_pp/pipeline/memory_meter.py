@@ -154,6 +154,13 @@ class ActivationMeter:
             entry[0] += 1
         return _Held(t, self, key)
 
+    def counted(self, held) -> tuple[tuple, int] | None:
+        """(its key, the bytes it is counted as) for a handle `pack` returned; None if uncounted."""
+        if not isinstance(held, _Held):
+            return None
+        entry = self._refs.get(held._key)
+        return None if entry is None else (held._key, entry[1])
+
     # What `pack` returned, back to its tensor (a C-level getter: it runs once per saved tensor).
     unpack = staticmethod(operator.attrgetter("tensor"))
 

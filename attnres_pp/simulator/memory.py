@@ -47,6 +47,7 @@ from dataclasses import replace
 from attnres_pp.comm.partition import Partition
 from attnres_pp.comm.plan import PayloadPlan
 from attnres_pp.model.config import ModelConfig
+from attnres_pp.model.weight_store_rule import GRADIENTS
 from attnres_pp.simulator.memory_activation import (  # noqa: F401 (re-exported)
     CHECKPOINT_TARGETS,
     UNITS_PATH,
@@ -155,8 +156,9 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
     # A cache entry or deposit is the rank's sequence shard under SP (docs/spec.md section 10).
     tensor_bytes = shard_tokens(setup.tokens, t, setup.sp) * cfg.source_width * DTYPE_BYTES[setup.dtype]
     if uses_cache and setup.activation_checkpoint != "none":
-        saved = [replace(unit, saved=max(0, unit.saved - shared_cache_bytes(
-            cfg, partition, plan, c, schedule, tensor_bytes=tensor_bytes))) for c, unit in enumerate(saved)]
+        # The gradient store keeps the frames' inputs until W: the shared entries are in it too.
+        saved = [_less_shared(unit, shared_cache_bytes(cfg, partition, plan, c, schedule, tensor_bytes=tensor_bytes))
+                 for c, unit in enumerate(saved)]
     fsdp = setup.dp_shard == "fsdp" and setup.data_parallel > 1
     resident = [gathered_parameter_bytes(cfg, partition, c, data_parallel=setup.data_parallel, dtype=setup.dtype,
                                          tensor_parallel=t, expert_parallel=ep)
@@ -193,6 +195,13 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
             ranks.append(RankMemory(terms=terms, peak_bytes=fixed + peak, peak_action=action,
                                     dominant=dominant_term(terms), gathered_bytes=gathered_at_peak))
     return ranks
+
+
+def _less_shared(unit: ChunkActivation, shared: int) -> ChunkActivation:
+    if unit.store != GRADIENTS:
+        return replace(unit, saved=max(0, unit.saved - shared))
+    return replace(unit, saved=max(0, unit.saved - shared), stored=max(0, unit.stored - shared),
+                   input_kept=max(0, unit.input_kept - shared))
 
 
 def predict_memory(cfg: ModelConfig, setup: MemorySetup) -> list[RankMemory]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from attnres_pp.comm.partition import Partition
 from attnres_pp.comm.plan import PayloadPlan
 from attnres_pp.model.config import ModelConfig, completed_blocks
+from attnres_pp.model.weight_store_rule import GRADIENTS, OPERANDS, weight_store_kind
 from attnres_pp.simulator.layer_recipe import kv_width, qkv_rows
 from attnres_pp.simulator.memory_features import activation_features, checkpoint_features, recompute_passes
 from attnres_pp.simulator.memory_setup import ATTENTION_KERNELS, DTYPE_BYTES
@@ -61,6 +62,7 @@ class ChunkActivation:
     input_transient: int = 0
     input_kept: int = 0
     stored: int = 0  # the W store I leaves (a split backward frees the graph at I): until W
+    store: str = OPERANDS  # or GRADIENTS: `stored` holds the layer frames' inputs (`model.weight_store_rule`)
 
 
 def stored_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype: str,
@@ -95,9 +97,41 @@ def store_bytes_per_layer(cfg: ModelConfig, *, tokens: int, dtype: str, tensor_p
     return tokens * per_layer * DTYPE_BYTES[dtype], tokens * (d + cfg.vocab_size) * DTYPE_BYTES[dtype]
 
 
+def operand_bytes_per_layer(cfg: ModelConfig, *, tokens: int, dtype: str, tensor_parallel: int = 1,
+                            sequence_parallel: bool = False) -> tuple[int, int]:
+    """(one transformer layer's, the head's) linear input operands within `store_bytes_per_layer`:
+    d for q, k, v, d / T for the output projection, d for gate and up, f / T for down; d for the
+    head. The rest of the store is the output gradients, which both stores keep."""
+    d, f, t = cfg.d_model, cfg.ff_dim, tensor_parallel
+    if sequence_parallel and t > 1:
+        tokens //= t
+        t = 1
+    return tokens * (d + d // t + d + f // t) * DTYPE_BYTES[dtype], tokens * d * DTYPE_BYTES[dtype]
+
+
+def chunk_store_kind(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype: str,
+                     checkpoint_bytes: float | None, tensor_parallel: int = 1,
+                     sequence_parallel: bool = False) -> tuple[str, int]:
+    """The W store chunk `chunk_index`'s I leaves (`model.weight_store_rule`, the runtime's rule):
+    the operands counted per product as the runtime counts them, against `checkpoint_bytes` (what F
+    kept under checkpointing: the layers' inputs and the selective policy's outputs; None: none).
+    Returns (kind, the layers' operand bytes: the head's, outside any layer, are stashed either way)."""
+    layer, head = operand_bytes_per_layer(cfg, tokens=tokens, dtype=dtype, tensor_parallel=tensor_parallel,
+                                          sequence_parallel=sequence_parallel)
+    layers = partition.layers_per_chunk[chunk_index] * layer
+    operands = layers + (chunk_index == partition.n_chunks - 1) * head
+    return weight_store_kind(operands, None if checkpoint_bytes is None else round(checkpoint_bytes)), layers
+
+
+def checkpoint_input_bytes(features: dict[str, float], dtype: str) -> float:
+    """What a checkpointed chunk's layer frames keep as their inputs (`checkpoint_features`): the
+    blocks they hold, one storage each, and each layer's input partial or residual."""
+    return (features["out_held_blocks_tw"] + features["all_in_partial_tw"]) * DTYPE_BYTES[dtype]
+
+
 def input_peak_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, transient_units: dict[str, float], *,
                      tokens: int, dtype: str, transient_correction: int = 0, tensor_parallel: int = 1,
-                     sequence_parallel: bool = False) -> float:
+                     sequence_parallel: bool = False, kind: str = OPERANDS) -> float:
     """The peak inside I above what F saved, derived for a chunk of several layers under `full`
     checkpointing, fp32 or bf16 (the W store sees through autocast's weight casts and stashes the
     bf16 operands, `pipeline.weight_operands`).
@@ -108,16 +142,22 @@ def input_peak_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, t
     it: the peak is the largest over j of layer j's recomputation (the units' `transient` with j's
     pass as the last, less the inputs only the later layers kept, `recompute_passes`) plus those
     stores. With several layers that is usually an early layer's, which no linear form of the
-    chunk's features can follow (fitted, it was 25% off on chunks twice the grid's width)."""
+    chunk's features can follow (fitted, it was 25% off on chunks twice the grid's width).
+
+    Under the gradient store (`kind`) a layer's store is its output gradients alone, and the later
+    layers keep their inputs (W recomputes from them)."""
     n_sequences = max(1, tokens // cfg.seq_len)
     tp = {"tensor_parallel": tensor_parallel, "sequence_parallel": sequence_parallel}
     layer, head = store_bytes_per_layer(cfg, tokens=tokens, dtype=dtype, **tp)
+    if kind == GRADIENTS:
+        layer -= operand_bytes_per_layer(cfg, tokens=tokens, dtype=dtype, **tp)[0]
     store = head if chunk_index == partition.n_chunks - 1 else 0
     peak = 0.0
     for features, later_inputs in reversed(recompute_passes(cfg, partition, chunk_index, tokens=tokens,
                                                             n_sequences=n_sequences, dtype=dtype, **tp)):
         recompute = max(0.0, _linear(features, transient_units)) + transient_correction
-        peak = max(peak, recompute - later_inputs * DTYPE_BYTES[dtype] + store)
+        freed = 0 if kind == GRADIENTS else later_inputs * DTYPE_BYTES[dtype]
+        peak = max(peak, recompute - freed + store)
         store += layer
     return peak
 
@@ -248,18 +288,30 @@ def dense_activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: 
     units = load_units()["checkpoint_units"][f"{activation_checkpoint}/{units_key(cfg, dtype)}"]["coefficients"]
     values = {target: max(0.0, max(0.0, _linear(features, units[target])) + correction.get(target, 0))
               for target in CHECKPOINT_TARGETS}
+    kind = OPERANDS
     if chunk_index == 0:  # its I has no inputs: nothing runs there, W is the whole backward
         values["input_transient"] = values["input_kept"] = 0.0
-    elif activation_checkpoint == "full" and partition.layers_per_chunk[chunk_index] > 1:
+    else:
+        # The units price the operand store; the gradient store keeps the layer frames' inputs
+        # instead of the layers' operands (derived: `chunk_store_kind`, the runtime's rule).
+        frames_kept = checkpoint_input_bytes(features, dtype)
+        if activation_checkpoint == "selective":
+            frames_kept = max(frames_kept, values["saved"])  # and the policy's kept outputs
+        kind, operands = chunk_store_kind(cfg, partition, chunk_index, tokens=tokens, dtype=dtype,
+                                          checkpoint_bytes=frames_kept, **tp)
+        if kind == GRADIENTS:
+            values["input_kept"] = max(0.0, values["input_kept"] - operands + frames_kept)
+    if chunk_index and activation_checkpoint == "full" and partition.layers_per_chunk[chunk_index] > 1:
         # Several layers: I peaks while an early layer is recomputed beside the later ones' stores
         # (derived, `input_peak_bytes`); with one, late, beside the whole store, as fitted.
         peak = input_peak_bytes(cfg, partition, chunk_index, units["transient"], tokens=tokens, dtype=dtype,
-                                transient_correction=correction.get("transient", 0), **tp)
+                                transient_correction=correction.get("transient", 0), kind=kind, **tp)
         values["input_transient"] = max(0.0, peak - max(values["transient"], values["input_kept"] - values["saved"]))
     # Under checkpointing the store is what the fitted units say I leaves (`input_kept`): the
-    # linear layers' inputs there are recomputed tensors, some shared with what F kept.
+    # linear layers' inputs there are recomputed tensors, some shared with what F kept; under the
+    # gradient store, what F kept in their place.
     return ChunkActivation(**{target: round(value) for target, value in values.items()},
-                           stored=round(values["input_kept"]))
+                           stored=round(values["input_kept"]), store=kind)
 
 
 # ---- blocks two chunks of a rank both keep ----

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from attnres_pp.comm.plan import plan_for_model
+from attnres_pp.model.weight_store_rule import GRADIENTS, OPERANDS
 from attnres_pp.pipeline.chunk import build_rank_chunks
 from attnres_pp.pipeline.memory_meter import ActivationMeter
 from attnres_pp.pipeline.split_backward import backward_input, backward_weight
-from attnres_pp.pipeline.weight_store import drain_weight_store, stash_backward_input
+from attnres_pp.pipeline.weight_store import _Regen, drain_weight_store, stash_backward_input
 from tests.pipeline_helpers import (
     MICRO,
     SEQ,
@@ -97,17 +98,24 @@ def test_after_i_only_the_store_is_alive(variant, policy):
     held = {}
     for stash in store.products:
         for t in [stash.grad, *stash.operands]:
-            tensor = meter.unpack(t)
-            held[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            # The gradient store's operands are recomputed in W: what it holds for them instead is
+            # the layer frames' inputs (and, under selective, the kept outputs: never chosen here).
+            for tensor in _frame_inputs(t, meter) if isinstance(t, _Regen) else [meter.unpack(t)]:
+                held[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
     for flow in store.flows:
         tensor = meter.unpack(flow)
         held[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
     assert store.products and meter.live_bytes == sum(held.values())
+    assert store.kind == (GRADIENTS if policy == "full" else OPERANDS)
     if policy == "none":
         assert meter.live_bytes < after_forward
-    del t, flow  # the loops' last handles
+    del t, flow, tensor  # the loops' last handles
     drain_weight_store(store)
     assert meter.live_bytes == 0
+
+
+def _frame_inputs(regen, meter) -> list[torch.Tensor]:
+    return [meter.unpack(h) for h in regen.frame.held_inputs]
 
 
 @pytest.mark.parametrize("schedule_name", ["zb_h1", "interleaved_zb", "zbv"])

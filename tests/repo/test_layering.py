@@ -69,7 +69,8 @@ ALLOWED = {
 # partition and the link model of comm, the model's shapes. All of them are torch-free.
 SIMULATOR_MAY_READ = {
     "attnres_pp.comm.plan", "attnres_pp.comm.partition", "attnres_pp.comm.link",
-    "attnres_pp.model.config", "attnres_pp.config_tables", "attnres_pp.out_paths", "attnres_pp.cli_flags",
+    "attnres_pp.model.config", "attnres_pp.model.weight_store_rule", "attnres_pp.config_tables",
+    "attnres_pp.out_paths", "attnres_pp.cli_flags",
     "attnres_pp.model_flags",
 }
 # The only comm module a schedule may read: where a chunk runs.
