@@ -55,7 +55,12 @@ SWEEP_RUNS += [({}, 1, "replicate", ac, schedule) for schedule in ("zb_h1", "int
                for ac in ("none", "full")]
 # The controllable-memory V schedules (held activations bounded below ZB-V's), with and without AC.
 SWEEP_RUNS += [({}, 1, "replicate", ac, schedule) for schedule in ("v_half", "v_min") for ac in ("none", "full")]
-SWEEP_VIRTUAL = {"zbv": 2, "interleaved_zb": 2, "v_half": 2, "v_min": 2}
+# The fused-backward schedules beside them, so that the table shows every schedule with and without AC.
+SWEEP_RUNS += [({}, 1, "replicate", ac, schedule) for schedule in ("gpipe", "interleaved_1f1b", "dualpipev")
+               for ac in ("none", "full")]
+SWEEP_VIRTUAL = {"zbv": 2, "interleaved_zb": 2, "v_half": 2, "v_min": 2, "interleaved_1f1b": 2, "dualpipev": 2}
+SWEEP_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b", "dualpipev", "zbv", "zb_h1", "interleaved_zb", "v_half",
+                   "v_min")
 SWEEP_RUNS += [({}, d, shard, "none", "1f1b") for d in (2, 4) for shard in ("replicate", "fsdp")]
 SWEEP_RUNS += [(SWEEP_STANDARD, 1, "replicate", "none", "1f1b")]
 SWEEP_QUICK_RUNS = [r for r in SWEEP_RUNS if r[1] <= 2]
@@ -203,7 +208,7 @@ def sweep_ratios(rows: list) -> dict:
     """AC full / none activation peak and the step-time cost of each policy per schedule; Block AttnRes
     under selective over the standard residual without AC (largest rank each)."""
     out: dict = {}
-    for schedule in ("1f1b", "zbv", "zb_h1", "interleaved_zb", "v_half", "v_min"):
+    for schedule in SWEEP_SCHEDULES:
         none = _find(rows, residual="attnres", activation_checkpoint="none", schedule=schedule, data_parallel=1)
         for ac in ("full", "selective"):
             row = _find(rows, residual="attnres", activation_checkpoint=ac, schedule=schedule, data_parallel=1)
