@@ -531,7 +531,7 @@ FT_RUN = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16",
 # steps left after the heal. The fewer steps it misses, the tighter the final loss's tolerance: at
 # 0.6 s and load 20 it missed 17 (back at step 21 of 24, tolerance 0.49); the 16-batch evaluation
 # after every step that paced it before (and cost most of the run's CPU) had it miss 7 at load 20
-# (tolerance 0.12). A second a step has it miss about as many where a restart takes ~8 s.
+# (tolerance 0.12); at a second a step it missed 10 at load 15 (tolerance 0.135).
 FT_STEP_PAUSE_S = "1.0"
 
 
