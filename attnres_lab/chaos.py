@@ -84,7 +84,9 @@ def verdict(outcome: Outcome) -> str:
     found = [name for name, bad in (("hang", outcome.hang), ("misleading", outcome.misleading),
                                     ("traceback", outcome.traceback), ("leak", bool(outcome.leaks)),
                                     ("checkpoint lost", outcome.lost)) if bad]
-    return f"NOT CLEAN rc {outcome.rc} {', '.join(found)} {outcome.note} {outcome.line[:200]}".strip()
+    leaked = f"(left: {'; '.join(outcome.leaks)[:300]}, the last process ended {outcome.leftover_s:.1f} s after)" \
+        if outcome.leaks else ""
+    return f"NOT CLEAN rc {outcome.rc} {', '.join(found)} {leaked} {outcome.note} {outcome.line[:200]}".strip()
 
 
 def tally(outcomes: list[Outcome]) -> dict[str, int]:

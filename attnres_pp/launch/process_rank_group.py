@@ -56,13 +56,16 @@ from attnres_pp.pipeline.errors import WorkerLost
 # torch._dynamo: every rank imports it on its first parameter init (about 0.7 CPU-s a rank at a small
 # model); imported once in the server, each forked rank has it already.
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo"]
+# Imported last, so that its atexit handler runs first: the server ends without the interpreter's
+# teardown (`fork_server_exit`).
+_QUIT_AT_ONCE = "attnres_pp.launch.fork_server_exit"
 
 
 def rank_context(worker_module: str):
     """The multiprocessing context rank processes start from: the fork server, preloaded with torch
     and `worker_module` (the preload list is read when the server starts, once per process)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(dict.fromkeys([*_PRELOAD, worker_module])))
+    ctx.set_forkserver_preload(list(dict.fromkeys([*_PRELOAD, worker_module, _QUIT_AT_ONCE])))
     return ctx
 
 

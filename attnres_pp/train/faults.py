@@ -4,9 +4,11 @@ mid-step (or, with ':allreduce', as it would join the replicas' gradient reducti
 ATTNRES_PP_KILL_DURING_CHECKPOINT makes a process SIGKILL itself at one point of a checkpoint save,
 ATTNRES_PP_FREEZE_RANK=RANK:STEP makes a rank SIGSTOP itself at the start of a step (a hung rank)
 and ATTNRES_PP_LOSE_RANK_AT_START=RANK makes a rank's process exit while it joins the process group
-(a rank lost during start-up). The last two act on the ranks' first start only (a restarted rank,
+(a rank lost during start-up). These two act on the ranks' first start only (a restarted rank,
 or one of a torchrun restart, neither freezes nor is lost again) and need rank processes (not
---launcher inprocess, nor a run in one process). For tests and drills only; a run without them
+--launcher inprocess, nor a run in one process). ATTNRES_PP_SLOW_STEP_S=SECONDS is pacing, not a
+fault: every rank sleeps that long at the start of each step, so that a fault from outside (a host
+killed) lands mid-run without steps slowed by compute. For tests and drills only; a run without them
 never reaches these paths."""
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +31,10 @@ _STAGING_DIR = re.compile(r"^step_(\d+)\.tmp$")  # a checkpoint being written
 # Rehearsal hooks of a hung rank and of a rank lost at start-up (`freeze_point`, `start_loss_rank`).
 FREEZE_RANK = "ATTNRES_PP_FREEZE_RANK"
 LOSE_RANK_AT_START = "ATTNRES_PP_LOSE_RANK_AT_START"
+
+# Pacing for rehearsals from outside (a host killed mid-run): a sleep at the start of every step, on
+# every start of every rank; no number of the run changes (`slow_step_s`, `rehearse_slow_step`).
+SLOW_STEP = "ATTNRES_PP_SLOW_STEP_S"
 
 # Rehearsal hook, like `--inject-failure`: ATTNRES_PP_KILL_DURING_CHECKPOINT makes a process SIGKILL
 # itself at one point of the save of checkpoint step_N, the crashes that saves and resume must survive
@@ -169,10 +176,33 @@ def start_loss_rank(run_cfg: RunConfig | None = None) -> int | None:
     return rank
 
 
+def slow_step_s() -> float:
+    """The seconds `ATTNRES_PP_SLOW_STEP_S` asks each rank to sleep at the start of every step (0.0
+    if it is unset). Raises ValueError saying what to set for a value that is not 0-60 seconds."""
+    raw = os.environ.get(SLOW_STEP, "")
+    if not raw:
+        return 0.0
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 60:
+        raise ValueError(f"{SLOW_STEP}={raw!r} is invalid: set it to SECONDS from 0 to 60 (each rank sleeps that long "
+                         "at the start of every step), or unset it")
+    return seconds
+
+
+def rehearse_slow_step(seconds: float) -> None:
+    """Sleep `seconds` (a rank's `slow_step_s()`, read once at its start) before a step."""
+    if seconds > 0:
+        time.sleep(seconds)
+
+
 def check_rank_rehearsals(run_cfg: RunConfig) -> None:
-    """Validate both rank hooks against the run (the CLI calls this before any rank starts)."""
+    """Validate the rank hooks against the run (the CLI calls this before any rank starts)."""
     freeze_point(run_cfg)
     start_loss_rank(run_cfg)
+    slow_step_s()
 
 
 def _check_rehearsed_rank(name: str, raw: str, rank: int, run_cfg: RunConfig) -> None:

@@ -30,7 +30,7 @@ import torch
 
 from attnres_pp.model.moe import moe_sublayers, take_aux, take_loads
 from attnres_pp.pipeline.mesh import MeshCollectives, RankCoords
-from attnres_pp.train.faults import lose_this_rank
+from attnres_pp.train.faults import lose_this_rank, rehearse_slow_step
 from attnres_pp.train.ft_noise import hold_torchft_errors, quiet_checkpoint_server
 from attnres_pp.train.grad_sync import ensure_grads, flat_buckets, reduce_flat
 from attnres_pp.train.memory_report import grad_bytes
@@ -269,6 +269,7 @@ class FtStageWorker(StageWorker):
                                f"--timeout {self.run_cfg.pipeline.timeout_s:g} s "
                                f"({(str(error).splitlines() or [''])[0]})") from None
         step = self.manager.current_step()
+        rehearse_slow_step(self.slow_step_s)  # ATTNRES_PP_SLOW_STEP_S: pacing for a test's fault from outside
         record = self.backward(step)
         participants = self.manager.num_participants()
         if self.manager.should_commit():

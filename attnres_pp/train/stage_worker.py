@@ -47,7 +47,13 @@ from attnres_pp.schedule.validate_nccl import check_nccl
 from attnres_pp.train.background_save import BackgroundSave
 from attnres_pp.train.config import RunConfig, resolve_training
 from attnres_pp.train.expert_balance import ExpertBalance
-from attnres_pp.train.faults import lose_this_rank, rehearse_freeze, rehearse_start_loss
+from attnres_pp.train.faults import (
+    lose_this_rank,
+    rehearse_freeze,
+    rehearse_slow_step,
+    rehearse_start_loss,
+    slow_step_s,
+)
 from attnres_pp.train.grad_norm import norm_groups, norm_reducer
 from attnres_pp.train.grad_sync import TiedEmbedding, ensure_grads, sync_expert_gradients, sync_gradients
 from attnres_pp.train.memory_report import grad_bytes, memory_entry, peak_rss_bytes, transport_buffer_bytes
@@ -97,6 +103,7 @@ class StageWorker(ExpertBalance, ShardSaves, RankHost):
                              needs_targets=self.partition.rank_of(pipe.n_chunks - 1) == self.pp_rank)
         self.fail_at_step = fail_at_step  # rehearsal of a lost rank: exit mid-step at this step
         self.rehearse = rehearse  # the ranks' first start: the env hooks of `train.faults` may act
+        self.slow_step_s = slow_step_s()  # ATTNRES_PP_SLOW_STEP_S: a sleep before each step, on every start
         self.runtime: StageRuntime | None = None
         self._grad_bytes = 0  # gradients held after the last sync (`memory`)
         self.fsdp = None  # FSDP2 units under dp_shard="fsdp" with D > 1 (`train.fsdp`)
@@ -308,6 +315,7 @@ class StageWorker(ExpertBalance, ShardSaves, RankHost):
         MoE sublayers' balancing (`balance_experts`)."""
         if self.rehearse:  # ATTNRES_PP_FREEZE_RANK: this process stops here, as a hung rank does
             rehearse_freeze(self.rank, step)
+        rehearse_slow_step(self.slow_step_s)
         record = self.backward(step, batch)
         grad_norm = self.optimizer_step(lr)
         return self.reply(record, grad_norm, want_events)._replace(moe=self.balance_experts())

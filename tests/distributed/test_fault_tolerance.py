@@ -4,8 +4,8 @@ plain D = 2 run (the same losses); a rank of group 1 lost mid-step restarts grou
 group 0 commits every step, group 1 heals from group 0 and every group ends bitwise equal; the
 same with groups of T = 2 tensor-parallel ranks (their healing state as local shards); under
 `--min-replicas 2` group 0 waits for group 1 instead (again the plain run's losses); the wait is
-bounded by `--timeout`; under the Ray launcher only the lost group's actors restart; without
-torchft the option is one error line."""
+bounded by `--timeout`; without torchft the option is one error line. Under the Ray launcher only
+the lost group's actors restart: test_ray.py, on its shared instance."""
 
 from __future__ import annotations
 
@@ -100,19 +100,6 @@ def test_a_rank_lost_inside_the_replicas_all_reduce_recovers_the_same_way(corpus
     run = tmp_path / "in_allreduce"
     assert main([*ARGS, *FT, "--data", str(corpus), "--inject-failure", "3:3:allreduce", "--out", str(run)]) == 0
     check_recovered_alone(run, plain)
-
-
-@pytest.mark.ray
-def test_under_ray_only_the_lost_groups_actors_restart(corpus, plain, tmp_path, monkeypatch):
-    """The same loss under --launcher ray: each group's actors in a placement group of their own, only
-    group 1's killed and placed again, on the private Ray instance the run starts."""
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    pytest.importorskip("ray")
-    run = tmp_path / "ray"
-    assert main([*ARGS, *FT, "--launcher", "ray", "--device", "cpu", "--data", str(corpus), "--inject-failure", "3:3",
-                 "--out", str(run)]) == 0
-    got = check_recovered_alone(run, plain)
-    assert "stopped answering (its actor died)" in got["recoveries"][0]["cause"]
 
 
 def check_recovered_alone(run, plain, rank: int = 3) -> dict:

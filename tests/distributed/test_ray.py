@@ -1,11 +1,12 @@
 """The Ray launcher end to end: recovery from a lost actor ends with the undisturbed losses (the single
 process's, tied embeddings held as a copy on each of two actors), tensor-parallel groups placed as one
 bundle each (training and generation at T = 2 under PACK), generation's greedy tokens, a placement no
-node can hold, a rank's set-up refusal and the private local instance (the restart limit, which no
-launcher changes: tests/unit/test_checkpoint.py; its token authentication and Ctrl-C, on one run:
-test_ray_private_auth.py). A real cluster job (a head started with `ray start`, token authentication on,
-a job submitted with `ray job submit`, refused without the token) is test_multihost.py's first test, on
-two hosts.
+node can hold, a rank's set-up refusal, the fault-tolerant replica groups' recovery (only the lost
+group's actors restart) and the private local instance (the restart limit, which no launcher
+changes: tests/unit/test_checkpoint.py; its token authentication and Ctrl-C, on one run:
+test_ray_private_auth.py). A real cluster job (a head started with `ray start`, token authentication
+on, a job submitted with `ray job submit`, refused without the token) is test_multihost.py's first
+test, on two hosts.
 
 Most tests share one private local Ray instance of 4 logical CPUs (the Ray rank group joins an
 initialised Ray and leaves it running), so Ray's start-up is paid once.
@@ -78,6 +79,25 @@ def test_recovered_runs_end_with_the_undisturbed_losses(local_ray, tmp_path, cap
     assert [entry[0] for entry in summary["val_losses"]] == [2, 5]
     saved = checkpoint_tensors(summary["final_checkpoint"])
     assert "embed.tok.weight" in saved and not [key for key in saved if "lm_head" in key]  # the one matrix, once
+
+
+@SHARED_RAY
+def test_under_fault_tolerance_only_the_lost_groups_actors_restart(local_ray, tmp_path):
+    """`--fault-tolerance replicas` under the Ray launcher, on the shared instance: each replica group's
+    actors in a placement group of their own, only group 1's killed and placed again when its rank 3
+    is lost at step 3; group 0 commits every step and group 1 heals from it, as on local rank
+    processes (tests/distributed/test_fault_tolerance.py, whose run and checks these are)."""
+    from .test_fault_tolerance import ARGS, FT, check_recovered_alone
+
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    assert main([*ARGS, "--launcher", "inprocess", "--data", str(corpus), "--out", str(tmp_path / "plain")]) == 0
+    plain = json.loads((tmp_path / "plain" / "summary.json").read_text())
+    run = tmp_path / "ray"
+    assert main([*ARGS, *FT, "--launcher", "ray", "--device", "cpu", "--data", str(corpus), "--inject-failure", "3:3",
+                 "--out", str(run)]) == 0
+    got = check_recovered_alone(run, plain)
+    assert "stopped answering (its actor died)" in got["recoveries"][0]["cause"]
 
 
 @SHARED_RAY

@@ -33,15 +33,16 @@ def _grad_norms(run_dir):
 def runs(tmp_path_factory):
     """The same 3 steps at (T, P) = (1, 2) and (2, 2), each checkpointed at step 2; and MSAR's (its
     tied convolutions on every rank, its halos under sequence parallelism: shards of 16 tokens for
-    kernels up to 12), without checkpoints. The T = 2 runs are local rank processes over gloo; MSAR's
-    and bf16's T = 1 references run on thread ranks (`--launcher inprocess`, whose losses, clipping
-    norms and hop bytes are the local processes' bitwise at T = 1), which start no process."""
+    kernels up to 12), without checkpoints. The T = 2 runs are local rank processes over gloo; the
+    T = 1 references run on thread ranks (`--launcher inprocess`, whose losses, clipping norms, hop
+    bytes, held bytes and checkpoint are the local processes' at T = 1), which start no process:
+    the resumes from t1 load a checkpoint of the same format into local rank processes."""
     root = tmp_path_factory.mktemp("tp_train")
     msar = ["--residual", "msar", "--seq-len", "32", "--no-final-checkpoint", "--checkpoint-every", "0",
             "--eval-every", "0"]
     bf16 = ["--dtype", "bf16", "--no-final-checkpoint", "--checkpoint-every", "0", "--eval-every", "0"]
     threads = ["--launcher", "inprocess"]
-    for name, flags in (("t1", []), ("t2", ["--tensor-parallel", "2"]), ("m1", [*msar, *threads]),
+    for name, flags in (("t1", threads), ("t2", ["--tensor-parallel", "2"]), ("m1", [*msar, *threads]),
                         ("m2", [*msar, "--tensor-parallel", "2"]), ("b1", [*bf16, *threads]),
                         ("b2", [*bf16, "--tensor-parallel", "2"])):
         assert main([*RUN, "--stages", "2", *flags, "--out", str(root / name)]) == 0

@@ -121,13 +121,14 @@ class Cluster:
     def host_of(self, address: str) -> str:
         return next(h["name"] for h in self.info["hosts"] if h["ip"] == address)
 
-    def driver(self, argv: list[str], out: Path) -> subprocess.Popen:
+    def driver(self, argv: list[str], out: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
         """`attnres-pp train ARGV --launcher ray` as a driver process in the head's namespace, its
-        output in driver.log beside `out`."""
+        output in driver.log beside `out`; `env` added to the cluster's environment."""
         log = (out.parent / "driver.log").open("w")
         return subprocess.Popen([*HARNESS, "--state-dir", str(self.state_dir), "exec", "0", "--", *CLI, "train",
                                  *argv, "--launcher", "ray", "--out", str(out)],
-                                env=self.env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
+                                env={**self.env, **(env or {})}, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                text=True)
 
     def disturb(self, action: str, host: str) -> None:
         """`kill` or `partition` a worker host; `restore` brings it back."""
@@ -524,12 +525,14 @@ FT_STEPS = 24
 FT_RUN = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "32",
           "--microbatches", "8", "--stages", "1", "--data-parallel", "2", "--steps", str(FT_STEPS),
           "--no-final-checkpoint"]
-# An evaluation of 16 batches after every step of the disturbed run (forward passes only: no training
-# loss changes; most of a step's compute) slows the steps so that the lost replica, restarted in
-# ~5-10 s, heals mid-run rather than at the last step, which waits for it: several steps after the
-# kill, with steps left after the heal. 32 batches healed it at step 6 of 24 at load 10; this many
-# pace about twice as many steps before the heal at half the compute per step.
-FT_SLOW_EVAL = "[train]\neval_batches = 16\n"
+# Each rank of the disturbed run sleeps this long before every step (ATTNRES_PP_SLOW_STEP_S: no
+# number of the run changes, and no CPU is spent), so that the lost replica, restarted in ~5-20 s,
+# heals mid-run rather than at the last step, which waits for it: several steps after the kill, with
+# steps left after the heal. The fewer steps it misses, the tighter the final loss's tolerance: at
+# 0.6 s and load 20 it missed 17 (back at step 21 of 24, tolerance 0.49); the 16-batch evaluation
+# after every step that paced it before (and cost most of the run's CPU) had it miss 7 at load 20
+# (tolerance 0.12); at a second a step it missed 10 at load 15 (tolerance 0.135).
+FT_STEP_PAUSE_S = "1.0"
 
 
 @THREE_HOSTS
@@ -550,9 +553,8 @@ def test_a_host_lost_under_fault_tolerance_costs_only_its_replica_group(three_ho
     cluster = three_host_cluster
     head = cluster.info["hosts"][0]["ip"]
     out, log = tmp_path / "run", tmp_path / "driver.log"
-    (tmp_path / "slow_eval.toml").write_text(FT_SLOW_EVAL)
-    proc = cluster.driver([*FT_RUN, "--config", str(tmp_path / "slow_eval.toml"), "--eval-every", "1",
-                           "--fault-tolerance", "replicas", "--placement", "SPREAD", "--timeout", "20"], out)
+    proc = cluster.driver([*FT_RUN, "--eval-every", "0", "--fault-tolerance", "replicas", "--placement", "SPREAD",
+                           "--timeout", "20"], out, env={"ATTNRES_PP_SLOW_STEP_S": FT_STEP_PAUSE_S})
     try:
         text = _wait_for_line(log, proc, f"step  3/{FT_STEPS}", timeout=240)
         where = _rank_addresses(text, 2)  # global rank d is replica d's one rank

@@ -208,6 +208,9 @@ def _run_cfg(launcher: str = "local", stages: int = 2, steps: int = 4) -> RunCon
     ("ATTNRES_PP_LOSE_RANK_AT_START", "-1", "set it to RANK"),
     ("ATTNRES_PP_LOSE_RANK_AT_START", "one", "set it to RANK"),
     ("ATTNRES_PP_LOSE_RANK_AT_START", "2", "RANK must be in 0..1"),
+    ("ATTNRES_PP_SLOW_STEP_S", "-1", "set it to SECONDS from 0 to 60"),
+    ("ATTNRES_PP_SLOW_STEP_S", "soon", "set it to SECONDS from 0 to 60"),
+    ("ATTNRES_PP_SLOW_STEP_S", "61", "set it to SECONDS from 0 to 60"),
 ])
 def test_a_bad_rehearsal_value_is_one_line_naming_what_to_set(monkeypatch, name, value, fix):
     monkeypatch.setenv(name, value)
@@ -230,6 +233,24 @@ def test_the_rank_rehearsals_need_rank_processes_and_act_on_the_first_start_only
     assert not faults.first_start()
     faults.rehearse_freeze(1, 1)  # would SIGSTOP this process on a first start
     faults.rehearse_start_loss(0)  # would end it
+
+
+def test_the_step_pause_sleeps_before_each_step_of_every_rank(monkeypatch, tmp_path):
+    """ATTNRES_PP_SLOW_STEP_S (pacing for a fault from outside, tests/multihost): every rank's worker
+    reads it once and pauses that long before each of its steps; unset, 0 s."""
+    from attnres_pp.cli import main
+    from attnres_pp.train import stage_worker
+
+    paused: list[float] = []
+    monkeypatch.setattr(stage_worker, "rehearse_slow_step", paused.append)
+    argv = ["train", "--launcher", "inprocess", "--stages", "2", "--layers", "2", "--d-model", "16", "--heads", "2",
+            "--seq-len", "8", "--batch-size", "2", "--microbatches", "2", "--steps", "2", "--eval-every", "0",
+            "--no-final-checkpoint", "--quiet"]
+    monkeypatch.setenv("ATTNRES_PP_SLOW_STEP_S", "0.25")
+    assert main([*argv, "--out", str(tmp_path / "paced")]) == 0
+    assert paused == [0.25] * 4  # two ranks, two steps
+    monkeypatch.delenv("ATTNRES_PP_SLOW_STEP_S")
+    assert faults.slow_step_s() == 0.0  # unset: a rank pauses 0 s, and rehearse_slow_step(0.0) never sleeps
 
 
 class _Stoppable(_Live):
