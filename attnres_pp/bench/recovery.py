@@ -3,7 +3,7 @@
 
 Both runs lose global rank 3 (replica 1's last stage) mid-step at the same step, as
 `--inject-failure` does. Measured from the moment the driver sees the loss:
-- replicas (torchft, `train.ft_engine`, `--min-replicas 1`): seconds to the first committed step
+- replicas (torchft, `train.ft_replicas`, `--min-replicas 1`): seconds to the first committed step
   (`first_commit_s`), to the first committed without the lost group where one came before it healed
   (`shrunk_commit_s`), and to the healed group's first committed step (`rejoin_s`);
 - checkpoint (`train.loop`'s recovery): every rank is stopped and started again and the last

@@ -1,10 +1,12 @@
 """How a driver starts and talks to the ranks of a pipeline, whoever hosts them: the `RankGroup`
-interface that training (`train.pipeline_engine`, `train.ft_engine`) and generation
-(`generate.engines`) use alone, and `RankGroupBase`, what its three implementations do the same way.
-The implementations: `process_rank_group` (one local process per rank, `--launcher local`),
-`thread_rank_group` (every rank a thread of this process, `--launcher inprocess`) and
-`ray_rank_group` (one Ray actor per rank, `--launcher ray`); `launchers.make_rank_group` gives the
-one a launcher names.
+interface that training (`train.engine` under its replica policies, `train.replica_policy` and
+`train.ft_replicas`) and generation (`generate.engines`) use alone, every method and attribute they
+call named there, and `RankGroupBase`, what its implementations do the same way. The
+implementations: `process_rank_group` (one local process per rank, `--launcher local`),
+`thread_rank_group` (every rank a thread of this process, `--launcher inprocess`),
+`ray_rank_group` (one Ray actor per rank, `--launcher ray`) and `torchrun_rank_group` (the
+processes torchrun started, `--launcher torchrun`); `launchers.make_rank_group` gives the one a
+launcher names.
 
 A group hosts one worker per rank (a `rank_host.RankHost`): `start(worker_cls, rank_kwargs,
 device=...)` builds `worker_cls(**rank_kwargs[rank])` on every rank and joins them

@@ -30,7 +30,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "fp32", "bf16")
 KERNELS = ("auto", "torch", "triton")
 ENGINES = ("single", "pipeline", "replicas")
-# "replicas": each of the D pipelines is a torchft replica group (`train.ft_engine`).
+# "replicas": each of the D pipelines is a torchft replica group (`train.ft_replicas`).
 FAULT_TOLERANCES = ("off", "replicas")
 
 

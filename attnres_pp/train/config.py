@@ -267,7 +267,7 @@ def check_fault_tolerance(train: TrainConfig, pipe: PipelineConfig) -> None:
     replicated pipelines (each of P x T ranks: P stages, each chunk shared by T tensor-parallel
     ranks) on the cpu, as local processes or Ray actors (under any placement at T = 1; a T > 1 run
     is held to what tensor parallelism runs under, `launch.resolve.check_tensor_parallel`)
-    (`train.ft_engine`)."""
+    (`train.ft_replicas`)."""
     if train.fault_tolerance == "off":
         if train.lighthouse or train.min_replicas != 1:
             flag = "--lighthouse" if train.lighthouse else "--min-replicas"

@@ -1,8 +1,9 @@
-"""make_engine: the training Engine a RunConfig asks for. `--launcher local` with one chunk and one
-replica trains in this process (`SingleProcessEngine`); a `--fault-tolerance replicas` run is an
-`FtEngine` (one rank group per replica); every other run is a `PipelineEngine` on the launcher's
+"""make_engine: the training engine a RunConfig asks for. `--launcher local` with one chunk and one
+replica trains in this process (`SingleProcessEngine`); every other run is the one `Engine`
+(`train.engine`) under its replica policy: D torchft replica groups for `--fault-tolerance
+replicas` (`train.ft_replicas`), else one group (`train.replica_policy.OneGroup`) on the launcher's
 rank group: spawned processes (local), threads of this process (inprocess), Ray actors (ray) or the
-processes torchrun started, rank 0 driving (torchrun)."""
+processes torchrun started, rank 0 driving (torchrun), which only torchrun can start again."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from attnres_pp.launch.resolve import (
     require_torchft,
 )
 from attnres_pp.train.config import RunConfig
-from attnres_pp.train.pipeline_engine import PipelineEngine
+from attnres_pp.train.engine import Engine
+from attnres_pp.train.replica_policy import OneGroup
 from attnres_pp.train.single_process_engine import SingleProcessEngine
 
 
@@ -30,11 +32,11 @@ def make_engine(run_cfg: RunConfig, out_dir=None, *, corpus=None, address: str |
     pipe = run_cfg.pipeline
     check_run(run_cfg, address=address, fail_at=fail_at)
     engine = engine_of(pipe, run_cfg.train.fault_tolerance)
-    if engine == "replicas":  # each replica a torchft group (`train.ft_engine`)
-        from attnres_pp.train.ft_engine import FtEngine
+    if engine == "replicas":  # each replica a torchft group (`train.ft_replicas`)
+        from attnres_pp.train.ft_replicas import FtReplicaGroups
 
-        return FtEngine(run_cfg, out_dir, address=address, placement=placement, fail_at=fail_at,
-                        record_timelines=record_timelines)
+        return Engine(run_cfg, out_dir, policy=FtReplicaGroups(address=address, placement=placement),
+                      fail_at=fail_at, record_timelines=record_timelines)
     if engine == "single":
         return SingleProcessEngine(run_cfg.model, run_cfg.train, corpus=corpus)
     return make_pipeline_engine(run_cfg, out_dir, corpus=corpus, address=address, placement=placement,
@@ -62,18 +64,12 @@ def check_run(run_cfg: RunConfig, *, address: str | None = None, fail_at: tuple 
 
 
 def make_pipeline_engine(run_cfg: RunConfig, out_dir=None, *, address: str | None = None,
-                         placement: str | None = None, **options) -> PipelineEngine:
-    """A PipelineEngine on the launcher's rank group, even for one chunk (the benchmarks measure the
-    ranks themselves); `options` as PipelineEngine's."""
+                         placement: str | None = None, **options) -> Engine:
+    """The engine on one group of the launcher's ranks, even for one chunk (the benchmarks measure the
+    ranks themselves); `options` as Engine's. torchrun's ranks are not restartable: only torchrun
+    can start them again (`torchrun --max-restarts`)."""
     pipe = run_cfg.pipeline
-    engine = TorchrunPipelineEngine if pipe.launcher == "torchrun" else PipelineEngine
-    return engine(run_cfg, out_dir, **options,
-                  ranks=lambda: make_rank_group(pipe, pipe.world_size, name="attnres-pp", address=address,
-                                                placement=placement))
-
-
-class TorchrunPipelineEngine(PipelineEngine):
-    """A PipelineEngine on torchrun's processes, which only torchrun can start again (`torchrun
-    --max-restarts`): without `restart_workers` the loop ends the run at a lost rank, in one line."""
-
-    restart_workers = None
+    policy = OneGroup(lambda: make_rank_group(pipe, pipe.world_size, name="attnres-pp", address=address,
+                                              placement=placement),
+                      restartable=pipe.launcher != "torchrun")
+    return Engine(run_cfg, out_dir, policy=policy, **options)

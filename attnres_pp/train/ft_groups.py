@@ -1,4 +1,4 @@
-"""ReplicaGroup: one replica's P x T ranks under `--fault-tolerance replicas` (`train.ft_engine`) and
+"""ReplicaGroup: one replica's P x T ranks under `--fault-tolerance replicas` (`train.ft_replicas`) and
 where the group stands, with its restart in the background: a lost group's ranks are stopped and
 started again (without any injected failure) on a thread of the driver, while the engine goes on
 stepping the others; the engine polls it (`poll_restart`) and sends the group its step once it is

@@ -1,5 +1,5 @@
 """FtStageWorker: a `StageWorker` in a torchft replica group (`--fault-tolerance replicas`,
-`train.ft_engine`). Replica d's P x T ranks (P stages, each chunk shared by T tensor-parallel ranks)
+`train.ft_replicas`). Replica d's P x T ranks (P stages, each chunk shared by T tensor-parallel ranks)
 form a world of their own (their pipeline p2p, the tp mesh's collectives, the gradient norm's sums
 over pp and tp), so one group can be restarted alone; each rank runs a torchft `Manager` (replica id
 = d, group rank = its index in the group, pp_rank x T + tp_rank, tp innermost as the mesh lays ranks

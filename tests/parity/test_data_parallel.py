@@ -13,9 +13,9 @@ from attnres_pp.pipeline.mesh import RankCoords
 from attnres_pp.schedule.forward_schedule import forward_only_schedule
 from attnres_pp.schedule.ir import ActionKind
 from attnres_pp.train.config import RunConfig
+from attnres_pp.train.engine import Engine
 from attnres_pp.train.engines import make_engine
 from attnres_pp.train.grad_sync import flat_buckets, sync_gradients
-from attnres_pp.train.pipeline_engine import PipelineEngine
 from attnres_pp.train.rank_data import RankData
 from attnres_pp.train.single_process_engine import SingleProcessEngine
 from tests.pipeline_helpers import MICRO, assert_grads_match, batch, model_config, reference_step
@@ -32,7 +32,7 @@ def run_config(cfg, *, D, P, V, m, schedule="interleaved_1f1b", cache=True, **tr
     })
 
 
-def engine_with_random_reads(run_cfg: RunConfig) -> PipelineEngine:
+def engine_with_random_reads(run_cfg: RunConfig) -> Engine:
     """Non-zero pseudo-queries and gates on every rank, drawn as the reference model draws them."""
     engine = make_engine(run_cfg)
     for worker in engine.ranks.workers:
@@ -40,7 +40,7 @@ def engine_with_random_reads(run_cfg: RunConfig) -> PipelineEngine:
     return engine
 
 
-def synced_grads(engine: PipelineEngine) -> dict[str, torch.Tensor]:
+def synced_grads(engine: Engine) -> dict[str, torch.Tensor]:
     """Every rank's synced gradients by name; replicas (and the tied convs everywhere) must agree."""
     grads: dict[str, torch.Tensor] = {}
     for worker in engine.ranks.workers:

@@ -155,7 +155,7 @@ def test_local_launcher_restarts_from_scratch_without_a_checkpoint(tmp_path, cap
 def test_a_rank_that_cannot_see_the_run_directory_stops_the_start(tmp_path):
     """Ranks write their shards into --out directly: the engines probe that every rank sees the
     driver's directory (a file the driver writes there) and name the ranks that do not."""
-    from attnres_pp.train.rank_engine import check_shared_out_dir
+    from attnres_pp.train.engine import check_shared_out_dir
 
     seen = []
 

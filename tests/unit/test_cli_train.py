@@ -96,7 +96,7 @@ def test_only_one_local_chunk_trains_in_this_process(tmp_path, monkeypatch, caps
         calls.append((run_cfg.pipeline, out_dir))
         raise ValueError("stub engine refused")
 
-    monkeypatch.setattr(launch, "PipelineEngine", refuse)
+    monkeypatch.setattr(launch, "Engine", refuse)
     monkeypatch.setattr(launch, "SingleProcessEngine", lambda *a, **k: pytest.fail("trained in this process"))
     assert main(["train", *argv, *TINY, "--out", str(tmp_path / "run")]) == 2
     assert "stub engine refused" in capsys.readouterr().err

@@ -1,6 +1,6 @@
-"""FtEngine's step loop against scripted replica groups (no process, no torchft): the order in which
-groups answer is chosen here, so the interleavings that a loaded machine produces only now and
-then are run every time.
+"""The torchft replica policy's step loop (`FtReplicaGroups.step`) against scripted replica groups
+(no process, no torchft): the order in which groups answer is chosen here, so the interleavings
+that a loaded machine produces only now and then are run every time.
 
 The case that matters: a group rejoining after a restart ("joining") answers before the live group
 does. Its reply is collected while the loop still waits for the live group; it must not be sent the
@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from attnres_pp.train import ft_engine, ft_lighthouse
-from attnres_pp.train.ft_engine import FtEngine
+from attnres_pp.train import ft_lighthouse, ft_replicas
 from attnres_pp.train.ft_groups import ReplicaGroup
+from attnres_pp.train.ft_replicas import FtReplicaGroups
 
 STAGES = 2
 
@@ -64,18 +64,17 @@ def step_reply(polls: int, step: int, committed: bool, participants: int) -> tup
     return ("ft_step", polls, (step, committed, participants))
 
 
-def _engine(monkeypatch, groups: list[ReplicaGroup], steps: int = 8) -> FtEngine:
-    engine = FtEngine.__new__(FtEngine)  # the step loop only: no ranks, no Lighthouse
-    engine.run_cfg = SimpleNamespace(pipeline=SimpleNamespace(stages=STAGES, tensor_parallel=1, timeout_s=10.0),
-                                     train=SimpleNamespace(steps=steps))
+def _engine(monkeypatch, groups: list[ReplicaGroup], steps: int = 8) -> FtReplicaGroups:
+    engine = FtReplicaGroups.__new__(FtReplicaGroups)  # the step loop only: no ranks, no Lighthouse
+    run_cfg = SimpleNamespace(pipeline=SimpleNamespace(stages=STAGES, tensor_parallel=1, timeout_s=10.0),
+                              train=SimpleNamespace(steps=steps))
+    engine.engine = SimpleNamespace(run_cfg=run_cfg, static_extras={"lighthouse": "http://lighthouse.invalid:1"})
     engine.groups = groups
-    engine.static_extras = {"lighthouse": "http://lighthouse.invalid:1"}
     engine.participants_per_step, engine.recoveries = [], []
-    engine.record_timelines, engine.out_dir, engine._trace_step = False, None, 1
-    monkeypatch.setattr(ft_engine, "_POLL_S", 0.0)
+    monkeypatch.setattr(ft_replicas, "_POLL_S", 0.0)
     # Every joining group's request is at the Lighthouse as soon as it is sent.
     monkeypatch.setattr(ft_lighthouse, "lighthouse_requests", lambda address: 99)
-    monkeypatch.setattr(FtEngine, "_result", lambda self, step, committed, driver_bytes: sorted(committed))
+    monkeypatch.setattr(FtReplicaGroups, "_result", lambda self, step, committed, driver_bytes: sorted(committed))
     return engine
 
 
@@ -91,7 +90,7 @@ def test_a_rejoining_group_is_sent_its_step_once_whichever_group_answers_first(m
     joining = ScriptedRanks([step_reply(1 if joining_first else 40, 3, True, 2)])
     groups = [ReplicaGroup(0, live, object, []), _joining(1, joining)]
     engine = _engine(monkeypatch, groups)
-    assert engine.train_step(3, None, None, 1e-3) == [0, 1]
+    assert engine.step(3, 1e-3, False, None) == [0, 1]
     assert live.sent == ["ft_step"] and joining.sent == ["ft_step"]
     assert [g.state for g in groups] == ["live", "live"] and not any(g.in_flight for g in groups)
     assert engine.recoveries[0]["rejoined_at_step"] == 3
@@ -105,7 +104,7 @@ def test_a_group_whose_attempt_did_not_commit_waits_for_the_next_quorum(monkeypa
     joining = ScriptedRanks([step_reply(1, 3, True, 2)])
     groups = [ReplicaGroup(0, live, object, []), _joining(1, joining)]
     engine = _engine(monkeypatch, groups)
-    assert engine.train_step(3, None, None, 1e-3) == [1]
+    assert engine.step(3, 1e-3, False, None) == [1]
     assert live.sent == ["ft_step"] and joining.sent == ["ft_step"]
     assert not any(g.in_flight for g in groups)
 
@@ -118,7 +117,7 @@ def test_a_group_behind_after_the_last_step_is_healed_by_one_more_quorum_round(m
     joining = ScriptedRanks([step_reply(1, 7, True, 2), ("ft_heal", 1, 8)])
     groups = [ReplicaGroup(0, live, object, []), _joining(1, joining)]
     engine = _engine(monkeypatch, groups, steps=8)
-    assert engine.train_step(7, None, None, 1e-3) == [1]
+    assert engine.step(7, 1e-3, False, None) == [1]
     assert live.sent == ["ft_step", "ft_heal"] and joining.sent == ["ft_step", "ft_heal"]
     assert [g.state for g in groups] == ["live", "live"] and not any(g.in_flight for g in groups)
 
@@ -126,7 +125,7 @@ def test_a_group_behind_after_the_last_step_is_healed_by_one_more_quorum_round(m
 def test_the_last_step_committed_by_all_needs_no_heal_round(monkeypatch):
     live, other = ScriptedRanks([step_reply(2, 7, True, 2)]), ScriptedRanks([step_reply(1, 7, True, 2)])
     engine = _engine(monkeypatch, [ReplicaGroup(0, live, object, []), ReplicaGroup(1, other, object, [])])
-    assert engine.train_step(7, None, None, 1e-3) == [0, 1]
+    assert engine.step(7, 1e-3, False, None) == [0, 1]
     assert live.sent == other.sent == ["ft_step"]
 
 

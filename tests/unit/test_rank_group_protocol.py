@@ -5,11 +5,14 @@ of this process only: nothing is started but the group's rank threads."""
 
 from __future__ import annotations
 
+import ast
 import threading
 import typing
+from pathlib import Path
 
 import pytest
 
+import attnres_pp
 from attnres_pp.launch.process_rank_group import ProcessRankGroup
 from attnres_pp.launch.rank_group import RankGroup
 from attnres_pp.launch.ray_rank_group import RayRankGroup
@@ -24,6 +27,25 @@ def _declared_methods() -> set[str]:
 def test_the_protocol_declares_what_the_engines_call():
     assert {"start", "call", "call_all", "send", "replied", "gather", "stop_ranks", "restart", "stop", "gpus",
             "driver_address"} <= _declared_methods()
+
+
+def _used_of_ranks(source: str) -> set[str]:
+    """The attribute names read through any `<...>.ranks.<name>` in `source`."""
+    return {node.attr for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "ranks"}
+
+
+def test_the_protocol_declares_every_member_the_engines_replica_policies_use():
+    """Every `ranks.<name>` of the one engine's two replica policies is declared, so a rank group
+    written against the protocol serves the engine under either; the scan sees an undeclared one."""
+    package = Path(attnres_pp.__file__).parent
+    used = set().union(*(_used_of_ranks((package / "train" / name).read_text())
+                         for name in ("replica_policy.py", "ft_replicas.py")))
+    declared = _declared_methods() | set(typing.get_type_hints(RankGroup))
+    assert {"call", "send", "gather", "replied", "stop_ranks", "start", "lost_nodes"} <= used  # the scan works
+    assert used - declared == set()
+    assert _used_of_ranks("def f(self):\n    self.ranks.teleport(1)\n") - declared == {"teleport"}
 
 
 @pytest.mark.parametrize("group_cls", [ProcessRankGroup, ThreadRankGroup, RayRankGroup, TorchrunRankGroup])

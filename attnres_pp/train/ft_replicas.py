@@ -1,10 +1,11 @@
-"""FtEngine: a pipelined run whose D replicas are torchft replica groups (`--fault-tolerance
-replicas`, docs/ray.md). Each replica's P x T ranks (P stages of T tensor-parallel ranks) are a
+"""FtReplicaGroups: the replica policy (`train.replica_policy`) of a run whose D replicas are torchft
+replica groups (`--fault-tolerance replicas`, docs/ray.md), under the one engine (`train.engine`).
+Each replica's P x T ranks (P stages of T tensor-parallel ranks) are a
 rank group of their own (local processes, or Ray actors in a placement group of their own; a
 process group of their P x T ranks; `train.ft_groups`), each rank an `FtStageWorker` with a
-torchft Manager; the engine starts one torchft Lighthouse for the job (or joins `--lighthouse`).
+torchft Manager; the policy starts one torchft Lighthouse for the job (or joins `--lighthouse`).
 
-A step: the engine sends every live group `ft_step` and waits for the groups that are live. A
+A step: the driver sends every live group `ft_step` and waits for the groups that are live. A
 group whose rank is lost (WorkerLost) is stopped and started again in the background, alone; the
 other groups' reduction with it fails, so their attempt does not commit and they train the same
 step again with the quorum they have (`--min-replicas`, default 1), while the restarted group's
@@ -32,80 +33,81 @@ from __future__ import annotations
 import time
 from collections.abc import Container
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from attnres_pp.launch.launchers import make_rank_group
+from attnres_pp.launch.rank_group import RankGroup
 from attnres_pp.launch.resolve import require_torchft
-from attnres_pp.model.routing import routing_metrics
 from attnres_pp.pipeline.errors import WorkerLost
 from attnres_pp.train import ft_lighthouse
 from attnres_pp.train.checkpoint import read_meta
-from attnres_pp.train.config import RunConfig
 from attnres_pp.train.ft_groups import ReplicaGroup, public, replica_rank
 from attnres_pp.train.ft_worker import FtStageWorker
-from attnres_pp.train.loop import StepResult
 from attnres_pp.train.rank_data import resolve_data_path
-from attnres_pp.train.rank_engine import RankEngine, absolute, check_shared_out_dir, mean_eval_loss
 from attnres_pp.train.recovery import RunFailed
+from attnres_pp.train.replica_policy import StepOutcome
+from attnres_pp.train.stage_worker import RankBatch
+
+if TYPE_CHECKING:
+    from attnres_pp.train.engine import Engine
 
 _POLL_S = 0.005
 
 
-class FtEngine(RankEngine):
-    """The `Engine` of a `--fault-tolerance replicas` run (`--launcher local` or `ray`). `fail_at` = (global
-    rank, 0-based step): that rank exits mid-step, once (its group's restart has no failure); with a
-    third item "allreduce" it exits instead as it would join the replicas' gradient reduction."""
+class FtReplicaGroups:
+    """The replica policy of a `--fault-tolerance replicas` run (`--launcher local` or `ray`;
+    `address` and `placement` are Ray's). The engine's `fail_at` = (global rank, 0-based step): that
+    rank exits mid-step, once (its group's restart has no failure); with a third item "allreduce" it
+    exits instead as it would join the replicas' gradient reduction. Checkpoints are written at once
+    (the groups' background writes are not wired); the trace keeps the driver's clock."""
 
-    def __init__(self, run_cfg: RunConfig, out_dir: str | Path | None = None, *, address: str | None = None,
-                 placement: str | None = None, fail_at: tuple[int, int] | None = None,
-                 record_timelines: bool = False) -> None:
+    restartable = True
+    background_saves = False
+    per_rank_clocks = False
+
+    def __init__(self, *, address: str | None = None, placement: str | None = None) -> None:
         require_torchft()  # a driver that builds the engine without the CLI hears it here too
-        super().__init__(run_cfg, out_dir, record_timelines=record_timelines)
-        pipe, train = run_cfg.pipeline, run_cfg.train
-        # Replica groups run on cpu (torchft's gloo group): the launch layer decides so whatever the node has.
-        self.decide(gpus=0)
+        self._address, self._placement = address, placement
         self.participants_per_step: list[int] = []
         self.recoveries: list[dict] = []
         self.groups: list[ReplicaGroup] = []
         self._lighthouse = None
-        try:
-            # The rank groups first: under Ray the first one joins (or starts) the Ray instance, whose
-            # address for the driver's node the Lighthouse is advertised at.
-            for d in range(pipe.data_parallel):
-                self.groups.append(ReplicaGroup(d, self._rank_group(d, address, placement), FtStageWorker, []))
-            lighthouse = train.lighthouse or self._start_lighthouse(train.min_replicas)
-            self.static_extras.update(fault_tolerance="replicas", lighthouse=lighthouse,
-                                      min_replicas=train.min_replicas)
-            data_path = resolve_data_path(self.run_cfg.train.data)
-            for group in self.groups:
-                ranks = [replica_rank(group.replica, index, self.group_size) for index in range(self.group_size)]
-                group.kwargs = [{"run_cfg_dict": self.run_cfg.to_dict(), "rank": rank,
-                                 "data_path": data_path, "lighthouse": lighthouse,
-                                 "fail_at_step": fail_at[1] if fail_at is not None and fail_at[0] == rank else None,
-                                 "fail_in_allreduce": fail_at is not None and fail_at[2:] == ("allreduce",)}
-                                for rank in ranks]
-                group.ranks.start(FtStageWorker, group.kwargs, device="cpu")
-            described = self.groups[0].ranks.setup_results
-            self.backend = described[0]["backend"]
-            self.static_extras["params_per_rank"] = [r["params"] for r in described]
-            check_shared_out_dir(self.out_dir, lambda path, token: [
-                answer for g in self.groups for answer in g.ranks.call_all("sees_file", path, token,
-                                                                             what="the --out visibility check")])
-        except BaseException:
-            self.close()
-            raise
 
-    def _rank_group(self, replica: int, address: str | None, placement: str | None):
+    def start(self, engine: Engine, *, fail_at: tuple | None, rehearse: bool) -> None:
+        """Start one rank group per replica and the Lighthouse (`rehearse` is not taken: the
+        replicas' rehearsal is `fail_at`)."""
+        self.engine = engine
+        # Replica groups run on cpu (torchft's gloo group): the launch layer decides so whatever the node has.
+        engine.decide(gpus=0)
+        pipe, train = engine.run_cfg.pipeline, engine.run_cfg.train
+        # The rank groups first: under Ray the first one joins (or starts) the Ray instance, whose
+        # address for the driver's node the Lighthouse is advertised at.
+        for d in range(pipe.data_parallel):
+            self.groups.append(ReplicaGroup(d, self._rank_group(d), FtStageWorker, []))
+        lighthouse = train.lighthouse or self._start_lighthouse(train.min_replicas)
+        engine.static_extras.update(fault_tolerance="replicas", lighthouse=lighthouse, min_replicas=train.min_replicas)
+        data_path = resolve_data_path(train.data)
+        for group in self.groups:
+            group.kwargs = [engine.rank_kwargs(replica_rank(group.replica, index, self.group_size), fail_at,
+                                               data_path=data_path, lighthouse=lighthouse,
+                                               fail_in_allreduce=fail_at is not None and fail_at[2:] == ("allreduce",))
+                            for index in range(self.group_size)]
+            group.ranks.start(FtStageWorker, group.kwargs, device="cpu")
+        described = self.groups[0].ranks.setup_results
+        engine.backend = described[0]["backend"]
+        engine.rank_descriptions = described
+        engine.static_extras["params_per_rank"] = [r["params"] for r in described]
+
+    def _rank_group(self, replica: int) -> RankGroup:
         """Replica `replica`'s P x T ranks on the launcher's rank group (the first group's Ray
         instance, when it starts one, has a CPU for every rank of the run)."""
-        pipe = self.run_cfg.pipeline
-        return make_rank_group(pipe, self.group_size, name=f"attnres-pp-replica{replica}", address=address,
-                               placement=placement, cpus=pipe.world_size)
+        pipe = self.engine.run_cfg.pipeline
+        return make_rank_group(pipe, self.group_size, name=f"attnres-pp-replica{replica}", address=self._address,
+                               placement=self._placement, cpus=pipe.world_size)
 
     def _start_lighthouse(self, min_replicas: int) -> str:
         self._lighthouse, address = ft_lighthouse.start_lighthouse(min_replicas)
-        if self.run_cfg.pipeline.launcher != "ray":
+        if self.engine.run_cfg.pipeline.launcher != "ray":
             return address
         # Ranks on other nodes may not resolve this host's name (or resolve it to their loopback):
         # they are given the driver's node address, as the Ray cluster knows it.
@@ -114,7 +116,8 @@ class FtEngine(RankEngine):
     @property
     def group_size(self) -> int:
         """A replica group's ranks: P stages x T tensor-parallel ranks."""
-        return self.run_cfg.pipeline.stages * self.run_cfg.pipeline.tensor_parallel
+        pipe = self.engine.run_cfg.pipeline
+        return pipe.stages * pipe.tensor_parallel
 
     # ---- groups: loss, restart in the background, join ----
     def _lose(self, group: ReplicaGroup, lost: WorkerLost, step: int) -> None:
@@ -152,7 +155,7 @@ class FtEngine(RankEngine):
         JOIN_WAIT_S; JOIN_LEAD_S where the page does not say."""
         deadline = time.monotonic() + ft_lighthouse.JOIN_WAIT_S
         while time.monotonic() < deadline:
-            waiting = ft_lighthouse.lighthouse_requests(self.static_extras["lighthouse"])
+            waiting = ft_lighthouse.lighthouse_requests(self.engine.static_extras["lighthouse"])
             if waiting is None:
                 time.sleep(ft_lighthouse.JOIN_LEAD_S)
                 return
@@ -165,7 +168,7 @@ class FtEngine(RankEngine):
         and every group ends with the trained state."""
         for group in self.groups:
             if group.state == "restarting":
-                group.thread.join(timeout=self.run_cfg.pipeline.timeout_s + 30)
+                group.thread.join(timeout=self.engine.run_cfg.pipeline.timeout_s + 30)
         self._poll_restarts()
 
     def _collect(self, group: ReplicaGroup, step: int, results: dict) -> None:
@@ -181,25 +184,23 @@ class FtEngine(RankEngine):
                             f"{(str(error).strip().splitlines() or [''])[-1]}") from error
 
     # ---- one step ----
-    def train_step(self, step: int, inputs_BT: torch.Tensor | None, targets_BT: torch.Tensor | None,
-                   lr: float) -> StepResult:
+    def step(self, step: int, lr: float, want_events: bool, batches: list[RankBatch | None] | None) -> StepOutcome:
         """Step `step` as the committing groups trained it (`lr`: the loop's, which every rank computes
         from the Manager's step alike). Driver-fed batches are not taken: each group reads its share."""
-        if inputs_BT is not None:
+        if batches is not None:
             raise ValueError("a fault-tolerant run's groups read their own batches: pass inputs_BT=None")
-        pipe = self.run_cfg.pipeline
-        want = self._wants_events(step)
+        pipe = self.engine.run_cfg.pipeline
         before = self._driver_bytes()
         deadline = time.monotonic() + 2 * pipe.timeout_s + 60
-        if step == self.run_cfg.train.steps - 1:
+        if step == self.engine.run_cfg.train.steps - 1:
             self._await_restarts()
         while True:
-            self._send_steps(want)
+            self._send_steps(want_events)
             results: dict[int, list] = {}
             while any(g.in_flight and g.state == "live" for g in self.groups):
                 # A group restarted meanwhile joins this step's quorum (under --min-replicas the live
                 # groups wait for it there).
-                self._send_steps(want, states=("joining",), answered=results)
+                self._send_steps(want_events, states=("joining",), answered=results)
                 for group in self.groups:
                     if group.in_flight and group.ranks.replied():
                         self._collect(group, step, results)
@@ -216,7 +217,7 @@ class FtEngine(RankEngine):
                     committed = self._committed(results, step)
                     self._check_deadline(deadline, step)
                     time.sleep(_POLL_S)
-                if step == self.run_cfg.train.steps - 1:
+                if step == self.engine.run_cfg.train.steps - 1:
                     self._heal_behind(step, committed)
                 return self._result(step, committed, self._driver_bytes() - before)
             if all(g.state == "out" for g in self.groups) or not any(g.state in ("live", "joining", "restarting")
@@ -275,10 +276,15 @@ class FtEngine(RankEngine):
         if time.monotonic() > deadline:
             raise RuntimeError(f"no replica group committed step {step + 1} within {deadline:.0f} s of its start")
 
-    def _result(self, step: int, committed: dict[int, list], driver_bytes: int) -> StepResult:
+    def _result(self, step: int, committed: dict[int, list], driver_bytes: int) -> StepOutcome:
         replicas = sorted(committed)
-        replies = [reply[3] for replica in replicas for reply in committed[replica]]
-        loss, extras, metrics = self._add_step(step, replies, len(replicas), driver_bytes)
+        return StepOutcome([reply[3] for replica in replicas for reply in committed[replica]], len(replicas),
+                           driver_bytes, replicas)
+
+    def step_extras(self, step: int, outcome: StepOutcome, metrics: dict) -> dict:
+        """The step's participants (metrics.jsonl), and summary.json's participants per step, recoveries,
+        restarts, the groups' nodes and, at the last step, whether the replicas are equal."""
+        replicas = outcome.committed
         for group in self.groups:  # since a group's loss: the first step committed, and without it
             if group.lost is None:
                 continue
@@ -287,19 +293,16 @@ class FtEngine(RankEngine):
                 group.lost["shrunk_commit_s"] = time.monotonic() - group.lost["lost_s"]
         self.participants_per_step = [*self.participants_per_step[:step], len(replicas)]
         metrics.update(participants=len(replicas), replica_groups=replicas)
-        extras.update(self.static_extras)
-        extras.update(participants_per_step=list(self.participants_per_step), recoveries=list(self.recoveries),
-                      replica_restarts=[g.restarts for g in self.groups])
+        extras = {"participants_per_step": list(self.participants_per_step), "recoveries": list(self.recoveries),
+                  "replica_restarts": [g.restarts for g in self.groups]}
         if self.groups[0].ranks.spans_nodes:  # where each group's ranks run now, and each rank lost with its node
             extras["replica_node_addresses"] = [[ip for _node, ip in g.ranks.rank_nodes] for g in self.groups]
             lost = [{"replica": g.replica, **n} for g in self.groups for n in g.ranks.lost_nodes]
             if lost:
                 extras["lost_nodes"] = lost
-        if step == self.run_cfg.train.steps - 1:
+        if step == self.engine.run_cfg.train.steps - 1:
             extras["replicas_equal"] = self.replicas_equal()
-        if self._traced(step):
-            self._write_trace(extras)
-        return StepResult(loss=loss, extras=extras, metrics=metrics)
+        return extras
 
     def replicas_equal(self) -> bool:
         """Whether every one of the D groups is live and holds bitwise the same parameters."""
@@ -311,8 +314,25 @@ class FtEngine(RankEngine):
     def _driver_bytes(self) -> int:
         return sum(g.ranks.bytes_exchanged for g in self.groups)
 
-    # ---- what one live group answers for all (their parameters are equal) ----
-    def _live_call(self, method: str, *args, what: str) -> list:
+    # ---- calls: every group, every live group, or one live group for all (their parameters are equal) ----
+    def call_every(self, method: str, *args, what: str) -> list:
+        return [answer for g in self.groups for answer in g.ranks.call_all(method, *args, what=what)]
+
+    def call_live(self, method: str, *args, what: str) -> list:
+        """Every live group's answers (evaluation: each group reads its replica's rows)."""
+        answers = []
+        for group in self.groups:
+            if group.state == "live" and not group.in_flight:
+                try:
+                    answers += group.ranks.call_all(method, *args, what=what)
+                except WorkerLost as lost:
+                    self._lose(group, lost, len(self.participants_per_step))
+        if not answers:
+            raise WorkerLost(-1, f"no live replica group for {what}")
+        return answers
+
+    def call_holder(self, method: str, *args, what: str) -> list:
+        """One live group's P x T ranks (every group holds the same state)."""
         for group in self.groups:
             if group.state == "live" and not group.in_flight:
                 try:
@@ -321,39 +341,11 @@ class FtEngine(RankEngine):
                     self._lose(group, lost, len(self.participants_per_step))
         raise WorkerLost(-1, f"no live replica group for {what}")
 
-    def evaluate(self) -> float:
-        """Every live group's share of the validation batches (each group reads its replica's rows)."""
-        answers = []
-        for group in self.groups:
-            if group.state == "live" and not group.in_flight:
-                try:
-                    answers += group.ranks.call_all("evaluate", what="evaluation")
-                except WorkerLost as lost:
-                    self._lose(group, lost, len(self.participants_per_step))
-        if not answers:
-            raise WorkerLost(-1, "no live replica group for evaluation")
-        return mean_eval_loss(answers)
+    def call_ranks(self, method: str, per_rank_args: list[tuple], what: str) -> list:
+        raise ValueError(f"a fault-tolerant run's groups read their own batches: {what} of a driver-fed batch "
+                         "needs --fault-tolerance off")
 
-    def routing_metrics(self) -> dict:
-        return routing_metrics(self._live_call("routing_sums", what="routing statistics"))
-
-    def save_checkpoint(self, step_dir) -> None:
-        """One live group's P x T ranks write the shards (every group holds the same state)."""
-        self._live_call("save_shard", absolute(step_dir), what="checkpoint save")
-
-    def begin_checkpoint(self, step_dir) -> float:
-        """Written at once (the groups' background writes are not wired): the seconds it took."""
-        start = time.perf_counter()
-        self.save_checkpoint(step_dir)
-        return time.perf_counter() - start
-
-    def checkpoint_written(self) -> bool:
-        return True
-
-    def finish_checkpoint(self) -> None:
-        pass
-
-    def load_checkpoint(self, step_dir) -> None:
+    def load(self, step_dir: str) -> None:
         """Every group loads the shards, and its Managers continue at the checkpoint's step."""
         meta = read_meta(Path(step_dir))
         steps_done = int(meta["steps_done"])
@@ -361,10 +353,10 @@ class FtEngine(RankEngine):
         self.participants_per_step = list(extras.get("participants_per_step", []))[:steps_done]
         self.recoveries = [r for r in extras.get("recoveries", []) if r.get("lost_at_step", 0) < steps_done]
         for group in self.groups:
-            group.ranks.call_all("load_shard", absolute(step_dir), what="checkpoint load")
+            group.ranks.call_all("load_shard", step_dir, what="checkpoint load")
             group.ranks.call_all("set_step", steps_done, what="checkpoint load")
 
-    def restart_workers(self) -> None:
+    def restart(self) -> None:
         """Every group started again (the loop then loads the last checkpoint into them)."""
         self._stop_all()
         for group in self.groups:
@@ -375,7 +367,7 @@ class FtEngine(RankEngine):
         """Stop every group's ranks; `instance`: also a Ray instance the first group started (last)."""
         for group in reversed(self.groups):
             if group.thread is not None:
-                group.thread.join(timeout=self.run_cfg.pipeline.timeout_s + 30)
+                group.thread.join(timeout=self.engine.run_cfg.pipeline.timeout_s + 30)
             if instance:
                 group.ranks.stop(graceful=not group.in_flight)
             else:
@@ -383,7 +375,7 @@ class FtEngine(RankEngine):
             group.in_flight = False
 
     def close(self) -> None:
-        """Stop every group and the Lighthouse this engine started. Safe to call twice."""
+        """Stop every group and the Lighthouse this policy started. Safe to call twice."""
         self._stop_all(instance=True)
         if self._lighthouse is not None:
             self._lighthouse.shutdown()
