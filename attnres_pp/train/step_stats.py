@@ -78,7 +78,7 @@ class StepStatsLog:
             raise RuntimeError(f"the ranks reported {got} microbatch losses, expected {n_losses}")
         bubble = replies_bubble(replies)
         self.bubbles.append(bubble)
-        # Each rank's own clock (one clock per host; `PipelineEngine` aligns the trace of ranks on
+        # Each rank's own clock (one clock per host; `train.engine.Engine` aligns the trace of ranks on
         # several hosts, and the benchmarks, on one host, compare the ranks' events as they are).
         self.last_events = [e for r in replies for e in (r.events or ())]
         if traced:
