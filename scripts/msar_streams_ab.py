@@ -4,9 +4,10 @@
 residual, MSAR with the slow twin (`shifted_streams_twin`, the graph the code built before) and MSAR
 with the fast function, at bench variants' target shape (16 layers, d = 256, 4 x 256 tokens), built
 once and stepped in rotation, so load drift falls on all three alike; ratios are paired within a
-round. `single`: forward + backward of the whole batch. `loopback`: every rank of bench variants'
-pipeline (P = 2, V = 2, interleaved 1F1B, 4 microbatches, cache on) in this process over loopback
-hops: the ranks run one after another, so a step is the pipeline's total compute, not its wall time.
+round, of wall time and of the thread's CPU time. `single`: forward + backward of the whole batch.
+`loopback`: every rank of bench variants' pipeline (P = 2, V = 2, interleaved 1F1B, 4 microbatches,
+cache on) in this process over loopback hops: the ranks run one after another, so a step is the
+pipeline's total compute, not its wall time.
 """
 
 from __future__ import annotations
@@ -52,14 +53,14 @@ def build_step(name: str, mode: str, inputs_BT: torch.Tensor, targets_BT: torch.
         def run() -> None:
             run_loopback_step(runtimes, list(inputs_BT.chunk(m)), list(targets_BT.chunk(m)), 1.0 / m)
 
-    def step() -> float:
+    def step() -> tuple[float, float]:
         depth.shifted_streams = IMPLEMENTATIONS[name]  # what this model's stream expansions call
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         run()
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, time.thread_time() - started_cpu
         for param in model.parameters():
             param.grad = None
-        return elapsed
+        return elapsed, cpu
 
     return step
 
@@ -69,19 +70,29 @@ def main(mode: str, warmup: int, rounds: int) -> None:
     print("load before", os.getloadavg(), flush=True)
     inputs_BT, targets_BT = random_batch(0, SINGLE_BATCH, TARGET_SHAPE["seq_len"], TARGET_SHAPE["vocab_size"])
     steps = {name: build_step(name, mode, inputs_BT, targets_BT) for name in IMPLEMENTATIONS}
-    times: dict[str, list[float]] = {name: [] for name in steps}
+    walls: dict[str, list[float]] = {name: [] for name in steps}
+    cpus: dict[str, list[float]] = {name: [] for name in steps}
     for index, order in _rotations(tuple(steps), warmup + rounds):
         for name in order:
-            elapsed = steps[name]()
+            elapsed, cpu = steps[name]()
             if index >= warmup:
-                times[name].append(elapsed)
+                walls[name].append(elapsed)
+                cpus[name].append(cpu)
+    # The thread's CPU time beside the wall time: on a shared machine the wall time of a step also
+    # counts the time the thread waited for a core.
+    for label, times in (("wall", walls), ("thread CPU", cpus)):
+        print(f"-- {label} time")
+        report(times)
+    print("load after", os.getloadavg())
+
+
+def report(times: dict[str, list[float]]) -> None:
     for name in ("msar_before", "msar_after"):
         ratios = [a / b for a, b in zip(times[name], times["standard"], strict=True)]
         print(f"{name} / standard: median {statistics.median(ratios):.3f}, rounds", [round(r, 3) for r in ratios])
     ratios = [a / b for a, b in zip(times["msar_after"], times["msar_before"], strict=True)]
     print(f"after / before: median {statistics.median(ratios):.3f}, rounds", [round(r, 3) for r in ratios])
     print("median step (s):", {name: round(statistics.median(t), 3) for name, t in times.items()})
-    print("load after", os.getloadavg())
 
 
 if __name__ == "__main__":
