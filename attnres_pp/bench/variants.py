@@ -55,6 +55,11 @@ def variant_overrides(block_size: int) -> dict[str, dict]:
     }
 
 
+def selected(overrides: dict[str, dict], names: tuple[str, ...] | None) -> dict[str, dict]:
+    """`overrides` of `names` only (standard always: every ratio's denominator); None: all of them."""
+    return overrides if names is None else {n: o for n, o in overrides.items() if n == "standard" or n in names}
+
+
 def _rotations(names: tuple[str, ...], n_rounds: int):
     """Round r runs the names shifted by r: each variant takes each position equally often."""
     for index in range(n_rounds):
@@ -68,7 +73,8 @@ def paired_ratios(times: dict[str, list[float]], base: str = "standard") -> dict
             for name, samples in times.items() if name != base}
 
 
-def single_process(shape: dict, block_size: int, warmup: int, rounds: int, *, compile_model: bool = False) -> dict:
+def single_process(shape: dict, block_size: int, warmup: int, rounds: int, *, compile_model: bool = False,
+                   names: tuple[str, ...] | None = None) -> dict:
     """Median forward + backward time per variant in this process (one thread), rotation order.
 
     With `compile_model` every variant is built twice, eager and compiled (the same weights), and
@@ -84,7 +90,7 @@ def single_process(shape: dict, block_size: int, warmup: int, rounds: int, *, co
     torch.set_num_threads(1)
     try:
         models, first_step_s = {}, {}
-        for name, overrides in variant_overrides(block_size).items():
+        for name, overrides in selected(variant_overrides(block_size), names).items():
             cfg = ModelConfig.from_dict({**shape, **overrides})
             torch.manual_seed(0)
             models[name] = Transformer(cfg)
@@ -125,11 +131,11 @@ def _timed(times: dict[str, list[float]]) -> dict:
             "step_s_all": times}
 
 
-def pipelined(shape: dict, block_size: int, warmup: int, rounds: int) -> dict:
+def pipelined(shape: dict, block_size: int, warmup: int, rounds: int, names: tuple[str, ...] | None = None) -> dict:
     """Median driver wall time of an optimiser step per variant, P = 2 V = 2, engines in rotation."""
     engines: dict[str, TimedEngine] = {}
     try:
-        for name, overrides in variant_overrides(block_size).items():
+        for name, overrides in selected(variant_overrides(block_size), names).items():
             engines[name] = TimedEngine(run_config({**shape, **overrides}, **PIPELINE,
                                                    microbatch_size=SINGLE_BATCH // PIPELINE["microbatches"]))
         for _index, order in _rotations(tuple(engines), warmup + rounds):
@@ -181,16 +187,39 @@ def add_arguments(parser) -> None:
     parser.add_argument("--kv-heads", type=int, default=None, metavar="N",
                         help=f"key/value heads of every shape (grouped-query attention; divides the shapes' "
                              f"{HEADS} query heads); default {HEADS}, multi-head attention")
+    parser.add_argument("--variants", default=None, metavar="NAME,...",
+                        help="time only these variants beside the standard residual (comma-separated, of "
+                             f"{', '.join(n for n in variant_overrides(1) if n != 'standard')}); default every one")
+    parser.add_argument("--rounds", type=int, default=None, metavar="N",
+                        help="timed rounds of each mode (after its warm-up rounds); default 12 one process and "
+                             "8 pipelined (4 and 3 with --quick)")
+    parser.add_argument("--mode", choices=MODES, default=None,
+                        help="time one mode only (default both)")
 
 
 def check(args) -> str | None:
     if args.kv_heads is not None and (args.kv_heads < 1 or HEADS % args.kv_heads):
         return f"--kv-heads {args.kv_heads} must divide the shapes' {HEADS} query heads: give 1, 2 or 4"
+    if args.rounds is not None and args.rounds < 1:
+        return f"--rounds {args.rounds} must be >= 1"
+    if args.variants is not None:
+        known = tuple(n for n in variant_overrides(1) if n != "standard")
+        unknown = [n for n in args.variants.split(",") if n not in known]
+        if unknown or not args.variants:
+            return f"--variants {args.variants!r}: name one or more of {', '.join(known)}, comma-separated"
     return None
 
 
 def run_options(args) -> dict:
-    return {"compile_model": args.compile, "kv_heads": args.kv_heads}
+    options = {"compile_model": args.compile, "kv_heads": args.kv_heads}
+    # The selections only where given: a plain run's options are what they always were.
+    if args.variants is not None:
+        options["names"] = tuple(args.variants.split(","))
+    if args.rounds is not None:
+        options["rounds"] = args.rounds
+    if args.mode is not None:
+        options["modes"] = (args.mode,)
+    return options
 
 
 def results_stem(args) -> str:
@@ -198,6 +227,10 @@ def results_stem(args) -> str:
     stem = "variants_compile" if args.compile else "variants"
     if args.kv_heads not in (None, HEADS):
         stem += f"_kv{args.kv_heads}"
+    if args.variants is not None:  # a selection never replaces the run of every variant
+        stem += "_" + "-".join(args.variants.split(","))
+    if args.mode is not None:
+        stem += "_" + args.mode
     return common_results_stem(stem, args.quick)
 
 
@@ -209,38 +242,41 @@ def shapes_with(kv_heads: int | None) -> dict[str, tuple[dict, int]]:
 
 
 def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None], compile_model: bool = False,
-        kv_heads: int | None = None) -> dict:
+        kv_heads: int | None = None, names: tuple[str, ...] | None = None, rounds: int | None = None,
+        modes: tuple[str, ...] = MODES) -> dict:
     del out_dir  # tables only
     shapes = shapes_with(kv_heads)
     load_before = _load_average()
     # Fewer rounds than at 256 tokens a step: a 1,024-token round of six variants at 16 layers takes
     # tens of seconds on a shared 2-core machine; the paired median holds up with a dozen rounds.
-    warmup, rounds = (1, 4) if quick else (2, 12)
+    warmup, single_rounds = (1, 4) if quick else (2, 12)
     pipe_warmup, pipe_rounds = (1, 3) if quick else (2, 8)
+    single_rounds, pipe_rounds = (single_rounds, pipe_rounds) if rounds is None else (rounds, rounds)
     single, piped, compiled = {}, {}, {}
-    for label, (shape, block_size) in shapes.items():
-        single[label] = single_process(shape, block_size, warmup, rounds, compile_model=compile_model)
+    for label, (shape, block_size) in (shapes.items() if "single_process" in modes else ()):
+        single[label] = single_process(shape, block_size, warmup, single_rounds, compile_model=compile_model,
+                                       names=names)
         progress(f"  {label} one process: " + _ratio_line(single[label]["ratios"]))
         if compile_model:
             compiled[label] = single[label].pop("compiled")
             progress(f"  {label} one process, compiled: " + _ratio_line(compiled[label]["ratios"]))
             progress(f"  {label} compiled / eager: " + _ratio_line(compiled[label]["compiled_over_eager"]))
     # Pipelined: the quality shape always, the 16-layer target shape only in the full run (minutes per round).
-    for label in (("4L_d64",) if quick else tuple(shapes)):
+    for label in (("4L_d64",) if quick else tuple(shapes)) if "pipelined" in modes else ():
         shape, block_size = shapes[label]
-        piped[label] = pipelined(shape, block_size, pipe_warmup, pipe_rounds)
+        piped[label] = pipelined(shape, block_size, pipe_warmup, pipe_rounds, names)
         progress(f"  {label} P=2 V=2: " + _ratio_line(piped[label]["ratios"]))
-    names = tuple(variant_overrides(1))
+    timed = tuple(selected(variant_overrides(1), names))
     ratios = {name: {"single_process": {label: single[label]["ratios"][name] for label in single},
                      "pipelined": {label: piped[label]["ratios"][name] for label in piped}}
-              for name in names if name != "standard"}
+              for name in timed if name != "standard"}
     if compile_model:
         for name in ratios:
             ratios[name]["single_process_compiled"] = {label: compiled[label]["ratios"][name] for label in compiled}
     targets = judge_targets({"single_process": single, "pipelined": piped})
     payload = {"ratios": ratios, f"targets_{TARGET_LABEL}": targets, "single_process": single,
                "pipelined": piped, "shapes": {label: _shape_record(s, b) for label, (s, b) in shapes.items()},
-               "single_batch": SINGLE_BATCH, "pipeline": PIPELINE, "warmup_rounds": warmup, "rounds": rounds,
+               "single_batch": SINGLE_BATCH, "pipeline": PIPELINE, "warmup_rounds": warmup, "rounds": single_rounds,
                "pipeline_warmup_rounds": pipe_warmup, "pipeline_rounds": pipe_rounds, "compile": compile_model,
                "note": "ratio = median over rounds of (variant step / standard step in the same round); variants "
                        "run in rotation; single process = forward + backward of one batch, one thread; "
@@ -250,10 +286,11 @@ def run(quick: bool, out_dir: Path | None, progress: Callable[[str], None], comp
         # Per variant (standard included): compiled / eager step paired within a round, and the first step.
         payload["compiled_over_eager"] = {label: c["compiled_over_eager"] for label, c in compiled.items()}
         payload["compile_s"] = {label: c["first_step_s"] for label, c in compiled.items()}
-    missed = tuple(name for name in TARGETS if any(not t[name]["met"] for t in targets.values()))
+    missed = tuple(name for name in TARGETS if any(name in t and not t[name]["met"] for t in targets.values()))
     if not quick and missed:
         shape, block_size = shapes[TARGET_LABEL]
         payload[f"profile_{TARGET_LABEL}"] = profile_growth(shape, block_size, missed)
+    payload["variants"] = list(timed)
     payload["load_average"] = {"before": load_before, "after": _load_average()}
     return payload
 
@@ -262,7 +299,7 @@ def judge_targets(results: dict[str, dict]) -> dict[str, dict]:
     """Per mode measured at the target shape: each of TARGETS' ratio, its bound and whether it is met."""
     return {mode: {name: {"target": bound, "measured": by_label[TARGET_LABEL]["ratios"][name],
                           "met": by_label[TARGET_LABEL]["ratios"][name] <= bound}
-                   for name, bound in TARGETS.items()}
+                   for name, bound in TARGETS.items() if name in by_label[TARGET_LABEL]["ratios"]}
             for mode, by_label in results.items() if TARGET_LABEL in by_label}
 
 

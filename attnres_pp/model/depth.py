@@ -27,6 +27,7 @@ from attnres_pp.kernels import (
 from attnres_pp.model.config import ModelConfig
 from attnres_pp.model.decode_state import DecodeStep
 from attnres_pp.model.sources import RowBuffer
+from attnres_pp.model.stream_conv import shifted_streams
 
 
 class DepthRead(nn.Module):
@@ -121,7 +122,8 @@ class StreamConvs(nn.Module):
 
         Shifted multiply-adds over a zero-padded v rather than a grouped conv1d: at these widths
         (d channels, 3 outputs per group, kernels <= 12) on CPU the depthwise conv and its backward
-        cost more than the 24 channel-wise multiply-adds and their gradients."""
+        cost more than the 24 channel-wise multiply-adds and their gradients, which run in place in
+        one autograd function (`stream_conv.shifted_streams`; its slow twin `shifted_streams_twin`)."""
         n, _, seq, _ = v_NBTD.shape
         kappa_max = kernels[0].shape[1]
         taps_NSKD = kernels[0].unsqueeze(0) if n == 1 else torch.stack(kernels)
@@ -131,18 +133,7 @@ class StreamConvs(nn.Module):
         else:  # a sequence shard: the tokens before it come from the previous shard
             padded_NBPD = torch.cat([self.halo(v_NBTD[:, :, seq - (kappa_max - 1):]), v_NBTD], dim=2)
             reach = kappa_max
-
-        def shifted(delta: int) -> torch.Tensor:  # v[t - delta]
-            return padded_NBPD[:, :, kappa_max - 1 - delta: kappa_max - 1 - delta + seq]
-
-        streams = [v_NBTD]
-        for s, kappa in enumerate(self.kernel_sizes):
-            taps_NKD = taps_NSKD[:, s].unsqueeze(1).unsqueeze(1)  # [N, 1, 1, K, d]
-            u_NBTD = v_NBTD * taps_NKD[..., 0, :]
-            for delta in range(1, min(kappa, reach)):
-                u_NBTD = torch.addcmul(u_NBTD, shifted(delta), taps_NKD[..., delta, :])
-            streams.append(u_NBTD.to(v_NBTD.dtype))
-        return torch.stack(streams)
+        return shifted_streams(v_NBTD, padded_NBPD, taps_NSKD, self.kernel_sizes, reach)
 
     def streams(self, source_index: int, v_BTD: torch.Tensor) -> list[torch.Tensor]:
         """[v, conv_1(v), ..., conv_{m-1}(v)], each [B, T, d]; v[t < 0] = 0."""

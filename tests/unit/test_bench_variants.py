@@ -214,3 +214,17 @@ def test_kv_heads_that_do_not_divide_the_heads_are_one_error_line(kv_heads, tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: --kv-heads {kv_heads} must divide the shapes' 4 query heads: give 1, 2 or 4"]
     assert not any(tmp_path.iterdir())
+
+
+def test_a_selection_times_standard_and_the_named_variants_and_refuses_unknown_names(tmp_path, capsys):
+    assert set(variants.selected(variants.variant_overrides(4), ("msar",))) == {"standard", "msar"}
+    args = build_parser().parse_args(["bench", "variants", "--variants", "msar,block_attnres", "--rounds", "3",
+                                      "--mode", "pipelined"])
+    assert variants.check(args) is None
+    options = variants.run_options(args)
+    assert (options["names"], options["rounds"], options["modes"]) == (("msar", "block_attnres"), 3, ("pipelined",))
+    assert variants.results_stem(args).startswith("variants_msar-block_attnres_pipelined_")
+    for bad in (["--variants", "msar,nothing"], ["--variants", "standard"], ["--rounds", "0"]):
+        assert main(["bench", "variants", *bad, "--out", str(tmp_path)]) == 2
+        assert capsys.readouterr().err.startswith(f"error: {bad[0]}")
+    assert not list(tmp_path.iterdir())
