@@ -136,7 +136,7 @@ class ActivationMeter:
         key = (device_type, storage.data_ptr())
         # A node that saves its own output would hold itself through the tensor's grad_fn (a
         # reference cycle that only the garbage collector frees), so a non-leaf is kept without its
-        # autograd history: `.data` (same storage, no dispatch) for a plain tensor, `detach()` for a
+        # autograd history: `.data` (same storage, cheaper than detach()) for a plain tensor, `detach()` for a
         # wrapper subclass. A leaf holds no node and is kept as it is (autograd hands the pack hook a
         # detached leaf for every saved input).
         if not t.is_leaf:
