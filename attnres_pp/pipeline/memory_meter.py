@@ -62,32 +62,26 @@ def _storage_holder(t: torch.Tensor) -> torch.Tensor:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-class _Kept:
-    """A saved tensor that is not counted (a parameter's storage, a meta tensor)."""
+class _Held(tuple):
+    """A saved tensor counted by a meter: (tensor, entry, meter), the entry being the meter's
+    [handles alive, storage bytes, key] of its storage; the count drops when autograd drops this.
 
-    __slots__ = ("tensor",)
+    A tuple built by `tuple.__new__` (no Python `__init__`) and read back by `itemgetter(0)`: the
+    meter makes one per saved tensor, so its construction and its unpacking stay in C. A tensor
+    that is not counted (a parameter's storage, a meta tensor) is packed as a plain 1-tuple."""
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
-class _Held:
-    """A saved tensor and the meter that counts it; the count drops when autograd drops this."""
-
-    __slots__ = ("tensor", "_meter", "_key")
-
-    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter, key) -> None:
-        self.tensor, self._meter, self._key = tensor, meter, key
+    __slots__ = ()
 
     def __del__(self) -> None:
-        meter = self._meter
-        entry = meter._refs.get(self._key)
-        if entry is None:
-            return
+        entry = self[1]
         entry[0] -= 1
-        if entry[0] == 0:  # the storage's last handle: its bytes are no longer held
-            del meter._refs[self._key]
+        if not entry[0]:  # the storage's last handle: its bytes are no longer held
+            meter = self[2]
+            del meter._refs[entry[2]]
             meter.live_bytes -= entry[1]
+
+
+_new_held = tuple.__new__
 
 
 class ActivationMeter:
@@ -99,7 +93,7 @@ class ActivationMeter:
     def __init__(self, exclude: set | None = None) -> None:
         self._exclude = set(exclude or ())
         self._slots: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
-        self._refs: dict[tuple, list[int]] = {}  # key -> [handles alive, storage bytes]
+        self._refs: dict[tuple, list] = {}  # key -> [handles alive, storage bytes, key]
         self.live_bytes = 0
         self.peak_bytes = 0
 
@@ -125,34 +119,44 @@ class ActivationMeter:
         """Start a step: the peak restarts from what is alive now (nothing, after a whole step)."""
         self.peak_bytes = self.live_bytes
 
-    def pack(self, t: torch.Tensor) -> _Held | _Kept:
-        # Called for every tensor a forward saves, so it does the least it can in Python.
-        # Detached: a node that saves its own output would otherwise hold itself through the tensor's
-        # grad_fn (a reference cycle that only the garbage collector frees); same storage either way.
-        # A leaf has no grad_fn, so it holds no node and is kept as it is.
-        if not t.is_leaf:
-            t = t.detach()
-        if t.is_meta or (type(t) not in _PLAIN and t.device.type == "meta"):
-            return _Kept(t)
-        holder = t if type(t) in _PLAIN else _storage_holder(t)
-        storage = holder.untyped_storage()
-        key = (holder.device.type, storage.data_ptr())
-        if key in self._exclude:
-            return _Kept(t)
-        slot = self._slot(holder, key) if key in self._slots else None
-        if slot is None:
-            n_bytes = storage.nbytes()
+    def pack(self, t: torch.Tensor) -> tuple:
+        # Called for every tensor a forward saves, so it does the least it can in Python: no device
+        # object for a CPU tensor, no attribute probes on a plain tensor, C-level handles.
+        if type(t) in _PLAIN:
+            if t.is_meta:
+                return (t,)
+            holder = t
+            device_type = "cpu" if t.is_cpu else t.device.type
         else:
+            if t.is_meta or t.device.type == "meta":
+                return (t,)
+            holder = _storage_holder(t)
+            device_type = holder.device.type
+        storage = holder.untyped_storage()
+        key = (device_type, storage.data_ptr())
+        # A node that saves its own output would hold itself through the tensor's grad_fn (a
+        # reference cycle that only the garbage collector frees), so a non-leaf is kept without its
+        # autograd history: `.data` (same storage, cheaper than detach()) for a plain tensor, `detach()` for a
+        # wrapper subclass. A leaf holds no node and is kept as it is (autograd hands the pack hook a
+        # detached leaf for every saved input).
+        if not t.is_leaf:
+            t = t.data if holder is t else t.detach()
+        if key in self._exclude:
+            return (t,)
+        slot = self._slot(holder, key) if key in self._slots else None
+        if slot is not None:
             key, n_bytes = slot
         entry = self._refs.get(key)
         if entry is None:
-            self._refs[key] = [1, n_bytes]
+            if slot is None:
+                n_bytes = storage.nbytes()
+            self._refs[key] = entry = [1, n_bytes, key]
             self.live_bytes += n_bytes
             if self.live_bytes > self.peak_bytes:
                 self.peak_bytes = self.live_bytes
         else:
             entry[0] += 1
-        return _Held(t, self, key)
+        return _new_held(_Held, (t, entry, self))
 
     def counted(self, held) -> tuple[tuple, int] | None:
         """(its key, the bytes it is counted as) for a handle `pack` returned; None if uncounted."""
@@ -162,7 +166,7 @@ class ActivationMeter:
         return None if entry is None else (held._key, entry[1])
 
     # What `pack` returned, back to its tensor (a C-level getter: it runs once per saved tensor).
-    unpack = staticmethod(operator.attrgetter("tensor"))
+    unpack = staticmethod(operator.itemgetter(0))
 
     def saving(self):
         """The context under which a forward's saved tensors are counted."""
