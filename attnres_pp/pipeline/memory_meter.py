@@ -162,8 +162,8 @@ class ActivationMeter:
         """(its key, the bytes it is counted as) for a handle `pack` returned; None if uncounted."""
         if not isinstance(held, _Held):
             return None
-        entry = self._refs.get(held._key)
-        return None if entry is None else (held._key, entry[1])
+        entry = held[1]  # [handles alive, storage bytes, key]
+        return (entry[2], entry[1]) if self._refs.get(entry[2]) is entry else None
 
     # What `pack` returned, back to its tensor (a C-level getter: it runs once per saved tensor).
     unpack = staticmethod(operator.itemgetter(0))
