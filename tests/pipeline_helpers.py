@@ -93,3 +93,14 @@ def assert_grads_match(got: dict, want: dict, rtol: float) -> None:
         err = (g - w).abs().max().item()
         scale = w.abs().max().item()
         assert err <= rtol * scale + floor, f"{name}: max abs err {err:.3e}, max |grad| {scale:.3e}"
+
+
+def assert_step_matches(dtype: str, loss: float, grads: dict, want_loss: float, want_grads: dict) -> None:
+    """The parity bound of a pipelined step against the single process: float64 to 1e-12 on the loss
+    and 1e-10 on every gradient, fp32 to 1e-5 relative on both."""
+    if dtype == "float64":
+        assert abs(loss - want_loss) <= 1e-12
+        assert_grads_match(grads, want_grads, rtol=1e-10)
+    else:
+        assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
+        assert_grads_match(grads, want_grads, rtol=1e-5)

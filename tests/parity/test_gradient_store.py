@@ -12,7 +12,7 @@ import torch
 
 from attnres_pp.model.weight_store_rule import GRADIENTS, OPERANDS, weight_store_bytes, weight_store_kind
 from attnres_pp.pipeline import weight_store
-from tests.pipeline_helpers import assert_grads_match, batch, loopback_step, reference_step
+from tests.pipeline_helpers import assert_step_matches, batch, loopback_step, reference_step
 
 from .parity_cases import BF16_SPLIT_CASES, ParityCase, _case
 
@@ -52,12 +52,7 @@ def test_the_gradient_store_step_equals_single_process(case: ParityCase, monkeyp
     assert GRADIENTS in kinds  # every chunk with inputs chose (or was given) the gradient store
     assert set(kinds) == {GRADIENTS}
     want_loss, want_grads = reference_step(cfg, *batch(m), m, dtype=case.torch_dtype)
-    if case.dtype == "float64":
-        assert abs(loss - want_loss) <= 1e-12
-        assert_grads_match(grads, want_grads, rtol=1e-10)
-    else:
-        assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
-        assert_grads_match(grads, want_grads, rtol=1e-5)
+    assert_step_matches(case.dtype, loss, grads, want_loss, want_grads)
 
 
 @pytest.mark.parametrize("case", [c for c in BF16_SPLIT_CASES if c.policy == "full"], ids=lambda case: case.id)

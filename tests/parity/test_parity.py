@@ -12,7 +12,7 @@ from attnres_pp.comm.transport import ByteLedger
 from attnres_pp.pipeline.config import AC_POLICIES
 from attnres_pp.schedule.schedules import SCHEDULES
 from attnres_pp.train.step_stats import fwd_hop_tensors
-from tests.pipeline_helpers import assert_grads_match, batch, loopback_step, reference_step
+from tests.pipeline_helpers import assert_step_matches, batch, loopback_step, reference_step
 from tests.reference_model import VARIANTS
 
 from .parity_cases import (
@@ -37,12 +37,7 @@ def test_pipelined_step_equals_single_process(case: ParityCase):
     loss, grads, _ = loopback_step(cfg, case.schedule, case.n_stages, case.n_virtual, m, case.cache, case.policy,
                                    dtype=case.torch_dtype, ledger=ledger)
     want_loss, want_grads = reference_step(cfg, *batch(m), m, dtype=case.torch_dtype)
-    if case.dtype == "float64":
-        assert abs(loss - want_loss) <= 1e-12
-        assert_grads_match(grads, want_grads, rtol=1e-10)
-    else:
-        assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
-        assert_grads_match(grads, want_grads, rtol=1e-5)
+    assert_step_matches(case.dtype, loss, grads, want_loss, want_grads)
     plan = plan_for_model(cfg, case.partition(), case.cache)
     assert fwd_hop_tensors(ledger.records, case.n_stages * case.n_virtual) == plan.fwd_hop_tensors
     if case.n_stages == 1:  # every hop a self-hop: nothing touches the transport, the plan counts zero
