@@ -41,7 +41,6 @@ shared-memory transport's slots, and re-exports the parts' names. Pure Python: n
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 from attnres_pp.comm.partition import Partition
@@ -147,10 +146,13 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
 
     copies = not (setup.dp_shard == "fsdp" and setup.data_parallel > 1)
     t, ep = setup.tensor_parallel, setup.expert_parallel
+    # At D = EP FSDP2 leaves the expert slices whole in fp32: bf16 autocast casts them every forward.
+    expert_copies = copies or 1 < ep == setup.data_parallel
     saved = [activation_bytes(cfg, partition, c, tokens=setup.tokens, dtype=setup.dtype,
                               activation_checkpoint=setup.activation_checkpoint, weight_copies=copies,
                               attention_kernel=setup.attention_kernel, tensor_parallel=t,
-                              sequence_parallel=setup.sp, expert_parallel=ep)
+                              sequence_parallel=setup.sp, expert_parallel=ep, expert_weight_copies=expert_copies,
+                              rows_factor=setup.moe_load_factor if ep > 1 else 1.0)
              for c in range(partition.n_chunks)]
     uses_cache = plan is not None and plan.mode == "cached"
     # A cache entry or deposit is the rank's sequence shard under SP (docs/spec.md section 10).
@@ -179,7 +181,6 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
     ranks = []
     for dp_rank in dp_ranks if dp_ranks is not None else range(setup.data_parallel):
         for pp_rank, (act_peak, cache_peak, peak, action, gathered_at_peak) in enumerate(walks):
-            shapes = rank_parameter_shapes(cfg, partition, pp_rank, t, ep)
             terms = rank_state_bytes(cfg, partition, pp_rank, data_parallel=setup.data_parallel,
                                      dp_shard=setup.dp_shard, dp_rank=dp_rank, tensor_parallel=t, expert_parallel=ep)
             terms.update(activation_peak_bytes=act_peak, cache_peak_bytes=cache_peak,
@@ -188,8 +189,11 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
             if fsdp and not always:
                 # FSDP2 without resharding after forward (the pipeline default) keeps every parameter
                 # all-gathered in the compute dtype through the step: part of the peak, not of
-                # param_bytes (the activation term counts the saved ones while graphs hold them).
-                gathered_at_peak = sum(math.prod(s) for s in shapes) * DTYPE_BYTES[setup.dtype]
+                # param_bytes (the activation term counts the saved ones while graphs hold them);
+                # each unit's padded buffers, less what stays whole (`chunk_gathered_bytes`).
+                gathered_at_peak = sum(chunk_gathered_bytes(cfg, partition, c, dtype=setup.dtype, tensor_parallel=t,
+                                                            expert_parallel=ep, data_parallel=setup.data_parallel)
+                                       for c in partition.chunks_of(pp_rank))
                 fixed += gathered_at_peak
             # Resharding always: the walk's peak holds the chunks unsharded at its moment (gathered_at_peak).
             ranks.append(RankMemory(terms=terms, peak_bytes=fixed + peak, peak_action=action,

@@ -157,34 +157,60 @@ def saved_parameter_shapes(cfg: ModelConfig, partition: Partition, chunk_index: 
     return shapes
 
 
+def gathered_numel(shape: tuple[int, ...], group: int) -> int:
+    """Elements of FSDP2's all-gather buffer for one parameter sharded over `group` ranks: `group`
+    padded dim-0 shards (ceil(dim0 / group) x group rows), what the unsharded parameter is a view of."""
+    return shard_numel(shape, group, "fsdp") * group
+
+
+def _gathered_sizes(cfg: ModelConfig, shapes: list[tuple[int, ...]], moe_layers: int, *, data_parallel: int,
+                    expert_parallel: int) -> int:
+    """Elements FSDP2 all-gathers for `shapes` (a chunk's, with `moe_layers` MoE layers among them):
+    every parameter over the D replicas but those `train.fsdp` leaves out of its units (0-dim
+    scalars, the selection bias [E]) and the routed experts under EP > 1, whose slices are units over
+    "edp" (D / EP holders: padded over D / EP) or, at D = EP, whole on their one holder (the
+    parameter's own storage: not gathered)."""
+    shapes = [s for s in shapes if s]
+    routed = routed_expert_shapes(cfg, expert_parallel) * moe_layers if expert_parallel > 1 else []
+    for shape in [(cfg.moe_experts,)] * moe_layers + routed:
+        shapes.remove(shape)
+    edp = data_parallel // expert_parallel
+    by_edp = sum(gathered_numel(s, edp) for s in routed) if edp > 1 else 0
+    return sum(gathered_numel(s, data_parallel) for s in shapes) + by_edp
+
+
+def _moe_layers(cfg: ModelConfig, partition: Partition, chunk_index: int) -> int:
+    return sum(1 for layer in partition.layer_range(chunk_index) if cfg.moe and cfg.is_moe_layer(layer))
+
+
 def gathered_parameter_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, data_parallel: int,
                              dtype: str, tensor_parallel: int = 1, expert_parallel: int = 1) -> int:
     """Bytes of the FSDP2 all-gathered (unsharded) parameters chunk `chunk_index`'s nodes save: each
-    is a view of its all-gather buffer, whose storage holds D padded shards (ceil(dim0 / D) x D rows);
-    MoE layers' shapes as their parameters' (derived: not held to a counted fsdp MoE run)."""
-    return sum(shard_numel(s, data_parallel, "fsdp") * data_parallel for s in
-               saved_parameter_shapes(cfg, partition, chunk_index, tensor_parallel, expert_parallel)
-               ) * DTYPE_BYTES[dtype]
+    is a view of its all-gather buffer (`gathered_numel`); the routed experts' over the D / EP
+    holders of their slice, none at D = EP (the slice is the parameter itself, which the meter does
+    not count; under bf16 autocast its cast is `moe_saved_bytes`'s weight copy). Held to a counted
+    D = 4, EP = 2 run by tests/distributed/test_sim_moe_fsdp_gathered.py."""
+    shapes = saved_parameter_shapes(cfg, partition, chunk_index, tensor_parallel, expert_parallel)
+    # Among them the selection bias, which FSDP2 leaves whole (and no product saves: it only selects).
+    return _gathered_sizes(cfg, shapes, _moe_layers(cfg, partition, chunk_index), data_parallel=data_parallel,
+                           expert_parallel=expert_parallel) * DTYPE_BYTES[dtype]
 
 
 def chunk_gathered_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, dtype: str,
                          tensor_parallel: int = 1, expert_parallel: int = 1, data_parallel: int = 1) -> int:
     """Bytes of chunk `chunk_index`'s parameters all-gathered in the compute dtype while its FSDP2 units
     are unsharded (`train.fsdp`: its layers, the embedding on chunk 0, the head on the last chunk;
-    MSAR's tied convolutions are not units). Summed over a rank's chunks it is the copy that
-    resharding never keeps through the step (`predict_ranks`). FSDP2 leaves the MoE selection bias,
-    and at D = EP the expert slices (one holder each), whole: not gathered."""
+    MSAR's tied convolutions are not units), each the padded all-gather buffer (`gathered_numel`).
+    Summed over a rank's chunks it is the copy that resharding never keeps through the step
+    (`predict_ranks`). FSDP2 leaves the MoE selection bias and 0-dim scalars whole, and shards the
+    expert slices over edp (whole at D = EP: not gathered)."""
     shapes: list[tuple[int, ...]] = []
     if chunk_index == 0:
         shapes += embedding_shapes(cfg)
     shapes += chunk_layer_shapes(cfg, partition, chunk_index, _read_shapes(cfg), tensor_parallel, expert_parallel)
-    moe_layers = sum(1 for layer in partition.layer_range(chunk_index) if cfg.is_moe_layer(layer))
-    whole = [(cfg.moe_experts,)] + (routed_expert_shapes(cfg, expert_parallel)
-                                    if 1 < expert_parallel == data_parallel else [])
-    for shape in whole * moe_layers:
-        shapes.remove(shape)
     if chunk_index == partition.n_chunks - 1:  # tied: the embedding's matrix where one rank holds both,
         # else the head's own copy (`comm.partition.tied_copy_ranks`), gathered with the head
         shapes += head_shapes(cfg, _read_shapes(cfg), holds_embedding=partition.rank_of(0) == partition.rank_of(
             chunk_index))
-    return sum(math.prod(s) for s in shapes) * DTYPE_BYTES[dtype]
+    return _gathered_sizes(cfg, shapes, _moe_layers(cfg, partition, chunk_index), data_parallel=data_parallel,
+                           expert_parallel=expert_parallel) * DTYPE_BYTES[dtype]
