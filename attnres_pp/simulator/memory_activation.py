@@ -229,13 +229,17 @@ def attention_correction(cfg: ModelConfig, partition: Partition, chunk_index: in
 def activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype: str,
                      activation_checkpoint: str = "none", weight_copies: bool = True,
                      attention_kernel: str = "flash", tensor_parallel: int = 1,
-                     sequence_parallel: bool = False, expert_parallel: int = 1) -> ChunkActivation:
+                     sequence_parallel: bool = False, expert_parallel: int = 1,
+                     expert_weight_copies: bool | None = None, rows_factor: float = 1.0) -> ChunkActivation:
     """What F(chunk_index, mb) saves for backward, in bytes (`dense_activation_bytes`), with each MoE
     layer's router and routed experts added (`simulator.moe.moe_saved_bytes`, derived): to what F
     saves without checkpointing; under `full` and `selective` to the recomputation inside B and I
     (the checkpointed layer saves its input only, and the selective policy keeps no grouped-matmul
     output), the last layer of a chunk with MoE layers being one of them (dense layers come first);
-    the W store (`moe_store_correction`, `moe_weight_store_bytes`) under a split backward."""
+    the W store (`moe_store_correction`, `moe_weight_store_bytes`) under a split backward.
+    `expert_weight_copies`: the routed experts' bf16 casts (None: as `weight_copies`; FSDP2 at D = EP
+    leaves the slices whole); `rows_factor`: the rows this rank's experts receive over the balanced
+    M (`MemorySetup.moe_load_factor`)."""
     unit = dense_activation_bytes(cfg, partition, chunk_index, tokens=tokens, dtype=dtype,
                                   activation_checkpoint=activation_checkpoint, weight_copies=weight_copies,
                                   attention_kernel=attention_kernel, tensor_parallel=tensor_parallel,
@@ -243,16 +247,19 @@ def activation_bytes(cfg: ModelConfig, partition: Partition, chunk_index: int, *
     layers = chunk_moe_layers(cfg, partition, chunk_index)
     if not layers:
         return unit
+    copies = weight_copies if expert_weight_copies is None else expert_weight_copies
     extra = moe_saved_bytes(cfg, tokens=tokens, dtype=dtype, expert_parallel=expert_parallel,
-                            weight_copies=weight_copies)
+                            weight_copies=copies, rows_factor=rows_factor)
     if activation_checkpoint == "none":
         store = 0 if chunk_index == 0 else layers * moe_store_correction(cfg, tokens=tokens, dtype=dtype,
-                                                                          expert_parallel=expert_parallel)
+                                                                          expert_parallel=expert_parallel,
+                                                                          rows_factor=rows_factor)
         return replace(unit, saved=unit.saved + layers * extra, stored=max(0, unit.stored + store))
     # I recomputes the layer and leaves the router's and routed experts' store until W (chunk 0's I
     # has no inputs: W is its whole backward).
     kept = 0 if chunk_index == 0 else layers * moe_weight_store_bytes(cfg, tokens=tokens, dtype=dtype,
-                                                                       expert_parallel=expert_parallel)
+                                                                       expert_parallel=expert_parallel,
+                                                                       rows_factor=rows_factor)
     return replace(unit, transient=unit.transient + extra, input_kept=unit.input_kept + kept,
                    stored=unit.stored + kept)
 

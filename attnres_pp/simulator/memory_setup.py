@@ -39,6 +39,9 @@ class MemorySetup:
     sequence_parallel: bool | None = None  # None: on when T > 1
     launcher: str = "inprocess"  # train's --launcher: local and ray map shared-memory receive slots
     expert_parallel: int = 1  # EP, docs/spec.md section 12: E / EP routed experts per rank (derived for EP > 1)
+    # EP > 1: the rows the most-loaded EP rank's experts receive over the balanced N K (1.0: balanced
+    # routing); every rank is priced at it, so the prediction is the most-loaded rank's.
+    moe_load_factor: float = 1.0
 
     @property
     def sp(self) -> bool:
@@ -56,6 +59,9 @@ class MemorySetup:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"MemorySetup.{name}={getattr(self, name)!r} is invalid: choose one of "
                                  f"{', '.join(allowed)}")
+        if not 1.0 <= self.moe_load_factor < float("inf"):  # NaN too
+            raise ValueError(f"--moe-load-factor {self.moe_load_factor} is invalid: it is the most-loaded expert-"
+                             "parallel rank's rows over the balanced ones, a number >= 1 (1.0: balanced routing)")
         if self.reshard_after_forward != "never" and self.dp_shard != "fsdp":
             raise ValueError(f"--fsdp-reshard-after-forward {self.reshard_after_forward} needs --dp-shard fsdp "
                              f"(it is FSDP2's; --dp-shard is {self.dp_shard})")

@@ -59,6 +59,10 @@ def register(commands) -> None:
                         help="EP (docs/spec.md section 12): replicas of a pipeline stage that share each MoE "
                              "layer's routed experts, E / EP each; divides --moe-experts and --data-parallel "
                              "(default 1)")
+    parser.add_argument("--moe-load-factor", type=float, default=1.0,
+                        help="EP > 1: the rows the most-loaded expert-parallel rank's experts receive, over the "
+                             "balanced N K of a microbatch (1.0, the default: balanced routing; read it off a run's "
+                             "moe_expert_loads as the largest rank's share x EP); every rank is priced at it")
     parser.add_argument("--launcher", choices=LAUNCHERS, default="inprocess",
                         help="train's --launcher: local and ray (ranks on one host) also hold the shared-memory "
                              "receive slots of a step (transport_buffer_bytes); default inprocess (none)")
@@ -76,7 +80,7 @@ def build(args: argparse.Namespace) -> tuple[ModelConfig, MemorySetup]:
                         reshard_after_forward=args.fsdp_reshard_after_forward or "never",
                         layer_counts=layer_counts_flag(args), attention_kernel=args.attention_kernel,
                         tensor_parallel=tp.size, sequence_parallel=tp.sp, launcher=args.launcher,
-                        expert_parallel=args.expert_parallel)
+                        expert_parallel=args.expert_parallel, moe_load_factor=args.moe_load_factor)
     return cfg, setup
 
 
@@ -89,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"attention_kernel": setup.attention_kernel, "tensor_parallel": setup.tensor_parallel,
                           "sequence_parallel": setup.sp, "expert_parallel": setup.expert_parallel,
+                          "moe_load_factor": setup.moe_load_factor,
                           "memory_per_rank": [r.terms for r in ranks],
                           "peak_action_per_rank": [r.peak_action for r in ranks],
                           "peak_bytes_per_rank": [r.peak_bytes for r in ranks]}))
@@ -110,7 +115,9 @@ def format_table(setup: MemorySetup, ranks) -> str:
         f"{setup.schedule} P={setup.n_stages} V={setup.n_virtual} m={setup.n_microbatches} D={setup.data_parallel} "
         f"({setup.dp_shard}{reshard}), AC {setup.activation_checkpoint}, {setup.tokens} tokens/mb, {setup.dtype}, "
         f"cache {'on' if setup.cache else 'off'}, {setup.attention_kernel} attention"
-        + (f", EP={setup.expert_parallel} (E / EP routed experts per rank)" if setup.expert_parallel > 1 else "")
+        + (f", EP={setup.expert_parallel} (E / EP routed experts per rank"
+           + (f"; the most-loaded rank's {setup.moe_load_factor:g} x the balanced rows, on every rank)"
+              if setup.moe_load_factor != 1 else ")") if setup.expert_parallel > 1 else "")
         + (f", T={setup.tensor_parallel} (SP {'on' if setup.sp else 'off'}; one row per (dp, pp): each of its "
            "T tp ranks holds the same, derived)" if setup.tensor_parallel > 1 else ""),
         *lines,
