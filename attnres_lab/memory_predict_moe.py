@@ -95,6 +95,40 @@ def predict_at_rows(flags: dict, launcher: str, shares: list[dict | None]) -> li
     return peaks
 
 
+def load_factor(flags: dict, shares: list[dict | None]) -> float | None:
+    """`simulate memory --moe-load-factor` as a user reads it off a run: the most-loaded EP rank's
+    rows over the balanced M, the largest over the ranks of each rank's share (the mean over its MoE
+    layers; under full checkpointing, whose backward recomputes one layer at a time, the largest)."""
+    if any(s is None for s in shares):
+        return None
+    key = "max" if flags.get("activation_checkpoint", "none") == "full" else "mean"
+    return max(1.0, max(s[key] for s in shares))
+
+
+def predict_at_factor(flags: dict, launcher: str, factor: float | None) -> list[int] | None:
+    """Each rank's activation peak from `simulate memory --moe-load-factor factor` (one F for the run:
+    every rank priced as the most-loaded one)."""
+    if factor is None:
+        return None
+    report = predict({**flags, "moe_load_factor": round(factor, 4)}, launcher)
+    return [r["activation_peak_bytes"] for r in report["memory_per_rank"]]
+
+
+def most_loaded_errors(row: dict) -> list[float] | None:
+    """Signed errors of `predicted_at_factor` against the largest counted peak among each stage's D
+    replicas (what F prices: the most-loaded rank), one per stage."""
+    at_factor = row.get("predicted_at_factor")
+    if not at_factor:
+        return None
+    stages = row["flags"]["stages"]
+    errors = []
+    for pp in range(stages):
+        ranks = range(pp, len(at_factor), stages)
+        measured = max(row["measured"][r]["activation_peak_bytes"] for r in ranks)
+        errors.append((at_factor[pp] - measured) / measured)
+    return errors
+
+
 def run(quick: bool, out_dir: Path, progress: Callable[[str], None]) -> dict:
     del out_dir
     cases = QUICK if quick else CASES
@@ -107,8 +141,10 @@ def run(quick: bool, out_dir: Path, progress: Callable[[str], None]) -> dict:
         for row in measure_case(name, case, progress, launchers=launchers):
             row["rows_over_m"] = rows_over_m(row["flags"], row.get("expert_loads"))
             if "errors" in row:
-                row["predicted_at_rows"] = predict_at_rows(row["flags"], row["counted_by"].split()[-1],
-                                                           row["rows_over_m"])
+                launcher = row["counted_by"].split()[-1]
+                row["predicted_at_rows"] = predict_at_rows(row["flags"], launcher, row["rows_over_m"])
+                row["load_factor"] = load_factor(row["flags"], row["rows_over_m"])
+                row["predicted_at_factor"] = predict_at_factor(row["flags"], launcher, row["load_factor"])
             rows.append(row)
     compared = [r for r in rows if "errors" in r]
     return {"rows": rows, "summary": summarize(compared),
@@ -125,16 +161,21 @@ def group_of(row: dict) -> str:
 
 def summarize(compared: list[dict]) -> dict:
     """Median and max activation-peak error per group: EP 1, EP 2 K=E (balanced), the two together
-    (the rows the 5% / 10% bound is held to), EP 2 K<E (the router's own routing) and the latter at
-    its counted rows (`predict_at_rows`)."""
+    (the rows the 5% / 10% bound is held to), EP 2 K<E (the router's own routing), the latter at
+    its counted rows (`predict_at_rows`) and at `--moe-load-factor` F against each stage's most-loaded
+    rank (`predict_at_factor`)."""
     groups = {}
     for row in compared:
         group, errors = group_of(row), row["errors"]["activation_peak_bytes"]
         groups.setdefault(group, []).extend(errors)
         if "K<E" not in group:
             groups.setdefault("EP 1 and EP 2 K=E (held to the bound)", []).extend(errors)
-        elif (at_rows := at_rows_errors(row)) is not None:
-            groups.setdefault(f"{group} at counted rows", []).extend(abs(e) for e in at_rows)
+        else:
+            if (at_rows := at_rows_errors(row)) is not None:
+                groups.setdefault(f"{group} at counted rows", []).extend(abs(e) for e in at_rows)
+            if (at_factor := most_loaded_errors(row)) is not None:
+                groups.setdefault(f"{group} at --moe-load-factor F, most-loaded rank per stage", []).extend(
+                    abs(e) for e in at_factor)
     return {key: {"median": statistics.median(v), "max": max(v), "ranks": len(v)} for key, v in groups.items()}
 
 
@@ -156,7 +197,7 @@ def to_markdown(payload: dict) -> str:
     table = []
     for r in payload["rows"]:
         if "errors" not in r:
-            table.append([r["name"], r["counted_by"], "-", "-", "-", "-", "-", r["skipped"]])
+            table.append([r["name"], r["counted_by"], "-", "-", "-", "-", "-", "-", "-", r["skipped"]])
             continue
         exact = "equal" if not r["mismatches"] else f"{len(r['mismatches'])} differ"
         shares = ", ".join("-" if s is None else f"{s['mean']:.2f} / {s['max']:.2f}" for s in r["rows_over_m"])
@@ -165,6 +206,8 @@ def to_markdown(payload: dict) -> str:
                       "exact" if max(r["errors"]["cache_peak_bytes"]) == 0 else
                       f"{max(r['errors']['cache_peak_bytes']):.2%}", shares,
                       "-" if at_rows is None else ", ".join(f"{e:+.2%}" for e in at_rows),
+                      "-" if r.get("load_factor") is None else f"{r['load_factor']:.2f}",
+                      "-" if (at_f := most_loaded_errors(r)) is None else ", ".join(f"{e:+.2%}" for e in at_f),
                       ", ".join(r["peak_action_per_rank"])])
     groups = [[key, str(s["ranks"]), f"{s['median']:.2%}", f"{s['max']:.2%}"] for key, s in payload["summary"].items()]
     return "\n".join([
@@ -175,11 +218,14 @@ def to_markdown(payload: dict) -> str:
         "experts' share of the last step's token-choices times EP, mean / largest over its MoE layers (1 = "
         "the balanced routing the prediction assumes). At counted rows: a diagnosis, not a prediction: the "
         "same walk with each rank's experts receiving its counted share (the mean; under AC full the "
-        "largest). Out of sample: no MoE term is fitted; the dense units are fitted on "
+        "largest). F: `simulate memory --moe-load-factor` read off the run, the largest rows / M over the "
+        "ranks (the mean over layers; AC full: the largest); at F: that prediction (one F, every rank priced "
+        "as the most-loaded one) against the largest counted peak among each stage's replicas, one per stage. "
+        "Out of sample: no MoE term is fitted; the dense units are fitted on "
         f"{payload.get('fitted_cases', '?')} tiny chunks (d <= 48), none among these shapes "
         f"(overlap: {payload.get('fitted_overlap') or 'none'}).", "",
         markdown_table(["case", "counted by", "param/grad/optimizer", "activation peak", "cache peak", "rows / M",
-                        "at counted rows", "predicted peak's action"], table), "",
+                        "at counted rows", "F", "at F (per stage)", "predicted peak's action"], table), "",
         "Activation peak error (absolute) by group:", "",
         markdown_table(["group", "ranks", "median", "max"], groups)])
 
