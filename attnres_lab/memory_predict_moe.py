@@ -88,11 +88,17 @@ def predict_at_rows(flags: dict, launcher: str, shares: list[dict | None]) -> li
     key = "max" if flags.get("activation_checkpoint", "none") == "full" else "mean"
     peaks = []
     for rank, share in enumerate(shares):
-        patched = {name: functools.partial(getattr(moe, name), rows_factor=share[key])
+        # A share below 1 is no --moe-load-factor (the knob prices the most-loaded rank): the terms are
+        # patched to take it whatever factor the walk passes.
+        patched = {name: functools.partial(_at_rows, getattr(moe, name), share[key])
                    for name in ("moe_saved_bytes", "moe_store_correction", "moe_weight_store_bytes")}
         with mock.patch.multiple(memory_activation, **patched):
             peaks.append(predict(flags, launcher)["memory_per_rank"][rank]["activation_peak_bytes"])
     return peaks
+
+
+def _at_rows(term: Callable, share: float, /, *args, **kwargs):
+    return term(*args, **{**kwargs, "rows_factor": share})
 
 
 def load_factor(flags: dict, shares: list[dict | None]) -> float | None:
