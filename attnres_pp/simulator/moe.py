@@ -59,7 +59,7 @@ def moe_saved_bytes(cfg: ModelConfig, *, tokens: int, dtype: str, expert_paralle
 
     Under expert parallelism (`pipeline.expert_parallel.ExpertSlice`) a rank's experts receive R
     rows, R = M under balanced routing (each of the EP ranks sends it M / EP of its own; a real router
-    sends more to some ranks than others, which this does not price): the grouped products' rows
+    sends more to some ranks than others: `rows_factor` below): the grouped products' rows
     are R (d + 2F + F + F), and the received rows' regrouping by local expert saves its index and
     that index's inverse (R int64 each); the all-to-alls themselves save nothing (their buffers are
     the rows above or die in the forward), and the outputs come back as the M width rows above.
