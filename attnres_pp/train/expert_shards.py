@@ -11,10 +11,11 @@ any D (and into one process, or `attnres-pp generate`).
   gathers its slices into the whole tensor (an all-to-all over "ep"), and a rank loading reads the
   whole tensor and keeps its rows.
 - Under `--dp-shard fsdp` with D > EP a slice is itself FSDP2-sharded over "edp" (`train.fsdp`): a
-  save first all-gathers it over edp (the slice is whole on the rank for that moment), and a load
-  reads the slice's rows as above and keeps its own edp rows (torch.chunk's, as FSDP2 splits), as a
-  DTensor of the parameter's own layout. So the checkpoint is the same whatever D, EP or sharding
-  wrote it, and loads into any of them.
+  save writes each rank's shard as it is, a DTensor over the stage's (ep, edp) ranks placed
+  `(Shard(0), Shard(0))` (rows split over ep, then each slice's over edp by torch.chunk, as FSDP2
+  splits it), so nothing is gathered; a load reads the slice's rows as above and keeps its own edp
+  rows, as a DTensor of the parameter's own layout. So the checkpoint is the same global tensors
+  whatever D, EP or sharding wrote it, and loads into any of them.
 """
 
 from __future__ import annotations
@@ -59,17 +60,45 @@ def whole_expert_state(state: dict, rows: dict[str, slice], collectives: Collect
         value = state[key]
         if _held(key, value, rows) is None:
             continue
-        value = _whole_slice(value)
         if mesh is not None:
             from torch.distributed.tensor import DTensor, Shard
 
-            out[key] = DTensor.from_local(value.detach(), mesh, [Shard(0)], run_check=False)
+            if _is_dtensor(value):  # FSDP2's shard over edp: written as it is
+                out[key] = _over_ep_and_edp(value, collectives.expert_mesh, ep_size)
+            else:
+                out[key] = DTensor.from_local(value.detach(), mesh, [Shard(0)], run_check=False)
             continue
+        value = _whole_slice(value)
         n_rows = value.shape[0]
         # An all-gather as an all-to-all: the same rows to every member, theirs back in ep order.
         out[key] = collectives.all_to_all(value.detach().repeat(ep_size, *[1] * (value.dim() - 1)),
                                           [n_rows] * ep_size, [n_rows] * ep_size, "ep")
     return out
+
+
+def _over_ep_and_edp(shard, expert_mesh, ep_size: int):
+    """FSDP2's edp shard of an expert slice as a shard of the whole tensor [E, ...]: a DTensor over
+    this stage's ranks arranged (ep, edp), `(Shard(0), Shard(0))`: the rows split over ep first (the
+    slices), then each slice's over edp (torch.chunk's rows, FSDP2's). The expert mesh is ("edp",
+    "ep", ...) with ep inner, so this mesh is its transpose; it only places the shards (DCP reads the
+    coordinates), so it creates no process group."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    coordinate = expert_mesh.get_coordinate()
+    ranks = expert_mesh.mesh[(slice(None), slice(None), *coordinate[2:])].transpose(0, 1)
+    mesh = DeviceMesh(expert_mesh.device_type, ranks, mesh_dim_names=("ep", "edp"), _init_backend=False)
+    shape = torch.Size((shard.shape[0] * ep_size, *shard.shape[1:]))
+    return DTensor.from_local(shard.to_local().detach(), mesh, [Shard(0), Shard(0)], run_check=False,
+                              shape=shape, stride=_contiguous_strides(shape))
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def expert_targets(rows: dict[str, slice], n_experts: int, collectives: Collectives | None
