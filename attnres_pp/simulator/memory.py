@@ -166,9 +166,10 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
                                          tensor_parallel=t, expert_parallel=ep)
                 for c in range(partition.n_chunks)] if fsdp else None
     always = fsdp and setup.reshard_after_forward == "always"
-    gathered = [chunk_gathered_bytes(cfg, partition, c, dtype=setup.dtype, tensor_parallel=t, expert_parallel=ep,
-                                     data_parallel=setup.data_parallel)
-                for c in range(partition.n_chunks)] if always else None
+    copies_by_chunk = [chunk_gathered_bytes(cfg, partition, c, dtype=setup.dtype, tensor_parallel=t,
+                                            expert_parallel=ep, data_parallel=setup.data_parallel)
+                       for c in range(partition.n_chunks)] if fsdp else None
+    gathered = copies_by_chunk if always else None
     # The slots' shapes are the hops' (the whole microbatch: the shared-memory transport is not
     # modelled under tensor parallelism, whose ranks keep their sequence shard).
     slots = [transport_slot_bytes(schedule, plan, pp_rank, tokens=setup.tokens, cfg=cfg, dtype=setup.dtype)
@@ -191,9 +192,7 @@ def predict_ranks(cfg: ModelConfig, setup: MemorySetup, schedule, partition: Par
                 # all-gathered in the compute dtype through the step: part of the peak, not of
                 # param_bytes (the activation term counts the saved ones while graphs hold them);
                 # each unit's padded buffers, less what stays whole (`chunk_gathered_bytes`).
-                gathered_at_peak = sum(chunk_gathered_bytes(cfg, partition, c, dtype=setup.dtype, tensor_parallel=t,
-                                                            expert_parallel=ep, data_parallel=setup.data_parallel)
-                                       for c in partition.chunks_of(pp_rank))
+                gathered_at_peak = sum(copies_by_chunk[c] for c in partition.chunks_of(pp_rank))
                 fixed += gathered_at_peak
             # Resharding always: the walk's peak holds the chunks unsharded at its moment (gathered_at_peak).
             ranks.append(RankMemory(terms=terms, peak_bytes=fixed + peak, peak_action=action,
