@@ -124,40 +124,37 @@ def test_tensor_parallel_groups_under_pack_run_a_zero_bubble_schedule_through_ra
 
 
 @SHARED_RAY
-def test_fsdp_through_ray_actors(local_ray, tmp_path):
-    """`--dp-shard fsdp` at D = 2 through the Ray launcher: the actors shard over their mesh's "dp"
-    dimension, end with the local launcher's losses and count their shards in `memory_per_rank`."""
+def test_fsdp_and_expert_parallel_through_ray_actors(local_ray, tmp_path):
+    """`--dp-shard fsdp --expert-parallel 2` at D = 2 through the Ray launcher, with routed experts: the
+    actors shard over their mesh's "dp" dimension and run their token all-to-alls over their gloo
+    group; the run ends with the local launcher's losses and shard bytes (the same flags) and with the
+    in-process EP = 1 replicated run's losses (tests/distributed/test_expert_parallel_gloo.py: the
+    local launcher, EP = 2 under replicate, checkpoints). One run for both: FSDP2 and the all-to-alls
+    are the worker's, the same code under either launcher; the actors' process groups serve both."""
+    moe = ["--moe-experts", "4", "--moe-top-k", "2", "--moe-shared-experts", "1", "--moe-dense-layers", "1"]
     argv = ["train", *TINY, "--stages", "1", "--virtual", "1", "--batch-size", "8", "--data-parallel", "2",
-            "--steps", "2", "--dp-shard", "fsdp", "--eval-every", "0", "--quiet"]
-    assert main([*argv, "--out", str(tmp_path / "ray")]) == 0
-    assert main([*argv, "--launcher", "local", "--out", str(tmp_path / "local")]) == 0
+            "--steps", "2", *moe, "--eval-every", "0", "--quiet"]
+    sharded = [*argv, "--expert-parallel", "2", "--dp-shard", "fsdp"]
+    assert main([*sharded, "--out", str(tmp_path / "ray")]) == 0
+    assert main([*sharded, "--launcher", "local", "--out", str(tmp_path / "local")]) == 0
+    assert main([*argv, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
     assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "local"))
+    assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "inproc"))
     got, want = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("ray", "local"))
+    pipeline = got["config"]["pipeline"]
+    assert (pipeline["expert_parallel"], pipeline["dp_shard"], pipeline["launcher"]) == (2, "fsdp", "ray")
     assert len(got["memory_per_rank"]) == 2
     whole_bytes = 4 * got["params"]  # fp32: what each replica would hold unsharded
     for entry, local_entry in zip(got["memory_per_rank"], want["memory_per_rank"], strict=True):
         for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
             assert entry[key] == local_entry[key], key
-        # Half of every parameter (FSDP2 pads dim 0 to a multiple of D), the 0-dim scales whole.
+        # Half of every parameter: FSDP2 shards what EP does not split (padding dim 0 to a multiple of
+        # D), EP halves the expert slices; the 0-dim scales and the selection bias whole.
         assert 0.5 * whole_bytes <= entry["param_bytes"] <= 0.52 * whole_bytes
 
-@SHARED_RAY
-def test_expert_parallel_through_ray_actors(local_ray, tmp_path):
-    """`--expert-parallel 2` at D = 2 through the Ray launcher: the actors' token all-to-alls run over
-    their gloo group, and the run ends with the in-process EP = 1 run's losses
-    (tests/distributed/test_expert_parallel_gloo.py: the local launcher, fsdp and checkpoints)."""
-    moe = ["--moe-experts", "4", "--moe-top-k", "2", "--moe-shared-experts", "1", "--moe-dense-layers", "1"]
-    argv = ["train", *TINY, "--stages", "1", "--virtual", "1", "--batch-size", "8", "--data-parallel", "2",
-            "--steps", "2", *moe, "--eval-every", "0", "--quiet"]
-    assert main([*argv, "--expert-parallel", "2", "--out", str(tmp_path / "ray")]) == 0
-    assert main([*argv, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
-    assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "inproc"))
-    got = json.loads((tmp_path / "ray" / "summary.json").read_text())
-    assert got["config"]["pipeline"]["expert_parallel"] == 2 and got["config"]["pipeline"]["launcher"] == "ray"
-
 
 @SHARED_RAY
-def test_ray_actors_generate_the_single_process_tokens_at_tensor_parallel_2(local_ray):
+def test_ray_actors_generate_the_single_process_tokens(local_ray):
     """`generate --launcher ray --tensor-parallel 2` at P = 2, V = 2 under PACK: two tp groups of two
     actors, each group one bundle, join the running instance (they start none), give the single
     process's greedy tokens for one sequence and for a ragged batch, and leave no placement group
