@@ -1,12 +1,12 @@
 """The Ray launcher end to end: recovery from a lost actor ends with the undisturbed losses (the single
 process's, tied embeddings held as a copy on each of two actors), tensor-parallel groups placed as one
-bundle each (training and generation at T = 2 under PACK), generation's greedy tokens, a placement no
-node can hold, a rank's set-up refusal, the fault-tolerant replica groups' recovery (only the lost
-group's actors restart) and the private local instance (the restart limit, which no launcher
-changes: tests/unit/test_checkpoint.py; its token authentication and Ctrl-C, on one run:
-test_ray_private_auth.py). A real cluster job (a head started with `ray start`, token authentication
-on, a job submitted with `ray job submit`, refused without the token) is test_multihost.py's first
-test, on two hosts.
+bundle each (training under the zero-bubble ZB-V schedule and generation at V = 2, both at T = 2
+under PACK), generation's greedy tokens, a placement no node can hold, a rank's set-up refusal, the
+fault-tolerant replica groups' recovery (only the lost group's actors restart) and the private local
+instance (the restart limit, which no launcher changes: tests/unit/test_checkpoint.py; its token
+authentication and Ctrl-C, on one run: test_ray_private_auth.py). A real cluster job (a head started
+with `ray start`, token authentication on, a job submitted with `ray job submit`, refused without
+the token) is test_multihost.py's first test, on two hosts.
 
 Most tests share one private local Ray instance of 4 logical CPUs (the Ray rank group joins an
 initialised Ray and leaves it running), so Ray's start-up is paid once.
@@ -101,119 +101,90 @@ def test_under_fault_tolerance_only_the_lost_groups_actors_restart(local_ray, tm
 
 
 @SHARED_RAY
-def test_zero_bubble_schedule_through_ray_actors(local_ray, tmp_path):
-    """`--schedule zbv` through the Ray launcher: the actors build the V placement from the schedule
-    and run I and W; the losses equal the in-process launcher's."""
-    argv = ["train", *TINY, "--steps", "2", "--schedule", "zbv", "--quiet"]
-    assert main([*argv, "--out", str(tmp_path / "ray")]) == 0
-    assert main([*argv, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
-    assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "inproc"))
-    summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
-    assert summary["fwd_hop_tensors"][1] == 0
-    check_memory_entries(summary["memory_per_rank"], 2)  # the actors count what they hold, as other ranks do
-
-
-@SHARED_RAY
-def test_tensor_parallel_groups_through_ray_actors_under_pack(local_ray, tmp_path):
-    """`--tensor-parallel 2 --stages 2 --placement PACK`: each tp group one bundle of 2 CPUs (so on one
-    node whatever the strategy), four actors whose losses equal the in-process launcher's (its rank
-    threads give the local rank processes' losses bitwise here, without starting four), the hops
-    between tp lanes in shared memory on this one node, and their tp collectives counted."""
+def test_tensor_parallel_groups_under_pack_run_a_zero_bubble_schedule_through_ray_actors(local_ray, tmp_path):
+    """`--tensor-parallel 2 --stages 2 --placement PACK --schedule zbv`: each tp group one bundle of 2
+    CPUs (so on one node whatever the strategy), four actors that build the V placement from the
+    schedule and run I and W, whose losses equal the in-process launcher's (its rank threads give the
+    local rank processes' losses bitwise here, without starting four), the hops between tp lanes in
+    shared memory on this one node, their tp collectives counted, and what each actor holds counted
+    as other ranks count it. One run for both: the schedule reaches a tp rank's actor as it reaches
+    any rank's (its worker's arguments), so the tp groups' run carries the zero-bubble checks."""
     argv = ["train", *TINY, "--steps", "2", "--quiet", "--device", "cpu", "--no-final-checkpoint",
-            "--tensor-parallel", "2", "--eval-every", "0"]
+            "--tensor-parallel", "2", "--eval-every", "0", "--schedule", "zbv"]
     assert main([*argv, "--placement", "PACK", "--out", str(tmp_path / "ray")]) == 0
     assert main([*argv, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
     assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "inproc"))
     summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
     assert summary["config"]["pipeline"]["tensor_parallel"] == 2 and summary["tp_bytes_per_step"] > 0
+    assert summary["config"]["pipeline"]["schedule"] == "zbv"
+    assert summary["fwd_hop_tensors"][1] == 0  # V placement: chunks 1 and 2 share pp rank 1, a self-hop
     assert len(summary["nodes"]) == 4 and len(set(summary["nodes"])) == 1
     assert summary["bytes_sent_per_step_by_transport"]["shm"] == summary["bytes_sent_per_step"] > 0
+    check_memory_entries(summary["memory_per_rank"], 4)  # the actors count what they hold, as other ranks do
 
 
 @SHARED_RAY
-def test_fsdp_through_ray_actors(local_ray, tmp_path):
-    """`--dp-shard fsdp` at D = 2 through the Ray launcher: the actors shard over their mesh's "dp"
-    dimension, end with the local launcher's losses and count their shards in `memory_per_rank`."""
+def test_fsdp_and_expert_parallel_through_ray_actors(local_ray, tmp_path):
+    """`--dp-shard fsdp --expert-parallel 2` at D = 2 through the Ray launcher, with routed experts: the
+    actors shard over their mesh's "dp" dimension and run their token all-to-alls over their gloo
+    group; the run ends with the local launcher's losses and shard bytes (the same flags) and with the
+    in-process EP = 1 replicated run's losses (tests/distributed/test_expert_parallel_gloo.py: the
+    local launcher, EP = 2 under replicate, checkpoints). One run for both: FSDP2 and the all-to-alls
+    are the worker's, the same code under either launcher; the actors' process groups serve both."""
+    moe = ["--moe-experts", "4", "--moe-top-k", "2", "--moe-shared-experts", "1", "--moe-dense-layers", "1"]
     argv = ["train", *TINY, "--stages", "1", "--virtual", "1", "--batch-size", "8", "--data-parallel", "2",
-            "--steps", "2", "--dp-shard", "fsdp", "--eval-every", "0", "--quiet"]
-    assert main([*argv, "--out", str(tmp_path / "ray")]) == 0
-    assert main([*argv, "--launcher", "local", "--out", str(tmp_path / "local")]) == 0
+            "--steps", "2", *moe, "--eval-every", "0", "--quiet"]
+    sharded = [*argv, "--expert-parallel", "2", "--dp-shard", "fsdp"]
+    assert main([*sharded, "--out", str(tmp_path / "ray")]) == 0
+    assert main([*sharded, "--launcher", "local", "--out", str(tmp_path / "local")]) == 0
+    assert main([*argv, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
     assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "local"))
+    assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "inproc"))
     got, want = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("ray", "local"))
+    pipeline = got["config"]["pipeline"]
+    assert (pipeline["expert_parallel"], pipeline["dp_shard"], pipeline["launcher"]) == (2, "fsdp", "ray")
     assert len(got["memory_per_rank"]) == 2
     whole_bytes = 4 * got["params"]  # fp32: what each replica would hold unsharded
     for entry, local_entry in zip(got["memory_per_rank"], want["memory_per_rank"], strict=True):
         for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
             assert entry[key] == local_entry[key], key
-        # Half of every parameter (FSDP2 pads dim 0 to a multiple of D), the 0-dim scales whole.
+        # Half of every parameter: FSDP2 shards what EP does not split (padding dim 0 to a multiple of
+        # D), EP halves the expert slices; the 0-dim scales and the selection bias whole.
         assert 0.5 * whole_bytes <= entry["param_bytes"] <= 0.52 * whole_bytes
-
-@SHARED_RAY
-def test_expert_parallel_through_ray_actors(local_ray, tmp_path):
-    """`--expert-parallel 2` at D = 2 through the Ray launcher: the actors' token all-to-alls run over
-    their gloo group, and the run ends with the in-process EP = 1 run's losses
-    (tests/distributed/test_expert_parallel_gloo.py: the local launcher, fsdp and checkpoints)."""
-    moe = ["--moe-experts", "4", "--moe-top-k", "2", "--moe-shared-experts", "1", "--moe-dense-layers", "1"]
-    argv = ["train", *TINY, "--stages", "1", "--virtual", "1", "--batch-size", "8", "--data-parallel", "2",
-            "--steps", "2", *moe, "--eval-every", "0", "--quiet"]
-    assert main([*argv, "--expert-parallel", "2", "--out", str(tmp_path / "ray")]) == 0
-    assert main([*argv, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
-    assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "inproc"))
-    got = json.loads((tmp_path / "ray" / "summary.json").read_text())
-    assert got["config"]["pipeline"]["expert_parallel"] == 2 and got["config"]["pipeline"]["launcher"] == "ray"
 
 
 @SHARED_RAY
 def test_ray_actors_generate_the_single_process_tokens(local_ray):
-    """`generate --launcher ray`: one actor per rank joins the running instance (it starts none), gives
-    the single process's greedy tokens for one sequence and for a ragged batch, and leaves no
-    placement group behind."""
+    """`generate --launcher ray --tensor-parallel 2` at P = 2, V = 2 under PACK: two tp groups of two
+    actors, each group one bundle, join the running instance (they start none), give the single
+    process's greedy tokens for one sequence and for a ragged batch, and leave no placement group
+    behind. One generator for both layouts: the V = 2 chunks and the tp groups each change what an
+    actor builds, not how the driver reaches it."""
     from attnres_pp.generate.config import GenerationConfig
     from attnres_pp.generate.engines import SingleProcessGenerator, make_generator
     from attnres_pp.generate.loop import generate, generate_batch
     from attnres_pp.pipeline.config import PipelineConfig
     from tests.pipeline_helpers import build_model, model_config
 
-    cfg = model_config("msar", n_layers=4, seq_len=16)
+    cfg = model_config("msar", n_layers=4, seq_len=16, n_heads=2)
     named = {name: p.detach().clone() for name, p in build_model(cfg).named_parameters()}
     greedy = GenerationConfig(max_new_tokens=8, prefill_chunk=2, temperature=0)
-    want = generate(SingleProcessGenerator(cfg, named), [1, 2, 3, 4, 5], greedy).tokens
-    generator = make_generator(cfg, PipelineConfig(stages=2, virtual=2, launcher="ray", timeout_s=60.0), named)
+    want = generate(SingleProcessGenerator(cfg, named), [3, 1, 4, 1, 5], greedy).tokens
+    assert len(set(want)) > 1  # a real sequence, not one token repeated
+    pipe = PipelineConfig(stages=2, virtual=2, tensor_parallel=2, launcher="ray", placement="PACK", timeout_s=60.0)
+    generator = make_generator(cfg, pipe, named, device="cpu")
     try:
         assert not generator.ranks.started_ray
-        assert generate(generator, [1, 2, 3, 4, 5], greedy).tokens == want
-        batch = [[1, 2], [1, 2, 3, 4, 5]]  # ragged: the first finishes first and leaves the batch
+        assert [(r["pp_rank"], r["tp_rank"]) for r in generator.ranks.setup_results] == [(0, 0), (0, 1), (1, 0),
+                                                                                         (1, 1)]
+        assert generate(generator, [3, 1, 4, 1, 5], greedy).tokens == want
+        batch = [[1, 2], [3, 1, 4, 1, 5]]  # ragged: the first finishes first and leaves the batch
         alone = [generate(SingleProcessGenerator(cfg, named), ids, greedy).tokens for ids in batch]
         assert [r.tokens for r in generate_batch(generator, batch, greedy)] == alone
     finally:
         generator.close()
     assert ray.is_initialized()  # the instance it joined is left running
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
-
-
-@SHARED_RAY
-def test_ray_actors_generate_the_single_process_tokens_at_tensor_parallel_2(local_ray):
-    """`generate --launcher ray --tensor-parallel 2` at P = 2 under PACK: two tp groups of two actors,
-    each group one bundle, give the single process's greedy tokens."""
-    from attnres_pp.generate.config import GenerationConfig
-    from attnres_pp.generate.engines import SingleProcessGenerator, make_generator
-    from attnres_pp.generate.loop import generate
-    from attnres_pp.pipeline.config import PipelineConfig
-    from tests.pipeline_helpers import build_model, model_config
-
-    cfg = model_config("block", n_layers=4, seq_len=16, n_heads=2)
-    named = {name: p.detach().clone() for name, p in build_model(cfg).named_parameters()}
-    greedy = GenerationConfig(max_new_tokens=8, prefill_chunk=3, temperature=0)
-    want = generate(SingleProcessGenerator(cfg, named), [3, 1, 4, 1, 5], greedy).tokens
-    assert len(set(want)) > 1  # a real sequence, not one token repeated
-    pipe = PipelineConfig(stages=2, tensor_parallel=2, launcher="ray", placement="PACK", timeout_s=60.0)
-    generator = make_generator(cfg, pipe, named, device="cpu")
-    try:
-        assert [(r["pp_rank"], r["tp_rank"]) for r in generator.ranks.setup_results] == [(0, 0), (0, 1), (1, 0),
-                                                                                         (1, 1)]
-        assert generate(generator, [3, 1, 4, 1, 5], greedy).tokens == want
-    finally:
-        generator.close()
 
 
 @SHARED_RAY
@@ -228,28 +199,6 @@ def test_a_placement_no_node_can_hold_is_refused_at_once(local_ray, tmp_path, ca
     assert "node 0: 4 CPU" in err and time.monotonic() - started < 30
 
 
-class _SetUpRank:
-    """Stands in for a rank actor's process-group set-up: rank 1 refuses it as a rank does whose
-    /dev/shm has no room (SharedMemoryFull is raised on every rank, naming the one without room), and
-    rank 0 gives up because of it, as a real peer does: only once rank 1 has refused (`refused`, a
-    file rank 1 makes first). Without that order a loaded machine could start rank 1's actor after
-    rank 0 had already failed, a failure no real rank 0 makes on its own."""
-
-    def __init__(self, rank: int, refused: str) -> None:
-        self.rank, self.refused = rank, Path(refused)
-
-    def join_process_group(self, init_method: str, world_size: int) -> dict:
-        from attnres_pp.comm.shm_transport import SharedMemoryFull
-
-        if self.rank == 1:
-            self.refused.touch()
-            raise SharedMemoryFull("rank 1: /dev/shm has no room for this run's shared-memory hop slots\n(detail)")
-        deadline = time.monotonic() + 60
-        while not self.refused.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        raise RuntimeError("rank 0 gave up: its peer left the set-up")
-
-
 @SHARED_RAY
 def test_a_setup_refusal_through_ray_is_one_line_as_under_the_local_launcher(local_ray, tmp_path):
     """The Ray driver raises a rank's set-up refusal (a ValueError, carried through Ray's task error)
@@ -258,7 +207,9 @@ def test_a_setup_refusal_through_ray_is_one_line_as_under_the_local_launcher(loc
     from attnres_pp.launch.ray_actor import join_results
     from attnres_pp.launch.ray_checks import RendezvousError
 
-    actors = [ray.remote(num_cpus=0)(_SetUpRank).remote(rank, str(tmp_path / "refused")) for rank in range(2)]
+    from .ray_setup_rank import SetUpRank
+
+    actors = [ray.remote(num_cpus=0)(SetUpRank).remote(rank, str(tmp_path / "refused")) for rank in range(2)]
     try:
         with pytest.raises(ValueError) as info:
             join_results([a.join_process_group.remote("tcp://10.0.0.1:1", 2) for a in actors], "tcp://10.0.0.1:1",

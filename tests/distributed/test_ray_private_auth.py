@@ -44,6 +44,9 @@ def test_the_private_instance_refuses_clients_without_the_token_and_ctrl_c_stops
     home.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
     env.update(HOME=str(home), PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    # Each rank sleeps 1 s before every step (attnres_pp.train.faults' pacing; no number changes): the
+    # probes and the Ctrl-C meet a run mid-training, without the actors' compute burning the CPU meanwhile.
+    env["ATTNRES_PP_SLOW_STEP_S"] = "1"
     proc = subprocess.Popen([*CLI, "train", *TINY, "--steps", "5000", "--out", str(tmp_path / "run")],
                             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, preexec_fn=_as_from_a_terminal)
