@@ -5,7 +5,7 @@ bridge, each running a Ray node, with links that `tc` shapes and that can be cut
     up --hosts N [--cpus-per-host C] [--gbps X] [--latency-ms Y]
     shape HOST --gbps X [--latency-ms Y]     unshape HOST
     partition HOST                           heal HOST
-    kill HOST                                restart HOST
+    kill HOST                                restart HOST [--no-wait]
     exec HOST -- CMD...                      down   (safe to run twice)
 
 `up` prints `{"head": "IP:6379", "dashboard": "http://IP:8265", "hosts": [{"name", "ip"}, ...],
@@ -33,8 +33,10 @@ detaches the host's link from the bridge: every packet to or from it is dropped,
 (as a cut cable); `heal` attaches it again. `kill` SIGKILLs every process in the namespace (a host
 that loses power); `restart` brings a killed or cut-off worker host back as a repaired machine
 rejoins (its link attached again, whatever is left in it ended, a fresh Ray node at the same
-address), so that one cluster can serve several disruptive runs in turn. `down` ends every process
-started in the namespaces, then deletes the namespaces, the links and the bridge.
+address), so that one cluster can serve several disruptive runs in turn; it returns once the node has
+joined, or with `--no-wait` once it is started (for a caller that waits with a Ray driver it has).
+`down` ends every process started in the namespaces, then deletes the namespaces, the links and the
+bridge.
 
 Three modules: this one (the commands and their flags), `netns_state` (the state directory and its
 files), `netns_host` (what is done to each host: the commands run, Ray nodes, name files, shaping,
@@ -227,7 +229,8 @@ def cmd_restart(args, store: State) -> dict:
             pass
     host["pid"] = hosts.start_node(state, index)
     store.save(state)
-    hosts.wait_for_nodes(state, len(state["hosts"]), hosts.UP_TIMEOUT_S)
+    if not args.no_wait:  # a caller with a Ray driver of its own waits with it: no second one started here
+        hosts.wait_for_nodes(state, len(state["hosts"]), hosts.UP_TIMEOUT_S)
     return {"host": host["name"], "restarted": True}
 
 
@@ -305,9 +308,12 @@ def parser() -> argparse.ArgumentParser:
     shape.add_argument("--gbps", type=float, required=True)
     shape.add_argument("--latency-ms", type=float, default=0.0)
     for name, what in (("unshape", "remove a host's shaping"), ("partition", "drop all of a host's traffic"),
-                       ("heal", "undo partition"), ("kill", "kill every process of a host"),
-                       ("restart", "bring a killed or cut-off worker host back with a fresh Ray node")):
+                       ("heal", "undo partition"), ("kill", "kill every process of a host")):
         sub.add_parser(name, help=what).add_argument("host")
+    restart = sub.add_parser("restart", help="bring a killed or cut-off worker host back with a fresh Ray node")
+    restart.add_argument("host")
+    restart.add_argument("--no-wait", action="store_true",
+                         help="return once the node is started, before it has joined (the caller waits for it)")
     run = sub.add_parser("exec", help="run a command in a host's namespace (RAY_ADDRESS and the token set)")
     run.add_argument("host")
     run.add_argument("command", nargs=argparse.REMAINDER)
