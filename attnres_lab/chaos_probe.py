@@ -31,12 +31,30 @@ def parents() -> dict[int, int]:
     return found
 
 
+def children(pid: int) -> set[int]:
+    """The processes whose parent is `pid` now: each of its threads' /proc children list (a child
+    is listed under the thread that forked it)."""
+    found: set[int] = set()
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:  # gone
+        return found
+    for tid in threads:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as handle:
+                found.update(int(child) for child in handle.read().split())
+        except (OSError, ValueError):  # the thread ended meanwhile
+            continue
+    return found
+
+
 def descendants(pid: int) -> set[int]:
-    """Every process below `pid` now."""
-    table = parents()
+    """Every process below `pid` now. Walked down from `pid` (the watchers call this every few
+    milliseconds: reading every process's stat, as `parents` does, cost about 6 ms of CPU a call on
+    a machine of 170 processes)."""
     found, frontier = set(), {pid}
     while frontier:
-        frontier = {child for child, parent in table.items() if parent in frontier} - found
+        frontier = set().union(*(children(parent) for parent in frontier)) - found
         found |= frontier
     return found
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from attnres_lab.chaos_probe import children
 from attnres_pp.cli import main
 from attnres_pp.launch.torchrun_channel import TorchrunEnv, _accept_rank, _digest
 from attnres_pp.launch.torchrun_rank_group import check_torchrun_run
@@ -60,17 +61,14 @@ def _rank_pids(agent_pid: int, nproc: int, deadline_s: float = 60.0) -> dict[int
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         found = {}
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
+        for pid in children(agent_pid):
             try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                environ = (entry / "environ").read_bytes().split(b"\0")
-            except (OSError, IndexError, ValueError):
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
                 continue
             rank = next((item[5:] for item in environ if item.startswith(b"RANK=")), None)
-            if ppid == agent_pid and rank is not None:
-                found[int(rank)] = int(entry.name)
+            if rank is not None:
+                found[int(rank)] = pid
         if len(found) == nproc:
             return found
         time.sleep(0.2)
