@@ -2,19 +2,24 @@
 kills (ATTNRES_PP_KILL_DURING_CHECKPOINT SIGKILLs the process at a point of a save): the child is
 killed as a fresh `python -m attnres_pp.cli` process would be, and leaves the same files, without an
 interpreter start and a torch import (~2.5 CPU-s a run). Runs whose ranks are processes of their own
-keep a fresh process (`run_cli` in the tests)."""
+keep a fresh process (`run_cli` in the tests), and so does every run once this process has started
+CUDA, which a forked child cannot use."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from dataclasses import dataclass
 
+import torch
+
 from attnres_pp.cli import main
+from tests.run_helpers import REPO
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,8 @@ class Forked:
 def run_forked(argv: list[str], timeout_s: float = 120.0, **env: str) -> Forked:
     """`train ARGV` with ENV added, in a forked child whose stdout is dropped and whose stderr is
     kept; the child is SIGKILLed and the test fails if it runs past `timeout_s`."""
+    if torch.cuda.is_initialized():
+        return _fresh_process(argv, timeout_s, env)
     with tempfile.TemporaryFile() as err:
         pid = os.fork()
         if pid == 0:  # the child: never returns into pytest
@@ -36,6 +43,13 @@ def run_forked(argv: list[str], timeout_s: float = 120.0, **env: str) -> Forked:
     if status is None:
         raise AssertionError(f"train {' '.join(argv)} ran past {timeout_s} s (killed):\n{stderr}")
     return Forked(os.waitstatus_to_exitcode(status), stderr)
+
+
+def _fresh_process(argv: list[str], timeout_s: float, env: dict[str, str]) -> Forked:
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-m", "attnres_pp.cli", "train", *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout_s, env={**os.environ, "PYTHONPATH": path, **env})
+    return Forked(done.returncode, done.stderr)
 
 
 def _child(argv: list[str], env: dict[str, str], err_fd: int) -> None:
