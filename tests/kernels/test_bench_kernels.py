@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.subprocess
+# One worker runs them all (--dist loadgroup), so that the shared child process (`runs`) starts once.
+pytestmark = [pytest.mark.subprocess, pytest.mark.xdist_group("bench-kernels-cli")]
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
