@@ -9,7 +9,6 @@ import random
 
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from attnres_pp.cli import main
 from attnres_pp.data.tokenizer import END_OF_TEXT, Tokenizer
@@ -35,6 +34,8 @@ def test_a_bpe_run_exports_its_tokenizer(bpe_run, capsys):
     folder = export(run, root / "hf")
     assert "tokenizer: the run's BPE" in capsys.readouterr().out
     ours = Tokenizer.load(root / "data")
+    from transformers import AutoTokenizer  # here, not at collection: ~2 s that only this test needs
+
     theirs = AutoTokenizer.from_pretrained(str(folder))
     text = "the lazy fox sings\n\nover gamma, quickly"
     assert theirs(text)["input_ids"] == ours.encode(text)

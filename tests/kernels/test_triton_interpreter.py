@@ -3,7 +3,9 @@ run under the Triton interpreter on CPU (TRITON_INTERPRET=1, set here and in con
 kernels are imported); with a GPU the same tests run the compiled kernels on CUDA tensors.
 
 Shapes are tiny and have tails (T and d not multiples of the tiles); small tile budgets force the
-d-chunked, key-chunked, multi-token-tile and score-pre-pass code paths. Every buffer the launchers
+d-chunked, key-chunked, multi-token-tile and score-pre-pass code paths. Under the interpreter a case
+costs about its programs (token tiles x d chunks): the small-budget cases, whose tiles hold one
+token, have 3 tokens (several tiles, no more). Every buffer the launchers
 allocate starts as NaN, so an element that no program writes fails the comparison.
 """
 
@@ -73,13 +75,13 @@ def _run_phase1(leaves, key_mode, rank, backend, dtype, d_out, d_lse):
 PHASE1_CASES = [
     # N, T, d, S, key_mode, r, tile budget (None: production sizes)
     (3, 5, 20, 3, "values", None, None),
-    (3, 5, 20, 3, "values", None, 32),  # d split over 3 programs: score pre-pass, one token per tile
+    (3, 3, 20, 3, "values", None, 32),  # d split over 3 programs: score pre-pass, one token per tile
     (2, 70, 12, 2, "values", None, None),  # two token tiles of 64, the second one short
     (1, 3, 7, 1, "values", None, None),  # N = 1, S = 1
     (3, 5, 20, 3, "projected", 6, None),
-    (3, 6, 20, 2, "projected", 6, 16),  # d and r both chunked, with tails
+    (3, 3, 20, 2, "projected", 6, 16),  # d and r both chunked, with tails
     (3, 5, 20, 3, "sliced", 6, None),
-    (2, 7, 20, 2, "sliced", 6, 16),
+    (2, 3, 20, 2, "sliced", 6, 16),
     (1, 4, 9, 1, "sliced", 3, None),
 ]
 
@@ -124,11 +126,11 @@ def _run_phase2(leaves, key_mode, rank, backend, dtype, d_h):
 
 PHASE2_CASES = [
     (5, 20, "values", None, None),
-    (5, 20, "values", None, 8),  # d chunked: each chunk re-reads the partial's row for its gate
+    (3, 20, "values", None, 8),  # d chunked: each chunk re-reads the partial's row for its gate
     (70, 12, "values", None, None),
     (1, 3, "values", None, None),
     (5, 20, "projected", 6, None),
-    (7, 20, "projected", 6, 4),
+    (3, 20, "projected", 6, 4),
     (5, 20, "sliced", 6, None),
     (6, 10, "sliced", 3, 4),
 ]
@@ -298,9 +300,9 @@ def test_key_gradient_programs_walk_several_token_tiles(monkeypatch, key_mode, r
             return launch
 
     monkeypatch.setattr(triton_keygrad, "_key_grad_kernel", Spy())
-    leaves = _phase1_inputs(3, 37, 12, 2, key_mode, rank)
-    d_out = torch.randn(2, 37, 12, dtype=torch.float64)
-    d_lse = torch.randn(2, 37, dtype=torch.float64)
+    leaves = _phase1_inputs(3, 9, 12, 2, key_mode, rank)  # 5 token tiles of 2, the last one short
+    d_out = torch.randn(2, 9, 12, dtype=torch.float64)
+    d_lse = torch.randn(2, 9, dtype=torch.float64)
     twin = _run_phase1(leaves, key_mode, rank, "torch", torch.float32, d_out, d_lse)
     fast = _run_phase1(leaves, key_mode, rank, "triton", torch.float32, d_out, d_lse)
     assert launches and all(per_group > 1 for _, per_group in launches)

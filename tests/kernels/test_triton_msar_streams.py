@@ -83,8 +83,10 @@ def _run(leaves, kernel_sizes, seq_len, width_d, backend, dtype, d_out, d_lse):
 CASES = [
     # N, seq_len, batch, d, S, kernel sizes, strided sources, tile budget, grouped-pass programs
     (3, 5, 2, 12, 2, (2, 3), True, None, None),  # m = 3, two sequences, strided sources
-    (3, 3, 2, 10, 2, (2, 5, 4), False, 64, 2),  # m = 4, a kernel longer than the sequence, grouped
-    (2, 3, 2, 10, 3, (3,), True, 32, 2),  # d chunked over programs, scores over key chunks
+    # The interpreter's cost is programs x sources: the two small-budget cases run one-token tiles,
+    # so they keep to the fewest sources and tokens that still give each pass its chunked paths.
+    (2, 3, 2, 10, 2, (2, 5, 4), False, 64, 2),  # m = 4, a kernel longer than two sequences, grouped
+    (2, 3, 1, 10, 3, (3,), True, 32, 2),  # d chunked over programs in every pass, scores over key chunks
     (1, 6, 1, 7, 1, (1, 4), False, None, None),  # N = 1, S = 1, a width-1 kernel
     (2, 70, 1, 6, 2, (3, 2), False, None, None),  # two token tiles of 64, the second one short
 ]

@@ -21,6 +21,7 @@ from attnres_pp.train.faults import KILL_DURING_CHECKPOINT
 from attnres_pp.train.shards import read_parameters
 from tests.run_helpers import assert_same_losses, losses, metrics
 
+from .forked_cli import run_forked
 from .test_crash_consistent_saves import RANKS, SINGLE, run_cli
 
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
@@ -92,8 +93,8 @@ def test_rank_processes_save_in_the_background_and_a_rank_killed_during_a_write_
 @pytest.mark.subprocess
 def test_the_driver_killed_before_committing_a_background_save_keeps_the_previous_one(tmp_path, reference):
     run = tmp_path / "run"
-    crashed = run_cli([*SINGLE, *TINY, "--async-checkpoint", "--out", str(run)],
-                      **{KILL_DURING_CHECKPOINT: "4:before-meta"})
+    crashed = run_forked([*SINGLE, *TINY, "--async-checkpoint", "--out", str(run)],
+                         **{KILL_DURING_CHECKPOINT: "4:before-meta"})  # one process: a fork of this one
     assert crashed.returncode < 0, crashed.stderr  # SIGKILL
     root = run / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4.tmp"]

@@ -3,7 +3,8 @@ points of the save of step_4 (ATTNRES_PP_KILL_DURING_CHECKPOINT=4:POINT, the dri
 `after-shard`, rank 1 of a two-process run), which leaves step_2 the newest complete checkpoint;
 `train --resume` removes what the crash left and ends with the uninterrupted run's losses. A crash
 between the two renames of a save that replaces a complete step_N leaves it as step_N.old, which
-`latest_checkpoint` finds and resuming renames back."""
+`latest_checkpoint` finds and resuming renames back. The one-process crashes run in a fork of the test's
+process (`forked_cli.run_forked`), the two-rank one in a fresh driver."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from attnres_pp.train.checkpoint import latest_checkpoint, restore_replaced_chec
 from attnres_pp.train.faults import KILL_DURING_CHECKPOINT, KILL_POINTS, KillPoint, kill_point
 from attnres_pp.train.shards import read_parameters
 from tests.run_helpers import REPO, assert_same_losses, losses
+
+from .forked_cli import run_forked
 
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
         "--microbatches", "2", "--eval-every", "0", "--steps", "4", "--checkpoint-every", "2", "--max-restarts", "0",
@@ -78,7 +81,9 @@ def test_a_crash_at_each_kill_point_leaves_step_2_and_resume_ends_as_the_uninter
     if kill.endswith("between-renames"):
         (root / "step_4").mkdir(parents=True)
         (root / "step_4" / "leftover").write_text("an interrupted copy\n")
-    crashed = run_cli([*split, *TINY, "--out", str(run)], **{KILL_DURING_CHECKPOINT: kill})
+    kill_env = {KILL_DURING_CHECKPOINT: kill}
+    argv = [*split, *TINY, "--out", str(run)]  # one process: a fork of this one; two ranks: a fresh driver
+    crashed = run_forked(argv, **kill_env) if split is SINGLE else run_cli(argv, **kill_env)
     assert crashed.returncode == code, crashed.stderr
     if code == 1:
         assert "rank 1 lost at step 4/4" in crashed.stderr, crashed.stderr

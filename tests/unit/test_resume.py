@@ -6,11 +6,8 @@ with `--resume` override the saved settings."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,19 +19,14 @@ from attnres_pp.train.checkpoint import latest_checkpoint
 from attnres_pp.train.cli import build_run_config, checkpoint_config
 from attnres_pp.train.config import RunConfig, TrainConfig
 from attnres_pp.train.faults import KILL_DURING_CHECKPOINT
-from tests.run_helpers import REPO, assert_same_losses, metrics, summary
+from tests.run_helpers import assert_same_losses, metrics, summary
+
+from .forked_cli import run_forked
 
 TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
         "--microbatches", "2", "--eval-every", "3", "--steps", "8"]
 # Non-default cadence and restart limit, so the resumed run can only have them from the checkpoint.
 SETTINGS = ["--checkpoint-every", "2", "--max-restarts", "1"]
-
-
-def run_cli(argv: list[str], **env: str) -> subprocess.CompletedProcess:
-    # This checkout first on the path, so the child runs this code whatever is installed.
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-m", "attnres_pp.cli", "train", *argv], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": path, **env})
 
 
 @pytest.mark.parametrize(
@@ -46,12 +38,12 @@ def run_cli(argv: list[str], **env: str) -> subprocess.CompletedProcess:
 )
 @pytest.mark.subprocess
 def test_sigkill_during_a_checkpoint_then_resume_alone(tmp_path, split, capsys):
-    """The crash is a child process SIGKILLed mid-save; the resume, from what it left on disk and
+    """The crash is a child process (a fork of this one) SIGKILLed mid-save; the resume, from what it left on disk and
     `--resume` alone, runs the CLI's main in this process."""
     clean, run = tmp_path / "clean", tmp_path / "run"
     assert main(["train", *split, *TINY, "--quiet", "--out", str(clean)]) == 0
 
-    crashed = run_cli([*split, *TINY, *SETTINGS, "--quiet", "--out", str(run)], **{KILL_DURING_CHECKPOINT: "4"})
+    crashed = run_forked([*split, *TINY, *SETTINGS, "--quiet", "--out", str(run)], **{KILL_DURING_CHECKPOINT: "4"})
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     root = run / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4.tmp"]
