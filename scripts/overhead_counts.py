@@ -8,7 +8,9 @@ B0..B3, per microbatch), the ops per microbatch that the pipelined path runs and
 does not, the Python calls per microbatch inside compute actions (cProfile) against one process, and
 the tensors saved for backward per microbatch (the memory meter's packs) against one process.
 
-Usage: PYTHONPATH=. python scripts/overhead_counts.py
+Usage: PYTHONPATH=. python scripts/overhead_counts.py [--by-function]
+(--by-function: also the Python calls per microbatch by function, pipelined minus one process, the
+largest 25 differences)
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import collections
 import cProfile
 import pstats
+import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -91,7 +94,21 @@ def _python_calls(profile: cProfile.Profile, per: int) -> float:
     return sum(nc for (_f, _l, _n), (_cc, nc, *_rest) in pstats.Stats(profile).stats.items()) / per
 
 
-def count(name: str) -> None:
+def _calls_by_function(profile: cProfile.Profile, per: int) -> collections.Counter:
+    calls: collections.Counter = collections.Counter()
+    for (file, line, function), (_cc, nc, *_rest) in pstats.Stats(profile).stats.items():
+        calls[f"{file.rsplit('/', 2)[-1]}:{line}:{function}"] += nc / per
+    return calls
+
+
+def print_calls_by_function(name: str, pipelined: cProfile.Profile, m: int, one: cProfile.Profile) -> None:
+    a, b = _calls_by_function(pipelined, m), _calls_by_function(one, 1)
+    extra = sorted(((a[k] - b[k], k) for k in set(a) | set(b)), key=lambda kv: -abs(kv[0]))[:25]
+    print(f"{name}: Python calls per microbatch by function, pipelined minus one process: "
+          + ", ".join(f"{k} {n:+g}" for n, k in extra if n))
+
+
+def count(name: str, by_function: bool = False) -> None:
     step, m = _pipelined_step(name)
     per_action: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
@@ -125,6 +142,8 @@ def count(name: str) -> None:
     one.disable()
     print(f"{name}: Python calls per microbatch in compute actions, pipelined {_python_calls(profile, m):g}, "
           f"one process {_python_calls(one, 1):g}")
+    if by_function:
+        print_calls_by_function(name, profile, m, one)
     packs = [0]
     original = ActivationMeter.pack
 
@@ -156,4 +175,4 @@ def pack_counted(model, inputs, targets, meter, packs):
 if __name__ == "__main__":
     torch.set_num_threads(1)
     for variant in ("standard", "block_cached"):
-        count(variant)
+        count(variant, by_function="--by-function" in sys.argv[1:])

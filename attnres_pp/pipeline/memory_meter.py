@@ -1,8 +1,8 @@
 """Counting the bytes a rank keeps for its backward (docs/spec.md section 8, `activation_peak_bytes`).
 
 `ActivationMeter.saving()` is a `torch.autograd.graph.saved_tensors_hooks` context: every tensor an
-autograd node saves while it is active is packed into a `_Held` handle that keeps the tensor (so
-memory behaves exactly as without the hook) and counts its storage. The rules, which the
+autograd node saves while it is active is packed into a handle (the tensor, its storage's count) that
+keeps the tensor (so memory behaves exactly as without the hook) and counts its storage. The rules, which the
 simulator's prediction follows:
 
 - the unit is the **storage** (`untyped_storage()`, its whole `nbytes()`): a tensor saved by several
@@ -36,6 +36,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import operator
+import weakref
 
 import torch
 
@@ -62,26 +63,23 @@ def _storage_holder(t: torch.Tensor) -> torch.Tensor:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-class _Held(tuple):
-    """A saved tensor counted by a meter: (tensor, entry, meter), the entry being the meter's
-    [handles alive, storage bytes, key] of its storage; the count drops when autograd drops this.
+class _Storage:
+    """One counted storage (or message slot): its key and bytes. Every handle to it is a plain tuple
+    (tensor, this), so dropping a handle runs no Python; the storage's bytes stop counting when its
+    last handle goes and this object with it. The meter finds it again through a weak reference
+    (`ref`), which keeps nothing alive."""
 
-    A tuple built by `tuple.__new__` (no Python `__init__`) and read back by `itemgetter(0)`: the
-    meter makes one per saved tensor, so its construction and its unpacking stay in C. A tensor
-    that is not counted (a parameter's storage, a meta tensor) is packed as a plain 1-tuple."""
-
-    __slots__ = ()
+    __slots__ = ("key", "n_bytes", "meter", "ref", "__weakref__")
 
     def __del__(self) -> None:
-        entry = self[1]
-        entry[0] -= 1
-        if not entry[0]:  # the storage's last handle: its bytes are no longer held
-            meter = self[2]
-            del meter._refs[entry[2]]
-            meter.live_bytes -= entry[1]
+        meter = self.meter
+        refs = meter._refs
+        if refs.get(self.key) is self.ref:  # not a newer entry for a storage at the same address
+            del refs[self.key]
+        meter.live_bytes -= self.n_bytes
 
 
-_new_held = tuple.__new__
+_weakref = weakref.ref
 
 
 class ActivationMeter:
@@ -93,18 +91,21 @@ class ActivationMeter:
     def __init__(self, exclude: set | None = None) -> None:
         self._exclude = set(exclude or ())
         self._slots: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
-        self._refs: dict[tuple, list] = {}  # key -> [handles alive, storage bytes, key]
+        self._special = set(self._exclude)  # excluded or slotted keys: one test per saved tensor
+        self._refs: dict[tuple, weakref.ref] = {}  # key -> weak reference to its live _Storage
         self.live_bytes = 0
         self.peak_bytes = 0
 
     def set_excluded(self, params) -> None:
         self._exclude = {storage_key(p) for p in params if not p.is_meta}
+        self._special = self._exclude | set(self._slots)
 
     def set_slots(self, slots: dict[tuple[str, int], list[tuple[int, int]]]) -> None:
         """Storages (by `storage_key`) that hold several messages, each as (first byte, bytes) per
         message slot: a saved view of one counts its slot alone, keyed by the slot."""
         self._slots = {key: ([start for start, _n in sorted(ranges)], [n for _s, n in sorted(ranges)])
                        for key, ranges in slots.items()}
+        self._special = self._exclude | set(self._slots)
 
     def _slot(self, t: torch.Tensor, key: tuple[str, int]) -> tuple[tuple, int] | None:
         """(the slot's key, its bytes) if `t` is a view into a message slot of storage `key`, else None."""
@@ -121,19 +122,20 @@ class ActivationMeter:
 
     def pack(self, t: torch.Tensor) -> tuple:
         # Called for every tensor a forward saves, so it does the least it can in Python: no device
-        # object for a CPU tensor, no attribute probes on a plain tensor, C-level handles.
+        # object for a CPU tensor, no attribute probes on a plain tensor, one set test for the rare
+        # keys, a handle built by the interpreter, and nothing in Python when a handle is dropped.
         if type(t) in _PLAIN:
             if t.is_meta:
                 return (t,)
+            storage = t.untyped_storage()
+            key = ("cpu" if t.is_cpu else t.device.type, storage.data_ptr())
             holder = t
-            device_type = "cpu" if t.is_cpu else t.device.type
         else:
             if t.is_meta or t.device.type == "meta":
                 return (t,)
             holder = _storage_holder(t)
-            device_type = holder.device.type
-        storage = holder.untyped_storage()
-        key = (device_type, storage.data_ptr())
+            storage = holder.untyped_storage()
+            key = (holder.device.type, storage.data_ptr())
         # A node that saves its own output would hold itself through the tensor's grad_fn (a
         # reference cycle that only the garbage collector frees), so a non-leaf is kept without its
         # autograd history: `.data` (same storage, cheaper than detach()) for a plain tensor, `detach()` for a
@@ -141,29 +143,31 @@ class ActivationMeter:
         # detached leaf for every saved input).
         if not t.is_leaf:
             t = t.data if holder is t else t.detach()
-        if key in self._exclude:
-            return (t,)
-        slot = self._slot(holder, key) if key in self._slots else None
-        if slot is not None:
-            key, n_bytes = slot
-        entry = self._refs.get(key)
-        if entry is None:
-            if slot is None:
-                n_bytes = storage.nbytes()
-            self._refs[key] = entry = [1, n_bytes, key]
-            self.live_bytes += n_bytes
+        slot = None
+        if key in self._special:
+            if key in self._exclude:
+                return (t,)
+            slot = self._slot(holder, key)
+            if slot is not None:
+                key = slot[0]
+        ref = self._refs.get(key)
+        entry = None if ref is None else ref()
+        if entry is None:  # the storage's first live save: its bytes start counting
+            entry = _Storage()
+            entry.key, entry.n_bytes, entry.meter = key, storage.nbytes() if slot is None else slot[1], self
+            entry.ref = self._refs[key] = _weakref(entry)
+            self.live_bytes += entry.n_bytes
             if self.live_bytes > self.peak_bytes:
                 self.peak_bytes = self.live_bytes
-        else:
-            entry[0] += 1
-        return _new_held(_Held, (t, entry, self))
+        return (t, entry)
 
     def counted(self, held) -> tuple[tuple, int] | None:
         """(its key, the bytes it is counted as) for a handle `pack` returned; None if uncounted."""
-        if not isinstance(held, _Held):
+        if len(held) != 2:
             return None
-        entry = held[1]  # [handles alive, storage bytes, key]
-        return (entry[2], entry[1]) if self._refs.get(entry[2]) is entry else None
+        entry = held[1]
+        ref = self._refs.get(entry.key)
+        return (entry.key, entry.n_bytes) if ref is not None and ref() is entry else None
 
     # What `pack` returned, back to its tensor (a C-level getter: it runs once per saved tensor).
     unpack = staticmethod(operator.itemgetter(0))

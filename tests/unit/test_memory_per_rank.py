@@ -5,6 +5,8 @@ actors: tests/distributed/test_ray.py, on its shared instance)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -51,6 +53,43 @@ def test_a_retained_graph_keeps_its_storages_until_it_is_dropped():
     torch.autograd.grad(loss, x, retain_graph=True)
     assert meter.live_bytes == 2 * 16 * 4  # x and exp(x): I keeps the graph for W
     del loss
+    assert meter.live_bytes == 0
+
+
+def test_a_graph_dropped_unrun_releases_its_storages_without_the_garbage_collector():
+    """A node that saves its own output (exp) must not hold itself through the kept tensor's grad_fn:
+    dropping the graph unrun (an aborted step) releases every storage at once, gc off."""
+    meter = ActivationMeter()
+    x = torch.randn(16, requires_grad=True)
+    gc.disable()
+    try:
+        with meter.saving():
+            y = x.exp()  # saves its output y
+            loss = (y * x).sum()  # saves y (again: one storage) and x
+        assert meter.live_bytes == 2 * 16 * 4
+        del y, loss
+        assert meter.live_bytes == 0
+        with meter.saving():  # a storage counted again after its release, at the same address or not
+            z = x.exp()
+        assert meter.live_bytes == 16 * 4 and meter.peak_bytes == 2 * 16 * 4
+        del z
+        assert meter.live_bytes == 0
+    finally:
+        gc.enable()
+
+
+def test_a_handle_reports_what_it_is_counted_as_while_its_storage_is_alive():
+    meter = ActivationMeter()
+    weight = torch.nn.Parameter(torch.randn(4))
+    meter.set_excluded([weight])
+    x = torch.randn(4, 4)
+    first, second, excluded = meter.pack(x[0]), meter.pack(x[1]), meter.pack(weight)
+    assert meter.counted(first) == meter.counted(second) == (("cpu", x.untyped_storage().data_ptr()), 64)
+    assert meter.counted(excluded) is None and meter.unpack(excluded) is weight
+    assert meter.unpack(second).data_ptr() == x[1].data_ptr() and meter.live_bytes == 64
+    del first
+    assert meter.live_bytes == 64  # the second handle still holds the storage
+    del second
     assert meter.live_bytes == 0
 
 
