@@ -3,6 +3,8 @@ the comparison rule."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from attnres_pp.model import ModelConfig, Transformer
@@ -47,6 +49,14 @@ def reference_step(cfg: ModelConfig, inputs, targets, n_microbatches: int, dtype
         (loss / n_microbatches).backward()
         total += float(loss.detach())
     return total / n_microbatches, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@functools.lru_cache(maxsize=64)
+def shared_reference_step(cfg: ModelConfig, n_microbatches: int, dtype=torch.float32, seed: int = 2):
+    """`reference_step` on `batch(n_microbatches, seed)`, computed once per worker process for cases
+    that share the model, the batch and the dtype (several layouts of one config). Read-only: the
+    gradients are shared between the tests that ask for them."""
+    return reference_step(cfg, *batch(n_microbatches, seed), n_microbatches, dtype=dtype)
 
 
 def loopback_step(cfg: ModelConfig, schedule_name: str, P: int, V: int, m: int, cache: bool, policy: str = "none", *,

@@ -1,7 +1,7 @@
 """Tensor and sequence parallelism at T = 2 under the in-process launcher: every rank a thread of this
 process, joined to torch's threaded process group (`launch.threaded_process_group`), its layers
 split by DTensor over the threads' tp mesh. The pipeline runtime's ranks (`StageWorker`) at P = 1,
-P = 2 and D = 2, and every variant x schedule x cache at P = 2 (`RUNTIME_MATRIX`): loss and every
+P = 2 and D = 2, and every variant on the loop and the V layouts at P = 2 (`RUNTIME_MATRIX`): loss and every
 gradient equal the single-process model's (fp32 to 1e-5, float64 to 1e-10), each hop pair carries
 comm.plan's bytes per rank, and the threaded process group is gone once the group stops, also after
 a rank fails; and `attnres-pp train` at T = 2 on thread ranks gives the single process's losses. No
@@ -49,12 +49,14 @@ RUNTIME_FOUR = [("block", "1f1b", 2, 1, 3, True, True), ("block", "interleaved_1
                 ("lr_sliced", "interleaved_1f1b", 2, 2, 2, False, False, {"activation_checkpoint": "selective"}),
                 ("block", "interleaved_1f1b", 1, 2, 2, True, True, {"data_parallel": 2}),
                 ("msar", "zbv", 1, 2, 2, True, True, {"data_parallel": 2})]
-# Every variant x schedule (1F1B, interleaved 1F1B, ZB-V) x cache under sequence parallelism at
-# P = 2, less the cases RUNTIME_FOUR runs. (FSDP2 shards need rank processes: they run over gloo.)
-RUNTIME_MATRIX = [case for case in ((variant, schedule, 2, virtual, 2, cache, True)
+# Every variant on two layouts under sequence parallelism at P = 2, as the parity list crosses them
+# (tests/parity/parity_cases.py): the loop placement with the fused backward (interleaved 1F1B),
+# cached, and the V placement with the split backward through the weight store (ZB-V), naive; each
+# variant thus meets both backwards and both cache modes. 1F1B (V = 1) runs Block AttnRes, LR
+# projected keys and MSAR in RUNTIME_FOUR, as do the V layout cached and the loop layout naive.
+RUNTIME_MATRIX = [case for case in ((variant, schedule, 2, 2, 2, cache, True)
                                     for variant in ("standard", "full", "block", "lr_projected", "lr_sliced", "msar")
-                                    for schedule, virtual in (("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2))
-                                    for cache in (True, False))
+                                    for schedule, cache in (("interleaved_1f1b", True), ("zbv", False)))
                   if case not in RUNTIME_FOUR]
 # Beyond the P = 1 cases the matrix is `make test`'s, not `make test-fast`'s (marker `matrix`): the
 # inner loop keeps P = 1, the float64 cases at P = 1 and 2, the failure and the CLI run.

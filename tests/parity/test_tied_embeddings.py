@@ -22,7 +22,7 @@ from attnres_pp.schedule.schedules import SCHEDULES, build_schedule, schedule_pl
 from attnres_pp.schedule.validate import validate
 from attnres_pp.train.grad_sync import TiedEmbedding, sync_gradients
 from attnres_pp.train.tied_keys import stored_key
-from tests.pipeline_helpers import MICRO, SEQ, assert_grads_match, batch, reference_step
+from tests.pipeline_helpers import MICRO, SEQ, assert_grads_match, batch, shared_reference_step
 from tests.reference_model import randomize_depth_params
 
 from .parity_cases import TIED_CASES, ParityCase
@@ -80,7 +80,7 @@ def by_checkpoint_name(models_params: list[dict]) -> dict[str, torch.Tensor]:
 def test_rank_local_tied_step_equals_single_process(case: ParityCase):
     cfg, m = case.config(), case.n_microbatches
     loss, params = rank_local_step(case)
-    want_loss, want_grads = reference_step(cfg, *batch(m), m, dtype=case.torch_dtype)
+    want_loss, want_grads = shared_reference_step(cfg, m, dtype=case.torch_dtype)
     rtol = 1e-10 if case.dtype == "float64" else 1e-5
     assert abs(loss - want_loss) <= (1e-12 if case.dtype == "float64" else rtol * abs(want_loss))
     assert_grads_match(by_checkpoint_name(params), want_grads, rtol=rtol)
