@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from attnres_pp.model import ModelConfig, Transformer
+from attnres_pp.model.layers import init_weights
 from attnres_pp.model.moe import (
     MoE,
     _grouped_mm_fits,
@@ -280,8 +281,11 @@ def _train_collapsed_router(coef: float, steps: int) -> list[float]:
     one direction that the router maps to experts 0 and 1), trained on its balance losses alone."""
     cfg = ModelConfig(**{**BASE, "moe_experts": 8}, moe_router="sigmoid", moe_bias_gamma=0.0,
                       moe_seq_aux_coef=coef)
-    torch.manual_seed(0)
-    moe = MoE(cfg).double()
+    moe = MoE(cfg)
+    # A module built alone holds its experts as `torch.empty` until the model's initialisation runs:
+    # left so, a NaN in that memory reaches the router's gradient through 0 x NaN in the backward.
+    init_weights(moe, cfg, seed=0)
+    moe = moe.double()
     g = torch.Generator().manual_seed(3)
     h_BTD = torch.randn(8, 32, 16, generator=g, dtype=torch.float64) + 0.7  # a shared mean direction
     with torch.no_grad():
