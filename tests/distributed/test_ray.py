@@ -1,23 +1,22 @@
 """The Ray launcher end to end: recovery from a lost actor ends with the undisturbed losses (the single
 process's, tied embeddings held as a copy on each of two actors), tensor-parallel groups placed as one
-bundle each (training under the zero-bubble ZB-V schedule and generation at V = 2, both at T = 2
-under PACK), generation's greedy tokens, a placement no node can hold, a rank's set-up refusal, the
-fault-tolerant replica groups' recovery (only the lost group's actors restart) and the private local
-instance (the restart limit, which no launcher changes: tests/unit/test_checkpoint.py; its token
-authentication and Ctrl-C, on one run: test_ray_private_auth.py). A real cluster job (a head started
+bundle each (training under the zero-bubble ZB-V schedule at T = 2 under PACK), generation's greedy
+tokens at V = 2, a placement no node can hold, a rank's set-up refusal, the
+fault-tolerant replica groups' recovery (only the lost group's actors restart), a D = 2 x P = 2 run
+and what a private local instance is asked for (a CPU per rank, loopback; the restart limit, which no
+launcher changes: tests/unit/test_checkpoint.py; a real private instance, its token authentication,
+where it listens and Ctrl-C, on one run: test_ray_private_auth.py). A real cluster job (a head started
 with `ray start`, token authentication on, a job submitted with `ray job submit`, refused without
 the token) is test_multihost.py's first test, on two hosts.
 
-Most tests share one private local Ray instance of 4 logical CPUs (the Ray rank group joins an
-initialised Ray and leaves it running), so Ray's start-up is paid once.
+The runs share one local Ray instance of 4 logical CPUs (the Ray rank group joins an initialised Ray
+and leaves it running), so Ray's start-up is paid once.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -33,8 +32,6 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 
 REPO = Path(__file__).resolve().parents[2]
-# This checkout's CLI, whatever `attnres-pp` on the PATH would run (an editable install elsewhere).
-CLI = [sys.executable, "-m", "attnres_pp.cli"]
 TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
         "--microbatches", "2", "--stages", "2", "--virtual", "2", "--eval-every", "3"]
 
@@ -155,11 +152,14 @@ def test_fsdp_and_expert_parallel_through_ray_actors(local_ray, tmp_path):
 
 @SHARED_RAY
 def test_ray_actors_generate_the_single_process_tokens(local_ray):
-    """`generate --launcher ray --tensor-parallel 2` at P = 2, V = 2 under PACK: two tp groups of two
-    actors, each group one bundle, join the running instance (they start none), give the single
-    process's greedy tokens for one sequence and for a ragged batch, and leave no placement group
-    behind. One generator for both layouts: the V = 2 chunks and the tp groups each change what an
-    actor builds, not how the driver reaches it."""
+    """`generate --launcher ray` at P = 2, V = 2 under PACK: two actors, each rank its bundle, join the
+    running instance (they start none), give the single process's greedy tokens for one sequence and
+    for a ragged batch, and leave no placement group behind. The V = 2 chunks and tensor parallelism
+    each change what an actor builds, not how the driver reaches it: generation at T = 2 runs on rank
+    processes and thread ranks (tests/parity/test_generate_tensor_parallel.py, the same generation
+    worker), and T = 2 actors placed as one bundle per tp group under PACK train in
+    test_tensor_parallel_groups_under_pack_run_a_zero_bubble_schedule_through_ray_actors (the same
+    Ray rank group)."""
     from attnres_pp.generate.config import GenerationConfig
     from attnres_pp.generate.engines import SingleProcessGenerator, make_generator
     from attnres_pp.generate.loop import generate, generate_batch
@@ -171,12 +171,11 @@ def test_ray_actors_generate_the_single_process_tokens(local_ray):
     greedy = GenerationConfig(max_new_tokens=8, prefill_chunk=2, temperature=0)
     want = generate(SingleProcessGenerator(cfg, named), [3, 1, 4, 1, 5], greedy).tokens
     assert len(set(want)) > 1  # a real sequence, not one token repeated
-    pipe = PipelineConfig(stages=2, virtual=2, tensor_parallel=2, launcher="ray", placement="PACK", timeout_s=60.0)
+    pipe = PipelineConfig(stages=2, virtual=2, launcher="ray", placement="PACK", timeout_s=60.0)
     generator = make_generator(cfg, pipe, named, device="cpu")
     try:
         assert not generator.ranks.started_ray
-        assert [(r["pp_rank"], r["tp_rank"]) for r in generator.ranks.setup_results] == [(0, 0), (0, 1), (1, 0),
-                                                                                         (1, 1)]
+        assert [(r["pp_rank"], r["tp_rank"]) for r in generator.ranks.setup_results] == [(0, 0), (1, 0)]
         assert generate(generator, [3, 1, 4, 1, 5], greedy).tokens == want
         batch = [[1, 2], [3, 1, 4, 1, 5]]  # ragged: the first finishes first and leaves the batch
         alone = [generate(SingleProcessGenerator(cfg, named), ids, greedy).tokens for ids in batch]
@@ -222,29 +221,55 @@ def test_a_setup_refusal_through_ray_is_one_line_as_under_the_local_launcher(loc
                                "hop slots (detail)")
 
 
-def test_data_parallel_pipeline_on_the_private_local_ray_instance(tmp_path):
-    """D = 2 replicas x P = 2 ranks: four actors placed by one placement group on a 2-core machine (the
-    private instance offers a CPU per rank, and listens on 127.0.0.1 only), ending with the in-process
-    launcher's losses, with scalars only between the driver and the actors."""
+@SHARED_RAY
+def test_data_parallel_pipeline_through_ray_actors(local_ray, tmp_path):
+    """D = 2 replicas x P = 2 ranks: four actors placed by one placement group, on the shared instance's
+    4 logical CPUs (on however many cores), ending with the in-process launcher's losses, with scalars
+    only between the driver and the actors. A private instance's own offer of a CPU per rank is
+    `test_a_private_instance_offers_a_cpu_per_rank_on_loopback`; its loopback-only node, its actors'
+    labels and their gloo on `lo` are checked on test_ray_private_auth.py's run, which starts one."""
     data = tmp_path / "corpus.txt"  # a small file: each end rank reads its own share of it
     data.write_text("".join(p.read_text() for p in sorted((REPO / "attnres_pp" / "train").glob("*.py"))))
     layout = [*TINY, "--virtual", "1", "--batch-size", "8", "--data-parallel", "2", "--steps", "3",
               "--data", str(data), "--quiet"]
     assert main(["train", *layout, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])), RAY_DEDUP_LOGS="0")
-    run = subprocess.run([*CLI, "train", *layout, "--launcher", "ray", "--out", str(tmp_path / "ray")], env=env,
-                         cwd=REPO, capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert main(["train", *layout, "--launcher", "ray", "--out", str(tmp_path / "ray")]) == 0
     summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
     assert_same_losses(summary["losses"], losses(tmp_path / "inproc"))
     assert summary["data_parallel"] == 2 and len(summary["params_per_rank"]) == 2
     assert sum(summary["params_per_rank"]) == summary["params"]
     assert 0 < summary["driver_bytes_per_step"] < 4096
     assert len(summary["cache_peak_bytes_per_rank"]) == 4
-    assert "StageActor rank=3 (dp 1, pp 1)" in run.stdout + run.stderr
-    # The private instance is the machine's alone: its node, and so the ranks' gloo, on loopback.
-    assert ", node 127.0.0.1 (" in run.stdout + run.stderr and ", lo)" in run.stdout + run.stderr
+    assert summary["config"]["pipeline"]["launcher"] == "ray"
+
+
+def test_a_private_instance_offers_a_cpu_per_rank_on_loopback(monkeypatch):
+    """Without an address the rank group starts a private instance of one logical CPU per rank on a
+    machine with fewer cores (the ranks mostly wait on each other), its node on 127.0.0.1 with Ray's
+    cluster switch off while it starts (so its servers bind loopback only) and back on after. Ray's
+    own start is stubbed: what the group asks of it is the decision under test; test_ray_private_auth.py
+    starts a real private instance and checks where it listens."""
+    from ray._private import ray_constants
+
+    from attnres_pp.launch import ray_rank_group
+
+    asked: dict = {}
+
+    def init(**kwargs):
+        asked.update(kwargs, clusters=(os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"),
+                                       ray_constants.ENABLE_RAY_CLUSTER))
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray_rank_group, "watch_private_instance", lambda _ray: None)
+    monkeypatch.setattr(ray_rank_group.os, "cpu_count", lambda: 2)
+    clusters_before = ray_constants.ENABLE_RAY_CLUSTER
+    group = ray_rank_group.RayRankGroup(4, 60.0)
+    assert group.started_ray
+    assert (asked["address"], asked["num_cpus"], asked["_node_ip_address"]) == ("local", 4, "127.0.0.1")
+    assert asked["clusters"] == ("0", False)
+    assert ray_constants.ENABLE_RAY_CLUSTER == clusters_before
 
 
 def test_multinode_example_config_loads():

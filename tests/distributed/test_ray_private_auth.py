@@ -4,8 +4,10 @@ with the user's token in ~/.ray/auth_token), and Ctrl-C stops it with the actors
 both, so the instance is started once: while it trains, a client without a token and one with a
 wrong token are refused, one with the user's token is accepted (each probe a real client of the
 instance's GCS, in its own process; the run's HOME is a fresh folder, where Ray makes the token,
-readable by the user only); then SIGINT to its process group, as a terminal sends it, ends the
-command with 130 and every process it started (Ray's and the actors)."""
+readable by the user only); the instance's node is loopback, and so its actors' gloo (`lo`), each
+actor's lines labelled with its rank and place in the mesh; then SIGINT to its process group, as a
+terminal sends it, ends the command with 130 and every process it started (Ray's and the actors).
+(The logical CPU per rank a private instance offers on a smaller machine: test_ray.py, in-process.)"""
 
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ def test_the_private_instance_refuses_clients_without_the_token_and_ctrl_c_stops
     # Each rank sleeps 1 s before every step (attnres_pp.train.faults' pacing; no number changes): the
     # probes and the Ctrl-C meet a run mid-training, without the actors' compute burning the CPU meanwhile.
     env["ATTNRES_PP_SLOW_STEP_S"] = "1"
+    env["RAY_DEDUP_LOGS"] = "0"  # each actor's set-up line, though the two differ only in numbers
     proc = subprocess.Popen([*CLI, "train", *TINY, "--steps", "5000", "--out", str(tmp_path / "run")],
                             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, preexec_fn=_as_from_a_terminal)
@@ -73,6 +76,11 @@ def test_the_private_instance_refuses_clients_without_the_token_and_ctrl_c_stops
         except subprocess.TimeoutExpired:
             raise AssertionError("the interrupted command did not exit:\n" + "".join(lines)[-3000:]) from None
         assert code == 130, "".join(lines)[-3000:]
+        reader.join(timeout=30)
+        output = "".join(lines)
+        # The ranks' set-up lines, as Ray prefixes them with each actor's label: node and gloo on loopback.
+        assert "StageActor rank=1 (dp 0, pp 1)" in output and ", node 127.0.0.1 (" in output, output[-3000:]
+        assert ", lo), gloo group of 2 via tcp://127.0.0.1:" in output, output[-3000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
