@@ -22,7 +22,9 @@ With `--moe-experts E` (and the other `--moe-*` model flags) every variant's MLP
 (docs/spec.md section 12) and only standard and Block AttnRes run: the same experts under either
 residual. Each run's balance is read from its metrics.jsonl (`moe_load_max_over_mean`, the worst
 layer's max / mean tokens per expert of a step) after the first quarter of the run
-(`quality_moe.balance_warmup`), and the results are named quality_moe_<date>.
+(`quality_moe.balance_warmup`), and from the trained model's token-choices per expert over the whole
+held-out set, counted while its loss is read (`quality_moe.ExpertChoices`); the results are named
+quality_moe_<date>.
 
 Writes quality_depth_<date>.{json,md} and quality_depth_<date>_{heatmap,dilution}.png (and, with
 experts, quality_moe_<date>_experts.png: the Block run's expert loads beside its routing) under --out
@@ -32,6 +34,7 @@ experts, quality_moe_<date>_experts.png: the Block run's expert loads beside its
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import platform
@@ -44,7 +47,15 @@ from pathlib import Path
 import torch
 
 from attnres_pp.bench.common import results_stem as common_results_stem
-from attnres_pp.bench.quality_moe import MOE_FLAGS, balance_of_run, balance_warmup, moe_markdown, moe_overrides
+from attnres_pp.bench.quality_moe import (
+    MOE_FLAGS,
+    ExpertChoices,
+    balance_of_run,
+    balance_warmup,
+    held_out_balance,
+    moe_markdown,
+    moe_overrides,
+)
 from attnres_pp.model import ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.train import RunConfig, TrainConfig, run_training
@@ -52,6 +63,7 @@ from attnres_pp.train.single_process_engine import SingleProcessEngine
 
 RUNS = Path("runs")  # the working directory's runs/ (a checkout's own, run from its root), beside benchmarks/
 DEPTH_MODEL = dict(n_layers=12, d_model=48, n_heads=4, seq_len=64)
+HELD_OUT_BATCH = 64  # windows per held-out forward (the per-batch balance reads one of these)
 BLOCK_RUN = "Block AttnRes (N=8)"
 VARIANTS = (
     ("standard", dict(residual="standard")),
@@ -113,7 +125,7 @@ def held_out_loss(model, inputs_NT: torch.Tensor, targets_NT: torch.Tensor, prob
 
     model.eval()
     total, count = 0.0, 0
-    for inputs, targets in zip(inputs_NT.split(64), targets_NT.split(64), strict=True):
+    for inputs, targets in zip(inputs_NT.split(HELD_OUT_BATCH), targets_NT.split(HELD_OUT_BATCH), strict=True):
         if probe is None:
             loss = float(model(inputs, targets))
         else:
@@ -142,7 +154,9 @@ def train_one(job: tuple) -> dict:
             from attnres_pp.model.routing import RoutingProbe
 
             probe = RoutingProbe(run_cfg.model)
-        loss = held_out_loss(engine.model, *held_out_windows(eval_bytes), probe)
+        choices = ExpertChoices(engine.model) if run_cfg.model.moe else None
+        with choices or contextlib.nullcontext():
+            loss = held_out_loss(engine.model, *held_out_windows(eval_bytes), probe)
     finally:
         engine.close()
     print(f"  {name} seed {seed}: held-out {loss:.4f} in {summary['train_time_s']:.0f} s", file=sys.stderr,
@@ -151,8 +165,8 @@ def train_one(job: tuple) -> dict:
             "train_time_s": summary["train_time_s"], "final_train_loss": summary["losses"][-1],
             "tokens_seen": summary["tokens_seen"], "model": run_cfg.model.to_dict(), "run_dir": run_dir,
             "sites": probe.summary() if probe is not None else None,
-            "balance": (balance_of_run(run_dir, balance_warmup(steps), warmup_steps, summary)
-                        if run_cfg.model.moe else None)}
+            "balance": ({**balance_of_run(run_dir, balance_warmup(steps), warmup_steps, summary),
+                         **held_out_balance(choices)} if choices is not None else None)}
 
 
 def fresh_runs_root(root: Path) -> Path:
@@ -225,7 +239,8 @@ def run(quick: bool, out_dir: Path, progress: Callable[[str], None], *, steps: i
         "wall_time_s": time.perf_counter() - start,
         "budget": {"steps": steps, "batch_size": batch_size, "seq_len": DEPTH_MODEL["seq_len"],
                    "tokens_per_run": runs[0]["tokens_seen"], "seeds": seeds,
-                   "held_out_bytes": held_out_windows(eval_bytes)[0].numel()},
+                   "held_out_bytes": held_out_windows(eval_bytes)[0].numel(),
+                   "held_out_batch_windows": HELD_OUT_BATCH},
         "model": DEPTH_MODEL,
         "moe": runs[0]["model"] if moe else None,
         "balance": [{"variant": r["variant"], "seed": r["seed"], **r["balance"]} for r in runs] if moe else None,
