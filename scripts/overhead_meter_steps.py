@@ -2,10 +2,11 @@
 overhead`'s model and pipeline (interleaved 1F1B, P = 2, V = 2, m = 8, the cache on for Block AttnRes),
 every rank's runtime over the loopback transport, the standard and Block AttnRes runs stepped in
 rotation with the meter on (`StageRuntime.meter_every_step`, the slow twin) and off (steps after the
-first metered ones, `pipeline.meter_steps`), a few seconds apart, so the machine's load falls on all
-four alike. Reported: the medians of F + B compute seconds a step (summed over ranks) and the Block /
-standard ratio with the meter on and off, whose quotient is what metering every step added to
-`pipeline_added_overhead`'s compute ratio.
+first metered ones, `pipeline.meter_steps`). Timed in CPU seconds of this thread (`time.thread_time`:
+every rank's actions run in it), which a loaded machine's waiting does not enter, whole steps
+(compute and the loopback's messages). Reported: the medians of a step's CPU seconds, the Block /
+standard ratio with the meter on and off, paired by round, and their quotient: what metering every
+step adds to the pipelined Block / standard ratio.
 
 Usage: PYTHONPATH=. python scripts/overhead_meter_steps.py [ROUNDS]   (default 8)
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 
 import torch
 
@@ -29,7 +31,7 @@ from attnres_pp.schedule.schedules import build_schedule, schedule_placement
 
 
 def pipelined(name: str):
-    """A function running one step of variant `name` (meter on or off) and returning its compute seconds."""
+    """A function running one step of variant `name` (meter on or off) and returning its CPU seconds."""
     cfg, m = ModelConfig.from_dict({**BENCH_MODEL, **VARIANTS[name][0]}), PIPELINE["microbatches"]
     torch.manual_seed(0)
     model = Transformer(cfg)
@@ -44,9 +46,11 @@ def pipelined(name: str):
     def step(meter_on: bool) -> float:
         for runtime in runtimes:
             runtime.meter_every_step = meter_on
-        records = run_loopback_step(runtimes, list(inputs.chunk(m)), list(targets.chunk(m)), 1.0 / m)
+        started = time.thread_time()
+        run_loopback_step(runtimes, list(inputs.chunk(m)), list(targets.chunk(m)), 1.0 / m)
+        spent = time.thread_time() - started
         model.zero_grad(set_to_none=True)
-        return sum(e.end_s - e.start_s for r in records for e in r.events if e.category == "compute")
+        return spent
 
     for _ in range(2):  # the metered first steps (`meter_steps.METERED_STEPS`)
         step(False)
@@ -64,12 +68,12 @@ def main(rounds: int) -> None:
             seconds[(name, on)].append(steps[name](on))
     med = {run: statistics.median(v) for run, v in seconds.items()}
     for (name, on), value in med.items():
-        print(f"{name} meter {'on ' if on else 'off'}: compute {value * 1e3:.1f} ms a step (median of {rounds})")
+        print(f"{name} meter {'on ' if on else 'off'}: {value * 1e3:.1f} CPU ms a step (median of {rounds})")
     ratio_on = statistics.median(b / s for b, s in zip(seconds[("block_cached", True)], seconds[("standard", True)],
                                                        strict=True))
     ratio_off = statistics.median(b / s for b, s in zip(seconds[("block_cached", False)],
                                                         seconds[("standard", False)], strict=True))
-    print(f"Block / standard compute, paired by round: meter on {ratio_on:.3f}, off {ratio_off:.3f}; "
+    print(f"Block / standard CPU time, paired by round: meter on {ratio_on:.3f}, off {ratio_off:.3f}; "
           f"on / off {ratio_on / ratio_off:.3f}")
     for name in steps:
         share = statistics.median(a / b for a, b in zip(seconds[(name, True)], seconds[(name, False)], strict=True))

@@ -51,7 +51,7 @@ class _Packs:
 
 
 def _pipelined_run(cfg: ModelConfig, schedule_name: str, P: int, V: int, m: int, *, policy: str, every_step: bool,
-                   packs: _Packs, batches=None):
+                   packs: _Packs):
     """N_STEPS optimiser steps (AdamW) of a pipelined run in this process: per step, (each rank's
     activation_peak_bytes, the mean loss, the meter's packs)."""
     model = build_model(cfg)
@@ -64,7 +64,7 @@ def _pipelined_run(cfg: ModelConfig, schedule_name: str, P: int, V: int, m: int,
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     steps = []
     for step in range(N_STEPS):
-        inputs, targets = batch(m, seed=10 + step) if batches is None else batches[step]
+        inputs, targets = batch(m, seed=10 + step)
         before = packs.n
         records = run_loopback_step(runtimes, list(inputs.chunk(m)), list(targets.chunk(m)), 1.0 / m)
         optimizer.step()
