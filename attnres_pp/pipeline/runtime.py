@@ -27,6 +27,7 @@ from attnres_pp.pipeline.clock import make_clock
 from attnres_pp.pipeline.executor import ActionExecutor, ExecutorView
 from attnres_pp.pipeline.graph_cut import CutCache
 from attnres_pp.pipeline.memory_meter import ActivationMeter, storage_key
+from attnres_pp.pipeline.meter_steps import MeterSteps, batch_signature, figures_can_change
 from attnres_pp.pipeline.routes import hop_shapes, message_tag
 from attnres_pp.pipeline.split_backward import WeightWork, backward_input, backward_weight, fused_backward
 from attnres_pp.pipeline.weight_store import WeightStore, drain_weight_store, stash_backward_input
@@ -84,6 +85,11 @@ class StageRuntime(ExecutorView):
         # A transport whose received tensors are views of one arena per peer (shared memory) names
         # its message slots, so that a kept view counts its message alone (`memory_meter`).
         self.memory.set_slots({storage_key(arena): ranges for arena, ranges in transport.message_slots()})
+        # The meter runs while the step's figure can change (`meter_steps`): every step where routing
+        # or a meter-read decision moves it, else the first steps of each batch shape.
+        has_weight_actions = any(a.kind == ActionKind.W for actions in schedule.rank_actions for a in actions)
+        self._meter_steps = MeterSteps(every_step=figures_can_change(chunks.values(), has_weight_actions) is not None)
+        self._metered = False  # whether the step in progress runs the meter
         # Called around every compute action (`before(action)`, `after(action)`): FSDP2's unshard and
         # reshard of the action's chunk (`train.fsdp`); None: nothing to do.
         self.compute_hooks = compute_hooks
@@ -106,8 +112,12 @@ class StageRuntime(ExecutorView):
             set_aux_scale(chunk, loss_scale)
         self._contexts: dict[tuple[int, int], _ChunkContext] = {}
         self._weight_work: dict[tuple[int, int], WeightWork | WeightStore] = {}  # I done, W to come
-        self.memory.set_excluded(p for chunk in self.chunks.values() for p in chunk.parameters())
-        self.memory.reset_peak()
+        # `start` on every training step (it follows the batch's shape), before the slow twin's flag.
+        self._metered = not forward_only and (self._meter_steps.start(batch_signature(inputs_by_mb, targets_by_mb))
+                                              or self.meter_every_step)
+        if self._metered:
+            self.memory.set_excluded(p for chunk in self.chunks.values() for p in chunk.parameters())
+            self.memory.reset_peak()
         self.record = StepRecord()
         # The last chunk's losses stay on the device until finish_step: a float() per microbatch
         # would make the host wait for the GPU after every last-chunk forward.
@@ -158,7 +168,9 @@ class StageRuntime(ExecutorView):
             raise RuntimeError(f"rank {self.pp_rank}: (chunk, microbatch) {sorted(self._weight_work)} ran I "
                                "but never W")
         self.record.cache_peak_bytes = self.cache.peak_held_bytes
-        self.record.activation_peak_bytes = self.memory.peak_bytes
+        if not self._forward_only:  # an unmetered step reports the metered steps' figure
+            self.record.activation_peak_bytes = self._meter_steps.finish(
+                self.memory.peak_bytes if self._metered else None)
         return self.record
 
     # ---- compute handlers (the executor runs the communication actions) ----
@@ -172,7 +184,7 @@ class StageRuntime(ExecutorView):
         idx = self._inputs_by_mb[mb] if chunk.is_first else None
         targets = self._targets_by_mb[mb] if chunk.is_last else None
         with torch.no_grad() if self._forward_only else contextlib.nullcontext():
-            produced, loss = chunk(inputs, idx, targets, meter=None if self._forward_only else self.memory)
+            produced, loss = chunk(inputs, idx, targets, meter=self.memory if self._metered else None)
         self.executor.forward_outputs(action, inputs, produced)
         if loss is not None:
             self._losses_on_device[mb] = loss.detach()
@@ -189,6 +201,9 @@ class StageRuntime(ExecutorView):
     # a fraction of the memory between I and W; `simulator.memory` predicts it). True: I keeps the
     # whole graph for W (`split_backward`), the slow twin the store is tested against.
     split_retains_graph = False
+    # True: the meter runs on every step (the slow twin `meter_steps`' figures are tested against);
+    # False: on the steps whose figure can differ from the last metered one (`meter_steps`).
+    meter_every_step = False
 
     def _backward_input(self, action: Action) -> None:
         """I: what B sends and deposits, and none of the parameters' gradients but the cheap ones."""
@@ -197,7 +212,8 @@ class StageRuntime(ExecutorView):
         if self.split_retains_graph:
             work = backward_input(roots, root_grads, leaves, self._cuts, action.chunk_index)
         else:
-            work = stash_backward_input(roots, root_grads, leaves, self._cuts, action.chunk_index, self.memory)
+            work = stash_backward_input(roots, root_grads, leaves, self._cuts, action.chunk_index,
+                                        self.memory if self._metered else None)
         self._weight_work[(action.chunk_index, action.microbatch_index)] = work
         self._emit_input_grads(action, ctx, outside)
 

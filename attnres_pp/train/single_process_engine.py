@@ -22,7 +22,8 @@ from attnres_pp.model.moe import (
 from attnres_pp.model.routing import RoutingProbe, attach_probe, routing_metrics
 from attnres_pp.pipeline.chunk import PipelineChunk
 from attnres_pp.pipeline.config import PipelineConfig
-from attnres_pp.pipeline.memory_meter import ActivationMeter
+from attnres_pp.pipeline.memory_meter import ActivationMeter, optional_saving
+from attnres_pp.pipeline.meter_steps import MeterSteps, batch_signature, figures_can_change
 from attnres_pp.train.background_save import ONE_PROCESS_TIMEOUT_S
 from attnres_pp.train.config import TrainConfig
 from attnres_pp.train.loop import StepResult
@@ -41,6 +42,8 @@ class SingleProcessEngine(ShardSaves):
     visible; `self.train_cfg` holds the resolved device, dtype and kernels."""
 
     timeout_s = ONE_PROCESS_TIMEOUT_S  # bounds a background checkpoint write
+    # True: the meter runs on every step, the slow twin of `pipeline.meter_steps` (as `StageRuntime`'s).
+    meter_every_step = False
 
     def __init__(self, model_cfg: ModelConfig, train_cfg: TrainConfig, *, corpus: Corpus | None = None) -> None:
         torch.set_num_threads(train_cfg.threads)
@@ -62,6 +65,8 @@ class SingleProcessEngine(ShardSaves):
             self._whole = PipelineChunk(self.model, make_partition(model_cfg.n_layers, 1, 1), 0,
                                         self.model.stream_convs, train_cfg.activation_checkpoint)
         self.memory = ActivationMeter()  # what the forwards save for backward (docs/spec.md section 8)
+        # The meter runs while the step's figure can change (`pipeline.meter_steps`).
+        self._meter_steps = MeterSteps(every_step=figures_can_change([self.model], False) is not None)
 
     @property
     def corpus(self) -> Corpus:
@@ -83,21 +88,25 @@ class SingleProcessEngine(ShardSaves):
         self.model.train()
         total_loss = 0.0
         inputs_BT, targets_BT = inputs_BT.to(self.device), targets_BT.to(self.device)
-        self.memory.set_excluded(self.model.parameters())
-        self.memory.reset_peak()
+        metered = self._meter_steps.start(batch_signature([inputs_BT], [targets_BT])) or self.meter_every_step
+        meter = self.memory if metered else None
+        if metered:
+            self.memory.set_excluded(self.model.parameters())
+            self.memory.reset_peak()
         set_aux_scale(self.model, 1.0 / m)
         for inputs_bT, targets_bT in zip(inputs_BT.chunk(m), targets_BT.chunk(m), strict=True):
             if self._whole is None:
-                with self.memory.saving():
+                with optional_saving(meter):
                     loss = self.model(inputs_bT, targets_bT)
             else:
-                loss = self._whole({}, inputs_bT, targets_bT, meter=self.memory)[1]
+                loss = self._whole({}, inputs_bT, targets_bT, meter=meter)[1]
             (loss / m).backward()
             total_loss += float(loss.detach())
         held_grad_bytes = grad_bytes(self.model.parameters())  # before the optimizer step drops them
+        activation_peak_bytes = self._meter_steps.finish(self.memory.peak_bytes if metered else None)
         grad_norm = optimizer_step(self.optimizer, self.model.parameters(), lr, self.train_cfg.grad_clip)
         memory = memory_entry(self.model.parameters(), self.optimizer, grad_bytes=held_grad_bytes,
-                              activation_peak_bytes=self.memory.peak_bytes,
+                              activation_peak_bytes=activation_peak_bytes,
                               cache_peak_bytes=0, device=self.device)
         moe_extras, moe_metrics = self._balance_experts()
         return StepResult(loss=total_loss / m, metrics={"grad_norm": grad_norm, **moe_metrics},
