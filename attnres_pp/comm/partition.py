@@ -71,7 +71,11 @@ class Partition:
 
     def chunks_of(self, pp_rank: int) -> list[int]:
         """The chunks of `pp_rank` in the order a microbatch visits them."""
-        return [c for c in range(self.n_chunks) if self.rank_of(c) == pp_rank]
+        if not 0 <= pp_rank < self.n_stages:
+            return []
+        if self.placement == "loop":  # chunk c on rank c % P
+            return list(range(pp_rank, self.n_chunks, self.n_stages))
+        return [pp_rank, 2 * self.n_stages - 1 - pp_rank]  # vshape: down the V and back up
 
     def is_self_hop(self, chunk_index: int) -> bool:
         """True if hop `chunk_index` -> `chunk_index + 1` joins two chunks of one rank (in memory)."""

@@ -7,6 +7,7 @@ block completes, how many sources the final read sees.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -296,6 +297,7 @@ class ModelConfig:
         return len(self.block_ends)
 
 
+@functools.cache  # a few distinct shapes, asked for by every feature of the planner's memory model
 def block_ends_of(n_sublayers: int, *, block_size: int = 1, blocks: int = 0) -> tuple[int, ...]:
     """Block boundaries of docs/spec.md section 1.2: with `blocks` = N > 0, block i (1-based) ends after sublayer
     ceil(L i / N), spreading the remainder; otherwise every `block_size` sublayers, the last block short."""

@@ -45,7 +45,8 @@ def units_key(cfg: ModelConfig, dtype: str) -> str:
 
 
 def _linear(features: dict[str, float], coefficients: dict[str, float]) -> float:
-    return sum(coefficients.get(name, 0.0) * value for name, value in features.items())
+    # A feature without a coefficient adds 0.0: skipping it leaves the sum, in the same order, unchanged.
+    return sum(coefficients[name] * value for name, value in features.items() if name in coefficients)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,8 @@ units of `memory_units.json` multiply (`attnres_lab.memory_units` fits them, `si
 
 from __future__ import annotations
 
+import functools
+
 from attnres_pp.comm.partition import Partition
 from attnres_pp.model.config import ModelConfig, block_of, block_stop, completed_blocks, has_partial_before
 from attnres_pp.simulator.layer_recipe import layer_ff, layer_matmul_elements
@@ -156,7 +158,15 @@ CHECKPOINT_FEATURES = tuple(f"all_{n}" for n in _PASS) + tuple(f"last_{n}" for n
 def _layer_pass(cfg: ModelConfig, sublayers: range, *, tokens: int, n_sequences: int, dtype: str,
                 split: int = 1, tensor_parallel: int = 1) -> dict[str, float]:
     """The `_PASS` features of one transformer layer run as its own pass (sublayers 2i, 2i + 1);
-    `tokens` are the rank's, `split` divides the heads' and hidden units' features (tp without SP)."""
+    `tokens` are the rank's, `split` divides the heads' and hidden units' features (tp without SP).
+    A copy: the planner asks for the same few passes tens of thousands of times."""
+    return dict(_layer_pass_cached(cfg, sublayers, tokens=tokens, n_sequences=n_sequences, dtype=dtype, split=split,
+                                   tensor_parallel=tensor_parallel))
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_pass_cached(cfg: ModelConfig, sublayers: range, *, tokens: int, n_sequences: int, dtype: str,
+                       split: int, tensor_parallel: int) -> dict[str, float]:
     layer = sublayers.start // 2 if cfg.moe else None
     t, d, f, width = tokens, cfg.d_model, layer_ff(cfg, layer), cfg.source_width
     r = cfg.key_rank if cfg.residual == "lr_attnres" else 0

@@ -19,6 +19,7 @@ The model of a step (all of it stated in docs/simulator.md's worked example):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -98,6 +99,11 @@ def mode_model(cfg: ModelConfig, mode: str) -> tuple[ModelConfig, bool]:
     return attnres, mode == "cached"
 
 
+@functools.lru_cache(maxsize=256)  # the planner prices tens of thousands of chunks of a few models
+def _with_residual(cfg: ModelConfig, residual: str, **changes) -> ModelConfig:
+    return dataclasses.replace(cfg, residual=residual, **changes)
+
+
 def chunk_seconds(cfg: ModelConfig, partition: Partition, chunk_index: int, *, tokens: int, dtype_bytes: int,
                   cluster: Cluster, tensor_parallel: int = 1, sequence_parallel: bool = False) -> float:
     """Forward seconds of one microbatch through a chunk (matmuls + memory-bound reads and adds).
@@ -107,11 +113,10 @@ def chunk_seconds(cfg: ModelConfig, partition: Partition, chunk_index: int, *, t
     rank's tokens: 1/T of them under sequence parallelism, all of them without it. The tp collectives
     are `tensor_parallel.chunk_tp_seconds`, priced apart."""
     shard = tensor_parallel if sequence_parallel else 1
-    plain = dataclasses.replace(cfg, residual="standard", block_size=1)
+    plain = _with_residual(cfg, "standard", block_size=1)
     flops = sum(sublayer_forward_flops(plain, s, tokens) for s in partition.sublayer_range(chunk_index))
     flops /= tensor_parallel
-    work = chunk_work(dataclasses.replace(cfg, residual="attnres") if cfg.uses_depth_attention else cfg,
-                      partition, chunk_index)
+    work = chunk_work(_with_residual(cfg, "attnres") if cfg.uses_depth_attention else cfg, partition, chunk_index)
     if work.has_head:
         flops += 2.0 * tokens * cfg.d_model * cfg.vocab_size / shard
     tensor = tokens * cfg.source_width * dtype_bytes / shard

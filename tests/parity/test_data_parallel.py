@@ -18,7 +18,7 @@ from attnres_pp.train.engines import make_engine
 from attnres_pp.train.grad_sync import flat_buckets, sync_gradients
 from attnres_pp.train.rank_data import RankData
 from attnres_pp.train.single_process_engine import SingleProcessEngine
-from tests.pipeline_helpers import MICRO, assert_grads_match, batch, model_config, reference_step
+from tests.pipeline_helpers import MICRO, assert_grads_match, batch, model_config, shared_reference_step
 from tests.reference_model import VARIANTS, randomize_depth_params
 from tests.run_helpers import REPO
 
@@ -78,7 +78,7 @@ def test_data_parallel_step_equals_single_process(variant, layout, cache):
     inputs, targets = batch(D * m)
     records = engine.ranks.call("backward", [(0, b) for b in engine.rank_batches(inputs, targets)])
     loss = sum(loss for r in records for loss in r.losses.values()) / (D * m)
-    want_loss, want_grads = reference_step(cfg, inputs, targets, D * m)
+    want_loss, want_grads = shared_reference_step(cfg, D * m)  # `batch(D * m)`'s, once per variant and D x m
     assert sum(len(r.losses) for r in records) == D * m
     assert abs(loss - want_loss) <= 1e-5 * abs(want_loss)
     assert_grads_match(synced_grads(engine), want_grads, rtol=1e-5)

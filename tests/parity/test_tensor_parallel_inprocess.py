@@ -22,7 +22,7 @@ from attnres_pp.pipeline.stage_setup import run_partition
 from attnres_pp.simulator.tensor_parallel import TensorParallel, layer_collectives
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.stage_worker import StageWorker
-from tests.pipeline_helpers import MICRO, assert_grads_match, batch, reference_step
+from tests.pipeline_helpers import MICRO, assert_grads_match, batch, shared_reference_step
 from tests.reference_model import randomize_depth_params
 
 from ..distributed.test_tensor_parallel_gloo import T, tp_run_dict, variant_has_plain_collectives
@@ -116,7 +116,8 @@ def _run(case, dtype=torch.float32):
         replies = group.call_all("parity_step", inputs, targets)
     finally:
         group.stop(graceful=True)
-    return run_cfg, replies, reference_step(run_cfg.model, inputs, targets, D * m, dtype=dtype)
+    # `batch(D * m)`'s single-process step, once per model, batch and dtype (40 cases, 16 of them)
+    return run_cfg, replies, shared_reference_step(run_cfg.model, D * m, dtype=dtype)
 
 
 def _check(case, dtype, rtol):

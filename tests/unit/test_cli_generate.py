@@ -119,13 +119,14 @@ def test_a_batch_prints_one_object_per_prompt_in_order_each_as_alone(run_dir, tm
 
 
 def test_generation_runs_past_the_trained_length_the_same_pipelined(run_dir, capsys):
-    """A rotary-position run (seq_len 16) generates 40 tokens after a 20-byte prompt, its caches
-    sliding over a window of 6: the same greedy tokens in one process, pipelined, and tensor-parallel."""
-    argv = ["generate", "--resume", str(run_dir), "--prompt", "def add(a, b): retur", "--max-new-tokens", "40",
+    """A rotary-position run (seq_len 16) generates 16 tokens after a 20-byte prompt (to position 36,
+    past 2 x seq_len), its caches sliding over a window of 6: the same greedy tokens in one process,
+    pipelined, and tensor-parallel."""
+    argv = ["generate", "--resume", str(run_dir), "--prompt", "def add(a, b): retur", "--max-new-tokens", "16",
             "--window", "6", "--temperature", "0", "--json"]
     assert main(argv) == 0
     single = _lines(capsys.readouterr().out)[0]
-    assert len(single["tokens"]) == 40 and single["prompt_tokens"] == 20
+    assert len(single["tokens"]) == 16 and single["prompt_tokens"] == 20
     assert main([*argv, "--stages", "2", "--launcher", "inprocess", "--prefill-chunk", "3"]) == 0
     assert _lines(capsys.readouterr().out)[0]["tokens"] == single["tokens"]
     assert main([*argv, "--stages", "2", "--tensor-parallel", "2", "--launcher", "inprocess"]) == 0
