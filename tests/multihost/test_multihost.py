@@ -158,7 +158,12 @@ class Cluster:
             print(f"a fresh prober after: {first}")
             answer = self._ask_prober(str(nodes), timeout=180)
         alive, free, total = answer.split()
-        assert int(alive) == nodes and float(free) == float(total) > 0, answer
+        assert int(alive) == nodes and float(free) == float(total) > 0, f"{answer}\n{self._node_logs()}"
+
+    def _node_logs(self) -> str:
+        """The end of each host's `ray start` log: why a node did not join, when one did not."""
+        logs = [(self.state_dir / f"{host['name']}.log") for host in self.info["hosts"]]
+        return "\n".join(f"{log.name}: {log.read_text(errors='replace')[-1500:]}" for log in logs if log.exists())
 
     def _ask_prober(self, line: str, timeout: float) -> str:
         """`line` to the cluster's prober (a Ray driver in the head's namespace, started at the first
