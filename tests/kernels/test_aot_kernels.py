@@ -51,6 +51,7 @@ def builds(tmp_path_factory) -> tuple[Run, Run, Path]:
 
 @pytest.mark.subprocess
 @pytest.mark.xdist_group("aot-kernels")  # one worker builds `builds` once
+@pytest.mark.timeout(600)  # both runs in this test's set-up: 300 s each, as when each test ran its own
 def test_small_grid_builds_every_kernel_for_hopper_without_spills(builds):
     result, _oversized, out = builds
     assert result.returncode == 0, result.stdout + result.stderr
@@ -65,6 +66,7 @@ def test_small_grid_builds_every_kernel_for_hopper_without_spills(builds):
 
 @pytest.mark.subprocess
 @pytest.mark.xdist_group("aot-kernels")
+@pytest.mark.timeout(600)
 def test_an_oversized_tile_budget_is_reported_as_a_spill(builds):
     # One kernel family is enough to reach the spill check, which reads every build's ptxas report alike.
     _small, result, _out = builds

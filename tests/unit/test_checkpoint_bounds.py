@@ -286,9 +286,11 @@ def cli_refusals(trained_run, tmp_path_factory) -> dict[str, Run]:
     """Each CLI command of CLI_COMMANDS on its own damaged copy, all in one fresh interpreter
     (`tests.cli_batch`): each run's exit code and stderr as a process of its own would give them."""
     argvs = [_hostile_cli_argv(trained_run, tmp_path_factory.mktemp("cli"), command) for command in CLI_COMMANDS]
-    return dict(zip(CLI_COMMANDS, run_cli_batch(argvs, timeout_s=480, OMP_NUM_THREADS="1"), strict=True))
+    return dict(zip(CLI_COMMANDS, run_cli_batch(argvs, timeout_s=960, OMP_NUM_THREADS="1"), strict=True))
 
 
+# The four runs share the first test's set-up: 240 s each, as when each test ran its own.
+@pytest.mark.timeout(1200)
 @pytest.mark.parametrize("command", CLI_COMMANDS)
 @pytest.mark.subprocess
 def test_each_cli_refuses_with_one_error_line(cli_refusals, command):

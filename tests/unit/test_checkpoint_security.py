@@ -167,7 +167,8 @@ def fresh_refusals(trained_run, tmp_path_factory) -> tuple[dict[str, Run], Path]
 # The reported attack goes through the CLI in a fresh interpreter (the exit status and stderr of
 # `python -m attnres_pp.cli`); the other gadgets through the same `main` in this process.
 @pytest.mark.parametrize(("name", "fresh"), [
-    pytest.param(FRESH, True, marks=pytest.mark.subprocess),
+    # both fresh runs in the first one's set-up: 240 s each, as when each test ran its own
+    pytest.param(FRESH, True, marks=[pytest.mark.subprocess, pytest.mark.timeout(600)]),
     ("os.system by GLOBAL", False), ("REDUCE on an admitted class", False)])
 @pytest.mark.parametrize("command", ["train", "generate"])
 def test_resume_from_a_hostile_checkpoint_is_one_error_line(request, trained_run, tmp_path, marker, name, fresh,
