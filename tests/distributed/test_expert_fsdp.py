@@ -4,17 +4,14 @@ a rank holds one expert of each MoE layer. In four gloo rank processes (P = 1): 
 every gradient equal the single process's (fp32, 1e-5; the expert gradient is the mean over all D
 replicas' batches although its reduce-scatter runs over two); two AdamW steps with active clipping
 and aux-free balancing keep the single process's losses, norms and selection biases (equal on every
-replica); the held bytes are what `simulate memory` prices. Checkpoints: the sharded run resumes at
-EP = 1, D = 2 (replicate), and an EP = 1 thread-rank checkpoint resumes at EP = 2, D = 4, fsdp, both
-to the uninterrupted losses."""
+replica); the held bytes are what `simulate memory` prices. The CLI run at EP = 2, D = 4 under fsdp,
+its losses against EP = 1 and its checkpoints into another EP and D: test_expert_fsdp_save.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from attnres_pp.cli import main
-from tests.run_helpers import assert_same_losses, summary
 from tests.spawn_helpers import spawn_ranks
 
 pytestmark = pytest.mark.distributed
@@ -147,29 +144,3 @@ def _partition(cfg):
     from attnres_pp.comm.partition import make_partition
 
     return make_partition(cfg.model.n_layers, cfg.pipeline.stages, cfg.pipeline.virtual)
-
-
-TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "8", "--microbatches",
-        "2", "--eval-every", "0", "--quiet", "--stages", "1", "--residual", "attnres", "--block-size", "3",
-        "--steps", "3", "--moe-experts", "4", "--moe-top-k", "2", "--moe-shared-experts", "1",
-        "--moe-dense-layers", "1", "--checkpoint-every", "2", "--no-final-checkpoint"]
-
-
-def test_sharded_slices_checkpoint_into_another_ep_and_d(tmp_path):
-    """EP = 2, D = 4 under fsdp (rank processes) equals EP = 1, D = 4 (thread ranks); the fsdp run's
-    step-2 checkpoint resumes at EP = 1, D = 2, replicate, and the EP = 1 run's at EP = 2, D = 4,
-    fsdp, both to the uninterrupted losses."""
-    ep1, ep2 = tmp_path / "ep1", tmp_path / "ep2"
-    assert main(["train", *TINY, "--data-parallel", "4", "--launcher", "inprocess", "--out", str(ep1)]) == 0
-    assert main(["train", *TINY, "--data-parallel", "4", "--launcher", "local", "--expert-parallel", "2",
-                 "--dp-shard", "fsdp", "--out", str(ep2)]) == 0
-    want = summary(ep1)["losses"]
-    assert_same_losses(summary(ep2)["losses"], want, what="EP 2 D 4 fsdp vs EP 1")
-    for run, (d, ep, shard) in ((ep2, (2, 1, "replicate")), (ep1, (4, 2, "fsdp"))):
-        (run / "summary.json").unlink()
-        assert main(["train", "--resume", str(run), "--launcher", "local", "--data-parallel", str(d),
-                     "--expert-parallel", str(ep), "--dp-shard", shard, "--quiet"]) == 0
-        resumed = summary(run)
-        pipe = resumed["config"]["pipeline"]
-        assert (pipe["data_parallel"], pipe["expert_parallel"], pipe["dp_shard"]) == (d, ep, shard)
-        assert_same_losses(resumed["losses"], want, what=f"resumed at D {d}, EP {ep}, {shard}")

@@ -34,8 +34,14 @@ def train_argv(schedule: str, virtual: int, dp_shard: str, out) -> list[str]:
             "--dp-shard", dp_shard, "--launcher", "local" if dp_shard == "fsdp" else "inprocess", "--out", str(out)]
 
 
-@pytest.mark.parametrize("dp_shard", DP_SHARDS)
-@pytest.mark.parametrize("schedule,virtual", LAYOUTS)
+# Every layout replicated (thread ranks), and 1F1B under FSDP2. ZB-V's and interleaved 1F1B's V = 2
+# placements under FSDP2 are RECIPE_RUNS' fsdp runs: the same MSAR model, layout and shards, with
+# MQA heads, QK-norm and GELU (ZB-V) or tied embeddings (interleaved) on top; the plain layer's
+# SwiGLU and full-head shapes and the untied LM head under FSDP2 are 1F1B's, and the expert run's.
+REAL_RUNS = [(schedule, virtual, "replicate") for schedule, virtual in LAYOUTS] + [("1f1b", 1, "fsdp")]
+
+
+@pytest.mark.parametrize("schedule,virtual,dp_shard", REAL_RUNS)
 def test_predicted_held_bytes_equal_a_real_run(tmp_path, schedule, virtual, dp_shard):
     m = MODEL
     assert main(train_argv(schedule, virtual, dp_shard, tmp_path)) == 0

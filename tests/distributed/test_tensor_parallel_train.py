@@ -36,7 +36,10 @@ def runs(tmp_path_factory):
     kernels up to 12), without checkpoints. The T = 2 runs are local rank processes over gloo; the
     T = 1 references run on thread ranks (`--launcher inprocess`, whose losses, clipping norms, hop
     bytes, held bytes and checkpoint are the local processes' at T = 1), which start no process:
-    the resumes from t1 load a checkpoint of the same format into local rank processes."""
+    the resumes from t1 load a checkpoint of the same format into local rank processes. bf16 at
+    T = 2, P = 2 runs on thread ranks too (their losses and hop bytes are the local processes',
+    `test_an_in_process_tensor_parallel_run_trains_as_the_local_one`); bf16 over gloo at T = 2 is
+    the FSDP2 run `bf`, and bf16 hops between rank processes test_fsdp.py's bf16 run."""
     root = tmp_path_factory.mktemp("tp_train")
     msar = ["--residual", "msar", "--seq-len", "32", "--no-final-checkpoint", "--checkpoint-every", "0",
             "--eval-every", "0"]
@@ -44,7 +47,7 @@ def runs(tmp_path_factory):
     threads = ["--launcher", "inprocess"]
     for name, flags in (("t1", threads), ("t2", ["--tensor-parallel", "2"]), ("m1", [*msar, *threads]),
                         ("m2", [*msar, "--tensor-parallel", "2"]), ("b1", [*bf16, *threads]),
-                        ("b2", [*bf16, "--tensor-parallel", "2"])):
+                        ("b2", [*bf16, "--tensor-parallel", "2", *threads])):
         assert main([*RUN, "--stages", "2", *flags, "--out", str(root / name)]) == 0
     # FSDP2 over dp composed with the tp split (D = 2 replicas of T = 2 ranks, P = 1), checkpointed
     assert main([*RUN, "--stages", "1", *FSDP_TP, "--out", str(root / "f2")]) == 0
@@ -133,19 +136,21 @@ def test_bf16_trains_as_the_unsplit_one(runs):
 
 # Out of and into a tp split, T, P and D all changing at once: (2, 2, 1) -> (1, 1, 2) and
 # (1, 2, 1) -> (2, 1, 2). Each replica loads the whole checkpoint into its own ranks, so these carry
-# the resumes at D = 1 ((2, 2) -> (1, 1) and (1, 2) -> (2, 1)) as their replica 0.
-@pytest.mark.parametrize(("source", "flags"), [
-    ("t2", ["--tensor-parallel", "1", "--stages", "1", "--data-parallel", "2"]),
-    ("t1", ["--tensor-parallel", "2", "--stages", "1", "--data-parallel", "2"]),
+# the resumes at D = 1 ((2, 2) -> (1, 1) and (1, 2) -> (2, 1)) as their replica 0. The resume into
+# replicated tp-split weights runs on thread ranks (the same StageWorker load); the whole checkpoint
+# into tp-split weights of rank processes is the FSDP2 resume's.
+@pytest.mark.parametrize(("source", "launcher", "flags"), [
+    ("t2", "local", ["--tensor-parallel", "1", "--stages", "1", "--data-parallel", "2"]),
+    ("t1", "inprocess", ["--tensor-parallel", "2", "--stages", "1", "--data-parallel", "2"]),
     # into and out of FSDP2 shards of tp-split weights
-    ("t1", ["--tensor-parallel", "2", "--stages", "1", "--data-parallel", "2", "--dp-shard", "fsdp"]),
-    ("f2", ["--tensor-parallel", "1", "--stages", "2", "--data-parallel", "1", "--dp-shard", "replicate"]),
+    ("t1", "local", ["--tensor-parallel", "2", "--stages", "1", "--data-parallel", "2", "--dp-shard", "fsdp"]),
+    ("f2", "local", ["--tensor-parallel", "1", "--stages", "2", "--data-parallel", "1", "--dp-shard", "replicate"]),
 ], ids=["t2p2d1-to-t1p1d2", "t1p2d1-to-t2p1d2", "t1-to-fsdp-t2d2", "fsdp-t2d2-to-t1p2"])
-def test_a_checkpoint_resumes_at_another_tensor_parallel_size(runs, tmp_path, source, flags):
+def test_a_checkpoint_resumes_at_another_tensor_parallel_size(runs, tmp_path, source, launcher, flags):
     run_dir = tmp_path / "resumed"
     shutil.copytree(runs / source, run_dir)
     shutil.rmtree(run_dir / "checkpoints" / "step_3")  # resume from step 2
-    assert main(["train", "--resume", str(run_dir), "--launcher", "local", "--quiet", *flags]) == 0
+    assert main(["train", "--resume", str(run_dir), "--launcher", launcher, "--quiet", *flags]) == 0
     resumed, uninterrupted = summary(run_dir), summary(runs / "t1")
     pipe = resumed["config"]["pipeline"]
     assert [pipe["tensor_parallel"], pipe["stages"], pipe["data_parallel"]] == [

@@ -7,13 +7,12 @@ tests can still set the interpreter)."""
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from attnres_pp.kernels import aot
+from tests.cli_batch import Run, run_cli_batch
 from tests.run_helpers import REPO
 
 SCRIPT = REPO / "scripts" / "aot_kernels.py"
@@ -31,27 +30,34 @@ def _tools_missing() -> str | None:
     return f"triton bundles no {', '.join(missing)}" if missing else None
 
 
-def _run(*args):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=600)
+SMALL_GRID = ["--grid", "small", "--arch", "90"]
 
 
 @pytest.fixture(scope="module")
-def tools():
+def builds(tmp_path_factory) -> tuple[Run, Run, Path]:
+    """The small grid (its builds written as JSON) and, after it, the same grid's phase-2 kernels at an
+    oversized tile budget, run as `python scripts/aot_kernels.py ARGS` each but in one child process
+    (`tests.cli_batch`: one interpreter start and torch and triton import for both). The override is
+    a module setting the second run sets; the first run sees the launchers' own budget."""
     reason = _tools_missing()
     if reason:
         pytest.skip(f"cannot build kernels ahead of time: {reason}")
+    out = tmp_path_factory.mktemp("aot") / "builds.json"
+    small, oversized = run_cli_batch([[*SMALL_GRID, "--json", str(out)],
+                                      [*SMALL_GRID, "--tile-elems", "65536", "--ops", "phase2"]],
+                                     timeout_s=600, script=SCRIPT, unset=("TRITON_INTERPRET",))
+    return small, oversized, out
 
 
 @pytest.mark.subprocess
-def test_small_grid_builds_every_kernel_for_hopper_without_spills(tools, tmp_path):
-    out = tmp_path / "builds.json"
-    result = _run("--grid", "small", "--arch", "90", "--json", str(out))
+@pytest.mark.xdist_group("aot-kernels")  # one worker builds `builds` once
+@pytest.mark.timeout(600)  # both runs in this test's set-up: 300 s each, as when each test ran its own
+def test_small_grid_builds_every_kernel_for_hopper_without_spills(builds):
+    result, _oversized, out = builds
     assert result.returncode == 0, result.stdout + result.stderr
-    builds = json.loads(out.read_text())["builds"]
-    assert {b["kernel"] for b in builds} == KERNELS
-    for b in builds:
+    rows = json.loads(out.read_text())["builds"]
+    assert {b["kernel"] for b in rows} == KERNELS
+    for b in rows:
         assert b["arch"] == 90 and not b["spills"] and b["stack"] == 0 and b["local"] == 0
         assert 0 < b["registers"] <= 65536 // (32 * b["num_warps"])
         assert 0 < b["occupancy"] <= 1
@@ -59,9 +65,11 @@ def test_small_grid_builds_every_kernel_for_hopper_without_spills(tools, tmp_pat
 
 
 @pytest.mark.subprocess
-def test_an_oversized_tile_budget_is_reported_as_a_spill(tools):
+@pytest.mark.xdist_group("aot-kernels")
+@pytest.mark.timeout(600)
+def test_an_oversized_tile_budget_is_reported_as_a_spill(builds):
     # One kernel family is enough to reach the spill check, which reads every build's ptxas report alike.
-    result = _run("--grid", "small", "--arch", "90", "--tile-elems", "65536", "--ops", "phase2")
+    _small, result, _out = builds
     assert result.returncode == 1, result.stdout + result.stderr
     assert "SPILL" in result.stdout and "spill registers" in result.stderr
 

@@ -1,9 +1,9 @@
-"""`attnres-pp train ...` in a fork of the test's process, for the one-process runs that a test
-kills (ATTNRES_PP_KILL_DURING_CHECKPOINT SIGKILLs the process at a point of a save): the child is
-killed as a fresh `python -m attnres_pp.cli` process would be, and leaves the same files, without an
-interpreter start and a torch import (~2.5 CPU-s a run). Runs whose ranks are processes of their own
-keep a fresh process (`run_cli` in the tests), and so does every run once this process has started
-CUDA, which a forked child cannot use."""
+"""`attnres-pp train ...` in a fork of the test's process, for the runs that a test kills
+(ATTNRES_PP_KILL_DURING_CHECKPOINT SIGKILLs the process, or a rank, at a point of a save): the child
+is killed as a fresh `python -m attnres_pp.cli` process would be, and leaves the same files, without
+an interpreter start and a torch import (~2.5 CPU-s a run). A run whose ranks are processes of their
+own starts its own fork server from the child, as a fresh driver does. Every run keeps a fresh
+process once this process has started CUDA, which a forked child cannot use."""
 
 from __future__ import annotations
 
@@ -52,9 +52,21 @@ def _fresh_process(argv: list[str], timeout_s: float, env: dict[str, str]) -> Fo
     return Forked(done.returncode, done.stderr)
 
 
+def _forget_the_fork_server() -> None:
+    """A forked child cannot wait on its parent's multiprocessing fork server (not its child), which
+    multiprocessing does before each use: forget it, so that rank processes started here come from
+    a server of this child's own. The inherited end of the parent's keep-alive pipe stays open until
+    the child ends, so the parent's server is not ended by this."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+
+
 def _child(argv: list[str], env: dict[str, str], err_fd: int) -> None:
     code = 1
     try:
+        _forget_the_fork_server()
         os.environ.update(env)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)

@@ -22,7 +22,7 @@ from attnres_pp.train.shards import read_parameters
 from tests.run_helpers import assert_same_losses, losses, metrics
 
 from .forked_cli import run_forked
-from .test_crash_consistent_saves import RANKS, SINGLE, run_cli
+from .test_crash_consistent_saves import RANKS, SINGLE
 
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
         "--microbatches", "2", "--eval-every", "0", "--steps", "6", "--checkpoint-every", "2", "--max-restarts", "0",
@@ -73,8 +73,8 @@ def test_rank_processes_save_in_the_background_and_a_rank_killed_during_a_write_
     step_4 was never committed, and the resume (background saves again) ends as the uninterrupted
     run. One run for both: the crash needs a background write in flight, which the sharded one is."""
     run = tmp_path / "run"
-    crashed = run_cli([*RANKS, "--data-parallel", "2", "--dp-shard", "fsdp", *TINY, "--async-checkpoint",
-                       "--out", str(run)], **{KILL_DURING_CHECKPOINT: "4:after-shard:1"})
+    crashed = run_forked([*RANKS, "--data-parallel", "2", "--dp-shard", "fsdp", *TINY, "--async-checkpoint",
+                          "--out", str(run)], **{KILL_DURING_CHECKPOINT: "4:after-shard:1"})  # a forked driver
     assert crashed.returncode == 1, crashed.stderr
     assert "rank 1 lost at step" in crashed.stderr, crashed.stderr
     root = run / "checkpoints"

@@ -21,7 +21,11 @@ from attnres_pp.cli import main
 from attnres_pp.train.checkpoint import latest_checkpoint
 from attnres_pp.train.metadata_pickle import CheckpointRefused, load_metadata
 from attnres_pp.train.shards import SafeReader, read_parameters
+from tests.cli_batch import Run, run_cli_batch
 from tests.pickle_gadgets import stack_global, text
+
+# One worker runs the module (--dist loadgroup): its trained runs and its one CLI child are built once.
+pytestmark = pytest.mark.xdist_group("checkpoint-bounds")
 
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "2",
         "--microbatches", "1", "--eval-every", "0", "--quiet"]
@@ -257,29 +261,40 @@ def test_a_swap_after_the_check_is_not_read(trained_run, tmp_path):
     assert reader.read_metadata().state_dict_metadata  # the checked object, not the new file
 
 
-def _cli(argv: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "attnres_pp.cli", *argv], capture_output=True, text=True,
-                          timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+CLI_COMMANDS = ["train", "train (damaged shard)", "generate", "analyze"]
 
 
-@pytest.mark.parametrize("command", ["train", "train (damaged shard)", "generate", "analyze"])
-@pytest.mark.subprocess
-def test_each_cli_refuses_with_one_error_line(trained_run, tmp_path, command):
-    run, step = _copy(trained_run, tmp_path)
+def _hostile_cli_argv(trained_run: Path, folder: Path, command: str) -> list[str]:
+    """A copy of the trained run in `folder`, damaged for `command`, and the argv that loads it."""
+    run, step = _copy(trained_run, folder)
     if command == "train":
         (step / ".metadata").write_bytes(DUP_BOMB)
-        argv = ["train", "--resume", str(run), "--steps", "2", "--launcher", "local", "--quiet"]
-    elif command == "train (damaged shard)":  # refused in the engine's load, after the driver's check
+        return ["train", "--resume", str(run), "--steps", "2", "--launcher", "local", "--quiet"]
+    if command == "train (damaged shard)":  # refused in the engine's load, after the driver's check
         shard = step / "__0_0.distcp"
         shard.write_bytes(bytes(400) + shard.read_bytes()[400:])
-        argv = ["train", "--resume", str(run), "--steps", "2", "--launcher", "local", "--quiet"]
-    elif command == "generate":
+        return ["train", "--resume", str(run), "--steps", "2", "--launcher", "local", "--quiet"]
+    if command == "generate":
         _stride_zero(step)
-        argv = ["generate", "--resume", str(run), "--prompt", "def ", "--max-new-tokens", "2"]
-    else:
-        _rewrite(step, _paths("../../../other/__0_0.distcp"))
-        argv = ["analyze", str(run), "--out", str(tmp_path / "analysis")]
-    done = _cli(argv)
+        return ["generate", "--resume", str(run), "--prompt", "def ", "--max-new-tokens", "2"]
+    _rewrite(step, _paths("../../../other/__0_0.distcp"))
+    return ["analyze", str(run), "--out", str(folder / "analysis")]
+
+
+@pytest.fixture(scope="module")
+def cli_refusals(trained_run, tmp_path_factory) -> dict[str, Run]:
+    """Each CLI command of CLI_COMMANDS on its own damaged copy, all in one fresh interpreter
+    (`tests.cli_batch`): each run's exit code and stderr as a process of its own would give them."""
+    argvs = [_hostile_cli_argv(trained_run, tmp_path_factory.mktemp("cli"), command) for command in CLI_COMMANDS]
+    return dict(zip(CLI_COMMANDS, run_cli_batch(argvs, timeout_s=960, OMP_NUM_THREADS="1"), strict=True))
+
+
+# The four runs share the first test's set-up: 240 s each, as when each test ran its own.
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("command", CLI_COMMANDS)
+@pytest.mark.subprocess
+def test_each_cli_refuses_with_one_error_line(cli_refusals, command):
+    done = cli_refusals[command]
     assert done.returncode == 2, done.stderr[-3000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr[-3000:]

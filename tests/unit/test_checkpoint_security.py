@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,11 @@ import pytest
 from attnres_pp.cli import main
 from attnres_pp.train.checkpoint import latest_checkpoint
 from attnres_pp.train.metadata_pickle import ADMITTED, CheckpointRefused, load_metadata
+from tests.cli_batch import Run, run_cli_batch
 from tests.pickle_gadgets import stack_global, text
+
+# One worker runs the module (--dist loadgroup): its trained run and its one CLI child are built once.
+pytestmark = pytest.mark.xdist_group("checkpoint-security")
 
 TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "--batch-size", "2",
         "--microbatches", "1", "--eval-every", "0", "--quiet"]
@@ -142,24 +144,41 @@ def _hostile_copy(trained_run: Path, tmp_path: Path, payload: bytes) -> Path:
     return run
 
 
+def _argv(command: str, run: Path) -> list[str]:
+    return {"train": ["train", "--resume", str(run), "--steps", "3", "--launcher", "local", "--quiet"],
+            "generate": ["generate", "--resume", str(run), "--prompt", "def ", "--max-new-tokens", "2"]}[command]
+
+
+FRESH = "attribute walk via an admitted module"
+
+
+@pytest.fixture(scope="module")
+def fresh_refusals(trained_run, tmp_path_factory) -> tuple[dict[str, Run], Path]:
+    """The reported attack (FRESH) resumed by both commands in one fresh interpreter (`tests.cli_batch`),
+    each on its own copy: each run's exit status and stderr, and the marker its gadget would create."""
+    folder = tmp_path_factory.mktemp("fresh")
+    marker = folder / "pwned"
+    commands = ["train", "generate"]
+    argvs = [_argv(command, _hostile_copy(trained_run, folder / command, gadgets(marker)[FRESH]))
+             for command in commands]
+    return dict(zip(commands, run_cli_batch(argvs, timeout_s=480), strict=True)), marker
+
+
 # The reported attack goes through the CLI in a fresh interpreter (the exit status and stderr of
 # `python -m attnres_pp.cli`); the other gadgets through the same `main` in this process.
 @pytest.mark.parametrize(("name", "fresh"), [
-    pytest.param("attribute walk via an admitted module", True, marks=pytest.mark.subprocess),
+    # both fresh runs in the first one's set-up: 240 s each, as when each test ran its own
+    pytest.param(FRESH, True, marks=[pytest.mark.subprocess, pytest.mark.timeout(600)]),
     ("os.system by GLOBAL", False), ("REDUCE on an admitted class", False)])
 @pytest.mark.parametrize("command", ["train", "generate"])
-def test_resume_from_a_hostile_checkpoint_is_one_error_line(trained_run, tmp_path, marker, name, fresh, command,
-                                                            capsys):
-    run = _hostile_copy(trained_run, tmp_path, gadgets(marker)[name])
-    argv = {"train": ["train", "--resume", str(run), "--steps", "3", "--launcher", "local", "--quiet"],
-            "generate": ["generate", "--resume", str(run), "--prompt", "def ", "--max-new-tokens", "2"]}[command]
+def test_resume_from_a_hostile_checkpoint_is_one_error_line(request, trained_run, tmp_path, marker, name, fresh,
+                                                            command, capsys):
     if fresh:
-        done = subprocess.run([sys.executable, "-m", "attnres_pp.cli", *argv], capture_output=True, text=True,
-                              timeout=240)
-        status, stderr = done.returncode, done.stderr
+        by_command, marker = request.getfixturevalue("fresh_refusals")
+        status, stderr = by_command[command].returncode, by_command[command].stderr
     else:
         capsys.readouterr()
-        status = main(argv)
+        status = main(_argv(command, _hostile_copy(trained_run, tmp_path, gadgets(marker)[name])))
         stderr = capsys.readouterr().err
     assert status == 2, stderr
     lines = stderr.strip().splitlines()

@@ -3,16 +3,13 @@ points of the save of step_4 (ATTNRES_PP_KILL_DURING_CHECKPOINT=4:POINT, the dri
 `after-shard`, rank 1 of a two-process run), which leaves step_2 the newest complete checkpoint;
 `train --resume` removes what the crash left and ends with the uninterrupted run's losses. A crash
 between the two renames of a save that replaces a complete step_N leaves it as step_N.old, which
-`latest_checkpoint` finds and resuming renames back. The one-process crashes run in a fork of the test's
-process (`forked_cli.run_forked`), the two-rank one in a fresh driver."""
+`latest_checkpoint` finds and resuming renames back. The crashed runs' drivers are forks of the test's
+process (`forked_cli.run_forked`)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +19,7 @@ from attnres_pp.cli import main
 from attnres_pp.train.checkpoint import latest_checkpoint, restore_replaced_checkpoints
 from attnres_pp.train.faults import KILL_DURING_CHECKPOINT, KILL_POINTS, KillPoint, kill_point
 from attnres_pp.train.shards import read_parameters
-from tests.run_helpers import REPO, assert_same_losses, losses
+from tests.run_helpers import assert_same_losses, losses
 
 from .forked_cli import run_forked
 
@@ -31,12 +28,6 @@ TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", "
         "--quiet"]
 SINGLE = ["--launcher", "local", "--stages", "1", "--virtual", "1"]  # the driver is the one rank
 RANKS = ["--launcher", "local", "--stages", "2", "--virtual", "1"]  # two rank processes
-
-
-def run_cli(argv: list[str], **env: str) -> subprocess.CompletedProcess:
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-m", "attnres_pp.cli", "train", *argv], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": path, **env})
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +73,7 @@ def test_a_crash_at_each_kill_point_leaves_step_2_and_resume_ends_as_the_uninter
         (root / "step_4").mkdir(parents=True)
         (root / "step_4" / "leftover").write_text("an interrupted copy\n")
     kill_env = {KILL_DURING_CHECKPOINT: kill}
-    argv = [*split, *TINY, "--out", str(run)]  # one process: a fork of this one; two ranks: a fresh driver
-    crashed = run_forked(argv, **kill_env) if split is SINGLE else run_cli(argv, **kill_env)
+    crashed = run_forked([*split, *TINY, "--out", str(run)], **kill_env)  # the driver: a fork of this process
     assert crashed.returncode == code, crashed.stderr
     if code == 1:
         assert "rank 1 lost at step 4/4" in crashed.stderr, crashed.stderr

@@ -12,6 +12,8 @@ import torch
 
 from attnres_pp.pipeline.memory_meter import ActivationMeter, storage_key
 
+from .lab_train_here import lab_runs_here  # noqa: F401 - a fixture
+
 
 def _save(meter: ActivationMeter, tensor: torch.Tensor) -> torch.Tensor:
     """A node that saves `tensor` under the meter (mul saves both operands; the scalar is not a tensor)."""
@@ -44,6 +46,7 @@ def test_without_slots_the_whole_storage_counts():
 
 
 @pytest.mark.distributed
+@pytest.mark.usefixtures("lab_runs_here")
 def test_full_checkpointing_under_the_local_launcher_is_predicted_within_10_percent():
     """The issue's case: full checkpointing keeps each layer's inputs, which on the last rank are
     the received blocks; the local launcher counted rank 1's arena of all 4 forward messages

@@ -10,6 +10,8 @@ import pytest
 from attnres_lab.memory_predict import CASES, compare, measure_case, predict_argv, train_argv
 from attnres_pp.cli import build_parser
 
+from .lab_train_here import lab_runs_here  # noqa: F401 - a fixture
+
 
 def _rank(**values) -> dict:
     base = {"param_bytes": 100, "grad_bytes": 100, "optimizer_bytes": 204, "activation_peak_bytes": 1000,
@@ -78,7 +80,7 @@ def test_prediction_matches_hook_counts_of_a_real_step(name):
         assert statistics.median(errors) <= 0.05 and max(errors) <= 0.10, (key, errors)
 
 
-@pytest.mark.subprocess
+@pytest.mark.usefixtures("lab_runs_here")
 def test_prediction_matches_a_real_run():
     rows = measure_case(*CASES[1], progress=lambda line: None, launchers=("inprocess",))
     row = next(r for r in rows if r["counted_by"] == "run inprocess")
@@ -90,6 +92,7 @@ def test_prediction_matches_a_real_run():
 
 
 @pytest.mark.distributed
+@pytest.mark.usefixtures("lab_runs_here")
 def test_prediction_matches_a_real_fsdp_run_with_checkpointing():
     """FSDP2 over 2 replicas (the local launcher's processes) and full checkpointing: the activation
     term holds the all-gathered parameters the forwards save."""
