@@ -56,7 +56,7 @@ def write_random_folder(folder: Path, n_tokens: int, vocab_size: int, seed: int 
 def measure(n_tokens: int, rounds: int, warmup: int, progress: Callable[[str], None]) -> dict:
     from attnres_pp.data import batch_at
     from attnres_pp.data.token_folder import open_token_folder
-    from attnres_pp.train.single_process_engine import SingleProcessEngine
+    from attnres_pp.train.engines import make_engine
 
     run_cfg = run_config(BENCH_MODEL, stages=1, virtual=1, schedule="1f1b", microbatches=MICROBATCHES)
     train, seq_len = run_cfg.train, run_cfg.model.seq_len
@@ -65,7 +65,7 @@ def measure(n_tokens: int, rounds: int, warmup: int, progress: Callable[[str], N
         write_random_folder(root, n_tokens, run_cfg.model.vocab_size)
         folder = open_token_folder(root)
         in_memory = np.asarray(folder.train).copy()  # the baseline: the same tokens, one array in memory
-        engine = SingleProcessEngine(run_cfg.model, train)
+        engine = make_engine(run_cfg)
         samples: dict[str, list[float]] = {k: [] for k in ("step_folder", "step_memory", "read_folder",
                                                            "read_memory")}
         for r in range(warmup + rounds):

@@ -5,7 +5,7 @@ model of equal active parameters, and the routed experts' grouped matmul against
   every MLP an MoE sublayer of E = 8 routed experts (width d_ff / 4 rounded up to 64), top K = 2,
   S = 1 shared; the dense twin is the same model with SwiGLU MLPs whose width makes its parameter
   count the MoE model's active count (`model.transformer.active_parameter_count`, as near as an
-  integer width allows). Each is a `SingleProcessEngine` (one thread) and a step is its whole
+  integer width allows). Each is a one-process run's engine (one thread) and a step is its whole
   `train_step`: forward, backward, AdamW, the aux-free bias update; the two alternate (A B, B A,
   ...) on the same batches so drift in the machine's load falls on both; medians over rounds and
   the median of the within-round ratios.
@@ -58,12 +58,13 @@ def dense_twin(moe_cfg):
 
 
 def _engine(cfg):
-    from attnres_pp.train import TrainConfig
-    from attnres_pp.train.single_process_engine import SingleProcessEngine
+    from attnres_pp.pipeline.config import PipelineConfig
+    from attnres_pp.train import RunConfig, TrainConfig
+    from attnres_pp.train.engines import make_engine
 
     train = TrainConfig(steps=10_000, batch_size=BATCH, microbatches=1, warmup_steps=0, threads=1, seed=0,
                         device="cpu", dtype="fp32")
-    return SingleProcessEngine(cfg, train)
+    return make_engine(RunConfig(model=cfg, train=train, pipeline=PipelineConfig(launcher="local")))
 
 
 def timed(work: Callable[[], object]) -> tuple[float, float]:

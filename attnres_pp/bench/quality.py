@@ -28,7 +28,7 @@ from attnres_pp.bench.common import results_stem as common_results_stem
 from attnres_pp.model import ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.train import RunConfig, TrainConfig, run_training
-from attnres_pp.train.single_process_engine import SingleProcessEngine
+from attnres_pp.train.engines import make_engine
 
 RUNS = Path("runs")  # the working directory's runs/ (a checkout's own, run from its root), beside benchmarks/
 QUICK_STEPS = 40
@@ -90,7 +90,7 @@ def train_one(job: tuple[str, dict, int, int, str]) -> dict:
                           eval_every=0, eval_batches=EVAL_BATCHES),
         pipeline=PipelineConfig(launcher="local"),
     )
-    engine = SingleProcessEngine(run_cfg.model, run_cfg.train)
+    engine = make_engine(run_cfg, run_dir)
     try:
         summary = run_training(run_cfg, engine, run_dir, progress=False)
     finally:

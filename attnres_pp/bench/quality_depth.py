@@ -59,7 +59,7 @@ from attnres_pp.bench.quality_moe import (
 from attnres_pp.model import ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.train import RunConfig, TrainConfig, run_training
-from attnres_pp.train.single_process_engine import SingleProcessEngine
+from attnres_pp.train.engines import make_engine
 
 RUNS = Path("runs")  # the working directory's runs/ (a checkout's own, run from its root), beside benchmarks/
 DEPTH_MODEL = dict(n_layers=12, d_model=48, n_heads=4, seq_len=64)
@@ -146,7 +146,7 @@ def train_one(job: tuple) -> dict:
                           eval_every=0, eval_batches=1),
         pipeline=PipelineConfig(launcher="local"),
     )
-    engine = SingleProcessEngine(run_cfg.model, run_cfg.train)
+    engine = make_engine(run_cfg, run_dir)
     try:
         summary = run_training(run_cfg, engine, run_dir, progress=False)
         probe = None

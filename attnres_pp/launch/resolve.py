@@ -9,7 +9,7 @@ module; nothing below it decides these again: ranks and engines receive the `Res
     backend   gloo on cpu, nccl on cuda, none for one process
     dtype     auto is bf16 on cuda, fp32 on cpu
     kernels   auto is triton on cuda, torch on cpu (triton on cpu only under TRITON_INTERPRET=1)
-    engine    single (one process, no rank group: `--launcher local` with one chunk, one replica and
+    engine    single (one process, one rank in it: `--launcher local` with one chunk, one replica and
               T = 1), pipeline (a rank group), replicas (torchft replica groups, `--fault-tolerance
               replicas`)
 
@@ -69,8 +69,8 @@ def visible_gpus() -> int:
 
 
 def single_process(pipe: PipelineConfig) -> bool:
-    """Whether the run is this process alone, no rank group: the local launcher with one chunk, one
-    replica and no tensor parallelism (training's SingleProcessEngine, generation's single generator)."""
+    """Whether the run is this process alone: the local launcher with one chunk, one replica and no
+    tensor parallelism (training's one rank in this process, generation's single generator)."""
     return pipe.launcher == "local" and pipe.is_single_process
 
 

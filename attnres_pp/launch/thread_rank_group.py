@@ -229,7 +229,7 @@ class ThreadRankGroup(RankGroupBase):
                 if self._world is not None:  # the rank's own groups, on its own thread
                     self._world.join(rank)
                     tp_mesh = MeshCollectives(coords[rank], "cpu").mesh["tp"]
-                return worker.join_threads(torch.device(device), transports[rank], collectives[rank], self.peers,
+                return worker.join_threads(torch.device(device), transports[rank], collectives[rank], self._peers_of(),
                                            tp_mesh=tp_mesh)
 
             self.setup_results = self._in_threads(lambda worker, args: join(worker, *args),
@@ -322,11 +322,17 @@ class ThreadRankGroup(RankGroupBase):
             raise RuntimeError(f"in-process ranks did not finish {what} within {self.timeout_s:.0f} s")
         return in_flight.results
 
+    def _peers_of(self) -> ThreadPeers | None:
+        """What a worker meets its peers through: the group's `peers`; None for a lone rank, which has
+        nobody to take turns with or hand its checkpoint to (it runs and saves as a rank process does)."""
+        return self.peers if self.world_size > 1 else None
+
     def _fresh_peers(self) -> ThreadPeers:
         """After a failed call the old meeting point is aborted: the workers meet at a new one."""
         peers = ThreadPeers(self.world_size, self.timeout_s, self._lanes())
+        self.peers = peers
         for worker in self.workers:
-            worker.peers = peers
+            worker.peers = self._peers_of()
         return peers
 
     def stop(self, graceful: bool) -> None:

@@ -171,14 +171,15 @@ def rank_module_names(cfg: ModelConfig, partition: Partition, pp_rank: int) -> l
 
 def build_rank_model(cfg: ModelConfig, partition: Partition, pp_rank: int, *, seed: int, backend: str = "auto",
                      device: torch.device | str = "cpu", precision: str = "fp32",
-                     activation_checkpoint: str = "none", expert_parallel: tuple[int, int] = (0, 1)
-                     ) -> tuple[Transformer, dict[int, PipelineChunk]]:
+                     activation_checkpoint: str = "none", expert_parallel: tuple[int, int] = (0, 1),
+                     compile: bool = False) -> tuple[Transformer, dict[int, PipelineChunk]]:
     """The model skeleton of rank `pp_rank` (other ranks' parameters stay on the meta device, with no
     storage) and its chunks, whose parameters equal `Transformer(cfg, seed=seed)`'s; the chunks
     compute in `precision` (`model.precision`). `expert_parallel` = (ep_rank, EP): with EP > 1 each
-    MoE sublayer holds the rank's slice of the routed experts (`pipeline.expert_parallel`)."""
+    MoE sublayer holds the rank's slice of the routed experts (`pipeline.expert_parallel`).
+    `compile`: the sublayers and depth reads `Transformer(compile=True)` compiles, compiled."""
     with torch.device("meta"):
-        model = Transformer(cfg, backend=backend, seed=seed, precision=precision)
+        model = Transformer(cfg, backend=backend, seed=seed, precision=precision, compile=compile)
     ep_rank, ep_size = expert_parallel
     if ep_size > 1:
         install_expert_slices(model, ep_rank, ep_size)

@@ -24,8 +24,8 @@ Neither checkpointing's recomputation alone (the same layers recompute the same 
 nor the split schedules' W store alone (the same products stash the same operands; the cut is cached
 per chunk) makes the figure move; they are metered as any fixed-shape run.
 
-`StageRuntime.meter_every_step` and `SingleProcessEngine.meter_every_step` meter every step of any
-run: the slow twin the figures are tested against (tests/unit/test_meter_steps.py).
+`StageRuntime.meter_every_step` meters every step of any run (a one-process run's too: it is one
+rank): the slow twin the figures are tested against (tests/unit/test_meter_steps.py).
 """
 
 from __future__ import annotations

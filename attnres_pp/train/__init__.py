@@ -1,4 +1,4 @@
-"""Training: configs, optimiser and schedule, the one training loop, the single-process engine
+"""Training: configs, optimiser and schedule, the one training loop, the one engine over rank groups
 and the `attnres-pp train` command."""
 
 from attnres_pp.train.config import RunConfig, TrainConfig

@@ -187,6 +187,13 @@ class RunConfig:
         """Sequences per microbatch: the global batch over D replicas x m microbatches."""
         return self.train.batch_size // (self.pipeline.data_parallel * self.train.microbatches)
 
+    @property
+    def eval_microbatches(self) -> int:
+        """Microbatches an evaluation batch is cut into: the training's m, but one when a lone rank holds
+        the whole model (the one-process run): it has no pipeline to fill, so one pass over the batch
+        costs least and gives the whole model's own mean loss."""
+        return 1 if self.pipeline.is_single_process else self.train.microbatches
+
     @classmethod
     def from_dict(cls, values: dict) -> RunConfig:
         """Build from `{"model": {...}, "train": {...}, "pipeline": {...}}`; missing tables or keys

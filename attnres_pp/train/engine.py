@@ -101,6 +101,15 @@ class Engine:
         """The run's TrainConfig with device, dtype and kernels decided (summary.json's config)."""
         return self.run_cfg.train
 
+    @property
+    def model(self):
+        """The whole model of a one-process run (its lone rank's `Transformer`), for callers that read
+        it after training; other runs hold it spread over their ranks."""
+        workers = getattr(self.policy.ranks, "workers", None)
+        if self.world_size != 1 or not workers:
+            raise AttributeError("only a one-process run's engine holds the whole model")
+        return workers[0].model
+
     def param_count(self) -> int:
         return parameter_count(self.run_cfg.model)
 

@@ -1,9 +1,10 @@
-"""make_engine: the training engine a RunConfig asks for. `--launcher local` with one chunk and one
-replica trains in this process (`SingleProcessEngine`); every other run is the one `Engine`
-(`train.engine`) under its replica policy: D torchft replica groups for `--fault-tolerance
-replicas` (`train.ft_replicas`), else one group (`train.replica_policy.OneGroup`) on the launcher's
-rank group: spawned processes (local), threads of this process (inprocess), Ray actors (ray) or the
-processes torchrun started, rank 0 driving (torchrun), which only torchrun can start again."""
+"""make_engine: the training engine a RunConfig asks for, always the one `Engine` (`train.engine`)
+under a replica policy: D torchft replica groups for `--fault-tolerance replicas`
+(`train.ft_replicas`), else one group (`train.replica_policy.OneGroup`). `--launcher local` with one
+chunk and one replica (the one-process run) is that group with one rank, in this process
+(`launch.thread_rank_group`: the lone rank runs on the caller's thread); every other run's group
+is the launcher's: spawned processes (local), threads of this process (inprocess), Ray actors (ray)
+or the processes torchrun started, rank 0 driving (torchrun), which only torchrun can start again."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from attnres_pp.launch.resolve import (
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.engine import Engine
 from attnres_pp.train.replica_policy import OneGroup
-from attnres_pp.train.single_process_engine import SingleProcessEngine
 
 
 def make_engine(run_cfg: RunConfig, out_dir=None, *, corpus=None, address: str | None = None,
@@ -38,7 +38,10 @@ def make_engine(run_cfg: RunConfig, out_dir=None, *, corpus=None, address: str |
         return Engine(run_cfg, out_dir, policy=FtReplicaGroups(address=address, placement=placement),
                       fail_at=fail_at, record_timelines=record_timelines)
     if engine == "single":
-        return SingleProcessEngine(run_cfg.model, run_cfg.train, corpus=corpus)
+        from attnres_pp.launch.thread_rank_group import ThreadRankGroup
+
+        return Engine(run_cfg, out_dir, policy=OneGroup(lambda: ThreadRankGroup(1, stages=1, timeout_s=pipe.timeout_s)),
+                      corpus=corpus, record_timelines=record_timelines, rehearse=rehearse)
     return make_pipeline_engine(run_cfg, out_dir, corpus=corpus, address=address, placement=placement,
                                 fail_at=fail_at, record_timelines=record_timelines, rehearse=rehearse)
 

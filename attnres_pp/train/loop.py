@@ -1,4 +1,4 @@
-"""The one training loop, shared by the single-process engine and the pipeline: it owns the data
+"""The one training loop, shared by every engine (the one-process run's and the pipeline's): it owns the data
 position, the learning-rate schedule, evaluation, progress, checkpoint cadence and the run records;
 an Engine owns the model, the optimiser and how a global batch is computed.
 

@@ -65,11 +65,13 @@ class RankData:
         train = self.run_cfg.train
         inputs_bT, targets_bT = val_batch_at(self.corpus.val_tokens_N, index, train.batch_size,
                                              self.run_cfg.model.seq_len, train.seed, self.rows)
-        return self.split(inputs_bT, targets_bT)
+        return self.split(inputs_bT, targets_bT, self.run_cfg.eval_microbatches)
 
-    def split(self, inputs_bT: torch.Tensor | None, targets_bT: torch.Tensor | None) -> MicrobatchLists:
-        """This replica's rows cut into the m microbatches; only the halves this rank needs."""
-        m = self.run_cfg.train.microbatches
+    def split(self, inputs_bT: torch.Tensor | None, targets_bT: torch.Tensor | None,
+              m: int | None = None) -> MicrobatchLists:
+        """This replica's rows cut into `m` microbatches (default the training's m); only the halves
+        this rank needs."""
+        m = self.run_cfg.train.microbatches if m is None else m
 
         def cut(rows_bT: torch.Tensor | None) -> list[torch.Tensor] | None:
             if rows_bT is None:

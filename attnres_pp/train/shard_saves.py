@@ -1,8 +1,8 @@
 """ShardSaves: one rank's part of a checkpoint, written at once or in the background and read back,
-shared by the rank workers (`StageWorker`) and the one-process engine (`SingleProcessEngine`), which
-is rank 0 alone. A host provides `model`, `params` (by whole-model name), `optimizer`,
-`rng_stream`, `rank`, `distributed` (in a torch.distributed group), `peers` (the thread ranks of
-this process, or None) and `timeout_s` (bounding a background write); `background_save` starts None.
+for the rank workers (`StageWorker`; a one-process run is rank 0 alone). A host provides `model`,
+`params` (by whole-model name), `optimizer`, `rng_stream`, `rank`, `distributed` (in a
+torch.distributed group), `peers` (the thread ranks of this process, or None) and `timeout_s`
+(bounding a background write); `background_save` starts None.
 Under expert parallelism also `collectives` (whose "ep" axis gathers the expert slices whole)."""
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from attnres_pp.pipeline.runtime import StageRuntime, StepRecord
 from attnres_pp.pipeline.stage_setup import lowered_schedule, run_partition
 from attnres_pp.schedule.forward_schedule import forward_only_schedule
 from attnres_pp.schedule.validate_nccl import check_nccl
-from attnres_pp.train.background_save import BackgroundSave
+from attnres_pp.train.background_save import ONE_PROCESS_TIMEOUT_S, BackgroundSave
 from attnres_pp.train.config import RunConfig, resolve_training
 from attnres_pp.train.expert_balance import ExpertBalance
 from attnres_pp.train.faults import (
@@ -89,12 +89,13 @@ class StageWorker(ExpertBalance, ShardSaves, RankHost):
         self.model, self.chunks = build_rank_model(cfg, self.partition, self.pp_rank, seed=train.seed,
                                                    backend=train.kernels, precision=train.dtype,
                                                    activation_checkpoint=train.activation_checkpoint,
-                                                   expert_parallel=(self.coords.ep_rank, pipe.expert_parallel))
+                                                   expert_parallel=(self.coords.ep_rank, pipe.expert_parallel),
+                                                   compile=train.compile)
         self.owned_modules = rank_module_names(cfg, self.partition, self.pp_rank)
         self._build_params(fused=False)
         self.plan = plan_for_model(cfg, self.partition, pipe.cache)
         self.schedule = lowered_schedule(pipe, train.microbatches)
-        self.eval_schedule = forward_only_schedule(pipe.stages, pipe.virtual, train.microbatches,
+        self.eval_schedule = forward_only_schedule(pipe.stages, pipe.virtual, self.run_cfg.eval_microbatches,
                                                    self.partition.placement)
         if pipe.p2p_semantics != "gloo":  # the runtime may issue it under NCCL's rules: prove it finishes
             check_nccl(self.eval_schedule)
@@ -133,7 +134,9 @@ class StageWorker(ExpertBalance, ShardSaves, RankHost):
 
     @property
     def timeout_s(self) -> float:
-        return self.run_cfg.pipeline.timeout_s
+        pipe = self.run_cfg.pipeline
+        # A lone rank has no peer to wait for: only the filesystem can stall it (a background checkpoint write).
+        return max(pipe.timeout_s, ONE_PROCESS_TIMEOUT_S) if pipe.world_size == 1 else pipe.timeout_s
 
     def join_process_group(self, init_method: str, world_size: int) -> dict:
         if self.rehearse:  # ATTNRES_PP_LOSE_RANK_AT_START: this process ends as its peers join
@@ -284,8 +287,9 @@ class StageWorker(ExpertBalance, ShardSaves, RankHost):
                              tensor_parallel=self.tp.active, fsdp_replicated=getattr(self.fsdp, "replicated", None),
                              experts=self.experts if self.run_cfg.pipeline.expert_parallel > 1 else None,
                              experts_sharded=self.fsdp is not None and self.fsdp.sharded_experts)
-        return optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip,
-                              norm_reducer(groups, self.collectives, self.device))
+        # A lone rank's norm is its own, its parameters' squares summed in the model's order.
+        reducer = None if self.run_cfg.pipeline.world_size == 1 else norm_reducer(groups, self.collectives, self.device)
+        return optimizer_step(self.optimizer, self.params.values(), lr, self.run_cfg.train.grad_clip, reducer)
 
     def backward(self, step: int, batch: RankBatch | None = None) -> StepRecord:
         """Forward and backward of step `step`, then the gradient sync: the synced gradients are left
@@ -341,7 +345,7 @@ class StageWorker(ExpertBalance, ShardSaves, RankHost):
     # ---- evaluation: the forward-only schedule on the training ranks ----
     def begin_eval(self, index: int, batch: RankBatch | None = None) -> None:
         inputs, targets = self._microbatches(self.data.val_microbatches(index) if batch is None
-                                             else self.data.split(*batch))
+                                             else self.data.split(*batch, self.run_cfg.eval_microbatches))
         self.eval_runtime.start_step(self.tp.shard(inputs), self.tp.shard(targets), 1.0, forward_only=True)
 
     def evaluate(self, batches: list[RankBatch] | None = None) -> tuple[float, int]:

@@ -90,10 +90,10 @@ def _local_rows(param: torch.Tensor) -> int:
 def test_sharded_expert_slices_equal_the_single_process(tmp_path):
     from attnres_pp.simulator.memory_state import rank_state_bytes
     from attnres_pp.train.config import RunConfig
-    from attnres_pp.train.single_process_engine import SingleProcessEngine
     from tests.parity.test_expert_parallel import reference
     from tests.pipeline_helpers import assert_grads_match, batch
     from tests.reference_model import randomize_depth_params
+    from tests.whole_model import WholeModel
 
     run_cfg = _run_config()
     batches = [batch(D * M, seed=s) for s in (2, 10, 11)]
@@ -119,7 +119,7 @@ def test_sharded_expert_slices_equal_the_single_process(tmp_path):
                                   expert_parallel=EP)
         assert {k: reply[5][k] for k in priced} == priced, (dp_rank, reply[5], priced)
     # two AdamW steps with clipping and aux-free balancing: the single process's losses, norms and biases
-    local = SingleProcessEngine(cfg.model, cfg.train)
+    local = WholeModel(cfg.model, cfg.train)
     randomize_depth_params(local.model, torch.Generator().manual_seed(1))
     for step, (inputs, targets) in enumerate(batches[1:]):
         want = local.train_step(step, inputs, targets, 1e-2)

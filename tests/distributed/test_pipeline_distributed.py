@@ -14,10 +14,10 @@ from attnres_pp.launch.process_rank_group import rank_context
 from attnres_pp.pipeline.errors import WorkerLost
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.engines import make_engine
-from attnres_pp.train.single_process_engine import SingleProcessEngine
 from tests.pipeline_helpers import MICRO, assert_grads_match, batch, model_config, reference_step
 from tests.reference_model import VARIANTS
 from tests.spawn_helpers import start_ranks
+from tests.whole_model import WholeModel
 
 pytestmark = pytest.mark.distributed
 
@@ -220,7 +220,7 @@ def test_local_launcher_training_matches_single_process_losses(variant, launcher
                                            steps=3, grad_clip=0.05, lr=1e-2))
     run_cfg = dataclasses.replace(run_cfg, pipeline=dataclasses.replace(run_cfg.pipeline, launcher=launcher))
     engine = make_engine(run_cfg, tmp_path)
-    local = SingleProcessEngine(run_cfg.model, run_cfg.train)
+    local = WholeModel(run_cfg.model, run_cfg.train)
     try:
         for step in range(3):
             inputs, targets = batch(2, seed=10 + step)

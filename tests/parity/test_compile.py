@@ -66,3 +66,21 @@ def test_compile_with_a_pipeline_is_refused_in_one_line(flags, tmp_path, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: TrainConfig.compile=True is invalid for a pipelined run")
     assert "split-backward" in err[0]
+
+
+def test_the_one_process_run_compiles_what_the_model_compiles():
+    """`--compile` on the one-process run (one rank holding the whole model) compiles the same modules
+    as `Transformer(compile=True)`: every sublayer, its depth read and the head's read."""
+    from attnres_pp.train.engines import make_engine
+
+    run_cfg = RunConfig.from_dict({"model": TINY, "pipeline": {"launcher": "local"},
+                                   "train": {"compile": True, "device": "cpu", "batch_size": 2, "microbatches": 1}})
+    engine = make_engine(run_cfg)
+    try:
+        model = engine.model
+        want = Transformer(run_cfg.model, backend="torch", compile=True)
+        compiled = sorted(name for name, module in want.named_modules() if module._compiled_call_impl is not None)
+        assert compiled and compiled == sorted(name for name, module in model.named_modules()
+                                               if module._compiled_call_impl is not None)
+    finally:
+        engine.close()

@@ -17,10 +17,10 @@ from attnres_pp.train.engine import Engine
 from attnres_pp.train.engines import make_engine
 from attnres_pp.train.grad_sync import flat_buckets, sync_gradients
 from attnres_pp.train.rank_data import RankData
-from attnres_pp.train.single_process_engine import SingleProcessEngine
 from tests.pipeline_helpers import MICRO, assert_grads_match, batch, model_config, shared_reference_step
 from tests.reference_model import VARIANTS, randomize_depth_params
 from tests.run_helpers import REPO
+from tests.whole_model import WholeModel
 
 
 def run_config(cfg, *, D, P, V, m, schedule="interleaved_1f1b", cache=True, **train) -> RunConfig:
@@ -90,7 +90,7 @@ def test_data_parallel_training_and_evaluation_equal_single_process(variant):
     scale differs), then the pipelined forward-only evaluation."""
     cfg = model_config(variant, 4)
     run_cfg = run_config(cfg, D=2, P=2, V=2, m=2, grad_clip=0.05, lr=1e-2)
-    engine, local = make_engine(run_cfg), SingleProcessEngine(run_cfg.model, run_cfg.train)
+    engine, local = make_engine(run_cfg), WholeModel(run_cfg.model, run_cfg.train)
     for step in range(3):
         inputs, targets = batch(4, seed=10 + step)
         got, want = engine.train_step(step, inputs, targets, 1e-2), local.train_step(step, inputs, targets, 1e-2)
@@ -108,7 +108,7 @@ def test_zero_bubble_training_and_evaluation_under_data_parallel_equal_single_pr
     placement (its middle hop a self-hop)."""
     cfg = model_config("block", 4)
     run_cfg = run_config(cfg, D=2, P=2, V=2, m=3, schedule="zbv", grad_clip=0.05, lr=1e-2)
-    engine, local = make_engine(run_cfg), SingleProcessEngine(run_cfg.model, run_cfg.train)
+    engine, local = make_engine(run_cfg), WholeModel(run_cfg.model, run_cfg.train)
     for step in range(2):
         inputs, targets = batch(6, seed=10 + step)
         got, want = engine.train_step(step, inputs, targets, 1e-2), local.train_step(step, inputs, targets, 1e-2)
@@ -189,6 +189,6 @@ def test_rank_local_evaluation_equals_the_single_process_val_loss(tmp_path):
     cfg = model_config("msar", 4, vocab_size=256)
     run_cfg = run_config(cfg, D=2, P=2, V=2, m=2, data=str(data), eval_batches=3)
     corpus = load_corpus(str(data))
-    want = SingleProcessEngine(run_cfg.model, run_cfg.train, corpus=corpus).evaluate()
+    want = WholeModel(run_cfg.model, run_cfg.train, corpus=corpus).evaluate()
     got = make_engine(run_cfg, corpus=corpus).evaluate()
     assert abs(got - want) <= 1e-5 * abs(want)

@@ -23,10 +23,10 @@ from attnres_pp.pipeline.expert_parallel import ExpertSlice, expert_rows
 from attnres_pp.pipeline.mesh import RankCoords, thread_collectives
 from attnres_pp.train.config import RunConfig
 from attnres_pp.train.engines import make_engine
-from attnres_pp.train.single_process_engine import SingleProcessEngine
 from attnres_pp.train.stage_worker import StageWorker
 from tests.pipeline_helpers import MICRO, assert_grads_match, batch, build_model, model_config
 from tests.reference_model import randomize_depth_params
+from tests.whole_model import WholeModel
 
 MOE = dict(moe_experts=4, moe_top_k=2, moe_shared_experts=1, moe_dense_layers=1)
 
@@ -161,7 +161,7 @@ def test_ep_training_equals_single_process_and_biases_stay_equal():
     rank's selection biases equal the single process's after each step."""
     cfg = moe_config("lr_projected", moe_bias_gamma=0.01)
     run_cfg = run_config(cfg, D=2, P=2, V=1, m=2, EP=2, grad_clip=0.05, lr=1e-2)
-    engine, local = make_engine(run_cfg), SingleProcessEngine(run_cfg.model, run_cfg.train)
+    engine, local = make_engine(run_cfg), WholeModel(run_cfg.model, run_cfg.train)
     for step in range(3):
         inputs, targets = batch(4, seed=10 + step)
         got, want = engine.train_step(step, inputs, targets, 1e-2), local.train_step(step, inputs, targets, 1e-2)

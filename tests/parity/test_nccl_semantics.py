@@ -269,14 +269,14 @@ def test_data_parallel_training_and_evaluation_under_nccl_semantics_equal_single
     enforces NCCL's rules on the training steps and on the forward-only evaluation, and both equal
     the single process (loss, clipped norm, val loss)."""
     from attnres_pp.train.engines import make_engine
-    from attnres_pp.train.single_process_engine import SingleProcessEngine
+    from tests.whole_model import WholeModel
 
     from .test_data_parallel import run_config
 
     run_cfg = run_config(model_config(variant, 4), D=2, P=2, V=2, m=2, grad_clip=0.05, lr=1e-2)
     run_cfg = RunConfig.from_dict({**run_cfg.to_dict(),
                                    "pipeline": {**run_cfg.pipeline.to_dict(), "p2p_semantics": "nccl"}})
-    engine, local = make_engine(run_cfg), SingleProcessEngine(run_cfg.model, run_cfg.train)
+    engine, local = make_engine(run_cfg), WholeModel(run_cfg.model, run_cfg.train)
     assert all(isinstance(w.runtime.transport, NcclLoopbackTransport) for w in engine.ranks.workers)
     assert len({id(w.runtime.transport.fabric) for w in engine.ranks.workers}) == 2  # one per replica
     for step in range(2):

@@ -17,10 +17,10 @@ from attnres_pp.data import batch_at, load_corpus
 from attnres_pp.train.config import RunConfig, TrainConfig
 from attnres_pp.train.engines import make_engine
 from attnres_pp.train.optim import lr_at
-from attnres_pp.train.single_process_engine import SingleProcessEngine
 from tests.pipeline_helpers import model_config
 from tests.reference_model import VARIANTS
 from tests.run_helpers import summary
+from tests.whole_model import WholeModel
 
 
 def _run_cfg(variant: str, dtype: str, *, steps: int = 3, stages: int = 2, virtual: int = 2, m: int = 4,
@@ -56,12 +56,12 @@ def _train(engine, run_cfg, batches):
 def test_bf16_pipelined_steps_equal_the_bf16_single_process(variant, recipe):
     run_cfg = _run_cfg(variant, "bf16", **recipe)
     batches = _batches(3, run_cfg)
-    single = _train(SingleProcessEngine(run_cfg.model, run_cfg.train), run_cfg, batches)
+    single = _train(WholeModel(run_cfg.model, run_cfg.train), run_cfg, batches)
     piped_engine = make_engine(run_cfg)
     piped = _train(piped_engine, run_cfg, batches)
     for got, want in zip(piped, single, strict=True):
         assert abs(got - want) <= 1e-3 * abs(want), (piped, single)
-    fp32 = _train(SingleProcessEngine(run_cfg.model, TrainConfig(**{**run_cfg.train.to_dict(), "dtype": "fp32"})),
+    fp32 = _train(WholeModel(run_cfg.model, TrainConfig(**{**run_cfg.train.to_dict(), "dtype": "fp32"})),
                   run_cfg, batches)
     assert single != fp32  # bf16 really computed in bf16
     # Master weights and optimiser state stay fp32, on every rank.
@@ -119,7 +119,7 @@ def test_bf16_training_ends_within_2_percent_of_fp32():
     for dtype in ("fp32", "bf16"):
         train = TrainConfig(steps=60, batch_size=8, microbatches=1, lr=3e-3, warmup_steps=5, dtype=dtype,
                             device="cpu", eval_every=0)
-        engine = SingleProcessEngine(model, train)
+        engine = WholeModel(model, train)
         losses = []
         for step in range(train.steps):
             inputs, targets = batch_at(corpus.train_tokens_N, step, train.batch_size, model.seq_len, train.seed)
@@ -148,7 +148,7 @@ def test_bf16_data_parallel_steps_equal_the_bf16_single_process(variant):
     run_cfg = RunConfig.from_dict({**run_cfg.to_dict(), "train": {**run_cfg.train.to_dict(), "batch_size": 8},
                                    "pipeline": {**run_cfg.pipeline.to_dict(), "data_parallel": 2}})
     batches = _batches(3, run_cfg)
-    single = _train(SingleProcessEngine(run_cfg.model, run_cfg.train), run_cfg, batches)
+    single = _train(WholeModel(run_cfg.model, run_cfg.train), run_cfg, batches)
     engine = make_engine(run_cfg)
     piped = _train(engine, run_cfg, batches)
     for got, want in zip(piped, single, strict=True):

@@ -131,8 +131,8 @@ def test_tied_training_on_thread_ranks_equals_single_process_and_keeps_the_copie
     single process's matrix."""
     from attnres_pp.train.config import RunConfig
     from attnres_pp.train.engines import make_engine
-    from attnres_pp.train.single_process_engine import SingleProcessEngine
     from tests.pipeline_helpers import model_config
+    from tests.whole_model import WholeModel
 
     D, P, V, m, schedule, cache = layout
     cfg = model_config("block", 6, n_heads=4, n_kv_heads=2, tie_embeddings=True)
@@ -142,7 +142,7 @@ def test_tied_training_on_thread_ranks_equals_single_process_and_keeps_the_copie
                   "grad_clip": 0.05, "lr": 1e-2},
         "pipeline": {"stages": P, "virtual": V, "data_parallel": D, "schedule": schedule, "cache": cache,
                      "launcher": "inprocess", "timeout_s": 60.0}})
-    engine, local = make_engine(run_cfg), SingleProcessEngine(run_cfg.model, run_cfg.train)
+    engine, local = make_engine(run_cfg), WholeModel(run_cfg.model, run_cfg.train)
     try:
         for step in range(3):
             inputs, targets = batch(m * D, seed=10 + step)

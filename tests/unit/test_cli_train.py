@@ -96,8 +96,10 @@ def test_only_one_local_chunk_trains_in_this_process(tmp_path, monkeypatch, caps
         calls.append((run_cfg.pipeline, out_dir))
         raise ValueError("stub engine refused")
 
+    piped = []  # the one-process run (one rank in this process) never asks for the launcher's ranks
+    pipeline_engine = launch.make_pipeline_engine
     monkeypatch.setattr(launch, "Engine", refuse)
-    monkeypatch.setattr(launch, "SingleProcessEngine", lambda *a, **k: pytest.fail("trained in this process"))
+    monkeypatch.setattr(launch, "make_pipeline_engine", lambda *a, **k: piped.append(1) or pipeline_engine(*a, **k))
     assert main(["train", *argv, *TINY, "--out", str(tmp_path / "run")]) == 2
     assert "stub engine refused" in capsys.readouterr().err
-    assert len(calls) == 1 and str(calls[0][1]) == str(tmp_path / "run")
+    assert piped == [1] and len(calls) == 1 and str(calls[0][1]) == str(tmp_path / "run")

@@ -24,7 +24,6 @@ from attnres_pp.pipeline.stage_setup import init_process_group
 from attnres_pp.schedule.timeline import align_per_rank, bubble_fraction, own_clock_bubble, rank_bubbles
 from attnres_pp.train.config import RunConfig, TrainConfig, resolve_training
 from attnres_pp.train.optim import build_optimizer, clip_grad_norm_
-from attnres_pp.train.single_process_engine import SingleProcessEngine
 from tests.pipeline_helpers import model_config
 
 
@@ -109,8 +108,14 @@ def test_tensor_parallel_under_ray_is_decided_again_with_the_clusters_gpus():
 
 
 def test_kernels_flag_picks_the_backend_and_the_summary_records_it(tmp_path):
-    engine = SingleProcessEngine(model_config("block", 2), TrainConfig(kernels="torch", batch_size=2, microbatches=1))
-    assert engine.model.backend == "torch" and engine.train_cfg.kernels == "torch"
+    from attnres_pp.train.engines import make_engine
+
+    engine = make_engine(RunConfig(model=model_config("block", 2), pipeline=PipelineConfig(launcher="local"),
+                                   train=TrainConfig(kernels="torch", batch_size=2, microbatches=1)))
+    try:
+        assert engine.model.backend == "torch" and engine.train_cfg.kernels == "torch"
+    finally:
+        engine.close()
     out = tmp_path / "run"
     assert main(["train", "--launcher", "inprocess", "--stages", "2", "--layers", "2", "--d-model", "16",
                  "--heads", "2", "--seq-len", "16", "--batch-size", "4", "--steps", "1", "--eval-every", "0",

@@ -116,34 +116,43 @@ def test_checkpointing_under_a_split_schedule_is_metered_every_step(monkeypatch)
     assert all(n > 0 for _p, _l, n in got)
 
 
-def _one_process_steps(batches, every_step: bool, packs: _Packs, **train) -> list[tuple[int, int]]:
-    """The one-process engine's steps on `batches`: (activation_peak_bytes, the meter's packs) each."""
-    from attnres_pp.train.config import TrainConfig
-    from attnres_pp.train.single_process_engine import SingleProcessEngine
+def _one_process_steps(monkeypatch, batches, every_step: bool, packs: _Packs, **train) -> list[tuple[int, int]]:
+    """The one-process run's steps on `batches` (`--launcher local`, one chunk: the engine's lone
+    rank): (activation_peak_bytes, the meter's packs) each."""
+    from attnres_pp.pipeline.config import PipelineConfig
+    from attnres_pp.pipeline.runtime import StageRuntime
+    from attnres_pp.train.config import RunConfig, TrainConfig
+    from attnres_pp.train.engines import make_engine
 
-    cfg = model_config("block", n_layers=2)
-    engine = SingleProcessEngine(cfg, TrainConfig(batch_size=8, microbatches=2, steps=len(batches), threads=1,
-                                                  warmup_steps=0, **train))
-    engine.meter_every_step = every_step
+    monkeypatch.setattr(StageRuntime, "meter_every_step", every_step)
+    run_cfg = RunConfig(model=model_config("block", n_layers=2), pipeline=PipelineConfig(launcher="local"),
+                        train=TrainConfig(batch_size=8, microbatches=2, steps=len(batches), threads=1,
+                                          warmup_steps=0, **train))
+    engine = make_engine(run_cfg)
     out = []
-    for step, (inputs, targets) in enumerate(batches):
-        before = packs.n
-        result = engine.train_step(step, inputs, targets, 1e-2)
-        out.append((result.extras["memory_per_rank"][0]["activation_peak_bytes"], packs.n - before))
+    try:
+        for step, (inputs, targets) in enumerate(batches):
+            before = packs.n
+            result = engine.train_step(step, inputs, targets, 1e-2)
+            out.append((result.extras["memory_per_rank"][0]["activation_peak_bytes"], packs.n - before))
+    finally:
+        engine.close()
     return out
 
 
 @pytest.mark.parametrize("policy", ["none", "full"])
 def test_a_new_batch_shape_is_metered_again(monkeypatch, policy):
-    """The one-process engine takes any batch: steps 0-2 of 8 sequences, then 3-5 of 4. The first
-    steps of each shape are metered, and every step's figure is the slow twin's."""
-    batches = [batch(4, seed=10 + s) for s in range(3)] + [tuple(t[:4] for t in batch(4, seed=20 + s))
+    """The one-process run takes sequences of any length up to the model's: steps 0-2 of full-length
+    sequences, then 3-5 of half-length ones. The first steps of each shape are metered, and every
+    step's figure is the slow twin's."""
+    half = lambda t: t[:, : t.shape[1] // 2]  # noqa: E731
+    batches = [batch(4, seed=10 + s) for s in range(3)] + [tuple(half(t) for t in batch(4, seed=20 + s))
                                                            for s in range(3)]
     packs = _Packs(monkeypatch)
-    want = _one_process_steps(batches, True, packs, activation_checkpoint=policy)
-    got = _one_process_steps(batches, False, packs, activation_checkpoint=policy)
+    want = _one_process_steps(monkeypatch, batches, True, packs, activation_checkpoint=policy)
+    got = _one_process_steps(monkeypatch, batches, False, packs, activation_checkpoint=policy)
     assert [peak for peak, _n in got] == [peak for peak, _n in want]
-    assert want[3][0] < want[2][0]  # the smaller batch saves less: the figure did change
+    assert want[3][0] < want[2][0]  # the shorter sequences save less: the figure did change
     assert [n > 0 for _p, n in got] == [True, True, False, True, True, False]
     assert all(n > 0 for _p, n in want)
 

@@ -24,8 +24,9 @@ from attnres_pp.model.moe import (
     update_expert_bias,
 )
 from attnres_pp.model.transformer import active_parameter_count, parameter_count
-from attnres_pp.train.config import TrainConfig
-from attnres_pp.train.single_process_engine import SingleProcessEngine
+from attnres_pp.pipeline.config import PipelineConfig
+from attnres_pp.train.config import RunConfig, TrainConfig
+from attnres_pp.train.engines import make_engine
 
 BASE = dict(vocab_size=32, n_layers=3, d_model=16, n_heads=2, seq_len=8, moe_experts=4, moe_top_k=2,
             moe_d_ff=8, moe_dense_layers=1)
@@ -163,10 +164,13 @@ def test_the_aux_free_bias_moves_gamma_toward_the_mean_load_and_only_under_aux_f
 
 def _engine_step(policy: str) -> tuple[dict, dict]:
     cfg = ModelConfig(**BASE, moe_balance="aux_loss")
-    engine = SingleProcessEngine(cfg, TrainConfig(steps=1, batch_size=4, microbatches=2, seed=0, device="cpu",
-                                                  activation_checkpoint=policy))
+    train = TrainConfig(steps=1, batch_size=4, microbatches=2, seed=0, device="cpu", activation_checkpoint=policy)
+    engine = make_engine(RunConfig(model=cfg, train=train, pipeline=PipelineConfig(launcher="local")))
     idx = torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(7))
-    result = engine.train_step(0, idx[:, :-1], idx[:, 1:], lr=1e-3)
+    try:
+        result = engine.train_step(0, idx[:, :-1], idx[:, 1:], lr=1e-3)
+    finally:
+        engine.close()
     return result.extras["moe_expert_loads"], result.metrics
 
 

@@ -132,8 +132,8 @@ SMALL = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "16", 
 def test_another_batch_size_at_resume_continues_at_the_step_and_counts_its_tokens(tmp_path):
     """Resumed from step_2 with --batch-size 8, steps 3 and 4 read batch 2 and 3 of the stream at 8
     rows (the twin below feeds exactly those), and tokens_seen adds 4 and then 8 sequences a step."""
+    from attnres_pp.train.engines import make_engine
     from attnres_pp.train.optim import lr_at
-    from attnres_pp.train.single_process_engine import SingleProcessEngine
 
     run, again = tmp_path / "run", tmp_path / "again"
     assert main(["train", "--launcher", "local", *SMALL, "--out", str(run)]) == 0
@@ -152,9 +152,12 @@ def test_another_batch_size_at_resume_continues_at_the_step_and_counts_its_token
 
     run_cfg = RunConfig.from_dict(json.loads((again / "checkpoints" / "step_4" / "meta.json").read_text())["config"])
     assert run_cfg.train.batch_size == 8
-    twin = SingleProcessEngine(run_cfg.model, run_cfg.train)
-    twin.load_checkpoint(run / "checkpoints" / "step_2")
-    want = [twin.train_step(step, None, None, lr_at(step, run_cfg.train)).loss for step in (2, 3)]
+    twin = make_engine(run_cfg)
+    try:
+        twin.load_checkpoint(run / "checkpoints" / "step_2")
+        want = [twin.train_step(step, None, None, lr_at(step, run_cfg.train)).loss for step in (2, 3)]
+    finally:
+        twin.close()
     assert_same_losses(got["losses"][2:], want, rtol=1e-6)
 
 

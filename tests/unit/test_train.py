@@ -12,9 +12,10 @@ import torch
 from attnres_pp.model import ModelConfig
 from attnres_pp.pipeline.config import PipelineConfig
 from attnres_pp.train import RunConfig, StepResult, TrainConfig, clip_grad_norm_, lr_at, run_training
+from attnres_pp.train.engines import make_engine
 from attnres_pp.train.optim import build_optimizer, decays
-from attnres_pp.train.single_process_engine import SingleProcessEngine
 from tests.run_helpers import REPO
+from tests.whole_model import WholeModel
 
 TINY_MODEL = dict(n_layers=2, d_model=32, n_heads=2, seq_len=32)
 
@@ -150,18 +151,51 @@ def _run_cfg(steps=3, model=None, **train):
                      pipeline=PipelineConfig(launcher="local"))
 
 
+def _train(cfg: RunConfig, out_dir) -> dict:
+    """`run_training` on the engine of a one-process run (`make_engine`), closed afterwards."""
+    engine = make_engine(cfg, out_dir)
+    try:
+        return run_training(cfg, engine, out_dir, progress=False)
+    finally:
+        engine.close()
+
+
 def test_single_process_engine_is_deterministic(tmp_path):
     cfg = _run_cfg(steps=3)
-    first = run_training(cfg, SingleProcessEngine(cfg.model, cfg.train), tmp_path / "a", progress=False)
-    second = run_training(cfg, SingleProcessEngine(cfg.model, cfg.train), tmp_path / "b", progress=False)
+    first = _train(cfg, tmp_path / "a")
+    second = _train(cfg, tmp_path / "b")
     assert first["losses"] == second["losses"] and first["val_loss"] == second["val_loss"]
+
+
+@pytest.mark.parametrize("model", [dict(VARIANTS["msar"], tie_embeddings=True),
+                                   dict(VARIANTS["block_attnres"], moe_experts=4, moe_top_k=2, moe_d_ff=16)])
+def test_the_one_process_run_steps_the_whole_model_bit_for_bit(model):
+    """The one-process run is one rank of the pipeline's code holding the whole model: its losses,
+    gradient norms, expert loads, evaluation loss and trained parameters equal the whole model's own
+    forward, backward and optimiser step (`tests/whole_model.py`) exactly, not within rounding (MSAR's
+    tied convolutions and embedding test the norm's summation order, MoE the loads and the bias)."""
+    cfg = _run_cfg(steps=3, model=model)
+    engine, twin = make_engine(cfg), WholeModel(cfg.model, cfg.train)
+    tokens = torch.randint(0, 256, (4, 4, 33), generator=torch.Generator().manual_seed(0))
+    try:
+        for step in range(3):
+            got = engine.train_step(step, tokens[step, :, :-1], tokens[step, :, 1:], 1e-2)
+            want = twin.train_step(step, tokens[step, :, :-1], tokens[step, :, 1:], 1e-2)
+            assert (got.loss, got.metrics["grad_norm"]) == (want.loss, want.metrics["grad_norm"]), step
+            assert got.extras.get("moe_expert_loads") == want.extras.get("moe_expert_loads"), step
+        assert engine.eval_loss(tokens[3, :, :-1], tokens[3, :, 1:]) == twin.eval_loss(tokens[3, :, :-1],
+                                                                                        tokens[3, :, 1:])
+        for name, want_param in twin.model.named_parameters():
+            assert torch.equal(engine.model.get_parameter(name), want_param), name
+    finally:
+        engine.close()
 
 
 def test_gradient_accumulation_matches_one_microbatch():
     engines = []
     for m in (1, 2):
         cfg = _run_cfg(steps=2, microbatches=m, batch_size=4, model=VARIANTS["msar"])
-        engines.append(SingleProcessEngine(cfg.model, cfg.train))
+        engines.append(make_engine(cfg))
     inputs_BT = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(0))
     targets_BT = torch.roll(inputs_BT, -1, dims=1)
     losses = [engine.train_step(0, inputs_BT, targets_BT, 1e-3).loss for engine in engines]
@@ -173,7 +207,7 @@ def test_gradient_accumulation_matches_one_microbatch():
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_every_variant_learns_the_builtin_corpus(variant, tmp_path):
     cfg = _run_cfg(steps=30, model=VARIANTS[variant], batch_size=8, lr=1e-2, warmup_steps=3)
-    summary = run_training(cfg, SingleProcessEngine(cfg.model, cfg.train), tmp_path, progress=False)
+    summary = _train(cfg, tmp_path)
     losses = summary["losses"]
     assert len(losses) == 30
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
