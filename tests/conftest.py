@@ -125,6 +125,8 @@ def _report_unknown_heavy_ids(session: pytest.Session) -> None:
     """A listed id this run collected no test for is a collection error of tests/heavy_tests.txt:
     pytest (and xdist's controller, which the report reaches) stops before any test runs."""
     config = session.config
+    if config.getoption("lf", False):  # --lf collects a module's last failures only, not its listed tests
+        return
     narrowed = heavy_tier.narrowed_modules(config.args, config.invocation_params.dir)
     unknown = config.stash[HEAVY_TIER].unknown(config.rootpath, narrowed)
     if unknown:
