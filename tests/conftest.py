@@ -11,6 +11,9 @@
   ldconfig on a GPU, a C compiler, `uname`, and `fc-list`, which matplotlib runs once per
   machine to build its font cache) are not a test's processes: on a GPU every kernel test
   compiles, and on a fresh machine whichever test plots first builds the cache.
+- The in-process tests that tests/heavy_tests.txt lists get the `heavy` marker (tests/heavy_tier.py)
+  as they are collected, before `-m` selects: `make test-fast` leaves them out. A listed id the run
+  does not collect is a collection error, so a renamed heavy test cannot slip into the fast tier.
 - The long tests go first (see `pytest_collection_modifyitems`), so that under `--dist loadgroup`
   the two workers start on them and the short ones fill in at the end.
 """
@@ -24,6 +27,8 @@ import subprocess
 import pytest
 import torch
 
+from tests import heavy_tier
+
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -34,6 +39,8 @@ PROCESS_MARKERS = ("multihost", "ray", "distributed", "subprocess")
 
 TOOLCHAIN = frozenset({"ptxas", "nvdisasm", "cuobjdump", "nvlink", "fatbinary", "ldconfig", "gcc", "g++", "cc",
                        "c++", "clang", "clang++", "uname", "fc-list"})
+
+HEAVY_TIER = pytest.StashKey[heavy_tier.HeavyTier]()
 
 _running: list[pytest.Item] = []  # the item whose setup, call or teardown is under way
 _started: list[str] = []  # processes that item started without a process marker, this phase
@@ -78,6 +85,7 @@ def _watch_process_starts() -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     _watch_process_starts()
+    config.stash[HEAVY_TIER] = heavy_tier.HeavyTier(heavy_tier.read_heavy_ids())
 
 
 def _checked_phase(item: pytest.Item, phase: str):
@@ -109,6 +117,23 @@ def pytest_runtest_teardown(item):
     return (yield from _checked_phase(item, "teardown"))
 
 
+def pytest_itemcollected(item: pytest.Item) -> None:
+    item.config.stash[HEAVY_TIER].mark(item)  # as each test is collected: before `-m` selects
+
+
+def _report_unknown_heavy_ids(session: pytest.Session) -> None:
+    """A listed id this run collected no test for is a collection error of tests/heavy_tests.txt:
+    pytest (and xdist's controller, which the report reaches) stops before any test runs."""
+    config = session.config
+    if config.getoption("lf", False):  # --lf collects a module's last failures only, not its listed tests
+        return
+    narrowed = heavy_tier.narrowed_modules(config.args, config.invocation_params.dir)
+    unknown = config.stash[HEAVY_TIER].unknown(config.rootpath, narrowed)
+    if unknown:
+        report = pytest.CollectReport(heavy_tier.LIST_NODEID, "failed", heavy_tier.unknown_ids_error(unknown), [])
+        config.hook.pytest_collectreport(report=report)
+
+
 def _rank(item: pytest.Item) -> int:
     """Longest first: the several-host clusters, then Ray, rank processes, other child processes."""
     for rank, marker in enumerate(PROCESS_MARKERS):
@@ -118,9 +143,10 @@ def _rank(item: pytest.Item) -> int:
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(session: pytest.Session, items: list[pytest.Item]) -> None:
     """Whole modules move, in their own order (module fixtures stay set up once): each module
-    ranks as its longest test."""
+    ranks as its longest test. First, the heavy list's check (every test has been collected)."""
+    _report_unknown_heavy_ids(session)
     module_rank: dict[str, int] = {}
     for item in items:
         module = item.nodeid.split("::")[0]
