@@ -28,7 +28,7 @@ test: install
 # No install (an installed checkout), and no test that starts a process: what tests/conftest.py's
 # PROCESS_MARKERS mark is deselected, and an unmarked test that starts a process fails; nor the
 # long tail of an in-process parity matrix (`matrix`: its P = 1 and float64 cases stay); nor the
-# in-process tests of ~0.5 CPU-s or more (`heavy`: tests/heavy_tests.txt, each module keeping its
+# in-process tests of ~0.3 CPU-s or more (`heavy`: tests/heavy_tests.txt, each module keeping its
 # cheapest test; scripts/heavy_tests.py reads this line to know the fast tier).
 FAST_MARKERS := not multihost and not ray and not distributed and not subprocess and not matrix and not heavy
 test-fast:

@@ -3,7 +3,7 @@ from a per-test CPU report of tests/cpu_report.py.
 
     bash scripts/run_tests.sh -q -n 2 -p tests.cpu_report --cpu-report /tmp/cpu.jsonl \\
         -m "not multihost and not ray and not distributed and not subprocess and not matrix"
-    python3 scripts/heavy_tests.py /tmp/cpu.jsonl [--threshold 0.5]
+    python3 scripts/heavy_tests.py /tmp/cpu.jsonl [--threshold 0.3]
 
 The fast tier is what Makefile's FAST_MARKERS selects apart from `heavy` (read from the Makefile, so
 the two cannot disagree). A test of that tier costing `--threshold` CPU-s or more is listed, except
@@ -97,7 +97,7 @@ def listed_ids(path: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("report", type=Path, help="a JSON-lines report of tests/cpu_report.py")
-    parser.add_argument("--threshold", type=float, default=0.5, help="CPU-s from which a test is heavy (0.5)")
+    parser.add_argument("--threshold", type=float, default=0.3, help="CPU-s from which a test is heavy (0.3)")
     parser.add_argument("--out", type=Path, default=REPO / "tests" / "heavy_tests.txt")
     parser.add_argument("--makefile", type=Path, default=REPO / "Makefile")
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""The `heavy` marker from tests/heavy_tests.txt: the in-process tests that cost about 0.5 CPU-s or
+"""The `heavy` marker from tests/heavy_tests.txt: the in-process tests that cost about 0.3 CPU-s or
 more, which `make test-fast` leaves out (`make test` runs them). scripts/heavy_tests.py writes the
 list from a per-test CPU report (tests/cpu_report.py); tests/conftest.py marks what it names.
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
-import time
 
 import pytest
 
@@ -92,12 +91,10 @@ LLAMA_3_70B = ["--layers", "80", "--d-model", "8192", "--heads", "64", "--kv-hea
     (LLAMA_3_8B, ["--global-batch", "512", "--gpus", "64", "--gpu-memory-gib", "80"]),
     (LLAMA_3_70B, ["--global-batch", "1024", "--gpus", "512", "--gpu-memory-gib", "80"]),
 ])
-def test_plans_the_readmes_llama_shaped_models_within_10_s(model, cluster, capsys):
-    """The README's commands, T searched (about 2 and 5 s of CPU on a 2-core machine,
-    docs/simulator.md); the train command they print builds the model the plan priced."""
-    started = time.process_time()
+def test_plans_the_readmes_llama_shaped_models(model, cluster, capsys):
+    """The README's commands, T searched (their speed is measured in docs/simulator.md, not
+    asserted here); the train command they print builds the model the plan priced."""
     assert main(["simulate", "plan", *model, *cluster]) == 0
-    assert time.process_time() - started < 10.0
     out = capsys.readouterr().out
     command = next(line for line in out.splitlines() if line.strip().startswith("attnres-pp train"))
     recipe = " ".join(model[model.index("--d-ff"):model.index("--d-ff") + 2] + ["--rope-theta", "500000"]
