@@ -49,8 +49,9 @@ def _config(name: str) -> ModelConfig:
     return ModelConfig.from_dict({**BENCH_MODEL, **VARIANTS[name][0]})
 
 
-def _pipelined_step(name: str):
-    """A function running one pipelined step that calls `around(action, run)` for each compute action."""
+def loopback_pipeline(name: str):
+    """Variant `name` of `bench overhead`'s pipeline in this process: (model, m, every rank's loopback
+    runtime, one step's inputs, targets)."""
     cfg, m = _config(name), PIPELINE["microbatches"]
     torch.manual_seed(0)
     model = Transformer(cfg)
@@ -60,7 +61,12 @@ def _pipelined_step(name: str):
     schedule = insert_comm(build_schedule(PIPELINE["schedule"], PIPELINE["stages"], PIPELINE["virtual"], m))
     runtimes = make_loopback_runtimes(cfg, chunks, plan_for_model(cfg, partition, VARIANTS[name][1]), schedule,
                                       (MICROBATCH_SIZE, cfg.seq_len))
-    inputs, targets = random_batch(0, MICROBATCH_SIZE * m, cfg.seq_len, cfg.vocab_size)
+    return model, m, runtimes, *random_batch(0, MICROBATCH_SIZE * m, cfg.seq_len, cfg.vocab_size)
+
+
+def _pipelined_step(name: str):
+    """A function running one pipelined step that calls `around(action, run)` for each compute action."""
+    model, m, runtimes, inputs, targets = loopback_pipeline(name)
 
     def step(around) -> None:
         for runtime in runtimes:

@@ -19,29 +19,13 @@ import time
 
 import torch
 
-from attnres_pp.bench.common import BENCH_MODEL, MICROBATCH_SIZE, random_batch
-from attnres_pp.bench.overhead import PIPELINE, VARIANTS
-from attnres_pp.comm.partition import make_partition
-from attnres_pp.comm.plan import plan_for_model
-from attnres_pp.model import ModelConfig, Transformer
-from attnres_pp.pipeline.chunk import build_rank_chunks
-from attnres_pp.pipeline.loopback import make_loopback_runtimes, run_loopback_step
-from attnres_pp.schedule.passes import insert_comm
-from attnres_pp.schedule.schedules import build_schedule, schedule_placement
+from attnres_pp.pipeline.loopback import run_loopback_step
+from scripts.overhead_counts import loopback_pipeline
 
 
 def pipelined(name: str):
     """A function running one step of variant `name` (meter on or off) and returning its CPU seconds."""
-    cfg, m = ModelConfig.from_dict({**BENCH_MODEL, **VARIANTS[name][0]}), PIPELINE["microbatches"]
-    torch.manual_seed(0)
-    model = Transformer(cfg)
-    partition = make_partition(cfg.n_layers, PIPELINE["stages"], PIPELINE["virtual"],
-                               placement=schedule_placement(PIPELINE["schedule"]))
-    chunks = [build_rank_chunks(model, partition, r) for r in range(PIPELINE["stages"])]
-    schedule = insert_comm(build_schedule(PIPELINE["schedule"], PIPELINE["stages"], PIPELINE["virtual"], m))
-    runtimes = make_loopback_runtimes(cfg, chunks, plan_for_model(cfg, partition, VARIANTS[name][1]), schedule,
-                                      (MICROBATCH_SIZE, cfg.seq_len))
-    inputs, targets = random_batch(0, MICROBATCH_SIZE * m, cfg.seq_len, cfg.vocab_size)
+    model, m, runtimes, inputs, targets = loopback_pipeline(name)
 
     def step(meter_on: bool) -> float:
         for runtime in runtimes:

@@ -58,16 +58,22 @@ def run_cli_batch(argvs: list[list[str]], timeout_s: float, script: Path | None 
     return [Run(code, out, err) for code, out, err in zip(codes, outs, errs, strict=True)]
 
 
-def _by_run(text: str) -> tuple[list[str], list[int]]:
-    """Each run's output and exit code; what the interpreter printed after the last run (its exit)
-    counts as the last run's, as it would in a process of its own."""
-    parts = text.split(END)
+def split_runs(text: str, end: str = END) -> tuple[list[str], list[int], str]:
+    """A batch child's output cut at each run's `end` marker line (which carries the run's exit
+    code): each run's output and exit code, and what the child printed after the last run."""
+    parts = text.split(end)
     outs, codes = [parts[0]], []
     for part in parts[1:]:
         code, _, tail = part.partition("\n")
         codes.append(int(code))
         outs.append(tail)
-    after_last = outs.pop()
+    return outs[:-1], codes, outs[-1]
+
+
+def _by_run(text: str) -> tuple[list[str], list[int]]:
+    """Each run's output and exit code; what the interpreter printed after the last run (its exit)
+    counts as the last run's, as it would in a process of its own."""
+    outs, codes, after_last = split_runs(text)
     if outs:
         outs[-1] += after_last
     return outs, codes

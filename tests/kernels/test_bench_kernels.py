@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.cli_batch import END, split_runs
+
 # One worker runs them all (--dist loadgroup), so that the shared child process (`runs`) starts once.
 pytestmark = [pytest.mark.subprocess, pytest.mark.xdist_group("bench-kernels-cli")]
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
-END = "=== end of run, exit "
 # The CLI as gpu_check.sh calls it, once for each argv of the JSON list in argv[1], each run's output
 # closed by END and its exit code; then a last line saying whether any of them imported Ray.
 CLI = ("import json, runpy, sys\n"
@@ -59,21 +60,10 @@ def runs():
                             capture_output=True, text=True, timeout=480)
     after = set(RESULTS.iterdir()) if RESULTS.exists() else set()
     assert result.returncode == 0, result.stderr
-    (outs, codes, last), (errs, _, _) = _by_run(result.stdout), _by_run(result.stderr)
+    (outs, codes, last), (errs, _, _) = split_runs(result.stdout), split_runs(result.stderr)
     assert len(outs) == len(errs) == len(RUNS), result.stdout + result.stderr
     by_name = {name: Run(code, out, err) for name, code, out, err in zip(RUNS, codes, outs, errs, strict=True)}
     return by_name, last.strip(), (before, after)
-
-
-def _by_run(text: str) -> tuple[list[str], list[int], str]:
-    """Each run's output and exit code, and what the child printed after the last run."""
-    parts = text.split(END)
-    outs, codes = [parts[0]], []
-    for part in parts[1:]:
-        code, _, tail = part.partition("\n")
-        codes.append(int(code))
-        outs.append(tail)
-    return outs[:-1], codes, outs[-1]
 
 
 def test_no_run_imports_ray_and_none_writes_results(runs):
