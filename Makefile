@@ -9,10 +9,16 @@ PYTEST_WORKERS ?= 2
 
 .PHONY: install demo test test-fast lint
 
-# One pip run: the pin and the package resolve together (a second run costs ~3 CPU-s to find torch
-# already there).
+# pip first: the pip a fresh Python 3.11 virtualenv brings (23.2) spent 2/3 of the install's CPU
+# matching every wheel listed on the index pages against this machine's tags; pip 26 resolves the
+# same set in a fraction of it. Then one pip run: the pin and the package resolve together (a second
+# run costs ~3 CPU-s to find torch already there). --no-compile: pip would byte-compile every module
+# of every package (~40 CPU-s, torch's and Triton's thousands of files); the interpreter compiles what
+# is imported, on first import, and keeps it (~10 CPU-s for what the suite imports).
+# docs/testing.md#timings has the figures.
 install:
-	$(PIP) install --quiet "$(TORCH_SPEC)" -e ".[dev]"
+	$(PIP) install --quiet "pip>=26"
+	$(PIP) install --quiet --no-compile "$(TORCH_SPEC)" -e ".[dev]"
 
 # The demo run is rewritten each time: a fresh run refuses a folder holding another run's
 # checkpoints (it would otherwise load them on a restart). Continue one with --resume instead.
