@@ -23,7 +23,9 @@ from tests.run_helpers import summary
 from tests.whole_model import WholeModel
 
 
-def _run_cfg(variant: str, dtype: str, *, steps: int = 3, stages: int = 2, virtual: int = 2, m: int = 4,
+# Two steps: the second loss is computed on weights the first bf16 step's fp32 update moved (master
+# weights, optimiser state); a third would repeat that path.
+def _run_cfg(variant: str, dtype: str, *, steps: int = 2, stages: int = 2, virtual: int = 2, m: int = 4,
              **model) -> RunConfig:
     cfg = model_config(variant, 4, **model)
     return RunConfig.from_dict({
@@ -55,7 +57,7 @@ def _train(engine, run_cfg, batches):
                                        "moe_dense_layers": 1, "moe_balance": "aux_loss"})])
 def test_bf16_pipelined_steps_equal_the_bf16_single_process(variant, recipe):
     run_cfg = _run_cfg(variant, "bf16", **recipe)
-    batches = _batches(3, run_cfg)
+    batches = _batches(run_cfg.train.steps, run_cfg)
     single = _train(WholeModel(run_cfg.model, run_cfg.train), run_cfg, batches)
     piped_engine = make_engine(run_cfg)
     piped = _train(piped_engine, run_cfg, batches)
@@ -147,7 +149,7 @@ def test_bf16_data_parallel_steps_equal_the_bf16_single_process(variant):
     run_cfg = _run_cfg(variant, "bf16", m=2)
     run_cfg = RunConfig.from_dict({**run_cfg.to_dict(), "train": {**run_cfg.train.to_dict(), "batch_size": 8},
                                    "pipeline": {**run_cfg.pipeline.to_dict(), "data_parallel": 2}})
-    batches = _batches(3, run_cfg)
+    batches = _batches(run_cfg.train.steps, run_cfg)
     single = _train(WholeModel(run_cfg.model, run_cfg.train), run_cfg, batches)
     engine = make_engine(run_cfg)
     piped = _train(engine, run_cfg, batches)
