@@ -103,8 +103,10 @@ def test_plans_the_readmes_llama_shaped_models(model, cluster, capsys):
 
 
 def test_pruning_keeps_the_exact_optimum():
-    """Against every candidate simulated exactly: the planner's top row is the fastest that fits."""
-    request = _small(gpus=4, global_batch=16)
+    """Against every candidate simulated exactly: the planner's top row is the fastest that fits.
+    Two GPUs: 972 candidates (the planner simulates at most 32), 132 over the memory limit; the
+    stage-1 prices it ranks by equal the estimate on every candidate at 4 to 8 GPUs (below)."""
+    request = _small(gpus=2, global_batch=16)
     planner = Planner(request)
     exact = [planner.evaluate(c) for c in candidates(request)]
     fitting = [row for row in exact if row["peak_memory_bytes"] <= request.gpu_memory_gib * GIB]
