@@ -156,13 +156,14 @@ def test_a_rank_whose_experts_get_no_tokens_still_joins_every_all_to_all():
 
 
 def test_ep_training_equals_single_process_and_biases_stay_equal():
-    """Three AdamW steps with active clipping (the norm counts each expert once) and aux-free
+    """Two AdamW steps with active clipping (the norm counts each expert once) and aux-free
     balancing, then the pipelined evaluation: losses and norms equal the single process, and every
-    rank's selection biases equal the single process's after each step."""
+    rank's selection biases equal the single process's after each step (the second step routes with
+    the biases the first moved; a third would repeat that)."""
     cfg = moe_config("lr_projected", moe_bias_gamma=0.01)
     run_cfg = run_config(cfg, D=2, P=2, V=1, m=2, EP=2, grad_clip=0.05, lr=1e-2)
     engine, local = make_engine(run_cfg), WholeModel(run_cfg.model, run_cfg.train)
-    for step in range(3):
+    for step in range(2):
         inputs, targets = batch(4, seed=10 + step)
         got, want = engine.train_step(step, inputs, targets, 1e-2), local.train_step(step, inputs, targets, 1e-2)
         assert abs(got.loss - want.loss) <= 1e-5 * abs(want.loss), (step, got.loss, want.loss)
