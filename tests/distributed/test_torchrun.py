@@ -1,6 +1,6 @@
 """`--launcher torchrun`: `torchrun --standalone --nproc-per-node N -m attnres_pp train --launcher
-torchrun` trains with the local launcher's losses (P = 2 with tied embeddings, also the single
-process's, and D = 2), rank 0 alone writing the driver's files and every rank its checkpoint shard; a
+torchrun` trains with the local launcher's losses (D = 2 x P = 2 with tied embeddings, also P = 1's),
+rank 0 alone writing the driver's files and every rank its checkpoint shard; a
 rank killed mid-run (one > 0, and rank 0) ends every process within the timeout with one `error:` line
 naming it and no traceback, and so does a cancelled job (SIGTERM to torchrun); a WORLD_SIZE that is not
 D x P x T, and the combinations torchrun cannot carry, are one line each.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -98,17 +99,17 @@ def _finish(proc: subprocess.Popen, timeout_s: float) -> tuple[str, str]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("layout", [["--stages", "2", "--tie-embeddings"], ["--data-parallel", "2"]], ids=["P2", "D2"])
-def test_torchrun_trains_with_the_local_launchers_losses(tmp_path, layout):
+def test_torchrun_trains_with_the_local_launchers_losses(tmp_path):
     """Each torchrun process is one rank of the same mesh, so the losses are the other launchers' bit
     for bit (the in-process launcher's here: the same ranks as threads, the same sums in the same
     order, so the local launcher's rank processes' too); rank 0 writes summary.json and metrics.jsonl,
-    every rank its checkpoint shard. At P = 2 the embeddings are tied: each rank holds a copy, summed
-    by the embedding group (the pp group), and the checkpoint holds the one matrix once."""
-    argv = [*SMALL, *layout, "--steps", "3"]
+    every rank its checkpoint shard. One job of D = 2 replicas of P = 2 stages carries the pp hops, the
+    dp gradient sums and the tied embeddings between torchrun's processes: each stage holds a copy,
+    summed by the embedding group (each replica's pp group), and the checkpoint holds the one matrix once."""
+    argv = [*SMALL, "--stages", "2", "--data-parallel", "2", "--tie-embeddings", "--steps", "3"]
     assert main(["train", "--launcher", "inprocess", *argv, "--out", str(tmp_path / "local")]) == 0
-    proc = _torchrun(2, [*argv, "--out", str(tmp_path / "torchrun")], tmp_path / "logs")
-    _, err = _finish(proc, 240)
+    proc = _torchrun(4, [*argv, "--out", str(tmp_path / "torchrun")], tmp_path / "logs")
+    _, err = _finish(proc, 300)
     logs = _rank_logs(tmp_path / "logs")
     assert proc.returncode == 0, f"{err[-3000:]}\n{logs}"
     local = json.loads((tmp_path / "local" / "summary.json").read_text())
@@ -121,18 +122,18 @@ def test_torchrun_trains_with_the_local_launchers_losses(tmp_path, layout):
     # rank wrote its own), DCP's .metadata and one meta.json.
     final = Path(run["final_checkpoint"])
     assert final.parent.parent == (tmp_path / "torchrun").resolve()
-    assert sorted(p.name for p in final.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json"]
-    if "--tie-embeddings" in layout:  # the single process's losses too: one matrix where the ranks keep two
-        assert main(["train", *argv, "--stages", "1", "--launcher", "inprocess", "--out", str(tmp_path / "one")]) == 0
-        assert_same_losses(run["losses"], losses(tmp_path / "one"))
-        saved = checkpoint_tensors(final)
-        assert "embed.tok.weight" in saved and not [key for key in saved if "lm_head" in key]
-    assert sorted(logs) == [0, 1] and not any(text.strip() for text in logs.values()), logs
+    assert sorted(p.name for p in final.iterdir()) == [".metadata", *(f"__{r}_0.distcp" for r in range(4)), "meta.json"]
+    # P = 1's losses too: one matrix where the stages keep two
+    assert main(["train", *argv, "--stages", "1", "--launcher", "inprocess", "--out", str(tmp_path / "one")]) == 0
+    assert_same_losses(run["losses"], losses(tmp_path / "one"))
+    saved = checkpoint_tensors(final)
+    assert "embed.tok.weight" in saved and not [key for key in saved if "lm_head" in key]
+    assert sorted(logs) == [0, 1, 2, 3] and not any(text.strip() for text in logs.values()), logs
 
 
-def _stop_mid_run(tmp_path: Path, stop) -> tuple[float, dict[int, int], dict[int, str]]:
+def _stop_mid_run(tmp_path: Path, stop) -> tuple[float, str, dict[int, str]]:
     """A long P = 2 run, `stop(agent pid, {rank: pid})` once its first step is done: (seconds until
-    torchrun ended, the ranks' pids, each rank's stderr), every rank's process checked gone."""
+    torchrun ended, torchrun's own stderr, each rank's stderr), every rank's process checked gone."""
     out = tmp_path / "run"
     proc = _torchrun(2, [*SMALL, "--stages", "2", "--steps", "100000", "--timeout", str(TIMEOUT_S),
                          "--out", str(out)], tmp_path / "logs")
@@ -145,7 +146,7 @@ def _stop_mid_run(tmp_path: Path, stop) -> tuple[float, dict[int, int], dict[int
             time.sleep(0.1)
         stop(proc.pid, pids)
         stopped_at = time.monotonic()
-        _finish(proc, TIMEOUT_S + 20)
+        _, err = _finish(proc, TIMEOUT_S + 20)
         took_s = time.monotonic() - stopped_at
     finally:
         if proc.poll() is None:
@@ -155,7 +156,7 @@ def _stop_mid_run(tmp_path: Path, stop) -> tuple[float, dict[int, int], dict[int
     assert not _running(pids.values())
     logs = _rank_logs(tmp_path / "logs")
     assert "Traceback" not in "".join(logs.values()), logs
-    return took_s, pids, logs
+    return took_s, err, logs
 
 
 @pytest.mark.distributed
@@ -163,8 +164,11 @@ def _stop_mid_run(tmp_path: Path, stop) -> tuple[float, dict[int, int], dict[int
 def test_a_killed_rank_ends_every_rank_with_one_line_naming_it(tmp_path, victim):
     """SIGKILL one rank mid-run: every process ends well within --timeout, and the ranks' output is
     one `error:` line naming the lost rank (rank 0 names rank 1; rank 1 names a lost rank 0)."""
-    took_s, _, logs = _stop_mid_run(tmp_path, lambda agent, pids: os.kill(pids[victim], signal.SIGKILL))
+    took_s, err, logs = _stop_mid_run(tmp_path, lambda agent, pids: os.kill(pids[victim], signal.SIGKILL))
     assert took_s < TIMEOUT_S, f"the ranks took {took_s:.1f} s to end"
+    # torchrun's report of its failed children: the survivor's exit code 1 (exit_now's), the victim's -9
+    for rank, code in ((1 - victim, "1"), (victim, "-9")):
+        assert re.search(rf"rank\s+: {rank} \(local_rank: {rank}\)\s+exitcode\s+: {code} ", err), err[-3000:]
     lines = [line for text in logs.values() for line in text.splitlines() if line.strip()]
     assert len(lines) == 1, logs
     label = f"rank {victim} (dp 0, pp {victim})"
@@ -183,16 +187,44 @@ def test_a_cancelled_job_ends_every_rank_with_one_line(tmp_path):
     assert logs[1] == ""
 
 
-@pytest.mark.distributed
-def test_a_world_size_that_is_not_the_mesh_is_one_error_line(tmp_path):
-    proc = _torchrun(2, [*SMALL, "--stages", "4", "--steps", "1", "--out", str(tmp_path / "run")], tmp_path / "logs")
-    _, err = _finish(proc, 120)
-    assert proc.returncode != 0
-    logs = _rank_logs(tmp_path / "logs")
-    lines = [line for text in logs.values() for line in text.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: --launcher torchrun: torchrun started 2 processes"), logs
-    assert "= 4 ranks" in lines[0] and "--nproc-per-node" in lines[0]
-    assert "exitcode  : 2" in err  # rank 0's exit code, in torchrun's report
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_world_size_that_is_not_the_mesh_is_one_error_line(tmp_path, monkeypatch, capfd, rank):
+    """Each of torchrun's 2 processes (its environment, here in this process) given a 4-rank layout:
+    rank 0 says so in one line, notes its exit in the job's store (the others may be waiting for its
+    channel) and ends with exit code 2 at once (`exit_now`, os._exit in a rank: here an exception);
+    rank 1 ends quietly with the same code; nothing is written. torchrun's report of a rank's exit
+    code is in the killed-rank runs above."""
+    from attnres_pp.launch import torchrun_rank_group
+
+    with socket.socket() as probe:  # a free port for rank 0's store (the agent's is not there)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for name, value in {**FAKE_ENV, "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+
+    def exit_now(code):
+        raise SystemExit(code)
+
+    noted, note = [], torchrun_rank_group.note_early_exit
+    monkeypatch.setattr(torchrun_rank_group, "exit_now", exit_now)
+    monkeypatch.setattr(torchrun_rank_group, "note_early_exit",
+                        lambda env, code, timeout_s: (noted.append(code), note(env, code, timeout_s)))
+    argv = ["train", "--launcher", "torchrun", *SMALL, "--stages", "4", "--steps", "1", "--out", str(tmp_path / "run")]
+    if rank == 0:
+        with pytest.raises(SystemExit) as ended:
+            main(argv)
+        code = ended.value.code
+    else:
+        code = main(argv)
+    out, err = capfd.readouterr()
+    assert code == 2
+    lines = [line for line in (out + err).splitlines() if line.strip()]
+    if rank == 0:
+        assert len(lines) == 1 and lines[0].startswith("error: --launcher torchrun: torchrun started 2 processes")
+        assert "= 4 ranks" in lines[0] and "--nproc-per-node" in lines[0]
+    else:
+        assert lines == []
+    assert noted == ([2] if rank == 0 else [])  # only rank 0 holds the channel the others wait for
     assert not (tmp_path / "run").exists()
 
 
