@@ -10,6 +10,7 @@ the lost group's actors restart: test_ray.py, on its shared instance."""
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import sys
 import time
@@ -159,7 +160,8 @@ def test_a_lost_tensor_parallel_rank_restarts_its_group_of_p_x_t_ranks_which_hea
     run = tmp_path / "hit_tp"
     assert main([*ARGS, *TP, *FT, "--data", str(corpus), "--inject-failure", "3:3", "--out", str(run)]) == 0
     got = check_recovered_alone(run, plain_tp, rank=3)
-    assert "rank 1 exited" in got["recoveries"][0]["cause"]  # its index in the group: pp 0 x T + tp 1
+    # its index in the group: pp 0 x T + tp 1 (its exit, or its end of the pipe reset before the exit shows)
+    assert re.search(r"\brank 1 (exited|closed its pipe)", got["recoveries"][0]["cause"]), got["recoveries"]
 
 
 def test_a_ranks_place_in_its_replica_group():
