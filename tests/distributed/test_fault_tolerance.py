@@ -10,6 +10,7 @@ the lost group's actors restart: test_ray.py, on its shared instance."""
 from __future__ import annotations
 
 import math
+import os
 import re
 import shutil
 import sys
@@ -17,7 +18,7 @@ import time
 
 import pytest
 
-from attnres_lab.chaos_probe import output_to
+from attnres_lab.chaos_probe import fork_server_pid, restart_fork_server
 from attnres_pp.cli import main
 from tests.run_helpers import metrics, summary
 
@@ -47,6 +48,39 @@ def corpus(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def rank_log(tmp_path_factory):
+    """(a file, a pid): the local launcher's fork server, started here with the file as its stdout and
+    stderr (its ranks write there), serves the module, then stops: one start (~3 CPU-s) where
+    `output_to` around each logged run starts one for it and one for the runs after it."""
+    from multiprocessing import forkserver
+
+    from attnres_pp.launch.process_rank_group import rank_context
+
+    log = tmp_path_factory.mktemp("ranks") / "ranks.log"
+    restart_fork_server()
+    rank_context("attnres_pp.train.ft_worker")  # the preload list of the server the ranks would start
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved, log_fd = (os.dup(1), os.dup(2)), os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(log_fd, 1), os.dup2(log_fd, 2)
+        forkserver.ensure_running()
+    finally:
+        os.dup2(saved[0], 1), os.dup2(saved[1], 2)
+        for fd in (*saved, log_fd):
+            os.close(fd)
+    yield log, fork_server_pid()
+    restart_fork_server()
+
+
+def printed(capfd, rank_log, start: int) -> str:
+    """What the driver (this process's descriptors 1 and 2) and its ranks printed since `start`."""
+    out, err = capfd.readouterr()
+    assert fork_server_pid() == rank_log[1]  # the ranks came from the server that writes to the file
+    return out + err + rank_log[0].read_bytes()[start:].decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
 def plain(corpus, tmp_path_factory):
     """Today's D = 2 run, without fault tolerance: the reference losses. On thread ranks (the in-process
     launcher starts no process; its losses and validation loss are the local rank processes' bitwise
@@ -57,7 +91,7 @@ def plain(corpus, tmp_path_factory):
 
 
 @pytest.mark.distributed
-def test_fault_free_replica_groups_train_as_the_plain_run(corpus, plain, tmp_path):
+def test_fault_free_replica_groups_train_as_the_plain_run(corpus, plain, rank_log, tmp_path, capfd):
     """Also its checkpoint (written by one group's ranks) resumes into both groups with the same losses."""
     run = tmp_path / "ft"
     assert main([*ARGS, *FT, "--data", str(corpus), "--checkpoint-every", "4", "--out", str(run)]) == 0
@@ -71,26 +105,28 @@ def test_fault_free_replica_groups_train_as_the_plain_run(corpus, plain, tmp_pat
     again = tmp_path / "again"  # as a crash after step 5 would have left it
     shutil.copytree(run / "checkpoints" / "step_4", again / "checkpoints" / "step_4")
     (again / "metrics.jsonl").write_text("".join((run / "metrics.jsonl").read_text().splitlines(True)[:5]))
-    with output_to(tmp_path / "resume.log"):  # the driver's and its ranks' output (file descriptors 1, 2)
-        assert main(["train", "--resume", str(again), "--quiet"]) == 0
+    capfd.readouterr()
+    start = rank_log[0].stat().st_size
+    assert main(["train", "--resume", str(again), "--quiet"]) == 0
     # Each group finds the RNG stream of its layers (the writing group's: every group holds its state).
-    assert (tmp_path / "resume.log").read_text() == ""
+    assert printed(capfd, rank_log, start) == ""
     resumed = summary(again)
     assert resumed["losses"] == plain["losses"] and resumed["participants_per_step"] == [2] * STEPS
     assert resumed["replicas_equal"] is True
 
 
 @pytest.mark.distributed
-def test_a_lost_rank_restarts_only_its_group_which_heals_from_the_live_one(corpus, plain, tmp_path):
+def test_a_lost_rank_restarts_only_its_group_which_heals_from_the_live_one(corpus, plain, rank_log, tmp_path, capfd):
     """Global rank 3 (group 1, pp rank 1) exits mid-step 3: group 0 commits every step once, in order;
     group 1 is restarted alone (no job restart), heals and commits again; all end bitwise equal."""
     run = tmp_path / "hit"
-    with output_to(tmp_path / "run.log"):  # the driver's and its ranks' output (file descriptors 1, 2)
-        assert main([*ARGS, *FT, "--data", str(corpus), "--inject-failure", "3:3", "--out", str(run)]) == 0
+    capfd.readouterr()
+    start = rank_log[0].stat().st_size
+    assert main([*ARGS, *FT, "--data", str(corpus), "--inject-failure", "3:3", "--out", str(run)]) == 0
     check_recovered_alone(run, plain)
     # A recovery that succeeds is silent: torchft's tracebacks of the failed reduction, its checkpoint
     # server's access log and torch's buffer warning are held back (they go with a failure's error).
-    assert (tmp_path / "run.log").read_text() == ""
+    assert printed(capfd, rank_log, start) == ""
 
 
 @pytest.mark.distributed
