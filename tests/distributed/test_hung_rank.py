@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from attnres_lab.chaos_probe import children
+from attnres_lab.chaos_probe import children, fork_server_pid
 from attnres_pp.cli import main
 from attnres_pp.launch.rank_group import HEARTBEAT_S, hung_after_s
 from tests.run_helpers import assert_same_losses, losses, summary
@@ -42,11 +42,13 @@ def _stat(pid: int) -> list[str]:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
 
 
-def rank_pids(driver: int) -> list[int]:
+def rank_pids(driver: int | None = None) -> list[int]:
     """The driver's rank processes (children of its fork server), oldest first: rank 0, rank 1.
-    Walked down from the driver (the watcher asks every 50 ms; a scan of all of /proc costs ms)."""
+    Walked down from the driver (the watcher asks every 50 ms; a scan of all of /proc costs ms);
+    without one, from this process's own fork server (not another child's children: Ray's workers)."""
     started = {}
-    for server in children(driver):
+    servers = children(driver) if driver is not None else [pid for pid in [fork_server_pid()] if pid]
+    for server in servers:
         for pid in children(server):
             try:
                 started[pid] = int(_stat(pid)[19])
@@ -75,7 +77,7 @@ class RankWatcher:
     of the moment `until(pids)` first holds."""
 
     def __init__(self) -> None:
-        self.before = set(rank_pids(os.getpid()))
+        self.before = set(rank_pids())
         self.seen, self.now = set(), []
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True)
@@ -83,7 +85,7 @@ class RankWatcher:
 
     def _watch(self) -> None:
         while not self._stop.is_set():
-            self.now = [pid for pid in rank_pids(os.getpid()) if pid not in self.before]
+            self.now = [pid for pid in rank_pids() if pid not in self.before]
             self.seen |= set(self.now)
             self._stop.wait(0.05)
 
