@@ -22,12 +22,17 @@ from .test_hung_rank import RUN, alive, assert_all_ended, rank_pids, undisturbed
 pytestmark = pytest.mark.distributed
 
 
+@pytest.fixture(scope="module")
+def want(tmp_path_factory) -> list[float]:
+    """The undisturbed 2-step run's losses (thread ranks), one run for the module's two restarts."""
+    return undisturbed(tmp_path_factory.mktemp("plain"), 2)
+
+
 def _notices(out: str) -> list[str]:
     return [line for line in out.splitlines() if "while the ranks started" in line]
 
 
-def test_a_rank_lost_at_start_up_is_started_again(tmp_path, capsys, monkeypatch):
-    want = undisturbed(tmp_path, 2)
+def test_a_rank_lost_at_start_up_is_started_again(tmp_path, capsys, monkeypatch, want):
     capsys.readouterr()
     monkeypatch.setenv("ATTNRES_PP_LOSE_RANK_AT_START", "1")
     assert main(["train", *RUN, "--steps", "2", "--out", str(tmp_path / "run")]) == 0
@@ -50,15 +55,14 @@ def test_a_rank_lost_at_start_up_with_no_restart_left_is_one_error_line(tmp_path
                         r"--max-restarts: rank 0 (exited \(code 17\)|closed its pipe) during setup\n", err), err
 
 
-def test_a_rank_killed_from_outside_as_it_starts_is_started_again(tmp_path, capsys):
+def test_a_rank_killed_from_outside_as_it_starts_is_started_again(tmp_path, capsys, want):
     """A real SIGKILL to the first rank process as soon as it appears (before it has joined)."""
-    want = undisturbed(tmp_path, 2)
     capsys.readouterr()
-    before, killed, stop = set(rank_pids(os.getpid())), [], threading.Event()
+    before, killed, stop = set(rank_pids()), [], threading.Event()
 
     def kill_the_first_rank() -> None:
         while not stop.is_set() and not killed:
-            fresh = [pid for pid in rank_pids(os.getpid()) if pid not in before]
+            fresh = [pid for pid in rank_pids() if pid not in before]
             if fresh:
                 os.kill(fresh[0], signal.SIGKILL)
                 killed.append(fresh[0])
@@ -80,4 +84,4 @@ def test_a_rank_killed_from_outside_as_it_starts_is_started_again(tmp_path, caps
                                               notices[0]), out
     assert_same_losses(losses(tmp_path / "run"), want)
     assert summary(tmp_path / "run")["restarts"] == 1
-    assert_all_ended(set(rank_pids(os.getpid())) - before)
+    assert_all_ended(set(rank_pids()) - before)
