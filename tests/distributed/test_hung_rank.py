@@ -132,16 +132,20 @@ def test_a_rank_stopped_from_outside_with_no_restart_left_is_one_error_line(tmp_
     rank 1 as hung, no traceback, every rank process ended (the stopped one killed)."""
     metrics, watcher = tmp_path / "run" / "metrics.jsonl", RankWatcher()
     stopped: dict = {}
+    returned = threading.Event()
 
     def stop_rank_1() -> None:
+        """SIGSTOP rank 1 after two steps; a run that then goes on (or whose ranks were not caught)
+        is stopped by SIGTERM to this process, which main turns into the end of its run."""
         try:
             pids = watcher.wait(lambda pids: len(pids) == 2 and metrics.is_file()
                                 and metrics.read_text().count("\n") >= 2)
+            stopped.update(pids=pids, at=time.monotonic())
+            os.kill(pids[1], signal.SIGSTOP)
         except AssertionError as error:
             stopped["error"] = str(error)
-            return
-        stopped.update(pids=pids, at=time.monotonic())
-        os.kill(pids[1], signal.SIGSTOP)
+        if not returned.wait(120):
+            os.kill(os.getpid(), signal.SIGTERM)
 
     stopper = threading.Thread(target=stop_rank_1, daemon=True)
     stopper.start()
@@ -150,6 +154,7 @@ def test_a_rank_stopped_from_outside_with_no_restart_left_is_one_error_line(tmp_
                      "--max-restarts", "0", "--no-final-checkpoint", "--quiet", "--out", str(tmp_path / "run")])
         ended = time.monotonic()
     finally:
+        returned.set()
         watcher.stop()
         stopper.join(timeout=10)
     err = capsys.readouterr().err
