@@ -30,6 +30,14 @@ from tests.concurrent_programs import ONLY_WHERE_PROGRAMS_RUN_CONCURRENTLY  # no
 
 FP32_TOL = dict(atol=1e-4, rtol=1e-4)
 BF16_TOL = dict(atol=3e-2, rtol=3e-2)
+# opcheck's checks that say something for these ops: the registered schema matches what the op does to
+# its inputs (test_schema), the autograd formula is registered for the op rather than left to a wrapper
+# (test_autograd_registration), and the fake kernels give the real kernels' shapes, strides and dtypes
+# (test_faketensor: what torch.compile traces with). Its fourth, test_aot_dispatch_dynamic (the op and its
+# backward through AOTAutograd with dynamic shapes), costs three quarters of the test under the
+# interpreter and checks a use the model never makes (it compiles with dynamic=False); the static trace
+# of the ops and their backward is test_compiled_graph_calls_the_custom_ops's.
+OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor")
 
 
 @pytest.fixture(autouse=True)
@@ -242,16 +250,17 @@ def test_torch_library_opcheck():
     cases.append((triton_ops._phase1_op, (packed[..., :width_d], torch.randn(2, rank), packed[..., width_d:], 1e-6)))
     cases.append((triton_ops._phase1_op, (permuted, torch.randn(1, width_d), None, 1e-6)))
     for op, args in cases:
-        torch.library.opcheck(op, args)
+        torch.library.opcheck(op, args, test_utils=OPCHECK_UTILS)
     # The backward ops' fake kernels must promise the strides the launchers really return.
     values = permuted.detach()
     queries = torch.randn(1, width_d)
     lse = triton_ops.phase1(values, queries)[1]
     d_out, d_lse = torch.randn(1, n_tokens, width_d), torch.randn(1, n_tokens)
-    torch.library.opcheck(triton_ops._phase1_backward_op, (values, queries, None, lse, d_out, d_lse, 1e-6))
+    torch.library.opcheck(triton_ops._phase1_backward_op, (values, queries, None, lse, d_out, d_lse, 1e-6),
+                          test_utils=OPCHECK_UTILS)
     partial = torch.randn(width_d, n_tokens).t()
     args2 = (torch.randn(n_tokens, width_d), lse[0], partial, torch.randn(width_d), None, d_out[0], 1e-6)
-    torch.library.opcheck(triton_ops._phase2_backward_op, args2)
+    torch.library.opcheck(triton_ops._phase2_backward_op, args2, test_utils=OPCHECK_UTILS)
 
 
 def test_compiled_graph_calls_the_custom_ops():
