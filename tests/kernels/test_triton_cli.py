@@ -24,7 +24,7 @@ TINY = ["--layers", "2", "--d-model", "16", "--heads", "2", "--seq-len", "8", "-
         "--microbatches", "1", "--steps", "3", "--lr", "0.01", "--eval-every", "0", "--seed", "4", "--quiet",
         "--launcher", "local", "--device", "cpu"]
 VARIANTS = {
-    "msar": ["--residual", "msar", "--block-size", "2"],  # stream kernels (2, 3) from the TOML file
+    "msar": ["--residual", "msar", "--block-size", "2"],  # stream kernels (2,) from the TOML file
     "block": ["--residual", "attnres", "--block-size", "2"],
 }
 
@@ -38,7 +38,9 @@ def _refused(name):
 def _train(tmp_path: Path, variant: str, kernels: str, fresh_process: bool = False) -> dict:
     out = tmp_path / f"{variant}_{kernels}"
     config = tmp_path / "model.toml"
-    config.write_text("[model]\nstream_kernels = [2, 3]\n")
+    # One conv stream (two streams): the interpreter's cost grows with the streams, and m = 3 and 4 streams
+    # are test_triton_msar_streams.py's to check against the float64 reference.
+    config.write_text("[model]\nstream_kernels = [2]\n")
     argv = ["train", "--config", str(config), *TINY, *VARIANTS[variant], "--kernels", kernels, "--out", str(out)]
     if not fresh_process:
         assert main(argv) == 0
@@ -66,7 +68,7 @@ def test_interpreted_triton_kernels_train_to_the_torch_kernels_losses(tmp_path, 
     assert triton_run["config"]["train"]["kernels"] == "triton" and triton_run["config"]["train"]["device"] == "cpu"
     assert torch_run["config"]["train"]["kernels"] == "torch"
     if variant == "msar":
-        assert triton_run["config"]["model"]["stream_kernels"] == [2, 3]
+        assert triton_run["config"]["model"]["stream_kernels"] == [2]
     want, got = torch_run["losses"], triton_run["losses"]
     assert len(got) == len(want) == 3 and want[-1] < want[0]
     assert_same_losses(got, want)
