@@ -1,13 +1,14 @@
-"""The Ray launcher end to end: recovery from a lost actor ends with the undisturbed losses (the single
-process's, tied embeddings held as a copy on each of two actors), tensor-parallel groups placed as one
-bundle each (training under the zero-bubble ZB-V schedule at T = 2 under PACK), generation's greedy
-tokens at V = 2, a placement no node can hold, a rank's set-up refusal, the
-fault-tolerant replica groups' recovery (only the lost group's actors restart), a D = 2 x P = 2 run
-and what a private local instance is asked for (a CPU per rank, loopback; the restart limit, which no
-launcher changes: tests/unit/test_checkpoint.py; a real private instance, its token authentication,
-where it listens and Ctrl-C, on one run: test_ray_private_auth.py). A real cluster job (a head started
-with `ray start`, token authentication on, a job submitted with `ray job submit`, refused without
-the token) is test_multihost.py's first test, on two hosts.
+"""The Ray launcher end to end: tensor-parallel groups placed as one bundle each (training under the
+zero-bubble ZB-V schedule at T = 2 under PACK), generation's greedy tokens at V = 2, a placement no
+node can hold, a rank's set-up refusal, the fault-tolerant replica groups' recovery (only the lost
+group's actors restart, four actors on the instance's 4 logical CPUs), and what a private local
+instance is asked for (a CPU per rank, loopback; the restart limit, which no launcher changes:
+tests/unit/test_checkpoint.py; a real private instance, its token authentication, where it listens
+and Ctrl-C, on one run: test_ray_private_auth.py). On a real cluster (tests/multihost/test_multihost.py):
+a job (a head started with `ray start`, token authentication on, a job submitted with `ray job
+submit`, refused without the token) that is the D = 2 x P = 2 run with `--data`, and recovery from a
+lost host that ends with the undisturbed losses (the single process's, tied embeddings held as a copy
+on each of two actors at V = 2, the checkpoint holding the matrix once).
 
 The runs share one local Ray instance of 4 logical CPUs (the Ray rank group joins an initialised Ray
 and leaves it running), so Ray's start-up is paid once.
@@ -23,7 +24,6 @@ from pathlib import Path
 import pytest
 
 from attnres_pp.cli import main
-from attnres_pp.train.shards import checkpoint_tensors
 from tests.run_helpers import assert_same_losses, losses
 
 from ..unit.test_memory_per_rank import check_memory_entries
@@ -49,33 +49,6 @@ def local_ray():
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
     yield
     ray.shutdown()
-
-
-@SHARED_RAY
-def test_recovered_runs_end_with_the_undisturbed_losses(local_ray, tmp_path, capsys):
-    # Tied embeddings at P = 2, V = 2: the embedding (chunk 0) on rank 0, the head (chunk 3) on rank 1,
-    # a copy each, summed by the embedding group (the pp group at P = 2); the restart loads the one
-    # stored matrix into both actors' copies.
-    steps = ["--steps", "6", "--tie-embeddings"]
-    # The undisturbed run in one process (one rank, one matrix): the recovered Ray run equals it, so the
-    # launcher computes the single process's run, the two copies kept as one, and the recovery changes
-    # no number (the other tests here run Ray undisturbed).
-    assert main(["train", *TINY, *steps, "--stages", "1", "--virtual", "1", "--launcher", "inprocess",
-                 "--out", str(tmp_path / "inproc"), "--quiet"]) == 0
-    want = losses(tmp_path / "inproc")
-    capsys.readouterr()
-
-    # Rank 1's actor exits during step 4: fresh actors load checkpoint step_2 and re-run 3..6.
-    assert main(["train", *TINY, *steps, "--checkpoint-every", "2", "--inject-failure", "1:4",
-                 "--out", str(tmp_path / "hit")]) == 0
-    out = capsys.readouterr().out
-    assert "rank 1 lost at step 4/6; restarting from checkpoint step 2 (restart 1/3)" in out
-    summary = json.loads((tmp_path / "hit" / "summary.json").read_text())
-    assert summary["restarts"] == 1
-    assert_same_losses(summary["losses"], want)
-    assert [entry[0] for entry in summary["val_losses"]] == [2, 5]
-    saved = checkpoint_tensors(summary["final_checkpoint"])
-    assert "embed.tok.weight" in saved and not [key for key in saved if "lm_head" in key]  # the one matrix, once
 
 
 @SHARED_RAY
@@ -219,28 +192,6 @@ def test_a_setup_refusal_through_ray_is_one_line_as_under_the_local_launcher(loc
     assert not isinstance(info.value, RendezvousError)
     assert str(info.value) == ("rank 1 refused to start: rank 1: /dev/shm has no room for this run's shared-memory "
                                "hop slots (detail)")
-
-
-@SHARED_RAY
-def test_data_parallel_pipeline_through_ray_actors(local_ray, tmp_path):
-    """D = 2 replicas x P = 2 ranks: four actors placed by one placement group, on the shared instance's
-    4 logical CPUs (on however many cores), ending with the in-process launcher's losses, with scalars
-    only between the driver and the actors. A private instance's own offer of a CPU per rank is
-    `test_a_private_instance_offers_a_cpu_per_rank_on_loopback`; its loopback-only node, its actors'
-    labels and their gloo on `lo` are checked on test_ray_private_auth.py's run, which starts one."""
-    data = tmp_path / "corpus.txt"  # a small file: each end rank reads its own share of it
-    data.write_text("".join(p.read_text() for p in sorted((REPO / "attnres_pp" / "train").glob("*.py"))))
-    layout = [*TINY, "--virtual", "1", "--batch-size", "8", "--data-parallel", "2", "--steps", "3",
-              "--data", str(data), "--quiet"]
-    assert main(["train", *layout, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
-    assert main(["train", *layout, "--launcher", "ray", "--out", str(tmp_path / "ray")]) == 0
-    summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
-    assert_same_losses(summary["losses"], losses(tmp_path / "inproc"))
-    assert summary["data_parallel"] == 2 and len(summary["params_per_rank"]) == 2
-    assert sum(summary["params_per_rank"]) == summary["params"]
-    assert 0 < summary["driver_bytes_per_step"] < 4096
-    assert len(summary["cache_peak_bytes_per_rank"]) == 4
-    assert summary["config"]["pipeline"]["launcher"] == "ray"
 
 
 def test_a_private_instance_offers_a_cpu_per_rank_on_loopback(monkeypatch):

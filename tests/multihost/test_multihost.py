@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import secrets
 import select
 import subprocess
@@ -32,6 +33,7 @@ import pytest
 
 from attnres_lab.fidelity_hosts import HostBench
 from attnres_pp.cli import main
+from attnres_pp.train.shards import checkpoint_tensors
 from tests.run_helpers import assert_same_losses, losses
 
 pytestmark = [pytest.mark.ray, pytest.mark.multihost]
@@ -299,12 +301,16 @@ def _rank_addresses(text: str, world: int) -> dict[int, str]:
 def test_job_submitted_from_the_root_namespace_runs_over_two_hosts(two_host_cluster, tmp_path):
     """`ray job submit` to the head's dashboard (a `ray start --head` node) from the machine itself,
     token auth on (a client without the token is refused), the actors' lines in the job's output: D = 2,
-    P = 2 packed onto two 3-CPU hosts gives the single process's losses. Three ranks sit on one host
+    P = 2 packed onto two 3-CPU hosts, each end rank reading its share of a `--data` file, gives the
+    single process's losses with scalars only between the driver and the actors (the Ray D x P run
+    of the suite: test_ray.py has none of its own). Three ranks sit on one host
     and one on the other, so replica 0's hop stays on one node and replica 1's crosses the link:
     shared memory and gloo carry bytes in the same step (the pairs are chosen from the node map, not
     from host names, and a replica without a same-node pair does not send the other's over gloo).
     SPREAD's one rank per host is the disturbed runs' placement (the three-host tests below)."""
-    steps = ["--steps", "3"]
+    data = tmp_path / "corpus.txt"  # a small file: each end rank reads its own share of it
+    data.write_text("".join(p.read_text() for p in sorted((REPO / "attnres_pp" / "train").glob("*.py"))))
+    steps = ["--steps", "3", "--data", str(data)]
     assert main(["train", *TINY, *steps, "--launcher", "local", "--out", str(tmp_path / "single"), "--quiet"]) == 0
     cluster = two_host_cluster
     # Token authentication is on: a client without the token is refused.
@@ -337,6 +343,12 @@ def test_job_submitted_from_the_root_namespace_runs_over_two_hosts(two_host_clus
     assert by_way["shm"] > 0 and by_way["gloo"] > 0, by_way
     assert by_way["shm"] == by_way["gloo"]  # the two replicas send the same hops, one way each
     assert by_way["shm"] + by_way["gloo"] == summary["bytes_sent_per_step"]
+    # What the driver and the actors account for a D x P run: scalars only between them, the
+    # parameters once per stage, a cache peak per rank.
+    assert summary["data_parallel"] == 2 and summary["config"]["pipeline"]["launcher"] == "ray"
+    assert len(summary["params_per_rank"]) == 2 and sum(summary["params_per_rank"]) == summary["params"]
+    assert 0 < summary["driver_bytes_per_step"] < 4096
+    assert len(summary["cache_peak_bytes_per_rank"]) == 4
 
 
 def _two_steps_as_the_single_process(cluster, argv: list[str], tmp_path) -> dict:
@@ -470,28 +482,31 @@ def test_a_shaped_link_slows_naive_more_than_cached_as_the_simulator_predicts(tw
         assert row["measured_step_s"] > 0 and 0.4 < row["predicted_step_s"] / row["measured_step_s"] < 2.5, row
 
 
-DISTURBED_STEPS = ["--steps", "12", "--checkpoint-every", "2", "--eval-every", "6"]
+DISTURBED_STEPS = ["--steps", "12", "--checkpoint-every", "2", "--eval-every", "6", "--tie-embeddings"]
+# Tied embeddings at P = 2, V = 2: the embedding (chunk 0) on rank 0, the head (chunk 3) on rank 1, a
+# copy each, summed by the embedding group; the restart loads the one stored matrix into both copies.
+DISTURBED_LAYOUT = ["--stages", "2", "--virtual", "2"]
 # The pipeline timeout of the disturbed runs: a host cut off is noticed after it (a step takes ~0.2 s).
 DISTURBED_TIMEOUT_S = 12
 
 
 @pytest.fixture(scope="module")
 def undisturbed(tmp_path_factory) -> list[float]:
-    """The in-process launcher's losses for the disturbed runs' arguments."""
+    """The single process's losses for the disturbed runs' arguments (one rank, one matrix: the
+    recovered runs equal it, so the two copies stay one and the recovery changes no number)."""
     out = tmp_path_factory.mktemp("undisturbed") / "run"
-    assert main(["train", *TINY, *DISTURBED_STEPS, "--stages", "2", "--launcher", "inprocess", "--out", str(out),
-                 "--quiet"]) == 0
+    assert main(["train", *TINY, *DISTURBED_STEPS, "--launcher", "local", "--out", str(out), "--quiet"]) == 0
     return losses(out)
 
 
 def _disturbed_run(cluster: Cluster, undisturbed: list[float], tmp_path, action: str) -> tuple[dict, str, str]:
-    """P = 2 over 3 one-CPU hosts, checkpoints every 2 steps; `action` ("kill" or "partition") hits
+    """P = 2, V = 2 over 3 one-CPU hosts, checkpoints every 2 steps; `action` ("kill" or "partition") hits
     the host of a rank that is not on the head, right after step 3. Returns (summary, driver log,
     the host's address)."""
     # 20 ms of emulated latency per message slows the steps (~0.2 s) so that the hit lands mid-run.
     steps = [*DISTURBED_STEPS, "--link-gbps", "100", "--link-latency-us", "20000"]  # the link changes no number
     log = tmp_path / "driver.log"
-    proc = cluster.driver([*TINY, *steps, "--stages", "2", "--placement", "SPREAD",
+    proc = cluster.driver([*TINY, *steps, *DISTURBED_LAYOUT, "--placement", "SPREAD",
                            "--timeout", str(DISTURBED_TIMEOUT_S)],
                           tmp_path / "run")
     try:
@@ -512,6 +527,9 @@ def _disturbed_run(cluster: Cluster, undisturbed: list[float], tmp_path, action:
     assert summary["bytes_sent_per_step_by_transport"] == {"shm": 0, "gloo": summary["bytes_sent_per_step"]}
     checkpoints = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert all(name.startswith("step_") and name[5:].isdigit() for name in checkpoints), checkpoints  # no .tmp
+    assert [entry[0] for entry in summary["val_losses"]] == [5, 11]  # the evaluations, also those restored
+    saved = checkpoint_tensors(summary["final_checkpoint"])
+    assert "embed.tok.weight" in saved and not [key for key in saved if "lm_head" in key]  # the one matrix, once
     return summary, log.read_text(), address
 
 
@@ -521,7 +539,9 @@ def test_a_host_lost_mid_run_is_named_and_the_run_recovers_on_the_others(three_h
     assert summary["restarts"] == 1
     assert [lost["address"] for lost in summary["lost_nodes"]] == [address]
     assert address not in summary["node_addresses"]  # the restarted ranks are on the surviving hosts
-    assert f"on node {address}" in text and "restarting from checkpoint step" in text
+    assert f"on node {address}" in text
+    said = re.search(r"rank \d lost at step (\d+)/12; restarting from checkpoint step (\d+) \(restart 1/3\)", text)
+    assert said and int(said[2]) % 2 == 0 and int(said[2]) < int(said[1]), text[-4000:]
 
 
 @THREE_HOSTS
