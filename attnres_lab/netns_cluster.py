@@ -2,7 +2,7 @@
 bridge, each running a Ray node, with links that `tc` shapes and that can be cut.
 
     python -m attnres_lab.netns_cluster COMMAND, COMMAND one of:
-    up --hosts N [--cpus-per-host C] [--gbps X] [--latency-ms Y]
+    up --hosts N [--cpus-per-host C] [--gbps X] [--latency-ms Y] [--no-dashboard]
     shape HOST --gbps X [--latency-ms Y]     unshape HOST
     partition HOST                           heal HOST
     kill HOST                                restart HOST [--no-wait]
@@ -14,6 +14,8 @@ and for HOST (which also takes the host's index or IP). Addresses come from one 
 10.213.0.0/24) used only inside these namespaces; the bridge holds `.1` in the root namespace, so the
 machine reaches every host as a workstation reaches a cluster (`ray job submit --address
 http://IP:8265`, with RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH set to the printed path).
+`--no-dashboard` starts the head without the dashboard's modules (no `ray job submit`, `"dashboard":
+null`), for drivers run in a host (`exec`) that need none: they cost CPU at start and while idle.
 
 Each host's Ray node (and every `exec`) has its own host name, the namespace's (a UTS namespace,
 where util-linux's `unshare` exists), its own `--temp-dir`, `--node-ip-address` and `--num-cpus`,
@@ -119,7 +121,7 @@ def cmd_up(args, store: State) -> dict:
     token_path = store.dir / "auth_token"
     create_private(token_path, secrets.token_hex(32))
     state = {"dir": str(store.dir), "prefix": prefix, "net": str(net), "bridge": f"{prefix}br",
-             "bridge_ip": str(hosts_ip[0]), "cpus_per_host": args.cpus_per_host,
+             "bridge_ip": str(hosts_ip[0]), "cpus_per_host": args.cpus_per_host, "dashboard": not args.no_dashboard,
              "auth_token_path": str(token_path), "netem": missing is None, "netem_missing": missing, "hosts": []}
     state["hosts"] = [{"name": host_name(prefix, i), "ip": str(hosts_ip[9 + i]), "veth": veth_name(prefix, i),
                        "pid": None, "shape": None, "partitioned": False} for i in range(args.hosts)]
@@ -160,7 +162,8 @@ def cmd_up(args, store: State) -> dict:
 
 def describe(state: dict) -> dict:
     head = state["hosts"][0]["ip"]
-    return {"head": f"{head}:{hosts.HEAD_PORT}", "dashboard": f"http://{head}:{hosts.DASHBOARD_PORT}",
+    dashboard = f"http://{head}:{hosts.DASHBOARD_PORT}" if state.get("dashboard", True) else None
+    return {"head": f"{head}:{hosts.HEAD_PORT}", "dashboard": dashboard,
             "hosts": [{"name": h["name"], "ip": h["ip"]} for h in state["hosts"]],
             "auth_token_path": state["auth_token_path"], "latency_shaping": state["netem"]}
 
@@ -300,6 +303,7 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--cpus-per-host", type=int, default=1)
     up.add_argument("--gbps", type=float, default=None, help="shape every host's link to this bandwidth")
     up.add_argument("--latency-ms", type=float, default=0.0)
+    up.add_argument("--no-dashboard", action="store_true", help="no dashboard on the head (no job submission)")
     up.add_argument("--net", default=DEFAULT_NET, help=f"private range for the hosts ({DEFAULT_NET})")
     up.add_argument("--prefix", dest="up_prefix", default=None,
                     help=f"prefix of namespace and interface names ({DEFAULT_PREFIX})")

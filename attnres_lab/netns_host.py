@@ -125,7 +125,9 @@ def start_node(state: dict, index: int) -> int:
         pass
     if not stat.S_ISDIR(os.lstat(temp_dir).st_mode):
         raise HarnessError(f"{temp_dir} is not a directory (a symlink?): refusing it")
-    role = (["--head", f"--port={HEAD_PORT}", "--dashboard-host=0.0.0.0", f"--dashboard-port={DASHBOARD_PORT}"]
+    dashboard = (["--dashboard-host=0.0.0.0", f"--dashboard-port={DASHBOARD_PORT}"] if state.get("dashboard", True)
+                 else ["--include-dashboard=false"])
+    role = (["--head", f"--port={HEAD_PORT}", *dashboard]
             if index == 0 else [f"--address={state['hosts'][0]['ip']}:{HEAD_PORT}"])
     cmd = ["ip", "netns", "exec", host["name"], *own_host_name(host), sys.executable, "-m", "ray.scripts.scripts",
            "start", "--block",

@@ -89,15 +89,16 @@ for line in sys.stdin:
 class Cluster:
     """One `netns_cluster.py` cluster with its own state directory, name prefix and address range."""
 
-    def __init__(self, hosts: int, cpus_per_host: int, subnets: range) -> None:
+    def __init__(self, hosts: int, cpus_per_host: int, subnets: range, dashboard: bool = True) -> None:
         """`subnets`: the third octets this cluster's /24 may take (the module's clusters are up at
-        once, on two workers: disjoint ranges keep their addresses apart)."""
+        once, on two workers: disjoint ranges keep their addresses apart); `dashboard`: the head's,
+        which only a job submission needs."""
         self.state_dir = Path("/tmp") / f"attnres-mh-{secrets.token_hex(3)}"  # short: Ray's socket paths
         self.prefix = f"t{secrets.token_hex(2)}"
         self.net = f"10.213.{secrets.choice(subnets)}.0/24"
         try:
             up = self.harness("up", "--hosts", str(hosts), "--cpus-per-host", str(cpus_per_host), "--net", self.net,
-                              "--prefix", self.prefix, timeout=300)
+                              "--prefix", self.prefix, *([] if dashboard else ["--no-dashboard"]), timeout=300)
         except BaseException:
             # `up` removes what it made when it fails; a timeout may still leave some: down again.
             self.harness("down", timeout=120, check=False)
@@ -256,12 +257,28 @@ def two_host_cluster(two_hosts):
 
 @pytest.fixture(scope="module")
 def three_hosts():
-    """Three 1-CPU hosts, made once for the runs that kill or cut off a host."""
-    cluster = Cluster(3, cpus_per_host=1, subnets=range(175, 250))
+    """Three 1-CPU hosts, made once for the runs that kill or cut off a host: their drivers run in
+    the head's namespace, so the head has no dashboard."""
+    cluster = Cluster(3, cpus_per_host=1, subnets=range(175, 250), dashboard=False)
     try:
+        assert cluster.info["dashboard"] is None and not _dashboard_modules(cluster.info["hosts"][0]["name"])
         yield cluster
     finally:
         cluster.down()
+
+
+def _dashboard_modules(namespace: str) -> list[str]:
+    """The dashboard's module processes (`ray-dashboard-JobHead-0`, ...) running in `namespace`."""
+    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, timeout=30).stdout
+    found = []
+    for pid in pids.split():
+        try:
+            argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        if argv0.startswith("ray-dashboard-"):
+            found.append(argv0.split()[0])
+    return found
 
 
 @pytest.fixture
