@@ -19,7 +19,7 @@ from attnres_pp.train.background_save import BackgroundSave
 from attnres_pp.train.checkpoint import latest_checkpoint, read_meta
 from attnres_pp.train.faults import KILL_DURING_CHECKPOINT
 from attnres_pp.train.shards import read_parameters
-from tests.run_helpers import assert_same_losses, losses, metrics
+from tests.run_helpers import assert_same_losses, losses, metrics, summary
 
 from .forked_cli import run_forked
 from .test_crash_consistent_saves import RANKS, SINGLE
@@ -71,7 +71,11 @@ def test_rank_processes_save_in_the_background_and_a_rank_killed_during_a_write_
     replica's ranks writing their shards together over the gloo group made for the saves. Rank 1
     dies right after its background write of step_4 finished, while step 5 trains: the run stops,
     step_4 was never committed, and the resume (background saves again) ends as the uninterrupted
-    run. One run for both: the crash needs a background write in flight, which the sharded one is."""
+    run. One run for both: the crash needs a background write in flight, which the sharded one is.
+    The resume runs on thread ranks, replicated (FSDP2 needs processes): the crash needed the
+    processes, the numbers do not; step_2 is the rank processes' sharded background write, checked
+    here; resumes into fsdp rank processes: tests/distributed/test_fsdp.py (another split) and
+    test_expert_fsdp_save.py (the same layout)."""
     run = tmp_path / "run"
     crashed = run_forked([*RANKS, "--data-parallel", "2", "--dp-shard", "fsdp", *TINY, "--async-checkpoint",
                           "--out", str(run)], **{KILL_DURING_CHECKPOINT: "4:after-shard:1"})  # a forked driver
@@ -82,10 +86,11 @@ def test_rank_processes_save_in_the_background_and_a_rank_killed_during_a_write_
     assert not (root / "step_4.tmp" / "meta.json").exists()
     assert latest_checkpoint(run) == root / "step_2"
     same_parameters(run, reference, 2, exact=False)
-    assert main(["train", "--resume", str(run), "--quiet"]) == 0
+    assert main(["train", "--resume", str(run), "--launcher", "inprocess", "--dp-shard", "replicate", "--quiet"]) == 0
+    assert summary(run)["config"]["pipeline"]["launcher"] == "inprocess"
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4", "step_6"]
     assert read_meta(root / "step_4")["checkpointing"]["async_save"] is True
-    for step in (4, 6):  # the sharded background writes of the resumed ranks
+    for step in (4, 6):  # the background writes of the resumed ranks
         same_parameters(run, reference, step, exact=False)
     assert_same_losses(losses(run), losses(reference))
 

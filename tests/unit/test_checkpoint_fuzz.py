@@ -1,10 +1,12 @@
 """A seeded fuzzer over a real small checkpoint: N_CASES mutations of its `.metadata` (bit flips,
 truncations, inserted bytes and inserted opcode gadgets: the hang, memory and code-running ones),
-of its meta.json and of its shard, each loaded with `read_parameters` under a 5 s timer and a
-+256 MiB address-space limit, all in one child process. Asserted: no hang, no memory blow-up, no
-exception but CheckpointRefused (no traceback), no code run (an audit hook watches for process
-events and for an open of the gadgets' marker file, and the marker never appears) and no read
-outside the folder (the hook records every open; a decoy checkpoint beside it is never opened). The counts are printed:
+of its meta.json and of its shard (every mutation kind of each file drawn, and every gadget inserted
+in turn, each asserted to have been tried), each loaded with `read_parameters` under a 5 s timer and
+a +256 MiB address-space limit, all in one child process (a fork of the test's, which has torch
+imported already). Asserted: no hang, no memory blow-up, no exception but CheckpointRefused (no
+traceback), no code run (an audit hook watches for process events and for an open of the gadgets'
+marker file, and the marker never appears) and no read outside the folder (the hook records every
+open; a decoy checkpoint beside it is never opened). The counts are printed:
 
     PYTHONPATH=. python3 -m pytest -p no:benchmark -q -s tests/unit/test_checkpoint_fuzz.py
 """
@@ -14,15 +16,17 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
+import signal
 import sys
+import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import pytest
 
 SEED = 29
-N_CASES = 2000
+N_CASES = 500  # 53 gadget inserts (each of the 33 at least once) and every kind of each file: asserted
 CASE_SECONDS = 5
 EXTRA_MEMORY = 256 << 20
 
@@ -52,8 +56,11 @@ def _gadgets(marker: Path) -> list[bytes]:
     ]
 
 
-def _mutate_bytes(rng: random.Random, data: bytes, inserts: list[bytes]) -> bytes:
-    kind = rng.randrange(5)
+BYTE_KINDS, META_KINDS = 5, 6
+
+
+def _mutate_bytes(rng: random.Random, data: bytes, inserts: list[bytes], kind: int, turn: int) -> bytes:
+    """`data` mutated by `kind` (< BYTE_KINDS); a gadget insert (kind 3) takes the inserts in turn."""
     data = bytearray(data)
     if kind == 0:  # bit flips
         for _ in range(rng.randint(1, 8)):
@@ -66,14 +73,14 @@ def _mutate_bytes(rng: random.Random, data: bytes, inserts: list[bytes]) -> byte
         data[position:position] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
     elif kind == 3:  # a gadget inserted
         position = rng.randrange(len(data))
-        data[position:position] = rng.choice(inserts)
+        data[position:position] = inserts[turn % len(inserts)]
     else:  # a byte overwritten with a chosen value (an opcode or a length byte)
         data[rng.randrange(len(data))] = rng.choice((0, 1, 0x7F, 0x80, 0xFF, *b"bR\x81s.)]}(th"))
     return bytes(data)
 
 
-def _mutate_meta(rng: random.Random, text: str) -> bytes:
-    kind = rng.randrange(6)
+def _mutate_meta(rng: random.Random, text: str, kind: int) -> bytes:
+    """meta.json mutated by `kind` (< META_KINDS)."""
     if kind == 0:
         return text.encode()[:rng.randrange(len(text))]
     if kind == 1:
@@ -101,8 +108,6 @@ def _mutate_meta(rng: random.Random, text: str) -> bytes:
 def _child(work: Path, n_cases: int) -> dict:
     """Runs in the child: make the checkpoint, a decoy beside it, then the cases. Returns the counts."""
     import resource
-    import signal
-    import traceback
 
     import torch
 
@@ -157,14 +162,20 @@ def _child(work: Path, n_cases: int) -> dict:
     signal.signal(signal.SIGALRM, expired)
     rng = random.Random(SEED)
     counts = {"cases": 0, "refused": 0, "loaded ok": 0, "hangs": 0, "memory": 0, "tracebacks": 0}
+    kinds_tried: set[str] = set()
+    gadget_turn = 0
     examples = []
     started = time.monotonic()
     for case in range(n_cases):
         target = rng.choices([".metadata", "meta.json", "__0_0.distcp"], weights=(6, 2, 2))[0]
+        kind = rng.randrange(META_KINDS if target == "meta.json" else BYTE_KINDS)
+        kinds_tried.add(f"{target} {kind}")
         if target == "meta.json":
-            mutated = _mutate_meta(rng, originals[target].decode())
+            mutated = _mutate_meta(rng, originals[target].decode(), kind)
         else:
-            mutated = _mutate_bytes(rng, originals[target], inserts if target == ".metadata" else [b"\x00" * 64])
+            gadget_turn += target == ".metadata" and kind == 3
+            mutated = _mutate_bytes(rng, originals[target], inserts if target == ".metadata" else [b"\x00" * 64],
+                                    kind, gadget_turn - 1)
         (step / target).write_bytes(mutated)
         counts["cases"] += 1
         signal.setitimer(signal.ITIMER_REAL, CASE_SECONDS)
@@ -192,28 +203,55 @@ def _child(work: Path, n_cases: int) -> dict:
     counts["seconds"] = round(time.monotonic() - started, 1)
     counts["code runs"] = len(code_runs) + marker.exists()
     counts["reads outside"] = len(opened_outside)
+    counts["kinds tried"] = sorted(kinds_tried)
+    counts["gadgets inserted"], counts["gadgets"] = gadget_turn, len(inserts)
     counts["examples"] = examples[:10] + opened_outside[:5] + code_runs[:5]
     return counts
+
+
+def _in_a_fork(work: Path, n_cases: int, timeout_s: float = 300.0) -> dict:
+    """_child's counts, run in a forked child (its limits and audit hook die with it); the child is
+    SIGKILLed and the test fails past `timeout_s`."""
+    with tempfile.TemporaryFile() as out:
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            code = 1
+            try:
+                out.write(json.dumps(_child(work, n_cases)).encode())
+                code = 0
+            except BaseException:  # noqa: BLE001 - reported to the parent
+                out.write(traceback.format_exc().encode())
+            finally:
+                out.flush()
+                os._exit(code)
+        deadline = time.monotonic() + timeout_s
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if done[0] == 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        out.seek(0)
+        text = out.read().decode(errors="replace")
+    assert done[0] != 0, f"the fuzz child ran past {timeout_s} s (killed)"
+    assert os.waitstatus_to_exitcode(done[1]) == 0, text[-3000:]
+    return json.loads(text)
 
 
 @pytest.mark.subprocess
 def test_fuzzed_checkpoints_are_refused_or_loaded_never_anything_else(tmp_path):
     started = time.monotonic()
-    done = subprocess.run([sys.executable, __file__, str(tmp_path), str(N_CASES)], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          cwd=Path(__file__).resolve().parents[2])
-    assert done.returncode == 0, done.stderr[-3000:]
-    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    counts = _in_a_fork(tmp_path, N_CASES)
     print(f"\nfuzz (seed {SEED}): {counts['cases']} cases, {counts['refused']} refused, {counts['loaded ok']} loaded "
           f"ok, {counts['hangs']} hangs, {counts['memory']} memory, {counts['tracebacks']} tracebacks, "
-          f"{counts['code runs']} code runs, {counts['reads outside']} reads outside; cases {counts['seconds']} s, "
+          f"{counts['code runs']} code runs, {counts['reads outside']} reads outside, {counts['gadgets inserted']} "
+          f"inserts of {counts['gadgets']} gadgets; cases {counts['seconds']} s, "
           f"all {time.monotonic() - started:.1f} s")
     assert counts["cases"] == N_CASES
+    # Every mutation kind of every file was drawn, and every gadget inserted at least once.
+    assert counts["kinds tried"] == sorted([f"meta.json {k}" for k in range(META_KINDS)] + [
+        f"{target} {k}" for target in (".metadata", "__0_0.distcp") for k in range(BYTE_KINDS)])
+    assert counts["gadgets inserted"] >= counts["gadgets"] > 30
     assert (counts["hangs"], counts["memory"], counts["tracebacks"], counts["code runs"],
             counts["reads outside"]) == (0, 0, 0, 0, 0), counts["examples"]
     assert counts["refused"] > N_CASES // 4 and counts["loaded ok"] > 0  # the mutations reach both outcomes
 
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    print(json.dumps(_child(Path(sys.argv[1]), int(sys.argv[2]))))
