@@ -1,9 +1,9 @@
 """`--fault-tolerance replicas` (docs/ray.md, "Fault tolerance across replicas"): D = 2 replica
 groups of P = 2 local rank processes, each a torchft replica group. A fault-free run trains as the
 plain D = 2 run (the same losses); a rank of group 1 lost mid-step restarts group 1 alone while
-group 0 commits every step, group 1 heals from group 0 and every group ends bitwise equal; the
-same with groups of T = 2 tensor-parallel ranks (their healing state as local shards); under
-`--min-replicas 2` group 0 waits for group 1 instead (again the plain run's losses); the wait is
+group 0 commits every step, group 1 heals from group 0 and every group ends bitwise equal; under
+`--min-replicas 2` group 0 waits for group 1 instead (again the plain run's losses), so too with
+groups of T = 2 tensor-parallel ranks (their healing state as local shards, exact); the wait is
 bounded by `--timeout`; without torchft the option is one error line. Under the Ray launcher only
 the lost group's actors restart: test_ray.py, on its shared instance."""
 
@@ -176,28 +176,30 @@ def plain_tp(corpus, tmp_path_factory):
 
 
 @pytest.mark.distributed
-def test_fault_free_tensor_parallel_replica_groups_train_as_the_plain_run(corpus, plain_tp, tmp_path):
-    """Each rank averages its local gradient shards with the same group rank of the other group, the
-    sequence-parallel partial gradients summed over tp first: the plain run's losses, bitwise."""
-    run = tmp_path / "ft_tp"
-    assert main([*ARGS, *TP, *FT, "--data", str(corpus), "--out", str(run)]) == 0
+def test_a_lost_tensor_parallel_rank_restarts_its_group_of_p_x_t_ranks_which_heals(corpus, plain_tp, tmp_path):
+    """Global rank 3 (group 1, pp 0, tp 1) exits mid-step 3 under `--min-replicas 2`: group 0 waits at
+    the quorum while group 1's 2 ranks restart together and heal, each from the same (pp, tp) rank of
+    group 0 (its weight shards and their AdamW moments as local tensors), and both train the step it
+    was lost in. Each rank averages its local gradient shards with the same group rank of the other
+    group, the sequence-parallel partial gradients summed over tp first, so every step's loss is the
+    plain run's, bitwise: the healing is exact, shard for shard, and the replicas' reduction fault-free
+    before and after it. One run for both: a fault-free run has these steps without the restart, and
+    the live group's steps alone (`--min-replicas 1`) are a group's commit with one participant,
+    whatever T (the runs at T = 1 above)."""
+    run = tmp_path / "hit_tp"
+    assert main([*ARGS, *TP, *FT, "--min-replicas", "2", "--data", str(corpus), "--inject-failure", "3:3",
+                 "--out", str(run)]) == 0
     got = summary(run)
     assert got["losses"] == plain_tp["losses"] and got["val_loss"] == plain_tp["val_loss"]
     assert got["participants_per_step"] == [2] * STEPS
-    assert got["replicas_equal"] is True and got["restarts"] == 0 and got["recoveries"] == []
+    assert [r["replica_groups"] for r in metrics(run)] == [[0, 1]] * STEPS
+    assert got["replicas_equal"] is True and got["restarts"] == 0 and got["replica_restarts"] == [0, 1]
     assert got["tp_bytes_per_step"] == plain_tp["tp_bytes_per_step"] > 0  # the replicas' reduction is not tp's
-
-
-@pytest.mark.distributed
-def test_a_lost_tensor_parallel_rank_restarts_its_group_of_p_x_t_ranks_which_heals(corpus, plain_tp, tmp_path):
-    """Global rank 3 (group 1, pp 0, tp 1) exits mid-step 3: group 0 commits every step once; group 1's
-    2 ranks restart together and heal, each from the same (pp, tp) rank of group 0 (its weight shards
-    and their AdamW moments as local tensors); all end bitwise equal, shard for shard."""
-    run = tmp_path / "hit_tp"
-    assert main([*ARGS, *TP, *FT, "--data", str(corpus), "--inject-failure", "3:3", "--out", str(run)]) == 0
-    got = check_recovered_alone(run, plain_tp, rank=3)
+    [recovery] = got["recoveries"]
+    assert recovery["replica"] == 1 and recovery["rejoined_at_step"] == recovery["lost_at_step"] == 2
     # its index in the group: pp 0 x T + tp 1 (its exit, or its end of the pipe reset before the exit shows)
-    assert re.search(r"\brank 1 (exited|closed its pipe)", got["recoveries"][0]["cause"]), got["recoveries"]
+    assert "global rank 3:" in recovery["cause"], got["recoveries"]
+    assert re.search(r"\brank 1 (exited|closed its pipe)", recovery["cause"]), got["recoveries"]
 
 
 def test_a_ranks_place_in_its_replica_group():
