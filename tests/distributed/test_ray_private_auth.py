@@ -3,8 +3,9 @@ address): it requires Ray's token authentication (Ray 2.60 turns it on for a new
 with the user's token in ~/.ray/auth_token), and Ctrl-C stops it with the actors. One run serves
 both, so the instance is started once: while it trains, a client without a token and one with a
 wrong token are refused, one with the user's token is accepted (each probe a real client of the
-instance's GCS, in its own process; the run's HOME is a fresh folder, where Ray makes the token,
-readable by the user only); the instance's node is loopback, and so its actors' gloo (`lo`), each
+instance's GCS, outside the run: the one without a token in a process of its own, the two with a
+token in another; the run's HOME is a fresh folder, where Ray makes the token, readable by the
+user only); the instance's node is loopback, and so its actors' gloo (`lo`), each
 actor's lines labelled with its rank and place in the mesh; then SIGINT to its process group, as a
 terminal sends it, ends the command with 130 and every process it started (Ray's and the actors).
 (The logical CPU per rank a private instance offers on a smaller machine: test_ray.py, in-process.)"""
@@ -30,14 +31,28 @@ CLI = [sys.executable, "-m", "attnres_pp.cli"]
 TINY = ["--layers", "4", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size", "4",
         "--microbatches", "2", "--stages", "2", "--virtual", "2", "--eval-every", "3"]
 
+# A client of the GCS at argv[1] for each token argument in turn ("-": the user's, from RAY_AUTH_TOKEN_PATH;
+# otherwise the token itself), printing what it hears. Ray reads RAY_AUTH_MODE when it is imported, the
+# token when a client first needs it: the cache is reset before each client, so that clients with
+# different tokens share one process (one import of Ray).
 PROBE = textwrap.dedent("""
+    import os
     import sys
-    from ray._raylet import GcsClient
-    try:
-        GcsClient(address=sys.argv[1]).internal_kv_keys(b"", namespace=None, timeout=10)
-        print("ACCEPTED")
-    except Exception as error:
-        print("REFUSED", type(error).__name__)
+    from ray._raylet import AuthenticationTokenLoader, GcsClient
+    path = os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    for token in sys.argv[2:]:
+        os.environ.pop("RAY_AUTH_TOKEN", None)
+        os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+        if token == "-":
+            os.environ["RAY_AUTH_TOKEN_PATH"] = path
+        elif token:
+            os.environ["RAY_AUTH_TOKEN"] = token
+        AuthenticationTokenLoader.instance().reset_cache()
+        try:
+            GcsClient(address=sys.argv[1]).internal_kv_keys(b"", namespace=None, timeout=10)
+            print("ACCEPTED", flush=True)
+        except Exception as error:
+            print("REFUSED", type(error).__name__, flush=True)
 """)
 
 
@@ -94,16 +109,19 @@ def test_the_private_instance_refuses_clients_without_the_token_and_ctrl_c_stops
 
 
 def _probe_answers(gcs: str, env: dict, home: Path) -> dict[str, str]:
-    """What a client of the GCS at `gcs` hears with no token, a wrong one and the run's user's one."""
-    clients = {"no token": {"RAY_AUTH_MODE": "disabled"},
-               "a wrong token": {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
-               "the user's token": {"RAY_AUTH_MODE": "token",
-                                    "RAY_AUTH_TOKEN_PATH": str(home / ".ray" / "auth_token")}}
+    """What a client of the GCS at `gcs` hears with no token, a wrong one and the run's user's one (the
+    last two clients in one process, token authentication on there, the user's token last: a cache
+    that kept the wrong one would refuse it)."""
+    clients = {"no token": ({"RAY_AUTH_MODE": "disabled"}, [""]),
+               "a wrong token, the user's token": ({"RAY_AUTH_MODE": "token",
+                                                    "RAY_AUTH_TOKEN_PATH": str(home / ".ray" / "auth_token")},
+                                                   ["0" * 64, "-"])}
     answers = {}
-    for name, auth in clients.items():
-        out = subprocess.run([sys.executable, "-c", PROBE, gcs], capture_output=True, text=True, timeout=60,
-                             env={**env, **auth}).stdout.split()
-        answers[name] = out[0] if out else "NO ANSWER"
+    for names, (auth, tokens) in clients.items():
+        out = subprocess.run([sys.executable, "-c", PROBE, gcs, *tokens], capture_output=True, text=True,
+                             timeout=60 * len(tokens), env={**env, **auth}).stdout.split("\n")
+        heard = [line.split()[0] if line.split() else "NO ANSWER" for line in out]
+        answers.update(zip(names.split(", "), (heard + ["NO ANSWER"] * len(tokens))[:len(tokens)], strict=True))
     return answers
 
 
