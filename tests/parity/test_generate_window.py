@@ -266,7 +266,9 @@ def test_greedy_tokens_past_the_trained_length_under_nccl_rules():
 
 
 # MSAR: the key/value rings split over the tp ranks' heads, and the history rings beside them (Block
-# AttnRes at T = 2 without a window: tests/parity/test_generate_tensor_parallel.py).
+# AttnRes at T = 2 without a window: tests/parity/test_generate_tensor_parallel.py). The window on
+# rank processes over gloo, P = 2 and P = 2 x T = 2 past 2 x seq_len: `generate --launcher local` in
+# tests/unit/test_cli_generate.py::test_generate_over_local_rank_processes.
 @pytest.mark.parametrize("variant", ["msar"])
 def test_tensor_parallel_greedy_tokens_past_the_trained_length(variant):
     cfg, named = _setup(variant, n_heads=2)
@@ -280,11 +282,3 @@ def test_the_window_changes_the_tokens_past_it():
     tokens = {window: generate(SingleProcessGenerator(cfg, named, window=window), PROMPTS[0], GREEDY).tokens
               for window in (3, SEQ_LEN)}
     assert tokens[3] != tokens[SEQ_LEN]
-
-
-@pytest.mark.distributed
-def test_greedy_tokens_past_the_trained_length_over_gloo():
-    """P = 2 rank processes, and T = 2 tensor-parallel rank processes, both over gloo."""
-    cfg, named = _setup("msar", n_heads=2)
-    _assert_same_tokens(cfg, named, PipelineConfig(stages=2, launcher="local", timeout_s=60.0), 5)
-    _assert_same_tokens(cfg, named, PipelineConfig(stages=1, tensor_parallel=2, launcher="local", timeout_s=60.0), 5)

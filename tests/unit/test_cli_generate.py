@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -46,24 +44,22 @@ def learned_run_dir(tmp_path_factory) -> Path:
     return _trained(tmp_path_factory, "generate_learned", "--positions", "learned", "--steps", "1")
 
 
-def generate_cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "attnres_pp.cli", "generate", *argv], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-
-
-@pytest.mark.subprocess
-def test_generate_from_a_trained_checkpoint_prints_the_json_contract(run_dir):
-    done = generate_cli("--resume", str(run_dir), "--prompt", "def ", "--max-new-tokens", "8", "--temperature",
-                        "0.9", "--top-k", "20", "--seed", "3", "--json")
-    assert done.returncode == 0, done.stderr
-    assert len(done.stdout.splitlines()) == 1  # one prompt: one object, as before batches
-    payload = json.loads(done.stdout)
+# In the test's process: what is checked is what `generate` writes to stdout and stderr, which does
+# not depend on the interpreter it runs in (the `python -m attnres_pp.cli` entry point runs fresh in
+# tests/cli_batch.py's children and the installed console script in tests/repo/test_wheel_install.py).
+def test_generate_from_a_trained_checkpoint_prints_the_json_contract(run_dir, capfd):
+    code = main(["generate", "--resume", str(run_dir), "--prompt", "def ", "--max-new-tokens", "8", "--temperature",
+                 "0.9", "--top-k", "20", "--seed", "3", "--json"])
+    done = capfd.readouterr()
+    assert code == 0, done.err
+    assert len(done.out.splitlines()) == 1  # one prompt: one object, as before batches
+    payload = json.loads(done.out)
     assert set(payload) == JSON_KEYS
     assert len(payload["tokens"]) == 8 and all(0 <= t < 128 for t in payload["tokens"])
     assert payload["text"] == bytes(payload["tokens"]).decode("utf-8", errors="replace")
     assert payload["prefill_s"] > 0 and payload["decode_s_per_token"] > 0
     assert payload["checkpoint"].endswith("step_2")  # the final step's checkpoint, the trained model
-    assert "prefill 4 tokens" in done.stderr  # progress on stderr, never in the JSON
+    assert "prefill 4 tokens" in done.err  # progress on stderr, never in the JSON
 
 
 def test_greedy_text_is_the_same_in_one_process_and_pipelined(run_dir, capsys):
@@ -120,16 +116,16 @@ def test_a_batch_prints_one_object_per_prompt_in_order_each_as_alone(run_dir, tm
 
 def test_generation_runs_past_the_trained_length_the_same_pipelined(run_dir, capsys):
     """A rotary-position run (seq_len 16) generates 16 tokens after a 20-byte prompt (to position 36,
-    past 2 x seq_len), its caches sliding over a window of 6: the same greedy tokens in one process,
-    pipelined, and tensor-parallel."""
+    past 2 x seq_len), its caches sliding over a window of 6: the same greedy tokens in one process
+    and pipelined (P = 2 x T = 2 with this window: on rank processes in
+    `test_generate_over_local_rank_processes`, on thread ranks in
+    tests/parity/test_generate_window.py::test_tensor_parallel_greedy_tokens_past_the_trained_length)."""
     argv = ["generate", "--resume", str(run_dir), "--prompt", "def add(a, b): retur", "--max-new-tokens", "16",
             "--window", "6", "--temperature", "0", "--json"]
     assert main(argv) == 0
     single = _lines(capsys.readouterr().out)[0]
     assert len(single["tokens"]) == 16 and single["prompt_tokens"] == 20
     assert main([*argv, "--stages", "2", "--launcher", "inprocess", "--prefill-chunk", "3"]) == 0
-    assert _lines(capsys.readouterr().out)[0]["tokens"] == single["tokens"]
-    assert main([*argv, "--stages", "2", "--tensor-parallel", "2", "--launcher", "inprocess"]) == 0
     assert _lines(capsys.readouterr().out)[0]["tokens"] == single["tokens"]
     without_window = [a for a in argv if a not in ("--window", "6")]
     assert main(without_window) == 0  # the default window: the trained 16 positions
@@ -159,10 +155,15 @@ def test_device_cpu_with_bf16_generates(run_dir, capsys):
 
 @pytest.mark.distributed
 def test_generate_over_local_rank_processes(run_dir, capsys):
-    argv = ["generate", "--resume", str(run_dir / "checkpoints" / "step_1"), "--prompt", "a + b",
-            "--max-new-tokens", "6", "--temperature", "0", "--json"]
+    """P = 2, then P = 2 x T = 2, on rank processes over gloo, past the trained length (to position
+    36, past 2 x seq_len) under a window of 6 that each rank's caches must slide over."""
+    argv = ["generate", "--resume", str(run_dir / "checkpoints" / "step_1"), "--prompt", "def add(a, b): retur",
+            "--max-new-tokens", "16", "--window", "6", "--temperature", "0", "--json"]
     assert main(argv) == 0
     single = json.loads(capsys.readouterr().out)
+    assert len(single["tokens"]) == 16 and single["prompt_tokens"] == 20
+    assert main([a for a in argv if a not in ("--window", "6")]) == 0  # the window is what the ranks must get
+    assert json.loads(capsys.readouterr().out)["tokens"] != single["tokens"]
     assert main([*argv, "--stages", "2", "--launcher", "local", "--prefill-chunk", "3"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == single["tokens"]
     assert main([*argv, "--stages", "2", "--tensor-parallel", "2", "--prefill-chunk", "3"]) == 0  # 4 processes
