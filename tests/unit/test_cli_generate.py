@@ -155,8 +155,10 @@ def test_device_cpu_with_bf16_generates(run_dir, capsys):
 
 @pytest.mark.distributed
 def test_generate_over_local_rank_processes(run_dir, capsys):
-    """P = 2, then P = 2 x T = 2, on rank processes over gloo, past the trained length (to position
-    36, past 2 x seq_len) under a window of 6 that each rank's caches must slide over."""
+    """P = 2 x T = 2 on four rank processes over gloo (the default launcher; its pipeline hops and tp
+    collectives both cross processes), past the trained length (to position 36, past 2 x seq_len)
+    under a window of 6 that each rank's caches must slide over. P = 2 alone over gloo:
+    tests/parity/test_generate_pipeline.py::test_greedy_tokens_are_identical_over_gloo."""
     argv = ["generate", "--resume", str(run_dir / "checkpoints" / "step_1"), "--prompt", "def add(a, b): retur",
             "--max-new-tokens", "16", "--window", "6", "--temperature", "0", "--json"]
     assert main(argv) == 0
@@ -164,11 +166,10 @@ def test_generate_over_local_rank_processes(run_dir, capsys):
     assert len(single["tokens"]) == 16 and single["prompt_tokens"] == 20
     assert main([a for a in argv if a not in ("--window", "6")]) == 0  # the window is what the ranks must get
     assert json.loads(capsys.readouterr().out)["tokens"] != single["tokens"]
-    assert main([*argv, "--stages", "2", "--launcher", "local", "--prefill-chunk", "3"]) == 0
-    assert json.loads(capsys.readouterr().out)["tokens"] == single["tokens"]
     assert main([*argv, "--stages", "2", "--tensor-parallel", "2", "--prefill-chunk", "3"]) == 0  # 4 processes
     split = json.loads(capsys.readouterr().out)
-    assert split["tokens"] == single["tokens"] and split["tensor_parallel"] == 2
+    assert split["tokens"] == single["tokens"] and (split["stages"], split["tensor_parallel"]) == (2, 2)
+    assert split["launcher"] == "local"
 
 
 MISTAKES = [
