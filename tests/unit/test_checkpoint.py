@@ -73,16 +73,17 @@ class _Unpicklable:
 @pytest.mark.distributed
 def test_resume_reshards_into_another_split(tmp_path):
     """Two local rank processes (P = 2, V = 2) each write their own shard; the run resumes at P = 1 in
-    one process and at D = 2, P = 2, V = 1 in four processes, and both end like the uninterrupted run."""
+    one process and at D = 2, P = 2, V = 1 in four processes, and both end like the uninterrupted run
+    (the saving run itself: the local launcher's losses are the in-process launcher's in
+    `test_local_launcher_restarts_from_scratch_without_a_checkpoint`)."""
     data = tmp_path / "corpus.txt"
     data.write_text("".join(p.read_text() for p in sorted((REPO / "attnres_pp" / "train").glob("*.py"))))
     common = [*TINY, "--batch-size", "8", "--steps", "5", "--data", str(data)]
-    assert main(["train", *common, "--launcher", "inprocess", "--stages", "2", "--virtual", "2",
-                 "--out", str(tmp_path / "plain")]) == 0
-    want = summary(tmp_path / "plain")
     run = tmp_path / "run"
     assert main(["train", *common, "--launcher", "local", "--stages", "2", "--virtual", "2", "--checkpoint-every", "2",
                  "--keep-checkpoints", "0", "--out", str(run)]) == 0
+    want = summary(run)
+    assert len(want["losses"]) == 5 and len(want["val_losses"]) >= 1
     shard_files = sorted(p.name for p in (run / "checkpoints" / "step_4").glob("*.distcp"))
     assert shard_files == ["__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own part
 
