@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from attnres_lab import chaos_probe as probe
-from attnres_lab.chaos_run import Session, Watcher, fault, full_disk_at, ignore_sigterm, popen
+from attnres_lab.chaos_run import Session, Watcher, fault, full_disk_at, ignore_sigterm, start_driver
 from attnres_lab.chaos_trials import (
     CHECKPOINT_EVERY,
     DEADLINE_S,
@@ -180,7 +180,8 @@ def finish_subprocess(session: Session, trial: Trial, folder: Path, tmp: Path, r
     """The driver as a process of its own (it is to die), its output and its ranks' in driver.log."""
     run, log = folder / "run", folder / "driver.log"
     env, flags, _, _ = fault(trial, 0, run)
-    proc = popen(["train", "--launcher", trial.launcher, *FLAGS, *flags, "--out", str(run)], env, tmp, log)
+    proc = start_driver(["train", "--launcher", trial.launcher, *FLAGS, *flags, "--out", str(run)], env, tmp, log,
+                        trial.launcher)
     _, _, when, fire = fault(trial, proc.pid, run)
     deadline = DEADLINE_S[trial.launcher]
     watcher = Watcher(proc.pid, run / "metrics.jsonl", exclude=set(), deadline_s=deadline, on_deadline=proc.kill,

@@ -231,3 +231,88 @@ def popen(args: list[str], env: dict, tmp: Path, log: Path) -> subprocess.Popen:
     with open(log, "w") as out:
         return subprocess.Popen(driver_command(args), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env={**os.environ, **env, "TMPDIR": str(tmp), "PYTHONPATH": package_path()})
+
+
+class ForkedDriver:
+    """`attnres-pp ARGS` as a fork of this process, which has torch and the package imported already: the
+    driver a trial SIGKILLs starts without an interpreter start and a torch import (~2.5 CPU-s). After
+    the fork it is what a fresh `python -m attnres_pp.cli` is: its environment, TMPDIR, stdin, stdout
+    and stderr set as `popen` sets them, the default SIGTERM and SIGINT handling, and multiprocessing's
+    fork server, resource tracker and temporary folder its own (made as its ranks start, under TMPDIR),
+    so that its ranks and what they leave behind are its own as a fresh driver's are. The child never
+    returns into the caller: it ends by os._exit with main's code, or 1 and a traceback."""
+
+    def __init__(self, args: list[str], env: dict, tmp: Path, log: Path) -> None:
+        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:
+            _forked_driver(args, {**env, "TMPDIR": str(tmp), "PYTHONPATH": package_path()}, out)
+        os.close(out)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(driver_command([]), timeout)
+            time.sleep(_POLL_S)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+def _forked_driver(args: list[str], env: dict[str, str], out: int) -> None:
+    code = 1
+    try:
+        from multiprocessing import forkserver, process, resource_tracker
+
+        for server in (forkserver._forkserver, resource_tracker._resource_tracker):
+            for name in ("_forkserver_pid", "_forkserver_address", "_forkserver_alive_fd", "_pid", "_fd"):
+                if hasattr(server, name):
+                    setattr(server, name, None)
+        process.current_process()._config.pop("tempdir", None)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.update(env)
+        tempfile.tempdir = None  # read TMPDIR again
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - the child ends by os._exit
+        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+        from attnres_pp.cli import console_main, main
+
+        code = console_main(lambda: main(args))
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else int(done.code is not None)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 1)
+
+
+def start_driver(args: list[str], env: dict, tmp: Path, log: Path, launcher: str):
+    """The driver of a trial that kills it: a fork of this process where that is a fresh driver's equal
+    (the local launcher, no CUDA or Ray started here, which a forked child cannot use), else `popen`'s."""
+    torch = sys.modules.get("torch")
+    ray = sys.modules.get("ray")
+    if launcher != "local" or (torch is not None and torch.cuda.is_initialized()) \
+            or (ray is not None and ray.is_initialized()):
+        return popen(args, env, tmp, log)
+    return ForkedDriver(args, env, tmp, log)
