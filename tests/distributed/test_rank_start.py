@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
+from attnres_lab.chaos_run import start_driver
 from attnres_pp.launch.process_rank_group import ProcessRankGroup
-from tests.run_helpers import REPO
 
 pytestmark = pytest.mark.distributed
 
@@ -57,20 +57,25 @@ def test_each_rank_takes_the_drivers_environment_at_its_start(monkeypatch):
 
 @pytest.mark.subprocess
 def test_a_temporary_folder_too_long_for_the_fork_servers_socket_is_one_error_line(tmp_path):
-    """A fresh driver (its own fork server) whose TMPDIR is longer than a Unix socket path may be:
-    one `error:` line naming TMPDIR, exit 2, nothing written, no traceback."""
+    """A driver with a fork server of its own (this process forked as a fresh driver: TMPDIR read
+    again, multiprocessing's folder and fork server not yet made) whose TMPDIR is longer than a Unix
+    socket path may be: one `error:` line naming TMPDIR, exit 2, nothing written, no traceback."""
     base = tempfile.mkdtemp(prefix="long-", dir="/tmp")
     try:
-        long_tmp = os.path.join(base, "x" * 100)
-        os.makedirs(long_tmp)
-        out = tmp_path / "run"
-        done = subprocess.run([sys.executable, "-m", "attnres_pp.cli", "train", "--launcher", "local", "--stages", "2",
-                               "--layers", "2", "--d-model", "32", "--heads", "2", "--seq-len", "16", "--batch-size",
-                               "4", "--steps", "1", "--quiet", "--out", str(out)], cwd=REPO, capture_output=True,
-                              text=True, timeout=120, env={**os.environ, "TMPDIR": long_tmp,
-                                                           "PYTHONPATH": str(REPO)})
+        long_tmp = Path(base) / ("x" * 100)
+        long_tmp.mkdir()
+        out, log = tmp_path / "run", tmp_path / "driver.log"
+        driver = start_driver(["train", "--launcher", "local", "--stages", "2", "--layers", "2", "--d-model", "32",
+                               "--heads", "2", "--seq-len", "16", "--batch-size", "4", "--steps", "1", "--quiet",
+                               "--out", str(out)], {}, long_tmp, log, "local")
+        try:
+            returncode = driver.wait(timeout=120)
+        finally:
+            driver.kill()
+            driver.wait(timeout=30)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.splitlines() == [done.stderr.strip()] and done.stderr.startswith("error: the temporary folder")
-    assert "TMPDIR" in done.stderr and not out.exists()
+    printed = log.read_text()  # stdout and stderr: a --quiet run that fails prints its one line only
+    assert returncode == 2, printed
+    assert printed.splitlines() == [printed.strip()] and printed.startswith("error: the temporary folder")
+    assert "TMPDIR" in printed and not out.exists()
