@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import faulthandler
 import os
 import signal
 import subprocess
@@ -283,6 +284,7 @@ def _forked_driver(args: list[str], env: dict[str, str], out: int) -> None:
                 if hasattr(server, name):
                     setattr(server, name, None)
         process.current_process()._config.pop("tempdir", None)
+        faulthandler.disable()  # a host's (pytest's) dump to its own stderr: a fresh driver has none
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.environ.update(env)
