@@ -1,7 +1,8 @@
 """Running chaos trials (`chaos_trials`): the driver is `attnres-pp train`'s main in this process
 (most kinds: its rank processes come from the local launcher's fork server, which keeps torch
 imported, so a trial costs what its ranks cost) or a process of its own where the driver itself
-must die (SIGKILL). A watcher thread follows each run from outside: the processes below the
+must die (SIGKILL): under the local launcher a fork of this process set up as a fresh driver
+(`ForkedDriver`), else a fresh interpreter. A watcher thread follows each run from outside: the processes below the
 driver, the records of metrics.jsonl, the fault to deliver at a step, and the trial's deadline.
 Every wait is bounded: a run past its deadline is stopped (SIGTERM to this process's run, SIGKILL to
 a driver process) and counted as a hang."""

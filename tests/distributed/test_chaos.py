@@ -5,7 +5,8 @@ undisturbed run's losses), no hang, no misleading line, no traceback, no leftove
 or /dev/shm file, no checkpoint lost.
 
 The trials run in this process (train's main, its ranks forked from the fork server that keeps
-torch imported); only the trials that SIGKILL the driver start a driver process. The kinds are
+torch imported); only the trials that SIGKILL the driver start a driver process (a fork of this
+one set up as a fresh driver, `chaos_run.ForkedDriver`, with its own fork server). The kinds are
 weighted towards the cheap in-process ones; every kind runs at least once (five tests of five). It holds what the
 single-fault tests it replaced asserted: SIGTERM to the driver stops the run within 15 s with
 exit 143 and the one line "terminated (SIGTERM): stopping the workers", its ranks end and no
