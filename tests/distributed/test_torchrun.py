@@ -190,9 +190,12 @@ def test_torchrun_trains_with_the_local_launchers_losses(tmp_path):
     dp gradient sums and the tied embeddings between torchrun's processes: each stage holds a copy,
     summed by the embedding group (each replica's pp group), and the checkpoint holds the one matrix once."""
     argv = [*SMALL, "--stages", "2", "--data-parallel", "2", "--tie-embeddings", "--steps", "3"]
-    assert main(["train", "--launcher", "inprocess", *argv, "--out", str(tmp_path / "local")]) == 0
+    # The agent is forked before the in-process run starts its rank threads.
     proc = _torchrun(4, [*argv, "--out", str(tmp_path / "torchrun")], tmp_path / "logs")
-    _, err = _finish(proc, 300)
+    try:
+        assert main(["train", "--launcher", "inprocess", *argv, "--out", str(tmp_path / "local")]) == 0
+    finally:
+        _, err = _finish(proc, 300)
     logs = _rank_logs(tmp_path / "logs")
     assert proc.returncode == 0, f"{err[-3000:]}\n{logs}"
     local = json.loads((tmp_path / "local" / "summary.json").read_text())
