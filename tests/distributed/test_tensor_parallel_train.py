@@ -134,18 +134,18 @@ def test_bf16_trains_as_the_unsplit_one(runs):
     assert_same_losses(bf["losses"], b1["losses"], rtol=1e-3)
 
 
-# Out of and into a tp split, T, P and D all changing at once: (2, 2, 1) -> (1, 1, 2) and
-# (1, 2, 1) -> (2, 1, 2). Each replica loads the whole checkpoint into its own ranks, so these carry
-# the resumes at D = 1 ((2, 2) -> (1, 1) and (1, 2) -> (2, 1)) as their replica 0. The resume into
-# replicated tp-split weights runs on thread ranks (the same StageWorker load); the whole checkpoint
-# into tp-split weights of rank processes is the FSDP2 resume's.
+# Out of a tp split, T, P and D all changing at once: (2, 2, 1) -> (1, 1, 2). Each replica loads the
+# whole checkpoint into its own ranks, so this carries the resume at D = 1 ((2, 2) -> (1, 1)) as its
+# replica 0. Into replicated tp-split weights with P and D changed ((2, 2, 1) -> (2, 1, 2)) is the
+# thread ranks' resume in test_an_in_process_tensor_parallel_run_trains_as_the_local_one (the same
+# StageWorker load of the same whole checkpoint format); from T = 1 into tp-split weights of rank
+# processes is the FSDP2 resume's.
 @pytest.mark.parametrize(("source", "launcher", "flags"), [
     ("t2", "local", ["--tensor-parallel", "1", "--stages", "1", "--data-parallel", "2"]),
-    ("t1", "inprocess", ["--tensor-parallel", "2", "--stages", "1", "--data-parallel", "2"]),
     # into and out of FSDP2 shards of tp-split weights
     ("t1", "local", ["--tensor-parallel", "2", "--stages", "1", "--data-parallel", "2", "--dp-shard", "fsdp"]),
     ("f2", "local", ["--tensor-parallel", "1", "--stages", "2", "--data-parallel", "1", "--dp-shard", "replicate"]),
-], ids=["t2p2d1-to-t1p1d2", "t1p2d1-to-t2p1d2", "t1-to-fsdp-t2d2", "fsdp-t2d2-to-t1p2"])
+], ids=["t2p2d1-to-t1p1d2", "t1-to-fsdp-t2d2", "fsdp-t2d2-to-t1p2"])
 def test_a_checkpoint_resumes_at_another_tensor_parallel_size(runs, tmp_path, source, launcher, flags):
     run_dir = tmp_path / "resumed"
     shutil.copytree(runs / source, run_dir)
@@ -165,7 +165,8 @@ def test_a_checkpoint_resumes_at_another_tensor_parallel_size(runs, tmp_path, so
 def test_an_in_process_tensor_parallel_run_trains_as_the_local_one(runs, tmp_path):
     """`--launcher inprocess --tensor-parallel 2`: rank threads over torch's threaded process group give
     the local rank processes' losses, clipping norms, validation losses, hop bytes and checkpoint, and
-    that checkpoint resumes in-process to the uninterrupted losses."""
+    that checkpoint resumes in-process, at P = 1 and D = 2 (each replica loading the whole checkpoint
+    into its tp-split weights), to the uninterrupted losses, clipping norms and validation losses."""
     from attnres_pp.train.shards import read_parameters
 
     run_dir = tmp_path / "inprocess"
@@ -187,9 +188,14 @@ def test_an_in_process_tensor_parallel_run_trains_as_the_local_one(runs, tmp_pat
     for name, value in want.items():
         assert torch.allclose(got[name], value, rtol=1e-5, atol=1e-6), name
     shutil.rmtree(run_dir / "checkpoints" / "step_3")  # resume from step 2, in-process
-    assert main(["train", "--resume", str(run_dir), "--launcher", "inprocess", "--quiet"]) == 0
+    assert main(["train", "--resume", str(run_dir), "--launcher", "inprocess", "--quiet", "--stages", "1",
+                 "--data-parallel", "2"]) == 0
     resumed = summary(run_dir)
+    pipe = resumed["config"]["pipeline"]
+    assert [pipe["tensor_parallel"], pipe["stages"], pipe["data_parallel"]] == [2, 1, 2]
     assert_same_losses(resumed["losses"], local["losses"])
+    # the validation loss after the resumed step (step index 2) follows its AdamW update: the loaded moments
+    assert_same_losses([v for _step, v in resumed["val_losses"]], [v for _step, v in local["val_losses"]])
     assert_same_losses(_grad_norms(run_dir), _grad_norms(runs / "t2"))
 
 
