@@ -1,8 +1,9 @@
 """`--expert-parallel` through the CLI: rank processes over gloo (`--launcher local`) and Ray actors,
 whose all-to-alls are torch.distributed's. An MoE model (E = 4, K = 2, one shared expert, one dense
 layer) at D = 2, P = 2: EP = 2 under fsdp equals the in-process EP = 1 run step for step, holds half
-the routed experts per rank, and its checkpoint resumes at EP = 1 (and EP = 1's at EP = 2) to the
-uninterrupted losses. A bad setting is one `error:` line, exit 2, before any rank starts."""
+the routed experts per rank (the bytes `simulate memory` predicts), and its checkpoint resumes at
+EP = 1 (and EP = 1's at EP = 2) to the uninterrupted losses. A bad setting is one `error:` line, exit
+2, before any rank starts."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import re
 import pytest
 
 from attnres_pp.cli import main
+from attnres_pp.model.config import ModelConfig
+from attnres_pp.simulator.memory import MemorySetup, predict_memory
 from tests.run_helpers import assert_same_losses, metrics, summary
 
 pytestmark = pytest.mark.distributed
@@ -43,6 +46,18 @@ def test_ep_over_gloo_under_fsdp_equals_ep1_and_checkpoints_move_between_eps(tmp
     assert not any("moe_all_to_all_s" in s for s in metrics(ep1))
     # fsdp halves what it shards; the expert slices were halved by EP instead: each rank still holds less.
     assert all(g < w for g, w in zip(_expert_bytes(got), _expert_bytes(want), strict=True))
+    # and `simulate memory` predicts each rank's parameter, gradient and AdamW bytes exactly: the routed
+    # experts split over EP = 2, FSDP2 leaving the slices and the selection bias whole, the dense first
+    # layer and the untied LM head sharded (V = 1 placement)
+    pipe, train = got["config"]["pipeline"], got["config"]["train"]
+    model = ModelConfig.from_dict(got["config"]["model"])
+    rows = train["batch_size"] // (pipe["data_parallel"] * train["microbatches"])
+    predicted = predict_memory(model, MemorySetup(
+        schedule=pipe["schedule"], n_stages=pipe["stages"], n_virtual=pipe["virtual"],
+        n_microbatches=train["microbatches"], tokens=rows * model.seq_len, dtype=train["dtype"],
+        data_parallel=pipe["data_parallel"], dp_shard="fsdp", expert_parallel=2))
+    held = ("param_bytes", "grad_bytes", "optimizer_bytes")
+    assert [[e[k] for k in held] for e in got["memory_per_rank"]] == [[w.terms[k] for k in held] for w in predicted]
     # EP 2's slices were written as DTensor chunks of the whole tensors; EP 2 reads its rows of EP 1's.
     for run, ep in ((ep2, "1"), (ep1, "2")):
         (run / "summary.json").unlink()

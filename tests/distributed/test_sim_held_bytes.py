@@ -21,7 +21,6 @@ MODEL = dict(vocab_size=256, n_layers=4, d_model=32, n_heads=2, seq_len=16, resi
 HELD = ("param_bytes", "grad_bytes", "optimizer_bytes")
 
 
-DP_SHARDS = ("replicate", "fsdp")
 LAYOUTS = (("zbv", 2), ("interleaved_1f1b", 2), ("1f1b", 1))
 
 
@@ -34,11 +33,13 @@ def train_argv(schedule: str, virtual: int, dp_shard: str, out) -> list[str]:
             "--dp-shard", dp_shard, "--launcher", "local" if dp_shard == "fsdp" else "inprocess", "--out", str(out)]
 
 
-# Every layout replicated (thread ranks), and 1F1B under FSDP2. ZB-V's and interleaved 1F1B's V = 2
-# placements under FSDP2 are RECIPE_RUNS' fsdp runs: the same MSAR model, layout and shards, with
-# MQA heads, QK-norm and GELU (ZB-V) or tied embeddings (interleaved) on top; the plain layer's
-# SwiGLU and full-head shapes and the untied LM head under FSDP2 are 1F1B's, and the expert run's.
-REAL_RUNS = [(schedule, virtual, "replicate") for schedule, virtual in LAYOUTS] + [("1f1b", 1, "fsdp")]
+# Every layout replicated (thread ranks). Under FSDP2 (rank processes): ZB-V's and interleaved 1F1B's
+# V = 2 placements are RECIPE_RUNS' fsdp runs, the same MSAR model, layout and shards, with MQA heads,
+# QK-norm and GELU (ZB-V) or tied embeddings (interleaved: the plain layer's SwiGLU and full-head
+# shapes) on top; the V = 1 placement with the untied LM head, and experts split over EP = 2 under
+# FSDP2, are the expert run's of tests/distributed/test_expert_parallel_gloo.py (D = 2, P = 2, its
+# first layer the plain dense one, --moe-dense-layers 1), checked against the same prediction.
+REAL_RUNS = [(schedule, virtual, "replicate") for schedule, virtual in LAYOUTS]
 
 
 @pytest.mark.parametrize("schedule,virtual,dp_shard", REAL_RUNS)
@@ -80,14 +81,15 @@ def test_predicted_held_bytes_follow_the_recipe(tmp_path, schedule, dp_shard, fl
         assert {k: g[k] for k in HELD} == {k: w.terms[k] for k in HELD}
 
 
-# Mixtures of experts (docs/spec.md section 12): routed experts split over EP = 2 replicas, under
-# replicate and FSDP2 (which leaves the expert slices and the selection bias whole): EP > 1 out of sample.
+# Mixtures of experts (docs/spec.md section 12): routed experts split over EP = 2 replicas, replicated
+# here (thread ranks): EP > 1 out of sample; under FSDP2 (which leaves the expert slices and the selection
+# bias whole) in the rank processes of tests/distributed/test_expert_parallel_gloo.py.
 MOE_FLAGS = ["--moe-experts", "4", "--moe-top-k", "2", "--moe-shared-experts", "1", "--moe-d-ff", "16",
              "--moe-dense-layers", "1", "--expert-parallel", "2"]
 MOE = {"moe_experts": 4, "moe_top_k": 2, "moe_shared_experts": 1, "moe_d_ff": 16, "moe_dense_layers": 1}
 
 
-@pytest.mark.parametrize("dp_shard", DP_SHARDS)
+@pytest.mark.parametrize("dp_shard", ["replicate"])
 def test_predicted_held_bytes_split_the_experts_over_expert_parallel_ranks(tmp_path, dp_shard):
     m = MODEL
     assert main([*train_argv("1f1b", 1, dp_shard, tmp_path), *MOE_FLAGS]) == 0
