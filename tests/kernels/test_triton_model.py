@@ -1,7 +1,8 @@
 """The whole model with the Triton backend against the torch backend (under the interpreter on CPU
 without a GPU, compiled on CUDA with one): the loss and every parameter gradient, for each
-depth-attention variant. This covers the packed [values | keys] views the model hands to the ops
-(strided values, projected and sliced keys)."""
+depth-attention variant (MSAR's is test_triton_msar_streams.py's, through its fused stream kernel).
+This covers the packed [values | keys] views the model hands to the ops (strided values, projected
+and sliced keys)."""
 
 import os
 
@@ -21,7 +22,6 @@ VARIANTS = {
     "block": dict(residual="attnres", block_size=3),
     "lr_projected": dict(residual="lr_attnres", key_mode="projected", key_rank=4, block_size=2),
     "lr_sliced": dict(residual="lr_attnres", key_mode="sliced", key_rank=4, block_size=3),
-    "msar": dict(residual="msar", block_size=3, stream_kernels=(2, 3)),
 }
 
 
@@ -38,6 +38,8 @@ def _loss_and_grads(cfg, backend, idx, targets):
     return loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
 
 
+# MSAR's case is test_triton_msar_streams.py::test_the_model_reads_msar_through_the_fused_kernel: the same
+# tiny model's loss and every gradient against the torch backend, with its fused launches counted.
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_model_with_triton_backend_matches_torch_backend(variant, kernel_device):
     cfg = ModelConfig(**{**TINY, **VARIANTS[variant]})

@@ -239,9 +239,9 @@ def test_the_model_reads_msar_through_the_fused_kernel(monkeypatch):
     for backend in ("torch", "triton"):
         torch.manual_seed(0)
         model = Transformer(cfg, backend=backend)
-        with torch.no_grad():  # non-zero queries and taps off their init, so that reads are not plain means
+        with torch.no_grad():  # non-zero queries, gates and taps off their init, so that reads are not plain means
             for name, p in model.named_parameters():
-                if name.endswith(("read.query", "gate_weight")) or "stream_convs" in name:
+                if name.endswith(("read.query", "gate_weight", "gate_bias")) or "stream_convs" in name:
                     p.add_(torch.randn(p.shape) * 0.5)
         before = dict(calls)
         loss = model(idx, targets)
