@@ -43,6 +43,18 @@ GROUPED = {"n_heads": 4, "n_kv_heads": 2, "qk_norm": True, "tie_embeddings": Tru
                             pytest.param("msar", "inductor", {}, marks=pytest.mark.subprocess)])
 def test_compiled_training_equals_eager_over_3_steps(variant, backend, recipe):
     torch._dynamo.reset()
+    from torch._inductor import config as inductor_config
+
+    # Inductor first probes each vector ISA the CPU reports by building a C++ file of ATen's vector
+    # headers with its flags (~2.5 CPU-s of g++ each, three of them here), to fall back to a narrower
+    # ISA where one does not build. vec_isa_ok trusts the CPU's report instead: the same ISA is picked
+    # wherever the probes pass, and the kernels still build against those headers with its flags, so
+    # a machine where they would not fails here instead of falling back.
+    with inductor_config.patch({"cpp.vec_isa_ok": True}):
+        _check_compiled_training_equals_eager(variant, backend, recipe)
+
+
+def _check_compiled_training_equals_eager(variant, backend, recipe):
     cfg = ModelConfig(**{**TINY, **VARIANTS[variant], **recipe})
     # float64: what is compared is the compiled graphs' math, not fp32 rounding amplified by AdamW.
     eager = Transformer(cfg, backend="torch", seed=3).double()
