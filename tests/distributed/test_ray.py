@@ -1,5 +1,6 @@
-"""The Ray launcher end to end: tensor-parallel groups placed as one bundle each (training under the
-zero-bubble ZB-V schedule at T = 2 under PACK), generation's greedy tokens at V = 2, a placement no
+"""The Ray launcher end to end (tensor-parallel groups placed as one bundle each, training under the
+zero-bubble ZB-V schedule at T = 2 under PACK: tests/multihost/test_multihost.py, which needs root),
+generation's greedy tokens at V = 2, a placement no
 node can hold, a rank's set-up refusal, the fault-tolerant replica groups' recovery (only the lost
 group's actors restart, four actors on the instance's 4 logical CPUs), and what a private local
 instance is asked for (a CPU per rank, loopback; the restart limit, which no launcher changes:
@@ -25,8 +26,6 @@ import pytest
 
 from attnres_pp.cli import main
 from tests.run_helpers import assert_same_losses, losses
-
-from ..unit.test_memory_per_rank import check_memory_entries
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
@@ -68,29 +67,6 @@ def test_under_fault_tolerance_only_the_lost_groups_actors_restart(local_ray, tm
                  "--out", str(run)]) == 0
     got = check_recovered_alone(run, plain)
     assert "stopped answering (its actor died)" in got["recoveries"][0]["cause"]
-
-
-@SHARED_RAY
-def test_tensor_parallel_groups_under_pack_run_a_zero_bubble_schedule_through_ray_actors(local_ray, tmp_path):
-    """`--tensor-parallel 2 --stages 2 --placement PACK --schedule zbv`: each tp group one bundle of 2
-    CPUs (so on one node whatever the strategy), four actors that build the V placement from the
-    schedule and run I and W, whose losses equal the in-process launcher's (its rank threads give the
-    local rank processes' losses bitwise here, without starting four), the hops between tp lanes in
-    shared memory on this one node, their tp collectives counted, and what each actor holds counted
-    as other ranks count it. One run for both: the schedule reaches a tp rank's actor as it reaches
-    any rank's (its worker's arguments), so the tp groups' run carries the zero-bubble checks."""
-    argv = ["train", *TINY, "--steps", "2", "--quiet", "--device", "cpu", "--no-final-checkpoint",
-            "--tensor-parallel", "2", "--eval-every", "0", "--schedule", "zbv"]
-    assert main([*argv, "--placement", "PACK", "--out", str(tmp_path / "ray")]) == 0
-    assert main([*argv, "--launcher", "inprocess", "--out", str(tmp_path / "inproc")]) == 0
-    assert_same_losses(losses(tmp_path / "ray"), losses(tmp_path / "inproc"))
-    summary = json.loads((tmp_path / "ray" / "summary.json").read_text())
-    assert summary["config"]["pipeline"]["tensor_parallel"] == 2 and summary["tp_bytes_per_step"] > 0
-    assert summary["config"]["pipeline"]["schedule"] == "zbv"
-    assert summary["fwd_hop_tensors"][1] == 0  # V placement: chunks 1 and 2 share pp rank 1, a self-hop
-    assert len(summary["nodes"]) == 4 and len(set(summary["nodes"])) == 1
-    assert summary["bytes_sent_per_step_by_transport"]["shm"] == summary["bytes_sent_per_step"] > 0
-    check_memory_entries(summary["memory_per_rank"], 4)  # the actors count what they hold, as other ranks do
 
 
 @SHARED_RAY
@@ -137,8 +113,7 @@ def test_ray_actors_generate_the_single_process_tokens(local_ray):
     each change what an actor builds, not how the driver reaches it: generation at T = 2 runs on rank
     processes and thread ranks (tests/parity/test_generate_tensor_parallel.py, the same generation
     worker), and T = 2 actors placed as one bundle per tp group under PACK train in
-    test_tensor_parallel_groups_under_pack_run_a_zero_bubble_schedule_through_ray_actors (the same
-    Ray rank group)."""
+    tests/multihost/test_multihost.py's two-host T = 2 x P = 2 run (the same Ray rank group)."""
     from attnres_pp.generate.config import GenerationConfig
     from attnres_pp.generate.engines import SingleProcessGenerator, make_generator
     from attnres_pp.generate.loop import generate, generate_batch

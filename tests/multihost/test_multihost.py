@@ -1,7 +1,7 @@
 """Several hosts for real, on one machine: network namespaces joined by a bridge, each running a Ray
 node (`python -m attnres_lab.netns_cluster`), with token authentication on. A job submitted from the root
 namespace runs D = 2 x P = 2 ranks over two hosts with the single process's losses, and T = 2 x P = 2
-keeps each tensor-parallel group on one host; a host killed
+keeps each tensor-parallel group on one host (under the zero-bubble ZB-V schedule); a host killed
 mid-run, or cut off mid-step, is named (rank and node) and the run recovers onto the surviving hosts
 from its last checkpoint with the undisturbed run's losses; a shaped link slows the run as the
 simulator, calibrated on the unshaped link, predicts.
@@ -27,6 +27,8 @@ import select
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,7 @@ from attnres_lab.fidelity_hosts import HostBench
 from attnres_pp.cli import main
 from attnres_pp.train.shards import checkpoint_tensors
 from tests.run_helpers import assert_same_losses, losses
+from tests.unit.test_memory_per_rank import check_memory_entries
 
 pytestmark = [pytest.mark.ray, pytest.mark.multihost]
 TWO_HOSTS = pytest.mark.xdist_group("multihost-two-hosts")
@@ -68,7 +71,8 @@ if _WHY_NOT is not None:
 
 
 # Asked a count of nodes per line: waits (up to 120 s: a restarted host's node joins in ~20 s) until
-# that many nodes are alive with every CPU free, then answers "answer: alive free total" (Ray may print
+# that many nodes are alive with every CPU free (only alive, where the count is followed by "joined":
+# a run may hold CPUs meanwhile), then answers "answer: alive free total" (Ray may print
 # lines of its own). One driver for the module's checks, also the wait for a restarted host (`restart
 # --no-wait`): a fresh Python and `ray.init` per check cost ~2 s each.
 PROBER = """
@@ -330,11 +334,14 @@ def test_job_submitted_from_the_root_namespace_runs_over_two_hosts(two_host_clus
     steps = ["--steps", "3", "--data", str(data)]
     assert main(["train", *TINY, *steps, "--launcher", "local", "--out", str(tmp_path / "single"), "--quiet"]) == 0
     cluster = two_host_cluster
-    # Token authentication is on: a client without the token is refused.
-    no_auth = {k: v for k, v in cluster.env.items() if k != "RAY_AUTH_MODE"}
-    refused = subprocess.run(["ray", "job", "list", "--address", cluster.info["dashboard"]], env=no_auth,
-                             capture_output=True, text=True, timeout=120)
-    assert refused.returncode != 0 and "Unauthorized" in refused.stdout + refused.stderr, refused.stderr[-2000:]
+    # Token authentication is on: a client without the token is refused, and one with a wrong token. The
+    # jobs API asked over HTTP from this process, as `ray job list` asks it (a Ray CLI start is ~3 CPU-s).
+    no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    for headers, status, said in (({}, 401, "Unauthorized"), ({"Authorization": "Bearer wrong"}, 403, "Forbidden")):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            no_proxy.open(urllib.request.Request(f"{cluster.info['dashboard']}/api/jobs/", headers=headers),
+                          timeout=60)
+        assert refused.value.code == status and refused.value.read().decode().startswith(said), refused.value
     out = tmp_path / "run"
     submit = ["ray", "job", "submit", "--address", cluster.info["dashboard"], "--", "env", f"PYTHONPATH={REPO}",
               *CLI, "train", *TINY, *steps, "--stages", "2", "--data-parallel", "2", "--launcher", "ray",
@@ -368,38 +375,45 @@ def test_job_submitted_from_the_root_namespace_runs_over_two_hosts(two_host_clus
     assert len(summary["cache_peak_bytes_per_rank"]) == 4
 
 
-def _two_steps_as_the_single_process(cluster, argv: list[str], tmp_path) -> dict:
-    """Two steps of TINY under a Ray driver in the head's namespace with `argv`, their losses equal
-    to the local launcher's single process; the run's summary."""
-    steps = ["--steps", "2"]
-    assert main(["train", *TINY, *steps, "--launcher", "local", "--out", str(tmp_path / "single"), "--quiet"]) == 0
-    out = tmp_path / "run"
-    proc = cluster.driver([*TINY, *steps, *argv], out)
-    try:
-        assert proc.wait(timeout=300) == 0, (tmp_path / "driver.log").read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    summary = json.loads((out / "summary.json").read_text())
-    assert_same_losses(summary["losses"], losses(tmp_path / "single"))
-    return summary
-
-
 @TWO_HOSTS
 def test_each_tensor_parallel_group_stays_on_one_host_where_rank_bundles_would_split_one(two_host_cluster, tmp_path):
     """T = 2 x P = 2 packed onto two 3-CPU hosts: a bundle per rank would put ranks 0-2 on one host and
     rank 3 on the other, splitting stage 1's tp group over the link; a bundle per tp group keeps
     each group on one host, stage 0's on one and stage 1's on the other. The pipeline hop crosses
     the link (gloo carries every hop byte), the tp collectives stay on a host; the single process's
-    losses."""
-    summary = _two_steps_as_the_single_process(two_host_cluster, [
-        "--stages", "2", "--tensor-parallel", "2", "--device", "cpu", "--placement", "PACK", "--timeout", "60",
-        "--no-final-checkpoint"], tmp_path)
+    losses. The run is also the Ray launcher's zero-bubble run (`--schedule zbv`, V = 2): four
+    actors that build the V placement from the schedule and run I and W, with the in-process
+    launcher's losses (its rank threads give the local rank processes' losses bitwise, without
+    starting four) and what each actor holds counted as other ranks count it. One run for both: the
+    schedule reaches a tp rank's actor as it reaches any rank's (its worker's arguments). Hops in
+    shared memory between actors on one node: the job submission above."""
+    cluster = two_host_cluster
+    steps = ["--steps", "2"]
+    argv = [*TINY, *steps, "--stages", "2", "--virtual", "2", "--schedule", "zbv", "--tensor-parallel", "2",
+            "--device", "cpu", "--eval-every", "0", "--no-final-checkpoint"]
+    out = tmp_path / "run"
+    proc = cluster.driver([*argv, "--placement", "PACK", "--timeout", "60"], out)
+    try:
+        # the references meanwhile, in this process: the driver's actors start on the cluster's own CPUs
+        assert main(["train", *TINY, *steps, "--launcher", "local", "--out", str(tmp_path / "single"),
+                     "--quiet"]) == 0
+        assert main(["train", *argv, "--launcher", "inprocess", "--out", str(tmp_path / "inproc"), "--quiet"]) == 0
+        assert proc.wait(timeout=300) == 0, (tmp_path / "driver.log").read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = json.loads((out / "summary.json").read_text())
+    assert_same_losses(summary["losses"], losses(tmp_path / "single"))
+    assert_same_losses(summary["losses"], losses(tmp_path / "inproc"))
+    pipeline = summary["config"]["pipeline"]
+    assert (pipeline["tensor_parallel"], pipeline["schedule"], pipeline["launcher"]) == (2, "zbv", "ray")
+    assert summary["fwd_hop_tensors"][1] == 0  # V placement: chunks 1 and 2 share pp rank 1, a self-hop
     nodes = summary["nodes"]
     assert nodes[0] == nodes[1] != nodes[2] == nodes[3], nodes  # each tp group on one host, the stages apart
     assert summary["tp_bytes_per_step"] > 0
     by_way = summary["bytes_sent_per_step_by_transport"]
     assert by_way["gloo"] == summary["bytes_sent_per_step"] > 0 and by_way["shm"] == 0, by_way
+    check_memory_entries(summary["memory_per_rank"], 4)  # the actors count what they hold, as other ranks do
 
 
 @TWO_HOSTS
