@@ -13,7 +13,7 @@ from attnres_lab.memory_predict import CASES, case_flags, microbatch_sequences, 
 from attnres_pp.cli import build_parser, main
 from attnres_pp.train.cli import build_run_config, flag_overrides
 
-from ..distributed import test_fsdp, test_sim_held_bytes
+from ..distributed import test_expert_parallel_gloo, test_fsdp, test_sim_held_bytes
 from . import test_memory_per_rank, test_sim_blocks_knobs
 
 
@@ -69,7 +69,7 @@ def test_every_train_model_flag_is_the_simulators_with_its_default(name, parser)
 
 def _memory_per_rank_train_argvs(tmp_path) -> list[tuple[str, list[str]]]:
     """The train argv of every case whose `memory_per_rank` CI's tests read: the memory prediction
-    cases and the runs of test_memory_per_rank and test_fsdp."""
+    cases, the runs of test_memory_per_rank and test_fsdp, the held-bytes runs and the experts' fsdp run."""
     argvs = [(name, train_argv(case_flags(case), tmp_path / "run")) for name, case in CASES]
     per_rank = test_memory_per_rank.TINY
     argvs += [("memory_per_rank one", ["train", *per_rank, "--batch-size", "4", "--launcher", "local"]),
@@ -80,7 +80,9 @@ def _memory_per_rank_train_argvs(tmp_path) -> list[tuple[str, list[str]]]:
               ("fsdp D2P2V2", ["train", *test_fsdp.D2P2V2, "--dp-shard", "fsdp"])]
     argvs += [(f"held bytes {schedule} {dp_shard}", test_sim_held_bytes.train_argv(schedule, virtual, dp_shard,
                                                                                    tmp_path / "held"))
-              for schedule, virtual in test_sim_held_bytes.LAYOUTS for dp_shard in test_sim_held_bytes.DP_SHARDS]
+              for schedule, virtual, dp_shard in test_sim_held_bytes.REAL_RUNS]
+    argvs.append(("experts EP2 fsdp", ["train", *test_expert_parallel_gloo.TINY, "--expert-parallel", "2",
+                                       "--dp-shard", "fsdp", "--launcher", "local"]))
     argvs.append(("blocks and key-norm gain", ["train", "--batch-size", "4", *test_sim_blocks_knobs.MODEL,
                                                 *test_sim_blocks_knobs.LAYOUT]))
     return argvs
@@ -107,7 +109,7 @@ def test_memory_per_rank_cases_give_the_simulators_trains_model(tmp_path, capsys
     from attnres_pp.simulator.cli import memory, plan
 
     argvs = _memory_per_rank_train_argvs(tmp_path)
-    assert len(argvs) == len(CASES) + 4 + 6 + 1
+    assert len(argvs) == len(CASES) + 4 + len(test_sim_held_bytes.REAL_RUNS) + 1 + 1
     memory_options = set(_options(dict(SIMULATORS)["memory"]))
     for name, argv in argvs:
         run_cfg = build_run_config(build_parser(argv).parse_args(argv))
