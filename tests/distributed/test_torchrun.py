@@ -10,10 +10,7 @@ each rank's output is read from the files `--redirects 3 --log-dir` writes, one 
 
 from __future__ import annotations
 
-import contextlib
-import faulthandler
 import json
-import logging
 import os
 import pickle
 import re
@@ -23,12 +20,10 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
-import torch
 
 from attnres_lab.chaos_probe import children
 from attnres_pp.cli import main
@@ -46,93 +41,15 @@ FAKE_ENV = {"TORCHELASTIC_RUN_ID": "test", "RANK": "0", "WORLD_SIZE": "2", "LOCA
             "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
 
-def _torchrun(nproc: int, argv: list[str], log_dir: Path):
+def _torchrun(nproc: int, argv: list[str], log_dir: Path) -> subprocess.Popen:
     """`torchrun --standalone` (as `python -m torch.distributed.run`: the script need not be on PATH)
-    of `attnres_pp train --launcher torchrun argv`, each rank's output in its own files under log_dir.
-    torchrun's agent is a fork of this process (`_ForkedAgent`) unless CUDA runs here; its ranks are
-    the fresh interpreters it starts either way."""
+    of `attnres_pp train --launcher torchrun argv`, each rank's output in its own files under log_dir."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1"}
-    agent_argv = ["--standalone", "--nproc-per-node", str(nproc), "--log-dir", str(log_dir), "--redirects", "3",
-                  "-m", "attnres_pp", "train", "--launcher", "torchrun", *argv]
-    if torch.cuda.is_initialized():
-        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *agent_argv], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    return _ForkedAgent(agent_argv, env, log_dir.parent)
-
-
-class _ForkedAgent:
-    """`python -m torch.distributed.run ARGV` as a fork of this process, which has torch imported (the
-    agent's start is its torch import, ~2 CPU-s): after the fork the child is set up as that fresh
-    process would be (the environment given, stdin from /dev/null, stdout and stderr its own files, the
-    default signal handling, no faulthandler, the root logger without handlers so that torchrun's
-    warnings reach stderr), then runs torchrun's `main`: an exception ends it as the interpreter
-    would, its traceback (torchrun's report of failed ranks) on stderr and exit code 1. The part of a
-    subprocess.Popen the tests use."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], folder: Path) -> None:
-        self._out, self._err = folder / "agent.stdout", folder / "agent.stderr"
-        fds = [os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for path in (self._out, self._err)]
-        sys.stdout.flush()
-        sys.stderr.flush()
-        self.pid = os.fork()
-        if self.pid == 0:
-            _agent_child(argv, env, *fds)
-        for fd in fds:
-            os.close(fd)
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            done, status = os.waitpid(self.pid, os.WNOHANG)
-            if done:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def kill(self) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, signal.SIGKILL)
-            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
-
-    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired("torchrun", timeout)
-            time.sleep(0.05)
-        return self._out.read_text(errors="replace"), self._err.read_text(errors="replace")
-
-
-def _agent_child(argv: list[str], env: dict[str, str], out: int, err: int) -> None:
-    code = 1
-    try:
-        faulthandler.disable()
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        logging.root.handlers.clear()
-        logging.root.setLevel(logging.WARNING)
-        os.environ.clear()
-        os.environ.update(env)
-        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        os.dup2(out, 1)
-        os.dup2(err, 2)
-        sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - the child ends by os._exit
-        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
-        from torch.distributed import run
-
-        run.main(argv)
-        code = 0
-    except SystemExit as done:
-        code = done.code if isinstance(done.code, int) else int(done.code is not None)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(BaseException):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "--log-dir", str(log_dir), "--redirects", "3", "-m", "attnres_pp", "train", "--launcher", "torchrun",
+               *argv]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _rank_logs(log_dir: Path, stream: str = "stderr") -> dict[int, str]:
@@ -190,12 +107,9 @@ def test_torchrun_trains_with_the_local_launchers_losses(tmp_path):
     dp gradient sums and the tied embeddings between torchrun's processes: each stage holds a copy,
     summed by the embedding group (each replica's pp group), and the checkpoint holds the one matrix once."""
     argv = [*SMALL, "--stages", "2", "--data-parallel", "2", "--tie-embeddings", "--steps", "3"]
-    # The agent is forked before the in-process run starts its rank threads.
+    assert main(["train", "--launcher", "inprocess", *argv, "--out", str(tmp_path / "local")]) == 0
     proc = _torchrun(4, [*argv, "--out", str(tmp_path / "torchrun")], tmp_path / "logs")
-    try:
-        assert main(["train", "--launcher", "inprocess", *argv, "--out", str(tmp_path / "local")]) == 0
-    finally:
-        _, err = _finish(proc, 300)
+    _, err = _finish(proc, 300)
     logs = _rank_logs(tmp_path / "logs")
     assert proc.returncode == 0, f"{err[-3000:]}\n{logs}"
     local = json.loads((tmp_path / "local" / "summary.json").read_text())
