@@ -33,7 +33,6 @@ from __future__ import annotations
 import time
 from collections.abc import Container
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from attnres_pp.launch.launchers import make_rank_group
 from attnres_pp.launch.rank_group import RankGroup
@@ -45,11 +44,8 @@ from attnres_pp.train.ft_groups import ReplicaGroup, public, replica_rank
 from attnres_pp.train.ft_worker import FtStageWorker
 from attnres_pp.train.rank_data import resolve_data_path
 from attnres_pp.train.recovery import RunFailed
-from attnres_pp.train.replica_policy import StepOutcome
+from attnres_pp.train.replica_policy import EngineSide, StepOutcome
 from attnres_pp.train.stage_worker import RankBatch
-
-if TYPE_CHECKING:
-    from attnres_pp.train.engine import Engine
 
 _POLL_S = 0.005
 
@@ -73,7 +69,7 @@ class FtReplicaGroups:
         self.groups: list[ReplicaGroup] = []
         self._lighthouse = None
 
-    def start(self, engine: Engine, *, fail_at: tuple | None, rehearse: bool) -> None:
+    def start(self, engine: EngineSide, *, fail_at: tuple | None, rehearse: bool) -> None:
         """Start one rank group per replica and the Lighthouse (`rehearse` is not taken: the
         replicas' rehearsal is `fail_at`)."""
         self.engine = engine

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from attnres_pp.launch.rank_group import RankGroup
 from attnres_pp.launch.resolve import check_tensor_parallel, visible_gpus
@@ -23,8 +23,22 @@ from attnres_pp.train.rank_data import resolve_data_path
 from attnres_pp.train.stage_worker import RankBatch, StageWorker
 from attnres_pp.train.step_stats import StepReply
 
-if TYPE_CHECKING:
-    from attnres_pp.train.engine import Engine
+
+class EngineSide(Protocol):
+    """What a replica policy reads from and tells the engine (`train.engine.Engine`, which imports
+    the policies: they name its side here rather than import it back)."""
+
+    run_cfg: object  # RunConfig, resolved by `decide`
+    world_size: int
+    corpus: object
+    device: str
+    backend: str
+    static_extras: dict
+    rank_descriptions: list[dict]
+
+    def decide(self, gpus: int, where: str = "on this node") -> None: ...
+
+    def rank_kwargs(self, rank: int, fail_at: tuple | None, **extra) -> dict: ...
 
 
 @dataclass
@@ -46,7 +60,7 @@ class ReplicaPolicy(Protocol):
     background_saves: bool  # the ranks write checkpoints in the background (`--async-checkpoint`)
     per_rank_clocks: bool  # ranks on several hosts: each rank's trace starts at its own 0
 
-    def start(self, engine: Engine, *, fail_at: tuple | None, rehearse: bool) -> None:
+    def start(self, engine: EngineSide, *, fail_at: tuple | None, rehearse: bool) -> None:
         """Start the ranks (after `engine.decide`), noting `engine.backend` and its static extras."""
 
     def step(self, step: int, lr: float, want_events: bool, batches: list[RankBatch | None] | None) -> StepOutcome:
@@ -91,7 +105,7 @@ class OneGroup:
         self.ranks: RankGroup | None = None
         self._transport_bytes_known = False
 
-    def start(self, engine: Engine, *, fail_at: tuple | None, rehearse: bool) -> None:
+    def start(self, engine: EngineSide, *, fail_at: tuple | None, rehearse: bool) -> None:
         self.engine = engine
         run_cfg = engine.run_cfg
         self.ranks = self._make_ranks()
