@@ -18,6 +18,7 @@ node-death detection is lowered by the harness (~3 s).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
@@ -90,6 +91,19 @@ for line in sys.stdin:
 """
 
 
+def _free_subnet(third_octets: range) -> str:
+    """A /24 of 10.213.X.0 (X from `third_octets`) that no address of this machine is in, drawn at
+    random: a bridge an interrupted run left behind holds its range, and `up` refuses a range it
+    overlaps; drawing among the free ones keeps that leftover from failing this run's tests."""
+    held = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True, timeout=30).stdout
+    taken = {ipaddress.ip_interface(word).network for line in held.splitlines() for word in line.split()
+             if "/" in word and word[0].isdigit()}
+    free = [x for x in third_octets
+            if not any(net.overlaps(ipaddress.ip_network(f"10.213.{x}.0/24")) for net in taken)]
+    assert free, f"every 10.213.X.0/24 for X in {third_octets} is held here: `ip -o -4 addr` shows {held}"
+    return f"10.213.{secrets.choice(free)}.0/24"
+
+
 class Cluster:
     """One `netns_cluster.py` cluster with its own state directory, name prefix and address range."""
 
@@ -99,7 +113,7 @@ class Cluster:
         which only a job submission needs."""
         self.state_dir = Path("/tmp") / f"attnres-mh-{secrets.token_hex(3)}"  # short: Ray's socket paths
         self.prefix = f"t{secrets.token_hex(2)}"
-        self.net = f"10.213.{secrets.choice(subnets)}.0/24"
+        self.net = _free_subnet(subnets)
         try:
             up = self.harness("up", "--hosts", str(hosts), "--cpus-per-host", str(cpus_per_host), "--net", self.net,
                               "--prefix", self.prefix, *([] if dashboard else ["--no-dashboard"]), timeout=300)
