@@ -243,18 +243,15 @@ def test_only_the_ray_launcher_imports_ray():
 
 
 def _module_imports(path: Path, module: str, modules: set[str]) -> set[str]:
-    """The project modules that importing `module` (at `path`) runs imports of: every import
-    statement, inside functions too, but not under `if TYPE_CHECKING:` (it never runs). `from x import
-    y` reaches x.y when that is a module (x is only the way to it), else x. The packages above an
+    """The project modules that `module` (at `path`) depends on: every import statement, inside
+    functions and under `if TYPE_CHECKING:` too (it never runs, but a type named from a module is a
+    need of that module: the engine and its replica policies once met that way). `from x import y`
+    reaches x.y when that is a module (x is only the way to it), else x. The packages above an
     imported module are not counted: Python has them in sys.modules before their bodies run."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                for stmt in child.orelse:
-                    visit(stmt)
-                continue
             if isinstance(child, ast.Import):
                 found.update(alias.name for alias in child.names)
             elif isinstance(child, ast.ImportFrom):
@@ -336,7 +333,7 @@ def test_no_import_circle_in_the_package():
 def test_the_circle_checker_finds_a_planted_circle(tmp_path):
     """Two tiny modules that import each other (one at module level, one inside a function, through
     `from pkg import module`) are a circle; a third that only imports them is not in it; a lawful
-    chain, a TYPE_CHECKING import and a package's own re-export are not circles."""
+    chain and a package's own re-export are not circles; a circle closed by a TYPE_CHECKING import is."""
     package = tmp_path / "pkg"
     package.mkdir()
     (package / "__init__.py").write_text("from pkg.a import thing\n")
@@ -349,6 +346,8 @@ def test_the_circle_checker_finds_a_planted_circle(tmp_path):
     assert import_circles(package) == [["pkg.a", "pkg.b", "pkg.c"]]
     (package / "b.py").write_text("x = 2\n")
     assert import_circles(package) == []
+    (package / "c.py").write_text("import pkg.d\n")  # d names c's types only for the type checker
+    assert import_circles(package) == [["pkg.c", "pkg.d"]]
 
 
 def test_one_module_starts_ray_and_places_ranks():
